@@ -1,0 +1,144 @@
+"""`rollwise demo | serve | generate | make-model`. Engine options come from `EngineConfig`'s fields."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: spinning threads starve peers
+
+from rollwise.config import EngineConfig, ServerConfig  # noqa: E402
+
+DEMO_DIR = Path(os.environ.get("ROLLWISE_CACHE", Path.home() / ".cache" / "rollwise")) / "demo-model"
+
+
+def add_config_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if f.type in ("bool",) or isinstance(default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            conv = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
+            p.add_argument(flag, type=conv, default=default, help=f"(default: {default})")
+
+
+def config_from_args(cls, args: argparse.Namespace, **fixed):
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in vars(args).items() if k in names and k not in fixed}, **fixed)
+
+
+def cmd_make_model(args) -> None:
+    from rollwise.make_model import make_model
+    out = make_model(args.out_dir, family=args.family, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                     kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab,
+                     max_positions=args.max_positions, tie=args.tie, seed=args.seed, std=args.init_std,
+                     dtype=args.dtype)
+    print(f"wrote {args.family} model to {out}")
+
+
+def cmd_generate(args) -> None:
+    from rollwise import LLM, SamplingParams
+    llm = LLM(**dataclasses.asdict(config_from_args(EngineConfig, args)))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sample_seed)
+    prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) if args.chat else p for p in args.prompt]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    for o in outs:
+        print(f"--- {o.request_id} ({len(o.token_ids)} tokens, {o.finish_reason}, "
+              f"{o.num_cached_tokens} cached)\n{o.text}")
+    n = sum(len(o.token_ids) for o in outs)
+    print(f"[{n} tokens in {dt:.2f}s: {n / dt:.1f} tok/s]")
+
+
+def cmd_serve(args) -> None:
+    import uvicorn
+
+    from rollwise.engine.async_engine import AsyncEngine
+    from rollwise.serve.server import build_app
+    ecfg = config_from_args(EngineConfig, args)
+    scfg = config_from_args(ServerConfig, args)
+    engine = AsyncEngine(**dataclasses.asdict(ecfg))
+    name = scfg.model_name or Path(ecfg.model).name
+    if not scfg.is_loopback and not scfg.api_key:
+        print("warning: serving off loopback without --api-key; /update_weights is refused", file=sys.stderr)
+    uvicorn.run(build_app(engine, scfg, name), host=scfg.host, port=scfg.port, log_level="warning")
+
+
+def cmd_demo(args) -> None:
+    """Engine demo (the RL demo lands with the pipeline): a tiny local model, a batch of chat requests
+    sharing a system prompt, throughput and prefix-cache reuse."""
+    from rollwise import LLM, SamplingParams
+    from rollwise.make_model import make_model
+    if not (DEMO_DIR / "config.json").exists():
+        print(f"building a tiny model in {DEMO_DIR} ...")
+        make_model(DEMO_DIR, family="qwen3", layers=4, hidden=256, heads=4, kv_heads=2, vocab=4096, seed=0)
+    llm = LLM(str(DEMO_DIR), max_num_seqs=64, seed=args.seed)
+    system = {"role": "system", "content": "You are a careful agent. Use the calculator tool for arithmetic "
+              "and answer with the final number only. " * 4}
+    convs = [[system, {"role": "user", "content": f"What is {i} * {i + 3}?"}] for i in range(args.requests)]
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=args.max_tokens, seed=args.seed)
+    t0 = time.perf_counter()
+    outs = llm.generate([llm.tokenizer.encode_chat(c) for c in convs], params, use_tqdm=True)
+    dt = time.perf_counter() - t0
+    m = llm.metrics()
+    n = sum(len(o.token_ids) for o in outs)
+    print(f"sample: {outs[0].text[:120]!r}")
+    print(f"{len(outs)} requests, {n} tokens generated in {dt:.2f}s ({n / dt:.1f} tok/s); "
+          f"prefill computed {int(m['prefill_tokens'])} of {int(m['prompt_tokens'])} prompt tokens "
+          f"(prefix hit rate {m['prefix_hit_rate']:.2f})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="rollwise", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("make-model", help="create a random-initialised model + local tokenizer")
+    p.add_argument("out_dir")
+    p.add_argument("--family", choices=["llama", "qwen2", "qwen3"], default="llama")
+    for name, default in (("layers", 2), ("hidden", 128), ("heads", 4), ("kv-heads", 2), ("vocab", 2048),
+                          ("max-positions", 4096), ("seed", 0)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--intermediate", type=int, default=None)
+    p.add_argument("--init-std", type=float, default=0.02)
+    p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.set_defaults(fn=cmd_make_model)
+
+    p = sub.add_parser("generate", help="generate from prompts on the engine")
+    p.add_argument("model")
+    add_config_args(p, EngineConfig, skip=("model",))
+    p.add_argument("--prompt", action="append", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--sample-seed", type=int, default=None)
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("serve", help="HTTP server (OpenAI-compatible + /generate + /metrics)")
+    p.add_argument("model")
+    add_config_args(p, EngineConfig, skip=("model",))
+    add_config_args(p, ServerConfig)
+    p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("demo", help="the main job on a tiny local model")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_demo)
+
+    args = ap.parse_args(argv)
+    try:
+        args.fn(args)
+    except ValueError as e:
+        ap.exit(2, f"rollwise {args.cmd}: error: {e}\n")
+
+
+if __name__ == "__main__":
+    main()

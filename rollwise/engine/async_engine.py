@@ -1,0 +1,152 @@
+"""`AsyncEngine`: the engine loop on a background thread, served to asyncio callers.
+
+Every change to engine state (add, abort, weight update) runs on the engine thread between steps, so
+the engine itself stays single-threaded; results come back to each caller's event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from rollwise.config import EngineConfig
+from rollwise.engine.llm_engine import LLMEngine
+from rollwise.types import RequestOutput, SamplingParams
+
+
+class AsyncEngine:
+    """AsyncEngine(model_dir, **EngineConfig fields). Use `async generate`, `stream`, `abort`,
+    `update_weights`, `metrics`; `shutdown()` stops the loop."""
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._commands: list[tuple[Callable, cf.Future]] = []
+        self._wake = threading.Condition()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="rollwise-engine", daemon=True)
+        self._thread.start()
+
+    # public API ----------------------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> RequestOutput:
+        out = None
+        async for out in self.stream(prompt, params, request_id):
+            pass
+        return out
+
+    async def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields the cumulative output after every new token; the last one has `finished=True`.
+        Closing the iterator early (e.g. a client disconnect) aborts the request."""
+        params = params or SamplingParams()
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def add() -> str:
+            rid = self.engine.add_request(prompt, params, request_id)
+            self._streams[rid] = (loop, queue)
+            return rid
+
+        rid = await self._call(add)
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                await asyncio.shield(self._call(lambda: self._abort(rid)))
+
+    async def abort(self, request_id: str) -> bool:
+        return await self._call(lambda: self._abort(request_id))
+
+    async def update_weights(self, weights) -> int:
+        """Apply new weights between two steps; returns the new policy version."""
+        return await self._call(lambda: self.engine.update_weights(weights))
+
+    def metrics(self) -> dict[str, float]:
+        return self.engine.metrics()
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    # engine thread -------------------------------------------------------------------------------
+    async def _call(self, fn: Callable):
+        if self._stopped:
+            raise RuntimeError("engine is shut down")
+        fut: cf.Future = cf.Future()
+        with self._wake:
+            self._commands.append((fn, fut))
+            self._wake.notify()
+        return await asyncio.wrap_future(fut)
+
+    def _abort(self, rid: str) -> bool:
+        out = self.engine.abort(rid)
+        if out is not None:
+            self._deliver([out])
+        return out is not None
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._commands and not self.engine.has_unfinished and not self._stopped:
+                    self._wake.wait()
+                if self._stopped:
+                    break
+                commands, self._commands = self._commands, []
+            for fn, fut in commands:
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - returned to the caller
+                    fut.set_exception(e)
+            if self.engine.has_unfinished:
+                try:
+                    self._deliver(self.engine.step())
+                except Exception as e:  # noqa: BLE001 - fail in-flight requests, keep serving
+                    self._fail_all(e)
+        self._fail_all(RuntimeError("engine shut down"))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that caller's loop is closed
+                pass
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid in list(self.engine.seqs):
+            self.engine.abort(rid)
+        streams, self._streams = self._streams, {}
+        for loop, q in streams.values():
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, exc)
+            except RuntimeError:
+                pass
+
+
+def _put_all(items) -> None:
+    for q, out in items:
+        q.put_nowait(out)

@@ -1,0 +1,59 @@
+"""`LLM`: offline batch generation on the engine."""
+from __future__ import annotations
+
+from rollwise.config import EngineConfig
+from rollwise.engine.llm_engine import LLMEngine
+from rollwise.types import RequestOutput, SamplingParams
+
+
+class LLM:
+    """LLM(model_dir, dtype="float32", max_num_seqs=64, enable_prefix_caching=True, seed=0, ...).
+
+    Keyword arguments are the fields of `EngineConfig`.
+    """
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | list, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """prompts: strings or token-id lists (one prompt alone is accepted too); params: one for all
+        or one per prompt. Returns outputs in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar:
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in done:
+                    self.engine.abort(rid)
+            raise
+        finally:
+            if bar:
+                bar.close()
+        return [done[r] for r in ids]
+
+    def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None) -> list[RequestOutput]:
+        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params)
+
+    def update_weights(self, weights) -> int:
+        return self.engine.update_weights(weights)
+
+    def metrics(self) -> dict[str, float]:
+        return self.engine.metrics()

@@ -1,0 +1,186 @@
+"""The engine loop: schedule -> run -> sample -> postprocess, one step at a time.
+
+`LLMEngine` is synchronous and single-threaded; `LLM` drives it to completion for a batch of
+prompts, `AsyncEngine` drives it from a background thread for asyncio callers.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+
+from rollwise.config import EngineConfig
+from rollwise.engine.block_manager import BlockManager
+from rollwise.engine.model_runner import ModelRunner
+from rollwise.engine.sampler import Sampler, SampleRow
+from rollwise.engine.scheduler import Scheduler
+from rollwise.engine.sequence import Sequence, Status
+from rollwise.engine.tokenizer import Tokenizer
+from rollwise.types import RequestOutput, SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.config = cfg
+        self.tokenizer = Tokenizer(cfg.model)
+        hf = json.loads((Path(cfg.model) / "config.json").read_text())
+        model_max = hf.get("max_position_embeddings", 4096)
+        self.max_model_len = min(cfg.max_model_len or model_max, model_max)
+        self.runner = ModelRunner(cfg, self.max_model_len)
+        self.vocab_size = self.runner.model.config.vocab_size
+        self.eos_token_ids = self._eos_ids(cfg.model)
+        self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.sampler = Sampler(cfg.seed)
+        self.seqs: dict[str, Sequence] = {}
+        self.policy_version = 0
+        self._ids = itertools.count()
+        self.stats = dict.fromkeys(("num_steps", "prompt_tokens", "prefill_tokens", "decode_tokens", "generated_tokens",
+                                    "step_time_s", "num_finished", "num_aborted"), 0)
+
+    def _eos_ids(self, model_dir: str) -> set[int]:
+        ids = set(self.runner.model.config.eos_token_ids)
+        gen = Path(model_dir) / "generation_config.json"
+        if gen.exists():
+            e = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update(e if isinstance(e, list) else [] if e is None else [e])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # requests ------------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Validate and queue a request; raises ValueError for input the engine cannot serve."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if not isinstance(ids, list) or not ids:
+            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                             "(the prompt plus at least one generated token must fit)")
+        total = min(len(ids) + params.max_tokens, self.max_model_len)
+        if self.blocks.num_blocks_for(total) > self.blocks.num_blocks:
+            raise ValueError(f"request needs {total} tokens of KV; the cache holds "
+                             f"{self.blocks.num_blocks * self.blocks.block_size}")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.seqs:
+            raise ValueError(f"request_id {rid!r} is already in flight")
+        seq = Sequence(rid, list(ids), params)
+        self.seqs[rid] = seq
+        self.stats["prompt_tokens"] += len(ids)
+        self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq)
+        seq.finish_reason = "abort"
+        self.stats["num_aborted"] += 1
+        return self._output(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    # the loop ------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns the current output of every sequence that got a new token."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        t0 = time.perf_counter()
+        logits = self.runner.run(batch)
+        sampling = [s for s in batch if s.samples]
+        rows = [SampleRow(s.seq.params, s.seq.num_output_tokens, self._banned(s.seq)) for s in sampling]
+        tokens, logprobs = self.sampler(logits, rows) if rows else ([], [])
+        self.scheduler.after_step(batch)
+        outputs = []
+        for s, tok, lp in zip(sampling, tokens, logprobs):
+            seq = s.seq
+            seq.token_ids.append(tok)
+            seq.logprobs.append(lp)
+            self._check_stop(seq, tok)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                del self.seqs[seq.request_id]
+                self.stats["num_finished"] += 1
+            outputs.append(self._output(seq))
+        st = self.stats
+        st["num_steps"] += 1
+        decode = sum(1 for s in batch if s.num_new_tokens == 1 and s.num_computed_before >= s.seq.prompt_len)
+        st["decode_tokens"] += decode
+        st["prefill_tokens"] += sum(s.num_new_tokens for s in batch) - decode  # includes recompute
+        st["generated_tokens"] += len(tokens)
+        st["step_time_s"] += time.perf_counter() - t0
+        return outputs
+
+    def _banned(self, seq: Sequence) -> tuple[int, ...]:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            return ()
+        return tuple(sorted((set() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids)))
+
+    def _check_stop(self, seq: Sequence, tok: int) -> None:
+        p = seq.params
+        n = seq.num_output_tokens
+        if n >= p.min_tokens:
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", tok
+                return
+            if tok in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", tok
+                return
+            if p.stop:
+                text = self.tokenizer.decode(seq.output_token_ids, p.skip_special_tokens)
+                tail = len(self.tokenizer.decode([tok], p.skip_special_tokens)) + max(map(len, p.stop))
+                for s in p.stop:
+                    at = text.find(s, max(0, len(text) - tail))
+                    if at >= 0:
+                        seq.finish_reason, seq.stop_reason = "stop", s
+                        seq.text = text[:at + (len(s) if p.include_stop_str_in_output else 0)]
+                        return
+        if n >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        finished = seq.finish_reason is not None
+        text = ""
+        if finished:
+            text = seq.text if seq.text is not None else self.tokenizer.decode(
+                seq.output_token_ids, seq.params.skip_special_tokens)
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids, logprobs=list(seq.logprobs), text=text, finished=finished,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            num_cached_tokens=max(seq.num_cached_tokens, 0), policy_version=self.policy_version)
+
+    # weights and metrics -------------------------------------------------------------------------
+    def update_weights(self, weights) -> int:
+        """Load new weights (a state dict or a model directory); cached prefixes of old weights are
+        never matched again. Returns the new policy version."""
+        self.runner.update_weights(weights)
+        self.policy_version += 1
+        self.scheduler.hash_root = self.policy_version
+        return self.policy_version
+
+    def metrics(self) -> dict[str, float]:
+        s, sch = self.stats, self.scheduler
+        return {
+            **{k: float(v) for k, v in s.items()},
+            "num_running": float(len(sch.running)),
+            "num_waiting": float(len(sch.waiting)),
+            "kv_usage": self.blocks.usage,
+            "num_kv_blocks": float(self.blocks.num_blocks),
+            "prefix_queries": float(sch.prefix_queries),
+            "prefix_hits": float(sch.prefix_hits),
+            "prefix_hit_rate": sch.prefix_hits / sch.prefix_queries if sch.prefix_queries else 0.0,
+            "num_preemptions": float(sch.num_preemptions),
+            "num_evictions": float(self.blocks.num_evictions),
+            "policy_version": float(self.policy_version),
+        }

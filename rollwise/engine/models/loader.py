@@ -1,0 +1,78 @@
+"""Load and save Llama-family models in Hugging Face's directory format (config.json + safetensors)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from rollwise.engine.models.llama import FAMILIES, CausalLM, ModelConfig, RotaryEmbedding
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise ValueError(f"{model_dir} is not a model directory: no config.json")
+    return json.loads(path.read_text())
+
+
+def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} has no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu",
+               max_positions: int | None = None) -> CausalLM:
+    cfg = ModelConfig.from_hf(read_hf_config(model_dir))
+    with torch.device("meta"):
+        model = CausalLM(cfg, max_positions)
+    model = model.to_empty(device=device).to(TORCH_DTYPES[dtype])
+    if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor: tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings).to(device)  # fp32 table
+    load_weights(model, load_state_dict(model_dir))
+    return model.eval()
+
+
+def load_weights(model: CausalLM, state: dict[str, torch.Tensor], partial: bool = False) -> None:
+    """Copy weights in place, all-or-nothing: names and shapes are checked before anything changes.
+    `partial` allows a subset (a weight update in buckets); a tied lm_head may always be absent."""
+    params = dict(model.named_parameters())
+    tied = model.config.tie_word_embeddings
+    unknown = sorted(set(state) - set(params) - {"lm_head.weight"})
+    if unknown:
+        raise ValueError(f"unexpected weights {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
+    missing = sorted(set(params) - set(state) - ({"lm_head.weight"} if tied else set()))
+    if missing and not partial:
+        raise ValueError(f"missing weights {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    todo = {k: v for k, v in state.items() if not (k == "lm_head.weight" and tied)}
+    for name, t in todo.items():
+        if tuple(params[name].shape) != tuple(t.shape):
+            raise ValueError(f"weight {name}: shape {tuple(t.shape)} != model's {tuple(params[name].shape)}")
+    with torch.no_grad():
+        for name, t in todo.items():
+            params[name].copy_(t.to(params[name].dtype))
+
+
+def save_model(model: CausalLM, hf_config: dict, out_dir: str | Path, dtype: str | None = None) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    if dtype:
+        state = {k: v.to(TORCH_DTYPES[dtype]) for k, v in state.items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = dict(hf_config)
+    cfg["architectures"] = [FAMILIES[model.config.family]]
+    if dtype:
+        cfg["torch_dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -1,0 +1,131 @@
+"""Continuous batching: which sequences run this step and how many tokens each. Imports no torch.
+
+Each step has a token budget. Running sequences go first (a decode costs one token, an unfinished
+prefill continues in chunks); waiting ones are admitted while budget, `max_num_seqs` and KV blocks
+allow, reusing cached prefix blocks. When a running sequence needs a block and none is free, the
+most recently admitted sequence is preempted: its blocks are released (they stay in the prefix cache
+while nothing reuses them) and it is recomputed later.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from rollwise.engine.block_manager import BlockManager
+from rollwise.engine.sequence import Sequence, Status
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    num_computed_before: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token, so a new token is sampled."""
+        return self.num_computed_before + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.hash_root = 0  # changes with the weights so stale KV is never matched
+        self.num_preemptions = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        out: list[ScheduledSeq] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = self.blocks.num_blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
+            while not self.blocks.can_allocate(need) and self.running[-1] is not seq:
+                self._preempt(self.running.pop())
+                preempted = True
+            if not self.blocks.can_allocate(need):  # alone and still too big: wait for others to finish
+                self._preempt(self.running.pop(i))
+                preempted = True
+                continue
+            self.blocks.allocate(seq.block_table, need)
+            out.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.hash_root != self.hash_root:  # weights changed since its hashes were taken
+                seq.hash_root = self.hash_root
+                seq.block_hashes.clear()
+            hits = self.blocks.match_prefix(seq.full_block_hashes(self.blocks.block_size))
+            if len(hits) * self.blocks.block_size >= seq.num_tokens:
+                hits = hits[:-1]  # keep at least one token to compute, for its logits
+            cached = len(hits) * self.blocks.block_size
+            n = min(seq.num_tokens - cached, budget)
+            need = self.blocks.num_blocks_for(cached + n) - len(hits)
+            if not self.blocks.can_allocate(need, hits):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq.block_table, need, hits)
+            seq.num_computed_tokens = cached
+            seq.num_registered_blocks = len(hits)
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = cached
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += cached
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.append(ScheduledSeq(seq, n, cached))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free_table(seq.block_table)
+        seq.num_computed_tokens = seq.num_registered_blocks = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def after_step(self, batch: list[ScheduledSeq]) -> None:
+        """Record computed tokens and publish newly filled blocks to the prefix cache."""
+        bs = self.blocks.block_size
+        for s in batch:
+            seq = s.seq
+            seq.num_computed_tokens = s.num_computed_before + s.num_new_tokens
+            n_full = seq.num_computed_tokens // bs
+            if n_full > seq.num_registered_blocks:
+                hashes = seq.full_block_hashes(bs)
+                for k in range(seq.num_registered_blocks, n_full):
+                    self.blocks.register(seq.block_table[k], hashes[k])
+                seq.num_registered_blocks = n_full
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished or aborted sequence, wherever it is."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.free_table(seq.block_table)
+        seq.status = Status.FINISHED
+
+    def check_integrity(self) -> None:
+        tables = [s.block_table for s in self.running] + [s.block_table for s in self.waiting]
+        self.blocks.check_integrity(tables)
+        for s in self.waiting:
+            assert not s.block_table, f"waiting sequence {s.request_id} holds blocks"
+        assert len(self.running) <= self.max_num_seqs

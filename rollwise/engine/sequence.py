@@ -1,0 +1,68 @@
+"""One request's state inside the engine: its tokens, KV blocks and progress. Imports no torch."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from rollwise.engine.block_manager import chain_hashes
+from rollwise.types import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    logprobs: list[float] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of full blocks of token_ids
+    hash_root: int = 0
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    text: str | None = None  # set when a stop string truncates the output
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def full_block_hashes(self, block_size: int) -> list[int]:
+        """Chained hashes of all full blocks, extended incrementally as tokens arrive."""
+        n_full = len(self.token_ids) // block_size
+        if len(self.block_hashes) < n_full:
+            done = len(self.block_hashes)
+            root = self.block_hashes[-1] if done else self.hash_root
+            self.block_hashes.extend(chain_hashes(self.token_ids[done * block_size:n_full * block_size],
+                                                  block_size, root))
+        return self.block_hashes[:n_full]

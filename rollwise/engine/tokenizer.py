@@ -1,0 +1,67 @@
+"""Tokenizer of a Hugging Face model directory (tokenizer.json + tokenizer_config.json), with its
+chat template rendered by jinja2 the way transformers renders it. No transformers import."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        d = Path(model_dir)
+        if not (d / "tokenizer.json").exists():
+            raise ValueError(f"{d} has no tokenizer.json")
+        self._tok = _HFTokenizer.from_file(str(d / "tokenizer.json"))
+        cfg_path = d / "tokenizer_config.json"
+        self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        self.chat_template = self.config.get("chat_template")
+        tmpl_file = d / "chat_template.jinja"
+        if self.chat_template is None and tmpl_file.exists():
+            self.chat_template = tmpl_file.read_text()
+        self.eos_token = _token_str(self.config.get("eos_token"))
+        self.bos_token = _token_str(self.config.get("bos_token"))
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.vocab_size = self._tok.get_vocab_size()
+        self._template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs) -> str:
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat_template; send a plain prompt instead")
+        if self._template is None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                                extensions=[jinja2.ext.loopcontrols])
+            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     tools=tools, bos_token=self.bos_token or "",
+                                     eos_token=self.eos_token or "", **kwargs)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        return self.encode(text, add_special_tokens=False)
+
+
+def _token_str(tok) -> str | None:
+    if isinstance(tok, dict):  # AddedToken serialised by transformers
+        return tok.get("content")
+    return tok
+
+
+def _raise(msg: str):
+    raise ValueError(f"chat template error: {msg}")

@@ -1,0 +1,120 @@
+"""Create a random-initialised Llama/Qwen2/Qwen3 model directory with a tokenizer trained here.
+
+Nothing is downloaded: the byte-level BPE is trained with `tokenizers` on text that ships with the
+package plus deterministic synthetic text (numbers, tool calls, SQL), and the weights are random.
+"""
+from __future__ import annotations
+
+import json
+import random
+from importlib import resources
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                  "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+# ChatML as Qwen uses it, with tools rendered into the system message (Hermes format).
+CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions. Function signatures:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each call, return <tool_call>{\"name\": <name>, \"arguments\": <args-json>}</tool_call>"
+    "<|im_end|>{{ '\\n' }}"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>{{ '\\n' }}"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' and loop.first %}{% continue %}{% endif %}"
+    "{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "<|im_end|>{{ '\\n' }}"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    "{% for tc in m.tool_calls or [] %}{{ '\\n' }}<tool_call>\n"
+    "{\"name\": \"{{ tc.function.name if tc.function is defined else tc.name }}\", \"arguments\": "
+    "{{ (tc.function.arguments if tc.function is defined else tc.arguments) | tojson }}}\n</tool_call>"
+    "{% endfor %}<|im_end|>{{ '\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def training_text(seed: int = 0) -> list[str]:
+    text = resources.files("rollwise").joinpath("data/corpus.txt").read_text()
+    rng = random.Random(seed)
+    lines = text.splitlines()
+    names = ["calculator", "evaluate", "sql_query", "move", "search", "get_user", "book_flight"]
+    for _ in range(400):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        op = rng.choice(["+", "-", "*"])
+        lines.append(f"What is {a} {op} {b}? The answer is {eval(f'{a}{op}{b}')}.")
+        name = rng.choice(names)
+        args = {"expression": f"{a} {op} {b}"} if name != "move" else {"direction": rng.choice(["left", "up"])}
+        lines.append(f'<tool_call>{{"name": "{name}", "arguments": {json.dumps(args)}}}</tool_call>')
+    return lines
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(training_text(seed), trainer=trainer)
+    return tok
+
+
+def hf_config(family: str, *, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
+              intermediate: int, head_dim: int, max_positions: int, tie: bool, eos_id: int, bos_id: int) -> dict:
+    cfg = {
+        "model_type": family, "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": intermediate,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": max_positions, "tie_word_embeddings": tie, "bos_token_id": bos_id,
+        "eos_token_id": eos_id, "initializer_range": 0.02, "use_cache": True, "torch_dtype": "float32",
+    }
+    if family == "llama":
+        cfg |= {"attention_bias": False, "mlp_bias": False}
+    elif family == "qwen2":
+        cfg |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": layers}
+    else:
+        cfg |= {"attention_bias": False, "use_sliding_window": False, "sliding_window": None}
+    return cfg
+
+
+def make_model(out_dir: str | Path, *, family: str = "llama", layers: int = 2, hidden: int = 128,
+               heads: int = 4, kv_heads: int = 2, intermediate: int | None = None, vocab: int = 2048,
+               head_dim: int | None = None, max_positions: int = 4096, tie: bool = False, seed: int = 0,
+               std: float = 0.02, dtype: str = "float32") -> Path:
+    from rollwise.engine.models.llama import FAMILIES, CausalLM, ModelConfig
+    from rollwise.engine.models.loader import save_model
+
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"hidden ({hidden}) must divide by heads ({heads}), heads by kv_heads ({kv_heads})")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(vocab, seed)
+    if tok.get_vocab_size() > vocab:
+        raise ValueError(f"vocab ({vocab}) is smaller than the tokenizer's {tok.get_vocab_size()} tokens")
+    eos_id, bos_id = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    cfg = hf_config(family, vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                    intermediate=intermediate or _ffn(hidden), head_dim=head_dim or hidden // heads,
+                    max_positions=max_positions, tie=tie, eos_id=eos_id, bos_id=bos_id)
+    model = CausalLM(ModelConfig.from_hf(cfg), max_positions=8)
+    model.init_weights(seed, std)
+    save_model(model, cfg, out, dtype=None if dtype == "float32" else dtype)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "bos_token": None, "add_bos_token": False, "clean_up_tokenization_spaces": False,
+        "model_max_length": max_positions, "chat_template": CHAT_TEMPLATE,
+    }, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": bos_id, "eos_token_id": [eos_id, bos_id]}, indent=2) + "\n")
+    return out
+
+
+def _ffn(hidden: int) -> int:
+    return (int(hidden * 8 / 3) + 63) // 64 * 64

@@ -1,0 +1,80 @@
+"""Request bodies of the HTTP API. Unknown fields and wrong types are rejected (HTTP 400)."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollwise.types import SamplingParams
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _OpenAISampling(_Strict):
+    model: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    n: Literal[1] = 1  # groups are separate requests sharing a group_id
+    presence_penalty: Literal[0, 0.0] = 0.0
+    frequency_penalty: Literal[0, 0.0] = 0.0
+    user: str | None = None
+    # session metadata for schedulers (trajectory, group, turn)
+    trajectory_id: str | None = None
+    group_id: str | None = None
+    turn: int | None = None
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+                              stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+                              ignore_eos=self.ignore_eos)
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int = 16
+    logprobs: int | None = None  # OpenAI: number of top logprobs; we return the sampled token's
+    echo: Literal[False] = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class GenerateRequest(_Strict):
+    """Token-level generation: ids in, ids + logprobs out."""
+    input_ids: list[int] | None = None
+    prompt: str | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    request_id: str | None = None
+    stream: bool = False
+    trajectory_id: str | None = None
+    group_id: str | None = None
+    turn: int | None = None
+
+
+class UpdateWeightsRequest(_Strict):
+    model_dir: str  # a directory with *.safetensors (the format `save_model` writes)

@@ -1,0 +1,218 @@
+"""HTTP server: OpenAI-compatible completions and chat, token-level /generate, health, models,
+Prometheus /metrics and /update_weights, over one `AsyncEngine`.
+
+Every bad request gets HTTP 400 with a JSON body `{"error": {...}}`; nothing a client sends can stop
+the server.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from rollwise.config import ServerConfig
+from rollwise.serve.metrics import prometheus_text
+from rollwise.serve.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest,
+                                     UpdateWeightsRequest)
+from rollwise.types import RequestOutput, SamplingParams
+
+OPEN_PATHS = {"/health", "/metrics"}
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
+    app = FastAPI(title="rollwise", docs_url=None, redoc_url=None)
+    tok = engine.tokenizer
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        msgs = [f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()]
+        return error(400, "; ".join(msgs) or "invalid request")
+
+    @app.exception_handler(ValueError)
+    async def _value(_: Request, exc: ValueError):
+        return error(400, str(exc))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if cfg.api_key and request.url.path not in OPEN_PATHS:
+            got = request.headers.get("authorization", "")
+            if not secrets.compare_digest(got.encode(), f"Bearer {cfg.api_key}".encode()):
+                return error(401, "missing or wrong API key", "authentication_error")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "policy_version": engine.policy_version}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "rollwise",
+                                            "max_model_len": engine.engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(engine.metrics(), model_name))
+
+    @app.post("/update_weights")
+    async def update_weights(body: UpdateWeightsRequest):
+        if not cfg.api_key and not cfg.is_loopback:
+            return error(403, "weight updates off loopback need the server started with --api-key",
+                         "permission_error")
+        version = await engine.update_weights(body.model_dir)
+        return {"status": "ok", "policy_version": version}
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest):
+        if (body.input_ids is None) == (body.prompt is None):
+            raise ValueError("give exactly one of input_ids or prompt")
+        params = SamplingParams.from_dict(body.sampling_params)
+        prompt = body.input_ids if body.input_ids is not None else body.prompt
+        rid = body.request_id or f"gen-{uuid.uuid4().hex[:16]}"
+        if body.stream:
+            return _sse(await _primed(_stream_generate(engine, prompt, params, rid)))
+        out = await engine.generate(prompt, params, rid)
+        return _generate_json(out)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
+            body.prompt[0], int) else [body.prompt]
+        params = body.sampling(body.max_tokens)
+        rid = f"cmpl-{uuid.uuid4().hex[:16]}"
+        if body.stream:
+            if len(prompts) != 1:
+                raise ValueError("streaming takes one prompt")
+            return _sse(await _primed(_stream_completion(engine, prompts[0], params, rid, model_name,
+                                                          body.logprobs is not None)))
+        outs = await asyncio.gather(*(engine.generate(p, params, f"{rid}-{i}") for i, p in enumerate(prompts)))
+        choices = [{"index": i, "text": o.text, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+                    "logprobs": _completion_logprobs(tok, o) if body.logprobs is not None else None}
+                   for i, o in enumerate(outs)]
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
+                "choices": choices, "usage": _usage(outs)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest):
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        ids = tok.encode_chat(messages, tools=body.tools, **(body.chat_template_kwargs or {}))
+        room = engine.engine.max_model_len - len(ids)
+        params = body.sampling(body.max_completion_tokens or body.max_tokens or max(room, 1))
+        rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
+        if body.stream:
+            return _sse(await _primed(_stream_chat(engine, ids, params, rid, model_name, body.logprobs)))
+        out = await engine.generate(ids, params, rid)
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                  "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+                  "logprobs": {"content": _chat_logprobs(tok, out.token_ids, out.logprobs)} if body.logprobs else None}
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
+                "choices": [choice], "usage": _usage([out])}
+
+    return app
+
+
+def _generate_json(out: RequestOutput) -> dict:
+    return {"request_id": out.request_id, "token_ids": out.token_ids, "logprobs": out.logprobs,
+            "text": out.text, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+            "num_cached_tokens": out.num_cached_tokens, "prompt_len": len(out.prompt_token_ids),
+            "policy_version": out.policy_version}
+
+
+def _usage(outs: list[RequestOutput]) -> dict:
+    p = sum(len(o.prompt_token_ids) for o in outs)
+    c = sum(len(o.token_ids) for o in outs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
+
+
+def _completion_logprobs(tok, out: RequestOutput) -> dict:
+    pieces = [tok.decode([t], skip_special_tokens=False) for t in out.token_ids]
+    offsets, pos = [], 0
+    for p in pieces:
+        offsets.append(pos)
+        pos += len(p)
+    return {"tokens": pieces, "token_logprobs": out.logprobs, "top_logprobs": None,
+            "text_offset": offsets, "token_ids": out.token_ids}
+
+
+def _chat_logprobs(tok, token_ids: list[int], logprobs: list[float]) -> list[dict]:
+    out = []
+    for t, lp in zip(token_ids, logprobs):
+        piece = tok.decode([t], skip_special_tokens=False)
+        out.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": [],
+                    "token_id": t})
+    return out
+
+
+async def _primed(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """Run a stream up to its first chunk, so that bad input raises (HTTP 400) before headers go out."""
+    first = await chunks.__anext__()
+
+    async def chain():
+        yield first
+        async for c in chunks:
+            yield c
+    return chain()
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def body():
+        try:
+            async for c in chunks:
+                yield f"data: {json.dumps(c)}\n\n"
+        except ValueError as e:
+            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'invalid_request_error', 'code': 400}})}\n\n"
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def _deltas(engine, prompt, params: SamplingParams, rid: str):
+    """(new token ids, their logprobs, new text, final output or None) per engine step."""
+    tok = engine.tokenizer
+    sent_tokens, sent_text = 0, ""
+    async for out in engine.stream(prompt, params, rid):
+        text = out.text if out.finished else tok.decode(out.token_ids, params.skip_special_tokens)
+        if not out.finished and text.endswith("\ufffd"):  # half a multi-byte character: wait
+            continue
+        new_ids, new_lps = out.token_ids[sent_tokens:], out.logprobs[sent_tokens:]
+        delta = text[len(sent_text):] if text.startswith(sent_text) else ""
+        sent_tokens, sent_text = len(out.token_ids), text
+        yield new_ids, new_lps, delta, out if out.finished else None
+
+
+async def _stream_generate(engine, prompt, params, rid):
+    async for ids, lps, delta, final in _deltas(engine, prompt, params, rid):
+        chunk = {"request_id": rid, "token_ids": ids, "logprobs": lps, "text": delta, "finished": final is not None}
+        if final is not None:
+            chunk |= {k: v for k, v in _generate_json(final).items() if k not in ("token_ids", "logprobs", "text")}
+        yield chunk
+
+
+async def _stream_completion(engine, prompt, params, rid, model, with_logprobs: bool):
+    async for ids, lps, delta, final in _deltas(engine, prompt, params, rid):
+        choice = {"index": 0, "text": delta, "finish_reason": final.finish_reason if final else None,
+                  "logprobs": {"token_logprobs": lps, "token_ids": ids} if with_logprobs else None}
+        yield {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+               "choices": [choice]}
+
+
+async def _stream_chat(engine, ids, params, rid, model, with_logprobs: bool):
+    tok = engine.tokenizer
+    first = True
+    async for new_ids, lps, delta, final in _deltas(engine, ids, params, rid):
+        d = {"role": "assistant", "content": delta} if first else {"content": delta}
+        first = False
+        choice = {"index": 0, "delta": d, "finish_reason": final.finish_reason if final else None,
+                  "logprobs": {"content": _chat_logprobs(tok, new_ids, lps)} if with_logprobs else None}
+        yield {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+               "choices": [choice]}

@@ -1,0 +1,96 @@
+"""Shared vocabulary of rollwise: sampling parameters and request outputs.
+
+Imports no torch: the control plane (router, rollout, spec) uses these types too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass(slots=True, kw_only=True)
+class SamplingParams:
+    """How to sample one request. `temperature == 0` means greedy.
+
+    Logprobs of sampled tokens are always returned: they are taken under the distribution at the
+    request's temperature, before top-k/top-p truncation (raw log-softmax when greedy).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check_number("temperature", self.temperature, lo=0.0, hi=100.0)
+        _check_number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        _check_int("top_k", self.top_k, lo=-1)
+        _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=-(2**63), hi=2**63 - 1)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SamplingParams:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown sampling fields {unknown}; valid: {sorted(names)}")
+        return cls(**d)
+
+
+def _check_number(name: str, v, *, lo: float, hi: float, lo_open: bool = False) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name} must be a number, got {type(v).__name__}")
+    if v != v or v > hi or v < lo or (lo_open and v == lo):
+        rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise ValueError(f"{name} must be in {rng}, got {v}")
+
+
+def _check_int(name: str, v, *, lo: int, hi: int | None = None) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name} must be an integer, got {type(v).__name__}")
+    if v < lo or (hi is not None and v > hi):
+        raise ValueError(f"{name} must be >= {lo}" + (f" and <= {hi}" if hi is not None else "") + f", got {v}")
+
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(slots=True, kw_only=True)
+class RequestOutput:
+    """The state of one request: cumulative while streaming, final when `finished`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # one of FINISH_REASONS once finished
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    policy_version: int = 0  # weights version the engine ran when the request finished
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

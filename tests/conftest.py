@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+
+from rollwise.make_model import make_model  # noqa: E402
+
+# std 0.1 gives peaked enough logits that greedy ties (where fp32 noise could flip a token) are rare
+FAMILIES = {
+    "llama": dict(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=1024, std=0.1),
+    "qwen2": dict(family="qwen2", layers=2, hidden=64, heads=4, kv_heads=1, vocab=1024, std=0.1, seed=1),
+    "qwen3": dict(family="qwen3", layers=2, hidden=64, heads=4, kv_heads=2, vocab=1024, std=0.1, seed=2,
+                  tie=True, head_dim=32),
+}
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {name: str(make_model(root / name, **kw)) for name, kw in FAMILIES.items()}
+
+
+@pytest.fixture(scope="session")
+def model_dir(model_dirs) -> str:
+    return model_dirs["qwen3"]

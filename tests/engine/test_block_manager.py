@@ -1,0 +1,126 @@
+"""Block manager and scheduler invariants under random operation sequences."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rollwise.engine.block_manager import BlockManager, chain_hashes
+from rollwise.engine.scheduler import Scheduler
+from rollwise.engine.sequence import Sequence
+from rollwise.types import SamplingParams
+
+
+def test_chain_hashes_identify_prefixes():
+    a = chain_hashes(list(range(40)), 8)
+    b = chain_hashes(list(range(32)) + [99] * 8, 8)
+    assert len(a) == 5 and a[:4] == b[:4] and a[4] != b[4]
+    assert chain_hashes([1] * 8 + [2] * 8, 8)[1] != chain_hashes([3] * 8 + [2] * 8, 8)[1]  # chained
+    assert chain_hashes(list(range(8)), 8, root=1) != chain_hashes(list(range(8)), 8, root=0)
+
+
+def test_shared_prefix_is_reused_and_lru_evicted():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    t1: list[int] = []
+    h = chain_hashes(list(range(8)), 4)
+    bm.allocate(t1, 2)
+    for b, hh in zip(t1, h):
+        bm.register(b, hh)
+    assert bm.match_prefix(h) == t1
+    t2: list[int] = []
+    bm.allocate(t2, 0, shared=bm.match_prefix(h))
+    assert t2 == t1 and all(bm.blocks[b].ref_count == 2 for b in t1)
+    bm.free_table(t2)
+    bm.free_table(t1)
+    assert bm.match_prefix(h) == [t1_b for t1_b in bm.match_prefix(h)]  # still cached after free
+    assert len(bm.match_prefix(h)) == 2
+    t3: list[int] = []
+    bm.allocate(t3, 2)  # the two never-used blocks go first
+    assert len(bm.match_prefix(h)) == 2
+    bm.allocate(t3, 1)  # now a cached block must be evicted: the tail of the prefix goes first
+    assert len(bm.match_prefix(h)) == 1 and bm.num_evictions == 1
+    bm.check_integrity([t3])
+
+
+def test_can_allocate_counts_revived_blocks():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    t: list[int] = []
+    bm.allocate(t, 2)
+    for b, hh in zip(t, chain_hashes(list(range(8)), 4)):
+        bm.register(b, hh)
+    cached = list(t)
+    bm.free_table(t)
+    assert bm.can_allocate(0, cached) and not bm.can_allocate(1, cached)
+    with pytest.raises(RuntimeError):
+        bm.allocate([], 1, cached)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_block_ops_keep_integrity(seed):
+    """allocate / share prefix / register / free / evict against a naive reference-count oracle."""
+    rng = random.Random(seed)
+    bs = 4
+    bm = BlockManager(num_blocks=24, block_size=bs)
+    live: dict[int, tuple[list[int], list[int]]] = {}  # id -> (tokens, table)
+    prefixes = [[rng.randrange(5) for _ in range(bs * 4)] for _ in range(3)]
+    for step in range(400):
+        op = rng.random()
+        if op < 0.5:
+            toks = rng.choice(prefixes)[: bs * rng.randint(0, 4)] + [rng.randrange(5) for _ in range(rng.randint(1, 9))]
+            hashes = chain_hashes(toks, bs)
+            hits = bm.match_prefix(hashes)
+            need = bm.num_blocks_for(len(toks)) - len(hits)
+            if bm.can_allocate(need, hits):
+                table: list[int] = []
+                bm.allocate(table, need, hits)
+                for k in range(len(hits), len(hashes)):
+                    bm.register(table[k], hashes[k])
+                live[step] = (toks, table)
+        elif op < 0.9 and live:
+            k = rng.choice(sorted(live))
+            bm.free_table(live.pop(k)[1])
+        elif live:  # grow a sequence by a block
+            k = rng.choice(sorted(live))
+            if bm.can_allocate(1):
+                bm.allocate(live[k][1], 1)
+        bm.check_integrity([t for _, t in live.values()])
+        # oracle: every cached hash maps to a block whose recorded tokens form that prefix
+        for toks, table in live.values():
+            for i, h in enumerate(chain_hashes(toks, bs)):
+                b = bm.cached.get(h)
+                assert b is None or bm.blocks[b].block_hash == h
+    for _, t in live.values():
+        bm.free_table(t)
+    bm.check_integrity([])
+    assert bm.num_free_blocks == bm.num_blocks  # nothing leaked
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_scheduler_ops_with_preemption(seed):
+    """Schedule / step / finish / abort with a tiny pool so preemption happens; no leaks."""
+    rng = random.Random(seed)
+    bm = BlockManager(num_blocks=10, block_size=4)
+    sch = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=16)
+    shared = [rng.randrange(50) for _ in range(8)]
+    n = 0
+    for step in range(300):
+        if rng.random() < 0.4 and n < 60:
+            prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(50) for _ in range(rng.randint(1, 10))]
+            sch.add(Sequence(f"s{n}", prompt, SamplingParams(max_tokens=12)))
+            n += 1
+        batch = sch.schedule()
+        sch.after_step(batch)
+        for s in batch:
+            if s.samples:
+                s.seq.token_ids.append(rng.randrange(50))
+                if s.seq.num_output_tokens >= 12 or rng.random() < 0.02:
+                    sch.finish(s.seq)
+        if rng.random() < 0.05 and sch.running:
+            sch.finish(rng.choice(sch.running))  # abort a running one
+        sch.check_integrity()
+        assert sum(s.num_new_tokens for s in batch) <= 16
+    assert sch.num_preemptions > 0  # the small pool forces preemption
+    for s in list(sch.running) + list(sch.waiting):
+        sch.finish(s)
+    sch.check_integrity()
+    assert bm.num_free_blocks == bm.num_blocks

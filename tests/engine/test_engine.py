@@ -1,0 +1,176 @@
+"""Engine behaviour: batching, prefix caching, preemption and chunking never change outputs."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rollwise import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _prompts(n: int, seed: int = 0, shared: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    head = [rng.randrange(10, 1000) for _ in range(shared)]
+    return [head + [rng.randrange(10, 1000) for _ in range(rng.randint(1, 70))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, max_num_seqs=64)
+
+
+def test_alone_equals_in_batch_of_64(llm):
+    prompts = _prompts(64, shared=20)
+    batch = llm.generate(prompts, GREEDY)
+    for i in (0, 17, 63):
+        alone = LLM(llm.engine.config.model).generate([prompts[i]], GREEDY)[0]
+        assert alone.token_ids == batch[i].token_ids
+        assert alone.logprobs == pytest.approx(batch[i].logprobs, abs=1e-4)
+
+
+def test_prefix_caching_on_and_off_agree(model_dir):
+    prompts = _prompts(24, seed=1, shared=40)
+    on = LLM(model_dir, enable_prefix_caching=True)
+    off = LLM(model_dir, enable_prefix_caching=False)
+    # two rounds: the second one hits the cache built by the first
+    for _ in range(2):
+        a, b = on.generate(prompts, GREEDY), off.generate(prompts, GREEDY)
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert on.metrics()["prefix_hits"] > 0 and off.metrics()["prefix_hits"] == 0
+    assert on.metrics()["prefill_tokens"] < off.metrics()["prefill_tokens"]
+    assert max(o.num_cached_tokens for o in a) >= 32
+
+
+def test_cached_prefix_skips_prefill_compute(model_dir):
+    llm = LLM(model_dir, block_size=16)
+    p = _prompts(1, seed=2, shared=64)[0]
+    llm.generate([p], GREEDY)
+    before = llm.metrics()["prefill_tokens"]
+    out = llm.generate([p + [5, 6, 7]], GREEDY)[0]
+    assert out.num_cached_tokens == (len(p) // 16) * 16
+    assert llm.metrics()["prefill_tokens"] - before == len(p) + 3 - out.num_cached_tokens
+
+
+def test_chunked_prefill_and_preemption_do_not_change_outputs(model_dir, llm):
+    prompts = _prompts(16, seed=3, shared=30)
+    ref = llm.generate(prompts, GREEDY)
+    tight = LLM(model_dir, max_num_batched_tokens=24, num_kv_blocks=14, block_size=8, max_num_seqs=16)
+    got = tight.generate(prompts, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    m = tight.metrics()
+    assert m["num_preemptions"] > 0
+    tight.engine.scheduler.check_integrity()
+    assert tight.engine.blocks.num_free_blocks == tight.engine.blocks.num_blocks
+
+
+def test_seeded_sampling_reproducible_across_batch_compositions(llm):
+    prompts = _prompts(20, seed=4)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=100 + i, max_tokens=10, ignore_eos=True)
+              for i in range(20)]
+    full = llm.generate(prompts, params)
+    part = llm.generate(prompts[5:9], params[5:9])
+    assert [o.token_ids for o in part] == [o.token_ids for o in full[5:9]]
+    rev = llm.generate(prompts[::-1], params[::-1])[::-1]
+    assert [o.token_ids for o in rev] == [o.token_ids for o in full]
+    other_seed = llm.generate(prompts[:1], SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True))
+    assert other_seed[0].token_ids != full[0].token_ids
+
+
+def test_logprobs_are_at_the_request_temperature(llm):
+    import torch
+    p = _prompts(1, seed=5)[0]
+    out = llm.generate([p], SamplingParams(temperature=0.5, seed=1, max_tokens=3, ignore_eos=True))[0]
+    greedy = llm.generate([p + out.token_ids[:0]], SamplingParams(temperature=0, max_tokens=1))[0]
+    # recompute: logprob at T=0.5 of the first sampled token from the raw logprobs of the distribution
+    model = llm.engine.runner.model
+    from rollwise.engine.attention import build_metadata
+    cfg = model.config
+    kv = (torch.zeros(cfg.num_layers, 128, cfg.num_kv_heads, cfg.head_dim),) * 2
+    kv = (kv[0], kv[1].clone())
+    with torch.no_grad():
+        h = model(torch.tensor(p), torch.arange(len(p)), build_metadata([len(p)], [0], [list(range(8))], 16, "cpu"), kv)
+        logits = model.logits(h[-1:])[0]
+    expected = torch.log_softmax(logits / 0.5, -1)[out.token_ids[0]].item()
+    assert out.logprobs[0] == pytest.approx(expected, abs=1e-4)
+    assert greedy.logprobs[0] == pytest.approx(torch.log_softmax(logits, -1).max().item(), abs=1e-4)
+
+
+def test_top_k_one_is_greedy(llm):
+    prompts = _prompts(4, seed=6)
+    g = llm.generate(prompts, GREEDY)
+    k1 = llm.generate(prompts, SamplingParams(temperature=1.3, top_k=1, max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in g] == [o.token_ids for o in k1]
+
+
+def test_stop_token_ids_strings_min_tokens(llm):
+    p = _prompts(1, seed=7)[0]
+    free = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    stop_tok = free.token_ids[3]
+    first = free.token_ids.index(stop_tok)
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok], ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok and out.token_ids == free.token_ids[:first + 1]
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok],
+                                           min_tokens=first + 1, ignore_eos=True))[0]
+    assert len(out.token_ids) > first + 1 and stop_tok not in out.token_ids[:first + 1]
+    text = llm.tokenizer.decode(free.token_ids)
+    needle = text[len(text) // 2: len(text) // 2 + 2]
+    if needle.strip():
+        out = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, stop=[needle], ignore_eos=True))[0]
+        assert out.finish_reason == "stop" and out.stop_reason == needle
+        assert needle not in out.text and text.startswith(out.text)
+    assert free.finish_reason == "length" and len(free.token_ids) == 12
+
+
+def test_eos_stops_unless_ignored(model_dir):
+    llm = LLM(model_dir)
+    p = _prompts(1, seed=8)[0]
+    free = llm.generate([p], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    llm.engine.eos_token_ids = {free.token_ids[2]}  # pretend the third token is EOS
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=6))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:free.token_ids.index(free.token_ids[2]) + 1]
+
+
+def test_bad_requests_raise_value_error(llm):
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="unknown sampling fields"):
+        SamplingParams.from_dict({"temprature": 1.0})
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 1024\)"):
+        llm.generate([[1, 2, 5000]], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[1] * 5000], GREEDY)
+    with pytest.raises(ValueError, match="non-empty"):
+        llm.generate([[]], GREEDY)
+    assert llm.generate([[1, 2, 3]], GREEDY)[0].finish_reason == "length"  # still serving
+
+
+def test_abort_frees_blocks(model_dir):
+    llm = LLM(model_dir)
+    eng = llm.engine
+    rid = eng.add_request(list(range(1, 40)), SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    out = eng.abort(rid)
+    assert out.finish_reason == "abort" and out.finished
+    eng.scheduler.check_integrity()
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks and not eng.has_unfinished
+
+
+def test_update_weights_bumps_version_and_invalidates_prefixes(model_dir):
+    llm = LLM(model_dir)
+    p = _prompts(1, seed=9, shared=48)[0]
+    before = llm.generate([p], GREEDY)[0]
+    state = {k: v.clone() for k, v in llm.engine.runner.model.state_dict().items()}
+    state["model.norm.weight"] = state["model.norm.weight"] * -1.0
+    assert llm.update_weights(state) == 1
+    after = llm.generate([p], GREEDY)[0]
+    assert after.num_cached_tokens == 0 and after.policy_version == 1
+    assert after.token_ids != before.token_ids
+    fresh = LLM(model_dir)
+    fresh.update_weights(state)
+    assert fresh.generate([p], GREEDY)[0].token_ids == after.token_ids
+    with pytest.raises(ValueError, match="shape"):
+        llm.update_weights({"model.norm.weight": state["model.norm.weight"][:3]})
