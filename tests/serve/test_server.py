@@ -1,0 +1,159 @@
+"""The HTTP server over real HTTP on 127.0.0.1 (a `rollwise serve` subprocess)."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from rollwise import LLM, SamplingParams
+from rollwise.serve.process import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with ServerProcess(model_dir, "--max-num-seqs", "16", "--max-model-len", "512") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def _alive(client):
+    assert client.get("/health").json()["status"] == "ok"
+
+
+def test_generate_is_token_in_token_out_and_matches_offline(client, model_dir):
+    ids = [5, 17, 300, 42, 9]
+    r = client.post("/generate", json={"input_ids": ids, "sampling_params": {"temperature": 0, "max_tokens": 8,
+                                                                              "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ref = LLM(model_dir).generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert body["token_ids"] == ref.token_ids and body["finish_reason"] == "length"
+    assert body["logprobs"] == pytest.approx(ref.logprobs, abs=1e-4)
+    assert body["prompt_len"] == 5 and body["policy_version"] == 0
+    again = client.post("/generate", json={"input_ids": ids * 8, "sampling_params": {"max_tokens": 2}}).json()
+    again2 = client.post("/generate", json={"input_ids": ids * 8 + [1], "sampling_params": {"max_tokens": 2}}).json()
+    assert again["num_cached_tokens"] == 0 and again2["num_cached_tokens"] == 32
+
+
+def test_generate_stream(client):
+    with client.stream("POST", "/generate", json={"input_ids": [1, 2, 3], "stream": True,
+                                                  "sampling_params": {"temperature": 0, "max_tokens": 6, "ignore_eos": True}}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    assert sum(len(c["token_ids"]) for c in chunks) == 6
+    assert chunks[-1]["finished"] and chunks[-1]["finish_reason"] == "length"
+
+
+def test_completions(client):
+    r = client.post("/v1/completions", json={"model": "x", "prompt": "The agent", "max_tokens": 5, "temperature": 0,
+                                             "logprobs": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ch = body["choices"][0]
+    assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == len(ch["logprobs"]["tokens"])
+    assert all(lp <= 0 for lp in ch["logprobs"]["token_logprobs"])
+    multi = client.post("/v1/completions", json={"prompt": ["a", "b c"], "max_tokens": 3}).json()
+    assert [c["index"] for c in multi["choices"]] == [0, 1]
+    with client.stream("POST", "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "stream": True,
+                                                        "temperature": 0, "ignore_eos": True}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_completions(client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "logprobs": True, "seed": 3})
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    assert ch["message"]["role"] == "assistant" and len(ch["logprobs"]["content"]) == r.json()["usage"]["completion_tokens"]
+    r2 = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "logprobs": True, "seed": 3})
+    assert r2.json()["choices"][0]["message"] == ch["message"]  # seeded: reproducible
+    with client.stream("POST", "/v1/chat/completions", json={"messages": msgs, "max_tokens": 5, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_models_and_metrics(client):
+    assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 512
+    text = client.get("/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:generation_tokens_total"):
+        assert name in text
+    gen = [line for line in text.splitlines() if line.startswith("vllm:generation_tokens_total")]
+    assert float(gen[0].split()[-1]) > 0
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/generate", {"input_ids": "abc"}),  # wrong type
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_tokens": -3}}),  # negative max_tokens
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"bogus": 1}}),  # unknown sampling field
+    ("/generate", {"input_ids": [1, 2], "colour": "red"}),  # unknown field
+    ("/generate", {"input_ids": [1] * 600}),  # oversized prompt (max_model_len 512)
+    ("/generate", {"input_ids": [10**9]}),  # token id out of vocabulary
+    ("/generate", {"input_ids": []}),
+    ("/generate", {}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4, "temperature": -2}),
+    ("/v1/completions", {"prompt": "x", "n": 3}),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}),
+    ("/v1/completions", {"prompt": "x " * 700}),
+    ("/v1/completions", {"prompt": "x", "stream": True, "max_tokens": 0}),
+    ("/v1/completions", {"prompt": "x", "unknown_field": True}),
+    ("/v1/chat/completions", {"messages": []}),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}),
+    ("/v1/chat/completions", {"messages": "hello"}),
+    ("/update_weights", {"model_dir": "/nonexistent"}),
+])
+def test_bad_input_gets_400_and_server_keeps_serving(client, path, body):
+    r = client.post(path, json=body)
+    assert r.status_code == 400, (r.status_code, r.text)
+    assert "message" in r.json()["error"]
+    _alive(client)
+
+
+def test_malformed_json_is_400(client):
+    r = client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    _alive(client)
+
+
+def test_concurrent_requests(client, server):
+    import asyncio
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            rs = await asyncio.gather(*(c.post("/generate", json={"input_ids": [i + 1, 7, 8], "sampling_params": {
+                "temperature": 0, "max_tokens": 5, "ignore_eos": True}}) for i in range(24)))
+        return [r.json()["token_ids"] for r in rs]
+    outs = asyncio.run(go())
+    assert all(len(o) == 5 for o in outs)
+    assert outs[3] == client.post("/generate", json={"input_ids": [4, 7, 8], "sampling_params": {
+        "temperature": 0, "max_tokens": 5, "ignore_eos": True}}).json()["token_ids"]
+
+
+def test_api_key_and_update_weights(model_dir, tmp_path):
+    import torch
+
+    from rollwise.engine.models.loader import load_model, read_hf_config, save_model
+    model = load_model(model_dir)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(-1)
+    save_model(model, read_hf_config(model_dir), tmp_path)
+    with ServerProcess(model_dir, "--api-key", "sekret") as s:
+        assert httpx.post(s.url + "/generate", json={"input_ids": [1]}).status_code == 401
+        assert httpx.get(s.url + "/health").status_code == 200
+        h = {"Authorization": "Bearer sekret"}
+        req = {"input_ids": [3, 4, 5], "sampling_params": {"temperature": 0, "max_tokens": 6, "ignore_eos": True}}
+        before = httpx.post(s.url + "/generate", json=req, headers=h).json()
+        r = httpx.post(s.url + "/update_weights", json={"model_dir": str(tmp_path)}, headers=h)
+        assert r.status_code == 200 and r.json()["policy_version"] == 1
+        after = httpx.post(s.url + "/generate", json=req, headers=h).json()
+        assert after["policy_version"] == 1 and after["token_ids"] != before["token_ids"]
