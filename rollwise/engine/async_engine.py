@@ -32,21 +32,25 @@ class AsyncEngine:
     # public API ----------------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> RequestOutput:
+        """The finished output (finish_reason "abort" if it was aborted)."""
         out = None
-        async for out in self.stream(prompt, params, request_id):
+        async for out in self._outputs(prompt, params, request_id, stream=False):
             pass
         return out
 
-    async def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields the cumulative output after every new token; the last one has `finished=True`.
         Closing the iterator early (e.g. a client disconnect) aborts the request."""
+        return self._outputs(prompt, params, request_id, stream=True)
+
+    async def _outputs(self, prompt, params, request_id, stream: bool) -> AsyncIterator[RequestOutput]:
         params = params or SamplingParams()
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
         def add() -> str:
-            rid = self.engine.add_request(prompt, params, request_id)
+            rid = self.engine.add_request(prompt, params, request_id, stream=stream)
             self._streams[rid] = (loop, queue)
             return rid
 

@@ -1,10 +1,10 @@
 """Paged attention over a flat batch of variable-length queries.
 
 The KV cache of one layer is a pool of slots `[num_blocks * block_size, num_kv_heads, head_dim]`; a
-sequence's keys live in the slots its block table names. Each step writes the new keys to their slots,
-then gathers every sequence's context into a padded batch and runs one SDPA per group of sequences
-with similar query lengths (decodes together, prefill chunks together), so a long prefill chunk does
-not pad the decodes.
+sequence's keys live in the blocks its block table names. Each step writes the new keys to their
+slots, then gathers every sequence's blocks (whole blocks: few, large copies) into a padded batch and
+runs one SDPA per group of sequences with similar query lengths (decodes together, prefill chunks
+together), so a long prefill chunk does not pad the decodes.
 """
 from __future__ import annotations
 
@@ -17,16 +17,17 @@ import torch.nn.functional as F
 @dataclass(slots=True)
 class AttentionGroup:
     q_index: torch.Tensor  # [B, Lq] rows of the flat batch (padding repeats a valid row)
-    kv_slots: torch.Tensor  # [B, Lk] cache slots (padding points at slot 0)
-    mask: torch.Tensor | None  # [B, 1, Lq, Lk] bool, None when every key is visible (decode, equal lengths)
-    out_rows: torch.Tensor  # [N] flat rows this group produces
-    out_select: torch.Tensor  # [N] positions in the flattened [B * Lq] result that hold them
+    block_tables: torch.Tensor  # [B, nb] blocks of each sequence (padding points at block 0, masked)
+    mask: torch.Tensor | None  # [B, 1, Lq, nb * block_size] bool; None when every key is visible
+    out_rows: torch.Tensor | None  # [N] flat rows this group produces; None: all rows, in order
+    out_select: torch.Tensor | None  # [N] positions in the flattened [B * Lq] result that hold them
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     groups: list[AttentionGroup]
+    block_size: int
 
 
 def build_metadata(
@@ -50,38 +51,52 @@ def build_metadata(
         _group(sel.nonzero().flatten(), q, c, bt, starts, block_size, device)
         for sel in (is_decode, ~is_decode) if bool(sel.any())
     ]
-    return AttentionMetadata(slot_mapping.to(device), groups)
+    return AttentionMetadata(slot_mapping.to(device), groups, block_size)
 
 
 def _group(idx, q_all, c_all, bt_all, starts_all, block_size, device) -> AttentionGroup:
     q, c, bt, s = q_all[idx], c_all[idx], bt_all[idx], starts_all[idx]
-    lq, lk = int(q.max()), int((c + q).max())
+    lq = int(q.max())
+    nb = -(-int((c + q).max()) // block_size)
+    lk = nb * block_size
     j = torch.arange(lq)
     valid_q = j[None, :] < q[:, None]  # [B, Lq]
     # padded query columns repeat the sequence's last row; their output is dropped
     q_index = s[:, None] + torch.minimum(j[None, :], q[:, None] - 1)
-    key_pos = torch.arange(lk)
-    kv_slots = bt[:, key_pos // block_size] * block_size + key_pos % block_size  # [B, Lk]
     mask = None
     if lq > 1 or bool(((c + q) != lk).any()):
         q_pos = c[:, None] + torch.minimum(j[None, :], q[:, None] - 1)  # absolute position of each query
-        mask = (key_pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1).to(device)
+        mask = (torch.arange(lk)[None, None, :] <= q_pos[:, :, None]).unsqueeze(1).to(device)
     out_select = valid_q.flatten().nonzero().flatten()
     out_rows = q_index.flatten()[out_select]
-    return AttentionGroup(q_index.to(device), kv_slots.to(device), mask, out_rows.to(device),
-                          out_select.to(device))
+    if len(out_rows) == len(q_all) and bool((out_rows == torch.arange(len(out_rows))).all()):
+        out_rows = out_select = None  # this group is the whole batch, in order
+    else:
+        out_rows, out_select = out_rows.to(device), out_select.to(device)
+    return AttentionGroup(q_index.to(device), bt[:, :nb].contiguous().to(device), mask, out_rows, out_select)
 
 
 def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
     """q [T, H, D]; k, v [T, Hkv, D]; caches [S, Hkv, D]. Writes k, v to the cache, returns [T, H, D]."""
-    k_cache[meta.slot_mapping] = k
-    v_cache[meta.slot_mapping] = v
-    out = torch.empty_like(q)
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    _, hkv, d = k_cache.shape
+    k_blocks = k_cache.view(-1, meta.block_size, hkv, d)
+    v_blocks = v_cache.view(-1, meta.block_size, hkv, d)
+    out = None
     for g in meta.groups:
-        qg = q[g.q_index].transpose(1, 2)  # [B, H, Lq, D]
-        kg = k_cache[g.kv_slots].transpose(1, 2)  # [B, Hkv, Lk, D]
-        vg = v_cache[g.kv_slots].transpose(1, 2)
+        b, nb = g.block_tables.shape
+        lq = g.q_index.shape[1]
+        # index_select copies whole rows and is ~2x faster than advanced indexing here
+        qg = q.index_select(0, g.q_index.flatten()).view(b, lq, -1, d).transpose(1, 2)  # [B, H, Lq, D]
+        flat = g.block_tables.flatten()
+        kg = k_blocks.index_select(0, flat).view(b, nb * meta.block_size, hkv, d).transpose(1, 2)  # [B, Hkv, Lk, D]
+        vg = v_blocks.index_select(0, flat).view(b, nb * meta.block_size, hkv, d).transpose(1, 2)
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=True)
-        b, h, lq, d = o.shape
-        out[g.out_rows] = o.transpose(1, 2).reshape(b * lq, h, d)[g.out_select]
+        o = o.transpose(1, 2).reshape(-1, q.shape[1], d)  # [B * Lq, H, D]
+        if g.out_rows is None:
+            return o
+        if out is None:
+            out = torch.empty_like(q)
+        out[g.out_rows] = o[g.out_select]
     return out

@@ -34,6 +34,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.sampler = Sampler(cfg.seed)
         self.seqs: dict[str, Sequence] = {}
+        self.streaming: set[str] = set()  # requests that want an output after every token
         self.policy_version = 0
         self._ids = itertools.count()
         self.stats = dict.fromkeys(("num_steps", "prompt_tokens", "prefill_tokens", "decode_tokens", "generated_tokens",
@@ -50,8 +51,10 @@ class LLMEngine:
         return ids
 
     # requests ------------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Validate and queue a request; raises ValueError for input the engine cannot serve."""
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    stream: bool = False) -> str:
+        """Validate and queue a request; raises ValueError for input the engine cannot serve.
+        `stream`: step() reports it after every token, not only when it finishes."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
@@ -72,11 +75,14 @@ class LLMEngine:
         seq = Sequence(rid, list(ids), params)
         self.seqs[rid] = seq
         self.stats["prompt_tokens"] += len(ids)
+        if stream:
+            self.streaming.add(rid)
         self.scheduler.add(seq)
         return rid
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.seqs.pop(request_id, None)
+        self.streaming.discard(request_id)
         if seq is None:
             return None
         self.scheduler.finish(seq)
@@ -90,7 +96,8 @@ class LLMEngine:
 
     # the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batch; returns the current output of every sequence that got a new token."""
+        """Run one batch; returns the outputs of requests that finished, and the current output of
+        streaming requests that got a new token."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -109,8 +116,11 @@ class LLMEngine:
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 del self.seqs[seq.request_id]
+                self.streaming.discard(seq.request_id)
                 self.stats["num_finished"] += 1
-            outputs.append(self._output(seq))
+                outputs.append(self._output(seq))
+            elif seq.request_id in self.streaming:
+                outputs.append(self._output(seq))
         st = self.stats
         st["num_steps"] += 1
         decode = sum(1 for s in batch if s.num_new_tokens == 1 and s.num_computed_before >= s.seq.prompt_len)

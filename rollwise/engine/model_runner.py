@@ -16,6 +16,7 @@ class ModelRunner:
             torch.set_num_threads(cfg.num_threads)
         self.device = torch.device(cfg.device)
         self.model: CausalLM = load_model(cfg.model, cfg.dtype, cfg.device, max_positions=max_model_len)
+        self.model.prepack()
         mc = self.model.config
         self.block_size = cfg.block_size
         dtype = TORCH_DTYPES[cfg.dtype]
@@ -46,3 +47,4 @@ class ModelRunner:
     def update_weights(self, weights: dict[str, torch.Tensor] | str) -> None:
         state = load_state_dict(weights) if isinstance(weights, str) else weights
         load_weights(self.model, state, partial=True)
+        self.model.prepack()

@@ -163,7 +163,7 @@ def test_update_weights_bumps_version_and_invalidates_prefixes(model_dir):
     llm = LLM(model_dir)
     p = _prompts(1, seed=9, shared=48)[0]
     before = llm.generate([p], GREEDY)[0]
-    state = {k: v.clone() for k, v in llm.engine.runner.model.state_dict().items()}
+    state = {k: v.clone() for k, v in llm.engine.runner.model.hf_tensors().items()}
     state["model.norm.weight"] = state["model.norm.weight"] * -1.0
     assert llm.update_weights(state) == 1
     after = llm.generate([p], GREEDY)[0]

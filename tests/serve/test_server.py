@@ -157,3 +157,22 @@ def test_api_key_and_update_weights(model_dir, tmp_path):
         assert r.status_code == 200 and r.json()["policy_version"] == 1
         after = httpx.post(s.url + "/generate", json=req, headers=h).json()
         assert after["policy_version"] == 1 and after["token_ids"] != before["token_ids"]
+
+
+def test_weight_updates_off_loopback_need_an_api_key(model_dir):
+    """A server bound off loopback without --api-key refuses /update_weights (in-process app)."""
+    from fastapi.testclient import TestClient
+
+    from rollwise.config import ServerConfig
+    from rollwise.engine.async_engine import AsyncEngine
+    from rollwise.serve.server import build_app
+    engine = AsyncEngine(model_dir)
+    try:
+        open_app = TestClient(build_app(engine, ServerConfig(host="0.0.0.0"), "m"))
+        r = open_app.post("/update_weights", json={"model_dir": model_dir})
+        assert r.status_code == 403 and "api-key" in r.json()["error"]["message"]
+        keyed = TestClient(build_app(engine, ServerConfig(host="0.0.0.0", api_key="k"), "m"))
+        r = keyed.post("/update_weights", json={"model_dir": model_dir}, headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.json()["policy_version"] == 1
+    finally:
+        engine.shutdown()

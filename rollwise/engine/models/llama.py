@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollwise.engine.attention import AttentionMetadata, paged_attention
+from rollwise.engine.models.linear import Linear
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -78,6 +79,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # fused kernel; same math as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -97,10 +100,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for these positions, [T, 1, D], looked up once per forward."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -131,24 +137,24 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=False)
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        # q, k and v in one matmul (fewer, larger GEMMs); loading splits Hugging Face's three weights in
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata, kv_cache):
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, kv_cache):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, k, positions)
+        q, k = apply_rope(q, k, *rope)
         o = paged_attention(q, k, v, kv_cache[0][self.layer_idx], kv_cache[1][self.layer_idx], meta)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -156,12 +162,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -172,8 +178,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rope, meta, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, kv_cache)
+    def forward(self, x, rope, meta, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -192,19 +198,44 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        rope = self.rope.table(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, positions, self.rope, meta, kv_cache)
+            x = layer(x, rope, meta, kv_cache)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def prepack(self) -> None:
+        """Refresh the fast-inference copies of the weights (call after loading or updating them)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.repack()
+
+    def hf_tensors(self) -> dict[str, torch.Tensor]:
+        """Views of the parameters under Hugging Face's names (fused projections split back); writing
+        into a view writes the parameter. A tied lm_head appears once, as the embedding."""
+        c = self.config
+        splits = {"qkv_proj": (("q_proj", "k_proj", "v_proj"),
+                               [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]),
+                  "gate_up_proj": (("gate_proj", "up_proj"), [c.intermediate_size, c.intermediate_size])}
+        out = {}
+        for name, p in self.named_parameters():  # shared (tied) parameters are listed once
+            fused = next((f for f in splits if f".{f}." in name), None)
+            if fused is None:
+                out[name] = p
+                continue
+            parts, sizes = splits[fused]
+            for part, view in zip(parts, p.split(sizes, dim=0)):
+                out[name.replace(fused, part)] = view
+        return out
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         """normal(0, std) for matrices and biases (non-zero, so tests exercise them), ones for norms."""

@@ -43,31 +43,29 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
 
 
 def load_weights(model: CausalLM, state: dict[str, torch.Tensor], partial: bool = False) -> None:
-    """Copy weights in place, all-or-nothing: names and shapes are checked before anything changes.
-    `partial` allows a subset (a weight update in buckets); a tied lm_head may always be absent."""
-    params = dict(model.named_parameters())
-    tied = model.config.tie_word_embeddings
-    unknown = sorted(set(state) - set(params) - {"lm_head.weight"})
+    """Copy Hugging Face-named weights in place, all-or-nothing: names and shapes are checked before
+    anything changes. `partial` allows a subset (a weight update in buckets); a tied lm_head may
+    always be absent."""
+    targets = model.hf_tensors()
+    unknown = sorted(set(state) - set(targets) - {"lm_head.weight"})
     if unknown:
         raise ValueError(f"unexpected weights {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
-    missing = sorted(set(params) - set(state) - ({"lm_head.weight"} if tied else set()))
+    missing = sorted(set(targets) - set(state))
     if missing and not partial:
         raise ValueError(f"missing weights {missing[:5]}{'...' if len(missing) > 5 else ''}")
-    todo = {k: v for k, v in state.items() if not (k == "lm_head.weight" and tied)}
+    todo = {k: v for k, v in state.items() if k in targets}
     for name, t in todo.items():
-        if tuple(params[name].shape) != tuple(t.shape):
-            raise ValueError(f"weight {name}: shape {tuple(t.shape)} != model's {tuple(params[name].shape)}")
+        if tuple(targets[name].shape) != tuple(t.shape):
+            raise ValueError(f"weight {name}: shape {tuple(t.shape)} != model's {tuple(targets[name].shape)}")
     with torch.no_grad():
         for name, t in todo.items():
-            params[name].copy_(t.to(params[name].dtype))
+            targets[name].copy_(t.to(targets[name].dtype))
 
 
 def save_model(model: CausalLM, hf_config: dict, out_dir: str | Path, dtype: str | None = None) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.hf_tensors().items()}
     if dtype:
         state = {k: v.to(TORCH_DTYPES[dtype]) for k, v in state.items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

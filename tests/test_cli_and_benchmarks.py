@@ -1,0 +1,41 @@
+"""The command line and the benchmarks, run as a user runs them (subprocesses, tiny settings)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+
+
+def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def test_make_model_and_generate(tmp_path):
+    r = run("-m", "rollwise.cli", "make-model", str(tmp_path / "m"), "--family", "qwen2", "--layers", "1",
+            "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--vocab", "600")
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2" and cfg["vocab_size"] == 600
+    r = run("-m", "rollwise.cli", "generate", str(tmp_path / "m"), "--prompt", "hello", "--prompt", "agent",
+            "--max-tokens", "5", "--chat")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("--- req-") == 2 and "tok/s" in r.stdout
+    bad = run("-m", "rollwise.cli", "make-model", str(tmp_path / "x"), "--hidden", "30", "--heads", "4")
+    assert bad.returncode == 2 and "must divide" in bad.stderr
+
+
+def test_engine_benchmark_smoke(tmp_path):
+    out = tmp_path / "engine.json"
+    r = run("benchmarks/engine.py", "--smoke", "--model", str(tmp_path / "model"), "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["rollwise"]["decode"]) == {"1", "2"}
+    pr = res["rollwise"]["prefix_reuse"]
+    assert pr["on"]["prefill_tokens_per_run"] < pr["off"]["prefill_tokens_per_run"]
+    assert pr["on"]["decode_tokens"] == pr["off"]["decode_tokens"]
+    assert "prefix reuse" in r.stdout
