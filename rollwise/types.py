@@ -94,3 +94,27 @@ class RequestOutput:
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(slots=True)
+class Draft:
+    """Speculated tokens. A chain has parents [-1, 0, 1, ...]; in a tree, token i continues token
+    parents[i] (-1: the request's last token). probs[i] is the estimated probability of the path to
+    token i; score = sum(probs) = expected number of accepted tokens."""
+
+    token_ids: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    score: float = 0.0
+    match_len: int = 0
+    source: str = ""  # which tree it came from: "request", "group" or "global"
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def truncated(self, n: int) -> Draft:
+        """The first n tokens (drafts list parents before children, so a prefix is a valid tree)."""
+        if n >= len(self.token_ids):
+            return self
+        probs = self.probs[:n]
+        return Draft(self.token_ids[:n], self.parents[:n], probs, sum(probs), self.match_len, self.source)

@@ -1,0 +1,385 @@
+// C++ core of rollwise.spec.suffix_tree: same tree, same drafts (the Python file is the oracle).
+//
+// Nodes live in one arena and refer to each other by index; freed nodes are reused. A node keeps
+// its children in a small vector (a hash map once it has many) and its most frequent child, so
+// appending a token costs O(max_depth) and a chain draft O(1) per drafted token.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <queue>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr size_t kMapThreshold = 16;  // children beyond this go to a hash map
+
+struct Node {
+    int32_t token = -1, count = 0, parent = -1, best = -1, depth = 0;
+    std::vector<std::pair<int32_t, int32_t>> kids;  // (token, node) while small
+    std::unique_ptr<std::unordered_map<int32_t, int32_t>> map;  // token -> node once large
+};
+
+using DraftTuple = std::tuple<std::vector<int32_t>, std::vector<int32_t>, std::vector<double>, double, int>;
+
+struct Draft {
+    std::vector<int32_t> tokens, parents;
+    std::vector<double> probs;
+    double score = 0.0;
+    int match_len = 0;
+    DraftTuple tuple() const { return {tokens, parents, probs, score, match_len}; }
+};
+
+class SuffixTree {
+  public:
+    explicit SuffixTree(int max_depth) : max_depth_(max_depth) {
+        if (max_depth < 1) throw std::invalid_argument("max_depth must be >= 1");
+        nodes_.emplace_back();  // the root
+    }
+
+    int max_depth() const { return max_depth_; }
+    int64_t num_nodes() const { return num_nodes_; }
+    bool has_seq(int64_t id) const { return seqs_.count(id) > 0; }
+
+    void append(int64_t seq_id, const std::vector<int32_t>& tokens) {
+        auto& seq = seqs_[seq_id];
+        auto& active = active_[seq_id];
+        std::vector<int32_t> next;
+        for (int32_t t : tokens) {
+            seq.push_back(t);
+            next.clear();
+            extend(0, t, next);
+            for (int32_t n : active) extend(n, t, next);
+            nodes_[0].count += 1;
+            active.swap(next);
+        }
+    }
+
+    void remove(int64_t seq_id) {
+        auto it = seqs_.find(seq_id);
+        if (it == seqs_.end()) return;
+        std::vector<int32_t> seq = std::move(it->second);
+        seqs_.erase(it);
+        active_.erase(seq_id);
+        std::vector<int32_t> dead;
+        std::unordered_set<int32_t> touched;
+        const size_t n = seq.size();
+        for (size_t s = 0; s < n; ++s) {
+            int32_t node = 0;
+            for (size_t j = s; j < std::min(n, s + (size_t)max_depth_); ++j) {
+                node = child(node, seq[j]);
+                if (--nodes_[node].count == 0) dead.push_back(node);
+                touched.insert(nodes_[node].parent);
+            }
+        }
+        nodes_[0].count -= (int32_t)n;
+        for (int32_t d : dead) {  // a dead node's subtree is dead too: detach the topmost ones only
+            int32_t p = nodes_[d].parent;  // -1 once freed with an ancestor's subtree
+            if (p == 0 || (p > 0 && nodes_[p].count > 0)) {
+                drop_child(p, nodes_[d].token);
+                free_subtree(d);
+            }
+        }
+        for (int32_t p : touched)
+            if (p == 0 || nodes_[p].count > 0) rescan(p);
+    }
+
+    Draft speculate(const std::vector<int32_t>& context_in, int max_spec, double alpha, double offset,
+                    double min_prob, bool tree) const {
+        Draft best;
+        const size_t off = context_in.size() > (size_t)max_depth_ ? context_in.size() - max_depth_ : 0;
+        const std::vector<int32_t> context(context_in.begin() + off, context_in.end());
+        const size_t len = context.size();
+        for (size_t m = 1; m <= len; ++m) {
+            int32_t node = 0;
+            for (size_t j = len - m; j < len; ++j) {
+                node = child(node, context[j]);
+                if (node < 0) return best;  // longer suffixes cannot match either
+            }
+            double b = alpha * (double)m + offset;
+            int budget = b >= (double)max_spec ? max_spec : (int)b;
+            if (budget <= 0) continue;
+            Draft d = tree ? tree_draft(node, budget, min_prob) : chain_draft(node, budget, min_prob);
+            d.match_len = (int)m;
+            if (!d.tokens.empty() && d.score >= best.score) best = std::move(d);
+        }
+        return best;
+    }
+
+    void check_integrity() const {
+        int64_t reachable = 0;
+        std::vector<int32_t> stack{0};
+        while (!stack.empty()) {
+            int32_t n = stack.back();
+            stack.pop_back();
+            const Node& node = nodes_[n];
+            int32_t top = -1;
+            for_each_child(n, [&](int32_t tok, int32_t c) {
+                const Node& ch = nodes_[c];
+                ++reachable;
+                if (ch.token != tok || ch.parent != n || ch.depth != node.depth + 1 || ch.depth > max_depth_)
+                    throw std::runtime_error("broken parent/child link");
+                if (ch.count <= 0 || ch.count > node.count) throw std::runtime_error("bad count");
+                if (top < 0 || better(c, top)) top = c;
+                stack.push_back(c);
+            });
+            if (node.best != top) throw std::runtime_error("stale most-frequent child");
+        }
+        if (reachable != num_nodes_) throw std::runtime_error("node count mismatch");
+        int64_t total = 0;
+        for (auto& kv : seqs_) total += (int64_t)kv.second.size();
+        if (total != nodes_[0].count) throw std::runtime_error("root count mismatch");
+    }
+
+    py::dict path_counts() const {
+        py::dict out;
+        std::vector<std::pair<int32_t, std::vector<int32_t>>> stack{{0, {}}};
+        while (!stack.empty()) {
+            auto [n, path] = stack.back();
+            stack.pop_back();
+            for_each_child(n, [&](int32_t tok, int32_t c) {
+                auto p = path;
+                p.push_back(tok);
+                out[py::tuple(py::cast(p))] = nodes_[c].count;
+                stack.push_back({c, std::move(p)});
+            });
+        }
+        return out;
+    }
+
+    size_t memory_bytes() const {
+        size_t b = nodes_.capacity() * sizeof(Node) + free_.capacity() * 4;
+        for (auto& n : nodes_) {
+            b += n.kids.capacity() * 8;
+            if (n.map) b += n.map->size() * 32;
+        }
+        for (auto& kv : seqs_) b += kv.second.capacity() * 4 + 64;
+        for (auto& kv : active_) b += kv.second.capacity() * 4 + 64;
+        return b;
+    }
+
+  private:
+    bool better(int32_t a, int32_t b) const {  // more frequent, ties to the smaller token
+        const Node &x = nodes_[a], &y = nodes_[b];
+        return x.count > y.count || (x.count == y.count && x.token < y.token);
+    }
+
+    template <class F>
+    void for_each_child(int32_t n, F&& f) const {
+        const Node& node = nodes_[n];
+        if (node.map) {
+            for (auto& kv : *node.map) f(kv.first, kv.second);
+        } else {
+            for (auto& kv : node.kids) f(kv.first, kv.second);
+        }
+    }
+
+    int32_t child(int32_t n, int32_t tok) const {
+        const Node& node = nodes_[n];
+        if (node.map) {
+            auto it = node.map->find(tok);
+            return it == node.map->end() ? -1 : it->second;
+        }
+        for (auto& kv : node.kids)
+            if (kv.first == tok) return kv.second;
+        return -1;
+    }
+
+    int32_t new_node(int32_t parent, int32_t tok) {
+        int32_t id;
+        if (!free_.empty()) {
+            id = free_.back();
+            free_.pop_back();
+            nodes_[id] = Node();
+        } else {
+            id = (int32_t)nodes_.size();
+            nodes_.emplace_back();
+        }
+        Node& c = nodes_[id];
+        c.token = tok;
+        c.parent = parent;
+        c.depth = nodes_[parent].depth + 1;
+        Node& p = nodes_[parent];
+        if (p.map) {
+            (*p.map)[tok] = id;
+        } else {
+            p.kids.emplace_back(tok, id);
+            if (p.kids.size() > kMapThreshold) {
+                p.map = std::make_unique<std::unordered_map<int32_t, int32_t>>(p.kids.begin(), p.kids.end());
+                p.kids.clear();
+                p.kids.shrink_to_fit();
+            }
+        }
+        ++num_nodes_;
+        return id;
+    }
+
+    void drop_child(int32_t p, int32_t tok) {
+        Node& node = nodes_[p];
+        if (node.map) {
+            node.map->erase(tok);
+            return;
+        }
+        for (size_t i = 0; i < node.kids.size(); ++i)
+            if (node.kids[i].first == tok) {
+                node.kids[i] = node.kids.back();
+                node.kids.pop_back();
+                return;
+            }
+    }
+
+    void free_subtree(int32_t root) {
+        std::vector<int32_t> stack{root};
+        while (!stack.empty()) {
+            int32_t n = stack.back();
+            stack.pop_back();
+            for_each_child(n, [&](int32_t, int32_t c) { stack.push_back(c); });
+            nodes_[n] = Node();
+            free_.push_back(n);
+            --num_nodes_;
+        }
+    }
+
+    void extend(int32_t n, int32_t tok, std::vector<int32_t>& next) {
+        if (nodes_[n].depth >= max_depth_) return;
+        int32_t c = child(n, tok);
+        if (c < 0) c = new_node(n, tok);
+        nodes_[c].count += 1;
+        int32_t b = nodes_[n].best;
+        if (b < 0 || better(c, b)) nodes_[n].best = c;
+        next.push_back(c);
+    }
+
+    void rescan(int32_t n) {
+        int32_t top = -1;
+        for_each_child(n, [&](int32_t, int32_t c) {
+            if (top < 0 || better(c, top)) top = c;
+        });
+        nodes_[n].best = top;
+    }
+
+    std::vector<int32_t> sorted_children(int32_t n) const {
+        std::vector<int32_t> kids;
+        for_each_child(n, [&](int32_t, int32_t c) { kids.push_back(c); });
+        std::sort(kids.begin(), kids.end(), [&](int32_t a, int32_t b) { return better(a, b); });
+        return kids;
+    }
+
+    Draft chain_draft(int32_t node, int budget, double min_prob) const {
+        Draft d;
+        double p = 1.0;
+        int32_t parent = -1;
+        while ((int)d.tokens.size() < budget && nodes_[node].best >= 0) {
+            int32_t c = nodes_[node].best;
+            p *= (double)nodes_[c].count / (double)nodes_[node].count;
+            if (p < min_prob) break;
+            d.tokens.push_back(nodes_[c].token);
+            d.parents.push_back(parent);
+            d.probs.push_back(p);
+            d.score += p;
+            parent = (int32_t)d.tokens.size() - 1;
+            node = c;
+        }
+        return d;
+    }
+
+    Draft tree_draft(int32_t node, int budget, double min_prob) const {
+        struct Item {
+            double p;
+            int64_t order;
+            int32_t node, parent_idx;
+        };
+        auto cmp = [](const Item& a, const Item& b) { return a.p < b.p || (a.p == b.p && a.order > b.order); };
+        std::priority_queue<Item, std::vector<Item>, decltype(cmp)> heap(cmp);
+        int64_t pushed = 0;
+        auto push = [&](int32_t n, double parent_p, int32_t parent_idx) {
+            for (int32_t c : sorted_children(n)) {
+                double p = parent_p * ((double)nodes_[c].count / (double)nodes_[n].count);
+                if (p < min_prob) break;
+                heap.push({p, pushed++, c, parent_idx});
+            }
+        };
+        Draft d;
+        push(node, 1.0, -1);
+        while (!heap.empty() && (int)d.tokens.size() < budget) {
+            Item it = heap.top();
+            heap.pop();
+            d.tokens.push_back(nodes_[it.node].token);
+            d.parents.push_back(it.parent_idx);
+            d.probs.push_back(it.p);
+            d.score += it.p;
+            push(it.node, it.p, (int32_t)d.tokens.size() - 1);
+        }
+        return d;
+    }
+
+    int max_depth_;
+    std::vector<Node> nodes_;
+    std::vector<int32_t> free_;
+    std::unordered_map<int64_t, std::vector<int32_t>> seqs_;
+    std::unordered_map<int64_t, std::vector<int32_t>> active_;
+    int64_t num_nodes_ = 0;
+};
+
+// One call for a whole batch: for each request, draft from each of its trees and keep the best.
+// Returns (tokens, parents, probs, score, match_len, index of the winning tree or -1).
+std::vector<std::tuple<std::vector<int32_t>, std::vector<int32_t>, std::vector<double>, double, int, int>>
+speculate_batch(const std::vector<std::vector<SuffixTree*>>& trees, const std::vector<std::vector<int32_t>>& contexts,
+                const std::vector<int>& max_spec, double alpha, double offset, double min_prob, bool tree) {
+    if (trees.size() != contexts.size() || trees.size() != max_spec.size())
+        throw std::invalid_argument("trees, contexts and max_spec must have the same length");
+    std::vector<std::tuple<std::vector<int32_t>, std::vector<int32_t>, std::vector<double>, double, int, int>> out;
+    out.reserve(trees.size());
+    py::gil_scoped_release release;
+    for (size_t i = 0; i < trees.size(); ++i) {
+        Draft best;
+        int src = -1;
+        for (size_t k = 0; k < trees[i].size(); ++k) {
+            if (trees[i][k] == nullptr || max_spec[i] <= 0) continue;
+            Draft d = trees[i][k]->speculate(contexts[i], max_spec[i], alpha, offset, min_prob, tree);
+            if (!d.tokens.empty() && (src < 0 || d.score > best.score)) {
+                best = std::move(d);
+                src = (int)k;
+            }
+        }
+        out.emplace_back(best.tokens, best.parents, best.probs, best.score, best.match_len, src);
+    }
+    return out;
+}
+
+void append_batch(const std::vector<std::tuple<SuffixTree*, int64_t, std::vector<int32_t>>>& items) {
+    py::gil_scoped_release release;
+    for (auto& [tree, seq, toks] : items) tree->append(seq, toks);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+    m.doc() = "C++ core of rollwise.spec (suffix trees)";
+    py::class_<SuffixTree>(m, "SuffixTree")
+        .def(py::init<int>(), py::arg("max_depth"))
+        .def_property_readonly("max_depth", &SuffixTree::max_depth)
+        .def_property_readonly("num_nodes", &SuffixTree::num_nodes)
+        .def("has_seq", &SuffixTree::has_seq)
+        .def("append", &SuffixTree::append, py::arg("seq_id"), py::arg("tokens"))
+        .def("remove", &SuffixTree::remove, py::arg("seq_id"))
+        .def("speculate",
+             [](const SuffixTree& t, const std::vector<int32_t>& ctx, int max_spec, double alpha, double offset,
+                double min_prob, bool tree) { return t.speculate(ctx, max_spec, alpha, offset, min_prob, tree).tuple(); },
+             py::arg("context"), py::arg("max_spec_tokens"), py::arg("alpha") = 1.0, py::arg("offset") = 0.0,
+             py::arg("min_token_prob") = 0.1, py::arg("tree") = false)
+        .def("check_integrity", &SuffixTree::check_integrity)
+        .def("path_counts", &SuffixTree::path_counts)
+        .def("memory_bytes", &SuffixTree::memory_bytes);
+    m.def("speculate_batch", &speculate_batch);
+    m.def("append_batch", &append_batch);
+}

@@ -1,0 +1,63 @@
+"""The C++ core against the Python reference: identical counts and drafts over random operations."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rollwise.spec import _C
+from rollwise.spec.suffix_tree import SuffixTree
+
+
+def _same_draft(py, cpp) -> None:
+    tokens, parents, probs, score, match_len = cpp
+    assert (py.token_ids, py.parents, py.match_len) == (tokens, parents, match_len)
+    assert py.probs == probs and py.score == score  # same double arithmetic, bit for bit
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_operations_give_identical_trees_and_drafts(seed):
+    rng = random.Random(seed)
+    depth = rng.choice([2, 4, 8, 24])
+    vocab = rng.choice([3, 6, 40])  # small vocabularies repeat a lot; 40 exercises the child hash map
+    py, cpp = SuffixTree(depth), _C.SuffixTree(depth)
+    live: list[int] = []
+    for step in range(150):
+        op = rng.random()
+        if op < 0.55 or not live:
+            sid = rng.randrange(8)
+            toks = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+            py.append(sid, toks)
+            cpp.append(sid, toks)
+            if sid not in live:
+                live.append(sid)
+        elif op < 0.7:
+            sid = live.pop(rng.randrange(len(live)))
+            py.remove(sid)
+            cpp.remove(sid)
+        else:
+            ctx = [rng.randrange(vocab) for _ in range(rng.randint(0, 30))]
+            args = (rng.randint(1, 16), rng.choice([0.5, 1.0, 2.0]), rng.choice([0.0, 1.0, 3.0]),
+                    rng.choice([0.0, 0.1, 0.3]), rng.random() < 0.5)
+            _same_draft(py.speculate(ctx, *args), cpp.speculate(ctx, *args))
+        if step % 10 == 0:
+            py.check_integrity()
+            cpp.check_integrity()
+            assert cpp.num_nodes == py.num_nodes
+            assert cpp.path_counts() == py.path_counts()
+    py.check_integrity()
+    cpp.check_integrity()
+    assert cpp.path_counts() == py.path_counts()
+
+
+def test_batch_entry_points_pick_the_best_tree():
+    a, b = _C.SuffixTree(8), _C.SuffixTree(8)
+    _C.append_batch([(a, 0, [1, 2, 3, 4]), (b, 0, [1, 2, 9, 9]), (b, 1, [1, 2, 9, 9])])
+    out = _C.speculate_batch([[a, b], [a, None], [b]], [[1, 2], [1, 2], [7]], [4, 4, 4], 2.0, 0.0, 0.1, False)
+    assert out[0][0] == [3, 4] and out[0][5] == 0  # both score 2.0: the first tree wins ties
+    assert out[1][0] == [3, 4] and out[1][5] == 0
+    assert out[2][0] == [] and out[2][5] == -1
+    with pytest.raises(ValueError):
+        _C.speculate_batch([[a]], [], [1], 1.0, 0.0, 0.1, False)
+    with pytest.raises(ValueError):
+        _C.SuffixTree(0)
