@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
+SPECULATIVE = (None, "suffix")
+SPEC_CONTROLLERS = ("off", "always", "threshold", "adaptive")
 DEVICES = ("cpu", "cuda")
 
 
@@ -21,8 +23,26 @@ class EngineConfig:
     kv_cache_gb: float = 1.0
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; default: torch's choice
+    # speculation (SuffixDecoding): drafts from suffix trees, verified in the same forward
+    speculative: str | None = None  # None or "suffix"
+    spec_controller: str = "adaptive"  # off | always | threshold | adaptive
+    spec_threshold: int = 16  # threshold mode: speculate while at most this many sequences run
+    spec_max_tokens: int = 16  # draft tokens per sequence per step, at most
+    spec_tree: bool = False  # tree drafts (several branches verified at once) instead of chains
+    spec_max_depth: int = 24
+    spec_alpha: float = 1.0  # draft budget = alpha * match length + offset
+    spec_offset: float = 0.0
+    spec_min_token_prob: float = 0.1
+    spec_max_cached_requests: int = 10000
+    spec_eviction: str = "fifo"
 
     def __post_init__(self) -> None:
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be one of {SPECULATIVE}, got {self.speculative!r}")
+        if self.spec_controller not in SPEC_CONTROLLERS:
+            raise ValueError(f"spec_controller must be one of {SPEC_CONTROLLERS}, got {self.spec_controller!r}")
+        if self.spec_max_tokens < 0 or self.spec_threshold < 0:
+            raise ValueError("spec_max_tokens and spec_threshold must be >= 0")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device.split(":")[0] not in DEVICES:

@@ -32,9 +32,12 @@ class AttentionMetadata:
 
 def build_metadata(
     q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
-    device: torch.device,
+    device: torch.device, tree_masks: dict[int, torch.Tensor] | None = None,
 ) -> AttentionMetadata:
-    """q_lens[i] new tokens of sequence i follow ctx_lens[i] tokens already in the cache."""
+    """q_lens[i] new tokens of sequence i follow ctx_lens[i] tokens already in the cache and take the
+    next q_lens[i] slots. Without a tree mask they attend causally; `tree_masks[i]` ([q, q] bool:
+    token a sees new token b) replaces causality among the new tokens of sequence i (a token tree
+    whose branches share the context but not each other)."""
     q = torch.tensor(q_lens, dtype=torch.long)
     c = torch.tensor(ctx_lens, dtype=torch.long)
     width = max(len(bt) for bt in block_tables)
@@ -46,15 +49,16 @@ def build_metadata(
     seq_of_row = torch.repeat_interleave(torch.arange(len(q_lens)), q)
     pos = c[seq_of_row] + torch.arange(int(q.sum())) - starts[seq_of_row]
     slot_mapping = bt[seq_of_row, pos // block_size] * block_size + pos % block_size
-    is_decode = q == 1
+    # decodes, short queries (verification of drafts) and long prefill chunks each get their own
+    # padded batch, so nobody is padded to a long chunk
     groups = [
-        _group(sel.nonzero().flatten(), q, c, bt, starts, block_size, device)
-        for sel in (is_decode, ~is_decode) if bool(sel.any())
+        _group(sel.nonzero().flatten(), q, c, bt, starts, block_size, device, tree_masks or {})
+        for sel in (q == 1, (q > 1) & (q <= 64), q > 64) if bool(sel.any())
     ]
     return AttentionMetadata(slot_mapping.to(device), groups, block_size)
 
 
-def _group(idx, q_all, c_all, bt_all, starts_all, block_size, device) -> AttentionGroup:
+def _group(idx, q_all, c_all, bt_all, starts_all, block_size, device, tree_masks) -> AttentionGroup:
     q, c, bt, s = q_all[idx], c_all[idx], bt_all[idx], starts_all[idx]
     lq = int(q.max())
     nb = -(-int((c + q).max()) // block_size)
@@ -66,7 +70,12 @@ def _group(idx, q_all, c_all, bt_all, starts_all, block_size, device) -> Attenti
     mask = None
     if lq > 1 or bool(((c + q) != lk).any()):
         q_pos = c[:, None] + torch.minimum(j[None, :], q[:, None] - 1)  # absolute position of each query
-        mask = (torch.arange(lk)[None, None, :] <= q_pos[:, :, None]).unsqueeze(1).to(device)
+        mask = (torch.arange(lk)[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
+        for b, i in enumerate(idx.tolist()):
+            if i in tree_masks:
+                n, ci = int(q[b]), int(c[b])
+                mask[b, 0, :n, ci:ci + n] = tree_masks[i]
+        mask = mask.to(device)
     out_select = valid_q.flatten().nonzero().flatten()
     out_rows = q_index.flatten()[out_select]
     if len(out_rows) == len(q_all) and bool((out_rows == torch.arange(len(out_rows))).all()):

@@ -112,6 +112,13 @@ class BlockManager:
                     self.free[b] = None
         block_table.clear()
 
+    def truncate(self, block_table: list[int], keep: int) -> None:
+        """Release the blocks past the first `keep` (e.g. ones reserved for rejected draft tokens)."""
+        if len(block_table) > keep:
+            tail = block_table[keep:]
+            del block_table[keep:]
+            self.free_table(tail)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (after a weight update the cached KV is stale)."""
         for blk in self.blocks:

@@ -5,6 +5,7 @@ prompts, `AsyncEngine` drives it from a background thread for asyncio callers.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import time
@@ -33,6 +34,10 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.sampler = Sampler(cfg.seed)
+        self.spec = None
+        if cfg.speculative == "suffix":
+            from rollwise.engine.speculator import Speculator
+            self.spec = Speculator(cfg, self.runner, self.sampler)
         self.seqs: dict[str, Sequence] = {}
         self.streaming: set[str] = set()  # requests that want an output after every token
         self.policy_version = 0
@@ -52,9 +57,12 @@ class LLMEngine:
 
     # requests ------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    stream: bool = False) -> str:
+                    stream: bool = False, group_id: str | None = None,
+                    forced_output: list[int] | None = None) -> str:
         """Validate and queue a request; raises ValueError for input the engine cannot serve.
-        `stream`: step() reports it after every token, not only when it finishes."""
+        `stream`: step() reports it after every token, not only when it finishes. `group_id`: its
+        prompt group (siblings draft from each other). `forced_output`: trace replay — the model
+        runs for real but these tokens are emitted (and max_tokens is their number)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
@@ -65,6 +73,11 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              "(the prompt plus at least one generated token must fit)")
+        if forced_output is not None:
+            if not forced_output or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in forced_output):
+                raise ValueError(f"forced_output must be a non-empty list of token ids in [0, {self.vocab_size})")
+            params = dataclasses.replace(params, max_tokens=len(forced_output), min_tokens=0, ignore_eos=True,
+                                         stop=[], stop_token_ids=[])
         total = min(len(ids) + params.max_tokens, self.max_model_len)
         if self.blocks.num_blocks_for(total) > self.blocks.num_blocks:
             raise ValueError(f"request needs {total} tokens of KV; the cache holds "
@@ -72,8 +85,10 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.seqs:
             raise ValueError(f"request_id {rid!r} is already in flight")
-        seq = Sequence(rid, list(ids), params)
+        seq = Sequence(rid, list(ids), params, forced=list(forced_output) if forced_output else None)
         self.seqs[rid] = seq
+        if self.spec is not None:
+            self.spec.start(rid, seq.prompt_token_ids, group_id)
         self.stats["prompt_tokens"] += len(ids)
         if stream:
             self.streaming.add(rid)
@@ -86,6 +101,8 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.finish(seq)
+        if self.spec is not None:
+            self.spec.stop(request_id)
         seq.finish_reason = "abort"
         self.stats["num_aborted"] += 1
         return self._output(seq)
@@ -96,39 +113,80 @@ class LLMEngine:
 
     # the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batch; returns the outputs of requests that finished, and the current output of
-        streaming requests that got a new token."""
+        """schedule -> propose -> run -> verify -> postprocess. Returns the outputs of requests that
+        finished, and the current output of streaming requests that got new tokens."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
         t0 = time.perf_counter()
-        logits = self.runner.run(batch)
-        sampling = [s for s in batch if s.samples]
-        rows = [SampleRow(s.seq.params, s.seq.num_output_tokens, self._banned(s.seq)) for s in sampling]
-        tokens, logprobs = self.sampler(logits, rows) if rows else ([], [])
-        self.scheduler.after_step(batch)
-        outputs = []
-        for s, tok, lp in zip(sampling, tokens, logprobs):
+        if self.spec is not None:
+            self.spec.propose(batch, self.scheduler, self.config.max_num_batched_tokens, self.max_model_len)
+        decode = sum(1 + (len(s.draft) if s.draft is not None else 0) for s in batch if s.is_decode)
+        computed = sum(s.num_new_tokens + (len(s.draft) if s.draft is not None else 0) for s in batch)
+        logits, starts = self.runner.run(batch)
+        appended: dict[str, list[int]] = {}
+        for s, (toks, lps) in self._sample(batch, logits, starts).items():
             seq = s.seq
-            seq.token_ids.append(tok)
-            seq.logprobs.append(lp)
-            self._check_stop(seq, tok)
+            before = seq.num_tokens
+            for tok, lp in zip(toks, lps):
+                seq.token_ids.append(tok)
+                seq.logprobs.append(lp)
+                self._check_stop(seq, tok)
+                if seq.finish_reason is not None:
+                    break
+            appended[seq.request_id] = seq.token_ids[before:]
+            s.num_new_tokens = min(s.num_new_tokens, seq.num_tokens - s.num_computed_before)  # valid KV
+        self.scheduler.after_step(batch)
+        seconds = time.perf_counter() - t0
+        if self.spec is not None:
+            self.spec.record(appended, computed, seconds)
+        outputs = []
+        for s in batch:
+            seq = s.seq
+            if seq.request_id not in appended:
+                continue
             if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-                del self.seqs[seq.request_id]
-                self.streaming.discard(seq.request_id)
-                self.stats["num_finished"] += 1
+                self._finish(seq)
                 outputs.append(self._output(seq))
-            elif seq.request_id in self.streaming:
-                outputs.append(self._output(seq))
+            else:
+                if s.draft is not None:
+                    self.scheduler.release_unused(seq)
+                if seq.request_id in self.streaming:
+                    outputs.append(self._output(seq))
         st = self.stats
         st["num_steps"] += 1
-        decode = sum(1 for s in batch if s.num_new_tokens == 1 and s.num_computed_before >= s.seq.prompt_len)
-        st["decode_tokens"] += decode
-        st["prefill_tokens"] += sum(s.num_new_tokens for s in batch) - decode  # includes recompute
-        st["generated_tokens"] += len(tokens)
-        st["step_time_s"] += time.perf_counter() - t0
+        st["decode_tokens"] += decode  # verification computes every draft token
+        st["prefill_tokens"] += computed - decode  # includes recompute after preemption
+        st["generated_tokens"] += sum(len(t) for t in appended.values())
+        st["step_time_s"] += seconds
         return outputs
+
+    def _sample(self, batch, logits, starts) -> dict:
+        """Emitted tokens and logprobs per scheduled sequence: sampled, or verified drafts + one."""
+        emitted = {}
+        plain = [b for b, s in enumerate(batch) if s.samples and s.draft is None]
+        if plain:
+            rows = [self._row(batch[b].seq) for b in plain]
+            toks, lps = self.sampler(logits[[starts[b] for b in plain]], rows)
+            emitted = {batch[b]: ([t], [lp]) for b, t, lp in zip(plain, toks, lps)}
+        for b, s in enumerate(batch):
+            if s.draft is not None:
+                v = self.spec.verify(s, logits[starts[b]:starts[b] + 1 + len(s.draft)])
+                s.num_new_tokens += len(v.accepted)
+                emitted[s] = (v.tokens, v.logprobs)
+        return emitted
+
+    def _row(self, seq: Sequence) -> SampleRow:
+        n = seq.num_output_tokens
+        return SampleRow(seq.params, n, self._banned(seq), seq.forced[n] if seq.forced else None)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        del self.seqs[seq.request_id]
+        self.streaming.discard(seq.request_id)
+        if self.spec is not None:
+            self.spec.stop(seq.request_id)
+        self.stats["num_finished"] += 1
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:
         p = seq.params
@@ -193,4 +251,5 @@ class LLMEngine:
             "num_preemptions": float(sch.num_preemptions),
             "num_evictions": float(self.blocks.num_evictions),
             "policy_version": float(self.policy_version),
+            **(self.spec.metrics() if self.spec is not None else {}),
         }

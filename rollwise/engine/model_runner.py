@@ -1,6 +1,8 @@
 """The one place that runs the model: builds the flat batch, owns the KV cache, returns logits."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from rollwise.config import EngineConfig
@@ -27,24 +29,91 @@ class ModelRunner:
                          torch.zeros(shape, dtype=dtype, device=self.device))
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """One forward over all scheduled tokens; logits [num sampling seqs, vocab] in batch order."""
-        ids, positions, last_rows, row = [], [], [], 0
-        for s in batch:
+    def run(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
+        """One forward over all scheduled tokens (and draft tokens). Returns logits and, per batch
+        entry, where its rows start in them: the last token's row for a sampling sequence, the last
+        token's row followed by one row per draft token for a speculating one; -1 if none."""
+        ids, positions, rows, starts, q_lens, trees = [], [], [], [], [], {}
+        row = 0
+        for b, s in enumerate(batch):
             c, n = s.num_computed_before, s.num_new_tokens
             ids.extend(s.seq.token_ids[c:c + n])
             positions.extend(range(c, c + n))
             row += n
-            if s.samples:
-                last_rows.append(row - 1)
-        meta = build_metadata([s.num_new_tokens for s in batch], [s.num_computed_before for s in batch],
-                              [s.seq.block_table for s in batch], self.block_size, self.device)
+            if s.draft is not None and len(s.draft):
+                d = s.draft
+                depth = draft_depths(d.parents)
+                ids.extend(d.token_ids)
+                positions.extend(c + n - 1 + x for x in depth)
+                trees[b] = tree_mask(d.parents, n)
+                starts.append(len(rows))
+                rows.extend(range(row - 1, row + len(d)))
+                row += len(d)
+            elif s.samples:
+                starts.append(len(rows))
+                rows.append(row - 1)
+            else:
+                starts.append(-1)
+            q_lens.append(n + (len(s.draft) if s.draft is not None else 0))
+        meta = build_metadata(q_lens, [s.num_computed_before for s in batch], [s.seq.block_table for s in batch],
+                              self.block_size, self.device, trees)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         hidden = self.model(t(ids), t(positions), meta, self.kv_cache)
-        return self.model.logits(hidden[t(last_rows)])
+        return self.model.logits(hidden[t(rows)]), starts
+
+    @torch.inference_mode()
+    def time_forward(self, num_tokens: int, repeats: int = 2) -> float:
+        """Seconds for a forward of num_tokens tokens (one sequence on scratch blocks; call it only
+        while no request holds KV)."""
+        bs = self.block_size
+        table = list(range(min(self.num_blocks, -(-num_tokens // bs))))
+        n = min(num_tokens, len(table) * bs)
+        meta = build_metadata([n], [0], [table], bs, self.device)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first run warms up
+            t0 = time.perf_counter()
+            self.model.logits(self.model(ids, pos, meta, self.kv_cache)[-1:])
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    @torch.inference_mode()
+    def move_kv(self, block_table: list[int], src: list[int], dst: list[int]) -> None:
+        """Copy the KV of token positions src to positions dst of one sequence (accepted tree nodes
+        into their place on the sequence), in every layer."""
+        bs = self.block_size
+        slot = lambda p: block_table[p // bs] * bs + p % bs  # noqa: E731
+        s = torch.tensor([slot(p) for p in src], device=self.device)
+        d = torch.tensor([slot(p) for p in dst], device=self.device)
+        for cache in self.kv_cache:
+            cache.index_copy_(1, d, cache.index_select(1, s))
 
     @torch.inference_mode()
     def update_weights(self, weights: dict[str, torch.Tensor] | str) -> None:
         state = load_state_dict(weights) if isinstance(weights, str) else weights
         load_weights(self.model, state, partial=True)
         self.model.prepack()
+
+
+def draft_depths(parents: list[int]) -> list[int]:
+    """Depth of each draft token below the sequence's last token (1 for its children)."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return depth
+
+
+def tree_mask(parents: list[int], num_before: int) -> torch.Tensor:
+    """[q, q] bool over this step's new tokens (num_before of the sequence, then the draft): each
+    token sees the sequence's tokens and its own ancestors in the draft tree."""
+    k = len(parents)
+    q = num_before + k
+    mask = torch.ones(q, q, dtype=torch.bool).tril()
+    anc = torch.zeros(k, k, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            anc[i] = anc[p]
+        anc[i, i] = True
+    mask[num_before:, num_before:] = anc
+    return mask

@@ -18,11 +18,18 @@ class SampleRow:
     params: SamplingParams
     position: int  # index of the output token being sampled
     banned: tuple[int, ...] = ()  # e.g. EOS before min_tokens
+    forced: int | None = None  # trace replay: emit this token (its logprob is still the model's)
 
 
 class Sampler:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+
+    def generator_for(self, params: SamplingParams, position: int) -> torch.Generator:
+        """A seeded request's own stream for output position `position`; otherwise the engine's."""
+        if params.seed is None:
+            return self.generator
+        return torch.Generator().manual_seed(hash((params.seed, position, "verify")) & (2**63 - 1))
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[float]]:
@@ -38,11 +45,14 @@ class Sampler:
         rand = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if rand:
             tokens[rand] = self._sample(scaled[rand], [rows[i] for i in rand])
+        for i, r in enumerate(rows):
+            if r.forced is not None:
+                tokens[i] = r.forced
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         return tokens.tolist(), chosen.tolist()
 
     def _sample(self, scaled: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        scaled = _top_k_top_p(scaled, [r.params.top_k for r in rows], [r.params.top_p for r in rows])
+        scaled = top_k_top_p(scaled, [r.params.top_k for r in rows], [r.params.top_p for r in rows])
         probs = torch.softmax(scaled, dim=-1)
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
@@ -55,7 +65,7 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+def top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     use_k = any(k > 0 for k in top_k)
     use_p = any(p < 1.0 for p in top_p)
     if not (use_k or use_p):

@@ -13,13 +13,19 @@ from dataclasses import dataclass
 
 from rollwise.engine.block_manager import BlockManager
 from rollwise.engine.sequence import Sequence, Status
+from rollwise.types import Draft
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # tokens of the sequence computed this step (after verification: + accepted)
     num_computed_before: int
+    draft: Draft | None = None  # speculated tokens verified after the last one
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.samples and self.num_computed_before >= self.seq.prompt_len
 
     @property
     def samples(self) -> bool:
@@ -100,6 +106,20 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make room for the first `num_tokens` tokens' KV (draft tokens), without preempting anyone."""
+        need = self.blocks.num_blocks_for(num_tokens) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if not self.blocks.can_allocate(need):
+            return False
+        self.blocks.allocate(seq.block_table, need)
+        return True
+
+    def release_unused(self, seq: Sequence) -> None:
+        """Give back blocks reserved past the sequence's tokens (rejected drafts)."""
+        self.blocks.truncate(seq.block_table, self.blocks.num_blocks_for(seq.num_tokens))
 
     def after_step(self, batch: list[ScheduledSeq]) -> None:
         """Record computed tokens and publish newly filled blocks to the prefix cache."""

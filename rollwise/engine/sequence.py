@@ -32,6 +32,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str | None = None  # set when a stop string truncates the output
+    forced: list[int] | None = None  # trace replay: the output tokens to emit
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,0 +1,99 @@
+"""Speculation on one replica: draft (SuffixCache), budget (controller), verify, roll back.
+
+The engine calls `propose` after scheduling (drafts for decoding sequences, KV reserved for them),
+`verify` per speculating sequence after the forward, and `record` once tokens are emitted.
+Request lifetime is explicit: `start` when a request is added, `stop` when it finishes or aborts.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rollwise.config import EngineConfig
+from rollwise.engine.scheduler import Scheduler, ScheduledSeq
+from rollwise.engine.spec_controller import SpecController
+from rollwise.engine.verification import Verdict, verify
+from rollwise.spec.suffix_cache import SOURCES, SuffixCache
+
+
+class Speculator:
+    def __init__(self, cfg: EngineConfig, runner, sampler) -> None:
+        self.runner, self.sampler = runner, sampler
+        self.tree = cfg.spec_tree
+        self.cache = SuffixCache(max_depth=cfg.spec_max_depth, max_spec_tokens=cfg.spec_max_tokens,
+                                 alpha=cfg.spec_alpha, offset=cfg.spec_offset,
+                                 min_token_prob=cfg.spec_min_token_prob,
+                                 max_cached_requests=cfg.spec_max_cached_requests, eviction=cfg.spec_eviction,
+                                 tree=cfg.spec_tree)
+        self.controller = SpecController(cfg.spec_controller, cfg.spec_max_tokens, cfg.spec_threshold)
+        self.stats = {"spec_steps": 0, "spec_drafted_tokens": 0, "spec_accepted_tokens": 0, "spec_draft_time_s": 0.0,
+                      "spec_kv_moves": 0,
+                      **{f"spec_drafted_{s}": 0 for s in SOURCES}, **{f"spec_accepted_{s}": 0 for s in SOURCES}}
+        if cfg.spec_controller == "adaptive":
+            self.calibrate()
+
+    def calibrate(self, sizes: tuple[int, ...] = (1, 4, 16, 64, 256)) -> None:
+        """Seed the step-time model with a few forwards before any request arrives."""
+        for n in sizes:
+            self.controller.observe_step(n, self.runner.time_forward(n))
+
+    # lifecycle -----------------------------------------------------------------------------------
+    def start(self, request_id: str, prompt: list[int], group_id: str | None) -> None:
+        self.cache.start_request(request_id, prompt, group_id)
+
+    def stop(self, request_id: str) -> None:
+        self.cache.stop_request(request_id)
+
+    # the step ------------------------------------------------------------------------------------
+    def propose(self, batch: list[ScheduledSeq], scheduler: Scheduler, token_budget: int, max_model_len: int) -> None:
+        cands = [s for s in batch if s.is_decode and s.seq.num_output_tokens >= s.seq.params.min_tokens]
+        if not cands or not self.controller.wants_drafts(len(scheduler.running)):
+            return
+        t0 = time.perf_counter()
+        drafts = self.cache.speculate_batch([s.seq.request_id for s in cands], tree=self.tree)
+        self.stats["spec_draft_time_s"] += time.perf_counter() - t0
+        base = sum(s.num_new_tokens for s in batch)
+        plan = self.controller.plan(drafts, base, sum(1 for s in batch if s.samples))
+        room = token_budget - base
+        for s, d, k in zip(cands, drafts, plan):
+            seq = s.seq
+            # the bonus token always comes on top: never draft past max_tokens or the model length
+            left = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens) - 1
+            k = min(k, left, room)
+            if k <= 0 or not scheduler.reserve(seq, seq.num_tokens + k):
+                continue
+            s.draft = d.truncated(k)
+            room -= k
+        if any(s.draft is not None for s in cands):
+            self.stats["spec_steps"] += 1
+
+    def verify(self, s: ScheduledSeq, logits: torch.Tensor) -> Verdict:
+        seq, d = s.seq, s.draft
+        v = verify(logits.float().cpu(), d, seq.params, seq.num_output_tokens, seq.forced,
+                   self.sampler.generator_for(seq.params, seq.num_output_tokens))
+        # accepted tree nodes move into place after the last token (a chain is already there)
+        root = s.num_computed_before + s.num_new_tokens - 1
+        src = [root + 1 + i for i in v.accepted]
+        dst = [root + 1 + j for j in range(len(v.accepted))]
+        if src != dst:
+            self.runner.move_kv(seq.block_table, src, dst)
+            self.stats["spec_kv_moves"] += 1
+        st = self.stats
+        st["spec_drafted_tokens"] += len(d)
+        st["spec_accepted_tokens"] += len(v.accepted)
+        st[f"spec_drafted_{d.source}"] += len(d)
+        st[f"spec_accepted_{d.source}"] += len(v.accepted)
+        self.controller.observe_acceptance(d.source, d.score, len(v.accepted))
+        return v
+
+    def record(self, new_tokens: dict[str, list[int]], num_tokens: int, seconds: float) -> None:
+        """Tokens emitted this step go into the trees; the step's cost into the step-time model."""
+        if new_tokens:
+            self.cache.append_batch(new_tokens)
+        self.controller.observe_step(num_tokens, seconds)
+
+    def metrics(self) -> dict[str, float]:
+        st = {k: float(v) for k, v in self.stats.items()}
+        st["spec_acceptance_rate"] = st["spec_accepted_tokens"] / st["spec_drafted_tokens"] if st["spec_drafted_tokens"] else 0.0
+        return {**st, **self.cache.metrics()}

@@ -1,0 +1,77 @@
+"""Verification of drafted tokens: which to accept, and the token that follows them.
+
+Given the target model's logits at the last token (row 0) and at every draft token (row i + 1), walk
+the draft tree from the root. Greedy: accept the child equal to the target's argmax. Sampling
+(temperature > 0): at each node try its children in draft order, accepting child x with probability
+p'(x), where p' is the target distribution with the already rejected siblings removed and
+renormalised; if none is accepted, sample from p'. This is exact rejection sampling for
+deterministic (multi-)drafts: every emitted token has the target distribution, so speculation is
+lossless. Teacher forcing (trace replay) accepts the child equal to the recorded token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollwise.engine.sampler import top_k_top_p
+from rollwise.types import Draft, SamplingParams
+
+
+@dataclass(slots=True)
+class Verdict:
+    accepted: list[int]  # indices of accepted draft tokens, root to leaf
+    tokens: list[int]  # emitted tokens: the accepted draft tokens, then one more
+    logprobs: list[float]
+
+
+def children_of(parents: list[int]) -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        kids.setdefault(p, []).append(i)
+    return kids
+
+
+@torch.inference_mode()
+def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, position: int,
+           forced: list[int] | None, generator: torch.Generator) -> Verdict:
+    """logits [1 + len(draft), V] (float32, CPU); position: output index of the first new token."""
+    temp = params.temperature if params.temperature > 0 else 1.0
+    scaled = logits / temp
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    kids = children_of(draft.parents)
+    accepted, tokens, lps = [], [], []
+    node = -1  # the sequence's last token
+    if forced is not None or params.is_greedy:
+        targets = logprobs.argmax(dim=-1).tolist() if forced is None else None
+        while True:
+            row = node + 1
+            want = targets[row] if forced is None else forced[position + len(tokens)]
+            tokens.append(want)
+            lps.append(float(logprobs[row, want]))
+            nxt = next((i for i in kids.get(node, ()) if draft.token_ids[i] == want), None)
+            if nxt is None or (forced is not None and position + len(tokens) >= len(forced)):
+                return Verdict(accepted, tokens, lps)
+            accepted.append(nxt)
+            node = nxt
+    probs = torch.softmax(top_k_top_p(scaled, [params.top_k] * len(scaled), [params.top_p] * len(scaled)), dim=-1)
+    while True:
+        row = node + 1
+        p = probs[row].clone()
+        nxt = None
+        for i in kids.get(node, ()):
+            x = draft.token_ids[i]
+            mass = float(p.sum())
+            if mass > 0 and float(torch.rand((), generator=generator)) * mass < float(p[x]):
+                nxt = i
+                break
+            p[x] = 0.0  # rejected: sample among the rest
+        if nxt is None:
+            tok = int(torch.multinomial(p / p.sum(), 1, generator=generator))
+            tokens.append(tok)
+            lps.append(float(logprobs[row, tok]))
+            return Verdict(accepted, tokens, lps)
+        accepted.append(nxt)
+        tokens.append(draft.token_ids[nxt])
+        lps.append(float(logprobs[row, draft.token_ids[nxt]]))
+        node = nxt

@@ -1,0 +1,188 @@
+"""SuffixCache: which suffix trees a request drafts from (the policy over the trees in `suffix_tree`).
+
+Three sources, best score wins (ties: the earlier source):
+- request: the request's own prompt and output so far (copied file content, repeated JSON keys);
+- group: the responses of its prompt group, in-flight siblings included, so GRPO siblings draft
+  from each other while they run; kept while the group is recent (LRU over groups);
+- global: responses of other requests, in flight and finished, bounded to `max_cached_requests`
+  with FIFO or LRU eviction (LRU: a new request of a group refreshes that group's responses).
+
+Imports no torch. The C++ trees are used when built (`backend="cpp"`), the Python ones otherwise.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from rollwise.spec.suffix_tree import SuffixTree
+from rollwise.types import Draft
+
+try:
+    from rollwise.spec import _C
+except ImportError:  # the package was installed without its native build
+    _C = None
+
+SOURCES = ("request", "group", "global")
+EVICTIONS = ("fifo", "lru")
+BACKENDS = ("cpp", "python")
+
+
+@dataclass(slots=True)
+class _Request:
+    seq_id: int
+    group_id: str | None
+    tree: object  # this request's own tree: prompt + output
+    context: list[int] = field(default_factory=list)
+
+
+class SuffixCache:
+    def __init__(self, *, max_depth: int = 24, max_spec_tokens: int = 16, alpha: float = 1.0,
+                 offset: float = 0.0, min_token_prob: float = 0.1, max_cached_requests: int = 10000,
+                 eviction: str = "fifo", use_group_tree: bool = True, max_groups: int = 1024,
+                 tree: bool = False, backend: str = "cpp") -> None:
+        if eviction not in EVICTIONS:
+            raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "cpp" and _C is None:
+            raise ValueError("the C++ core rollwise.spec._C is not built; reinstall rollwise or use backend='python'")
+        if max_depth < 1 or max_spec_tokens < 0 or max_cached_requests < 0 or not 0 <= min_token_prob <= 1:
+            raise ValueError("need max_depth >= 1, max_spec_tokens >= 0, max_cached_requests >= 0, "
+                             "0 <= min_token_prob <= 1")
+        self.max_depth, self.max_spec_tokens = max_depth, max_spec_tokens
+        self.alpha, self.offset, self.min_token_prob = alpha, offset, min_token_prob
+        self.max_cached_requests, self.eviction = max_cached_requests, eviction
+        self.use_group_tree, self.max_groups, self.tree = use_group_tree, max_groups, tree
+        self.backend = backend
+        self._new_tree = (lambda: _C.SuffixTree(max_depth)) if backend == "cpp" else (lambda: SuffixTree(max_depth))
+        self.global_tree = self._new_tree()
+        self._cached: OrderedDict[int, str | None] = OrderedDict()  # seq id in the global tree -> group
+        self.groups: OrderedDict[str, object] = OrderedDict()  # group id -> tree of its responses
+        self.requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+
+    # lifecycle -----------------------------------------------------------------------------------
+    def start_request(self, request_id: str, prompt_token_ids: list[int], group_id: str | None = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} is already active")
+        req = _Request(next(self._ids), group_id, self._new_tree(), list(prompt_token_ids))
+        req.tree.append(0, list(prompt_token_ids))
+        self.requests[request_id] = req
+        if group_id is not None and self.use_group_tree:
+            if group_id not in self.groups:
+                self.groups[group_id] = self._new_tree()
+            self.groups.move_to_end(group_id)
+            self._evict_groups()
+        if self.max_cached_requests > 0:
+            if self.eviction == "lru" and group_id is not None:
+                for sid in [s for s, g in self._cached.items() if g == group_id]:
+                    self._cached.move_to_end(sid)
+            self._cached[req.seq_id] = group_id
+            self._evict_cached()
+
+    def append(self, request_id: str, token_ids: list[int]) -> None:
+        req = self.requests[request_id]
+        token_ids = list(token_ids)
+        req.context.extend(token_ids)
+        for tree, sid in self._targets(req):
+            tree.append(sid, token_ids)
+
+    def append_batch(self, items: dict[str, list[int]]) -> None:
+        """append() for many requests in one native call."""
+        if self.backend != "cpp":
+            for rid, toks in items.items():
+                self.append(rid, toks)
+            return
+        calls = []
+        for rid, toks in items.items():
+            req = self.requests[rid]
+            toks = list(toks)
+            req.context.extend(toks)
+            calls.extend((tree, sid, toks) for tree, sid in self._targets(req))
+        _C.append_batch(calls)
+
+    def stop_request(self, request_id: str) -> None:
+        """The request's tree goes; its response stays in the global and group trees for others."""
+        self.requests.pop(request_id, None)
+
+    def add_sequence(self, token_ids: list[int], group_id: str | None = None) -> None:
+        """Shared drafting material from elsewhere (e.g. a trajectory finished on another replica)."""
+        sid = next(self._ids)
+        if group_id is not None and self.use_group_tree:
+            tree = self.groups.get(group_id)
+            if tree is None:
+                tree = self.groups[group_id] = self._new_tree()
+                self._evict_groups()
+            tree.append(sid, list(token_ids))
+        if self.max_cached_requests > 0:
+            self._cached[sid] = group_id
+            self.global_tree.append(sid, list(token_ids))
+            self._evict_cached()
+
+    # drafting ------------------------------------------------------------------------------------
+    def speculate(self, request_id: str, max_spec_tokens: int | None = None, tree: bool | None = None) -> Draft:
+        return self.speculate_batch([request_id], max_spec_tokens, tree)[0]
+
+    def speculate_batch(self, request_ids: list[str], max_spec_tokens: int | list[int] | None = None,
+                        tree: bool | None = None) -> list[Draft]:
+        tree = self.tree if tree is None else tree
+        n = self.max_spec_tokens if max_spec_tokens is None else max_spec_tokens
+        budgets = n if isinstance(n, list) else [n] * len(request_ids)
+        reqs = [self.requests[r] for r in request_ids]
+        sources = [self._sources(r) for r in reqs]
+        ctxs = [r.context[-self.max_depth:] for r in reqs]
+        if self.backend == "cpp":
+            raw = _C.speculate_batch(sources, ctxs, budgets, self.alpha, self.offset, self.min_token_prob, tree)
+            return [Draft(t, p, pr, s, m, SOURCES[src] if src >= 0 else "") for t, p, pr, s, m, src in raw]
+        out = []
+        for srcs, ctx, b in zip(sources, ctxs, budgets):
+            best, name = Draft(), ""
+            for i, t in enumerate(srcs):
+                if t is None or b <= 0:
+                    continue
+                d = t.speculate(ctx, b, self.alpha, self.offset, self.min_token_prob, tree)
+                if d.token_ids and (not name or d.score > best.score):
+                    best, name = d, SOURCES[i]
+            best.source = name
+            out.append(best)
+        return out
+
+    # internals -----------------------------------------------------------------------------------
+    def _sources(self, req: _Request) -> list:
+        group = self.groups.get(req.group_id) if req.group_id is not None else None
+        return [req.tree, group, self.global_tree if self.max_cached_requests > 0 else None]
+
+    def _targets(self, req: _Request):
+        yield req.tree, 0
+        group = self.groups.get(req.group_id) if req.group_id is not None else None
+        if group is not None:
+            yield group, req.seq_id
+        if req.seq_id in self._cached:
+            yield self.global_tree, req.seq_id
+
+    def _evict_cached(self) -> None:
+        while len(self._cached) > self.max_cached_requests:
+            sid, _ = self._cached.popitem(last=False)
+            self.global_tree.remove(sid)
+
+    def _evict_groups(self) -> None:
+        active = {r.group_id for r in self.requests.values()}
+        for gid in list(self.groups):
+            if len(self.groups) <= self.max_groups:
+                break
+            if gid not in active:
+                del self.groups[gid]
+
+    def check_integrity(self) -> None:
+        self.global_tree.check_integrity()
+        for t in self.groups.values():
+            t.check_integrity()
+        for r in self.requests.values():
+            r.tree.check_integrity()
+        assert len(self._cached) <= self.max_cached_requests
+
+    def metrics(self) -> dict[str, float]:
+        nodes = self.global_tree.num_nodes + sum(t.num_nodes for t in self.groups.values())
+        return {"spec_cached_requests": float(len(self._cached)), "spec_groups": float(len(self.groups)),
+                "spec_tree_nodes": float(nodes + sum(r.tree.num_nodes for r in self.requests.values()))}

@@ -1,0 +1,96 @@
+"""SuffixCache policy: sources, in-flight siblings, eviction, and backend equivalence."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rollwise.spec.suffix_cache import SuffixCache
+
+
+@pytest.mark.parametrize("backend", ["cpp", "python"])
+def test_in_flight_sibling_drafts_for_another(backend):
+    c = SuffixCache(backend=backend, alpha=4.0, max_spec_tokens=8, min_token_prob=0.0)
+    prompt = [1, 2, 3]
+    c.start_request("a", prompt, group_id="g")
+    c.start_request("b", prompt, group_id="g")
+    c.append("a", [10, 11, 12, 13, 14, 15])  # a is still running
+    c.append("b", [10, 11])
+    d = c.speculate("b")
+    assert d.token_ids[:4] == [12, 13, 14, 15] and d.source in ("group", "global")
+    c.check_integrity()
+
+
+def test_group_tree_beats_diluted_global_tree():
+    c = SuffixCache(alpha=4.0, max_spec_tokens=4, min_token_prob=0.0)
+    for i in range(6):  # many other requests continue "7 8" differently
+        c.start_request(f"o{i}", [0], group_id=f"other{i}")
+        c.append(f"o{i}", [7, 8, 100 + i, 200 + i])
+        c.stop_request(f"o{i}")
+    c.start_request("a", [0], group_id="g")
+    c.append("a", [7, 8, 9, 9])
+    c.stop_request("a")
+    c.start_request("b", [0], group_id="g")
+    c.append("b", [7, 8])
+    d = c.speculate("b")
+    assert d.source == "group" and d.token_ids[:2] == [9, 9]
+
+
+def test_request_tree_drafts_from_its_own_prompt():
+    c = SuffixCache(alpha=2.0, max_spec_tokens=6)
+    c.start_request("r", [5, 6, 7, 8, 9, 10, 1, 2])
+    c.append("r", [5, 6, 7])
+    d = c.speculate("r")
+    assert d.source == "request" and d.token_ids[:3] == [8, 9, 10]
+
+
+@pytest.mark.parametrize("eviction", ["fifo", "lru"])
+def test_global_cache_is_bounded(eviction):
+    c = SuffixCache(max_cached_requests=3, eviction=eviction, alpha=4.0, min_token_prob=0.0)
+    for i in range(5):
+        c.start_request(f"r{i}", [0], group_id="g" if i == 0 else None)
+        c.append(f"r{i}", [50 + i, 60 + i, 70 + i])
+        c.stop_request(f"r{i}")
+        c.check_integrity()
+    assert len(c._cached) == 3
+    c.start_request("q", [1], group_id="zz")
+    c.append("q", [50])
+    assert c.speculate("q").token_ids == []  # r0's response was evicted (group "g" was not refreshed)
+    c.append("q", [53])
+    assert c.speculate("q").token_ids[:1] == [63]
+
+
+def test_backends_agree_on_random_workloads():
+    rng = random.Random(0)
+    caches = [SuffixCache(backend=b, max_cached_requests=5, alpha=2.0, max_spec_tokens=6) for b in ("cpp", "python")]
+    live: list[str] = []
+    for step in range(300):
+        op = rng.random()
+        if op < 0.2 or not live:
+            rid = f"r{step}"
+            prompt = [rng.randrange(8) for _ in range(rng.randint(1, 6))]
+            g = rng.choice([None, "a", "b"])
+            for c in caches:
+                c.start_request(rid, prompt, g)
+            live.append(rid)
+        elif op < 0.3:
+            rid = live.pop(rng.randrange(len(live)))
+            for c in caches:
+                c.stop_request(rid)
+        elif op < 0.7:
+            batch = {r: [rng.randrange(8) for _ in range(rng.randint(1, 3))] for r in rng.sample(live, min(3, len(live)))}
+            for c in caches:
+                c.append_batch(batch)
+        else:
+            tree = rng.random() < 0.5
+            a, b = (c.speculate_batch(live, 6, tree=tree) for c in caches)
+            assert [(d.token_ids, d.parents, d.source) for d in a] == [(d.token_ids, d.parents, d.source) for d in b]
+    for c in caches:
+        c.check_integrity()
+
+
+def test_bad_options_name_the_valid_ones():
+    with pytest.raises(ValueError, match="fifo"):
+        SuffixCache(eviction="random")
+    with pytest.raises(ValueError, match="cpp"):
+        SuffixCache(backend="rust")
