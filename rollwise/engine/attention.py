@@ -78,7 +78,7 @@ def _group(idx, q_all, c_all, bt_all, starts_all, block_size, device, tree_masks
         mask = mask.to(device)
     out_select = valid_q.flatten().nonzero().flatten()
     out_rows = q_index.flatten()[out_select]
-    if len(out_rows) == len(q_all) and bool((out_rows == torch.arange(len(out_rows))).all()):
+    if len(out_rows) == int(q_all.sum()) and bool(valid_q.all()) and bool((out_rows == torch.arange(len(out_rows))).all()):
         out_rows = out_select = None  # this group is the whole batch, in order
     else:
         out_rows, out_select = out_rows.to(device), out_select.to(device)

@@ -1,0 +1,111 @@
+"""Speculative decoding is lossless: same tokens (greedy), same distribution (sampling), same logprobs."""
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from rollwise import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 1000) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir):
+    return LLM(model_dir, max_num_seqs=64)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_greedy_tokens_and_logprobs_equal_without_speculation(model_dir, baseline, tree, batch):
+    prompts = _prompts(batch, seed=batch)
+    ref = baseline.generate(prompts, GREEDY)
+    llm = LLM(model_dir, max_num_seqs=64, speculative="suffix", spec_controller="always", spec_tree=tree)
+    for _ in range(2):  # the second round drafts from the first round's outputs too
+        out = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+        for a, b in zip(out, ref):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    m = llm.metrics()
+    assert m["spec_accepted_tokens"] > 0 and m["spec_steps"] > 0
+    assert m["num_steps"] < 2 * baseline.metrics()["num_steps"]  # fewer steps than two plain rounds
+    llm.engine.scheduler.check_integrity()
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+    if tree and batch == 64:
+        assert m["spec_kv_moves"] > 0  # accepted side branches were moved into place
+
+
+def test_speculation_with_preemption_chunking_and_prefix_cache(model_dir, baseline):
+    prompts = [p + q for p, q in zip(_prompts(12, 1), _prompts(12, 2))]
+    ref = baseline.generate(prompts, GREEDY)
+    llm = LLM(model_dir, speculative="suffix", spec_controller="always", spec_tree=True,
+              max_num_batched_tokens=48, num_kv_blocks=30, block_size=8, max_num_seqs=12)
+    for _ in range(2):
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [o.token_ids for o in ref]
+    m = llm.metrics()
+    assert m["num_preemptions"] > 0 and m["spec_accepted_tokens"] > 0 and m["prefix_hits"] > 0
+    llm.engine.scheduler.check_integrity()
+
+
+def test_abort_mid_speculation_frees_everything(model_dir):
+    llm = LLM(model_dir, speculative="suffix", spec_controller="always")
+    eng = llm.engine
+    p = _prompts(1, 3)[0]
+    llm.generate([p], GREEDY)
+    rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)) for _ in range(3)]
+    for _ in range(6):
+        eng.step()
+    for r in rids:
+        assert eng.abort(r).finish_reason == "abort"
+    eng.scheduler.check_integrity()
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks and not eng.spec.cache.requests
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_sampling_distribution_is_unchanged(model_dir, tree):
+    """Two-sample chi-square on the joint distribution of 3 sampled tokens (top-k 3: 27 outcomes)."""
+    prompt = _prompts(1, 5)[0]
+    n = 700
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, seed=i) for i in range(n)]
+    plain = LLM(model_dir, max_num_seqs=64).generate([prompt] * n, params)
+    spec_llm = LLM(model_dir, max_num_seqs=64, speculative="suffix", spec_controller="always", spec_tree=tree,
+                   spec_min_token_prob=0.0, spec_alpha=4.0)
+    spec = spec_llm.generate([prompt] * n, [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+                                            for _ in range(n)])
+    assert spec_llm.metrics()["spec_accepted_tokens"] > 100  # rejection sampling was exercised
+    a, b = Counter(tuple(o.token_ids) for o in plain), Counter(tuple(o.token_ids) for o in spec)
+    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= 5]
+    chi2 = sum((a[k] - b[k]) ** 2 / (a[k] + b[k]) for k in keys)
+    assert chi2 < _chi2_critical(len(keys) - 1), (chi2, len(keys))
+
+
+def test_teacher_forcing_emits_the_trace_with_model_logprobs(model_dir):
+    prompt = _prompts(1, 6)[0]
+    trace = [7, 8, 9, 10, 11] * 6
+    plain = LLM(model_dir).engine
+    rid = plain.add_request(prompt, SamplingParams(temperature=0), forced_output=trace)
+    out = None
+    while plain.has_unfinished:
+        out = next((o for o in plain.step() if o.request_id == rid), out)
+    assert out.token_ids == trace and out.finish_reason == "length"
+    spec = LLM(model_dir, speculative="suffix", spec_controller="always").engine
+    rid = spec.add_request(prompt, SamplingParams(temperature=0), forced_output=trace)
+    out2 = None
+    while spec.has_unfinished:
+        out2 = next((o for o in spec.step() if o.request_id == rid), out2)
+    assert out2.token_ids == trace
+    assert out2.logprobs == pytest.approx(out.logprobs, abs=1e-4)
+    m = spec.metrics()
+    assert m["spec_accepted_tokens"] >= 15 and m["num_steps"] < plain.metrics()["num_steps"]
