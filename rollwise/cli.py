@@ -71,6 +71,11 @@ def cmd_serve(args) -> None:
     uvicorn.run(build_app(engine, scfg, name), host=scfg.host, port=scfg.port, log_level="warning")
 
 
+def cmd_bench_spec(args) -> None:
+    from rollwise.spec.bench import main as bench_main
+    bench_main(args)
+
+
 def cmd_demo(args) -> None:
     """Engine demo (the RL demo lands with the pipeline): a tiny local model, a batch of chat requests
     sharing a system prompt, throughput and prefix-cache reuse."""
@@ -126,6 +131,22 @@ def main(argv: list[str] | None = None) -> None:
     add_config_args(p, EngineConfig, skip=("model",))
     add_config_args(p, ServerConfig)
     p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("bench", help="built-in benchmarks")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    b = bsub.add_parser("spec", help="offline drafting replay on agent trajectories (no model)")
+    b.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared" / "data" /
+                                         "agent-trajectories" / "public.jsonl"))
+    b.add_argument("--tokenizer", required=True, help="model directory whose tokenizer to use")
+    b.add_argument("--group-size", type=int, default=1, help="replay this many trials of a task as siblings")
+    b.add_argument("--limit", type=int, default=None, help="first N trajectories only")
+    b.add_argument("--max-depth", type=int, default=24)
+    b.add_argument("--max-spec-tokens", type=int, default=16)
+    b.add_argument("--alpha", type=float, default=1.0)
+    b.add_argument("--min-token-prob", type=float, default=0.1)
+    b.add_argument("--no-arctic", action="store_true")
+    b.add_argument("--json")
+    b.set_defaults(fn=cmd_bench_spec)
 
     p = sub.add_parser("demo", help="the main job on a tiny local model")
     p.add_argument("--requests", type=int, default=32)

@@ -31,26 +31,27 @@ class AsyncEngine:
 
     # public API ----------------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> RequestOutput:
-        """The finished output (finish_reason "abort" if it was aborted)."""
+                       request_id: str | None = None, **options) -> RequestOutput:
+        """The finished output (finish_reason "abort" if it was aborted). options: `group_id` (the
+        prompt group, for drafting from siblings), `forced_output` (trace replay)."""
         out = None
-        async for out in self._outputs(prompt, params, request_id, stream=False):
+        async for out in self._outputs(prompt, params, request_id, False, options):
             pass
         return out
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
-               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+               request_id: str | None = None, **options) -> AsyncIterator[RequestOutput]:
         """Yields the cumulative output after every new token; the last one has `finished=True`.
         Closing the iterator early (e.g. a client disconnect) aborts the request."""
-        return self._outputs(prompt, params, request_id, stream=True)
+        return self._outputs(prompt, params, request_id, True, options)
 
-    async def _outputs(self, prompt, params, request_id, stream: bool) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self, prompt, params, request_id, stream: bool, options: dict) -> AsyncIterator[RequestOutput]:
         params = params or SamplingParams()
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
         def add() -> str:
-            rid = self.engine.add_request(prompt, params, request_id, stream=stream)
+            rid = self.engine.add_request(prompt, params, request_id, stream=stream, **options)
             self._streams[rid] = (loop, queue)
             return rid
 

@@ -17,16 +17,25 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[int] | list, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, group_ids: list[str | None] | None = None) -> list[RequestOutput]:
         """prompts: strings or token-id lists (one prompt alone is accepted too); params: one for all
-        or one per prompt. Returns outputs in prompt order."""
+        or one per prompt; group_ids: the prompt group of each (siblings draft from each other).
+        Returns outputs in prompt order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        groups = group_ids or [None] * len(prompts)
+        ids: list[str] = []
+        try:
+            for p, sp, g in zip(prompts, plist, groups):
+                ids.append(self.engine.add_request(p, sp, group_id=g))
+        except ValueError:  # all or nothing: take back the ones already queued
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:

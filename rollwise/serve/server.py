@@ -80,8 +80,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         prompt = body.input_ids if body.input_ids is not None else body.prompt
         rid = body.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         if body.stream:
-            return _sse(await _primed(_stream_generate(engine, prompt, params, rid)))
-        out = await engine.generate(prompt, params, rid)
+            return _sse(await _primed(_stream_generate(engine, prompt, params, rid, body.group_id)))
+        out = await engine.generate(prompt, params, rid, group_id=body.group_id)
         return _generate_json(out)
 
     @app.post("/v1/completions")
@@ -95,7 +95,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
                 raise ValueError("streaming takes one prompt")
             return _sse(await _primed(_stream_completion(engine, prompts[0], params, rid, model_name,
                                                           body.logprobs is not None)))
-        outs = await asyncio.gather(*(engine.generate(p, params, f"{rid}-{i}") for i, p in enumerate(prompts)))
+        outs = await asyncio.gather(*(engine.generate(p, params, f"{rid}-{i}", group_id=body.group_id)
+                                      for i, p in enumerate(prompts)))
         choices = [{"index": i, "text": o.text, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
                     "logprobs": _completion_logprobs(tok, o) if body.logprobs is not None else None}
                    for i, o in enumerate(outs)]
@@ -111,7 +112,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
         if body.stream:
             return _sse(await _primed(_stream_chat(engine, ids, params, rid, model_name, body.logprobs)))
-        out = await engine.generate(ids, params, rid)
+        out = await engine.generate(ids, params, rid, group_id=body.group_id)
         choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
                   "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
                   "logprobs": {"content": _chat_logprobs(tok, out.token_ids, out.logprobs)} if body.logprobs else None}
@@ -176,11 +177,11 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
-async def _deltas(engine, prompt, params: SamplingParams, rid: str):
+async def _deltas(engine, prompt, params: SamplingParams, rid: str, group_id: str | None = None):
     """(new token ids, their logprobs, new text, final output or None) per engine step."""
     tok = engine.tokenizer
     sent_tokens, sent_text = 0, ""
-    async for out in engine.stream(prompt, params, rid):
+    async for out in engine.stream(prompt, params, rid, group_id=group_id):
         text = out.text if out.finished else tok.decode(out.token_ids, params.skip_special_tokens)
         if not out.finished and text.endswith("\ufffd"):  # half a multi-byte character: wait
             continue
@@ -190,8 +191,8 @@ async def _deltas(engine, prompt, params: SamplingParams, rid: str):
         yield new_ids, new_lps, delta, out if out.finished else None
 
 
-async def _stream_generate(engine, prompt, params, rid):
-    async for ids, lps, delta, final in _deltas(engine, prompt, params, rid):
+async def _stream_generate(engine, prompt, params, rid, group_id):
+    async for ids, lps, delta, final in _deltas(engine, prompt, params, rid, group_id):
         chunk = {"request_id": rid, "token_ids": ids, "logprobs": lps, "text": delta, "finished": final is not None}
         if final is not None:
             chunk |= {k: v for k, v in _generate_json(final).items() if k not in ("token_ids", "logprobs", "text")}

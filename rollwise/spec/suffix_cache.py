@@ -33,7 +33,7 @@ class _Request:
     seq_id: int
     group_id: str | None
     tree: object  # this request's own tree: prompt + output
-    context: list[int] = field(default_factory=list)
+    context: list[int] = field(default_factory=list)  # the last max_depth tokens (Python backend)
 
 
 class SuffixCache:
@@ -61,14 +61,18 @@ class SuffixCache:
         self.groups: OrderedDict[str, object] = OrderedDict()  # group id -> tree of its responses
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
+        # cpp: active requests also live natively, so a step crosses into C++ once with handles only
+        self._native = _C.Requests(max_depth) if backend == "cpp" else None
+        self._by_seq: dict[int, str] = {}
 
     # lifecycle -----------------------------------------------------------------------------------
     def start_request(self, request_id: str, prompt_token_ids: list[int], group_id: str | None = None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already active")
-        req = _Request(next(self._ids), group_id, self._new_tree(), list(prompt_token_ids))
+        req = _Request(next(self._ids), group_id, self._new_tree(), list(prompt_token_ids[-self.max_depth:]))
         req.tree.append(0, list(prompt_token_ids))
         self.requests[request_id] = req
+        self._by_seq[req.seq_id] = request_id
         if group_id is not None and self.use_group_tree:
             if group_id not in self.groups:
                 self.groups[group_id] = self._new_tree()
@@ -80,31 +84,31 @@ class SuffixCache:
                     self._cached.move_to_end(sid)
             self._cached[req.seq_id] = group_id
             self._evict_cached()
+        if self._native is not None:
+            self._native.set(req.seq_id, self._sources(req), list(self._targets(req)), req.context)
 
     def append(self, request_id: str, token_ids: list[int]) -> None:
-        req = self.requests[request_id]
-        token_ids = list(token_ids)
-        req.context.extend(token_ids)
-        for tree, sid in self._targets(req):
-            tree.append(sid, token_ids)
+        self.append_batch({request_id: token_ids})
 
     def append_batch(self, items: dict[str, list[int]]) -> None:
-        """append() for many requests in one native call."""
-        if self.backend != "cpp":
-            for rid, toks in items.items():
-                self.append(rid, toks)
+        """Extend running requests' outputs (in one native call with the C++ trees)."""
+        reqs = [self.requests[rid] for rid in items]
+        if self._native is not None:
+            self._native.append([r.seq_id for r in reqs], [list(t) for t in items.values()])
             return
-        calls = []
-        for rid, toks in items.items():
-            req = self.requests[rid]
+        for req, toks in zip(reqs, items.values()):
             toks = list(toks)
-            req.context.extend(toks)
-            calls.extend((tree, sid, toks) for tree, sid in self._targets(req))
-        _C.append_batch(calls)
+            req.context = (req.context + toks)[-self.max_depth:]
+            for tree, sid in self._targets(req):
+                tree.append(sid, toks)
 
     def stop_request(self, request_id: str) -> None:
         """The request's tree goes; its response stays in the global and group trees for others."""
-        self.requests.pop(request_id, None)
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self._by_seq.pop(req.seq_id, None)
+            if self._native is not None:
+                self._native.drop(req.seq_id)
 
     def add_sequence(self, token_ids: list[int], group_id: str | None = None) -> None:
         """Shared drafting material from elsewhere (e.g. a trajectory finished on another replica)."""
@@ -130,13 +134,12 @@ class SuffixCache:
         n = self.max_spec_tokens if max_spec_tokens is None else max_spec_tokens
         budgets = n if isinstance(n, list) else [n] * len(request_ids)
         reqs = [self.requests[r] for r in request_ids]
-        sources = [self._sources(r) for r in reqs]
-        ctxs = [r.context[-self.max_depth:] for r in reqs]
-        if self.backend == "cpp":
-            raw = _C.speculate_batch(sources, ctxs, budgets, self.alpha, self.offset, self.min_token_prob, tree)
+        if self._native is not None:
+            raw = self._native.speculate([r.seq_id for r in reqs], budgets, self.alpha, self.offset,
+                                         self.min_token_prob, tree)
             return [Draft(t, p, pr, s, m, SOURCES[src] if src >= 0 else "") for t, p, pr, s, m, src in raw]
         out = []
-        for srcs, ctx, b in zip(sources, ctxs, budgets):
+        for srcs, ctx, b in zip([self._sources(r) for r in reqs], [r.context for r in reqs], budgets):
             best, name = Draft(), ""
             for i, t in enumerate(srcs):
                 if t is None or b <= 0:
@@ -165,6 +168,9 @@ class SuffixCache:
         while len(self._cached) > self.max_cached_requests:
             sid, _ = self._cached.popitem(last=False)
             self.global_tree.remove(sid)
+            rid = self._by_seq.get(sid)
+            if rid is not None and self._native is not None:  # still running: stop feeding the global tree
+                self._native.set_targets(sid, list(self._targets(self.requests[rid])))
 
     def _evict_groups(self) -> None:
         active = {r.group_id for r in self.requests.values()}

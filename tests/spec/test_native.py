@@ -50,14 +50,27 @@ def test_random_operations_give_identical_trees_and_drafts(seed):
     assert cpp.path_counts() == py.path_counts()
 
 
-def test_batch_entry_points_pick_the_best_tree():
+def test_native_requests_draft_from_the_best_tree():
     a, b = _C.SuffixTree(8), _C.SuffixTree(8)
-    _C.append_batch([(a, 0, [1, 2, 3, 4]), (b, 0, [1, 2, 9, 9]), (b, 1, [1, 2, 9, 9])])
-    out = _C.speculate_batch([[a, b], [a, None], [b]], [[1, 2], [1, 2], [7]], [4, 4, 4], 2.0, 0.0, 0.1, False)
-    assert out[0][0] == [3, 4] and out[0][5] == 0  # both score 2.0: the first tree wins ties
-    assert out[1][0] == [3, 4] and out[1][5] == 0
-    assert out[2][0] == [] and out[2][5] == -1
+    a.append(0, [1, 2, 3, 4])
+    b.append(0, [1, 2, 9, 9])
+    reqs = _C.Requests(8)
+    reqs.set(1, [a, b], [], [1, 2])
+    reqs.set(2, [None, b], [(a, 5)], [1, 2])
+    reqs.set(3, [b], [], [7])
+    out = reqs.speculate([1, 2, 3], [4, 4, 4], 2.0, 0.0, 0.1, False)
+    assert (out[0][0], out[0][5]) == ([3, 4], 0)  # equal scores: the first tree wins
+    assert (out[1][0], out[1][5]) == ([9, 9], 1)
+    assert (out[2][0], out[2][5]) == ([], -1)
+    reqs.append([2], [[1, 2, 7]])  # request 2 feeds tree a: "1 2" now continues with 3 or 7
+    assert a.path_counts()[(1, 2, 7)] == 1
+    again = reqs.speculate([1], [4], 2.0, 0.0, 0.1, False)[0]
+    assert (again[0], again[5]) == ([9, 9], 1)
+    reqs.drop(2)
+    assert len(reqs) == 2
+    with pytest.raises(ValueError, match="unknown request handle"):
+        reqs.speculate([2], [4], 1.0, 0.0, 0.1, False)
     with pytest.raises(ValueError):
-        _C.speculate_batch([[a]], [], [1], 1.0, 0.0, 0.1, False)
+        reqs.append([1], [])
     with pytest.raises(ValueError):
         _C.SuffixTree(0)
