@@ -28,7 +28,7 @@ class Speculator:
                                  tree=cfg.spec_tree)
         self.controller = SpecController(cfg.spec_controller, cfg.spec_max_tokens, cfg.spec_threshold)
         self.stats = {"spec_steps": 0, "spec_drafted_tokens": 0, "spec_accepted_tokens": 0, "spec_draft_time_s": 0.0,
-                      "spec_kv_moves": 0,
+                      "spec_kv_moves": 0, "spec_verifications": 0,
                       **{f"spec_drafted_{s}": 0 for s in SOURCES}, **{f"spec_accepted_{s}": 0 for s in SOURCES}}
         if cfg.spec_controller == "adaptive":
             self.calibrate()
@@ -80,6 +80,7 @@ class Speculator:
             self.runner.move_kv(seq.block_table, src, dst)
             self.stats["spec_kv_moves"] += 1
         st = self.stats
+        st["spec_verifications"] += 1
         st["spec_drafted_tokens"] += len(d)
         st["spec_accepted_tokens"] += len(v.accepted)
         st[f"spec_drafted_{d.source}"] += len(d)

@@ -1,0 +1,115 @@
+"""Speculation in the engine on real agent text: trace replay of the public tau-bench trajectories
+on a model from make-model, speculation off vs the controller, at several concurrencies, in one run.
+
+    python benchmarks/spec_engine.py [--quick | --smoke] [--json PATH] [--controllers adaptive,threshold]
+
+Trace replay ("teacher forcing"): the model computes every forward for real, but the engine emits
+the recorded assistant tokens, so acceptance is that of real agent text and verification costs what
+it really costs. Every configuration replays the same requests (so the work is identical: same
+prompt tokens, same generated tokens), with `concurrency` requests in flight (closed loop).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from rollwise.config import EngineConfig  # noqa: E402
+from rollwise.engine.llm_engine import LLMEngine  # noqa: E402
+from rollwise.make_model import make_model  # noqa: E402
+from rollwise.spec.bench import load_groups  # noqa: E402
+from rollwise.types import SamplingParams  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "agent-trajectories" / "public.jsonl"
+SIZES = {
+    "bench": dict(family="llama", layers=8, hidden=512, heads=8, kv_heads=4, vocab=8192, seed=0),
+    "smoke": dict(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=1024, seed=0),
+}
+
+
+def requests_from_trajectories(model: str, n_traj: int, prompt_len: int, max_new: int) -> list[dict]:
+    """Assistant turns in trajectory order; the trials of a task share a group (GRPO siblings)."""
+    groups = load_groups(str(DATA), model, group_size=4, limit=n_traj)
+    reqs = []
+    for g, sibs in enumerate(groups):
+        for turn in range(max(len(t) for t in sibs)):
+            for s, traj in enumerate(sibs):  # siblings' turns interleave, as concurrent rollouts do
+                if turn < len(traj):
+                    prompt, resp = traj[turn]
+                    reqs.append({"prompt": prompt[-prompt_len:], "forced": resp[:max_new], "group": f"task{g}"})
+    return reqs
+
+
+def run(model: str, reqs: list[dict], concurrency: int, controller: str | None) -> dict:
+    spec = {} if controller is None else {"speculative": "suffix", "spec_controller": controller}
+    eng = LLMEngine(EngineConfig(model=model, max_num_seqs=max(concurrency, 1), **spec))
+    params = SamplingParams(temperature=0)
+    todo = list(reqs)
+    t0 = time.perf_counter()
+    while todo or eng.has_unfinished:
+        while todo and len(eng.seqs) < concurrency:
+            r = todo.pop(0)
+            eng.add_request(r["prompt"], params, group_id=r["group"], forced_output=r["forced"])
+        eng.step()
+    dt = time.perf_counter() - t0
+    m = eng.metrics()
+    gen = m["generated_tokens"]
+    return {"seconds": dt, "tok_s": gen / dt, "generated_tokens": gen, "prefill_tokens": m["prefill_tokens"],
+            "decode_tokens_computed": m["decode_tokens"], "steps": m["num_steps"],
+            "mean_accepted": m.get("spec_accepted_tokens", 0.0) / max(m.get("spec_verifications", 0.0), 1.0),
+            "drafted": m.get("spec_drafted_tokens", 0.0), "accepted": m.get("spec_accepted_tokens", 0.0),
+            "spec_step_fraction": m.get("spec_steps", 0.0) / max(m["num_steps"], 1),
+            "accepted_by_source": {s: m.get(f"spec_accepted_{s}", 0.0) for s in ("request", "group", "global")}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model directory (default: build one with make-model)")
+    ap.add_argument("--quick", action="store_true", help="finishes in under 5 minutes")
+    ap.add_argument("--smoke", action="store_true", help="tiny model and workload (CI)")
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--controllers", default="adaptive", help="comma-separated: adaptive, threshold, always")
+    ap.add_argument("--json", help="write results here")
+    args = ap.parse_args()
+    size = "smoke" if args.smoke else "bench"
+    model = args.model or str(Path.home() / ".cache" / "rollwise" / f"engine-{size}-model")
+    if not (Path(model) / "config.json").exists():
+        make_model(model, **SIZES[size])
+    conc = [1, 2] if args.smoke else [int(c) for c in args.concurrency.split(",")]
+    n_traj = 4 if args.smoke else 24 if args.quick else 48
+    prompt_len, max_new = (32, 16) if args.smoke else (256, 96)
+    reqs = requests_from_trajectories(model, n_traj, prompt_len, max_new)
+    ctrls = [c for c in args.controllers.split(",") if c]
+    out: dict = {"model": model, "concurrency": {}}
+    # warm-up: kernels are built per batch shape on first use; build them before any timing
+    warm = reqs[: 8 if args.smoke else 64]
+    for ctrl in (None, "always"):
+        run(model, warm, max(conc), ctrl)
+    print(f"{len(reqs)} assistant turns from {n_traj} trajectories, {sum(len(r['forced']) for r in reqs)} tokens "
+          f"to generate, prompts cut to their last {prompt_len} tokens")
+    print(f"{'conc':>5}{'requests':>10}{'off tok/s':>11}" + "".join(f"{c + ' tok/s':>17}{'ratio':>7}{'acc/verif':>10}{'spec steps':>11}" for c in ctrls))
+    for c in conc:
+        sub = reqs[: max(16 if args.quick or args.smoke else 40, 4 * c) if not args.smoke else 8]
+        off = run(model, sub, c, None)
+        row = {"off_tok_s": off["tok_s"], "off": off}
+        line = f"{c:>5}{len(sub):>10}{off['tok_s']:>11.1f}"
+        for ctrl in ctrls:
+            r = run(model, sub, c, ctrl)
+            assert r["generated_tokens"] == off["generated_tokens"], "configurations must do the same work"
+            row[ctrl] = r
+            line += f"{r['tok_s']:>17.1f}{r['tok_s'] / off['tok_s']:>6.2f}x{r['mean_accepted']:>10.2f}{r['spec_step_fraction']:>11.2f}"
+        first = row[ctrls[0]]
+        row |= {"spec_tok_s": first["tok_s"], "mean_accepted": first["mean_accepted"]}
+        out["concurrency"][c] = row
+        print(line, flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
