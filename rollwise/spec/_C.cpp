@@ -1,14 +1,14 @@
 // C++ core of rollwise.spec.suffix_tree: same tree, same drafts (the Python file is the oracle).
 //
-// Nodes live in one arena and refer to each other by index; freed nodes are reused. A node keeps
-// its children in a small vector (a hash map once it has many) and its most frequent child, so
-// appending a token costs O(max_depth) and a chain draft O(1) per drafted token.
+// Nodes live in one arena of 28-byte records and refer to each other by index; freed nodes are
+// reused. Children form a sibling list; a node with many children is also indexed in one shared
+// hash map (parent, token) -> child. Each node keeps its most frequent child, so appending a token
+// costs O(max_depth) and a chain draft O(1) per drafted token.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <memory>
 #include <queue>
 #include <stdexcept>
 #include <string>
@@ -21,13 +21,16 @@ namespace py = pybind11;
 
 namespace {
 
-constexpr size_t kMapThreshold = 16;  // children beyond this go to a hash map
+constexpr int32_t kIndexThreshold = 8;  // nodes with more children are indexed in the hash map
 
 struct Node {
-    int32_t token = -1, count = 0, parent = -1, best = -1, depth = 0;
-    std::vector<std::pair<int32_t, int32_t>> kids;  // (token, node) while small
-    std::unique_ptr<std::unordered_map<int32_t, int32_t>> map;  // token -> node once large
+    int32_t token = -1, count = 0, parent = -1, best = -1;
+    int32_t first = -1, next = -1;  // first child; next sibling
+    int16_t depth = 0;
+    int16_t num_kids = 0;  // saturates at kIndexThreshold + 1 once indexed
 };
+
+inline uint64_t edge_key(int32_t parent, int32_t token) { return ((uint64_t)(uint32_t)parent << 32) | (uint32_t)token; }
 
 using DraftTuple = std::tuple<std::vector<int32_t>, std::vector<int32_t>, std::vector<double>, double, int>;
 
@@ -93,24 +96,27 @@ class SuffixTree {
             if (p == 0 || nodes_[p].count > 0) rescan(p);
     }
 
-    Draft speculate(const std::vector<int32_t>& context_in, int max_spec, double alpha, double offset,
+    Draft speculate(const std::vector<int32_t>& context, int max_spec, double alpha, double offset,
                     double min_prob, bool tree) const {
-        Draft best;
-        const size_t off = context_in.size() > (size_t)max_depth_ ? context_in.size() - max_depth_ : 0;
-        const std::vector<int32_t> context(context_in.begin() + off, context_in.end());
-        const size_t len = context.size();
+        Draft best, cur;
+        const size_t len = std::min(context.size(), (size_t)max_depth_);
+        const int32_t* ctx = context.data() + (context.size() - len);
         for (size_t m = 1; m <= len; ++m) {
             int32_t node = 0;
             for (size_t j = len - m; j < len; ++j) {
-                node = child(node, context[j]);
+                node = child(node, ctx[j]);
                 if (node < 0) return best;  // longer suffixes cannot match either
             }
             double b = alpha * (double)m + offset;
             int budget = b >= (double)max_spec ? max_spec : (int)b;
             if (budget <= 0) continue;
-            Draft d = tree ? tree_draft(node, budget, min_prob) : chain_draft(node, budget, min_prob);
-            d.match_len = (int)m;
-            if (!d.tokens.empty() && d.score >= best.score) best = std::move(d);
+            cur.tokens.clear(), cur.parents.clear(), cur.probs.clear(), cur.score = 0.0;
+            if (tree) tree_draft(node, budget, min_prob, cur);
+            else chain_draft(node, budget, min_prob, cur);
+            if (!cur.tokens.empty() && cur.score >= best.score) {
+                std::swap(best, cur);
+                best.match_len = (int)m;
+            }
         }
         return best;
     }
@@ -133,6 +139,15 @@ class SuffixTree {
                 stack.push_back(c);
             });
             if (node.best != top) throw std::runtime_error("stale most-frequent child");
+            int32_t kids = 0;
+            for_each_child(n, [&](int32_t tok, int32_t c) {
+                ++kids;
+                if (node.num_kids > kIndexThreshold) {
+                    auto it = index_.find(edge_key(n, tok));
+                    if (it == index_.end() || it->second != c) throw std::runtime_error("wide node not indexed");
+                }
+            });
+            if (node.num_kids <= kIndexThreshold && kids != node.num_kids) throw std::runtime_error("child count");
         }
         if (reachable != num_nodes_) throw std::runtime_error("node count mismatch");
         int64_t total = 0;
@@ -157,11 +172,8 @@ class SuffixTree {
     }
 
     size_t memory_bytes() const {
-        size_t b = nodes_.capacity() * sizeof(Node) + free_.capacity() * 4;
-        for (auto& n : nodes_) {
-            b += n.kids.capacity() * 8;
-            if (n.map) b += n.map->size() * 32;
-        }
+        size_t b = nodes_.capacity() * sizeof(Node) + free_.capacity() * 4 + index_.size() * 32 +
+                   index_.bucket_count() * 8;
         for (auto& kv : seqs_) b += kv.second.capacity() * 4 + 64;
         for (auto& kv : active_) b += kv.second.capacity() * 4 + 64;
         return b;
@@ -175,22 +187,17 @@ class SuffixTree {
 
     template <class F>
     void for_each_child(int32_t n, F&& f) const {
-        const Node& node = nodes_[n];
-        if (node.map) {
-            for (auto& kv : *node.map) f(kv.first, kv.second);
-        } else {
-            for (auto& kv : node.kids) f(kv.first, kv.second);
-        }
+        for (int32_t c = nodes_[n].first; c >= 0; c = nodes_[c].next) f(nodes_[c].token, c);
     }
 
     int32_t child(int32_t n, int32_t tok) const {
         const Node& node = nodes_[n];
-        if (node.map) {
-            auto it = node.map->find(tok);
-            return it == node.map->end() ? -1 : it->second;
+        if (node.num_kids > kIndexThreshold) {
+            auto it = index_.find(edge_key(n, tok));
+            return it == index_.end() ? -1 : it->second;
         }
-        for (auto& kv : node.kids)
-            if (kv.first == tok) return kv.second;
+        for (int32_t c = node.first; c >= 0; c = nodes_[c].next)
+            if (nodes_[c].token == tok) return c;
         return -1;
     }
 
@@ -199,25 +206,22 @@ class SuffixTree {
         if (!free_.empty()) {
             id = free_.back();
             free_.pop_back();
-            nodes_[id] = Node();
         } else {
             id = (int32_t)nodes_.size();
             nodes_.emplace_back();
         }
         Node& c = nodes_[id];
+        Node& p = nodes_[parent];
+        c = Node();
         c.token = tok;
         c.parent = parent;
-        c.depth = nodes_[parent].depth + 1;
-        Node& p = nodes_[parent];
-        if (p.map) {
-            (*p.map)[tok] = id;
-        } else {
-            p.kids.emplace_back(tok, id);
-            if (p.kids.size() > kMapThreshold) {
-                p.map = std::make_unique<std::unordered_map<int32_t, int32_t>>(p.kids.begin(), p.kids.end());
-                p.kids.clear();
-                p.kids.shrink_to_fit();
-            }
+        c.depth = (int16_t)(p.depth + 1);
+        c.next = p.first;
+        p.first = id;
+        if (p.num_kids > kIndexThreshold) {
+            index_[edge_key(parent, tok)] = id;
+        } else if (++p.num_kids > kIndexThreshold) {  // becomes wide: index all its children
+            for (int32_t k = p.first; k >= 0; k = nodes_[k].next) index_[edge_key(parent, nodes_[k].token)] = k;
         }
         ++num_nodes_;
         return id;
@@ -225,16 +229,12 @@ class SuffixTree {
 
     void drop_child(int32_t p, int32_t tok) {
         Node& node = nodes_[p];
-        if (node.map) {
-            node.map->erase(tok);
-            return;
-        }
-        for (size_t i = 0; i < node.kids.size(); ++i)
-            if (node.kids[i].first == tok) {
-                node.kids[i] = node.kids.back();
-                node.kids.pop_back();
-                return;
-            }
+        int32_t prev = -1, c = node.first;
+        while (c >= 0 && nodes_[c].token != tok) prev = c, c = nodes_[c].next;
+        if (c < 0) return;
+        (prev < 0 ? node.first : nodes_[prev].next) = nodes_[c].next;
+        if (node.num_kids > kIndexThreshold) index_.erase(edge_key(p, tok));
+        else --node.num_kids;
     }
 
     void free_subtree(int32_t root) {
@@ -242,7 +242,10 @@ class SuffixTree {
         while (!stack.empty()) {
             int32_t n = stack.back();
             stack.pop_back();
-            for_each_child(n, [&](int32_t, int32_t c) { stack.push_back(c); });
+            for_each_child(n, [&](int32_t tok, int32_t c) {
+                stack.push_back(c);
+                if (nodes_[n].num_kids > kIndexThreshold) index_.erase(edge_key(n, tok));
+            });
             nodes_[n] = Node();
             free_.push_back(n);
             --num_nodes_;
@@ -274,8 +277,7 @@ class SuffixTree {
         return kids;
     }
 
-    Draft chain_draft(int32_t node, int budget, double min_prob) const {
-        Draft d;
+    void chain_draft(int32_t node, int budget, double min_prob, Draft& d) const {
         double p = 1.0;
         int32_t parent = -1;
         while ((int)d.tokens.size() < budget && nodes_[node].best >= 0) {
@@ -289,10 +291,9 @@ class SuffixTree {
             parent = (int32_t)d.tokens.size() - 1;
             node = c;
         }
-        return d;
     }
 
-    Draft tree_draft(int32_t node, int budget, double min_prob) const {
+    void tree_draft(int32_t node, int budget, double min_prob, Draft& d) const {
         struct Item {
             double p;
             int64_t order;
@@ -308,7 +309,6 @@ class SuffixTree {
                 heap.push({p, pushed++, c, parent_idx});
             }
         };
-        Draft d;
         push(node, 1.0, -1);
         while (!heap.empty() && (int)d.tokens.size() < budget) {
             Item it = heap.top();
@@ -319,12 +319,12 @@ class SuffixTree {
             d.score += it.p;
             push(it.node, it.p, (int32_t)d.tokens.size() - 1);
         }
-        return d;
     }
 
     int max_depth_;
     std::vector<Node> nodes_;
     std::vector<int32_t> free_;
+    std::unordered_map<uint64_t, int32_t> index_;  // (parent, token) -> child, for wide nodes only
     std::unordered_map<int64_t, std::vector<int32_t>> seqs_;
     std::unordered_map<int64_t, std::vector<int32_t>> active_;
     int64_t num_nodes_ = 0;
