@@ -25,7 +25,8 @@ def add_config_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ())
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         else:
             conv = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-            p.add_argument(flag, type=conv, default=default, help=f"(default: {default})")
+            p.add_argument(flag, type=conv, default=default, choices=f.metadata.get("choices"),
+                           help=f"(default: {default})")
 
 
 def config_from_args(cls, args: argparse.Namespace, **fixed):

@@ -1,7 +1,7 @@
 """Frozen, validated configuration: one dataclass per subsystem."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE = (None, "suffix")
@@ -12,7 +12,7 @@ DEVICES = ("cpu", "cuda")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     model: str
-    dtype: str = "float32"
+    dtype: str = field(default="float32", metadata={"choices": DTYPES})
     device: str = "cpu"
     seed: int = 0
     max_num_seqs: int = 64
@@ -24,8 +24,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; default: torch's choice
     # speculation (SuffixDecoding): drafts from suffix trees, verified in the same forward
-    speculative: str | None = None  # None or "suffix"
-    spec_controller: str = "adaptive"  # off | always | threshold | adaptive
+    speculative: str | None = field(default=None, metadata={"choices": SPECULATIVE[1:]})
+    spec_controller: str = field(default="adaptive", metadata={"choices": SPEC_CONTROLLERS})
     spec_threshold: int = 16  # threshold mode: speculate while at most this many sequences run
     spec_max_tokens: int = 16  # draft tokens per sequence per step, at most
     spec_tree: bool = False  # tree drafts (several branches verified at once) instead of chains
@@ -34,7 +34,7 @@ class EngineConfig:
     spec_offset: float = 0.0
     spec_min_token_prob: float = 0.1
     spec_max_cached_requests: int = 10000
-    spec_eviction: str = "fifo"
+    spec_eviction: str = field(default="fifo", metadata={"choices": ("fifo", "lru")})
 
     def __post_init__(self) -> None:
         if self.speculative not in SPECULATIVE:

@@ -39,3 +39,27 @@ def test_engine_benchmark_smoke(tmp_path):
     assert pr["on"]["prefill_tokens_per_run"] < pr["off"]["prefill_tokens_per_run"]
     assert pr["on"]["decode_tokens"] == pr["off"]["decode_tokens"]
     assert "prefix reuse" in r.stdout
+
+
+def test_spec_engine_benchmark_smoke(tmp_path):
+    out = tmp_path / "spec.json"
+    r = run("benchmarks/spec_engine.py", "--smoke", "--model", str(tmp_path / "model"), "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())["concurrency"]
+    assert set(res) == {"1", "2"}
+    for row in res.values():
+        assert row["off"]["generated_tokens"] == row["adaptive"]["generated_tokens"]  # same work
+        assert row["off_tok_s"] > 0 and row["spec_tok_s"] > 0
+
+
+def test_bench_spec_cli_smoke(tmp_path):
+    from rollwise.make_model import make_model
+    model = make_model(tmp_path / "tok", layers=1, hidden=32, heads=2, kv_heads=1, vocab=600)
+    out = tmp_path / "b.json"
+    r = run("-m", "rollwise.cli", "bench", "spec", "--tokenizer", str(model), "--limit", "4", "--group-size", "2",
+            "--no-arctic", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())["results"]
+    assert set(res) == {"rollwise/chain", "rollwise+group/chain", "rollwise/tree", "rollwise+group/tree"}
+    assert all(v["mean_accepted_per_step"] > 0 for v in res.values())
+    assert res["rollwise/chain"]["tokens"] == res["rollwise+group/tree"]["tokens"]

@@ -19,6 +19,10 @@ METRICS = [
     ("num_evictions", "rollwise:prefix_cache_evictions_total", "counter", "Cached blocks evicted"),
     ("num_kv_blocks", "rollwise:num_kv_blocks", "gauge", "KV blocks in the pool"),
     ("policy_version", "rollwise:policy_version", "gauge", "Weights version being served"),
+    ("spec_verifications", "vllm:spec_decode_num_drafts_total", "counter", "Drafts verified"),
+    ("spec_drafted_tokens", "vllm:spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified"),
+    ("spec_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted"),
+    ("spec_steps", "rollwise:spec_steps_total", "counter", "Steps that verified drafts"),
 ]
 
 

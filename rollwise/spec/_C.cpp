@@ -270,13 +270,6 @@ class SuffixTree {
         nodes_[n].best = top;
     }
 
-    std::vector<int32_t> sorted_children(int32_t n) const {
-        std::vector<int32_t> kids;
-        for_each_child(n, [&](int32_t, int32_t c) { kids.push_back(c); });
-        std::sort(kids.begin(), kids.end(), [&](int32_t a, int32_t b) { return better(a, b); });
-        return kids;
-    }
-
     void chain_draft(int32_t node, int budget, double min_prob, Draft& d) const {
         double p = 1.0;
         int32_t parent = -1;
@@ -302,12 +295,16 @@ class SuffixTree {
         auto cmp = [](const Item& a, const Item& b) { return a.p < b.p || (a.p == b.p && a.order > b.order); };
         std::priority_queue<Item, std::vector<Item>, decltype(cmp)> heap(cmp);
         int64_t pushed = 0;
+        std::vector<int32_t> kids;
         auto push = [&](int32_t n, double parent_p, int32_t parent_idx) {
-            for (int32_t c : sorted_children(n)) {
-                double p = parent_p * ((double)nodes_[c].count / (double)nodes_[n].count);
-                if (p < min_prob) break;
-                heap.push({p, pushed++, c, parent_idx});
-            }
+            // only children that clear min_prob, most frequent first (the order ties are broken in)
+            kids.clear();
+            for_each_child(n, [&](int32_t, int32_t c) {
+                if (parent_p * ((double)nodes_[c].count / (double)nodes_[n].count) >= min_prob) kids.push_back(c);
+            });
+            std::sort(kids.begin(), kids.end(), [&](int32_t a, int32_t b) { return better(a, b); });
+            for (int32_t c : kids)
+                heap.push({parent_p * ((double)nodes_[c].count / (double)nodes_[n].count), pushed++, c, parent_idx});
         };
         push(node, 1.0, -1);
         while (!heap.empty() && (int)d.tokens.size() < budget) {

@@ -176,3 +176,15 @@ def test_weight_updates_off_loopback_need_an_api_key(model_dir):
         assert r.status_code == 200 and r.json()["policy_version"] == 1
     finally:
         engine.shutdown()
+
+
+def test_speculative_server_is_lossless_and_reports_acceptance(model_dir):
+    ids = [9, 8, 7, 6, 5, 4, 3]
+    req = {"input_ids": ids, "group_id": "g1", "sampling_params": {"temperature": 0, "max_tokens": 30, "ignore_eos": True}}
+    ref = LLM(model_dir).generate([ids], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    with ServerProcess(model_dir, "--speculative", "suffix", "--spec-controller", "always") as s:
+        outs = [httpx.post(s.url + "/generate", json=req, timeout=60).json() for _ in range(3)]
+        assert all(o["token_ids"] == ref.token_ids for o in outs)
+        metrics = httpx.get(s.url + "/metrics").text
+    accepted = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
+    assert float(accepted[0].split()[-1]) > 0  # siblings 2 and 3 drafted from sibling 1
