@@ -78,27 +78,32 @@ def cmd_bench_spec(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    """Engine demo (the RL demo lands with the pipeline): a tiny local model, a batch of chat requests
-    sharing a system prompt, throughput and prefix-cache reuse."""
+    """Engine demo (the RL demo lands with the pipeline): a tiny local model, GRPO-style groups of
+    sampled chat requests sharing a system prompt, with suffix speculation; throughput, prefix-cache
+    reuse and drafting acceptance."""
     from rollwise import LLM, SamplingParams
     from rollwise.make_model import make_model
     if not (DEMO_DIR / "config.json").exists():
         print(f"building a tiny model in {DEMO_DIR} ...")
-        make_model(DEMO_DIR, family="qwen3", layers=4, hidden=256, heads=4, kv_heads=2, vocab=4096, seed=0)
-    llm = LLM(str(DEMO_DIR), max_num_seqs=64, seed=args.seed)
+        make_model(DEMO_DIR, family="qwen3", layers=4, hidden=256, heads=4, kv_heads=2, vocab=4096, seed=0, std=0.1)
+    llm = LLM(str(DEMO_DIR), max_num_seqs=64, seed=args.seed, speculative="suffix", spec_controller="adaptive")
     system = {"role": "system", "content": "You are a careful agent. Use the calculator tool for arithmetic "
               "and answer with the final number only. " * 4}
-    convs = [[system, {"role": "user", "content": f"What is {i} * {i + 3}?"}] for i in range(args.requests)]
-    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=args.max_tokens, seed=args.seed)
+    tasks = [[system, {"role": "user", "content": f"What is {i} * {i + 3}?"}] for i in range(args.requests // 8)]
+    prompts = [llm.tokenizer.encode_chat(c) for c in tasks for _ in range(8)]  # 8 siblings per task
+    groups = [f"task{i}" for i in range(len(tasks)) for _ in range(8)]
+    params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=args.max_tokens, seed=None)
     t0 = time.perf_counter()
-    outs = llm.generate([llm.tokenizer.encode_chat(c) for c in convs], params, use_tqdm=True)
+    outs = llm.generate(prompts, params, use_tqdm=True, group_ids=groups)
     dt = time.perf_counter() - t0
     m = llm.metrics()
     n = sum(len(o.token_ids) for o in outs)
     print(f"sample: {outs[0].text[:120]!r}")
-    print(f"{len(outs)} requests, {n} tokens generated in {dt:.2f}s ({n / dt:.1f} tok/s); "
-          f"prefill computed {int(m['prefill_tokens'])} of {int(m['prompt_tokens'])} prompt tokens "
-          f"(prefix hit rate {m['prefix_hit_rate']:.2f})")
+    print(f"{len(outs)} requests in {len(tasks)} groups, {n} tokens generated in {dt:.2f}s ({n / dt:.1f} tok/s) "
+          f"in {int(m['num_steps'])} steps; prefill computed {int(m['prefill_tokens'])} of "
+          f"{int(m['prompt_tokens'])} prompt tokens (prefix hit rate {m['prefix_hit_rate']:.2f}); "
+          f"speculation: {int(m['spec_accepted_tokens'])} of {int(m['spec_drafted_tokens'])} drafted tokens "
+          f"accepted, {m['spec_steps'] / max(m['num_steps'], 1):.0%} of steps speculated")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -150,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     b.set_defaults(fn=cmd_bench_spec)
 
     p = sub.add_parser("demo", help="the main job on a tiny local model")
-    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--requests", type=int, default=64, help="requests (in groups of 8 siblings)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_demo)

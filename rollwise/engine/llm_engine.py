@@ -1,4 +1,4 @@
-"""The engine loop: schedule -> run -> sample -> postprocess, one step at a time.
+"""The engine loop: schedule -> propose -> run -> verify -> postprocess, one step at a time.
 
 `LLMEngine` is synchronous and single-threaded; `LLM` drives it to completion for a batch of
 prompts, `AsyncEngine` drives it from a background thread for asyncio callers.
@@ -16,7 +16,7 @@ from rollwise.engine.block_manager import BlockManager
 from rollwise.engine.model_runner import ModelRunner
 from rollwise.engine.sampler import Sampler, SampleRow
 from rollwise.engine.scheduler import Scheduler
-from rollwise.engine.sequence import Sequence, Status
+from rollwise.engine.sequence import Sequence
 from rollwise.engine.tokenizer import Tokenizer
 from rollwise.types import RequestOutput, SamplingParams
 

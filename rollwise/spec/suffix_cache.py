@@ -39,7 +39,7 @@ class _Request:
 class SuffixCache:
     def __init__(self, *, max_depth: int = 24, max_spec_tokens: int = 16, alpha: float = 1.0,
                  offset: float = 0.0, min_token_prob: float = 0.1, max_cached_requests: int = 10000,
-                 eviction: str = "fifo", use_group_tree: bool = True, max_groups: int = 1024,
+                 eviction: str = "fifo", use_group_tree: bool = True, max_groups: int = 128,
                  tree: bool = False, backend: str = "cpp") -> None:
         if eviction not in EVICTIONS:
             raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
