@@ -10,8 +10,9 @@ import random
 from importlib import resources
 from pathlib import Path
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-                  "<tool_response>", "</tool_response>", "<think>", "</think>"]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# markup the model writes and the text keeps (as in Qwen): single tokens, but not "special"
+TAG_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 
 # ChatML as Qwen uses it, with tools rendered into the system message (Hermes format).
 CHAT_TEMPLATE = (
@@ -53,14 +54,16 @@ def training_text(seed: int = 0) -> list[str]:
 
 
 def train_tokenizer(vocab_size: int, seed: int = 0):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(TAG_TOKENS), special_tokens=SPECIAL_TOKENS,
+                                  show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(training_text(seed), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
     return tok
 
 

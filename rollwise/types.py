@@ -118,3 +118,71 @@ class Draft:
             return self
         probs = self.probs[:n]
         return Draft(self.token_ids[:n], self.parents[:n], probs, sum(probs), self.match_len, self.source)
+
+
+@dataclass(slots=True, kw_only=True)
+class GenerateRequest:
+    """One generation call of an episode: token ids in, with the session metadata schedulers use."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str | None = None
+    trajectory_id: str | None = None
+    group_id: str | None = None
+    turn: int = 0
+    forced_output: list[int] | None = None  # trace replay: emit these tokens (the forward still runs)
+
+
+@dataclass(slots=True, kw_only=True)
+class GenerateOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+    policy_version: int = 0
+    request_id: str = ""
+
+
+TRAJECTORY_STATUSES = ("done", "max_turns", "max_context", "timeout", "error")
+
+
+@dataclass(slots=True, kw_only=True)
+class TurnRecord:
+    start: int  # index in Trajectory.token_ids where this turn's generated tokens begin
+    num_generated: int
+    num_observation: int  # tokens of the observation delta appended after them (0 on the last turn)
+    finish_reason: str | None
+    policy_version: int
+    num_cached_tokens: int
+    generation_s: float
+    tool_s: float
+
+
+@dataclass(slots=True, kw_only=True)
+class Trajectory:
+    """One episode, token-in-token-out: token_ids is exactly the first prompt, then per turn the
+    generated ids and the tokenized observation delta; loss_mask is 1 on generated ids only and
+    logprobs holds their sampling logprobs (0 elsewhere)."""
+
+    trajectory_id: str
+    group_id: str | None
+    task: dict
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[TurnRecord] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)  # readable transcript
+    reward: float = 0.0
+    status: str = "done"
+    error: str | None = None
+    generation_s: float = 0.0
+    tool_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def policy_versions(self) -> list[int]:
+        return [t.policy_version for t in self.turns]

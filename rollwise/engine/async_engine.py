@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 
 from rollwise.config import EngineConfig
 from rollwise.engine.llm_engine import LLMEngine
-from rollwise.types import RequestOutput, SamplingParams
+from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
 
 
 class AsyncEngine:
@@ -30,10 +30,19 @@ class AsyncEngine:
         self._thread.start()
 
     # public API ----------------------------------------------------------------------------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, **options) -> RequestOutput:
+    async def generate(self, prompt: str | list[int] | GenerateRequest, params: SamplingParams | None = None,
+                       request_id: str | None = None, **options) -> RequestOutput | GenerateOutput:
         """The finished output (finish_reason "abort" if it was aborted). options: `group_id` (the
-        prompt group, for drafting from siblings), `forced_output` (trace replay)."""
+        prompt group, for drafting from siblings), `forced_output` (trace replay).
+
+        Given a `GenerateRequest` (the agent's `Generator` protocol) it returns a `GenerateOutput`."""
+        if isinstance(prompt, GenerateRequest):
+            req = prompt
+            out = await self.generate(req.prompt_token_ids, req.params, req.request_id, group_id=req.group_id,
+                                      forced_output=req.forced_output)
+            return GenerateOutput(token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=out.finish_reason,
+                                  num_cached_tokens=out.num_cached_tokens, policy_version=out.policy_version,
+                                  request_id=out.request_id)
         out = None
         async for out in self._outputs(prompt, params, request_id, False, options):
             pass

@@ -1,0 +1,113 @@
+"""Environments. `Env` is the protocol the episode loop drives; `ToolEnv` is the base of the built-in
+ones: it parses tool calls from the model's text, runs them (concurrently, each with its deadline)
+and ends on a plain answer or a `finish` call."""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from typing import Any, Protocol
+
+from rollwise.agent.parsing import HermesParser, ToolCallParser
+from rollwise.agent.tools import Latency, Tool
+
+Observation = list[dict]  # new chat messages (role "tool" or "user") for the model
+
+
+class Env(Protocol):
+    max_turns: int
+    tools: list[Tool]
+
+    def reset(self, task: dict) -> list[dict] | Any: ...  # first messages (may be a coroutine)
+
+    def step(self, action: str) -> tuple[Observation, float, bool, dict] | Any: ...  # may be a coroutine
+
+    def sample_tasks(self, n: int, seed: int) -> list[dict]: ...
+
+    def expert(self, task: dict) -> list[str]: ...  # assistant messages of a scripted solution
+
+
+async def maybe_await(x):
+    return await x if inspect.isawaitable(x) else x
+
+
+class ToolEnv:
+    """Subclasses set `name`, `system_prompt`, implement `make_tools`, `prompt`, `score`,
+    `sample_tasks` and `expert`; a tool may end the episode by calling `self.end(reward)`."""
+
+    name = "tool_env"
+    system_prompt = "You are a helpful agent. Use the tools when they help, then answer."
+    answer_hint = "When you are done, reply with the answer alone, without a tool call."
+
+    def __init__(self, *, max_turns: int = 8, tool_timeout: float = 5.0, tool_latency: Latency | None = None,
+                 parser: ToolCallParser | None = None, max_calls_per_turn: int = 8) -> None:
+        self.max_turns, self.tool_timeout = max_turns, tool_timeout
+        self.tool_latency, self.max_calls_per_turn = tool_latency, max_calls_per_turn
+        self.parser = parser or HermesParser()
+        self.task: dict | None = None
+        self._ended: float | None = None
+        self.tools: list[Tool] = []
+
+    # to implement --------------------------------------------------------------------------------
+    def make_tools(self, task: dict) -> list[Tool]:
+        raise NotImplementedError
+
+    def prompt(self, task: dict) -> str:
+        raise NotImplementedError
+
+    def score(self, task: dict, answer: str) -> float:
+        raise NotImplementedError
+
+    # the protocol --------------------------------------------------------------------------------
+    def end(self, reward: float) -> None:
+        self._ended = reward
+
+    async def reset(self, task: dict) -> list[dict]:
+        self.task, self._ended = task, None
+        self.tools = self.make_tools(task) + [_finish_tool()]
+        for t in self.tools:
+            t.timeout = min(t.timeout, self.tool_timeout)
+            t.latency = t.latency or self.tool_latency
+        self._by_name = {t.name: t for t in self.tools}
+        return [{"role": "system", "content": self.system_prompt},
+                {"role": "user", "content": f"{self.prompt(task)}\n{self.answer_hint}"}]
+
+    async def step(self, action: str) -> tuple[Observation, float, bool, dict]:
+        parsed = self.parser.parse(action)
+        finish = next((c for c in parsed.calls if c.name == "finish"), None)
+        if finish is not None:
+            return [], self.score(self.task, str(finish.arguments.get("answer", ""))), True, {"answer": finish.arguments}
+        if not parsed.calls and not parsed.errors:
+            return [], self.score(self.task, parsed.text), True, {"answer": parsed.text}
+        t0 = time.perf_counter()
+        obs = [{"role": "tool", "content": e} for e in parsed.errors]
+        calls = parsed.calls[: self.max_calls_per_turn]
+        if len(parsed.calls) > len(calls):
+            obs.append({"role": "tool", "content": f"error: at most {self.max_calls_per_turn} tool calls per turn"})
+        results = await asyncio.gather(*(self._call(c) for c in calls))
+        obs.extend({"role": "tool", "content": r} for r in results)
+        info = {"tool_s": time.perf_counter() - t0, "num_calls": len(calls), "num_errors": len(parsed.errors)}
+        if self._ended is not None:
+            return obs, self._ended, True, info
+        return obs, 0.0, False, info
+
+    async def _call(self, call) -> str:
+        t = self._by_name.get(call.name)
+        if t is None:
+            return f"error: unknown tool {call.name!r}; available: {sorted(self._by_name)}"
+        return (await t.call(call.arguments)).content
+
+
+def _finish_tool() -> Tool:
+    """Shown to the model; the env intercepts the call and ends the episode with its answer."""
+    def finish(answer: str) -> str:
+        """Give the final answer and end the episode."""
+        return answer
+    return Tool(finish)
+
+
+def last_number(text: str) -> float | None:
+    """The last number in a text (answers like 'The answer is 42.')."""
+    import re
+    nums = re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", ""))
+    return float(nums[-1]) if nums else None

@@ -1,0 +1,93 @@
+"""frozenlake: a text grid world (S start, G goal, H holes, F ice) with a `move` tool; reward 1 on
+reaching the goal, 0 on falling into a hole."""
+from __future__ import annotations
+
+import json
+import random
+from collections import deque
+from typing import Literal
+
+from rollwise.agent.env import ToolEnv
+from rollwise.agent.tools import Tool
+
+MOVES = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}
+
+
+def shortest_path(grid: list[str]) -> list[str] | None:
+    n = len(grid)
+    start = next((r, c) for r in range(n) for c in range(n) if grid[r][c] == "S")
+    prev = {start: None}
+    q = deque([start])
+    while q:
+        r, c = q.popleft()
+        if grid[r][c] == "G":
+            path, cur = [], (r, c)
+            while prev[cur] is not None:
+                cur, d = prev[cur]
+                path.append(d)
+            return path[::-1]
+        for d, (dr, dc) in MOVES.items():
+            nr, nc = r + dr, c + dc
+            if 0 <= nr < n and 0 <= nc < n and grid[nr][nc] != "H" and (nr, nc) not in prev:
+                prev[(nr, nc)] = ((r, c), d)
+                q.append((nr, nc))
+    return None
+
+
+class FrozenLakeEnv(ToolEnv):
+    name = "frozenlake"
+    system_prompt = "You walk on a frozen lake. Reach G from S without stepping into a hole H, using move."
+    answer_hint = "Call move once per turn."
+
+    def __init__(self, **options) -> None:
+        options.setdefault("max_turns", 32)
+        super().__init__(**options)
+
+    def make_tools(self, task):
+        grid, n = task["grid"], len(task["grid"])
+        pos = [next((r, c) for r in range(n) for c in range(n) if grid[r][c] == "S")]
+
+        def move(direction: Literal["left", "right", "up", "down"]) -> str:
+            """Move one cell; walking off the grid keeps you in place."""
+            if direction not in MOVES:
+                raise ValueError(f"direction must be one of {list(MOVES)}")
+            dr, dc = MOVES[direction]
+            r, c = pos[0][0] + dr, pos[0][1] + dc
+            if not (0 <= r < n and 0 <= c < n):
+                return f"You hit the edge and stay at row {pos[0][0]}, column {pos[0][1]}."
+            pos[0] = (r, c)
+            if grid[r][c] == "H":
+                self.end(0.0)
+                return f"You fell into the hole at row {r}, column {c}."
+            if grid[r][c] == "G":
+                self.end(1.0)
+                return "You reached the goal!"
+            return f"You are at row {r}, column {c}."
+        return [Tool(move)]
+
+    def prompt(self, task):
+        return "Grid (row 0 at the top):\n" + "\n".join(task["grid"])
+
+    def score(self, task, answer):
+        return 0.0  # only reaching the goal (through move) earns a reward
+
+    def sample_tasks(self, n: int, seed: int) -> list[dict]:
+        rng = random.Random(seed)
+        out = []
+        while len(out) < n:
+            size = rng.randint(4, 5)
+            cells = [["F"] * size for _ in range(size)]
+            free = [(r, c) for r in range(size) for c in range(size)]
+            (sr, sc), (gr, gc) = rng.sample(free, 2)
+            cells[sr][sc], cells[gr][gc] = "S", "G"
+            for r, c in free:
+                if cells[r][c] == "F" and rng.random() < 0.2:
+                    cells[r][c] = "H"
+            grid = ["".join(row) for row in cells]
+            if shortest_path(grid):
+                out.append({"id": f"frozenlake-{seed}-{len(out)}", "grid": grid})
+        return out
+
+    def expert(self, task):
+        return [f"<tool_call>\n{json.dumps({'name': 'move', 'arguments': {'direction': d}})}\n</tool_call>"
+                for d in shortest_path(task["grid"])]

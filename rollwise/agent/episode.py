@@ -1,0 +1,153 @@
+"""The episode loop, strictly token-in-token-out, and `collect` for concurrent GRPO groups.
+
+History is never re-rendered and re-tokenized: the first prompt is rendered once, then each turn
+appends exactly the ids the generator returned and the ids of the rendered *observation delta*
+(the chat template's text for the new messages plus the next generation prompt). So the trainer
+sees the very ids the model saw and produced.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+from rollwise.agent.env import Env, maybe_await
+from rollwise.types import GenerateOutput, GenerateRequest, SamplingParams, Trajectory, TurnRecord
+
+
+class Generator(Protocol):
+    """Token ids in, token ids + logprobs out (AsyncEngine; the router and HTTP clients later)."""
+
+    tokenizer: object
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput: ...
+
+
+class ChatRenderer:
+    """Renders a conversation's first prompt and, later, only the delta of new messages."""
+
+    _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+
+    def __init__(self, tokenizer) -> None:
+        self.tok = tokenizer
+        self.eos = tokenizer.eos_token
+        base = tokenizer.apply_chat_template(self._BASE, add_generation_prompt=False)
+        self._base = base
+        # what the template puts after the assistant's end-of-turn token (ChatML: "\n")
+        self._after_eos = base[base.rfind(self.eos) + len(self.eos):] if self.eos and self.eos in base else ""
+
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        return self.tok.encode(self.tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools),
+                               add_special_tokens=False)
+
+    def delta_ids(self, new_messages: list[dict], ended_with_eos: bool) -> list[int]:
+        full = self.tok.apply_chat_template(self._BASE + new_messages, add_generation_prompt=True)
+        if not full.startswith(self._base):
+            raise ValueError("the chat template does not render conversations incrementally")
+        text = ("" if ended_with_eos else (self.eos or "")) + self._after_eos + full[len(self._base):]
+        return self.tok.encode(text, add_special_tokens=False)
+
+
+async def run_episode(generator: Generator, env: Env, task: dict, params: SamplingParams, *,
+                      trajectory_id: str = "traj-0", group_id: str | None = None, max_context: int = 4096,
+                      deadline_s: float = 300.0, renderer: ChatRenderer | None = None) -> Trajectory:
+    """One episode. Ends with status done, max_turns, max_context, timeout (the per-episode
+    deadline) or error (the environment raised); the trajectory holds what was done until then."""
+    renderer = renderer or ChatRenderer(generator.tokenizer)
+    traj = Trajectory(trajectory_id=trajectory_id, group_id=group_id, task=task)
+    t0 = time.perf_counter()
+    try:
+        async with asyncio.timeout(deadline_s):
+            await _loop(generator, env, task, params, traj, renderer, max_context)
+    except TimeoutError:
+        traj.status = "timeout"
+    except Exception as e:  # noqa: BLE001 - an environment bug ends this episode, not the run
+        traj.status, traj.error = "error", f"{type(e).__name__}: {e}"
+    traj.total_s = time.perf_counter() - t0
+    return traj
+
+
+async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRenderer, max_context: int) -> None:
+    messages = await maybe_await(env.reset(task))
+    schemas = [t.schema for t in getattr(env, "tools", [])] or None
+    traj.messages = list(messages)
+    _extend(traj, renderer.prompt_ids(messages, schemas), None)
+    eos_ids = {renderer.tok.eos_token_id}
+    for turn in range(env.max_turns):
+        room = max_context - len(traj.token_ids)
+        if room <= 0:
+            traj.status = "max_context"
+            return
+        seed = None if params.seed is None else hash((params.seed, turn)) & (2**63 - 1)
+        p = dataclasses.replace(params, max_tokens=min(params.max_tokens, room), seed=seed)
+        g0 = time.perf_counter()
+        out = await generator.generate(GenerateRequest(prompt_token_ids=list(traj.token_ids), params=p,
+                                                       trajectory_id=traj.trajectory_id, group_id=traj.group_id,
+                                                       turn=turn))
+        gen_s = time.perf_counter() - g0
+        start = len(traj.token_ids)
+        _extend(traj, out.token_ids, out.logprobs)
+        text = renderer.tok.decode(out.token_ids)
+        traj.messages.append({"role": "assistant", "content": text})
+        s0 = time.perf_counter()
+        obs, reward, done, _ = await maybe_await(env.step(text))
+        tool_s = time.perf_counter() - s0
+        traj.generation_s += gen_s
+        traj.tool_s += tool_s
+        record = TurnRecord(start=start, num_generated=len(out.token_ids), num_observation=0,
+                            finish_reason=out.finish_reason, policy_version=out.policy_version,
+                            num_cached_tokens=out.num_cached_tokens, generation_s=gen_s, tool_s=tool_s)
+        traj.turns.append(record)
+        if done:
+            traj.reward, traj.status = float(reward), "done"
+            return
+        ended = bool(out.token_ids) and out.token_ids[-1] in eos_ids
+        delta = renderer.delta_ids(obs, ended)
+        if len(traj.token_ids) + len(delta) >= max_context:
+            traj.status = "max_context"
+            return
+        _extend(traj, delta, None)
+        record.num_observation = len(delta)
+        traj.messages.extend(obs)
+    traj.status = "max_turns"
+
+
+def _extend(traj: Trajectory, ids: list[int], logprobs: list[float] | None) -> None:
+    traj.token_ids.extend(ids)
+    traj.loss_mask.extend([0 if logprobs is None else 1] * len(ids))
+    traj.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+
+async def collect(generator: Generator, env_factory: Callable[[], Env], tasks: list[dict], params: SamplingParams,
+                  *, group_size: int = 8, max_concurrency: int = 256, **episode_options) -> AsyncIterator[list[Trajectory]]:
+    """Run `group_size` episodes per task (a GRPO group), at most `max_concurrency` at once (a new
+    episode starts as soon as one ends), and yield each group as soon as all its episodes are done."""
+    renderer = episode_options.pop("renderer", None) or ChatRenderer(generator.tokenizer)
+    slots = asyncio.Semaphore(max_concurrency)
+    done: asyncio.Queue = asyncio.Queue()
+
+    async def episode(task: dict, gid: str, k: int) -> Trajectory:
+        async with slots:
+            p = params if params.seed is None else dataclasses.replace(params, seed=hash((params.seed, gid, k)) & (2**62))
+            return await run_episode(generator, env_factory(), task, p, trajectory_id=f"{gid}/{k}", group_id=gid,
+                                     renderer=renderer, **episode_options)
+
+    async def group(i: int, task: dict) -> None:
+        gid = str(task.get("id", i))
+        try:
+            await done.put(await asyncio.gather(*(episode(task, gid, k) for k in range(group_size))))
+        except BaseException as e:  # surfaces in the consumer instead of hanging it
+            await done.put(e)
+
+    runners = [asyncio.create_task(group(i, t)) for i, t in enumerate(tasks)]
+    try:
+        for _ in runners:
+            item = await done.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        for r in runners:
+            r.cancel()

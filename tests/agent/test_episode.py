@@ -1,0 +1,216 @@
+"""Episodes: exact token-in-token-out on real engine episodes, statuses, failures, collect."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from rollwise.agent.env import ToolEnv
+from rollwise.agent.envs import ENVS, make_env
+from rollwise.agent.episode import ChatRenderer, collect, run_episode
+from rollwise.agent.generator import RecordingGenerator, ScriptedGenerator, expert_policy
+from rollwise.agent.tools import Tool
+from rollwise.engine.async_engine import AsyncEngine
+from rollwise.engine.tokenizer import Tokenizer
+from rollwise.types import GenerateOutput, GenerateRequest, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    e = AsyncEngine(model_dir, max_num_seqs=32)
+    yield e
+    e.shutdown()
+
+
+class ExpertForcing:
+    """The real engine, teacher-forced to emit the expert's messages (real forwards and logprobs)."""
+
+    def __init__(self, engine, env_name, tasks):
+        self.engine, self.tokenizer = engine, engine.tokenizer
+        self.policy = expert_policy(lambda: make_env(env_name), tasks)
+
+    async def generate(self, req: GenerateRequest) -> GenerateOutput:
+        ids = self.tokenizer.encode(self.policy(req), add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        req.forced_output = ids
+        return await self.engine.generate(req)
+
+
+@pytest.mark.parametrize("env_name", sorted(ENVS))
+def test_token_in_token_out_on_engine_episodes(engine, env_name):
+    tasks = make_env(env_name).sample_tasks(3, seed=1)
+    gen = RecordingGenerator(ExpertForcing(engine, env_name, tasks))
+    renderer = ChatRenderer(engine.tokenizer)
+    params = SamplingParams(temperature=1.0, max_tokens=64, seed=5)
+
+    async def go():
+        return [await run_episode(gen, make_env(env_name), t, params, trajectory_id=f"{t['id']}/0",
+                                  group_id=str(t["id"]), renderer=renderer) for t in tasks]
+    trajs = asyncio.run(go())
+    calls = iter(gen.calls)
+    for traj in trajs:
+        assert traj.status == "done" and traj.reward == 1.0 and len(traj.turns) >= 2
+        assert len(traj.token_ids) == len(traj.loss_mask) == len(traj.logprobs)
+        first = renderer.prompt_ids(traj.messages[:2], [t.schema for t in make_env(env_name).make_tools(traj.task)]
+                                    + [_finish_schema()])
+        assert traj.token_ids[:len(first)] == first
+        for turn in traj.turns:
+            req, out = next(calls)
+            assert req.prompt_token_ids == traj.token_ids[:turn.start]  # exactly what the engine saw
+            end = turn.start + turn.num_generated
+            assert traj.token_ids[turn.start:end] == out.token_ids  # exactly what it produced
+            assert traj.logprobs[turn.start:end] == out.logprobs and all(lp < 0 for lp in out.logprobs)
+            assert traj.loss_mask[turn.start:end] == [1] * turn.num_generated
+            obs = traj.token_ids[end:end + turn.num_observation]
+            assert traj.loss_mask[end:end + turn.num_observation] == [0] * turn.num_observation
+            assert set(traj.logprobs[end:end + turn.num_observation]) <= {0.0}
+            if turn.num_observation:
+                assert "<tool_response>" in engine.tokenizer.decode(obs, skip_special_tokens=False)
+        assert sum(traj.loss_mask) == sum(t.num_generated for t in traj.turns)
+        # the delta rendering adds up to the template's rendering of the whole transcript
+        text = engine.tokenizer.decode(traj.token_ids, skip_special_tokens=False)
+        full = engine.tokenizer.apply_chat_template(traj.messages, add_generation_prompt=False,
+                                                    tools=[t.schema for t in make_env(env_name).make_tools(traj.task)]
+                                                    + [_finish_schema()])
+        assert full.startswith(text)
+
+
+def _finish_schema():
+    from rollwise.agent.env import _finish_tool
+    return _finish_tool().schema
+
+
+def test_same_seed_reproduces_a_sampled_engine_episode(engine):
+    task = make_env("calculator").sample_tasks(1, seed=3)[0]
+    params = SamplingParams(temperature=1.0, max_tokens=24, seed=11)
+
+    async def once():
+        return await run_episode(engine, make_env("calculator", max_turns=3), task, params, trajectory_id="t")
+    a, b = asyncio.run(once()), asyncio.run(once())
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.num_generated > 0
+    c = asyncio.run(run_episode(engine, make_env("calculator", max_turns=3), task,
+                                SamplingParams(temperature=1.0, max_tokens=24, seed=12), trajectory_id="t"))
+    assert c.token_ids != a.token_ids
+
+
+class FlakyEnv(ToolEnv):
+    name = "flaky"
+
+    def make_tools(self, task):
+        def boom() -> str:
+            """Always fails."""
+            raise RuntimeError("kaput")
+
+        async def hang() -> str:
+            """Never returns."""
+            await asyncio.sleep(60)
+            return "x"
+
+        def garbage() -> object:
+            """Returns something that is not text."""
+            return {1, 2}
+        return [Tool(boom), Tool(hang), Tool(garbage)]
+
+    def prompt(self, task):
+        return "go"
+
+    def score(self, task, answer):
+        return float(answer.strip() == "ok")
+
+
+def _scripted(tokenizer, turns):
+    return ScriptedGenerator(tokenizer, lambda req: turns[min(req.turn, len(turns) - 1)])
+
+
+def test_tool_failures_are_observations_and_the_episode_goes_on(model_dir):
+    tok = Tokenizer(model_dir)
+    call = lambda name: f'<tool_call>{json.dumps({"name": name, "arguments": {}})}</tool_call>'  # noqa: E731
+    turns = [call("boom"), call("hang"), call("garbage"), "<tool_call>{oops</tool_call>", call("nope"), "ok"]
+    env = FlakyEnv(tool_timeout=0.2, max_turns=10)
+    traj = asyncio.run(run_episode(_scripted(tok, turns), env, {}, SamplingParams(max_tokens=64)))
+    assert traj.status == "done" and traj.reward == 1.0 and len(traj.turns) == 6
+    tool_msgs = [m["content"] for m in traj.messages if m["role"] == "tool"]
+    assert "kaput" in tool_msgs[0] and "timed out" in tool_msgs[1] and "neither text nor JSON" in tool_msgs[2]
+    assert "malformed tool call" in tool_msgs[3] and "unknown tool 'nope'" in tool_msgs[4]
+
+
+def test_statuses_max_turns_max_context_timeout_error(model_dir):
+    tok = Tokenizer(model_dir)
+    loop_call = '<tool_call>{"name": "boom", "arguments": {}}</tool_call>'
+    p = SamplingParams(max_tokens=64)
+    t = asyncio.run(run_episode(_scripted(tok, [loop_call]), FlakyEnv(max_turns=3), {}, p))
+    assert t.status == "max_turns" and len(t.turns) == 3
+    first = len(asyncio.run(run_episode(_scripted(tok, ["x"]), FlakyEnv(), {}, p)).token_ids)
+    t = asyncio.run(run_episode(_scripted(tok, [loop_call]), FlakyEnv(max_turns=50), {}, p, max_context=first + 200))
+    assert t.status == "max_context" and first + 100 < len(t.token_ids) <= first + 200 and len(t.turns) > 1
+    hang = '<tool_call>{"name": "hang", "arguments": {}}</tool_call>'
+    t = asyncio.run(run_episode(_scripted(tok, [hang]), FlakyEnv(tool_timeout=30), {}, p, deadline_s=0.3))
+    assert t.status == "timeout"
+
+    class Broken(FlakyEnv):
+        async def step(self, action):
+            raise KeyError("env bug")
+    t = asyncio.run(run_episode(_scripted(tok, ["x"]), Broken(), {}, p))
+    assert t.status == "error" and "env bug" in t.error
+
+
+def test_collect_returns_complete_groups_with_bounded_concurrency(model_dir):
+    tok = Tokenizer(model_dir)
+    env_name = "sql"
+    tasks = make_env(env_name).sample_tasks(12, seed=2)
+    gen = ScriptedGenerator(tok, expert_policy(lambda: make_env(env_name), tasks), delay=0.01)
+
+    async def go():
+        return [g async for g in collect(gen, lambda: make_env(env_name), tasks, SamplingParams(max_tokens=64),
+                                         group_size=4, max_concurrency=10)]
+    groups = asyncio.run(go())
+    assert len(groups) == 12 and all(len(g) == 4 for g in groups)
+    assert {g[0].group_id for g in groups} == {t["id"] for t in tasks}
+    assert all(t.reward == 1.0 and t.status == "done" for g in groups for t in g)
+    assert gen.max_in_flight <= 10 and gen.max_in_flight >= 8  # the pool stays full
+
+
+def test_sql_tool_cannot_modify_the_database(tmp_path, monkeypatch):
+    from rollwise.agent.envs.sql import build_db, run_query
+    monkeypatch.chdir(tmp_path)
+    task = make_env("sql").sample_tasks(1, seed=9)[0]
+    path = build_db(task)
+    before = run_query(path, "SELECT COUNT(*) FROM orders")
+    for stmt in ("DELETE FROM orders", "DROP TABLE orders", "INSERT INTO orders VALUES (999, 1, 1, 1)",
+                 "UPDATE products SET price = 0", "ATTACH DATABASE 'x.db' AS x"):
+        with pytest.raises(Exception):
+            run_query(path, stmt)
+    assert run_query(path, "SELECT COUNT(*) FROM orders") == before
+    assert not list(tmp_path.iterdir())  # ATTACH created no file
+    env = make_env("sql")
+
+    async def go():
+        await env.reset(task)
+        return await env.step('<tool_call>{"name": "sql_query", "arguments": {"query": "DELETE FROM orders"}}</tool_call>')
+    obs, reward, done, _ = asyncio.run(go())
+    assert not done and "not authorized" in obs[0]["content"]
+
+
+@pytest.mark.parametrize("env_name", sorted(ENVS))
+def test_every_expert_solves_200_seeded_tasks(env_name):
+    env = make_env(env_name)
+    tasks = env.sample_tasks(200, seed=0)
+    assert len({json.dumps(t, sort_keys=True) for t in tasks}) > 150  # varied tasks
+
+    async def solve(task) -> float:
+        e = make_env(env_name)
+        await e.reset(task)
+        for action in e.expert(task):
+            _, reward, done, _ = await e.step(action)
+            if done:
+                return reward
+        return 0.0
+
+    async def go():
+        return [await solve(t) for t in tasks]
+    assert asyncio.run(go()) == [1.0] * 200
+
+
+def test_make_env_names_the_valid_options():
+    with pytest.raises(ValueError, match="calculator"):
+        make_env("chess")
