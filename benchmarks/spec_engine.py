@@ -25,7 +25,6 @@ from rollwise.make_model import make_model  # noqa: E402
 from rollwise.spec.bench import load_groups  # noqa: E402
 from rollwise.types import SamplingParams  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "agent-trajectories" / "public.jsonl"
 SIZES = {
     "bench": dict(family="llama", layers=8, hidden=512, heads=8, kv_heads=4, vocab=8192, seed=0),
     "smoke": dict(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=1024, seed=0),
@@ -34,7 +33,7 @@ SIZES = {
 
 def requests_from_trajectories(model: str, n_traj: int, prompt_len: int, max_new: int) -> list[dict]:
     """Assistant turns in trajectory order; the trials of a task share a group (GRPO siblings)."""
-    groups = load_groups(str(DATA), model, group_size=4, limit=n_traj)
+    groups = load_groups(None, model, group_size=4, limit=n_traj)
     reqs = []
     for g, sibs in enumerate(groups):
         for turn in range(max(len(t) for t in sibs)):

@@ -141,8 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("bench", help="built-in benchmarks")
     bsub = p.add_subparsers(dest="bench", required=True)
     b = bsub.add_parser("spec", help="offline drafting replay on agent trajectories (no model)")
-    b.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent / "shared" / "data" /
-                                         "agent-trajectories" / "public.jsonl"))
+    b.add_argument("--data", default=None, help="trajectories JSONL (default: ../shared's public.jsonl)")
     b.add_argument("--tokenizer", required=True, help="model directory whose tokenizer to use")
     b.add_argument("--group-size", type=int, default=1, help="replay this many trials of a task as siblings")
     b.add_argument("--limit", type=int, default=None, help="first N trajectories only")

@@ -34,6 +34,20 @@ class ScriptedGenerator:
             self.in_flight -= 1
 
 
+class ForcedGenerator:
+    """A real generator teacher-forced to emit `policy(request)` (plus EOS): the forward passes,
+    logprobs and timing are real, the text is scripted (e.g. an expert's), so episodes keep a
+    realistic multi-turn shape on an untrained model."""
+
+    def __init__(self, inner, policy: Callable[[GenerateRequest], str]) -> None:
+        self.inner, self.policy, self.tokenizer = inner, policy, inner.tokenizer
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        ids = self.tokenizer.encode(self.policy(request), add_special_tokens=False)
+        request.forced_output = ids + [self.tokenizer.eos_token_id]
+        return await self.inner.generate(request)
+
+
 class RecordingGenerator:
     """Wraps a generator and keeps (request, output) of every call."""
 

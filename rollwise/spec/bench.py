@@ -17,13 +17,22 @@ from rollwise.spec.replay import ReplayParams
 PEERS = Path(os.environ.get("ROLLWISE_PEERS", Path.home() / ".cache" / "rollwise-peers"))
 
 
-def load_groups(data: str, tokenizer_dir: str, group_size: int, limit: int | None) -> list:
+def default_data() -> str:
+    """The public agent trajectories: $ROLLWISE_TRAJECTORIES, else ../shared beside the checkout."""
+    env = os.environ.get("ROLLWISE_TRAJECTORIES")
+    path = Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "data" / "agent-trajectories" / "public.jsonl"
+    if not path.exists():
+        raise ValueError(f"no trajectories at {path}: pass --data or set ROLLWISE_TRAJECTORIES")
+    return str(path)
+
+
+def load_groups(data: str | None, tokenizer_dir: str, group_size: int, limit: int | None) -> list:
     """Sibling sets of tokenized trajectories: up to `group_size` trials of each task together (all
     trials of a task when group_size is 1, one after another); `limit`: that many trajectories."""
     from rollwise.engine.tokenizer import Tokenizer
     tok = Tokenizer(tokenizer_dir)
     by_task: dict[str, list] = defaultdict(list)
-    rows = [json.loads(line) for line in Path(data).read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in Path(data or default_data()).read_text().splitlines() if line.strip()]
     rows.sort(key=lambda r: r["id"])  # task-major: the trials of a task are neighbours
     for row in rows[:limit]:
         task = row["id"].rsplit("/", 1)[0] if group_size > 1 else row["id"]

@@ -9,11 +9,11 @@ import pytest
 from rollwise.agent.env import ToolEnv
 from rollwise.agent.envs import ENVS, make_env
 from rollwise.agent.episode import ChatRenderer, collect, run_episode
-from rollwise.agent.generator import RecordingGenerator, ScriptedGenerator, expert_policy
+from rollwise.agent.generator import ForcedGenerator, RecordingGenerator, ScriptedGenerator, expert_policy
 from rollwise.agent.tools import Tool
 from rollwise.engine.async_engine import AsyncEngine
 from rollwise.engine.tokenizer import Tokenizer
-from rollwise.types import GenerateOutput, GenerateRequest, SamplingParams
+from rollwise.types import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -23,23 +23,10 @@ def engine(model_dir):
     e.shutdown()
 
 
-class ExpertForcing:
-    """The real engine, teacher-forced to emit the expert's messages (real forwards and logprobs)."""
-
-    def __init__(self, engine, env_name, tasks):
-        self.engine, self.tokenizer = engine, engine.tokenizer
-        self.policy = expert_policy(lambda: make_env(env_name), tasks)
-
-    async def generate(self, req: GenerateRequest) -> GenerateOutput:
-        ids = self.tokenizer.encode(self.policy(req), add_special_tokens=False) + [self.tokenizer.eos_token_id]
-        req.forced_output = ids
-        return await self.engine.generate(req)
-
-
 @pytest.mark.parametrize("env_name", sorted(ENVS))
 def test_token_in_token_out_on_engine_episodes(engine, env_name):
     tasks = make_env(env_name).sample_tasks(3, seed=1)
-    gen = RecordingGenerator(ExpertForcing(engine, env_name, tasks))
+    gen = RecordingGenerator(ForcedGenerator(engine, expert_policy(lambda: make_env(env_name), tasks)))
     renderer = ChatRenderer(engine.tokenizer)
     params = SamplingParams(temperature=1.0, max_tokens=64, seed=5)
 

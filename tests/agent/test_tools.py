@@ -5,8 +5,6 @@ import asyncio
 import time
 from typing import Literal
 
-import pytest
-
 from rollwise.agent.parsing import HermesParser
 from rollwise.agent.tools import Latency, Tool, tool
 
