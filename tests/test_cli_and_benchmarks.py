@@ -63,3 +63,13 @@ def test_bench_spec_cli_smoke(tmp_path):
     assert set(res) == {"rollwise/chain", "rollwise+group/chain", "rollwise/tree", "rollwise+group/tree"}
     assert all(v["mean_accepted_per_step"] > 0 for v in res.values())
     assert res["rollwise/chain"]["tokens"] == res["rollwise+group/tree"]["tokens"]
+
+
+def test_agent_benchmark_smoke(tmp_path):
+    out = tmp_path / "agent.json"
+    r = run("benchmarks/agent.py", "--smoke", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["loop_overhead_us_per_turn"] > 0
+    for side in ("fake", "engine"):
+        assert all(v["solved"] == 1.0 and v["episodes"] > 0 for v in res[side].values())
