@@ -66,6 +66,9 @@ async def run_episode(generator: Generator, env: Env, task: dict, params: Sampli
     except Exception as e:  # noqa: BLE001 - an environment bug ends this episode, not the run
         traj.status, traj.error = "error", f"{type(e).__name__}: {e}"
     traj.total_s = time.perf_counter() - t0
+    end = getattr(generator, "end_trajectory", None)  # e.g. a router: stickiness, turn stats, shared drafts
+    if end is not None:
+        await end(traj.trajectory_id, traj.group_id, traj.token_ids, len(traj.turns))
     return traj
 
 

@@ -89,6 +89,10 @@ class AsyncEngine:
     def metrics(self) -> dict[str, float]:
         return self.engine.metrics()
 
+    async def call(self, fn: Callable):
+        """Run fn() on the engine thread between two steps (engine state is single-threaded)."""
+        return await self._call(fn)
+
     @property
     def policy_version(self) -> int:
         return self.engine.policy_version

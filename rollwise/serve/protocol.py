@@ -74,6 +74,13 @@ class GenerateRequest(_Strict):
     trajectory_id: str | None = None
     group_id: str | None = None
     turn: int | None = None
+    forced_output: list[int] | None = None  # trace replay: emit these tokens (the forward still runs)
+
+
+class AddSequenceRequest(_Strict):
+    """Drafting material for this replica's suffix cache (e.g. a trajectory finished elsewhere)."""
+    token_ids: list[int] = Field(min_length=1)
+    group_id: str | None = None
 
 
 class UpdateWeightsRequest(_Strict):

@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from rollwise.config import ServerConfig
 from rollwise.serve.metrics import prometheus_text
-from rollwise.serve.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest,
-                                     UpdateWeightsRequest)
+from rollwise.serve.protocol import (AddSequenceRequest, ChatCompletionRequest, CompletionRequest,
+                                     GenerateRequest, UpdateWeightsRequest)
 from rollwise.types import RequestOutput, SamplingParams
 
 OPEN_PATHS = {"/health", "/metrics"}
@@ -81,8 +81,16 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         rid = body.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         if body.stream:
             return _sse(await _primed(_stream_generate(engine, prompt, params, rid, body.group_id)))
-        out = await engine.generate(prompt, params, rid, group_id=body.group_id)
+        out = await engine.generate(prompt, params, rid, group_id=body.group_id, forced_output=body.forced_output)
         return _generate_json(out)
+
+    @app.post("/spec/add_sequence")
+    async def add_sequence(body: AddSequenceRequest):
+        spec = engine.engine.spec
+        if spec is None:
+            return {"status": "ignored", "reason": "speculation is off"}
+        await engine.call(lambda: spec.cache.add_sequence(body.token_ids, body.group_id))
+        return {"status": "ok"}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):

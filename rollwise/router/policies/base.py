@@ -1,0 +1,42 @@
+"""What a placement policy sees, and its interface: `choose` a replica for a request among those
+with room, and optionally a `priority` that orders the global queue (lower goes first)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rollwise.router.replica import LoadSnapshot
+from rollwise.types import GenerateRequest
+
+
+@dataclass(slots=True)
+class Candidate:
+    name: str
+    inflight: int  # requests this router has in flight there
+    inflight_tokens: int  # their work estimate (prompt not cached + max new tokens)
+    matched: int  # prompt tokens it holds (prefix index, including routed-but-unfinished siblings)
+    load: LoadSnapshot | None  # last snapshot from the replica itself
+    assigned: int  # trajectories ever assigned to it
+
+
+@dataclass(slots=True)
+class RouteInfo:
+    request: GenerateRequest
+    prompt_len: int
+    arrival: float  # monotonic seconds
+    sticky: str | None  # replica of the trajectory's previous turn
+    turns_done: int
+    expected_turns: float | None  # from finished siblings (EMA), None before any finished
+
+
+class Policy:
+    name = "base"
+
+    def choose(self, info: RouteInfo, cands: list[Candidate]) -> str:
+        raise NotImplementedError
+
+    def priority(self, info: RouteInfo) -> float:
+        return info.arrival  # FIFO
+
+
+def least_loaded(cands: list[Candidate]) -> Candidate:
+    return min(cands, key=lambda c: (c.inflight, c.inflight_tokens, c.name))

@@ -1,0 +1,35 @@
+"""rollwise's policy: one cost in seconds per replica, the expected time to serve this turn there —
+prefill of the part of the prompt it does not hold, plus max_tokens decode steps whose length grows
+with the replica's batch (continuous batching: a busier replica decodes every sequence slower),
+plus a penalty for KV pressure (a nearly full cache preempts someone to fit this request).
+Stickiness and sibling co-location come out of the prefix term: a trajectory moves only when the
+slower decode on its replica costs more than recomputing its context elsewhere. The queue goes
+longest-expected-remaining-work first, with aging so nothing starves: a request's virtual arrival
+is moved earlier by its remaining work, capped."""
+from __future__ import annotations
+
+from rollwise.router.policies.base import Policy
+
+
+class Rollwise(Policy):
+    name = "rollwise"
+
+    def __init__(self, prefill_tok_s: float = 5000.0, step_s: float = 0.01, per_seq_s: float = 0.0004,
+                 turn_s: float = 2.0, max_boost_s: float = 30.0) -> None:
+        self.prefill_tok_s, self.step_s, self.per_seq_s = prefill_tok_s, step_s, per_seq_s
+        self.turn_s, self.max_boost_s = turn_s, max_boost_s
+
+    def cost(self, info, c) -> float:
+        new = info.request.params.max_tokens
+        prefill = (info.prompt_len - c.matched) / self.prefill_tok_s
+        decode = new * (self.step_s + self.per_seq_s * (c.inflight + 1))
+        kv = c.load.kv_usage if c.load is not None else 0.0
+        pressure = max(kv - 0.8, 0.0) / 0.2 * 2.0 * (info.prompt_len + new) / self.prefill_tok_s
+        return prefill + decode + pressure
+
+    def choose(self, info, cands):
+        return min(cands, key=lambda c: (self.cost(info, c), c.name != info.sticky, c.inflight, c.name)).name
+
+    def priority(self, info):
+        left = (info.expected_turns - info.turns_done) if info.expected_turns is not None else 1.0
+        return info.arrival - min(max(left, 0.0) * self.turn_s, self.max_boost_s)

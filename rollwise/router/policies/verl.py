@@ -1,0 +1,15 @@
+"""verl's default: a trajectory sticks to its replica; a new one goes to the replica that has been
+given the fewest trajectories so far (it ignores current load and cache contents)."""
+from __future__ import annotations
+
+from rollwise.router.policies.base import Policy
+
+
+class Verl(Policy):
+    name = "verl"
+
+    def choose(self, info, cands):
+        names = {c.name for c in cands}
+        if info.sticky in names:
+            return info.sticky
+        return min(cands, key=lambda c: (c.assigned, c.name)).name

@@ -1,0 +1,165 @@
+"""Replicas the router sends requests to: the protocol, an in-process one (AsyncEngine) and an HTTP
+one (`rollwise serve`'s token-level /generate, load read from its Prometheus /metrics)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import httpx
+
+from rollwise.types import GenerateOutput, GenerateRequest
+
+
+@dataclass(slots=True)
+class LoadSnapshot:
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    tokens_per_s: float = 0.0  # recent generation throughput
+    prefix_hit_rate: float = 0.0
+    at: float = field(default_factory=time.monotonic)
+
+
+class Replica(Protocol):
+    name: str
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def health(self) -> bool: ...
+
+    async def load(self) -> LoadSnapshot: ...
+
+
+class ReplicaError(RuntimeError):
+    """The replica failed (down, unreachable, crashed): the request may be retried elsewhere."""
+
+
+class _Throughput:
+    def __init__(self) -> None:
+        self.last: tuple[float, float] | None = None
+        self.rate = 0.0
+
+    def update(self, generated_total: float) -> float:
+        now = time.monotonic()
+        if self.last is not None and now > self.last[0]:
+            inst = (generated_total - self.last[1]) / (now - self.last[0])
+            self.rate = inst if self.rate == 0 else 0.7 * self.rate + 0.3 * inst
+        self.last = (now, generated_total)
+        return self.rate
+
+
+class LocalReplica:
+    """An in-process engine (anything with AsyncEngine's generate/abort/metrics)."""
+
+    def __init__(self, name: str, engine) -> None:
+        self.name, self.engine = name, engine
+        self._tp = _Throughput()
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        try:
+            return await self.engine.generate(request)
+        except ValueError:
+            raise
+        except RuntimeError as e:
+            raise ReplicaError(f"{self.name}: {e}") from e
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def health(self) -> bool:
+        return not getattr(self.engine, "_stopped", False)
+
+    async def load(self) -> LoadSnapshot:
+        m = self.engine.metrics()
+        return LoadSnapshot(m["num_running"], m["num_waiting"], m["kv_usage"], self._tp.update(m["generated_tokens"]),
+                            m["prefix_hit_rate"])
+
+    async def add_sequence(self, token_ids: list[int], group_id: str | None) -> None:
+        spec = getattr(self.engine.engine, "spec", None)
+        if spec is not None:
+            await self.engine.call(lambda: spec.cache.add_sequence(token_ids, group_id))
+
+
+PROM = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+        "vllm:kv_cache_usage_perc": "kv_usage", "vllm:gpu_cache_usage_perc": "kv_usage",
+        "vllm:generation_tokens_total": "generated", "vllm:prefix_cache_queries_total": "queries",
+        "vllm:prefix_cache_hits_total": "hits"}
+
+
+class HttpReplica:
+    """`rollwise serve` (or a server with the same /generate) at `url`."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
+        self.name = self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout,
+                                        limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+        self._tp = _Throughput()
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        p = request.params
+        body = {"input_ids": request.prompt_token_ids, "request_id": request.request_id,
+                "trajectory_id": request.trajectory_id, "group_id": request.group_id, "turn": request.turn,
+                "forced_output": request.forced_output,
+                "sampling_params": {k: getattr(p, k) for k in ("temperature", "top_p", "top_k", "seed", "max_tokens",
+                                                                "min_tokens", "stop", "stop_token_ids", "ignore_eos")}}
+        try:
+            r = await self.client.post("/generate", json=body)
+        except httpx.HTTPError as e:
+            raise ReplicaError(f"{self.name}: {type(e).__name__}: {e}") from e
+        if r.status_code == 400:
+            raise ValueError(r.json().get("error", {}).get("message", r.text))
+        if r.status_code != 200:
+            raise ReplicaError(f"{self.name}: HTTP {r.status_code}: {r.text[:200]}")
+        b = r.json()
+        return GenerateOutput(token_ids=b["token_ids"], logprobs=b["logprobs"], finish_reason=b["finish_reason"],
+                              num_cached_tokens=b["num_cached_tokens"], policy_version=b["policy_version"],
+                              request_id=b["request_id"])
+
+    async def abort(self, request_id: str) -> None:
+        pass  # closing the connection aborts the request on `rollwise serve`
+
+    async def health(self) -> bool:
+        try:
+            return (await self.client.get("/health", timeout=2.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def load(self) -> LoadSnapshot:
+        try:
+            text = (await self.client.get("/metrics", timeout=2.0)).text
+        except httpx.HTTPError as e:
+            raise ReplicaError(f"{self.name}: {e}") from e
+        v: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                key = PROM.get(name.split("{")[0])
+                if key:
+                    v[key] = float(value)
+        q = v.get("queries", 0.0)
+        return LoadSnapshot(v.get("running", 0.0), v.get("waiting", 0.0), v.get("kv_usage", 0.0),
+                            self._tp.update(v.get("generated", 0.0)), v.get("hits", 0.0) / q if q else 0.0)
+
+    async def add_sequence(self, token_ids: list[int], group_id: str | None) -> None:
+        try:
+            await self.client.post("/spec/add_sequence", json={"token_ids": token_ids, "group_id": group_id})
+        except httpx.HTTPError:
+            pass  # drafting material is best effort
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+async def gather_loads(replicas) -> dict[str, LoadSnapshot | None]:
+    async def one(r):
+        try:
+            return await r.load()
+        except Exception:  # noqa: BLE001 - a replica that cannot report counts as unknown
+            return None
+    snaps = await asyncio.gather(*(one(r) for r in replicas))
+    return {r.name: s for r, s in zip(replicas, snaps)}

@@ -1,0 +1,222 @@
+"""The global scheduler: one queue for every trajectory's turns, a placement policy, failover and
+elastic membership. A `Router` is itself a `Generator`, so episodes run through it unchanged.
+
+Each replica takes at most `max_inflight_per_replica` requests from this router; beyond that,
+requests wait in one global queue ordered by the policy's priority. Every placement is recorded in
+the prefix index at once (so siblings routed together see each other's prompt as cached) and
+reconciled with the cached-token count the replica reports. A replica that fails is marked
+unhealthy, its requests are retried elsewhere, and it rejoins when its /health answers again.
+"""
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from rollwise.router.policies import Candidate, Policy, RouteInfo, make_policy
+from rollwise.router.prefix_index import PrefixIndex
+from rollwise.router.replica import LoadSnapshot, ReplicaError, gather_loads
+from rollwise.types import GenerateOutput, GenerateRequest
+
+
+@dataclass(slots=True)
+class _Waiter:
+    info: RouteInfo
+    hashes: list[int]
+    work: int
+    future: asyncio.Future
+    tried: set[str] = field(default_factory=set)
+
+
+class Router:
+    def __init__(self, replicas: list, policy: str | Policy = "rollwise", *, tokenizer=None,
+                 max_inflight_per_replica: int = 64, block_size: int = 16, max_retries: int = 3,
+                 health_interval_s: float = 1.0, load_interval_s: float = 0.5, queue_timeout_s: float = 600.0,
+                 share_drafts: bool = True, record_placements: bool = False) -> None:
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.tokenizer = tokenizer
+        self.capacity, self.max_retries = max_inflight_per_replica, max_retries
+        self.health_interval_s, self.load_interval_s = health_interval_s, load_interval_s
+        self.queue_timeout_s, self.share_drafts = queue_timeout_s, share_drafts
+        self.index = PrefixIndex(block_size)
+        self.replicas: dict[str, object] = {}
+        self.healthy: set[str] = set()
+        self.inflight: dict[str, int] = {}
+        self.inflight_tokens: dict[str, int] = {}
+        self.assigned: dict[str, int] = {}
+        self.loads: dict[str, LoadSnapshot | None] = {}
+        self.sticky: dict[str, str] = {}  # trajectory -> replica of its last turn
+        self.turns: dict[str, int] = {}  # trajectory -> turns routed
+        self.expected_turns: dict[str, float] = {}  # group -> EMA of finished siblings' turns
+        self._queue: list[tuple[float, int, _Waiter]] = []
+        self._seq = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self.placements = deque(maxlen=100_000) if record_placements else None  # (trajectory, group, turn, replica)
+        self.stats = {"requests": 0, "retries": 0, "failovers": 0, "decisions": 0, "decision_s": 0.0,
+                      "queued": 0, "prompt_tokens": 0, "matched_tokens": 0, "cached_tokens": 0}
+        for r in replicas:
+            self.add_replica(r)
+
+    # membership ----------------------------------------------------------------------------------
+    def add_replica(self, replica) -> None:
+        if replica.name in self.replicas:
+            raise ValueError(f"replica {replica.name!r} is already a member")
+        self.replicas[replica.name] = replica
+        self.healthy.add(replica.name)
+        for d in (self.inflight, self.inflight_tokens, self.assigned):
+            d.setdefault(replica.name, 0)
+        self.loads[replica.name] = None
+        self._pump()
+
+    def remove_replica(self, name: str) -> None:
+        """Stop routing to it; its in-flight requests finish (or fail over if it goes away)."""
+        if name not in self.replicas:
+            raise ValueError(f"unknown replica {name!r}; members: {sorted(self.replicas)}")
+        del self.replicas[name]
+        self.healthy.discard(name)
+        self.index.remove_replica(name)
+        self.sticky = {t: r for t, r in self.sticky.items() if r != name}
+
+    async def start(self) -> None:
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._health_loop()), asyncio.create_task(self._load_loop())]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self._tasks = []
+
+    # the Generator protocol ------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        await self.start()
+        tid = request.trajectory_id
+        info = RouteInfo(request=request, prompt_len=len(request.prompt_token_ids), arrival=time.monotonic(),
+                         sticky=self.sticky.get(tid) if tid else None, turns_done=self.turns.get(tid, 0) if tid else 0,
+                         expected_turns=self.expected_turns.get(request.group_id) if request.group_id else None)
+        w = _Waiter(info, self.index.hashes(request.prompt_token_ids), 0, None)
+        self.stats["requests"] += 1
+        self.stats["prompt_tokens"] += info.prompt_len
+        for attempt in range(self.max_retries + 1):
+            name = await self._acquire(w)
+            try:
+                out = await self.replicas[name].generate(request) if name in self.replicas else None
+                if out is None:
+                    raise ReplicaError(f"{name} was removed")
+            except ReplicaError:
+                self._release(name, w.work)
+                self._mark_down(name)
+                w.tried.add(name)
+                self.stats["retries"] += 1
+                continue
+            except BaseException:
+                self._release(name, w.work)
+                raise
+            self._release(name, w.work)
+            self._record(name, w, request, out)
+            return out
+        raise ReplicaError(f"request failed on {sorted(w.tried)} after {self.max_retries} retries")
+
+    async def end_trajectory(self, trajectory_id: str, group_id: str | None, token_ids: list[int],
+                             num_turns: int) -> None:
+        """A trajectory finished: learn its group's turn count, forget its stickiness, and give its
+        tokens to every replica's drafting cache (so siblings anywhere can draft from it)."""
+        if group_id is not None:
+            old = self.expected_turns.get(group_id)
+            self.expected_turns[group_id] = num_turns if old is None else 0.7 * old + 0.3 * num_turns
+        self.sticky.pop(trajectory_id, None)
+        self.turns.pop(trajectory_id, None)
+        if self.share_drafts:
+            await asyncio.gather(*(r.add_sequence(token_ids, group_id) for r in list(self.replicas.values())
+                                   if hasattr(r, "add_sequence")), return_exceptions=True)
+
+    # scheduling ----------------------------------------------------------------------------------
+    async def _acquire(self, w: _Waiter) -> str:
+        w.future = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._queue, (self.policy.priority(w.info), next(self._seq), w))
+        self._pump()
+        if not w.future.done():
+            self.stats["queued"] += 1
+        return await asyncio.wait_for(w.future, self.queue_timeout_s)
+
+    def _pump(self) -> None:
+        while self._queue:
+            room = [n for n in self.healthy if n in self.replicas and self.inflight[n] < self.capacity]
+            if not room:
+                return
+            _, _, w = heapq.heappop(self._queue)
+            if w.future.done():  # the caller gave up
+                continue
+            cands = [n for n in room if n not in w.tried] or room
+            t0 = time.perf_counter()
+            name = self._choose(w, cands)
+            self.stats["decision_s"] += time.perf_counter() - t0
+            self.stats["decisions"] += 1
+            w.future.set_result(name)
+
+    def _choose(self, w: _Waiter, names: list[str]) -> str:
+        matched = self.index.match(w.hashes, names)
+        cands = [Candidate(n, self.inflight[n], self.inflight_tokens[n], min(matched[n], w.info.prompt_len),
+                           self.loads.get(n), self.assigned[n]) for n in names]
+        name = self.policy.choose(w.info, cands)
+        req = w.info.request
+        w.work = w.info.prompt_len - matched[name] + req.params.max_tokens
+        self.inflight[name] += 1
+        self.inflight_tokens[name] += w.work
+        self.stats["matched_tokens"] += min(matched[name], w.info.prompt_len)
+        self.index.insert(name, w.hashes)  # predicted: siblings arriving next see it as cached
+        if self.placements is not None:
+            self.placements.append((req.trajectory_id, req.group_id, req.turn, name))
+        tid = req.trajectory_id
+        if tid is not None:
+            if tid not in self.sticky and tid not in self.turns:
+                self.assigned[name] += 1
+            self.sticky[tid] = name
+        return name
+
+    def _release(self, name: str, work: int) -> None:
+        if name in self.inflight:
+            self.inflight[name] -= 1
+            self.inflight_tokens[name] -= work
+        self._pump()
+
+    def _record(self, name: str, w: _Waiter, req: GenerateRequest, out: GenerateOutput) -> None:
+        self.stats["cached_tokens"] += out.num_cached_tokens
+        if name in self.replicas:
+            self.index.reconcile(name, w.hashes, out.num_cached_tokens)
+            self.index.insert(name, self.index.hashes(req.prompt_token_ids + out.token_ids))
+        if req.trajectory_id is not None:
+            self.turns[req.trajectory_id] = self.turns.get(req.trajectory_id, 0) + 1
+
+    def _mark_down(self, name: str) -> None:
+        if name in self.healthy:
+            self.healthy.discard(name)
+            self.stats["failovers"] += 1
+            self.index.remove_replica(name)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            for name, r in list(self.replicas.items()):
+                ok = await r.health()
+                if ok and name not in self.healthy:
+                    self.healthy.add(name)
+                    self._pump()
+                elif not ok and name in self.healthy:
+                    self._mark_down(name)
+
+    async def _load_loop(self) -> None:
+        while True:
+            self.loads.update(await gather_loads(list(self.replicas.values())))
+            await asyncio.sleep(self.load_interval_s)
+
+    def metrics(self) -> dict[str, float]:
+        s = self.stats
+        return {**{k: float(v) for k, v in s.items()},
+                "decision_us": 1e6 * s["decision_s"] / max(s["decisions"], 1),
+                "hit_rate": s["cached_tokens"] / max(s["prompt_tokens"], 1),
+                "num_replicas": float(len(self.replicas)), "num_healthy": float(len(self.healthy)),
+                "queue_len": float(len(self._queue)),
+                **{f"inflight/{n}": float(v) for n, v in self.inflight.items() if n in self.replicas}}

@@ -1,0 +1,74 @@
+"""Placement rules of every policy, on synthetic candidates."""
+from __future__ import annotations
+
+import pytest
+
+from rollwise.router.policies import POLICIES, Candidate, RouteInfo, make_policy
+from rollwise.router.replica import LoadSnapshot
+from rollwise.types import GenerateRequest, SamplingParams
+
+
+def info(prompt_len=100, sticky=None, turns_done=0, expected=None, arrival=0.0):
+    req = GenerateRequest(prompt_token_ids=[1] * prompt_len, params=SamplingParams(max_tokens=50))
+    return RouteInfo(request=req, prompt_len=prompt_len, arrival=arrival, sticky=sticky, turns_done=turns_done,
+                     expected_turns=expected)
+
+
+def cand(name, inflight=0, tokens=0, matched=0, assigned=0, tps=0.0, kv=0.0):
+    return Candidate(name, inflight, tokens, matched, LoadSnapshot(tokens_per_s=tps, kv_usage=kv), assigned)
+
+
+def test_round_robin_cycles():
+    p = make_policy("round_robin")
+    cs = [cand("a"), cand("b"), cand("c")]
+    assert [p.choose(info(), cs) for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_least_load_and_sticky_variants():
+    cs = [cand("a", inflight=5), cand("b", inflight=2)]
+    assert make_policy("least_load").choose(info(sticky="a"), cs) == "b"
+    assert make_policy("sticky_least_load").choose(info(sticky="a"), cs) == "a"
+    assert make_policy("sticky_least_load").choose(info(), cs) == "b"
+    verl = make_policy("verl")
+    assert verl.choose(info(sticky="a"), cs) == "a"
+    assert verl.choose(info(), [cand("a", inflight=0, assigned=9), cand("b", inflight=50, assigned=3)]) == "b"
+
+
+def test_sglang_cache_aware_rules():
+    p = make_policy("sglang_cache_aware")
+    assert p.choose(info(), [cand("a", inflight=100, matched=100), cand("b", inflight=10)]) == "b"  # imbalanced
+    assert p.choose(info(), [cand("a", inflight=5, matched=40), cand("b", inflight=1)]) == "a"  # 40% match
+    assert p.choose(info(), [cand("a", inflight=5, matched=20), cand("b", inflight=1)]) == "b"  # 20%: least load
+
+
+def test_dynamo_counts_uncached_prefill_and_active_blocks():
+    p = make_policy("dynamo")
+    assert p.choose(info(prompt_len=320), [cand("a", matched=320, tokens=160), cand("b", tokens=0)]) == "a"
+    assert p.choose(info(prompt_len=320), [cand("a", matched=320, tokens=800), cand("b", tokens=0)]) == "b"
+
+
+def test_rollwise_moves_only_when_waiting_costs_more_than_recomputing():
+    p = make_policy("rollwise", prefill_tok_s=1000.0, step_s=0.01, per_seq_s=0.001)
+    # 2000 cached tokens at home save 2 s of prefill; 50 decode steps there are slower by 0.001 s per extra sequence
+    assert p.choose(info(prompt_len=2000, sticky="a"), [cand("a", inflight=20, matched=2000), cand("b")]) == "a"
+    assert p.choose(info(prompt_len=2000, sticky="a"), [cand("a", inflight=60, matched=2000), cand("b")]) == "b"
+    # a nearly full KV cache costs extra
+    assert p.choose(info(prompt_len=100), [cand("a", kv=0.99), cand("b", inflight=2)]) == "b"
+    # queue order: more expected work left goes first, but waiting long enough wins
+    assert p.priority(info(turns_done=1, expected=10, arrival=5.0)) < p.priority(info(turns_done=9, expected=10, arrival=5.0))
+    assert p.priority(info(turns_done=9, expected=10, arrival=0.0)) < p.priority(info(turns_done=0, expected=50, arrival=100.0))
+
+
+def test_war_switches_rules_with_load():
+    p = make_policy("war", capacity=10, load_threshold=0.5)
+    low = [cand("a", inflight=1), cand("b", inflight=0, matched=100)]
+    assert p.choose(info(sticky="a"), low) == "a"  # low load: sticky
+    high = [cand("a", inflight=9), cand("b", inflight=8, matched=100)]
+    assert p.choose(info(sticky="a"), high) == "b"  # high load: best cache hit
+
+
+def test_every_policy_is_registered_and_bad_names_fail():
+    assert set(POLICIES) == {"round_robin", "least_load", "verl", "sticky_least_load", "sglang_cache_aware", "dynamo",
+                             "war", "rollwise"}
+    with pytest.raises(ValueError, match="rollwise"):
+        make_policy("random")

@@ -1,0 +1,136 @@
+"""The router's scheduling, failover and membership, on in-process fake replicas (fast, exact)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollwise.router.replica import LoadSnapshot, ReplicaError
+from rollwise.router.router import Router
+from rollwise.types import GenerateOutput, GenerateRequest, SamplingParams
+
+
+class FakeReplica:
+    def __init__(self, name, delay=0.01, fail_after=None):
+        self.name, self.delay, self.fail_after = name, delay, fail_after
+        self.calls, self.active, self.max_active, self.alive = 0, 0, 0, True
+        self.seen: list[str] = []
+
+    async def generate(self, req: GenerateRequest) -> GenerateOutput:
+        self.calls += 1
+        if not self.alive or (self.fail_after is not None and self.calls > self.fail_after):
+            self.alive = False
+            raise ReplicaError(f"{self.name} is down")
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        self.seen.append(req.request_id)
+        try:
+            await asyncio.sleep(self.delay)
+        finally:
+            self.active -= 1
+        return GenerateOutput(token_ids=[7, 8], logprobs=[-0.1, -0.2], finish_reason="length")
+
+    async def abort(self, request_id):
+        pass
+
+    async def health(self):
+        return self.alive
+
+    async def load(self):
+        return LoadSnapshot(running=self.active)
+
+
+def req(i, traj=None, group=None, turn=0, n=40):
+    return GenerateRequest(prompt_token_ids=[i % 5] * n, params=SamplingParams(max_tokens=2), request_id=f"r{i}",
+                           trajectory_id=traj, group_id=group, turn=turn)
+
+
+def test_failover_loses_nothing_and_the_replica_rejoins():
+    async def go():
+        reps = [FakeReplica("a"), FakeReplica("b", fail_after=3), FakeReplica("c")]
+        router = Router(reps, "round_robin", health_interval_s=0.05)
+        outs = await asyncio.gather(*(router.generate(req(i, traj=f"t{i}")) for i in range(60)))
+        assert len(outs) == 60 and all(o.token_ids == [7, 8] for o in outs)
+        m = router.metrics()
+        assert m["failovers"] >= 1 and m["retries"] >= 1 and "b" not in router.healthy
+        reps[1].alive, reps[1].fail_after = True, None
+        await asyncio.sleep(0.2)
+        assert "b" in router.healthy  # back after its health check answered
+        await router.close()
+    asyncio.run(go())
+
+
+def test_all_replicas_down_is_an_error_not_a_hang():
+    async def go():
+        router = Router([FakeReplica("a", fail_after=0)], "least_load", max_retries=2, queue_timeout_s=0.3)
+        with pytest.raises((ReplicaError, asyncio.TimeoutError, TimeoutError)):
+            await router.generate(req(1))
+        await router.close()
+    asyncio.run(go())
+
+
+def test_capacity_bounds_in_flight_and_the_queue_drains():
+    async def go():
+        reps = [FakeReplica("a", delay=0.02), FakeReplica("b", delay=0.02)]
+        router = Router(reps, "least_load", max_inflight_per_replica=3)
+        await asyncio.gather(*(router.generate(req(i)) for i in range(40)))
+        assert max(r.max_active for r in reps) <= 3 and sum(r.calls for r in reps) == 40
+        assert router.metrics()["queued"] > 0 and router.metrics()["queue_len"] == 0
+        await router.close()
+    asyncio.run(go())
+
+
+def test_queue_order_longest_expected_work_first():
+    async def go():
+        rep = FakeReplica("a", delay=0.05)
+        router = Router([rep], "rollwise", max_inflight_per_replica=1)
+        await router.end_trajectory("x", "long", [1], num_turns=20)  # the "long" group runs 20 turns
+        await router.end_trajectory("y", "short", [1], num_turns=2)
+        blocker = asyncio.create_task(router.generate(req(0)))
+        await asyncio.sleep(0.01)
+        short = asyncio.create_task(router.generate(req(1, traj="s1", group="short", turn=1)))
+        await asyncio.sleep(0.001)
+        long = asyncio.create_task(router.generate(req(2, traj="l1", group="long", turn=1)))
+        await asyncio.gather(blocker, short, long)
+        assert rep.seen == ["r0", "r2", "r1"]  # the long trajectory overtook the short one
+        await router.close()
+    asyncio.run(go())
+
+
+def test_stickiness_and_sibling_colocation():
+    async def go():
+        reps = [FakeReplica("a"), FakeReplica("b"), FakeReplica("c")]
+        router = Router(reps, "rollwise", record_placements=True)
+        for turn in range(3):  # 4 groups x 4 siblings, 3 turns each; turn k's prompt extends turn k-1's
+            await asyncio.gather(*(router.generate(GenerateRequest(
+                prompt_token_ids=[g] * 64 + [s + 10] * (16 * turn), params=SamplingParams(max_tokens=2),
+                trajectory_id=f"g{g}/{s}", group_id=f"g{g}", turn=turn)) for g in range(4) for s in range(4)))
+        by_traj, by_group = {}, {}
+        for tid, gid, _, name in router.placements:
+            by_traj.setdefault(tid, set()).add(name)
+            by_group.setdefault(gid, set()).add(name)
+        assert all(len(v) == 1 for v in by_traj.values())  # every turn of a trajectory on one replica
+        assert all(len(v) == 1 for v in by_group.values())  # siblings together (low load)
+        await router.close()
+    asyncio.run(go())
+
+
+def test_membership_changes_while_running():
+    async def go():
+        a, b = FakeReplica("a"), FakeReplica("b")
+        router = Router([a], "least_load")
+        first = [asyncio.create_task(router.generate(req(i))) for i in range(10)]
+        router.add_replica(b)
+        more = [asyncio.create_task(router.generate(req(i))) for i in range(10, 30)]
+        await asyncio.gather(*first, *more)
+        assert b.calls > 0
+        router.remove_replica("a")
+        calls_a = a.calls
+        await asyncio.gather(*(router.generate(req(i)) for i in range(30, 40)))
+        assert a.calls == calls_a
+        with pytest.raises(ValueError, match="already"):
+            router.add_replica(b)
+        with pytest.raises(ValueError, match="unknown replica"):
+            router.remove_replica("zz")
+        await router.close()
+    asyncio.run(go())
