@@ -72,6 +72,23 @@ def cmd_serve(args) -> None:
     uvicorn.run(build_app(engine, scfg, name), host=scfg.host, port=scfg.port, log_level="warning")
 
 
+def cmd_route(args) -> None:
+    import uvicorn
+
+    from rollwise.router.proxy import build_router_app
+    from rollwise.router.replica import HttpReplica
+    from rollwise.router.router import Router
+    tok = None
+    if args.tokenizer:
+        from rollwise.engine.tokenizer import Tokenizer
+        tok = Tokenizer(args.tokenizer)
+    router = Router([HttpReplica(u, args.replica_api_key) for u in args.replica], args.policy, tokenizer=tok,
+                    max_inflight_per_replica=args.max_inflight_per_replica)
+    scfg = config_from_args(ServerConfig, args)
+    uvicorn.run(build_router_app(router, scfg, args.replica_api_key), host=scfg.host, port=scfg.port,
+                log_level="warning")
+
+
 def cmd_bench_spec(args) -> None:
     from rollwise.spec.bench import main as bench_main
     bench_main(args)
@@ -106,6 +123,11 @@ def cmd_demo(args) -> None:
           f"accepted, {m['spec_steps'] / max(m['num_steps'], 1):.0%} of steps speculated")
 
 
+def _policy_names() -> list[str]:
+    from rollwise.router.policies import POLICIES
+    return list(POLICIES)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="rollwise", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -137,6 +159,15 @@ def main(argv: list[str] | None = None) -> None:
     add_config_args(p, EngineConfig, skip=("model",))
     add_config_args(p, ServerConfig)
     p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("route", help="one HTTP endpoint in front of several `rollwise serve` replicas")
+    p.add_argument("--replica", action="append", default=[], help="replica URL (repeat)")
+    p.add_argument("--policy", default="rollwise", choices=sorted(_policy_names()))
+    p.add_argument("--tokenizer", help="model directory, to accept text prompts on /v1/completions")
+    p.add_argument("--max-inflight-per-replica", type=int, default=64)
+    p.add_argument("--replica-api-key", default=None)
+    add_config_args(p, ServerConfig)
+    p.set_defaults(fn=cmd_route)
 
     p = sub.add_parser("bench", help="built-in benchmarks")
     bsub = p.add_subparsers(dest="bench", required=True)

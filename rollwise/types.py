@@ -141,6 +141,7 @@ class GenerateOutput:
     num_cached_tokens: int = 0
     policy_version: int = 0
     request_id: str = ""
+    replica: str = ""  # set by a router: which replica served it
 
 
 TRAJECTORY_STATUSES = ("done", "max_turns", "max_context", "timeout", "error")

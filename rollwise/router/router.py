@@ -51,6 +51,7 @@ class Router:
         self.sticky: dict[str, str] = {}  # trajectory -> replica of its last turn
         self.turns: dict[str, int] = {}  # trajectory -> turns routed
         self.expected_turns: dict[str, float] = {}  # group -> EMA of finished siblings' turns
+        self.mean_new_tokens = 64.0  # EMA of tokens generated per request
         self._queue: list[tuple[float, int, _Waiter]] = []
         self._seq = itertools.count()
         self._tasks: list[asyncio.Task] = []
@@ -95,7 +96,8 @@ class Router:
         tid = request.trajectory_id
         info = RouteInfo(request=request, prompt_len=len(request.prompt_token_ids), arrival=time.monotonic(),
                          sticky=self.sticky.get(tid) if tid else None, turns_done=self.turns.get(tid, 0) if tid else 0,
-                         expected_turns=self.expected_turns.get(request.group_id) if request.group_id else None)
+                         expected_turns=self.expected_turns.get(request.group_id) if request.group_id else None,
+                         expected_new_tokens=self.mean_new_tokens)
         w = _Waiter(info, self.index.hashes(request.prompt_token_ids), 0, None)
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += info.prompt_len
@@ -116,6 +118,7 @@ class Router:
                 raise
             self._release(name, w.work)
             self._record(name, w, request, out)
+            out.replica = name
             return out
         raise ReplicaError(f"request failed on {sorted(w.tried)} after {self.max_retries} retries")
 
@@ -162,7 +165,7 @@ class Router:
                            self.loads.get(n), self.assigned[n]) for n in names]
         name = self.policy.choose(w.info, cands)
         req = w.info.request
-        w.work = w.info.prompt_len - matched[name] + req.params.max_tokens
+        w.work = w.info.prompt_len - matched[name] + int(min(self.mean_new_tokens, req.params.max_tokens))
         self.inflight[name] += 1
         self.inflight_tokens[name] += w.work
         self.stats["matched_tokens"] += min(matched[name], w.info.prompt_len)
@@ -184,6 +187,7 @@ class Router:
 
     def _record(self, name: str, w: _Waiter, req: GenerateRequest, out: GenerateOutput) -> None:
         self.stats["cached_tokens"] += out.num_cached_tokens
+        self.mean_new_tokens = 0.9 * self.mean_new_tokens + 0.1 * len(out.token_ids)
         if name in self.replicas:
             self.index.reconcile(name, w.hashes, out.num_cached_tokens)
             self.index.insert(name, self.index.hashes(req.prompt_token_ids + out.token_ids))

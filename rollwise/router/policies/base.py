@@ -26,6 +26,7 @@ class RouteInfo:
     sticky: str | None  # replica of the trajectory's previous turn
     turns_done: int
     expected_turns: float | None  # from finished siblings (EMA), None before any finished
+    expected_new_tokens: float = 64.0  # tokens a turn generates (EMA over finished requests)
 
 
 class Policy:

@@ -20,7 +20,7 @@ class Rollwise(Policy):
         self.turn_s, self.max_boost_s = turn_s, max_boost_s
 
     def cost(self, info, c) -> float:
-        new = info.request.params.max_tokens
+        new = min(info.expected_new_tokens, info.request.params.max_tokens)
         prefill = (info.prompt_len - c.matched) / self.prefill_tok_s
         decode = new * (self.step_s + self.per_seq_s * (c.inflight + 1))
         kv = c.load.kv_usage if c.load is not None else 0.0

@@ -1,0 +1,140 @@
+"""`rollwise route`: the HTTP API of `rollwise serve` in front of N replicas, plus membership.
+
+Trajectories are identified by the body's `trajectory_id` / `group_id` / `turn` or by the headers
+`X-Session-Id` / `X-Group-Id`. Bad input gets HTTP 400 with a JSON body, as on the replicas.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollwise.config import ServerConfig
+from rollwise.router.replica import HttpReplica, ReplicaError
+from rollwise.router.router import Router
+from rollwise.serve.protocol import CompletionRequest, GenerateRequest as GenerateBody
+from rollwise.serve.server import error
+from rollwise.types import GenerateRequest, SamplingParams
+
+
+class ReplicaBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    url: str = Field(min_length=1)
+
+
+class EndTrajectoryBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    trajectory_id: str
+    group_id: str | None = None
+    token_ids: list[int] = Field(default_factory=list)
+    num_turns: int = 0
+
+
+def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="rollwise router", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        return error(400, "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors()))
+
+    @app.exception_handler(ValueError)
+    async def _value(_: Request, exc: ValueError):
+        return error(400, str(exc))
+
+    @app.exception_handler(ReplicaError)
+    async def _replica(_: Request, exc: ReplicaError):
+        return error(503, str(exc), "unavailable")
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if cfg.api_key and request.url.path not in ("/health", "/metrics"):
+            got = request.headers.get("authorization", "")
+            if not secrets.compare_digest(got.encode(), f"Bearer {cfg.api_key}".encode()):
+                return error(401, "missing or wrong API key", "authentication_error")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        body = {"status": "ok" if router.healthy else "no healthy replica", "healthy": sorted(router.healthy),
+                "replicas": sorted(router.replicas)}
+        return JSONResponse(body, status_code=200 if router.healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        lines = []
+        for k, v in router.metrics().items():
+            if "/" in k:
+                name, rep = k.split("/", 1)
+                lines.append(f'rollwise_router:{name}{{replica="{rep}"}} {v}')
+            else:
+                lines.append(f"rollwise_router:{k} {v}")
+        return PlainTextResponse("\n".join(lines) + "\n")
+
+    @app.get("/replicas")
+    async def replicas():
+        return {"replicas": sorted(router.replicas), "healthy": sorted(router.healthy)}
+
+    @app.post("/replicas")
+    async def add_replica(body: ReplicaBody):
+        router.add_replica(HttpReplica(body.url, replica_api_key))
+        return {"replicas": sorted(router.replicas)}
+
+    @app.delete("/replicas")
+    async def remove_replica(body: ReplicaBody):
+        router.remove_replica(body.url.rstrip("/"))
+        return {"replicas": sorted(router.replicas)}
+
+    @app.post("/end_trajectory")
+    async def end_trajectory(body: EndTrajectoryBody):
+        await router.end_trajectory(body.trajectory_id, body.group_id, body.token_ids, body.num_turns)
+        return {"status": "ok"}
+
+    @app.post("/generate")
+    async def generate(body: GenerateBody, request: Request):
+        if body.input_ids is None or body.prompt is not None:
+            raise ValueError("the router takes input_ids (token ids), not prompt text")
+        if not body.input_ids:
+            raise ValueError("input_ids must not be empty")
+        if body.stream:
+            raise ValueError("streaming is not supported by the router yet; send stream=false")
+        params = SamplingParams.from_dict(body.sampling_params)
+        rid = body.request_id or f"gen-{uuid.uuid4().hex[:16]}"
+        req = GenerateRequest(prompt_token_ids=body.input_ids, params=params, request_id=rid,
+                              trajectory_id=body.trajectory_id or request.headers.get("x-session-id"),
+                              group_id=body.group_id or request.headers.get("x-group-id"),
+                              turn=body.turn or 0, forced_output=body.forced_output)
+        out = await router.generate(req)
+        return {"request_id": rid, "token_ids": out.token_ids, "logprobs": out.logprobs, "text": "",
+                "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
+                "prompt_len": len(body.input_ids), "policy_version": out.policy_version,
+                "replica": out.replica}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        if body.stream:
+            raise ValueError("streaming is not supported by the router yet; send stream=false")
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            if router.tokenizer is None:
+                raise ValueError("this router has no tokenizer (--tokenizer): send token ids as the prompt")
+            prompt = router.tokenizer.encode(prompt)
+        if not prompt or not all(isinstance(t, int) for t in prompt):
+            raise ValueError("prompt must be a string or one non-empty list of token ids")
+        req = GenerateRequest(prompt_token_ids=prompt, params=body.sampling(body.max_tokens),
+                              request_id=f"cmpl-{uuid.uuid4().hex[:16]}", trajectory_id=body.trajectory_id,
+                              group_id=body.group_id, turn=body.turn or 0)
+        out = await router.generate(req)
+        text = router.tokenizer.decode(out.token_ids) if router.tokenizer is not None else ""
+        return {"id": req.request_id, "object": "text_completion", "created": int(time.time()), "model": body.model,
+                "choices": [{"index": 0, "text": text, "finish_reason": out.finish_reason,
+                             "logprobs": {"token_logprobs": out.logprobs, "token_ids": out.token_ids}
+                             if body.logprobs is not None else None}],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out.token_ids),
+                          "total_tokens": len(prompt) + len(out.token_ids)}}
+
+    return app

@@ -1,0 +1,125 @@
+"""The router on real replicas: separate `rollwise serve` processes on 127.0.0.1."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from rollwise.agent.envs import make_env
+from rollwise.agent.episode import collect
+from rollwise.agent.generator import ForcedGenerator, expert_policy
+from rollwise.engine.tokenizer import Tokenizer
+from rollwise.router.policies import POLICIES
+from rollwise.router.replica import HttpReplica
+from rollwise.router.router import Router
+from rollwise.serve.process import ServerProcess, free_port
+from rollwise.types import SamplingParams
+
+ARGS = ("--max-num-seqs", "16", "--max-model-len", "2048")
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir):
+    with ServerProcess(model_dir, *ARGS, threads=1) as a, ServerProcess(model_dir, *ARGS, threads=1) as b:
+        yield [a, b]
+
+
+def run_groups(router, env_name, n_tasks, group_size, seed=0, on_start=None):
+    tasks = make_env(env_name).sample_tasks(n_tasks, seed=seed)
+    gen = ForcedGenerator(router, expert_policy(lambda: make_env(env_name), tasks))
+
+    async def go():
+        if on_start:
+            asyncio.get_running_loop().call_later(0.3, on_start)
+        out = [t async for g in collect(gen, lambda: make_env(env_name), tasks, SamplingParams(max_tokens=128),
+                                        group_size=group_size, max_concurrency=64) for t in g]
+        await router.close()
+        return out
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_policy_serves_episodes_on_real_replicas(servers, model_dir, policy):
+    router = Router([HttpReplica(s.url) for s in servers], policy, tokenizer=Tokenizer(model_dir),
+                    record_placements=True)
+    trajs = run_groups(router, "calculator", n_tasks=4, group_size=3)
+    assert len(trajs) == 12 and all(t.status == "done" and t.reward == 1.0 for t in trajs)
+    assert sum(t.num_generated for t in trajs) == sum(t.num_generated for t in run_groups(
+        Router([HttpReplica(servers[0].url)], "least_load", tokenizer=Tokenizer(model_dir)), "calculator", 4, 3))
+    placed: dict[str, set] = {}
+    for tid, _, _, name in router.placements:
+        placed.setdefault(tid, set()).add(name)
+    if policy in ("verl", "sticky_least_load", "war", "sglang_cache_aware"):
+        assert all(len(v) == 1 for v in placed.values()), placed  # a trajectory stays where its context is
+    if policy == "rollwise":  # moves only when the other replica's shorter batch beats recomputing the context
+        assert sum(len(v) == 1 for v in placed.values()) >= 0.75 * len(placed), placed
+    if policy == "round_robin":
+        assert {n for v in placed.values() for n in v} == {s.url for s in servers}
+
+
+def test_rollwise_keeps_siblings_together_at_low_load(servers, model_dir):
+    router = Router([HttpReplica(s.url) for s in servers], "rollwise", tokenizer=Tokenizer(model_dir),
+                    record_placements=True)
+    run_groups(router, "sql", n_tasks=2, group_size=2, seed=3)
+    by_group: dict[str, set] = {}
+    for _, gid, _, name in router.placements:
+        by_group.setdefault(gid, set()).add(name)
+    assert all(len(v) == 1 for v in by_group.values()), by_group
+    assert router.metrics()["hit_rate"] > 0.3  # siblings and later turns reuse cached prefixes
+
+
+def test_failover_loses_no_trajectory(model_dir):
+    a, b = ServerProcess(model_dir, *ARGS, threads=1), ServerProcess(model_dir, *ARGS, threads=1)
+    try:
+        router = Router([HttpReplica(a.url), HttpReplica(b.url)], "sticky_least_load", tokenizer=Tokenizer(model_dir),
+                        health_interval_s=0.2)
+        trajs = run_groups(router, "frozenlake", n_tasks=6, group_size=2, on_start=b.proc.kill)
+        assert len(trajs) == 12 and all(t.status == "done" and t.reward == 1.0 for t in trajs)
+        assert router.metrics()["failovers"] >= 1 and b.url not in router.healthy
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_route_proxy_over_http(servers, model_dir):
+    port = free_port()
+    cmd = [sys.executable, "-m", "rollwise.cli", "route", "--port", str(port), "--policy", "sticky_least_load",
+           "--tokenizer", model_dir] + [x for s in servers for x in ("--replica", s.url)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        with httpx.Client(base_url=url, timeout=60) as c:
+            ids, seen = [5, 6, 7, 8] * 10, set()
+            for turn in range(3):
+                r = c.post("/generate", json={"input_ids": ids, "turn": turn, "sampling_params": {"max_tokens": 4}},
+                           headers={"X-Session-Id": "sess-1", "X-Group-Id": "g"})
+                assert r.status_code == 200, r.text
+                seen.add(r.json()["replica"])
+                ids = ids + r.json()["token_ids"] + [9, 9]
+            assert len(seen) == 1  # the session stuck to one replica
+            text = c.post("/v1/completions", json={"prompt": "The agent", "max_tokens": 3}).json()
+            assert text["usage"]["completion_tokens"] == 3
+            for bad in ({"input_ids": "x"}, {"input_ids": []}, {"input_ids": [1], "sampling_params": {"max_tokens": -1}},
+                        {"input_ids": [1], "bogus": 1}, {"prompt": "text"}, {"input_ids": [10**9]}):
+                r = c.post("/generate", json=bad)
+                assert r.status_code == 400 and "message" in r.json()["error"], (bad, r.text)
+            assert c.post("/generate", content=b"{oops", headers={"content-type": "application/json"}).status_code == 400
+            assert c.get("/replicas").json()["replicas"] == sorted(s.url for s in servers)
+            assert c.request("DELETE", "/replicas", json={"url": servers[1].url}).json()["replicas"] == [servers[0].url]
+            assert c.request("DELETE", "/replicas", json={"url": "http://nowhere"}).status_code == 400
+            assert len(c.post("/replicas", json={"url": servers[1].url}).json()["replicas"]) == 2
+            assert "rollwise_router:requests" in c.get("/metrics").text
+            assert c.get("/health").json()["status"] == "ok"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
