@@ -73,3 +73,13 @@ def test_agent_benchmark_smoke(tmp_path):
     assert res["loop_overhead_us_per_turn"] > 0
     for side in ("fake", "engine"):
         assert all(v["solved"] == 1.0 and v["episodes"] > 0 for v in res[side].values())
+
+
+def test_router_benchmark_smoke(tmp_path):
+    out = tmp_path / "router.json"
+    r = run("benchmarks/router.py", "--smoke", "--policies", "verl,rollwise", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    a, b = res["policies"]["verl"], res["policies"]["rollwise"]
+    assert (a["turns"], a["decode_tokens"]) == (b["turns"], b["decode_tokens"]) and a["turns"] > 0
+    assert a["prefill_tokens"] > 0 and set(res["decision_us"]) == {"verl", "rollwise"}

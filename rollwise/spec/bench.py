@@ -26,7 +26,8 @@ def default_data() -> str:
     return str(path)
 
 
-def load_groups(data: str | None, tokenizer_dir: str, group_size: int, limit: int | None) -> list:
+def load_groups(data: str | None, tokenizer_dir: str, group_size: int, limit: int | None,
+                system_chars: int | None = None) -> list:
     """Sibling sets of tokenized trajectories: up to `group_size` trials of each task together (all
     trials of a task when group_size is 1, one after another); `limit`: that many trajectories."""
     from rollwise.engine.tokenizer import Tokenizer
@@ -36,7 +37,8 @@ def load_groups(data: str | None, tokenizer_dir: str, group_size: int, limit: in
     rows.sort(key=lambda r: r["id"])  # task-major: the trials of a task are neighbours
     for row in rows[:limit]:
         task = row["id"].rsplit("/", 1)[0] if group_size > 1 else row["id"]
-        msgs = row["turns"]
+        msgs = [dict(m, content=m["content"][:system_chars]) if m["role"] == "system" and system_chars else m
+                for m in row["turns"]]
         turns = []
         for i, m in enumerate(msgs):
             if m["role"] == "assistant" and m["content"]:

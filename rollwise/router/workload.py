@@ -1,0 +1,81 @@
+"""A synchronous agentic-RL step as a workload: P prompts x n siblings released together, each a
+multi-turn trajectory whose turns are replayed (recorded prompt and response tokens) with tool
+latency between turns. Turn counts and lengths vary within and between groups as in real data.
+
+`replayed_step` takes the turns from real agent trajectories (the trials of a task are the
+siblings); `synthetic_step` builds trajectories with no shared prefixes (a control workload).
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+
+from rollwise.types import GenerateRequest, SamplingParams
+
+
+@dataclass
+class ReplayTrajectory:
+    trajectory_id: str
+    group_id: str
+    turns: list[tuple[list[int], list[int]]]  # (prompt ids, response ids); each prompt extends the last
+    tool_latency: list[float] = field(default_factory=list)  # seconds after each turn but the last
+
+
+def replayed_step(groups: list[list[list[tuple[list[int], list[int]]]]], *, max_turns: int, max_response: int,
+                  latency: tuple[float, float], seed: int = 0) -> list[ReplayTrajectory]:
+    rng = random.Random(seed)
+    out = []
+    for g, sibs in enumerate(groups):
+        for s, turns in enumerate(sibs):
+            turns = [(p, r[:max_response]) for p, r in turns[:max_turns] if r]
+            if turns:
+                out.append(ReplayTrajectory(f"g{g}/s{s}", f"g{g}", turns, [rng.uniform(*latency) for _ in turns[1:]]))
+    return out
+
+
+def synthetic_step(num_groups: int, group_size: int, *, vocab: int, seed: int = 0, prompt_len: int = 300,
+                   turns: tuple[int, int] = (2, 5), response: tuple[int, int] = (16, 64), obs: int = 48,
+                   latency: tuple[float, float] = (0.05, 0.5)) -> list[ReplayTrajectory]:
+    """Control workload: every trajectory has its own random prompt (no sharing between siblings)."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(num_groups):
+        for s in range(group_size):
+            ctx = [rng.randrange(100, vocab) for _ in range(prompt_len)]
+            ts = []
+            for _ in range(rng.randint(*turns)):
+                resp = [rng.randrange(100, vocab) for _ in range(rng.randint(*response))]
+                ts.append((list(ctx), resp))
+                ctx = ctx + resp + [rng.randrange(100, vocab) for _ in range(obs)]
+            out.append(ReplayTrajectory(f"g{g}/s{s}", f"g{g}", ts, [rng.uniform(*latency) for _ in ts[1:]]))
+    return out
+
+
+async def run_step(generator, trajectories: list[ReplayTrajectory]) -> dict:
+    """Release every trajectory at once; each runs its turns in order (forced to the recorded tokens)
+    with its tool latency in between. Returns makespan, per-turn latencies and the work done."""
+    latencies: list[float] = []
+
+    async def one(t: ReplayTrajectory) -> None:
+        for k, (prompt, resp) in enumerate(t.turns):
+            t0 = time.perf_counter()
+            await generator.generate(GenerateRequest(
+                prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=len(resp)),
+                trajectory_id=t.trajectory_id, group_id=t.group_id, turn=k, forced_output=resp))
+            latencies.append(time.perf_counter() - t0)
+            if k < len(t.tool_latency):
+                await asyncio.sleep(t.tool_latency[k])
+        end = getattr(generator, "end_trajectory", None)
+        if end is not None:
+            last_prompt, last_resp = t.turns[-1]
+            await end(t.trajectory_id, t.group_id, last_prompt + last_resp, len(t.turns))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(t) for t in trajectories))
+    makespan = time.perf_counter() - t0
+    lat = sorted(latencies)
+    return {"makespan_s": makespan, "turns": len(lat), "decode_tokens": sum(len(r) for t in trajectories for _, r in t.turns),
+            "p99_turn_latency_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else 0.0,
+            "mean_turn_latency_s": sum(lat) / max(len(lat), 1)}
