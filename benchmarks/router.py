@@ -64,7 +64,8 @@ def run_policy(model: str, policy: str, step, args) -> dict:
     q = sum(x["queries"] for x in m)
     return {**res, "prefill_tokens": sum(x["prefill_tokens"] for x in m), "hit_rate": sum(x["hits"] for x in m) / max(q, 1),
             "max_busy_s": max(busy), "mean_busy_s": sum(busy) / len(busy), "preemptions": sum(x["preemptions"] for x in m),
-            "tok_s": res["decode_tokens"] / res["makespan_s"], "failovers": router.metrics()["failovers"]}
+            "tok_s": res["decode_tokens"] / res["makespan_s"], "failovers": router.metrics()["failovers"],
+            "fitted_cost_s": dict(zip(("per_prefill_token", "per_decode_token", "per_step"), router.cost_model.fit()))}
 
 
 class _Null:
@@ -107,6 +108,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica (default: below the working set)")
+    ap.add_argument("--tasks", type=int, help="prompts per step (override)")
+    ap.add_argument("--siblings", type=int, help="rollouts per prompt (override, at most 4)")
+    ap.add_argument("--turns", type=int, help="turns per trajectory at most (override)")
     ap.add_argument("--json")
     args = ap.parse_args()
     model = str(Path.home() / ".cache" / "rollwise" / "router-bench-model")
@@ -114,6 +118,7 @@ def main() -> None:
         make_model(model, family="llama", layers=2, hidden=128, heads=4, kv_heads=2, vocab=8192, seed=0,
                    max_positions=8192)
     n_tasks, n_sib, turns, resp = (2, 2, 2, 16) if args.smoke else (6, 4, 4, 48) if args.quick else (10, 4, 6, 64)
+    n_tasks, n_sib, turns = args.tasks or n_tasks, args.siblings or n_sib, args.turns or turns
     # the airline policy (system prompt) is cut to 1500 characters to keep prefill affordable on one core;
     # every turn's prompt still extends the previous turn's, as in a real episode
     groups = load_groups(None, model, group_size=n_sib, limit=n_tasks * 4, system_chars=1500)

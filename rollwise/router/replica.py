@@ -19,6 +19,11 @@ class LoadSnapshot:
     kv_usage: float = 0.0
     tokens_per_s: float = 0.0  # recent generation throughput
     prefix_hit_rate: float = 0.0
+    # cumulative work counters (for fitting step cost = a*prefill + b*decode + c*steps), when known
+    busy_s: float | None = None
+    prefill_tokens: float = 0.0
+    decode_tokens: float = 0.0
+    steps: float = 0.0
     at: float = field(default_factory=time.monotonic)
 
 
@@ -76,7 +81,8 @@ class LocalReplica:
     async def load(self) -> LoadSnapshot:
         m = self.engine.metrics()
         return LoadSnapshot(m["num_running"], m["num_waiting"], m["kv_usage"], self._tp.update(m["generated_tokens"]),
-                            m["prefix_hit_rate"])
+                            m["prefix_hit_rate"], m["step_time_s"], m["prefill_tokens"], m["decode_tokens"],
+                            m["num_steps"])
 
     async def add_sequence(self, token_ids: list[int], group_id: str | None) -> None:
         spec = getattr(self.engine.engine, "spec", None)
@@ -87,7 +93,9 @@ class LocalReplica:
 PROM = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
         "vllm:kv_cache_usage_perc": "kv_usage", "vllm:gpu_cache_usage_perc": "kv_usage",
         "vllm:generation_tokens_total": "generated", "vllm:prefix_cache_queries_total": "queries",
-        "vllm:prefix_cache_hits_total": "hits"}
+        "vllm:prefix_cache_hits_total": "hits", "rollwise:engine_step_seconds_total": "busy",
+        "rollwise:prefill_tokens_computed_total": "prefill", "rollwise:decode_tokens_computed_total": "decode",
+        "rollwise:engine_steps_total": "steps"}
 
 
 class HttpReplica:
@@ -143,7 +151,8 @@ class HttpReplica:
                     v[key] = float(value)
         q = v.get("queries", 0.0)
         return LoadSnapshot(v.get("running", 0.0), v.get("waiting", 0.0), v.get("kv_usage", 0.0),
-                            self._tp.update(v.get("generated", 0.0)), v.get("hits", 0.0) / q if q else 0.0)
+                            self._tp.update(v.get("generated", 0.0)), v.get("hits", 0.0) / q if q else 0.0,
+                            v.get("busy"), v.get("prefill", 0.0), v.get("decode", 0.0), v.get("steps", 0.0))
 
     async def add_sequence(self, token_ids: list[int], group_id: str | None) -> None:
         try:

@@ -16,6 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from rollwise.router.cost_model import CostModel
 from rollwise.router.policies import Candidate, Policy, RouteInfo, make_policy
 from rollwise.router.prefix_index import PrefixIndex
 from rollwise.router.replica import LoadSnapshot, ReplicaError, gather_loads
@@ -42,6 +43,7 @@ class Router:
         self.health_interval_s, self.load_interval_s = health_interval_s, load_interval_s
         self.queue_timeout_s, self.share_drafts = queue_timeout_s, share_drafts
         self.index = PrefixIndex(block_size)
+        self.cost_model = CostModel()
         self.replicas: dict[str, object] = {}
         self.healthy: set[str] = set()
         self.inflight: dict[str, int] = {}
@@ -213,7 +215,13 @@ class Router:
 
     async def _load_loop(self) -> None:
         while True:
-            self.loads.update(await gather_loads(list(self.replicas.values())))
+            snaps = await gather_loads(list(self.replicas.values()))
+            self.loads.update(snaps)
+            for name, snap in snaps.items():
+                self.cost_model.observe(name, snap)
+            calibrate = getattr(self.policy, "calibrate", None)
+            if calibrate is not None:
+                calibrate(*self.cost_model.fit())
             await asyncio.sleep(self.load_interval_s)
 
     def metrics(self) -> dict[str, float]:

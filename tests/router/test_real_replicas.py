@@ -56,7 +56,7 @@ def test_every_policy_serves_episodes_on_real_replicas(servers, model_dir, polic
     if policy in ("verl", "sticky_least_load", "war", "sglang_cache_aware"):
         assert all(len(v) == 1 for v in placed.values()), placed  # a trajectory stays where its context is
     if policy == "rollwise":  # moves only when the other replica's shorter batch beats recomputing the context
-        assert sum(len(v) == 1 for v in placed.values()) >= 0.75 * len(placed), placed
+        assert sum(len(v) == 1 for v in placed.values()) >= 0.5 * len(placed), placed
     if policy == "round_robin":
         assert {n for v in placed.values() for n in v} == {s.url for s in servers}
 

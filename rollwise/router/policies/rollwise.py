@@ -15,20 +15,30 @@ class Rollwise(Policy):
     name = "rollwise"
 
     def __init__(self, prefill_tok_s: float = 5000.0, step_s: float = 0.01, per_seq_s: float = 0.0004,
-                 turn_s: float = 2.0, max_boost_s: float = 30.0) -> None:
-        self.prefill_tok_s, self.step_s, self.per_seq_s = prefill_tok_s, step_s, per_seq_s
+                 turn_s: float = 2.0, max_boost_s: float = 30.0, slack: int = 4) -> None:
+        self.prefill_tok_s, self.step_s, self.per_seq_s, self.slack = prefill_tok_s, step_s, per_seq_s, slack
         self.turn_s, self.max_boost_s = turn_s, max_boost_s
 
-    def cost(self, info, c) -> float:
+    def calibrate(self, s_per_prefill_token: float, s_per_decode_token: float, s_per_step: float) -> None:
+        """The router's fitted cost model (what the replicas' own counters say time goes to)."""
+        if s_per_prefill_token > 0:
+            self.prefill_tok_s = 1.0 / s_per_prefill_token
+        self.per_seq_s, self.step_s = s_per_decode_token, s_per_step
+
+    def cost(self, info, c, least: int = 0) -> float:
         new = min(info.expected_new_tokens, info.request.params.max_tokens)
         prefill = (info.prompt_len - c.matched) / self.prefill_tok_s
-        decode = new * (self.step_s + self.per_seq_s * (c.inflight + 1))
+        # under continuous batching the decode work is the same wherever it runs; what a busier
+        # replica costs is its longer steps once it is clearly busier than the least busy one
+        excess = max(c.inflight + 1 - least - self.slack, 0)
+        decode = new * (self.step_s + self.per_seq_s * excess)
         kv = c.load.kv_usage if c.load is not None else 0.0
         pressure = max(kv - 0.8, 0.0) / 0.2 * 2.0 * (info.prompt_len + new) / self.prefill_tok_s
         return prefill + decode + pressure
 
     def choose(self, info, cands):
-        return min(cands, key=lambda c: (self.cost(info, c), c.name != info.sticky, c.inflight, c.name)).name
+        least = min(c.inflight for c in cands)
+        return min(cands, key=lambda c: (self.cost(info, c, least), c.name != info.sticky, c.inflight, c.name)).name
 
     def priority(self, info):
         left = (info.expected_turns - info.turns_done) if info.expected_turns is not None else 1.0

@@ -1,0 +1,54 @@
+"""What a replica's time goes to, learned from its own counters: over each polling interval,
+busy seconds ~= a * prefill tokens + b * decode tokens + c * steps (non-negative least squares
+over recent intervals, all replicas pooled: they run the same model). Policies that price
+placements in seconds read (a, b, c) from here instead of guessing."""
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from rollwise.router.replica import LoadSnapshot
+
+
+class CostModel:
+    def __init__(self, window: int = 200, prior: tuple[float, float, float] = (2e-4, 4e-4, 1e-2)) -> None:
+        self.samples: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        self.last: dict[str, LoadSnapshot] = {}
+        self.a, self.b, self.c = prior  # s per prefill token, s per decode token, s per step
+
+    def observe(self, name: str, snap: LoadSnapshot | None) -> None:
+        if snap is None or snap.busy_s is None:
+            return
+        prev = self.last.get(name)
+        self.last[name] = snap
+        if prev is None or prev.busy_s is None:
+            return
+        d = (snap.prefill_tokens - prev.prefill_tokens, snap.decode_tokens - prev.decode_tokens,
+             snap.steps - prev.steps, snap.busy_s - prev.busy_s)
+        if d[2] > 0 and d[3] > 0:
+            self.samples.append(d)
+
+    def fit(self) -> tuple[float, float, float]:
+        if len(self.samples) >= 8:
+            x = np.array([s[:3] for s in self.samples], dtype=float)
+            y = np.array([s[3] for s in self.samples], dtype=float)
+            coef = _nnls(x, y)
+            if coef is not None:
+                self.a, self.b, self.c = (float(v) for v in coef)
+        return self.a, self.b, self.c
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray | None:
+    """Least squares with non-negative coefficients (drop negative ones and refit; 3 unknowns)."""
+    active = [0, 1, 2]
+    for _ in range(3):
+        coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (coef >= 0).all():
+            out = np.zeros(3)
+            out[active] = coef
+            return out
+        active = [a for a, c in zip(active, coef) if c > 0]
+        if not active:
+            return None
+    return None
