@@ -97,8 +97,8 @@ def decision_cost(policy: str, replicas: int = 64, trajectories: int = 10_000, s
         info = RouteInfo(request=req, prompt_len=768, arrival=time.monotonic(), sticky=router.sticky.get(tid),
                          turns_done=1, expected_turns=None)
         w = _Waiter(info, router.index.hashes(req.prompt_token_ids), 0, None)
-        router._choose(w, names)
-        router.inflight[router.sticky[tid]] -= 1  # keep the load steady
+        name = router._choose(w, names)
+        router._release(name, w.work)  # keep the load steady
     return 1e6 * (time.perf_counter() - t0) / samples
 
 

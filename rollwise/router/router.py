@@ -44,6 +44,7 @@ class Router:
         self.queue_timeout_s, self.share_drafts = queue_timeout_s, share_drafts
         self.index = PrefixIndex(block_size)
         self.cost_model = CostModel()
+        self._cands: dict[str, Candidate] = {}  # one per replica, kept current
         self.replicas: dict[str, object] = {}
         self.healthy: set[str] = set()
         self.inflight: dict[str, int] = {}
@@ -72,6 +73,8 @@ class Router:
         for d in (self.inflight, self.inflight_tokens, self.assigned):
             d.setdefault(replica.name, 0)
         self.loads[replica.name] = None
+        self._cands[replica.name] = Candidate(replica.name, 0, 0, 0, None, 0)
+        self._sync(replica.name)
         self._pump()
 
     def remove_replica(self, name: str) -> None:
@@ -79,6 +82,7 @@ class Router:
         if name not in self.replicas:
             raise ValueError(f"unknown replica {name!r}; members: {sorted(self.replicas)}")
         del self.replicas[name]
+        self._cands.pop(name, None)
         self.healthy.discard(name)
         self.index.remove_replica(name)
         self.sticky = {t: r for t, r in self.sticky.items() if r != name}
@@ -163,13 +167,15 @@ class Router:
 
     def _choose(self, w: _Waiter, names: list[str]) -> str:
         matched = self.index.match(w.hashes, names)
-        cands = [Candidate(n, self.inflight[n], self.inflight_tokens[n], min(matched[n], w.info.prompt_len),
-                           self.loads.get(n), self.assigned[n]) for n in names]
+        cands = [self._cands[n] for n in names]
+        for c in cands:  # the rest of each candidate is kept current as requests come and go
+            c.matched = min(matched[c.name], w.info.prompt_len)
         name = self.policy.choose(w.info, cands)
         req = w.info.request
         w.work = w.info.prompt_len - matched[name] + int(min(self.mean_new_tokens, req.params.max_tokens))
         self.inflight[name] += 1
         self.inflight_tokens[name] += w.work
+        self._sync(name)
         self.stats["matched_tokens"] += min(matched[name], w.info.prompt_len)
         self.index.insert(name, w.hashes)  # predicted: siblings arriving next see it as cached
         if self.placements is not None:
@@ -178,6 +184,7 @@ class Router:
         if tid is not None:
             if tid not in self.sticky and tid not in self.turns:
                 self.assigned[name] += 1
+                self._sync(name)
             self.sticky[tid] = name
         return name
 
@@ -185,7 +192,14 @@ class Router:
         if name in self.inflight:
             self.inflight[name] -= 1
             self.inflight_tokens[name] -= work
+            self._sync(name)
         self._pump()
+
+    def _sync(self, name: str) -> None:
+        c = self._cands.get(name)
+        if c is not None:
+            c.inflight, c.inflight_tokens = self.inflight[name], self.inflight_tokens[name]
+            c.assigned, c.load = self.assigned[name], self.loads.get(name)
 
     def _record(self, name: str, w: _Waiter, req: GenerateRequest, out: GenerateOutput) -> None:
         self.stats["cached_tokens"] += out.num_cached_tokens
@@ -219,6 +233,7 @@ class Router:
             self.loads.update(snaps)
             for name, snap in snaps.items():
                 self.cost_model.observe(name, snap)
+                self._sync(name)
             calibrate = getattr(self.policy, "calibrate", None)
             if calibrate is not None:
                 calibrate(*self.cost_model.fit())

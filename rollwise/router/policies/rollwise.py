@@ -38,7 +38,13 @@ class Rollwise(Policy):
 
     def choose(self, info, cands):
         least = min(c.inflight for c in cands)
-        return min(cands, key=lambda c: (self.cost(info, c, least), c.name != info.sticky, c.inflight, c.name)).name
+        # replicas holding none of the prompt differ only in load and KV pressure: the best of them
+        # by those stands for all (keeps the decision cheap at many replicas)
+        holders = [c for c in cands if c.matched > 0 or c.name == info.sticky]
+        cold = [c for c in cands if c.matched == 0 and c.name != info.sticky]
+        if cold:
+            holders.append(min(cold, key=lambda c: (c.load is not None and c.load.kv_usage > 0.8, c.inflight, c.name)))
+        return min(holders, key=lambda c: (self.cost(info, c, least), c.name != info.sticky, c.inflight, c.name)).name
 
     def priority(self, info):
         left = (info.expected_turns - info.turns_done) if info.expected_turns is not None else 1.0
