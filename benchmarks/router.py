@@ -33,7 +33,8 @@ from rollwise.types import GenerateRequest, SamplingParams  # noqa: E402
 
 COUNTERS = {"rollwise:prefill_tokens_computed_total": "prefill_tokens", "vllm:prefix_cache_queries_total": "queries",
             "vllm:prefix_cache_hits_total": "hits", "rollwise:engine_step_seconds_total": "busy_s",
-            "vllm:num_preemptions_total": "preemptions"}
+            "vllm:num_preemptions_total": "preemptions", "vllm:spec_decode_num_drafts_total": "drafts",
+            "vllm:spec_decode_num_accepted_tokens_total": "accepted", "rollwise:engine_steps_total": "steps"}
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -48,10 +49,13 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def run_policy(model: str, policy: str, step, args) -> dict:
+def run_policy(model: str, policy: str, step, args, speculative: bool = False, share: bool = True) -> dict:
     serve_args = ("--max-num-seqs", "32", "--num-kv-blocks", str(args.kv_blocks), "--max-model-len", "4096")
+    if speculative:
+        serve_args += ("--speculative", "suffix", "--spec-controller", "always")
     with ServerProcess(model, *serve_args, threads=1) as a, ServerProcess(model, *serve_args, threads=1) as b:
-        router = Router([HttpReplica(a.url), HttpReplica(b.url)], policy, max_inflight_per_replica=32)
+        router = Router([HttpReplica(a.url), HttpReplica(b.url)], policy, max_inflight_per_replica=32,
+                        share_drafts=share)
 
         async def go():
             try:
@@ -65,6 +69,8 @@ def run_policy(model: str, policy: str, step, args) -> dict:
     return {**res, "prefill_tokens": sum(x["prefill_tokens"] for x in m), "hit_rate": sum(x["hits"] for x in m) / max(q, 1),
             "max_busy_s": max(busy), "mean_busy_s": sum(busy) / len(busy), "preemptions": sum(x["preemptions"] for x in m),
             "tok_s": res["decode_tokens"] / res["makespan_s"], "failovers": router.metrics()["failovers"],
+            "accepted_per_draft": sum(x.get("accepted", 0) for x in m) / max(sum(x.get("drafts", 0) for x in m), 1),
+            "steps": sum(x["steps"] for x in m),
             "fitted_cost_s": dict(zip(("per_prefill_token", "per_decode_token", "per_step"), router.cost_model.fit()))}
 
 
@@ -128,7 +134,7 @@ def main() -> None:
     print(f"{len(step)} trajectories ({n_tasks} prompts x {n_sib}), {sum(len(t.turns) for t in step)} turns; "
           f"live working set ~{working} KV blocks, {args.kv_blocks} per replica")
     policies = [p for p in args.policies.split(",") if p]
-    out: dict = {"policies": {}, "control": {}, "decision_us": {}}
+    out: dict = {"policies": {}, "control": {}, "decision_us": {}, "shared_drafts": {}}
     hdr = f"{'policy':<20}{'makespan s':>11}{'tok/s':>8}{'prefill tok':>12}{'hit rate':>9}{'busy max/mean':>15}{'p99 turn s':>11}{'turns':>7}{'decode tok':>11}"
     print(hdr)
     for p in policies:
@@ -150,6 +156,12 @@ def main() -> None:
             r = run_policy(model, p, control, args)
             out["control"][p] = r
             print(f"control (no shared prefixes) {p:<12} makespan {r['makespan_s']:.2f}s, prefill {int(r['prefill_tokens'])}")
+    if not args.smoke:  # shared drafting material: siblings spread by least_load, speculation on
+        for share in (False, True):
+            r = run_policy(model, "least_load", step, args, speculative=True, share=share)
+            out["shared_drafts"]["on" if share else "off"] = r
+            print(f"speculating replicas, least_load, shared drafts {'on ' if share else 'off'}: accepted per draft "
+                  f"{r['accepted_per_draft']:.2f}, {int(r['steps'])} engine steps, makespan {r['makespan_s']:.2f}s")
     for p in policies:
         out["decision_us"][p] = decision_cost(p, samples=200 if args.smoke else 2000)
     print("routing decision µs (64 replicas, 10,000 live trajectories): " +

@@ -45,6 +45,7 @@ class Router:
         self.index = PrefixIndex(block_size)
         self.cost_model = CostModel()
         self._cands: dict[str, Candidate] = {}  # one per replica, kept current
+        self._sharing: set[asyncio.Future] = set()
         self.replicas: dict[str, object] = {}
         self.healthy: set[str] = set()
         self.inflight: dict[str, int] = {}
@@ -130,16 +131,23 @@ class Router:
 
     async def end_trajectory(self, trajectory_id: str, group_id: str | None, token_ids: list[int],
                              num_turns: int) -> None:
-        """A trajectory finished: learn its group's turn count, forget its stickiness, and give its
-        tokens to every replica's drafting cache (so siblings anywhere can draft from it)."""
+        """A trajectory finished: learn its group's turn count and forget its stickiness. (Its
+        tokens already reached every replica's drafting cache turn by turn.)"""
         if group_id is not None:
             old = self.expected_turns.get(group_id)
             self.expected_turns[group_id] = num_turns if old is None else 0.7 * old + 0.3 * num_turns
         self.sticky.pop(trajectory_id, None)
         self.turns.pop(trajectory_id, None)
-        if self.share_drafts:
-            await asyncio.gather(*(r.add_sequence(token_ids, group_id) for r in list(self.replicas.values())
-                                   if hasattr(r, "add_sequence")), return_exceptions=True)
+
+    def _share(self, served_by: str, token_ids: list[int], group_id: str | None) -> None:
+        """Every turn's new tokens go to the other replicas' suffix caches (the serving one has
+        them), so siblings draft from each other wherever they run."""
+        targets = [r for n, r in self.replicas.items() if n != served_by and hasattr(r, "add_sequence")]
+        if targets and token_ids:
+            task = asyncio.ensure_future(asyncio.gather(*(r.add_sequence(token_ids, group_id) for r in targets),
+                                                        return_exceptions=True))
+            self._sharing.add(task)
+            task.add_done_callback(self._sharing.discard)
 
     # scheduling ----------------------------------------------------------------------------------
     async def _acquire(self, w: _Waiter) -> str:
@@ -209,6 +217,8 @@ class Router:
             self.index.insert(name, self.index.hashes(req.prompt_token_ids + out.token_ids))
         if req.trajectory_id is not None:
             self.turns[req.trajectory_id] = self.turns.get(req.trajectory_id, 0) + 1
+        if self.share_drafts:
+            self._share(name, out.token_ids, req.group_id)
 
     def _mark_down(self, name: str) -> None:
         if name in self.healthy:
