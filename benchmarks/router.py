@@ -74,6 +74,45 @@ def run_policy(model: str, policy: str, step, args, speculative: bool = False, s
             "fitted_cost_s": dict(zip(("per_prefill_token", "per_decode_token", "per_step"), router.cost_model.fit()))}
 
 
+def run_sglang_router(model: str, step, args) -> dict | None:
+    """sglang-router (Rust, cache_aware) in front of the same kind of replicas, if the peers venv has it."""
+    import subprocess
+    exe = Path(os.environ.get("ROLLWISE_PEERS", Path.home() / ".cache" / "rollwise-peers")) / "bin" / "sglang-router"
+    if not exe.exists():
+        return None
+    from rollwise.serve.process import free_port
+    serve_args = ("--max-num-seqs", "32", "--num-kv-blocks", str(args.kv_blocks), "--max-model-len", "4096")
+    with ServerProcess(model, *serve_args, threads=1) as a, ServerProcess(model, *serve_args, threads=1) as b:
+        port = free_port()
+        proc = subprocess.Popen([str(exe), "launch", "--worker-urls", a.url, b.url, "--policy", "cache_aware",
+                                 "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+                                 "--prometheus-port", str(free_port()), "--tokenizer-path", model],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        try:
+            front = HttpReplica(f"http://127.0.0.1:{port}")
+            for _ in range(120):
+                if asyncio.run(front.health()):
+                    break
+                time.sleep(0.5)
+            router = Router([HttpReplica(f"http://127.0.0.1:{port}")], "round_robin", max_inflight_per_replica=64,
+                            share_drafts=False)  # a pass-through: sglang-router places the requests
+
+            async def go():
+                try:
+                    return await run_step(router, step)
+                finally:
+                    await router.close()
+            res = asyncio.run(go())
+            m = [scrape(s.url) for s in (a, b)]
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+    busy = [x["busy_s"] for x in m]
+    q = sum(x["queries"] for x in m)
+    return {**res, "prefill_tokens": sum(x["prefill_tokens"] for x in m), "hit_rate": sum(x["hits"] for x in m) / max(q, 1),
+            "max_busy_s": max(busy), "mean_busy_s": sum(busy) / len(busy), "tok_s": res["decode_tokens"] / res["makespan_s"]}
+
+
 class _Null:
     def __init__(self, name):
         self.name = name
@@ -143,6 +182,12 @@ def main() -> None:
         print(f"{p:<20}{r['makespan_s']:>11.2f}{r['tok_s']:>8.1f}{int(r['prefill_tokens']):>12}{r['hit_rate']:>9.2f}"
               f"{r['max_busy_s']:>8.1f}/{r['mean_busy_s']:<6.1f}{r['p99_turn_latency_s']:>11.2f}{r['turns']:>7}{r['decode_tokens']:>11}",
               flush=True)
+    sgl = None if args.smoke else run_sglang_router(model, step, args)
+    if sgl is not None:
+        out["sglang_router_cache_aware"] = sgl
+        print(f"{'sglang-router (peer)':<20}{sgl['makespan_s']:>11.2f}{sgl['tok_s']:>8.1f}{int(sgl['prefill_tokens']):>12}"
+              f"{sgl['hit_rate']:>9.2f}{sgl['max_busy_s']:>8.1f}/{sgl['mean_busy_s']:<6.1f}{sgl['p99_turn_latency_s']:>11.2f}"
+              f"{sgl['turns']:>7}{sgl['decode_tokens']:>11}")
     work = {(r["turns"], r["decode_tokens"]) for r in out["policies"].values()}
     assert len(work) == 1, f"policies did different work: {work}"
     ref = out["policies"].get("verl")

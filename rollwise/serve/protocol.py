@@ -75,6 +75,15 @@ class GenerateRequest(_Strict):
     group_id: str | None = None
     turn: int | None = None
     forced_output: list[int] | None = None  # trace replay: emit these tokens (the forward still runs)
+    # fields SGLang's router adds when it forwards /generate; accepted and ignored
+    model: str | None = None
+    background: bool | None = None
+    log_metrics: bool | None = None
+    no_logs: bool | None = None
+    return_bytes: bool | None = None
+    return_entropy: bool | None = None
+    return_hidden_states: bool | None = None
+    return_text_in_logprobs: bool | None = None
 
 
 class AddSequenceRequest(_Strict):
