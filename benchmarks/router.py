@@ -50,7 +50,7 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def run_policy(model: str, policy: str, step, args, speculative: bool = False, share: bool = True) -> dict:
-    serve_args = ("--max-num-seqs", "32", "--num-kv-blocks", str(args.kv_blocks), "--max-model-len", "4096")
+    serve_args = ("--max-num-seqs", "32", "--num-kv-blocks", str(args.kv_blocks), "--max-model-len", "8192")
     if speculative:
         serve_args += ("--speculative", "suffix", "--spec-controller", "always")
     with ServerProcess(model, *serve_args, threads=1) as a, ServerProcess(model, *serve_args, threads=1) as b:
@@ -81,7 +81,7 @@ def run_sglang_router(model: str, step, args) -> dict | None:
     if not exe.exists():
         return None
     from rollwise.serve.process import free_port
-    serve_args = ("--max-num-seqs", "32", "--num-kv-blocks", str(args.kv_blocks), "--max-model-len", "4096")
+    serve_args = ("--max-num-seqs", "32", "--num-kv-blocks", str(args.kv_blocks), "--max-model-len", "8192")
     with ServerProcess(model, *serve_args, threads=1) as a, ServerProcess(model, *serve_args, threads=1) as b:
         port = free_port()
         proc = subprocess.Popen([str(exe), "launch", "--worker-urls", a.url, b.url, "--policy", "cache_aware",

@@ -172,3 +172,41 @@ async def gather_loads(replicas) -> dict[str, LoadSnapshot | None]:
             return None
     snaps = await asyncio.gather(*(one(r) for r in replicas))
     return {r.name: s for r, s in zip(replicas, snaps)}
+
+
+class OpenAIReplica(HttpReplica):
+    """Another server (vLLM, SGLang) through its OpenAI /v1/completions API, token ids in and out:
+    the prompt is sent as ids, and `return_tokens_as_token_ids` + `logprobs=0` (vLLM's extensions)
+    bring back the sampled ids and their logprobs. Load comes from its Prometheus /metrics."""
+
+    def __init__(self, url: str, model: str, api_key: str | None = None, timeout: float = 600.0) -> None:
+        super().__init__(url, api_key, timeout)
+        self.model = model
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        p = request.params
+        body = {"model": self.model, "prompt": request.prompt_token_ids, "max_tokens": p.max_tokens,
+                "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed, "stop": p.stop or None,
+                "logprobs": 0, "return_tokens_as_token_ids": True, "ignore_eos": p.ignore_eos,
+                "min_tokens": p.min_tokens, "stop_token_ids": p.stop_token_ids or None}
+        if p.top_k > 0:
+            body["top_k"] = p.top_k
+        try:
+            r = await self.client.post("/v1/completions", json={k: v for k, v in body.items() if v is not None})
+        except httpx.HTTPError as e:
+            raise ReplicaError(f"{self.name}: {type(e).__name__}: {e}") from e
+        if r.status_code == 400:
+            raise ValueError(r.text[:500])
+        if r.status_code != 200:
+            raise ReplicaError(f"{self.name}: HTTP {r.status_code}: {r.text[:200]}")
+        b = r.json()
+        ch = b["choices"][0]
+        lp = ch.get("logprobs") or {}
+        ids = ch.get("token_ids") or [int(t.split(":", 1)[1]) for t in lp.get("tokens", [])]
+        cached = ((b.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        return GenerateOutput(token_ids=ids, logprobs=[float(x) for x in lp.get("token_logprobs", [0.0] * len(ids))],
+                              finish_reason=ch.get("finish_reason"), num_cached_tokens=cached,
+                              request_id=b.get("id", ""))
+
+    async def add_sequence(self, token_ids: list[int], group_id: str | None) -> None:
+        pass  # other servers keep their own drafting state

@@ -45,6 +45,7 @@ class CompletionRequest(_OpenAISampling):
     max_tokens: int = 16
     logprobs: int | None = None  # OpenAI: number of top logprobs; we return the sampled token's
     echo: Literal[False] = False
+    return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs.tokens as "token_id:N"
 
 
 class ChatMessage(BaseModel):

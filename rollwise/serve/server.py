@@ -106,7 +106,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         outs = await asyncio.gather(*(engine.generate(p, params, f"{rid}-{i}", group_id=body.group_id)
                                       for i, p in enumerate(prompts)))
         choices = [{"index": i, "text": o.text, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                    "logprobs": _completion_logprobs(tok, o) if body.logprobs is not None else None}
+                    "logprobs": _completion_logprobs(tok, o, body.return_tokens_as_token_ids)
+                    if body.logprobs is not None else None}
                    for i, o in enumerate(outs)]
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": _usage(outs)}
@@ -144,8 +145,8 @@ def _usage(outs: list[RequestOutput]) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
 
 
-def _completion_logprobs(tok, out: RequestOutput) -> dict:
-    pieces = [tok.decode([t], skip_special_tokens=False) for t in out.token_ids]
+def _completion_logprobs(tok, out: RequestOutput, as_ids: bool = False) -> dict:
+    pieces = [f"token_id:{t}" if as_ids else tok.decode([t], skip_special_tokens=False) for t in out.token_ids]
     offsets, pos = [], 0
     for p in pieces:
         offsets.append(pos)

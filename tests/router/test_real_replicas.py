@@ -123,3 +123,20 @@ def test_route_proxy_over_http(servers, model_dir):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_openai_replica_speaks_token_ids_through_completions(servers):
+    """The OpenAI-API replica (for vLLM/SGLang) against our own server: same tokens as /generate."""
+    from rollwise.router.replica import OpenAIReplica
+    from rollwise.types import GenerateRequest
+
+    async def go():
+        req = GenerateRequest(prompt_token_ids=[11, 12, 13, 14], params=SamplingParams(temperature=0, max_tokens=6,
+                                                                                       ignore_eos=True))
+        a = await OpenAIReplica(servers[0].url, "m").generate(req)
+        b = await HttpReplica(servers[0].url).generate(req)
+        load = await OpenAIReplica(servers[0].url, "m").load()
+        return a, b, load
+    a, b, load = asyncio.run(go())
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 6 and a.finish_reason == "length"
+    assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4) and load.busy_s is not None
