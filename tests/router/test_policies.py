@@ -50,8 +50,12 @@ def test_dynamo_counts_uncached_prefill_and_active_blocks():
 def test_rollwise_moves_only_when_waiting_costs_more_than_recomputing():
     p = make_policy("rollwise", prefill_tok_s=1000.0, step_s=0.01, per_seq_s=0.001)
     # 2000 cached tokens at home save 2 s of prefill; 50 decode steps there are slower by 0.001 s per extra sequence
-    assert p.choose(info(prompt_len=2000, sticky="a"), [cand("a", inflight=20, matched=2000), cand("b")]) == "a"
-    assert p.choose(info(prompt_len=2000, sticky="a"), [cand("a", inflight=60, matched=2000), cand("b")]) == "b"
+    last = dict(prompt_len=2000, sticky="a", turns_done=4, expected=5)  # its last turn
+    assert p.choose(info(**last), [cand("a", inflight=20, matched=2000), cand("b")]) == "a"
+    assert p.choose(info(**last), [cand("a", inflight=60, matched=2000), cand("b")]) == "b"
+    # with many turns still to come, crowding weighs more: the same 20-sequence excess now moves it
+    assert p.choose(info(prompt_len=2000, sticky="a", turns_done=0, expected=10),
+                    [cand("a", inflight=20, matched=2000), cand("b")]) == "b"
     # a nearly full KV cache costs extra
     assert p.choose(info(prompt_len=100), [cand("a", kv=0.99), cand("b", inflight=2)]) == "b"
     # queue order: more expected work left goes first, but waiting long enough wins

@@ -3,7 +3,8 @@ prefill of the part of the prompt it does not hold, plus max_tokens decode steps
 with the replica's batch (continuous batching: a busier replica decodes every sequence slower),
 plus a penalty for KV pressure (a nearly full cache preempts someone to fit this request).
 Stickiness and sibling co-location come out of the prefix term: a trajectory moves only when the
-slower decode on its replica costs more than recomputing its context elsewhere. The queue goes
+slower decode on its replica costs more than recomputing its context elsewhere. Crowding is
+charged for the trajectory's expected remaining turns, since they will follow it. The queue goes
 longest-expected-remaining-work first, with aging so nothing starves: a request's virtual arrival
 is moved earlier by its remaining work, capped."""
 from __future__ import annotations
@@ -15,8 +16,10 @@ class Rollwise(Policy):
     name = "rollwise"
 
     def __init__(self, prefill_tok_s: float = 5000.0, step_s: float = 0.01, per_seq_s: float = 0.0004,
-                 turn_s: float = 2.0, max_boost_s: float = 30.0, slack: int = 4) -> None:
+                 turn_s: float = 2.0, max_boost_s: float = 30.0, slack: int = 4,
+                 default_turns: float = 4.0) -> None:
         self.prefill_tok_s, self.step_s, self.per_seq_s, self.slack = prefill_tok_s, step_s, per_seq_s, slack
+        self.default_turns = default_turns
         self.turn_s, self.max_boost_s = turn_s, max_boost_s
 
     def calibrate(self, s_per_prefill_token: float, s_per_decode_token: float, s_per_step: float) -> None:
@@ -30,8 +33,11 @@ class Rollwise(Policy):
         prefill = (info.prompt_len - c.matched) / self.prefill_tok_s
         # under continuous batching the decode work is the same wherever it runs; what a busier
         # replica costs is its longer steps once it is clearly busier than the least busy one
+        # the trajectory's later turns will follow it here (their context is here): a crowded replica
+        # slows all of them, while the prefix saving is had once
         excess = max(c.inflight + 1 - least - self.slack, 0)
-        decode = new * (self.step_s + self.per_seq_s * excess)
+        left = info.expected_turns - info.turns_done if info.expected_turns is not None else self.default_turns
+        decode = new * (self.step_s + self.per_seq_s * excess * max(left, 1.0))
         kv = c.load.kv_usage if c.load is not None else 0.0
         pressure = max(kv - 0.8, 0.0) / 0.2 * 2.0 * (info.prompt_len + new) / self.prefill_tok_s
         return prefill + decode + pressure
