@@ -17,9 +17,9 @@ class Rollwise(Policy):
 
     def __init__(self, prefill_tok_s: float = 5000.0, step_s: float = 0.01, per_seq_s: float = 0.0004,
                  turn_s: float = 2.0, max_boost_s: float = 30.0, slack: int = 4,
-                 default_turns: float = 4.0) -> None:
+                 default_turns: float = 4.0, sticky_slack: int = 16) -> None:
         self.prefill_tok_s, self.step_s, self.per_seq_s, self.slack = prefill_tok_s, step_s, per_seq_s, slack
-        self.default_turns = default_turns
+        self.default_turns, self.sticky_slack = default_turns, sticky_slack
         self.turn_s, self.max_boost_s = turn_s, max_boost_s
 
     def calibrate(self, s_per_prefill_token: float, s_per_decode_token: float, s_per_step: float) -> None:
@@ -35,7 +35,8 @@ class Rollwise(Policy):
         # replica costs is its longer steps once it is clearly busier than the least busy one
         # the trajectory's later turns will follow it here (their context is here): a crowded replica
         # slows all of them, while the prefix saving is had once
-        excess = max(c.inflight + 1 - least - self.slack, 0)
+        slack = self.slack if info.sticky is None else self.sticky_slack  # moving a context costs more
+        excess = max(c.inflight + 1 - least - slack, 0)
         left = info.expected_turns - info.turns_done if info.expected_turns is not None else self.default_turns
         decode = new * (self.step_s + self.per_seq_s * excess * max(left, 1.0))
         kv = c.load.kv_usage if c.load is not None else 0.0
