@@ -49,6 +49,23 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
+def drive(router: Router, step, servers) -> dict:
+    """Run the step through the router, then read the work each replica did from its counters."""
+    async def go():
+        try:
+            return await run_step(router, step)
+        finally:
+            await router.close()
+    res = asyncio.run(go())
+    m = [scrape(s.url) for s in servers]
+    busy = [x["busy_s"] for x in m]
+    q = sum(x["queries"] for x in m)
+    return {**res, "prefill_tokens": sum(x["prefill_tokens"] for x in m), "hit_rate": sum(x["hits"] for x in m) / max(q, 1),
+            "max_busy_s": max(busy), "mean_busy_s": sum(busy) / len(busy), "preemptions": sum(x["preemptions"] for x in m),
+            "tok_s": res["decode_tokens"] / res["makespan_s"], "steps": sum(x["steps"] for x in m),
+            "accepted_per_draft": sum(x.get("accepted", 0) for x in m) / max(sum(x.get("drafts", 0) for x in m), 1)}
+
+
 def run_policy(model: str, policy: str, step, args, speculative: bool = False, share: bool = True) -> dict:
     serve_args = ("--max-num-seqs", "32", "--num-kv-blocks", str(args.kv_blocks), "--max-model-len", "8192")
     if speculative:
@@ -56,21 +73,8 @@ def run_policy(model: str, policy: str, step, args, speculative: bool = False, s
     with ServerProcess(model, *serve_args, threads=1) as a, ServerProcess(model, *serve_args, threads=1) as b:
         router = Router([HttpReplica(a.url), HttpReplica(b.url)], policy, max_inflight_per_replica=32,
                         share_drafts=share)
-
-        async def go():
-            try:
-                return await run_step(router, step)
-            finally:
-                await router.close()
-        res = asyncio.run(go())
-        m = [scrape(s.url) for s in (a, b)]
-    busy = [x["busy_s"] for x in m]
-    q = sum(x["queries"] for x in m)
-    return {**res, "prefill_tokens": sum(x["prefill_tokens"] for x in m), "hit_rate": sum(x["hits"] for x in m) / max(q, 1),
-            "max_busy_s": max(busy), "mean_busy_s": sum(busy) / len(busy), "preemptions": sum(x["preemptions"] for x in m),
-            "tok_s": res["decode_tokens"] / res["makespan_s"], "failovers": router.metrics()["failovers"],
-            "accepted_per_draft": sum(x.get("accepted", 0) for x in m) / max(sum(x.get("drafts", 0) for x in m), 1),
-            "steps": sum(x["steps"] for x in m),
+        res = drive(router, step, (a, b))
+    return {**res, "failovers": router.metrics()["failovers"],
             "fitted_cost_s": dict(zip(("per_prefill_token", "per_decode_token", "per_step"), router.cost_model.fit()))}
 
 
@@ -97,20 +101,10 @@ def run_sglang_router(model: str, step, args) -> dict | None:
             router = Router([HttpReplica(f"http://127.0.0.1:{port}")], "round_robin", max_inflight_per_replica=64,
                             share_drafts=False)  # a pass-through: sglang-router places the requests
 
-            async def go():
-                try:
-                    return await run_step(router, step)
-                finally:
-                    await router.close()
-            res = asyncio.run(go())
-            m = [scrape(s.url) for s in (a, b)]
+            return drive(router, step, (a, b))
         finally:
             proc.terminate()
             proc.wait(timeout=10)
-    busy = [x["busy_s"] for x in m]
-    q = sum(x["queries"] for x in m)
-    return {**res, "prefill_tokens": sum(x["prefill_tokens"] for x in m), "hit_rate": sum(x["hits"] for x in m) / max(q, 1),
-            "max_busy_s": max(busy), "mean_busy_s": sum(busy) / len(busy), "tok_s": res["decode_tokens"] / res["makespan_s"]}
 
 
 class _Null:

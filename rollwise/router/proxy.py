@@ -5,12 +5,10 @@ Trajectories are identified by the body's `trajectory_id` / `group_id` / `turn` 
 """
 from __future__ import annotations
 
-import secrets
 import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,7 +16,7 @@ from rollwise.config import ServerConfig
 from rollwise.router.replica import HttpReplica, ReplicaError
 from rollwise.router.router import Router
 from rollwise.serve.protocol import CompletionRequest, GenerateRequest as GenerateBody
-from rollwise.serve.server import error
+from rollwise.serve.server import error, install_common
 from rollwise.types import GenerateRequest, SamplingParams
 
 
@@ -38,25 +36,11 @@ class EndTrajectoryBody(BaseModel):
 def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="rollwise router", docs_url=None, redoc_url=None)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError):
-        return error(400, "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors()))
-
-    @app.exception_handler(ValueError)
-    async def _value(_: Request, exc: ValueError):
-        return error(400, str(exc))
+    install_common(app, cfg)
 
     @app.exception_handler(ReplicaError)
     async def _replica(_: Request, exc: ReplicaError):
         return error(503, str(exc), "unavailable")
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if cfg.api_key and request.url.path not in ("/health", "/metrics"):
-            got = request.headers.get("authorization", "")
-            if not secrets.compare_digest(got.encode(), f"Bearer {cfg.api_key}".encode()):
-                return error(401, "missing or wrong API key", "authentication_error")
-        return await call_next(request)
 
     @app.get("/health")
     async def health():

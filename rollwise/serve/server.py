@@ -30,9 +30,8 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
-def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
-    app = FastAPI(title="rollwise", docs_url=None, redoc_url=None)
-    tok = engine.tokenizer
+def install_common(app: FastAPI, cfg: ServerConfig) -> None:
+    """HTTP 400 + JSON for bad input, and the optional bearer API key (health and metrics stay open)."""
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
@@ -50,6 +49,13 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
             if not secrets.compare_digest(got.encode(), f"Bearer {cfg.api_key}".encode()):
                 return error(401, "missing or wrong API key", "authentication_error")
         return await call_next(request)
+
+
+def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
+    app = FastAPI(title="rollwise", docs_url=None, redoc_url=None)
+    tok = engine.tokenizer
+
+    install_common(app, cfg)
 
     @app.get("/health")
     async def health():
