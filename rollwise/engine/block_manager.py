@@ -119,13 +119,6 @@ class BlockManager:
             del block_table[keep:]
             self.free_table(tail)
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (after a weight update the cached KV is stale)."""
-        for blk in self.blocks:
-            if blk.block_hash is not None:
-                blk.block_hash = None
-        self.cached.clear()
-
     # invariants ----------------------------------------------------------------------------------
     def check_integrity(self, live_tables: list[list[int]]) -> None:
         refs = [0] * len(self.blocks)

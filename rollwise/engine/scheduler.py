@@ -45,10 +45,6 @@ class Scheduler:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 

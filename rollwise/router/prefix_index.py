@@ -64,6 +64,3 @@ class PrefixIndex:
             owners.pop(replica, None)
             if not owners:
                 del self.owners[h]
-
-    def num_blocks(self, replica: str) -> int:
-        return len(self.lru.get(replica, ()))
