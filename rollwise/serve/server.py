@@ -108,7 +108,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
             if len(prompts) != 1:
                 raise ValueError("streaming takes one prompt")
             return _sse(await _primed(_stream_completion(engine, prompts[0], params, rid, model_name,
-                                                          body.logprobs is not None)))
+                                                          body.logprobs is not None, body.group_id)))
         outs = await asyncio.gather(*(engine.generate(p, params, f"{rid}-{i}", group_id=body.group_id)
                                       for i, p in enumerate(prompts)))
         choices = [{"index": i, "text": o.text, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
@@ -126,7 +126,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         params = body.sampling(body.max_completion_tokens or body.max_tokens or max(room, 1))
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
         if body.stream:
-            return _sse(await _primed(_stream_chat(engine, ids, params, rid, model_name, body.logprobs)))
+            return _sse(await _primed(_stream_chat(engine, ids, params, rid, model_name, body.logprobs,
+                                                    body.group_id)))
         out = await engine.generate(ids, params, rid, group_id=body.group_id)
         choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
                   "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
@@ -214,18 +215,18 @@ async def _stream_generate(engine, prompt, params, rid, group_id):
         yield chunk
 
 
-async def _stream_completion(engine, prompt, params, rid, model, with_logprobs: bool):
-    async for ids, lps, delta, final in _deltas(engine, prompt, params, rid):
+async def _stream_completion(engine, prompt, params, rid, model, with_logprobs: bool, group_id: str | None):
+    async for ids, lps, delta, final in _deltas(engine, prompt, params, rid, group_id):
         choice = {"index": 0, "text": delta, "finish_reason": final.finish_reason if final else None,
                   "logprobs": {"token_logprobs": lps, "token_ids": ids} if with_logprobs else None}
         yield {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
                "choices": [choice]}
 
 
-async def _stream_chat(engine, ids, params, rid, model, with_logprobs: bool):
+async def _stream_chat(engine, ids, params, rid, model, with_logprobs: bool, group_id: str | None):
     tok = engine.tokenizer
     first = True
-    async for new_ids, lps, delta, final in _deltas(engine, ids, params, rid):
+    async for new_ids, lps, delta, final in _deltas(engine, ids, params, rid, group_id):
         d = {"role": "assistant", "content": delta} if first else {"content": delta}
         first = False
         choice = {"index": 0, "delta": d, "finish_reason": final.finish_reason if final else None,
