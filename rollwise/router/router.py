@@ -46,6 +46,7 @@ class Router:
         self.cost_model = CostModel()
         self._cands: dict[str, Candidate] = {}  # one per replica, kept current
         self._sharing: set[asyncio.Future] = set()
+        self._parked: dict[str, deque[_Waiter]] = {}  # replica -> requests waiting for a slot there
         self.replicas: dict[str, object] = {}
         self.healthy: set[str] = set()
         self.inflight: dict[str, int] = {}
@@ -60,7 +61,7 @@ class Router:
         self._seq = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self.placements = deque(maxlen=100_000) if record_placements else None  # (trajectory, group, turn, replica)
-        self.stats = {"requests": 0, "retries": 0, "failovers": 0, "decisions": 0, "decision_s": 0.0,
+        self.stats = {"requests": 0, "retries": 0, "failovers": 0, "decisions": 0, "decision_s": 0.0, "parked": 0,
                       "queued": 0, "prompt_tokens": 0, "matched_tokens": 0, "cached_tokens": 0}
         for r in replicas:
             self.add_replica(r)
@@ -85,8 +86,10 @@ class Router:
         del self.replicas[name]
         self._cands.pop(name, None)
         self.healthy.discard(name)
+        self._unpark(name)
         self.index.remove_replica(name)
         self.sticky = {t: r for t, r in self.sticky.items() if r != name}
+        self._pump()
 
     async def start(self) -> None:
         if not self._tasks:
@@ -166,6 +169,12 @@ class Router:
             _, _, w = heapq.heappop(self._queue)
             if w.future.done():  # the caller gave up
                 continue
+            home = w.info.sticky
+            if (home is not None and home not in room and home in self.healthy and home in self.replicas
+                    and home not in w.tried and self.policy.park(w.info)):
+                self._parked.setdefault(home, deque()).append(w)  # wait for its context's replica
+                self.stats["parked"] += 1
+                continue
             cands = [n for n in room if n not in w.tried] or room
             t0 = time.perf_counter()
             name = self._choose(w, cands)
@@ -201,7 +210,18 @@ class Router:
             self.inflight[name] -= 1
             self.inflight_tokens[name] -= work
             self._sync(name)
+            parked = self._parked.get(name)
+            while parked and self.inflight[name] < self.capacity and name in self.healthy:
+                w = parked.popleft()
+                if not w.future.done():
+                    w.future.set_result(self._choose(w, [name]))
         self._pump()
+
+    def _unpark(self, name: str) -> None:
+        """Requests waiting for a replica that is gone go back to the queue."""
+        for w in self._parked.pop(name, ()):
+            if not w.future.done():
+                heapq.heappush(self._queue, (self.policy.priority(w.info), next(self._seq), w))
 
     def _sync(self, name: str) -> None:
         c = self._cands.get(name)
@@ -225,6 +245,8 @@ class Router:
             self.healthy.discard(name)
             self.stats["failovers"] += 1
             self.index.remove_replica(name)
+            self._unpark(name)
+            self._pump()
 
     async def _health_loop(self) -> None:
         while True:

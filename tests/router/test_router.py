@@ -134,3 +134,23 @@ def test_membership_changes_while_running():
             router.remove_replica("zz")
         await router.close()
     asyncio.run(go())
+
+
+def test_a_full_home_replica_is_waited_for_by_sticky_policies():
+    async def go(policy):
+        a, b = FakeReplica("a", delay=0.01), FakeReplica("b", delay=0.01)
+        router = Router([a, b], policy, max_inflight_per_replica=1, record_placements=True)
+        await router.generate(req(0, traj="t", turn=0, n=400))  # t lives on a (first placement: "a")
+        a.delay = 0.2
+        blocker = asyncio.create_task(router.generate(req(1, n=400)))  # fills a (least loaded: a or b)
+        await asyncio.sleep(0.02)
+        busy = "a" if a.active else "b"
+        router.sticky["t"] = busy  # make t's home the busy replica
+        await router.generate(req(2, traj="t", turn=1, n=400))
+        await blocker
+        await router.close()
+        return [p for p in router.placements if p[0] == "t"][-1][3] == busy, router.metrics()["parked"]
+    stayed, parked = asyncio.run(go("sticky_least_load"))
+    assert stayed and parked == 1  # waited for its home replica
+    stayed, parked = asyncio.run(go("least_load"))
+    assert not stayed and parked == 0  # went to the free replica

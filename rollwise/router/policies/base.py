@@ -38,6 +38,11 @@ class Policy:
     def priority(self, info: RouteInfo) -> float:
         return info.arrival  # FIFO
 
+    def park(self, info: RouteInfo) -> bool:
+        """When the replica holding this trajectory's context is full: wait for a slot there
+        (True) rather than go elsewhere now."""
+        return False
+
 
 def least_loaded(cands: list[Candidate]) -> Candidate:
     return min(cands, key=lambda c: (c.inflight, c.inflight_tokens, c.name))

@@ -56,3 +56,9 @@ class Rollwise(Policy):
     def priority(self, info):
         left = (info.expected_turns - info.turns_done) if info.expected_turns is not None else 1.0
         return info.arrival - min(max(left, 0.0) * self.turn_s, self.max_boost_s)
+
+    def park(self, info):
+        # a full replica frees a slot within a fraction of a turn (one of its many requests ends);
+        # recomputing the context elsewhere costs its whole prefill
+        new = min(info.expected_new_tokens, info.request.params.max_tokens)
+        return info.prompt_len / self.prefill_tok_s > 0.25 * new * self.step_s

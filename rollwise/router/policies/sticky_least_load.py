@@ -10,3 +10,6 @@ class StickyLeastLoad(Policy):
         if info.sticky in {c.name for c in cands}:
             return info.sticky
         return least_loaded(cands).name
+
+    def park(self, info):
+        return True  # the trajectory belongs to its replica: it queues there, as on a verl worker

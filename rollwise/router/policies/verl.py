@@ -13,3 +13,6 @@ class Verl(Policy):
         if info.sticky in names:
             return info.sticky
         return min(cands, key=lambda c: (c.assigned, c.name)).name
+
+    def park(self, info):
+        return True  # the trajectory belongs to its replica: it queues there, as on a verl worker
