@@ -24,8 +24,9 @@ from rollwise.agent.generator import ForcedGenerator, ScriptedGenerator, expert_
 from rollwise.agent.tools import Latency  # noqa: E402
 from rollwise.engine.async_engine import AsyncEngine  # noqa: E402
 from rollwise.engine.tokenizer import Tokenizer  # noqa: E402
-from rollwise.make_model import make_model  # noqa: E402
 from rollwise.types import SamplingParams  # noqa: E402
+
+from common import cached_model  # noqa: E402  (benchmarks/common.py)
 
 
 async def measure(gen, env_name: str, tasks: list[dict], concurrency: int, latency: Latency | None) -> dict:
@@ -48,9 +49,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
-    model = str(Path.home() / ".cache" / "rollwise" / "agent-bench-model")
-    if not (Path(model) / "config.json").exists():
-        make_model(model, family="qwen3", layers=2, hidden=128, heads=4, kv_heads=2, vocab=4096, seed=0)
+    model = cached_model("agent-bench-model", family="qwen3", layers=2, hidden=128, heads=4, kv_heads=2,
+                         vocab=4096, seed=0)
     conc = [1, 4] if args.smoke else [1, 8, 64, 512] if args.quick else [1, 4, 16, 64, 256, 512]
     latency = Latency(0.05, 0.5)
     env = make_env(args.env)

@@ -24,14 +24,11 @@ import torch  # noqa: E402
 
 from rollwise import LLM, SamplingParams  # noqa: E402
 from rollwise.engine.models.loader import load_model  # noqa: E402
-from rollwise.make_model import make_model  # noqa: E402
 from rollwise.serve.process import ServerProcess, free_port  # noqa: E402
 
+from common import engine_model  # noqa: E402  (benchmarks/common.py)
+
 PEERS = Path(os.environ.get("ROLLWISE_PEERS", Path.home() / ".cache" / "rollwise-peers"))
-SIZES = {  # name: (make_model kwargs)
-    "bench": dict(family="llama", layers=8, hidden=512, heads=8, kv_heads=4, vocab=8192, seed=0),
-    "smoke": dict(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=1024, seed=0),
-}
 
 
 def rand_prompts(n: int, length: int, vocab: int, seed: int, shared: int = 0) -> list[list[int]]:
@@ -172,9 +169,7 @@ def main() -> None:
     global REPS
     REPS = 1 if args.smoke else args.reps
     size = "smoke" if args.smoke else "bench"
-    model = args.model or str(Path.home() / ".cache" / "rollwise" / f"engine-{size}-model")
-    if not (Path(model) / "config.json").exists():
-        make_model(model, **SIZES[size])
+    model = engine_model(size, args.model)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     vocab = min(vocab, 1024) if args.smoke else vocab
     batches = [1, 2] if args.smoke else [1, 16, 64]

@@ -22,7 +22,6 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from rollwise.make_model import make_model  # noqa: E402
 from rollwise.router.policies import POLICIES  # noqa: E402
 from rollwise.router.replica import HttpReplica, LoadSnapshot  # noqa: E402
 from rollwise.router.router import Router  # noqa: E402
@@ -30,6 +29,8 @@ from rollwise.router.workload import replayed_step, run_step, synthetic_step  # 
 from rollwise.serve.process import ServerProcess  # noqa: E402
 from rollwise.spec.bench import load_groups  # noqa: E402
 from rollwise.types import GenerateRequest, SamplingParams  # noqa: E402
+
+from common import cached_model  # noqa: E402  (benchmarks/common.py)
 
 COUNTERS = {"rollwise:prefill_tokens_computed_total": "prefill_tokens", "vllm:prefix_cache_queries_total": "queries",
             "vllm:prefix_cache_hits_total": "hits", "rollwise:engine_step_seconds_total": "busy_s",
@@ -153,10 +154,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="runs per policy (fresh replicas each); medians reported")
     ap.add_argument("--json")
     args = ap.parse_args()
-    model = str(Path.home() / ".cache" / "rollwise" / "router-bench-model")
-    if not (Path(model) / "config.json").exists():
-        make_model(model, family="llama", layers=2, hidden=128, heads=4, kv_heads=2, vocab=8192, seed=0,
-                   max_positions=8192)
+    model = cached_model("router-bench-model", family="llama", layers=2, hidden=128, heads=4, kv_heads=2,
+                         vocab=8192, seed=0, max_positions=8192)
     n_tasks, n_sib, turns, resp = (2, 2, 2, 16) if args.smoke else (6, 4, 4, 48) if args.quick else (10, 4, 6, 64)
     n_tasks, n_sib, turns = args.tasks or n_tasks, args.siblings or n_sib, args.turns or turns
     # the airline policy (system prompt) is cut to 1500 characters to keep prefill affordable on one core;

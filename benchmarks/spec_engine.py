@@ -21,14 +21,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from rollwise.config import EngineConfig  # noqa: E402
 from rollwise.engine.llm_engine import LLMEngine  # noqa: E402
-from rollwise.make_model import make_model  # noqa: E402
 from rollwise.spec.bench import load_groups  # noqa: E402
 from rollwise.types import SamplingParams  # noqa: E402
 
-SIZES = {
-    "bench": dict(family="llama", layers=8, hidden=512, heads=8, kv_heads=4, vocab=8192, seed=0),
-    "smoke": dict(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=1024, seed=0),
-}
+from common import engine_model  # noqa: E402  (benchmarks/common.py)
+
 
 
 def requests_from_trajectories(model: str, n_traj: int, prompt_len: int, max_new: int) -> list[dict]:
@@ -76,9 +73,7 @@ def main() -> None:
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
     size = "smoke" if args.smoke else "bench"
-    model = args.model or str(Path.home() / ".cache" / "rollwise" / f"engine-{size}-model")
-    if not (Path(model) / "config.json").exists():
-        make_model(model, **SIZES[size])
+    model = engine_model(size, args.model)
     conc = [1, 2] if args.smoke else [int(c) for c in args.concurrency.split(",")]
     n_traj = 4 if args.smoke else 24 if args.quick else 48
     prompt_len, max_new = (32, 16) if args.smoke else (256, 96)
