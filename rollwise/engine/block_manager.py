@@ -105,11 +105,9 @@ class BlockManager:
             blk = self.blocks[b]
             blk.ref_count -= 1
             if blk.ref_count == 0:
+                self.free[b] = None
                 if blk.block_hash is None:
-                    self.free[b] = None
                     self.free.move_to_end(b, last=False)  # nothing cached there: reuse it first
-                else:
-                    self.free[b] = None
         block_table.clear()
 
     def truncate(self, block_table: list[int], keep: int) -> None:

@@ -45,7 +45,8 @@ class ModelRunner:
                 depth = draft_depths(d.parents)
                 ids.extend(d.token_ids)
                 positions.extend(c + n - 1 + x for x in depth)
-                trees[b] = tree_mask(d.parents, n)
+                if any(p != i - 1 for i, p in enumerate(d.parents)):  # a chain is already causal
+                    trees[b] = tree_mask(d.parents, n)
                 starts.append(len(rows))
                 rows.extend(range(row - 1, row + len(d)))
                 row += len(d)
