@@ -64,7 +64,7 @@ class AsyncEngine:
             self._streams[rid] = (loop, queue)
             return rid
 
-        rid = await self._call(add)
+        rid = await self.call(add)
         finished = False
         try:
             while True:
@@ -77,21 +77,17 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                await asyncio.shield(self._call(lambda: self._abort(rid)))
+                await asyncio.shield(self.call(lambda: self._abort(rid)))
 
     async def abort(self, request_id: str) -> bool:
-        return await self._call(lambda: self._abort(request_id))
+        return await self.call(lambda: self._abort(request_id))
 
     async def update_weights(self, weights) -> int:
         """Apply new weights between two steps; returns the new policy version."""
-        return await self._call(lambda: self.engine.update_weights(weights))
+        return await self.call(lambda: self.engine.update_weights(weights))
 
     def metrics(self) -> dict[str, float]:
         return self.engine.metrics()
-
-    async def call(self, fn: Callable):
-        """Run fn() on the engine thread between two steps (engine state is single-threaded)."""
-        return await self._call(fn)
 
     @property
     def policy_version(self) -> int:
@@ -104,7 +100,12 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     # engine thread -------------------------------------------------------------------------------
-    async def _call(self, fn: Callable):
+    @property
+    def is_running(self) -> bool:
+        return not self._stopped
+
+    async def call(self, fn: Callable):
+        """Run fn() on the engine thread between two steps (engine state is single-threaded)."""
         if self._stopped:
             raise RuntimeError("engine is shut down")
         fut: cf.Future = cf.Future()

@@ -76,7 +76,7 @@ class LocalReplica:
         await self.engine.abort(request_id)
 
     async def health(self) -> bool:
-        return not getattr(self.engine, "_stopped", False)
+        return self.engine.is_running
 
     async def load(self) -> LoadSnapshot:
         m = self.engine.metrics()

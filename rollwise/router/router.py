@@ -114,9 +114,10 @@ class Router:
         for attempt in range(self.max_retries + 1):
             name = await self._acquire(w)
             try:
-                out = await self.replicas[name].generate(request) if name in self.replicas else None
-                if out is None:
+                replica = self.replicas.get(name)
+                if replica is None:
                     raise ReplicaError(f"{name} was removed")
+                out = await replica.generate(request)
             except ReplicaError:
                 self._release(name, w.work)
                 self._mark_down(name)
