@@ -2,11 +2,14 @@
 in one run: makespan, throughput, prefill tokens computed, prefix-cache hit rate, replica busy
 time, p99 turn latency, and the work done (turns, decode tokens: equal across policies).
 
-    python benchmarks/router.py [--quick | --smoke] [--json PATH] [--policies a,b]
+    python benchmarks/router.py [--quick | --smoke] [--workload tau|swe] [--json PATH] [--policies a,b]
 
-The workload replays real tau-bench trajectories (trials of a task are GRPO siblings) with tool
-latency 50-500 ms between turns; each replica's KV budget is set below the live working set, so
-cache placement decides what is recomputed. A control workload with no shared prefixes checks
+Workloads: `tau` replays real tau-bench trajectories (trials of a task are GRPO siblings; every
+task shares the airline policy prompt); `swe` is SWE-like (8 prompts x 8 rollouts, a long task
+context per prompt shared by its siblings, 2-10 turns set by the task, long tool outputs). Tool
+latency 50-500 ms between turns. Each replica's KV budget is 40% of the live working set (distinct
+blocks of all final contexts), so the two replicas hold 80% of it and placement decides what is
+recomputed; the work done is read from the replicas' own counters and must match across runs. A control workload with no shared prefixes checks
 that locality policies do not lose to least_load there. Also measures the routing decision cost
 at 64 replicas and 10,000 live trajectories.
 """
@@ -23,9 +26,10 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from rollwise.router.policies import POLICIES  # noqa: E402
+from rollwise.router.prefix_index import PrefixIndex  # noqa: E402
 from rollwise.router.replica import HttpReplica, LoadSnapshot  # noqa: E402
 from rollwise.router.router import Router  # noqa: E402
-from rollwise.router.workload import replayed_step, run_step, synthetic_step  # noqa: E402
+from rollwise.router.workload import replayed_step, run_step, swe_step, synthetic_step  # noqa: E402
 from rollwise.serve.process import ServerProcess  # noqa: E402
 from rollwise.spec.bench import load_groups  # noqa: E402
 from rollwise.types import GenerateRequest, SamplingParams  # noqa: E402
@@ -35,7 +39,8 @@ from common import cached_model  # noqa: E402  (benchmarks/common.py)
 COUNTERS = {"rollwise:prefill_tokens_computed_total": "prefill_tokens", "vllm:prefix_cache_queries_total": "queries",
             "vllm:prefix_cache_hits_total": "hits", "rollwise:engine_step_seconds_total": "busy_s",
             "vllm:num_preemptions_total": "preemptions", "vllm:spec_decode_num_drafts_total": "drafts",
-            "vllm:spec_decode_num_accepted_tokens_total": "accepted", "rollwise:engine_steps_total": "steps"}
+            "vllm:spec_decode_num_accepted_tokens_total": "accepted", "rollwise:engine_steps_total": "steps",
+            "vllm:generation_tokens_total": "generated"}
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -64,6 +69,7 @@ def drive(router: Router, step, servers) -> dict:
     return {**res, "prefill_tokens": sum(x["prefill_tokens"] for x in m), "hit_rate": sum(x["hits"] for x in m) / max(q, 1),
             "max_busy_s": max(busy), "mean_busy_s": sum(busy) / len(busy), "preemptions": sum(x["preemptions"] for x in m),
             "tok_s": res["decode_tokens"] / res["makespan_s"], "steps": sum(x["steps"] for x in m),
+            "generated_tokens": int(sum(x["generated"] for x in m)),  # what the replicas say they generated
             "accepted_per_draft": sum(x.get("accepted", 0) for x in m) / max(sum(x.get("drafts", 0) for x in m), 1)}
 
 
@@ -149,23 +155,33 @@ def main() -> None:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica (default: below the working set)")
     ap.add_argument("--tasks", type=int, help="prompts per step (override)")
-    ap.add_argument("--siblings", type=int, help="rollouts per prompt (override, at most 4)")
+    ap.add_argument("--siblings", type=int, help="rollouts per prompt (override; at most 4 for tau)")
     ap.add_argument("--turns", type=int, help="turns per trajectory at most (override)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per policy (fresh replicas each); medians reported")
+    ap.add_argument("--workload", choices=("tau", "swe"), default="tau",
+                    help="tau: replayed tau-bench trajectories; swe: SWE-like groups with long shared task contexts")
     ap.add_argument("--json")
     args = ap.parse_args()
     model = cached_model("router-bench-model", family="llama", layers=2, hidden=128, heads=4, kv_heads=2,
                          vocab=8192, seed=0, max_positions=8192)
-    n_tasks, n_sib, turns, resp = (2, 2, 2, 16) if args.smoke else (6, 4, 4, 48) if args.quick else (10, 4, 6, 64)
+    if args.workload == "swe":  # P x n with n = 8 as in GRPO; turns 2..2*T
+        n_tasks, n_sib, turns, resp = (2, 2, 2, 0) if args.smoke else (6, 4, 4, 0) if args.quick else (8, 8, 5, 0)
+    else:
+        n_tasks, n_sib, turns, resp = (2, 2, 2, 16) if args.smoke else (6, 4, 4, 48) if args.quick else (10, 4, 6, 64)
     n_tasks, n_sib, turns = args.tasks or n_tasks, args.siblings or n_sib, args.turns or turns
     # the airline policy (system prompt) is cut to 1500 characters to keep prefill affordable on one core;
     # every turn's prompt still extends the previous turn's, as in a real episode
-    groups = load_groups(None, model, group_size=n_sib, limit=n_tasks * 4, system_chars=1500)
-    step = replayed_step(groups[:n_tasks], max_turns=turns, max_response=resp, latency=(0.05, 0.5))
-    working = sum(len(t.turns[-1][0]) + len(t.turns[-1][1]) for t in step) // 16
-    args.kv_blocks = args.kv_blocks or max(working // 3, 256)  # 2 replicas hold ~2/3 of the live set
+    if args.workload == "swe":
+        step = swe_step(n_tasks, n_sib, vocab=8000, seed=0, turns=(2, 2 * turns))
+    else:
+        groups = load_groups(None, model, group_size=n_sib, limit=n_tasks * 4, system_chars=1500)
+        step = replayed_step(groups[:n_tasks], max_turns=turns, max_response=resp, latency=(0.05, 0.5))
+    # the live working set: distinct KV blocks of every trajectory's final context (shared prefixes once)
+    index = PrefixIndex(16)
+    working = len({h for t in step for h in index.hashes(t.turns[-1][0] + t.turns[-1][1])})
+    args.kv_blocks = args.kv_blocks or max(int(working * 0.4), 256)  # 2 replicas hold 80% of it
     print(f"{len(step)} trajectories ({n_tasks} prompts x {n_sib}), {sum(len(t.turns) for t in step)} turns; "
-          f"live working set ~{working} KV blocks, {args.kv_blocks} per replica")
+          f"live working set {working} distinct KV blocks, {args.kv_blocks} per replica")
     policies = [p for p in args.policies.split(",") if p]
     out: dict = {"policies": {}, "control": {}, "decision_us": {}, "shared_drafts": {}}
     hdr = f"{'policy':<20}{'makespan s':>11}{'tok/s':>8}{'prefill tok':>12}{'hit rate':>9}{'busy max/mean':>15}{'p99 turn s':>11}{'turns':>7}{'decode tok':>11}"
@@ -185,7 +201,9 @@ def main() -> None:
         print(f"{'sglang-router (peer)':<20}{sgl['makespan_s']:>11.2f}{sgl['tok_s']:>8.1f}{int(sgl['prefill_tokens']):>12}"
               f"{sgl['hit_rate']:>9.2f}{sgl['max_busy_s']:>8.1f}/{sgl['mean_busy_s']:<6.1f}{sgl['p99_turn_latency_s']:>11.2f}"
               f"{sgl['turns']:>7}{sgl['decode_tokens']:>11}")
-    work = {(r["turns"], r["decode_tokens"]) for r in out["policies"].values()}
+    # the work each run did, as the replicas counted it (the peer forwards only SGLang's fields, so it
+    # must still generate exactly the recorded lengths: max_new_tokens + ignore_eos)
+    work = {(r["turns"], r["decode_tokens"], r["generated_tokens"]) for r in [*out["policies"].values(), *([sgl] if sgl else [])]}
     assert len(work) == 1, f"policies did different work: {work}"
     ref = out["policies"].get("verl")
     if ref and "rollwise" in out["policies"]:

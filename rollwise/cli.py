@@ -12,7 +12,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: spinn
 
 from rollwise.config import EngineConfig, ServerConfig  # noqa: E402
 
-DEMO_DIR = Path(os.environ.get("ROLLWISE_CACHE", Path.home() / ".cache" / "rollwise")) / "demo-model"
+DEMO_DIR = Path(os.environ.get("ROLLWISE_CACHE", Path.home() / ".cache" / "rollwise")) / "rl-demo-model"
+DEMO_MODEL = dict(family="qwen3", layers=2, hidden=128, heads=4, kv_heads=2, vocab=2048, seed=0)
+DEMO_FULL = dict(sft_steps=300, steps=40, groups_per_step=8, group_size=8)
+DEMO_SMOKE = dict(sft_steps=2, sft_tasks=8, steps=2, groups_per_step=2, group_size=2, eval_tasks=4, max_tokens=16)
+DEMO_QUICK = dict(sft_steps=150, steps=10, groups_per_step=8, group_size=8, eval_tasks=100)
 
 
 def add_config_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
@@ -95,32 +99,42 @@ def cmd_bench_spec(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    """Engine demo (the RL demo lands with the pipeline): a tiny local model, GRPO-style groups of
-    sampled chat requests sharing a system prompt, with suffix speculation; throughput, prefix-cache
-    reuse and drafting acceptance."""
-    from rollwise import LLM, SamplingParams
+    """The main job on a tiny local model: SFT warm start on the calculator environment's expert
+    transcripts, then asynchronous GRPO (staleness 1) with 2 in-process replicas behind the router,
+    suffix speculation and weight sync after every step; evaluation on held-out tasks before and
+    after RL. Last line: sft_success=<f> rl_success=<f>."""
+    from rollwise.rl import TrainConfig, train
     from rollwise.make_model import make_model
     if not (DEMO_DIR / "config.json").exists():
-        print(f"building a tiny model in {DEMO_DIR} ...")
-        make_model(DEMO_DIR, family="qwen3", layers=4, hidden=256, heads=4, kv_heads=2, vocab=4096, seed=0, std=0.1)
-    llm = LLM(str(DEMO_DIR), max_num_seqs=64, seed=args.seed, speculative="suffix", spec_controller="adaptive")
-    system = {"role": "system", "content": "You are a careful agent. Use the calculator tool for arithmetic "
-              "and answer with the final number only. " * 4}
-    tasks = [[system, {"role": "user", "content": f"What is {i} * {i + 3}?"}] for i in range(args.requests // 8)]
-    prompts = [llm.tokenizer.encode_chat(c) for c in tasks for _ in range(8)]  # 8 siblings per task
-    groups = [f"task{i}" for i in range(len(tasks)) for _ in range(8)]
-    params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=args.max_tokens, seed=None)
+        print(f"building a tiny model in {DEMO_DIR} ...", flush=True)
+        make_model(DEMO_DIR, **DEMO_MODEL)
+    size = DEMO_SMOKE if args.smoke else DEMO_QUICK if args.quick else DEMO_FULL
+    cfg = TrainConfig.from_dict({"model": str(DEMO_DIR), "run_dir": args.run_dir or f"runs/demo-{'quick' if args.quick else 'full'}-{args.seed}",
+                                 "seed": args.seed, "env": "calculator", **size})
+    if Path(cfg.run_dir).exists() and not args.resume:
+        import shutil
+        shutil.rmtree(cfg.run_dir)  # a fresh run unless --resume
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True, group_ids=groups)
-    dt = time.perf_counter() - t0
-    m = llm.metrics()
-    n = sum(len(o.token_ids) for o in outs)
-    print(f"sample: {outs[0].text[:120]!r}")
-    print(f"{len(outs)} requests in {len(tasks)} groups, {n} tokens generated in {dt:.2f}s ({n / dt:.1f} tok/s) "
-          f"in {int(m['num_steps'])} steps; prefill computed {int(m['prefill_tokens'])} of "
-          f"{int(m['prompt_tokens'])} prompt tokens (prefix hit rate {m['prefix_hit_rate']:.2f}); "
-          f"speculation: {int(m['spec_accepted_tokens'])} of {int(m['spec_drafted_tokens'])} drafted tokens "
-          f"accepted, {m['spec_steps'] / max(m['num_steps'], 1):.0%} of steps speculated")
+    report = train(cfg)
+    print(f"report: {cfg.run_dir}/report (metrics.json, curves.png); {len(report['steps'])} GRPO steps, policy version "
+          f"{report['policy_version']}, {time.perf_counter() - t0:.0f}s")
+    print(f"sft_success={report['sft_success']:.3f} rl_success={report['rl_success']:.3f}")
+
+
+def cmd_train(args) -> None:
+    from rollwise.rl import TrainConfig, train
+    overrides = dict(kv.split("=", 1) for kv in args.set)
+    cfg = TrainConfig.from_toml(args.config, **{k: _parse_value(v) for k, v in overrides.items()})
+    report = train(cfg)
+    print(f"sft_success={report['sft_success']:.3f} rl_success={report['rl_success']:.3f}")
+
+
+def _parse_value(v: str):
+    import tomllib
+    try:
+        return tomllib.loads(f"x = {v}")["x"]
+    except tomllib.TOMLDecodeError:
+        return v
 
 
 def _policy_names() -> list[str]:
@@ -184,11 +198,18 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--json")
     b.set_defaults(fn=cmd_bench_spec)
 
-    p = sub.add_parser("demo", help="the main job on a tiny local model")
-    p.add_argument("--requests", type=int, default=64, help="requests (in groups of 8 siblings)")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p = sub.add_parser("demo", help="the main job: SFT + asynchronous GRPO on a tiny local model")
+    p.add_argument("--quick", action="store_true", help="a shorter run (under 3 minutes on 2 cores)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir instead of starting over")
+    p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # seconds-long run for tests
     p.set_defaults(fn=cmd_demo)
+
+    p = sub.add_parser("train", help="agentic RL from a TOML config (keys: rollwise.rl.TrainConfig's fields)")
+    p.add_argument("config")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.set_defaults(fn=cmd_train)
 
     args = ap.parse_args(argv)
     try:

@@ -90,7 +90,7 @@ class RequestOutput:
     finish_reason: str | None = None  # one of FINISH_REASONS once finished
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    policy_version: int = 0  # weights version the engine ran when the request finished
+    policy_version: int = 0  # weights version when the request was admitted: its oldest token's (conservative)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -157,6 +157,7 @@ class TurnRecord:
     num_cached_tokens: int
     generation_s: float
     tool_s: float
+    replica: str = ""  # which replica served the turn (set when a router placed it)
 
 
 @dataclass(slots=True, kw_only=True)

@@ -83,3 +83,32 @@ def test_router_benchmark_smoke(tmp_path):
     a, b = res["policies"]["verl"], res["policies"]["rollwise"]
     assert (a["turns"], a["decode_tokens"]) == (b["turns"], b["decode_tokens"]) and a["turns"] > 0
     assert a["prefill_tokens"] > 0 and set(res["decision_us"]) == {"verl", "rollwise"}
+
+
+def test_router_benchmark_swe_workload_smoke(tmp_path):
+    out = tmp_path / "router.json"
+    r = run("benchmarks/router.py", "--smoke", "--workload", "swe", "--policies", "verl,rollwise", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())["policies"]
+    assert res["verl"]["generated_tokens"] == res["rollwise"]["generated_tokens"] > 0  # counted by the replicas
+
+
+def test_pipeline_benchmark_smoke(tmp_path):
+    out = tmp_path / "pipeline.json"
+    r = run("benchmarks/pipeline.py", "--smoke", "--json", str(out), timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())["configs"]
+    assert set(res) == {"sync", "async_k1", "async_k2"}
+    assert res["sync"]["max_staleness_seen"] == 0 and res["async_k2"]["max_staleness_seen"] <= 2
+    assert len({v["trajectories_per_step"] for v in res.values()}) == 1  # equal work per step
+
+
+def test_demo_smoke(tmp_path):
+    env = dict(ENV, ROLLWISE_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-m", "rollwise.cli", "demo", "--smoke", "--run-dir", str(tmp_path / "run")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    last = r.stdout.strip().splitlines()[-1]
+    sft, rl = (float(x.split("=")[1]) for x in last.split())
+    assert last.startswith("sft_success=") and 0 <= sft <= 1 and 0 <= rl <= 1
+    assert (tmp_path / "run" / "report" / "curves.png").exists()

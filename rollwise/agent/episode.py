@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
@@ -50,11 +51,16 @@ class ChatRenderer:
         return self.tok.encode(text, add_special_tokens=False)
 
 
+class GenerationError(RuntimeError):
+    """The generator (engine, router) could not serve a turn; the episode cannot be scored."""
+
+
 async def run_episode(generator: Generator, env: Env, task: dict, params: SamplingParams, *,
                       trajectory_id: str = "traj-0", group_id: str | None = None, max_context: int = 4096,
                       deadline_s: float = 300.0, renderer: ChatRenderer | None = None) -> Trajectory:
     """One episode. Ends with status done, max_turns, max_context, timeout (the per-episode
-    deadline) or error (the environment raised); the trajectory holds what was done until then."""
+    deadline) or error (the environment raised); the trajectory holds what was done until then.
+    A generator failure raises `GenerationError` (such an episode says nothing about the policy)."""
     renderer = renderer or ChatRenderer(generator.tokenizer)
     traj = Trajectory(trajectory_id=trajectory_id, group_id=group_id, task=task)
     t0 = time.perf_counter()
@@ -63,6 +69,8 @@ async def run_episode(generator: Generator, env: Env, task: dict, params: Sampli
             await _loop(generator, env, task, params, traj, renderer, max_context)
     except TimeoutError:
         traj.status = "timeout"
+    except GenerationError:
+        raise  # the generator failed (not the policy, not the environment): the caller decides
     except Exception as e:  # noqa: BLE001 - an environment bug ends this episode, not the run
         traj.status, traj.error = "error", f"{type(e).__name__}: {e}"
     traj.total_s = time.perf_counter() - t0
@@ -86,9 +94,12 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
         seed = None if params.seed is None else hash((params.seed, turn)) & (2**63 - 1)
         p = dataclasses.replace(params, max_tokens=min(params.max_tokens, room), seed=seed)
         g0 = time.perf_counter()
-        out = await generator.generate(GenerateRequest(prompt_token_ids=list(traj.token_ids), params=p,
-                                                       trajectory_id=traj.trajectory_id, group_id=traj.group_id,
-                                                       turn=turn))
+        try:
+            out = await generator.generate(GenerateRequest(prompt_token_ids=list(traj.token_ids), params=p,
+                                                           trajectory_id=traj.trajectory_id, group_id=traj.group_id,
+                                                           turn=turn))
+        except Exception as e:
+            raise GenerationError(str(e)) from e
         gen_s = time.perf_counter() - g0
         start = len(traj.token_ids)
         _extend(traj, out.token_ids, out.logprobs)
@@ -101,7 +112,8 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
         traj.tool_s += tool_s
         record = TurnRecord(start=start, num_generated=len(out.token_ids), num_observation=0,
                             finish_reason=out.finish_reason, policy_version=out.policy_version,
-                            num_cached_tokens=out.num_cached_tokens, generation_s=gen_s, tool_s=tool_s)
+                            num_cached_tokens=out.num_cached_tokens, generation_s=gen_s, tool_s=tool_s,
+                            replica=out.replica)
         traj.turns.append(record)
         if done:
             traj.reward, traj.status = float(reward), "done"
@@ -123,6 +135,11 @@ def _extend(traj: Trajectory, ids: list[int], logprobs: list[float] | None) -> N
     traj.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
 
 
+def _stable_seed(*parts) -> int:
+    """A seed from parts that is the same in every process (str hashes are salted per process)."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 2
+
+
 async def collect(generator: Generator, env_factory: Callable[[], Env], tasks: list[dict], params: SamplingParams,
                   *, group_size: int = 8, max_concurrency: int = 256, **episode_options) -> AsyncIterator[list[Trajectory]]:
     """Run `group_size` episodes per task (a GRPO group), at most `max_concurrency` at once (a new
@@ -133,7 +150,7 @@ async def collect(generator: Generator, env_factory: Callable[[], Env], tasks: l
 
     async def episode(task: dict, gid: str, k: int) -> Trajectory:
         async with slots:
-            p = params if params.seed is None else dataclasses.replace(params, seed=hash((params.seed, gid, k)) & (2**62))
+            p = params if params.seed is None else dataclasses.replace(params, seed=_stable_seed(params.seed, gid, k))
             return await run_episode(generator, env_factory(), task, p, trajectory_id=f"{gid}/{k}", group_id=gid,
                                      renderer=renderer, **episode_options)
 

@@ -82,9 +82,9 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> bool:
         return await self.call(lambda: self._abort(request_id))
 
-    async def update_weights(self, weights) -> int:
+    async def update_weights(self, weights, version: int | None = None) -> int:
         """Apply new weights between two steps; returns the new policy version."""
-        return await self.call(lambda: self.engine.update_weights(weights))
+        return await self.call(lambda: self.engine.update_weights(weights, version))
 
     def metrics(self) -> dict[str, float]:
         return self.engine.metrics()

@@ -40,7 +40,8 @@ class LLMEngine:
             self.spec = Speculator(cfg, self.runner, self.sampler)
         self.seqs: dict[str, Sequence] = {}
         self.streaming: set[str] = set()  # requests that want an output after every token
-        self.policy_version = 0
+        self.policy_version = 0  # a label: the trainer's version of the weights served
+        self.weight_updates = 0
         self._ids = itertools.count()
         self.stats = dict.fromkeys(("num_steps", "prompt_tokens", "prefill_tokens", "decode_tokens", "generated_tokens",
                                     "step_time_s", "num_finished", "num_aborted"), 0)
@@ -86,6 +87,7 @@ class LLMEngine:
         if rid in self.seqs:
             raise ValueError(f"request_id {rid!r} is already in flight")
         seq = Sequence(rid, list(ids), params, forced=list(forced_output) if forced_output else None)
+        seq.policy_version = self.policy_version  # weights may change while it runs; this is its oldest
         self.seqs[rid] = seq
         if self.spec is not None:
             self.spec.start(rid, seq.prompt_token_ids, group_id)
@@ -226,15 +228,18 @@ class LLMEngine:
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids, logprobs=list(seq.logprobs), text=text, finished=finished,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            num_cached_tokens=max(seq.num_cached_tokens, 0), policy_version=self.policy_version)
+            num_cached_tokens=max(seq.num_cached_tokens, 0), policy_version=seq.policy_version)
 
     # weights and metrics -------------------------------------------------------------------------
-    def update_weights(self, weights) -> int:
-        """Load new weights (a state dict or a model directory); cached prefixes of old weights are
-        never matched again. Returns the new policy version."""
+    def update_weights(self, weights, version: int | None = None) -> int:
+        """Load new weights (a state dict or a model directory) between two steps; cached prefixes of
+        old weights are never matched again. Running requests go on under the new weights (their
+        tokens and logprobs so far are kept). The version becomes `version` (the trainer's count)
+        or the next one. Returns it."""
         self.runner.update_weights(weights)
-        self.policy_version += 1
-        self.scheduler.hash_root = self.policy_version
+        self.policy_version = self.policy_version + 1 if version is None else version
+        self.weight_updates += 1
+        self.scheduler.hash_root = self.weight_updates  # salt: KV of earlier weights never matches
         return self.policy_version
 
     def metrics(self) -> dict[str, float]:

@@ -33,6 +33,7 @@ class Sequence:
     stop_reason: str | int | None = None
     text: str | None = None  # set when a stop string truncates the output
     forced: list[int] | None = None  # trace replay: the output tokens to emit
+    policy_version: int = 0  # weights version when it was admitted
 
     def __post_init__(self) -> None:
         if not self.token_ids:

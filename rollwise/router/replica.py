@@ -84,6 +84,10 @@ class LocalReplica:
                             m["prefix_hit_rate"], m["step_time_s"], m["prefill_tokens"], m["decode_tokens"],
                             m["num_steps"])
 
+    async def update_weights(self, weights: dict | str, version: int | None = None) -> int:
+        """New weights (tensors under Hugging Face names, or a model directory), between two steps."""
+        return await self.engine.update_weights(weights, version)
+
     async def add_sequence(self, token_ids: list[int], group_id: str | None) -> None:
         spec = getattr(self.engine.engine, "spec", None)
         if spec is not None:
@@ -113,8 +117,9 @@ class HttpReplica:
         body = {"input_ids": request.prompt_token_ids, "request_id": request.request_id,
                 "trajectory_id": request.trajectory_id, "group_id": request.group_id, "turn": request.turn,
                 "forced_output": request.forced_output,
-                "sampling_params": {k: getattr(p, k) for k in ("temperature", "top_p", "top_k", "seed", "max_tokens",
-                                                                "min_tokens", "stop", "stop_token_ids", "ignore_eos")}}
+                "sampling_params": {"max_new_tokens": p.max_tokens,  # SGLang's name; `rollwise serve` takes both
+                                    **{k: getattr(p, k) for k in ("temperature", "top_p", "top_k", "seed", "min_tokens",
+                                                                  "stop", "stop_token_ids", "ignore_eos")}}}
         try:
             r = await self.client.post("/generate", json=body)
         except httpx.HTTPError as e:
@@ -130,6 +135,23 @@ class HttpReplica:
 
     async def abort(self, request_id: str) -> None:
         pass  # closing the connection aborts the request on `rollwise serve`
+
+    async def update_weights(self, weights: dict | str, version: int | None = None) -> int:
+        """POST /update_weights with a model directory; tensors are first written to a temporary
+        one (the replica must see this machine's files: same host or a shared file system)."""
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix="rollwise-weights-") as tmp:
+            if not isinstance(weights, str):
+                from safetensors.torch import save_file
+                save_file({k: v.contiguous() for k, v in weights.items()}, f"{tmp}/model.safetensors")
+                weights = tmp
+            try:
+                r = await self.client.post("/update_weights", json={"model_dir": weights, "policy_version": version})
+            except httpx.HTTPError as e:
+                raise ReplicaError(f"{self.name}: {type(e).__name__}: {e}") from e
+        if r.status_code != 200:
+            raise ReplicaError(f"{self.name}: weight update failed: HTTP {r.status_code}: {r.text[:200]}")
+        return int(r.json()["policy_version"])
 
     async def health(self) -> bool:
         try:

@@ -45,6 +45,9 @@ class Router:
         self.index = PrefixIndex(block_size)
         self.cost_model = CostModel()
         self._cands: dict[str, Candidate] = {}  # one per replica, kept current
+        self.policy_version = 0  # of the weights every healthy replica serves
+        self.stale: set[str] = set()  # replicas that missed a weight update (kept out of routing)
+        self._latest: tuple | None = None  # (weights, version) of the last update
         self._sharing: set[asyncio.Future] = set()
         self._parked: dict[str, deque[_Waiter]] = {}  # replica -> requests waiting for a slot there
         self.replicas: dict[str, object] = {}
@@ -132,6 +135,26 @@ class Router:
             out.replica = name
             return out
         raise ReplicaError(f"request failed on {sorted(w.tried)} after {self.max_retries} retries")
+
+    async def update_weights(self, weights, version: int) -> dict[str, int]:
+        """New weights to every member replica at once. One that fails to take them is out of
+        routing (stale) until the health loop has given it the latest weights."""
+        self._latest = (weights, version)
+        names = list(self.replicas)
+        res = await asyncio.gather(*(self.replicas[n].update_weights(weights, version) for n in names),
+                                   return_exceptions=True)
+        out = {}
+        for n, r in zip(names, res):
+            if isinstance(r, BaseException):
+                self._mark_down(n)
+                self.stale.add(n)
+            else:
+                self.stale.discard(n)
+                out[n] = r
+        if not out:
+            raise ReplicaError(f"no replica took the new weights: {dict(zip(names, map(str, res)))}")
+        self.policy_version = version
+        return out
 
     async def end_trajectory(self, trajectory_id: str, group_id: str | None, token_ids: list[int],
                              num_turns: int) -> None:
@@ -254,7 +277,13 @@ class Router:
             await asyncio.sleep(self.health_interval_s)
             for name, r in list(self.replicas.items()):
                 ok = await r.health()
-                if ok and name not in self.healthy:
+                if ok and name in self.stale and self._latest is not None:
+                    try:
+                        await r.update_weights(*self._latest)
+                        self.stale.discard(name)
+                    except (ReplicaError, OSError, ValueError):
+                        continue
+                if ok and name not in self.healthy and name not in self.stale:
                     self.healthy.add(name)
                     self._pump()
                 elif not ok and name in self.healthy:

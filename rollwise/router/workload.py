@@ -3,7 +3,9 @@ multi-turn trajectory whose turns are replayed (recorded prompt and response tok
 latency between turns. Turn counts and lengths vary within and between groups as in real data.
 
 `replayed_step` takes the turns from real agent trajectories (the trials of a task are the
-siblings); `synthetic_step` builds trajectories with no shared prefixes (a control workload).
+siblings); `swe_step` builds SWE-like groups (a long task context shared by the siblings, many
+turns with long tool outputs, turn counts that depend on the task); `synthetic_step` builds
+trajectories with no shared prefixes (a control workload).
 """
 from __future__ import annotations
 
@@ -53,6 +55,28 @@ def synthetic_step(num_groups: int, group_size: int, *, vocab: int, seed: int = 
     return out
 
 
+def swe_step(num_groups: int, group_size: int, *, vocab: int, seed: int = 0, context: tuple[int, int] = (1024, 2048),
+             turns: tuple[int, int] = (2, 10), response: tuple[int, int] = (16, 96), obs: tuple[int, int] = (32, 256),
+             latency: tuple[float, float] = (0.05, 0.5)) -> list[ReplayTrajectory]:
+    """SWE-like step (WAR's setting in miniature): each prompt is a long task context (issue text and
+    repository files) shared by its siblings; each sibling then takes its own path of tool calls
+    with long observations. A task's difficulty sets its typical turn count; siblings vary around it."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(num_groups):
+        shared = [rng.randrange(100, vocab) for _ in range(rng.randint(*context))]
+        typical = rng.randint(*turns)
+        for s in range(group_size):
+            ctx = list(shared)
+            ts = []
+            for _ in range(max(turns[0], min(turns[1], typical + rng.randint(-2, 2)))):
+                resp = [rng.randrange(100, vocab) for _ in range(rng.randint(*response))]
+                ts.append((list(ctx), resp))
+                ctx = ctx + resp + [rng.randrange(100, vocab) for _ in range(rng.randint(*obs))]
+            out.append(ReplayTrajectory(f"g{g}/s{s}", f"g{g}", ts, [rng.uniform(*latency) for _ in ts[1:]]))
+    return out
+
+
 async def run_step(generator, trajectories: list[ReplayTrajectory]) -> dict:
     """Release every trajectory at once; each runs its turns in order (forced to the recorded tokens)
     with its tool latency in between. Returns makespan, per-turn latencies and the work done."""
@@ -62,7 +86,7 @@ async def run_step(generator, trajectories: list[ReplayTrajectory]) -> dict:
         for k, (prompt, resp) in enumerate(t.turns):
             t0 = time.perf_counter()
             await generator.generate(GenerateRequest(
-                prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=len(resp)),
+                prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=len(resp), ignore_eos=True),
                 trajectory_id=t.trajectory_id, group_id=t.group_id, turn=k, forced_output=resp))
             latencies.append(time.perf_counter() - t0)
             if k < len(t.tool_latency):

@@ -95,3 +95,4 @@ class AddSequenceRequest(_Strict):
 
 class UpdateWeightsRequest(_Strict):
     model_dir: str  # a directory with *.safetensors (the format `save_model` writes)
+    policy_version: int | None = None  # the trainer's version; default: the next one

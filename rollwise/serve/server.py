@@ -75,14 +75,19 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         if not cfg.api_key and not cfg.is_loopback:
             return error(403, "weight updates off loopback need the server started with --api-key",
                          "permission_error")
-        version = await engine.update_weights(body.model_dir)
+        version = await engine.update_weights(body.model_dir, body.policy_version)
         return {"status": "ok", "policy_version": version}
 
     @app.post("/generate")
     async def generate(body: GenerateRequest):
         if (body.input_ids is None) == (body.prompt is None):
             raise ValueError("give exactly one of input_ids or prompt")
-        params = SamplingParams.from_dict(body.sampling_params)
+        sp = dict(body.sampling_params)
+        if "max_new_tokens" in sp:  # SGLang's name (its router forwards only SGLang's fields)
+            if "max_tokens" in sp and sp["max_tokens"] != sp["max_new_tokens"]:
+                raise ValueError("max_tokens and max_new_tokens (its SGLang name) disagree")
+            sp["max_tokens"] = sp.pop("max_new_tokens")
+        params = SamplingParams.from_dict(sp)
         prompt = body.input_ids if body.input_ids is not None else body.prompt
         rid = body.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         if body.stream:

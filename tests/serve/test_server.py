@@ -46,6 +46,9 @@ def test_generate_stream(client):
                                                   "sampling_params": {"temperature": 0, "max_tokens": 6, "ignore_eos": True}}) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
     assert sum(len(c["token_ids"]) for c in chunks) == 6
+    # SGLang's name for the length limit (what sglang-router forwards) means the same
+    sgl = client.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}})
+    assert len(sgl.json()["token_ids"]) == 5
     assert chunks[-1]["finished"] and chunks[-1]["finish_reason"] == "length"
 
 
@@ -95,6 +98,7 @@ def test_models_and_metrics(client):
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_tokens": -3}}),  # negative max_tokens
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}),
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"bogus": 1}}),  # unknown sampling field
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_tokens": 3, "max_new_tokens": 4}}),  # disagree
     ("/generate", {"input_ids": [1, 2], "colour": "red"}),  # unknown field
     ("/generate", {"input_ids": [1] * 600}),  # oversized prompt (max_model_len 512)
     ("/generate", {"input_ids": [10**9]}),  # token id out of vocabulary

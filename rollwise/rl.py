@@ -1,0 +1,412 @@
+"""Agentic RL end to end: SFT warm start on expert transcripts, then GRPO with rollouts on N replicas
+behind the router, the bounded-staleness pipeline, and weight sync after every step.
+
+    rollwise train CONFIG.toml        (keys: the fields of TrainConfig)
+    rollwise demo [--quick]
+
+The run directory holds `groups.jsonl` (every complete group, written as it completes),
+`checkpoint.pt` (model, optimizer, policy version, data cursor; written after each step commits),
+and `report/` (metrics.json and PNG curves). Starting again with the same run directory resumes:
+complete groups no committed step used are trained on, none is generated twice.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from rollwise.types import SamplingParams
+
+
+@dataclass
+class TrainConfig:
+    model: str  # model directory (Hugging Face format)
+    run_dir: str = "runs/rollwise"
+    env: str = "calculator"
+    seed: int = 0
+    # supervised warm start on the environment's expert transcripts (0 steps: none)
+    sft_steps: int = 300
+    sft_tasks: int = 512
+    sft_lr: float = 3e-3
+    sft_batch: int = 16
+    # GRPO
+    steps: int = 20
+    groups_per_step: int = 8
+    group_size: int = 8
+    lr: float = 1e-4
+    clip: float = 0.2
+    tis_cap: float = 2.0
+    kl_coef: float = 0.0
+    temperature: float = 1.0
+    max_tokens: int = 64  # per turn
+    max_turns: int = 4
+    max_staleness: int = 1  # 0: synchronous (on-policy); k: rollouts up to k versions ahead
+    max_concurrent_groups: int = 16
+    episode_deadline_s: float = 60.0
+    tool_latency: tuple[float, float] = (0.0, 0.0)  # seconds per tool call (simulated APIs): lo, hi
+    tool_latency_kind: str = "uniform"  # or "lognormal" (median (lo+hi)/2 above lo, heavy tail to 4*hi)
+    # rollout fleet
+    replicas: int = 2  # in-process engines (ignored when replica_urls is set)
+    replica_urls: list[str] = field(default_factory=list)  # `rollwise serve` replicas instead
+    routing_policy: str = "rollwise"
+    speculative: str | None = "suffix"
+    spec_controller: str = "adaptive"
+    max_num_seqs: int = 128
+    # evaluation on held-out tasks (greedy)
+    eval_tasks: int = 200
+    progress: bool = True
+
+    @staticmethod
+    def from_toml(path: str | Path, **overrides) -> TrainConfig:
+        data = tomllib.loads(Path(path).read_text())
+        return TrainConfig.from_dict({**data, **overrides})
+
+    @staticmethod
+    def from_dict(d: dict) -> TrainConfig:
+        names = {f.name for f in fields(TrainConfig)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; valid: {sorted(names)}")
+        if "tool_latency" in d:
+            d = {**d, "tool_latency": tuple(d["tool_latency"])}
+        cfg = TrainConfig(**d)
+        from rollwise.agent.envs import ENVS
+        from rollwise.router.policies import POLICIES
+        if cfg.env not in ENVS:
+            raise ValueError(f"unknown env {cfg.env!r}; available: {sorted(ENVS)}")
+        if cfg.routing_policy not in POLICIES:
+            raise ValueError(f"unknown routing_policy {cfg.routing_policy!r}; available: {sorted(POLICIES)}")
+        if cfg.tool_latency_kind not in ("uniform", "lognormal"):
+            raise ValueError(f"tool_latency_kind must be 'uniform' or 'lognormal', got {cfg.tool_latency_kind!r}")
+        if cfg.max_staleness < 0 or cfg.steps < 0 or cfg.groups_per_step < 1 or cfg.group_size < 2:
+            raise ValueError("need max_staleness >= 0, steps >= 0, groups_per_step >= 1, group_size >= 2")
+        return cfg
+
+
+def stable_seed(*parts) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 2
+
+
+def env_factory(cfg: TrainConfig):
+    from rollwise.agent.envs import make_env
+    from rollwise.agent.tools import Latency
+    lo, hi = cfg.tool_latency
+    lat = Latency(lo, hi, kind=cfg.tool_latency_kind, cap=4 * hi) if hi > 0 else None
+    return lambda: make_env(cfg.env, max_turns=cfg.max_turns, tool_latency=lat)
+
+
+def task_sets(cfg: TrainConfig, n_train: int) -> tuple[list[dict], list[dict]]:
+    """Training tasks and held-out evaluation tasks (different seed; any question also in the
+    training or SFT set is dropped from evaluation)."""
+    env = env_factory(cfg)()
+    train = env.sample_tasks(n_train, seed=cfg.seed)
+    sft = env.sample_tasks(cfg.sft_tasks, seed=cfg.seed + 1)
+    seen = {json.dumps({k: v for k, v in t.items() if k != "id"}, sort_keys=True) for t in train + sft}
+    held = [t for t in env.sample_tasks(cfg.eval_tasks * 2, seed=cfg.seed + 2)
+            if json.dumps({k: v for k, v in t.items() if k != "id"}, sort_keys=True) not in seen]
+    return train, held[: cfg.eval_tasks]
+
+
+# the fleet ---------------------------------------------------------------------------------------
+def make_router(cfg: TrainConfig, tokenizer):
+    from rollwise.router.replica import HttpReplica, LocalReplica
+    from rollwise.router.router import Router
+    if cfg.replica_urls:
+        replicas = [HttpReplica(u) for u in cfg.replica_urls]
+    else:
+        from rollwise.engine.async_engine import AsyncEngine
+        replicas = [LocalReplica(f"replica{i}", AsyncEngine(cfg.model, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed + i,
+                                                            speculative=cfg.speculative, spec_controller=cfg.spec_controller))
+                    for i in range(cfg.replicas)]
+    return Router(replicas, cfg.routing_policy, tokenizer=tokenizer, max_inflight_per_replica=cfg.max_num_seqs)
+
+
+def shutdown(router) -> None:
+    for r in router.replicas.values():
+        eng = getattr(r, "engine", None)
+        if eng is not None:
+            eng.shutdown()
+
+
+async def evaluate(router, make_env, tasks: list[dict], cfg: TrainConfig) -> float:
+    """Greedy success rate (reward 1) on `tasks`, one episode each."""
+    from rollwise.agent.episode import collect
+    params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens)
+    wins = n = 0
+    async for g in collect(router, make_env, [dict(t, id=f"eval-{t['id']}") for t in tasks], params, group_size=1,
+                           max_concurrency=128, deadline_s=cfg.episode_deadline_s):
+        wins += sum(t.reward >= 1.0 for t in g)
+        n += len(g)
+    return wins / max(n, 1)
+
+
+async def expert_trajectories(tokenizer, make_env, tasks: list[dict]) -> list:
+    """Episodes of the scripted expert, token-in-token-out exactly as RL episodes are built."""
+    from rollwise.agent.episode import collect
+    from rollwise.agent.generator import ScriptedGenerator, expert_policy
+    gen = ScriptedGenerator(tokenizer, expert_policy(make_env, tasks))
+    out = []
+    async for g in collect(gen, make_env, tasks, SamplingParams(max_tokens=512), group_size=1):
+        out.extend(g)
+    return out
+
+
+# the RL loop -------------------------------------------------------------------------------------
+async def produce(cfg: TrainConfig, queue, router, make_env, tasks: list[dict], cursor: int, done: set[int]) -> None:
+    """Admit groups under the staleness bound and run them; a complete group goes to the queue."""
+    from rollwise.agent.episode import run_episode
+    from rollwise.rollout.pipeline import Group
+    slots = asyncio.Semaphore(cfg.max_concurrent_groups)
+    running: set[asyncio.Task] = set()
+
+    async def group(seq: int, version: int, idx: int) -> None:
+        task = tasks[idx % len(tasks)]
+        gid = f"s{seq}"
+        try:
+            trajs = await asyncio.gather(*(
+                run_episode(router, make_env(), task,
+                            SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                                           seed=stable_seed(cfg.seed, idx, k)),
+                            trajectory_id=f"{gid}/{k}", group_id=gid, deadline_s=cfg.episode_deadline_s)
+                for k in range(cfg.group_size)))
+            await queue.put(Group(seq, idx, task, version, list(trajs)))
+        except Exception as e:  # noqa: BLE001 - surfaces in the trainer instead of hanging it
+            await queue.fail(e)
+        finally:
+            slots.release()
+
+    try:
+        while True:
+            await slots.acquire()
+            seq, version = await queue.admit()
+            while cursor in done:  # completed before a crash: already in the log
+                cursor += 1
+            t = asyncio.create_task(group(seq, version, cursor))
+            cursor += 1
+            running.add(t)
+            t.add_done_callback(running.discard)
+    except Exception as e:  # noqa: BLE001
+        await queue.fail(e)
+    finally:
+        for t in running:
+            t.cancel()
+
+
+def _save_checkpoint(path: Path, trainer, consumed: list[int], history: list[dict], extra: dict) -> None:
+    import torch
+    tmp = path.with_suffix(".tmp")
+    torch.save({**trainer.state(), "consumed": consumed, "history": history, **extra}, tmp)
+    os.replace(tmp, path)  # atomic: a crash leaves the previous checkpoint
+
+
+def train(cfg: TrainConfig) -> dict:
+    return asyncio.run(_train(cfg))
+
+
+async def _train(cfg: TrainConfig) -> dict:
+    import torch
+
+    from rollwise.engine.tokenizer import Tokenizer
+    from rollwise.rollout.pipeline import GroupQueue, read_log
+    from rollwise.trainer.grpo import GRPOConfig, GRPOTrainer, sft
+    from rollwise.trainer.policy import PolicyModel
+
+    torch.manual_seed(cfg.seed)
+    run = Path(cfg.run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    ckpt_path, log_path = run / "checkpoint.pt", run / "groups.jsonl"
+    tokenizer = Tokenizer(cfg.model)
+    make_env = env_factory(cfg)
+    train_tasks, eval_tasks = task_sets(cfg, max(cfg.steps * cfg.groups_per_step * 2, 64))
+    policy = PolicyModel(cfg.model, seed=cfg.seed)
+    grpo = GRPOConfig(lr=cfg.lr, clip=cfg.clip, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef, temperature=cfg.temperature)
+    report: dict = {"config": dataclasses.asdict(cfg), "steps": []}
+    state = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
+    status = Status(cfg.progress)
+
+    if state is None:  # a fresh run: SFT warm start, then evaluate it
+        if cfg.sft_steps > 0:
+            env0 = make_env()
+            demos = await expert_trajectories(tokenizer, make_env, env0.sample_tasks(cfg.sft_tasks, seed=cfg.seed + 1))
+            t0 = time.perf_counter()
+            losses = sft(policy, demos, steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch, seed=cfg.seed,
+                         progress=lambda s, loss: status.line(f"SFT step {s + 1}/{cfg.sft_steps} loss {loss:.3f}"))
+            report["sft"] = {"steps": cfg.sft_steps, "loss_first": losses[0], "loss_last": losses[-1],
+                             "seconds": time.perf_counter() - t0, "examples": len(demos)}
+            status.done()
+        trainer = GRPOTrainer(policy, grpo)  # the KL reference (if any) is the warm-started model
+        history: list[dict] = []
+        consumed: list[int] = []
+        sft_success = None
+    else:
+        trainer = GRPOTrainer(policy, grpo)
+        trainer.load_state(state)
+        history, consumed = state["history"], state["consumed"]
+        report.update(state.get("report", {}))
+        sft_success = state.get("sft_success")
+        status.line(f"resumed at policy version {trainer.version} ({len(consumed)} groups trained on)")
+        status.done()
+
+    router = make_router(cfg, tokenizer)
+    try:
+        # every replica serves the trainer's weights, labelled with the trainer's version (RL steps done)
+        await router.update_weights(policy.engine_weights(), trainer.version)
+        if sft_success is None:
+            status.line("evaluating the SFT model ...")
+            sft_success = await evaluate(router, make_env, eval_tasks, cfg)
+            status.done(f"SFT model: success {sft_success:.3f} on {len(eval_tasks)} held-out tasks")
+        logged = read_log(log_path)
+        used = set(consumed)
+        left = [g for g in logged if g.seq not in used]  # complete before a crash, not trained on
+        queue = GroupQueue(cfg.groups_per_step, cfg.max_staleness, version=trainer.version,
+                           admitted=max([g.seq + 1 for g in logged] + [trainer.version * cfg.groups_per_step]),
+                           log_path=log_path)
+        queue.restore(left)
+        done_tasks = {g.task_index for g in logged}  # never generated twice; the rest run in order
+        producer = asyncio.create_task(produce(cfg, queue, router, make_env, train_tasks, 0, done_tasks))
+        bar = status.bar(cfg.steps, initial=len(history))
+        t_run = time.perf_counter()
+        while len(history) < cfg.steps:
+            t0 = time.perf_counter()
+            batch = await queue.get_batch()
+            wait_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            m = await asyncio.to_thread(trainer.step, [g.trajectories for g in batch])
+            train_s = time.perf_counter() - t1
+            await router.update_weights(policy.engine_weights(), trainer.version)
+            await queue.commit(trainer.version)
+            consumed += [g.seq for g in batch]
+            lm = _fleet_metrics(router)
+            m.update(step=len(history), wait_s=wait_s, train_s=train_s, wall_s=time.perf_counter() - t_run,
+                     group_versions=[g.version for g in batch], **lm)
+            history.append(m)
+            _save_checkpoint(ckpt_path, trainer, consumed, history,
+                             {"sft_success": sft_success, "report": {k: v for k, v in report.items() if k == "sft"}})
+            bar.update(m)
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+        status.line("evaluating the RL model ...")
+        rl_success = await evaluate(router, make_env, eval_tasks, cfg)
+        status.done()
+    finally:
+        await router.close()
+        shutdown(router)
+    report.update(steps=history, sft_success=sft_success, rl_success=rl_success, eval_tasks=len(eval_tasks),
+                  queue=queue.stats, policy_version=trainer.version)
+    write_report(run / "report", report)
+    policy.save(str(run / "final-model"))
+    return report
+
+
+def _fleet_metrics(router) -> dict:
+    """Summed engine counters of in-process replicas (HTTP ones report on their own /metrics)."""
+    tot: dict[str, float] = {}
+    for r in router.replicas.values():
+        eng = getattr(r, "engine", None)
+        if eng is None:
+            continue
+        for k, v in eng.metrics().items():
+            tot[k] = tot.get(k, 0.0) + v
+    if not tot:
+        return {}
+    return {"generated_tokens": tot.get("generated_tokens", 0.0), "spec_drafted": tot.get("spec_drafted_tokens", 0.0),
+            "spec_accepted": tot.get("spec_accepted_tokens", 0.0), "spec_steps": tot.get("spec_steps", 0.0),
+            "engine_steps": tot.get("num_steps", 0.0),
+            "prefix_hit_rate": tot.get("prefix_hits", 0.0) / max(tot.get("prefix_queries", 0.0), 1.0)}
+
+
+def write_report(out: Path, report: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    steps = report["steps"]
+    if not steps:
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    x = [s["step"] for s in steps]
+    fig, ax = plt.subplots(2, 2, figsize=(10, 7))
+    ax[0, 0].plot(x, [s["reward"] for s in steps])
+    ax[0, 0].axhline(report.get("sft_success") or 0, ls="--", c="gray", label="SFT eval success")
+    ax[0, 0].axhline(report.get("rl_success") or 0, ls=":", c="green", label="RL eval success")
+    ax[0, 0].set(title="training reward (mean per step)", xlabel="step")
+    ax[0, 0].legend()
+    acc = _diff([s.get("spec_accepted", 0) for s in steps])
+    sp = _diff([s.get("spec_steps", 0) for s in steps])
+    es = _diff([s.get("engine_steps", 0) for s in steps])
+    ax[0, 1].plot(x, acc, label="accepted draft tokens")
+    ax[0, 1].set(title="speculation per training step", xlabel="step")
+    ax2 = ax[0, 1].twinx()
+    ax2.plot(x, [a / max(b, 1) for a, b in zip(sp, es)], c="orange", label="share of engine steps speculating")
+    ax[0, 1].legend(loc="upper left")
+    ax2.legend(loc="upper right")
+    ax[1, 0].plot(x, [s["wait_s"] for s in steps], label="trainer waiting for rollouts")
+    ax[1, 0].plot(x, [s["train_s"] for s in steps], label="trainer computing")
+    ax[1, 0].set(title="seconds per step", xlabel="step")
+    ax[1, 0].legend()
+    ax[1, 1].plot(x, [s["max_staleness"] for s in steps], label="max staleness (versions)")
+    ax[1, 1].plot(x, [s.get("prefix_hit_rate", 0) for s in steps], label="prefix-cache hit rate")
+    ax[1, 1].set(title="staleness and cache", xlabel="step")
+    ax[1, 1].legend()
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=100)
+    plt.close(fig)
+
+
+def _diff(xs: list[float]) -> list[float]:
+    return [b - a for a, b in zip([0.0] + xs[:-1], xs)]
+
+
+class Status:
+    """A live status line on a terminal (a tqdm bar for the RL steps), plain lines otherwise."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.tty = enabled, sys.stderr.isatty()
+        self._last = 0.0
+
+    def line(self, text: str) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if self.tty:
+            sys.stderr.write("\r\033[K" + text)
+            sys.stderr.flush()
+        elif now - self._last > 5.0:
+            print(text, file=sys.stderr, flush=True)
+            self._last = now
+
+    def done(self, text: str = "") -> None:
+        if self.enabled and self.tty:
+            sys.stderr.write("\r\033[K")
+        if self.enabled and text:
+            print(text, file=sys.stderr, flush=True)
+
+    def bar(self, total: int, initial: int = 0):
+        return _Bar(self, total, initial)
+
+
+class _Bar:
+    def __init__(self, status: Status, total: int, initial: int) -> None:
+        from tqdm import tqdm
+        self.bar = tqdm(total=total, initial=initial, desc="GRPO", disable=not status.enabled, file=sys.stderr,
+                        mininterval=0 if status.tty else 5.0)
+        self._prev: dict = {}
+
+    def update(self, m: dict) -> None:
+        acc = m.get("spec_accepted", 0) - self._prev.get("spec_accepted", 0)
+        spec = m.get("spec_steps", 0) - self._prev.get("spec_steps", 0)
+        steps = m.get("engine_steps", 0) - self._prev.get("engine_steps", 0)
+        self._prev = m
+        self.bar.set_postfix_str(f"reward {m['reward']:.2f} | accepted/step {acc / max(steps, 1):.2f} | spec "
+                                 f"{'on' if spec else 'off'} {spec / max(steps, 1):.0%} | hit {m.get('prefix_hit_rate', 0):.2f} | "
+                                 f"stale {m['max_staleness']} | trainer idle {m['wait_s']:.1f}s", refresh=False)
+        self.bar.update(1)
+        if self.bar.n >= self.bar.total:
+            self.bar.close()

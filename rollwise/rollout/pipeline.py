@@ -1,0 +1,173 @@
+"""Producer/consumer hand-off between rollouts and the trainer, with a bound on staleness.
+
+Producers run GRPO groups (one task, `group_size` episodes through the router); a complete group
+goes to the `GroupQueue` and is appended to the run's `groups.jsonl` at once, so a crashed trainer
+resumes without regenerating it. The trainer takes `groups_per_step` groups per step.
+
+Staleness (AReaL's rule, checked per token): the trainer at version T may only use tokens generated
+by versions >= T - k. Admission paces producers: the i-th group (0-based) may start only when the
+policy version v satisfies i < (v + k + 1) * B. Batch T takes the oldest unconsumed groups that a
+later batch could not absorb within the bound (it waits for them: at most B), and fills the rest
+with whichever groups are complete, oldest admission first, so stragglers do not stall training
+until the bound requires them. With k = 0 every step waits for exactly the groups admitted under its own
+weights: synchronous, on-policy RL. A group's version is the oldest version of any of its turns.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollwise.types import Trajectory, TurnRecord
+
+
+@dataclass
+class Group:
+    seq: int  # admission order
+    task_index: int  # in the run's task stream (the data cursor)
+    task: dict
+    admitted_version: int
+    trajectories: list[Trajectory] = field(default_factory=list)
+
+    @property
+    def version(self) -> int:
+        """The oldest policy version of any generated token (the turns record their admission version)."""
+        return min([self.admitted_version] + [v for t in self.trajectories for v in t.policy_versions])
+
+    def to_json(self) -> str:
+        return json.dumps({"seq": self.seq, "task_index": self.task_index, "task": self.task,
+                           "admitted_version": self.admitted_version,
+                           "trajectories": [dataclasses.asdict(t) for t in self.trajectories]})
+
+    @staticmethod
+    def from_json(line: str) -> Group:
+        d = json.loads(line)
+        trajs = []
+        for t in d["trajectories"]:
+            t["turns"] = [TurnRecord(**r) for r in t["turns"]]
+            trajs.append(Trajectory(**t))
+        return Group(d["seq"], d["task_index"], d["task"], d["admitted_version"], trajs)
+
+
+class GroupQueue:
+    def __init__(self, groups_per_step: int, max_staleness: int, *, version: int = 0, admitted: int | None = None,
+                 log_path: str | Path | None = None) -> None:
+        if groups_per_step < 1 or max_staleness < 0:
+            raise ValueError("groups_per_step must be >= 1 and max_staleness >= 0")
+        self.B, self.k, self.version = groups_per_step, max_staleness, version
+        self.admitted = version * groups_per_step if admitted is None else admitted  # next admission index
+        self.ready: dict[int, Group] = {}  # complete, not consumed: seq -> group
+        self.pending: dict[int, int] = {}  # admitted, not complete: seq -> admitted version
+        self.error: BaseException | None = None
+        self.log_path = Path(log_path) if log_path else None
+        self._cond = asyncio.Condition()
+        self.stats = {"stale_groups": 0, "stale_trajectories": 0, "max_staleness_seen": 0, "admission_wait_s": 0.0,
+                      "rollout_idle_s": 0.0}  # time with no group in flight (the fleet has nothing to do)
+        self._idle_since: float | None = None
+
+    def restore(self, groups: list[Group]) -> None:
+        """Complete groups from a previous run of this job that no committed step consumed."""
+        for g in groups:
+            self.ready[g.seq] = g
+
+    # producers -----------------------------------------------------------------------------------
+    def may_admit(self) -> bool:
+        return self.admitted < (self.version + self.k + 1) * self.B
+
+    async def admit(self) -> tuple[int, int]:
+        """Wait for room under the staleness bound; returns (seq, the version it is admitted at)."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.may_admit() or self.error is not None)
+            self._raise()
+            seq = self.admitted
+            self.admitted += 1
+            self.pending[seq] = self.version
+            if self._idle_since is not None:
+                self.stats["rollout_idle_s"] += loop.time() - self._idle_since
+                self._idle_since = None
+        self.stats["admission_wait_s"] += loop.time() - t0
+        return seq, self.pending[seq]
+
+    async def put(self, group: Group) -> None:
+        if self.log_path is not None:  # durable before it counts as complete
+            with open(self.log_path, "a") as f:
+                f.write(group.to_json() + "\n")
+        async with self._cond:
+            self.pending.pop(group.seq, None)
+            self.ready[group.seq] = group
+            if not self.pending:
+                self._idle_since = asyncio.get_running_loop().time()
+            self._cond.notify_all()
+
+    async def fail(self, error: BaseException) -> None:
+        """A producer (or the trainer) failed: every waiter gets the error instead of hanging."""
+        async with self._cond:
+            self.error = self.error or error
+            self._cond.notify_all()
+
+    # the trainer ---------------------------------------------------------------------------------
+    def _must(self) -> set[int]:
+        """The oldest groups this batch has to take so that no later batch can be forced over the
+        bound: for each coming step t = T..T+k, the groups admitted at versions <= t - k that
+        batches T..t cannot all absorb (B each) must go now, oldest first."""
+        T, B = self.version, self.B
+        left = sorted([(s, g.admitted_version) for s, g in self.ready.items()] + list(self.pending.items()))
+        need = 0
+        for t in range(T, T + self.k + 1):
+            need = max(need, sum(v <= t - self.k for _, v in left) - B * (t - T))
+        return {s for s, _ in left[:need]}
+
+    def _batch_ready(self) -> bool:
+        must = self._must()
+        return all(s in self.ready for s in must) and len(self.ready) >= self.B
+
+    async def get_batch(self) -> list[Group]:
+        """The next step's groups (they stay owned by the queue's log until `commit`)."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._batch_ready() or self.error is not None)
+            self._raise()
+            must = self._must()
+            rest = sorted(s for s in self.ready if s not in must)
+            seqs = sorted(must) + rest[: self.B - len(must)]
+            batch = [self.ready.pop(s) for s in seqs]
+        for g in batch:
+            stale = self.version - g.version
+            if stale > self.k:  # cannot happen under the admission rule; checked, not assumed
+                raise RuntimeError(f"group {g.seq} is {stale} versions stale (bound {self.k})")
+            self.stats["max_staleness_seen"] = max(self.stats["max_staleness_seen"], stale)
+            if stale > 0:
+                self.stats["stale_groups"] += 1
+                self.stats["stale_trajectories"] += len(g.trajectories)
+        return batch
+
+    async def commit(self, version: int) -> None:
+        """The step that used the last batch is done: the policy is now `version`; admit more."""
+        async with self._cond:
+            self.version = version
+            self._cond.notify_all()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"rollout pipeline failed: {self.error!r}") from self.error
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.pending)
+
+
+def read_log(path: str | Path) -> list[Group]:
+    p = Path(path)
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        if line.strip():
+            try:
+                out.append(Group.from_json(line))
+            except (json.JSONDecodeError, TypeError, KeyError):
+                break  # a line cut short by a crash: everything after it is lost with it
+    return out

@@ -1,0 +1,174 @@
+"""GRPO, read top to bottom.
+
+advantages: each group's rewards minus the group mean (divided by the group's std unless
+`scale_rewards=False`, as in Dr. GRPO), the same for every generated token of a trajectory.
+
+loss: token-level clipped policy gradient (decoupled PPO, as in AReaL). The proximal policy is the
+trainer's weights at the start of the step; the rollout logprobs are the behaviour policy. The
+importance weight proximal/behaviour, truncated at `tis_cap`, corrects for stale samples (generated
+by older weights, or partly under newer ones); ratio current/proximal is clipped to 1 +- `clip`.
+Optional KL to a reference model (k3 estimator). Token losses are averaged over all generated
+tokens of the batch; AdamW, gradient clipping, micro-batches under a token budget.
+
+check: for samples whose every turn ran on the trainer's current version, the recomputed proximal
+logprobs must match the rollout logprobs; a mismatch means a replica is not serving the weights it
+claims (a failed or skipped weight sync) and raises `LogprobMismatch` naming the replicas.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+
+from rollwise.trainer.policy import Batch, PolicyModel, micro_batches
+from rollwise.types import Trajectory
+
+
+class LogprobMismatch(RuntimeError):
+    pass
+
+
+@dataclass
+class GRPOConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    clip: float = 0.2
+    tis_cap: float = 2.0
+    kl_coef: float = 0.0
+    scale_rewards: bool = True
+    max_grad_norm: float = 1.0
+    temperature: float = 1.0  # the rollouts' sampling temperature
+    micro_batch_tokens: int = 8192
+    epochs: int = 1  # optimizer steps over each batch (PPO epochs)
+    logprob_tolerance: float = 0.02  # mean |trainer - rollout| logprob allowed on fresh samples
+
+
+def advantages(groups: list[list[Trajectory]], scale: bool = True) -> list[float]:
+    out = []
+    for g in groups:
+        r = torch.tensor([t.reward for t in g], dtype=torch.float64)
+        a = r - r.mean()
+        if scale and len(g) > 1:
+            a = a / (r.std() + 1e-6)
+        out.extend(a.tolist())
+    return out
+
+
+def oldest_version(t: Trajectory) -> int:
+    return min(t.policy_versions) if t.turns else 0
+
+
+class GRPOTrainer:
+    def __init__(self, policy: PolicyModel, config: GRPOConfig | None = None) -> None:
+        self.policy, self.cfg = policy, config or GRPOConfig()
+        self.opt = torch.optim.AdamW(policy.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        self.ref = copy.deepcopy(policy.model).eval() if self.cfg.kl_coef > 0 else None
+        self.version = 0  # optimizer steps taken = the policy version the replicas should serve
+
+    def step(self, groups: list[list[Trajectory]]) -> dict[str, float]:
+        """One optimizer step (per epoch) on complete groups; returns metrics."""
+        cfg = self.cfg
+        trajs = [t for g in groups for t in g]
+        adv = dict(zip(map(id, trajs), advantages(groups, cfg.scale_rewards)))
+        useful = [t for t in trajs if abs(adv[id(t)]) > 1e-9 and sum(t.loss_mask) > 0]
+        n_tokens = sum(sum(t.loss_mask) for t in useful)
+        staleness = [self.version - oldest_version(t) for t in trajs]
+        m = {"reward": sum(t.reward for t in trajs) / len(trajs), "trajectories": len(trajs),
+             "trained_trajectories": len(useful), "trained_tokens": n_tokens, "max_staleness": max(staleness),
+             "stale_trajectories": sum(s > 0 for s in staleness), "loss": 0.0, "grad_norm": 0.0, "kl": 0.0,
+             "is_weight_mean": 1.0, "clip_frac": 0.0, "logprob_diff": float("nan")}
+        mbs = micro_batches(useful, cfg.micro_batch_tokens)
+        batches = [(Batch.of(mb), torch.tensor([adv[id(t)] for t in mb], dtype=torch.float32)) for mb in mbs]
+        with torch.no_grad():  # the proximal policy: these weights before this step
+            prox = [self.policy.logprobs(b, cfg.temperature) for b, _ in batches]
+        self._check(mbs, batches, prox, m)
+        for _ in range(cfg.epochs):
+            if not batches:
+                break
+            stats = torch.zeros(4)
+            for (b, a), lp_prox in zip(batches, prox):
+                lp = self.policy.logprobs(b, cfg.temperature)
+                ratio = torch.exp(lp - lp_prox)
+                w = torch.exp(lp_prox - b.behaviour_logprobs).clamp(max=cfg.tis_cap)  # truncated IS
+                A = a[:, None]
+                pg = -torch.minimum(ratio * A, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * A) * w
+                if self.ref is not None:
+                    with torch.no_grad():
+                        lp_ref = torch.log_softmax(self.ref(input_ids=b.input_ids, attention_mask=b.attention_mask)
+                                                   .logits[:, :-1] / cfg.temperature, -1).gather(
+                            -1, b.targets.unsqueeze(-1)).squeeze(-1)
+                    d = lp_ref - lp
+                    kl = torch.exp(d) - d - 1
+                    pg = pg + cfg.kl_coef * kl
+                    stats[2] += float((kl * b.mask).sum())
+                loss = (pg * b.mask).sum() / n_tokens
+                loss.backward()
+                stats[0] += float(loss.detach())
+                stats[1] += float(((ratio.detach() - 1).abs() > cfg.clip).float().mul(b.mask).sum())
+                stats[3] += float((w.detach() * b.mask).sum())
+            gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            m.update(loss=float(stats[0]), grad_norm=float(gn), clip_frac=float(stats[1]) / n_tokens,
+                     kl=float(stats[2]) / n_tokens, is_weight_mean=float(stats[3]) / n_tokens)
+        self.version += 1
+        return m
+
+    def _check(self, mbs, batches, prox, m) -> None:
+        diffs, by_replica = [], {}
+        for mb, (b, _), lp in zip(mbs, batches, prox):
+            for i, t in enumerate(mb):
+                if not t.turns or min(t.policy_versions) != self.version:
+                    continue  # only samples fully generated by the weights the trainer holds now
+                sel = b.mask[i] > 0
+                d = float((lp[i][sel] - b.behaviour_logprobs[i][sel]).abs().mean())
+                diffs.append(d)
+                for r in {tr.replica for tr in t.turns}:
+                    by_replica.setdefault(r, []).append(d)
+        if diffs:
+            m["logprob_diff"] = sum(diffs) / len(diffs)
+            bad = {r: sum(v) / len(v) for r, v in by_replica.items() if sum(v) / len(v) > self.cfg.logprob_tolerance}
+            if bad:
+                raise LogprobMismatch(
+                    "rollout logprobs do not match the trainer's weights (version "
+                    f"{self.version}): mean |diff| by replica {bad}; a replica is serving other weights than it reports")
+
+    # checkpoints ---------------------------------------------------------------------------------
+    def state(self) -> dict:
+        return {"model": self.policy.model.state_dict(), "optimizer": self.opt.state_dict(), "version": self.version,
+                "ref": self.ref.state_dict() if self.ref is not None else None}
+
+    def load_state(self, state: dict) -> None:
+        self.policy.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        if self.ref is not None and state.get("ref") is not None:
+            self.ref.load_state_dict(state["ref"])
+
+
+def sft(policy: PolicyModel, trajs: list[Trajectory], *, steps: int, lr: float = 3e-3, batch_size: int = 16,
+        seed: int = 0, warmup: int = 20, progress=None) -> list[float]:
+    """Supervised warm start on expert trajectories: next-token NLL on the generated (mask 1) tokens,
+    AdamW with warm-up and cosine decay. Returns the loss per step."""
+    if not trajs:
+        raise ValueError("sft needs at least one trajectory")
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0))))
+    losses = []
+    for s in range(steps):
+        idx = torch.randint(len(trajs), (batch_size,), generator=g).tolist()
+        b = Batch.of([trajs[i] for i in idx])
+        lp = policy.logprobs(b)
+        loss = -(lp * b.mask).sum() / b.mask.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        if progress is not None:
+            progress(s, losses[-1])
+    return losses

@@ -1,0 +1,89 @@
+"""GRPO and SFT on a real tiny model (transformers for training, our engine for rollouts)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from rollwise import LLM, SamplingParams
+from rollwise.agent.envs import make_env
+from rollwise.rl import expert_trajectories
+from rollwise.engine.tokenizer import Tokenizer
+from rollwise.trainer.grpo import GRPOConfig, GRPOTrainer, LogprobMismatch, advantages, sft
+from rollwise.trainer.policy import Batch, PolicyModel
+from rollwise.types import Trajectory, TurnRecord
+
+
+def _sampled(model_dir: str, n: int, seed: int, version: int = 0, replica: str = "r0",
+             weights: dict | None = None) -> list[Trajectory]:
+    """Trajectories sampled by our engine at temperature 1 (logprobs are the engine's)."""
+    llm = LLM(model_dir, seed=seed)
+    if weights is not None:
+        llm.engine.update_weights(weights, version)
+    prompts = [[5 + i, 17, 300 + i, 42] for i in range(n)]
+    outs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=seed))
+    trajs = []
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        turn = TurnRecord(start=len(p), num_generated=len(o.token_ids), num_observation=0, finish_reason="length",
+                          policy_version=o.policy_version, num_cached_tokens=0, generation_s=0, tool_s=0,
+                          replica=replica)
+        trajs.append(Trajectory(trajectory_id=f"t{i}", group_id=f"g{i // 2}", task={}, token_ids=p + o.token_ids,
+                                loss_mask=[0] * len(p) + [1] * len(o.token_ids),
+                                logprobs=[0.0] * len(p) + o.logprobs, turns=[turn], reward=float(i % 2)))
+    return trajs
+
+
+def test_advantages_are_group_relative():
+    def t(r):
+        return Trajectory(trajectory_id="x", group_id="g", task={}, reward=r)
+    a = advantages([[t(1), t(0), t(0), t(1)], [t(1), t(1)]])
+    assert a[:4] == pytest.approx([0.866, -0.866, -0.866, 0.866], abs=1e-3) and a[4:] == [0.0, 0.0]
+    assert advantages([[t(2), t(0)]], scale=False) == [1.0, -1.0]
+
+
+def test_trainer_logprobs_match_the_engine(model_dir):
+    trajs = _sampled(model_dir, 4, seed=1)
+    lp = PolicyModel(model_dir).logprobs(Batch.of(trajs)).detach()
+    b = Batch.of(trajs)
+    assert (lp - b.behaviour_logprobs).mul(b.mask).abs().max() < 1e-3
+
+
+def test_grpo_step_moves_probability_toward_rewarded_samples(model_dir):
+    trajs = _sampled(model_dir, 8, seed=2)
+    policy = PolicyModel(model_dir)
+    trainer = GRPOTrainer(policy, GRPOConfig(lr=5e-3))
+    groups = [trajs[i:i + 2] for i in range(0, 8, 2)]  # rewards 0, 1 in every group
+    before = policy.logprobs(Batch.of(trajs)).detach()
+    m = trainer.step(groups)
+    after = policy.logprobs(Batch.of(trajs)).detach()
+    b = Batch.of(trajs)
+    gain = ((after - before) * b.mask).sum(1)
+    assert all(gain[i] > 0 for i in range(1, 8, 2)) and all(gain[i] < 0 for i in range(0, 8, 2))
+    assert trainer.version == 1 and m["logprob_diff"] < 1e-3 and m["trained_trajectories"] == 8
+    assert m["max_staleness"] == 0 and m["reward"] == 0.5
+
+
+def test_logprob_check_flags_a_replica_on_other_weights(model_dir):
+    policy = PolicyModel(model_dir)
+    trainer = GRPOTrainer(policy, GRPOConfig())
+    # a replica that claims version 0 (the trainer's) but serves other weights
+    w = {k: v + 0.05 * torch.randn_like(v) for k, v in policy.engine_weights().items()}
+    bad = _sampled(model_dir, 4, seed=3, version=0, replica="replica-b", weights=w)
+    good = _sampled(model_dir, 4, seed=4, replica="replica-a")
+    with pytest.raises(LogprobMismatch, match="replica-b"):
+        trainer.step([good[:2], good[2:], bad[:2], bad[2:]])
+    # stale samples (an older version) are not checked, they are importance-weighted
+    for t in bad:
+        t.turns[0].policy_version = -1
+    m = trainer.step([good[:2], good[2:], bad[:2], bad[2:]])
+    assert m["stale_trajectories"] == 4 and m["max_staleness"] == 1
+
+
+def test_sft_on_expert_transcripts_lowers_the_loss(model_dir):
+    tok = Tokenizer(model_dir)
+    env = make_env("calculator")
+    demos = asyncio.run(expert_trajectories(tok, lambda: make_env("calculator"), env.sample_tasks(16, seed=0)))
+    assert all(t.reward == 1.0 and sum(t.loss_mask) > 0 for t in demos)
+    losses = sft(PolicyModel(model_dir), demos, steps=30, lr=3e-3, batch_size=8)
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
