@@ -14,9 +14,11 @@ from rollwise.config import EngineConfig, ServerConfig  # noqa: E402
 
 DEMO_DIR = Path(os.environ.get("ROLLWISE_CACHE", Path.home() / ".cache" / "rollwise")) / "rl-demo-model"
 DEMO_MODEL = dict(family="qwen3", layers=2, hidden=128, heads=4, kv_heads=2, vocab=2048, seed=0)
-DEMO_FULL = dict(sft_steps=300, steps=40, groups_per_step=8, group_size=8)
+# SFT: a mix of tool-using and answer-at-once transcripts (see README); RL from reward then
+DEMO_FULL = dict(sft_steps=2000, sft_tasks=8192, sft_direct_fraction=0.35, steps=120, groups_per_step=8, group_size=8,
+                 lr=3e-4, max_staleness=1)
 DEMO_SMOKE = dict(sft_steps=2, sft_tasks=8, steps=2, groups_per_step=2, group_size=2, eval_tasks=4, max_tokens=16)
-DEMO_QUICK = dict(sft_steps=150, steps=10, groups_per_step=8, group_size=8, eval_tasks=100)
+DEMO_QUICK = dict(DEMO_FULL, steps=15, eval_tasks=100)  # reuses the full run's cached warm start
 
 
 def add_config_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
@@ -109,8 +111,9 @@ def cmd_demo(args) -> None:
         print(f"building a tiny model in {DEMO_DIR} ...", flush=True)
         make_model(DEMO_DIR, **DEMO_MODEL)
     size = DEMO_SMOKE if args.smoke else DEMO_QUICK if args.quick else DEMO_FULL
-    cfg = TrainConfig.from_dict({"model": str(DEMO_DIR), "run_dir": args.run_dir or f"runs/demo-{'quick' if args.quick else 'full'}-{args.seed}",
-                                 "seed": args.seed, "env": "calculator", **size})
+    cfg = TrainConfig.from_dict({"model": str(DEMO_DIR), "seed": args.seed, "env": "phonebook",
+                                 "sft_cache": str(DEMO_DIR.parent / "rl-demo-sft"),
+                                 "run_dir": args.run_dir or f"runs/demo-{'quick' if args.quick else 'full'}-{args.seed}", **size})
     if Path(cfg.run_dir).exists() and not args.resume:
         import shutil
         shutil.rmtree(cfg.run_dir)  # a fresh run unless --resume

@@ -36,6 +36,10 @@ class TrainConfig:
     sft_tasks: int = 512
     sft_lr: float = 3e-3
     sft_batch: int = 16
+    # share of SFT transcripts in which the demonstrator skips the tools and states the (right) answer
+    # at once, as a stronger teacher does: a small model imitating that can only guess
+    sft_direct_fraction: float = 0.0
+    sft_cache: str | None = None  # directory keeping warm-started weights, keyed by the SFT settings
     # GRPO
     steps: int = 20
     groups_per_step: int = 8
@@ -44,6 +48,7 @@ class TrainConfig:
     clip: float = 0.2
     tis_cap: float = 2.0
     kl_coef: float = 0.0
+    loss_agg: str = "token"  # or "sequence"
     temperature: float = 1.0
     max_tokens: int = 64  # per turn
     max_turns: int = 4
@@ -135,10 +140,12 @@ def shutdown(router) -> None:
             eng.shutdown()
 
 
-async def evaluate(router, make_env, tasks: list[dict], cfg: TrainConfig) -> float:
-    """Greedy success rate (reward 1) on `tasks`, one episode each."""
+async def evaluate(router, make_env, tasks: list[dict], cfg: TrainConfig, temperature: float | None = None) -> float:
+    """Success rate (reward 1) on `tasks`, one episode each, sampled at `temperature` (default: the
+    rollouts' temperature, i.e. the policy being trained; 0 is greedy) with per-task seeds."""
     from rollwise.agent.episode import collect
-    params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens)
+    t = cfg.temperature if temperature is None else temperature
+    params = SamplingParams(temperature=t, max_tokens=cfg.max_tokens, seed=None if t == 0 else cfg.seed + 7)
     wins = n = 0
     async for g in collect(router, make_env, [dict(t, id=f"eval-{t['id']}") for t in tasks], params, group_size=1,
                            max_concurrency=128, deadline_s=cfg.episode_deadline_s):
@@ -147,11 +154,26 @@ async def evaluate(router, make_env, tasks: list[dict], cfg: TrainConfig) -> flo
     return wins / max(n, 1)
 
 
-async def expert_trajectories(tokenizer, make_env, tasks: list[dict]) -> list:
-    """Episodes of the scripted expert, token-in-token-out exactly as RL episodes are built."""
+async def expert_trajectories(tokenizer, make_env, tasks: list[dict], direct_fraction: float = 0.0,
+                              seed: int = 0) -> list:
+    """Episodes of the scripted expert, token-in-token-out exactly as RL episodes are built. In a
+    `direct_fraction` of them (chosen by seed) the expert gives its final answer at once, without tools."""
+    import random
+
     from rollwise.agent.episode import collect
     from rollwise.agent.generator import ScriptedGenerator, expert_policy
-    gen = ScriptedGenerator(tokenizer, expert_policy(make_env, tasks))
+    rng = random.Random(seed)
+    direct = {str(t["id"]) for t in tasks if rng.random() < direct_fraction}
+    expert = expert_policy(make_env, tasks)
+    scripts: dict[str, str] = {}
+
+    def policy(req):
+        if req.group_id in direct:  # the answer the expert would end with, straight away
+            if req.group_id not in scripts:
+                scripts[req.group_id] = make_env().expert(next(t for t in tasks if str(t["id"]) == req.group_id))[-1]
+            return scripts[req.group_id]
+        return expert(req)
+    gen = ScriptedGenerator(tokenizer, policy)
     out = []
     async for g in collect(gen, make_env, tasks, SamplingParams(max_tokens=512), group_size=1):
         out.extend(g)
@@ -199,6 +221,14 @@ async def produce(cfg: TrainConfig, queue, router, make_env, tasks: list[dict], 
             t.cancel()
 
 
+def _sft_cache_path(cfg: TrainConfig) -> Path | None:
+    if not cfg.sft_cache or cfg.sft_steps <= 0:
+        return None
+    key = stable_seed(str(Path(cfg.model).resolve()), cfg.env, cfg.max_turns, cfg.sft_steps, cfg.sft_tasks, cfg.sft_lr,
+                      cfg.sft_batch, cfg.sft_direct_fraction, cfg.seed)
+    return Path(cfg.sft_cache) / f"sft-{key:016x}.pt"
+
+
 def _save_checkpoint(path: Path, trainer, consumed: list[int], history: list[dict], extra: dict) -> None:
     import torch
     tmp = path.with_suffix(".tmp")
@@ -226,21 +256,34 @@ async def _train(cfg: TrainConfig) -> dict:
     make_env = env_factory(cfg)
     train_tasks, eval_tasks = task_sets(cfg, max(cfg.steps * cfg.groups_per_step * 2, 64))
     policy = PolicyModel(cfg.model, seed=cfg.seed)
-    grpo = GRPOConfig(lr=cfg.lr, clip=cfg.clip, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef, temperature=cfg.temperature)
+    grpo = GRPOConfig(lr=cfg.lr, clip=cfg.clip, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef, temperature=cfg.temperature,
+                      loss_agg=cfg.loss_agg)
     report: dict = {"config": dataclasses.asdict(cfg), "steps": []}
     state = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
     status = Status(cfg.progress)
 
     if state is None:  # a fresh run: SFT warm start, then evaluate it
-        if cfg.sft_steps > 0:
+        cached = _sft_cache_path(cfg)
+        if cached is not None and cached.exists():
+            policy.model.load_state_dict(torch.load(cached, weights_only=True))
+            report["sft"] = {"steps": cfg.sft_steps, "cached": str(cached)}
+            status.done(f"SFT warm start: reusing {cached}")
+        elif cfg.sft_steps > 0:
             env0 = make_env()
-            demos = await expert_trajectories(tokenizer, make_env, env0.sample_tasks(cfg.sft_tasks, seed=cfg.seed + 1))
+            demos = await expert_trajectories(tokenizer, make_env, env0.sample_tasks(cfg.sft_tasks, seed=cfg.seed + 1),
+                                              cfg.sft_direct_fraction, cfg.seed)
             t0 = time.perf_counter()
             losses = sft(policy, demos, steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch, seed=cfg.seed,
                          progress=lambda s, loss: status.line(f"SFT step {s + 1}/{cfg.sft_steps} loss {loss:.3f}"))
             report["sft"] = {"steps": cfg.sft_steps, "loss_first": losses[0], "loss_last": losses[-1],
-                             "seconds": time.perf_counter() - t0, "examples": len(demos)}
-            status.done()
+                             "seconds": time.perf_counter() - t0, "examples": len(demos),
+                             "direct_answers": sum(len(t.turns) == 1 for t in demos)}
+            status.done(f"SFT: {cfg.sft_steps} steps on {len(demos)} transcripts in {report['sft']['seconds']:.0f}s, "
+                        f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+            if cached is not None:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(policy.model.state_dict(), cached.with_suffix(".tmp"))
+                os.replace(cached.with_suffix(".tmp"), cached)
         trainer = GRPOTrainer(policy, grpo)  # the KL reference (if any) is the warm-started model
         history: list[dict] = []
         consumed: list[int] = []
@@ -261,7 +304,9 @@ async def _train(cfg: TrainConfig) -> dict:
         if sft_success is None:
             status.line("evaluating the SFT model ...")
             sft_success = await evaluate(router, make_env, eval_tasks, cfg)
-            status.done(f"SFT model: success {sft_success:.3f} on {len(eval_tasks)} held-out tasks")
+            sft_greedy = await evaluate(router, make_env, eval_tasks, cfg, temperature=0.0)
+            report["sft_greedy_success"] = sft_greedy
+            status.done(f"SFT model: success {sft_success:.3f} (greedy {sft_greedy:.3f}) on {len(eval_tasks)} held-out tasks")
         logged = read_log(log_path)
         used = set(consumed)
         left = [g for g in logged if g.seq not in used]  # complete before a crash, not trained on
@@ -288,13 +333,15 @@ async def _train(cfg: TrainConfig) -> dict:
                      group_versions=[g.version for g in batch], **lm)
             history.append(m)
             _save_checkpoint(ckpt_path, trainer, consumed, history,
-                             {"sft_success": sft_success, "report": {k: v for k, v in report.items() if k == "sft"}})
+                             {"sft_success": sft_success,
+                              "report": {k: v for k, v in report.items() if k in ("sft", "sft_greedy_success")}})
             bar.update(m)
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)
         status.line("evaluating the RL model ...")
         rl_success = await evaluate(router, make_env, eval_tasks, cfg)
-        status.done()
+        report["rl_greedy_success"] = await evaluate(router, make_env, eval_tasks, cfg, temperature=0.0)
+        status.done(f"RL model: success {rl_success:.3f} (greedy {report['rl_greedy_success']:.3f})")
     finally:
         await router.close()
         shutdown(router)

@@ -43,6 +43,7 @@ class GRPOConfig:
     micro_batch_tokens: int = 8192
     epochs: int = 1  # optimizer steps over each batch (PPO epochs)
     logprob_tolerance: float = 0.02  # mean |trainer - rollout| logprob allowed on fresh samples
+    loss_agg: str = "token"  # "token": mean over all generated tokens; "sequence": per trajectory, then mean
 
 
 def advantages(groups: list[list[Trajectory]], scale: bool = True) -> list[float]:
@@ -63,6 +64,8 @@ def oldest_version(t: Trajectory) -> int:
 class GRPOTrainer:
     def __init__(self, policy: PolicyModel, config: GRPOConfig | None = None) -> None:
         self.policy, self.cfg = policy, config or GRPOConfig()
+        if self.cfg.loss_agg not in ("token", "sequence"):
+            raise ValueError(f"loss_agg must be 'token' or 'sequence', got {self.cfg.loss_agg!r}")
         self.opt = torch.optim.AdamW(policy.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.ref = copy.deepcopy(policy.model).eval() if self.cfg.kl_coef > 0 else None
         self.version = 0  # optimizer steps taken = the policy version the replicas should serve
@@ -103,7 +106,10 @@ class GRPOTrainer:
                     kl = torch.exp(d) - d - 1
                     pg = pg + cfg.kl_coef * kl
                     stats[2] += float((kl * b.mask).sum())
-                loss = (pg * b.mask).sum() / n_tokens
+                if cfg.loss_agg == "sequence":
+                    loss = ((pg * b.mask).sum(1) / b.mask.sum(1).clamp(min=1)).sum() / len(useful)
+                else:
+                    loss = (pg * b.mask).sum() / n_tokens
                 loss.backward()
                 stats[0] += float(loss.detach())
                 stats[1] += float(((ratio.detach() - 1).abs() > cfg.clip).float().mul(b.mask).sum())

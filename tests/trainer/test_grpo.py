@@ -87,3 +87,22 @@ def test_sft_on_expert_transcripts_lowers_the_loss(model_dir):
     assert all(t.reward == 1.0 and sum(t.loss_mask) > 0 for t in demos)
     losses = sft(PolicyModel(model_dir), demos, steps=30, lr=3e-3, batch_size=8)
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+
+
+def test_shared_prefix_forward_is_exact(model_dir):
+    """Running the batch's common prompt once (KV shared) gives the same logprobs and gradients."""
+    tok = Tokenizer(model_dir)
+    env = make_env("calculator")
+    demos = asyncio.run(expert_trajectories(tok, lambda: make_env("calculator"), env.sample_tasks(6, seed=3)))
+    b = Batch.of(demos)
+    assert b.shared > 100  # the system prompt and tool schemas
+    policy = PolicyModel(model_dir)
+    grads = []
+    for min_shared in (10**9, 32):
+        policy.model.zero_grad()
+        lp = policy.logprobs(b, min_shared=min_shared)
+        (-(lp * b.mask).sum()).backward()
+        grads.append((lp.detach() * b.mask, [p.grad.clone() for p in policy.parameters()]))
+    (a, ga), (c, gc) = grads
+    assert torch.allclose(a, c, atol=1e-4)
+    assert all(torch.allclose(x, y, atol=1e-5, rtol=1e-3) for x, y in zip(ga, gc))

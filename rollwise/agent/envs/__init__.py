@@ -4,9 +4,10 @@ from __future__ import annotations
 from rollwise.agent.envs.calculator import CalculatorEnv
 from rollwise.agent.envs.countdown import CountdownEnv
 from rollwise.agent.envs.frozenlake import FrozenLakeEnv
+from rollwise.agent.envs.phonebook import PhonebookEnv
 from rollwise.agent.envs.sql import SqlEnv
 
-ENVS = {e.name: e for e in (CalculatorEnv, CountdownEnv, SqlEnv, FrozenLakeEnv)}
+ENVS = {e.name: e for e in (CalculatorEnv, CountdownEnv, SqlEnv, FrozenLakeEnv, PhonebookEnv)}
 
 
 def make_env(name: str, **options):
