@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import json
 import os
 import sys
@@ -22,6 +21,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from rollwise.agent.episode import stable_seed
 from rollwise.types import SamplingParams
 
 
@@ -95,10 +95,6 @@ class TrainConfig:
         return cfg
 
 
-def stable_seed(*parts) -> int:
-    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 2
-
-
 def env_factory(cfg: TrainConfig):
     from rollwise.agent.envs import make_env
     from rollwise.agent.tools import Latency
@@ -163,15 +159,12 @@ async def expert_trajectories(tokenizer, make_env, tasks: list[dict], direct_fra
     from rollwise.agent.episode import collect
     from rollwise.agent.generator import ScriptedGenerator, expert_policy
     rng = random.Random(seed)
-    direct = {str(t["id"]) for t in tasks if rng.random() < direct_fraction}
+    direct = {str(t["id"]): t for t in tasks if rng.random() < direct_fraction}
     expert = expert_policy(make_env, tasks)
-    scripts: dict[str, str] = {}
 
     def policy(req):
         if req.group_id in direct:  # the answer the expert would end with, straight away
-            if req.group_id not in scripts:
-                scripts[req.group_id] = make_env().expert(next(t for t in tasks if str(t["id"]) == req.group_id))[-1]
-            return scripts[req.group_id]
+            return make_env().expert(direct[req.group_id])[-1]
         return expert(req)
     gen = ScriptedGenerator(tokenizer, policy)
     out = []
@@ -307,7 +300,7 @@ async def _train(cfg: TrainConfig) -> dict:
             sft_greedy = await evaluate(router, make_env, eval_tasks, cfg, temperature=0.0)
             report["sft_greedy_success"] = sft_greedy
             status.done(f"SFT model: success {sft_success:.3f} (greedy {sft_greedy:.3f}) on {len(eval_tasks)} held-out tasks")
-        logged = read_log(log_path)
+        logged = read_log(log_path, repair=True)
         used = set(consumed)
         left = [g for g in logged if g.seq not in used]  # complete before a crash, not trained on
         queue = GroupQueue(cfg.groups_per_step, cfg.max_staleness, version=trainer.version,

@@ -135,7 +135,7 @@ def _extend(traj: Trajectory, ids: list[int], logprobs: list[float] | None) -> N
     traj.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
 
 
-def _stable_seed(*parts) -> int:
+def stable_seed(*parts) -> int:
     """A seed from parts that is the same in every process (str hashes are salted per process)."""
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 2
 
@@ -150,7 +150,7 @@ async def collect(generator: Generator, env_factory: Callable[[], Env], tasks: l
 
     async def episode(task: dict, gid: str, k: int) -> Trajectory:
         async with slots:
-            p = params if params.seed is None else dataclasses.replace(params, seed=_stable_seed(params.seed, gid, k))
+            p = params if params.seed is None else dataclasses.replace(params, seed=stable_seed(params.seed, gid, k))
             return await run_episode(generator, env_factory(), task, p, trajectory_id=f"{gid}/{k}", group_id=gid,
                                      renderer=renderer, **episode_options)
 

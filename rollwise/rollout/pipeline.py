@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -159,15 +160,25 @@ class GroupQueue:
         return len(self.pending)
 
 
-def read_log(path: str | Path) -> list[Group]:
+def read_log(path: str | Path, repair: bool = False) -> list[Group]:
+    """The complete groups in a log. A crash mid-write leaves a torn last line: it is dropped (that
+    group was not complete), and with `repair` the file is rewritten without it so that appends
+    after a resume stay readable."""
     p = Path(path)
     if not p.exists():
         return []
-    out = []
-    for line in p.read_text().splitlines():
+    out, good = [], []
+    text = p.read_text()
+    for line in text.splitlines():
         if line.strip():
             try:
                 out.append(Group.from_json(line))
+                good.append(line)
             except (json.JSONDecodeError, TypeError, KeyError):
-                break  # a line cut short by a crash: everything after it is lost with it
+                break
+    clean = "".join(x + "\n" for x in good)
+    if repair and clean != text:
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(clean)
+        os.replace(tmp, p)
     return out

@@ -99,8 +99,10 @@ class Router:
             self._tasks = [asyncio.create_task(self._health_loop()), asyncio.create_task(self._load_loop())]
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = self._tasks + list(self._sharing)
+        for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks = []
 
     # the Generator protocol ------------------------------------------------------------------------

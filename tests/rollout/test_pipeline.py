@@ -115,6 +115,9 @@ def test_log_round_trip_and_torn_last_line(tmp_path):
     asyncio.run(go())
     with open(tmp_path / "groups.jsonl", "a") as f:
         f.write('{"seq": 2, "task_ind')  # a crash mid-write
-    groups = read_log(tmp_path / "groups.jsonl")
+    groups = read_log(tmp_path / "groups.jsonl", repair=True)
     assert [g.seq for g in groups] == [0, 1] and groups[1].task_index == 11
+    with open(tmp_path / "groups.jsonl", "a") as f:  # an append after the repair stays readable
+        f.write(groups[0].to_json() + "\n")
+    assert len(read_log(tmp_path / "groups.jsonl")) == 3
     assert groups[1].trajectories[0].policy_versions == [1, 1] and groups[0].trajectories[0].logprobs == [0.0, -0.5]
