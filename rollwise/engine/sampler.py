@@ -60,9 +60,14 @@ class Sampler:
             noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
         for i, r in enumerate(rows):
             if r.params.seed is not None:
-                g = torch.Generator().manual_seed(hash((r.params.seed, r.position)) & (2**63 - 1))
+                g = torch.Generator().manual_seed(seeded_stream(r.params.seed, r.position))
                 noise[i].exponential_(generator=g)
         return (probs / noise).argmax(dim=-1)
+
+
+def seeded_stream(seed: int, position: int) -> int:
+    """The seed of a seeded request's sampling noise at output `position` (ints: the same in every process)."""
+    return hash((seed, position)) & (2**63 - 1)
 
 
 def top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -6,7 +6,11 @@ the draft tree from the root. Greedy: accept the child equal to the target's arg
 p'(x), where p' is the target distribution with the already rejected siblings removed and
 renormalised; if none is accepted, sample from p'. This is exact rejection sampling for
 deterministic (multi-)drafts: every emitted token has the target distribution, so speculation is
-lossless. Teacher forcing (trace replay) accepts the child equal to the recorded token.
+lossless. A seeded request instead draws each position's token exactly as the plain sampler would
+(the same (seed, position) noise, exponential race) and accepts the child that matches it: also
+exact for deterministic drafts, and the tokens no longer depend on what was drafted, so a seeded
+request gives the same output with speculation as without, whatever else is in the batch.
+Teacher forcing (trace replay) accepts the child equal to the recorded token.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollwise.engine.sampler import top_k_top_p
+from rollwise.engine.sampler import seeded_stream, top_k_top_p
 from rollwise.types import Draft, SamplingParams
 
 
@@ -55,6 +59,18 @@ def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, position:
             accepted.append(nxt)
             node = nxt
     probs = torch.softmax(top_k_top_p(scaled, [params.top_k] * len(scaled), [params.top_p] * len(scaled)), dim=-1)
+    if params.seed is not None:
+        while True:
+            row = node + 1
+            g = torch.Generator().manual_seed(seeded_stream(params.seed, position + len(tokens)))
+            tok = int((probs[row] / torch.empty_like(probs[row]).exponential_(generator=g)).argmax())
+            tokens.append(tok)
+            lps.append(float(logprobs[row, tok]))
+            nxt = next((i for i in kids.get(node, ()) if draft.token_ids[i] == tok), None)
+            if nxt is None:
+                return Verdict(accepted, tokens, lps)
+            accepted.append(nxt)
+            node = nxt
     while True:
         row = node + 1
         p = probs[row].clone()

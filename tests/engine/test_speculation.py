@@ -91,6 +91,21 @@ def test_sampling_distribution_is_unchanged(model_dir, tree):
     assert chi2 < _chi2_critical(len(keys) - 1), (chi2, len(keys))
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_seeded_sampling_gives_the_same_tokens_with_speculation(model_dir, baseline, tree):
+    """A seeded request's tokens do not depend on what was drafted (or on the batch)."""
+    prompts = _prompts(16, seed=7)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, ignore_eos=True, seed=100 + i)
+              for i in range(16)]
+    ref = baseline.generate(prompts, params)
+    llm = LLM(model_dir, max_num_seqs=64, speculative="suffix", spec_controller="always", spec_tree=tree,
+              spec_min_token_prob=0.0)
+    for _ in range(2):  # the second round drafts from the first round's outputs
+        out = llm.generate(prompts, params)
+        assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert llm.metrics()["spec_accepted_tokens"] > 0
+
+
 def test_teacher_forcing_emits_the_trace_with_model_logprobs(model_dir):
     prompt = _prompts(1, 6)[0]
     trace = [7, 8, 9, 10, 11] * 6
