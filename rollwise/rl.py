@@ -15,13 +15,21 @@ import asyncio
 import dataclasses
 import json
 import os
-import sys
+import random
 import time
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from rollwise.agent.episode import stable_seed
+from rollwise.agent.envs import ENVS, make_env
+from rollwise.agent.episode import collect, run_episode, stable_seed
+from rollwise.agent.generator import ScriptedGenerator, expert_policy
+from rollwise.agent.tools import Latency
+from rollwise.rollout.pipeline import Group, GroupQueue, read_log
+from rollwise.rollout.report import Status, write_report
+from rollwise.router.policies import POLICIES
+from rollwise.router.replica import HttpReplica, LocalReplica
+from rollwise.router.router import Router
 from rollwise.types import SamplingParams
 
 
@@ -82,8 +90,6 @@ class TrainConfig:
         if "tool_latency" in d:
             d = {**d, "tool_latency": tuple(d["tool_latency"])}
         cfg = TrainConfig(**d)
-        from rollwise.agent.envs import ENVS
-        from rollwise.router.policies import POLICIES
         if cfg.env not in ENVS:
             raise ValueError(f"unknown env {cfg.env!r}; available: {sorted(ENVS)}")
         if cfg.routing_policy not in POLICIES:
@@ -96,15 +102,13 @@ class TrainConfig:
 
 
 def env_factory(cfg: TrainConfig):
-    from rollwise.agent.envs import make_env
-    from rollwise.agent.tools import Latency
     lo, hi = cfg.tool_latency
     lat = Latency(lo, hi, kind=cfg.tool_latency_kind, cap=4 * hi) if hi > 0 else None
     return lambda: make_env(cfg.env, max_turns=cfg.max_turns, tool_latency=lat)
 
 
-def task_sets(cfg: TrainConfig, n_train: int) -> tuple[list[dict], list[dict]]:
-    """Training tasks and held-out evaluation tasks (different seed; any question also in the
+def task_sets(cfg: TrainConfig, n_train: int) -> tuple[list[dict], list[dict], list[dict]]:
+    """Training, SFT and held-out evaluation tasks (different seeds; any question also in the
     training or SFT set is dropped from evaluation)."""
     env = env_factory(cfg)()
     train = env.sample_tasks(n_train, seed=cfg.seed)
@@ -112,13 +116,11 @@ def task_sets(cfg: TrainConfig, n_train: int) -> tuple[list[dict], list[dict]]:
     seen = {json.dumps({k: v for k, v in t.items() if k != "id"}, sort_keys=True) for t in train + sft}
     held = [t for t in env.sample_tasks(cfg.eval_tasks * 2, seed=cfg.seed + 2)
             if json.dumps({k: v for k, v in t.items() if k != "id"}, sort_keys=True) not in seen]
-    return train, held[: cfg.eval_tasks]
+    return train, sft, held[: cfg.eval_tasks]
 
 
 # the fleet ---------------------------------------------------------------------------------------
 def make_router(cfg: TrainConfig, tokenizer):
-    from rollwise.router.replica import HttpReplica, LocalReplica
-    from rollwise.router.router import Router
     if cfg.replica_urls:
         replicas = [HttpReplica(u) for u in cfg.replica_urls]
     else:
@@ -139,7 +141,6 @@ def shutdown(router) -> None:
 async def evaluate(router, make_env, tasks: list[dict], cfg: TrainConfig, temperature: float | None = None) -> float:
     """Success rate (reward 1) on `tasks`, one episode each, sampled at `temperature` (default: the
     rollouts' temperature, i.e. the policy being trained; 0 is greedy) with per-task seeds."""
-    from rollwise.agent.episode import collect
     t = cfg.temperature if temperature is None else temperature
     params = SamplingParams(temperature=t, max_tokens=cfg.max_tokens, seed=None if t == 0 else cfg.seed + 7)
     wins = n = 0
@@ -154,10 +155,6 @@ async def expert_trajectories(tokenizer, make_env, tasks: list[dict], direct_fra
                               seed: int = 0) -> list:
     """Episodes of the scripted expert, token-in-token-out exactly as RL episodes are built. In a
     `direct_fraction` of them (chosen by seed) the expert gives its final answer at once, without tools."""
-    import random
-
-    from rollwise.agent.episode import collect
-    from rollwise.agent.generator import ScriptedGenerator, expert_policy
     rng = random.Random(seed)
     direct = {str(t["id"]): t for t in tasks if rng.random() < direct_fraction}
     expert = expert_policy(make_env, tasks)
@@ -176,8 +173,6 @@ async def expert_trajectories(tokenizer, make_env, tasks: list[dict], direct_fra
 # the RL loop -------------------------------------------------------------------------------------
 async def produce(cfg: TrainConfig, queue, router, make_env, tasks: list[dict], cursor: int, done: set[int]) -> None:
     """Admit groups under the staleness bound and run them; a complete group goes to the queue."""
-    from rollwise.agent.episode import run_episode
-    from rollwise.rollout.pipeline import Group
     slots = asyncio.Semaphore(cfg.max_concurrent_groups)
     running: set[asyncio.Task] = set()
 
@@ -237,7 +232,6 @@ async def _train(cfg: TrainConfig) -> dict:
     import torch
 
     from rollwise.engine.tokenizer import Tokenizer
-    from rollwise.rollout.pipeline import GroupQueue, read_log
     from rollwise.trainer.grpo import GRPOConfig, GRPOTrainer, sft
     from rollwise.trainer.policy import PolicyModel
 
@@ -247,7 +241,7 @@ async def _train(cfg: TrainConfig) -> dict:
     ckpt_path, log_path = run / "checkpoint.pt", run / "groups.jsonl"
     tokenizer = Tokenizer(cfg.model)
     make_env = env_factory(cfg)
-    train_tasks, eval_tasks = task_sets(cfg, max(cfg.steps * cfg.groups_per_step * 2, 64))
+    train_tasks, sft_tasks, eval_tasks = task_sets(cfg, max(cfg.steps * cfg.groups_per_step * 2, 64))
     policy = PolicyModel(cfg.model, seed=cfg.seed)
     grpo = GRPOConfig(lr=cfg.lr, clip=cfg.clip, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef, temperature=cfg.temperature,
                       loss_agg=cfg.loss_agg)
@@ -262,9 +256,7 @@ async def _train(cfg: TrainConfig) -> dict:
             report["sft"] = {"steps": cfg.sft_steps, "cached": str(cached)}
             status.done(f"SFT warm start: reusing {cached}")
         elif cfg.sft_steps > 0:
-            env0 = make_env()
-            demos = await expert_trajectories(tokenizer, make_env, env0.sample_tasks(cfg.sft_tasks, seed=cfg.seed + 1),
-                                              cfg.sft_direct_fraction, cfg.seed)
+            demos = await expert_trajectories(tokenizer, make_env, sft_tasks, cfg.sft_direct_fraction, cfg.seed)
             t0 = time.perf_counter()
             losses = sft(policy, demos, steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch, seed=cfg.seed,
                          progress=lambda s, loss: status.line(f"SFT step {s + 1}/{cfg.sft_steps} loss {loss:.3f}"))
@@ -360,93 +352,3 @@ def _fleet_metrics(router) -> dict:
             "spec_accepted": tot.get("spec_accepted_tokens", 0.0), "spec_steps": tot.get("spec_steps", 0.0),
             "engine_steps": tot.get("num_steps", 0.0),
             "prefix_hit_rate": tot.get("prefix_hits", 0.0) / max(tot.get("prefix_queries", 0.0), 1.0)}
-
-
-def write_report(out: Path, report: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    steps = report["steps"]
-    if not steps:
-        return
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    x = [s["step"] for s in steps]
-    fig, ax = plt.subplots(2, 2, figsize=(10, 7))
-    ax[0, 0].plot(x, [s["reward"] for s in steps])
-    ax[0, 0].axhline(report.get("sft_success") or 0, ls="--", c="gray", label="SFT eval success")
-    ax[0, 0].axhline(report.get("rl_success") or 0, ls=":", c="green", label="RL eval success")
-    ax[0, 0].set(title="training reward (mean per step)", xlabel="step")
-    ax[0, 0].legend()
-    acc = _diff([s.get("spec_accepted", 0) for s in steps])
-    sp = _diff([s.get("spec_steps", 0) for s in steps])
-    es = _diff([s.get("engine_steps", 0) for s in steps])
-    ax[0, 1].plot(x, acc, label="accepted draft tokens")
-    ax[0, 1].set(title="speculation per training step", xlabel="step")
-    ax2 = ax[0, 1].twinx()
-    ax2.plot(x, [a / max(b, 1) for a, b in zip(sp, es)], c="orange", label="share of engine steps speculating")
-    ax[0, 1].legend(loc="upper left")
-    ax2.legend(loc="upper right")
-    ax[1, 0].plot(x, [s["wait_s"] for s in steps], label="trainer waiting for rollouts")
-    ax[1, 0].plot(x, [s["train_s"] for s in steps], label="trainer computing")
-    ax[1, 0].set(title="seconds per step", xlabel="step")
-    ax[1, 0].legend()
-    ax[1, 1].plot(x, [s["max_staleness"] for s in steps], label="max staleness (versions)")
-    ax[1, 1].plot(x, [s.get("prefix_hit_rate", 0) for s in steps], label="prefix-cache hit rate")
-    ax[1, 1].set(title="staleness and cache", xlabel="step")
-    ax[1, 1].legend()
-    fig.tight_layout()
-    fig.savefig(out / "curves.png", dpi=100)
-    plt.close(fig)
-
-
-def _diff(xs: list[float]) -> list[float]:
-    return [b - a for a, b in zip([0.0] + xs[:-1], xs)]
-
-
-class Status:
-    """A live status line on a terminal (a tqdm bar for the RL steps), plain lines otherwise."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled, self.tty = enabled, sys.stderr.isatty()
-        self._last = 0.0
-
-    def line(self, text: str) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if self.tty:
-            sys.stderr.write("\r\033[K" + text)
-            sys.stderr.flush()
-        elif now - self._last > 5.0:
-            print(text, file=sys.stderr, flush=True)
-            self._last = now
-
-    def done(self, text: str = "") -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\r\033[K")
-        if self.enabled and text:
-            print(text, file=sys.stderr, flush=True)
-
-    def bar(self, total: int, initial: int = 0):
-        return _Bar(self, total, initial)
-
-
-class _Bar:
-    def __init__(self, status: Status, total: int, initial: int) -> None:
-        from tqdm import tqdm
-        self.bar = tqdm(total=total, initial=initial, desc="GRPO", disable=not status.enabled, file=sys.stderr,
-                        mininterval=0 if status.tty else 5.0)
-        self._prev: dict = {}
-
-    def update(self, m: dict) -> None:
-        acc = m.get("spec_accepted", 0) - self._prev.get("spec_accepted", 0)
-        spec = m.get("spec_steps", 0) - self._prev.get("spec_steps", 0)
-        steps = m.get("engine_steps", 0) - self._prev.get("engine_steps", 0)
-        self._prev = m
-        self.bar.set_postfix_str(f"reward {m['reward']:.2f} | accepted/step {acc / max(steps, 1):.2f} | spec "
-                                 f"{'on' if spec else 'off'} {spec / max(steps, 1):.0%} | hit {m.get('prefix_hit_rate', 0):.2f} | "
-                                 f"stale {m['max_staleness']} | trainer idle {m['wait_s']:.1f}s", refresh=False)
-        self.bar.update(1)
-        if self.bar.n >= self.bar.total:
-            self.bar.close()
