@@ -129,6 +129,8 @@ class AsyncEngine:
                     break
                 commands, self._commands = self._commands, []
             for fn, fut in commands:
+                if not fut.set_running_or_notify_cancel():
+                    continue  # the caller gave up (cancelled): do not run it, and do not die on it
                 try:
                     fut.set_result(fn())
                 except BaseException as e:  # noqa: BLE001 - returned to the caller

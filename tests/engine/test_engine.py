@@ -174,3 +174,31 @@ def test_update_weights_bumps_version_and_invalidates_prefixes(model_dir):
     assert fresh.generate([p], GREEDY)[0].token_ids == after.token_ids
     with pytest.raises(ValueError, match="shape"):
         llm.update_weights({"model.norm.weight": state["model.norm.weight"][:3]})
+
+
+def test_async_engine_survives_a_cancelled_call(model_dir):
+    """A caller that gives up on call() (e.g. a router shutting down) must not kill the engine thread."""
+    import asyncio
+    import threading
+
+    from rollwise import AsyncEngine
+    eng = AsyncEngine(model_dir)
+    ran = []
+
+    async def go():
+        gate = threading.Event()
+        first = asyncio.ensure_future(eng.call(lambda: gate.wait(5)))  # holds the engine thread
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(eng.call(lambda: ran.append(1)))
+        await asyncio.sleep(0.05)
+        second.cancel()  # cancelled while queued
+        gate.set()
+        await first
+        # a dead engine thread would never answer: fail instead of hanging
+        return await asyncio.wait_for(eng.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=4,
+                                                                             ignore_eos=True)), 30)
+    try:
+        out = asyncio.run(go())
+        assert len(out.token_ids) == 4 and eng.is_running and ran == []
+    finally:
+        eng.shutdown()
