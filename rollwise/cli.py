@@ -132,6 +132,24 @@ def cmd_train(args) -> None:
     print(f"sft_success={report['sft_success']:.3f} rl_success={report['rl_success']:.3f}")
 
 
+def cmd_sim(args) -> None:
+    """The cluster simulator: the WAR sweep (every configuration at every load) on modeled replicas
+    driven by the real router policies and speculation controllers."""
+    from rollwise.sim import sweep
+    from rollwise.sim.run import SimConfig
+    overrides = {k: _parse_value(v) for k, v in (kv.split("=", 1) for kv in args.set)}
+    if args.config:
+        cfg = SimConfig.from_toml(args.config, overrides)
+    else:
+        cfg = SimConfig.from_toml_text("", overrides)
+    result = sweep.sweep(cfg)
+    sweep.write(result, args.json, args.plot)
+    print(sweep.table(result))
+    sp = sweep.speedups(result)
+    if "rollwise" in sp:
+        print("rollwise speedup per load: " + " ".join(f"{p}:{v:.2f}" for p, v in sorted(sp["rollwise"].items())))
+
+
 def _parse_value(v: str):
     import tomllib
     try:
@@ -213,6 +231,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("config")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("sim", help="cluster simulator: the WAR sweep on modeled GPUs with the real policies")
+    p.add_argument("--config", help="TOML with rollwise.sim.run.SimConfig's fields (default: WAR's setting)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--json", help="write {loads: {P: {CONFIG: {makespan_s, decode_tokens, prefill_tokens, ...}}}}")
+    p.add_argument("--plot", help="write a PNG of speedup vs load")
+    p.set_defaults(fn=cmd_sim)
 
     args = ap.parse_args(argv)
     try:

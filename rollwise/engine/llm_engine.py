@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import time
 from pathlib import Path
 
@@ -45,6 +46,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = dict.fromkeys(("num_steps", "prompt_tokens", "prefill_tokens", "decode_tokens", "generated_tokens",
                                     "step_time_s", "num_finished", "num_aborted"), 0)
+        # $ROLLWISE_STEP_TRACE=DIR: every step's shape and seconds to DIR/steps-PID.jsonl (the
+        # simulator's cost profile is fitted from these, recorded under real serving conditions)
+        trace = os.environ.get("ROLLWISE_STEP_TRACE")
+        self._trace = open(Path(trace) / f"steps-{os.getpid()}.jsonl", "a", buffering=1) if trace else None
 
     def _eos_ids(self, model_dir: str) -> set[int]:
         ids = set(self.runner.model.config.eos_token_ids)
@@ -117,6 +122,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """schedule -> propose -> run -> verify -> postprocess. Returns the outputs of requests that
         finished, and the current output of streaming requests that got new tokens."""
+        t_sched = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -125,6 +131,9 @@ class LLMEngine:
             self.spec.propose(batch, self.scheduler, self.config.max_num_batched_tokens, self.max_model_len)
         decode = sum(1 + (len(s.draft) if s.draft is not None else 0) for s in batch if s.is_decode)
         computed = sum(s.num_new_tokens + (len(s.draft) if s.draft is not None else 0) for s in batch)
+        shape = None if self._trace is None else [
+            [s.num_new_tokens + (len(s.draft) if s.draft is not None else 0), s.num_computed_before,
+             (1 + (len(s.draft) if s.draft is not None else 0)) if s.samples else 0] for s in batch]
         logits, starts = self.runner.run(batch)
         appended: dict[str, list[int]] = {}
         for s, (toks, lps) in self._sample(batch, logits, starts).items():
@@ -161,6 +170,8 @@ class LLMEngine:
         st["prefill_tokens"] += computed - decode  # includes recompute after preemption
         st["generated_tokens"] += sum(len(t) for t in appended.values())
         st["step_time_s"] += seconds
+        if shape is not None:
+            self._trace.write(json.dumps({"e": shape, "s": time.perf_counter() - t_sched}) + "\n")
         return outputs
 
     def _sample(self, batch, logits, starts) -> dict:

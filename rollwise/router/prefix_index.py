@@ -3,64 +3,88 @@ engine's own block hashing), the replicas that recently computed each block, LRU
 replica, and reconciled with the cached-token counts replicas report."""
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 
 from rollwise.engine.block_manager import chain_hashes
 
 
+class HashMemo:
+    """Block hashes of a prompt that extends the previous prompt under the same key (a trajectory's
+    turn k+1 is turn k plus response and observation): only the new blocks are hashed. Prompts are
+    never rewritten in place (token-in-token-out), so the previous one is kept by reference and
+    compared, not copied."""
+
+    def __init__(self, block_size: int, max_keys: int = 100_000) -> None:
+        self.block_size, self.max_keys = block_size, max_keys
+        self.memo: OrderedDict[str, tuple[list[int], int, list[int]]] = OrderedDict()
+
+    def hashes(self, token_ids: list[int], key: str | None = None) -> list[int]:
+        bs = self.block_size
+        if key is None:
+            return chain_hashes(token_ids, bs)
+        prev = self.memo.pop(key, None)
+        if prev is not None and prev[1] <= len(token_ids) and token_ids[:prev[1]] == prev[0][:prev[1]]:
+            out = prev[2][:min(len(prev[2]), prev[1] // bs)]
+            start = len(out) * bs
+            out.extend(chain_hashes(token_ids[start:len(token_ids) // bs * bs], bs, out[-1] if out else 0))
+        else:
+            out = chain_hashes(token_ids, bs)
+        self.memo[key] = (token_ids, len(token_ids), out)
+        if len(self.memo) > self.max_keys:
+            self.memo.popitem(last=False)
+        return list(out)
+
+
 class PrefixIndex:
+    """Per replica, the block hashes it recently computed with a recency tick. Prompts are inserted
+    whole and trimmed from the end (reconcile) or by recency (a prefix is touched whenever an
+    extension of it is), so what a replica holds is prefix-closed and its match length is found by
+    binary search: O(replicas x log blocks) per decision, whatever the prompt length."""
+
     def __init__(self, block_size: int = 16, capacity_blocks: int = 100_000) -> None:
         self.block_size, self.capacity = block_size, capacity_blocks
-        self.owners: dict[int, dict[str, float]] = {}  # block hash -> replica -> last time seen
-        self.lru: dict[str, OrderedDict[int, None]] = {}
+        self.held: dict[str, dict[int, int]] = {}  # replica -> block hash -> recency tick
+        self.tick = 0
+        self._memo = HashMemo(block_size)
 
-    def hashes(self, token_ids: list[int]) -> list[int]:
-        return chain_hashes(token_ids, self.block_size)
+    def hashes(self, token_ids: list[int], key: str | None = None) -> list[int]:
+        """key: the trajectory, whose previous prompt this one extends (then only new blocks are hashed)."""
+        return self._memo.hashes(token_ids, key)
 
     def match(self, hashes: list[int], replicas: list[str]) -> dict[str, int]:
         """Matched prefix length in tokens, per replica."""
-        out = dict.fromkeys(replicas, 0)
-        live, depth = set(replicas), 0
-        for h in hashes:
-            owners = self.owners.get(h)
-            nxt = live & owners.keys() if owners else set()
-            for r in live - nxt:
-                out[r] = depth
-            live, depth = nxt, depth + self.block_size
-            if not live:
-                return out
-        for r in live:
-            out[r] = depth
+        out = {}
+        for r in replicas:
+            held = self.held.get(r)
+            lo, hi = 0, len(hashes)  # hashes[:lo] held, hashes[hi:] not
+            if held:
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if hashes[mid] in held:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+            out[r] = lo * self.block_size
         return out
 
     def insert(self, replica: str, hashes: list[int]) -> None:
-        now = time.monotonic()
-        lru = self.lru.setdefault(replica, OrderedDict())
-        for h in hashes:
-            self.owners.setdefault(h, {})[replica] = now
-            lru[h] = None
-            lru.move_to_end(h)
-        while len(lru) > self.capacity:
-            old, _ = lru.popitem(last=False)
-            self._drop(old, replica)
+        self.tick += 1
+        held = self.held.setdefault(replica, {})
+        held.update(dict.fromkeys(hashes, self.tick))
+        if len(held) > self.capacity * 1.1:  # drop whole ticks, least recent first, down to capacity
+            cut = sorted(held.values())[len(held) - self.capacity]  # (so a prefix never goes before its extensions)
+            self.held[replica] = {h: t for h, t in held.items() if t > cut}
 
     def reconcile(self, replica: str, hashes: list[int], cached_tokens: int) -> None:
         """The replica reported `cached_tokens` of this prompt cached: blocks past that are not
         there (evicted), so forget them for this replica."""
-        keep = cached_tokens // self.block_size
-        lru = self.lru.get(replica)
-        for h in hashes[keep + 1:]:  # the engine recomputes the block it stops at; be lenient by one
-            if self.owners.get(h, {}).pop(replica, None) is not None and lru is not None:
-                lru.pop(h, None)
+        held = self.held.get(replica)
+        if held:
+            for h in hashes[cached_tokens // self.block_size + 1:]:  # lenient by one: the engine recomputes the block it stops at
+                held.pop(h, None)
 
     def remove_replica(self, replica: str) -> None:
-        for h in self.lru.pop(replica, {}):
-            self._drop(h, replica)
+        self.held.pop(replica, None)
 
-    def _drop(self, h: int, replica: str) -> None:
-        owners = self.owners.get(h)
-        if owners is not None:
-            owners.pop(replica, None)
-            if not owners:
-                del self.owners[h]
+    def num_blocks(self, replica: str) -> int:
+        return len(self.held.get(replica, ()))

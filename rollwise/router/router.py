@@ -109,11 +109,11 @@ class Router:
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         await self.start()
         tid = request.trajectory_id
-        info = RouteInfo(request=request, prompt_len=len(request.prompt_token_ids), arrival=time.monotonic(),
+        info = RouteInfo(request=request, prompt_len=len(request.prompt_token_ids), arrival=asyncio.get_running_loop().time(),
                          sticky=self.sticky.get(tid) if tid else None, turns_done=self.turns.get(tid, 0) if tid else 0,
                          expected_turns=self.expected_turns.get(request.group_id) if request.group_id else None,
                          expected_new_tokens=self.mean_new_tokens)
-        w = _Waiter(info, self.index.hashes(request.prompt_token_ids), 0, None)
+        w = _Waiter(info, self.index.hashes(request.prompt_token_ids, tid), 0, None)
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += info.prompt_len
         for attempt in range(self.max_retries + 1):
@@ -260,7 +260,7 @@ class Router:
         self.mean_new_tokens = 0.9 * self.mean_new_tokens + 0.1 * len(out.token_ids)
         if name in self.replicas:
             self.index.reconcile(name, w.hashes, out.num_cached_tokens)
-            self.index.insert(name, self.index.hashes(req.prompt_token_ids + out.token_ids))
+            self.index.insert(name, self.index.hashes(req.prompt_token_ids + out.token_ids, req.trajectory_id))
         if req.trajectory_id is not None:
             self.turns[req.trajectory_id] = self.turns.get(req.trajectory_id, 0) + 1
         if self.share_drafts:

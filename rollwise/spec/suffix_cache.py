@@ -34,13 +34,15 @@ class _Request:
     group_id: str | None
     tree: object  # this request's own tree: prompt + output
     context: list[int] = field(default_factory=list)  # the last max_depth tokens (Python backend)
+    session: str | None = None
+    tokens: list[int] | None = None  # everything in `tree`, kept when the tree outlives the request
 
 
 class SuffixCache:
     def __init__(self, *, max_depth: int = 24, max_spec_tokens: int = 16, alpha: float = 1.0,
                  offset: float = 0.0, min_token_prob: float = 0.1, max_cached_requests: int = 10000,
                  eviction: str = "fifo", use_group_tree: bool = True, max_groups: int = 128,
-                 tree: bool = False, backend: str = "cpp") -> None:
+                 tree: bool = False, backend: str = "cpp", max_session_tokens: int = 4_000_000) -> None:
         if eviction not in EVICTIONS:
             raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
         if backend not in BACKENDS:
@@ -60,17 +62,36 @@ class SuffixCache:
         self._cached: OrderedDict[int, str | None] = OrderedDict()  # seq id in the global tree -> group
         self.groups: OrderedDict[str, object] = OrderedDict()  # group id -> tree of its responses
         self.requests: dict[str, _Request] = {}
+        # trees of finished requests kept for their session's next request, LRU, bounded in tokens
+        self.max_session_tokens, self._session_tokens = max_session_tokens, 0
+        self._sessions: OrderedDict[str, tuple[object, list[int]]] = OrderedDict()  # session -> (tree, its tokens)
         self._ids = itertools.count()
         # cpp: active requests also live natively, so a step crosses into C++ once with handles only
         self._native = _C.Requests(max_depth) if backend == "cpp" else None
         self._by_seq: dict[int, str] = {}
 
     # lifecycle -----------------------------------------------------------------------------------
-    def start_request(self, request_id: str, prompt_token_ids: list[int], group_id: str | None = None) -> None:
+    def start_request(self, request_id: str, prompt_token_ids: list[int], group_id: str | None = None,
+                      session: str | None = None) -> None:
+        """`session` (e.g. the trajectory): when this prompt extends the previous request of the same
+        session (prompt + output + observation), that request's tree is extended instead of rebuilt."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already active")
-        req = _Request(next(self._ids), group_id, self._new_tree(), list(prompt_token_ids[-self.max_depth:]))
-        req.tree.append(0, list(prompt_token_ids))
+        tree, tokens = None, None
+        prev = self._sessions.pop(session, None) if session is not None else None
+        if prev is not None:
+            self._session_tokens -= len(prev[1])
+        if prev is not None and len(prev[1]) <= len(prompt_token_ids) and prompt_token_ids[:len(prev[1])] == prev[1]:
+            tree, tokens = prev
+            delta = list(prompt_token_ids[len(tokens):])
+            if delta:
+                tree.append(0, delta)
+                tokens.extend(delta)
+        if tree is None:
+            tree = self._new_tree()
+            tree.append(0, list(prompt_token_ids))
+            tokens = list(prompt_token_ids) if session is not None else None
+        req = _Request(next(self._ids), group_id, tree, list(prompt_token_ids[-self.max_depth:]), session, tokens)
         self.requests[request_id] = req
         self._by_seq[req.seq_id] = request_id
         if group_id is not None and self.use_group_tree:
@@ -93,6 +114,9 @@ class SuffixCache:
     def append_batch(self, items: dict[str, list[int]]) -> None:
         """Extend running requests' outputs (in one native call with the C++ trees)."""
         reqs = [self.requests[rid] for rid in items]
+        for req, toks in zip(reqs, items.values()):
+            if req.tokens is not None:
+                req.tokens.extend(toks)
         if self._native is not None:
             self._native.append([r.seq_id for r in reqs], [list(t) for t in items.values()])
             return
@@ -109,6 +133,12 @@ class SuffixCache:
             self._by_seq.pop(req.seq_id, None)
             if self._native is not None:
                 self._native.drop(req.seq_id)
+            if req.session is not None and len(req.tokens) <= self.max_session_tokens:  # its next turn extends this tree
+                self._sessions[req.session] = (req.tree, req.tokens)
+                self._session_tokens += len(req.tokens)
+                while self._session_tokens > self.max_session_tokens:
+                    _, (_, toks) = self._sessions.popitem(last=False)
+                    self._session_tokens -= len(toks)
 
     def add_sequence(self, token_ids: list[int], group_id: str | None = None) -> None:
         """Shared drafting material from elsewhere (e.g. a trajectory finished on another replica)."""
@@ -187,6 +217,7 @@ class SuffixCache:
         for r in self.requests.values():
             r.tree.check_integrity()
         assert len(self._cached) <= self.max_cached_requests
+        assert self._session_tokens == sum(len(t) for _, t in self._sessions.values()) <= self.max_session_tokens
 
     def metrics(self) -> dict[str, float]:
         nodes = self.global_tree.num_nodes + sum(t.num_nodes for t in self.groups.values())

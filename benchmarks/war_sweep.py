@@ -1,0 +1,114 @@
+"""WAR's two regimes on modeled GPUs, driven by the real router policies and speculation controllers
+(`rollwise.sim`): one synchronous RL step at each load (P prompts x 8 rollouts of SWE-like episodes
+with real agent text) under baseline (verl router, no speculation), spec_only, sched_only, war and
+rollwise; speedup = makespan ratio against baseline in the same sweep, with the work done alongside.
+
+    python benchmarks/war_sweep.py [--quick | --smoke] [--profile h100-qwen3-32b-tp4] [--json PATH] [--plot PATH]
+    python benchmarks/war_sweep.py --validate [--measured results/router_swe.json] [--measured-tau results/router.json]
+    python benchmarks/war_sweep.py --scale     # 64 replicas, 10,000 trajectories: simulator speed
+
+--validate runs the simulator on the CPU cost profile fitted from our engine (`rollwise.sim.fit`) with
+the router benchmark's exact workloads and settings, and compares per policy its makespan and
+prefill tokens with what `benchmarks/router.py` measured on 2 real replicas, and its acceptance with
+the real engine's (router.py's speculating replicas on replayed tau-bench trajectories).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from rollwise.router.prefix_index import PrefixIndex  # noqa: E402
+from rollwise.router.workload import replayed_step, swe_step  # noqa: E402
+from rollwise.sim import sweep  # noqa: E402
+from rollwise.sim.run import SimConfig, simulate  # noqa: E402
+from rollwise.sim.workload import from_replay, synthetic_scale  # noqa: E402
+
+
+def router_kv_blocks(step) -> int:
+    """The router benchmark's KV budget per replica: 40% of the live working set."""
+    index = PrefixIndex(16)
+    return max(int(len({h for t in step for h in index.hashes(t.turns[-1][0] + t.turns[-1][1])}) * 0.4), 256)
+
+
+def validate(measured: str, measured_tau: str | None) -> dict:
+    out: dict = {"makespan": {}, "acceptance": {}}
+    cpu = dict(profile="cpu-fitted", replicas=2, max_num_seqs=32, max_num_batched_tokens=1024, max_inflight_per_replica=32,
+               sandbox_ttl_s=0.0)
+    m = json.loads(Path(measured).read_text())
+    step = swe_step(8, 8, vocab=8000, seed=0, turns=(2, 10))  # router.py --workload swe (full)
+    cfg = SimConfig(kv_blocks=router_kv_blocks(step), **cpu)
+    print(f"{'policy':<20}{'sim s':>8}{'real s':>8}{'error':>8}{'sim prefill':>13}{'real prefill':>13}")
+    for p, real in m["policies"].items():
+        r = simulate(cfg, p, from_replay(step), policy=p, spec="off")
+        err = r["makespan_s"] / real["makespan_s"] - 1
+        out["makespan"][p] = {"sim_s": r["makespan_s"], "real_s": real["makespan_s"], "error": err,
+                              "sim_prefill": r["prefill_tokens"], "real_prefill": real["prefill_tokens"]}
+        print(f"{p:<20}{r['makespan_s']:>8.2f}{real['makespan_s']:>8.2f}{err:>+8.1%}{int(r['prefill_tokens']):>13}"
+              f"{int(real['prefill_tokens']):>13}")
+    if measured_tau:  # router.py --workload tau (full): speculating replicas, least_load, shared drafts off / on
+        from common import cached_model  # noqa: E402  (benchmarks/common.py)
+        from rollwise.spec.bench import load_groups
+        model = cached_model("router-bench-model", family="llama", layers=2, hidden=128, heads=4, kv_heads=2,
+                             vocab=8192, seed=0, max_positions=8192)
+        groups = load_groups(None, model, group_size=4, limit=40, system_chars=1500)
+        tau = replayed_step(groups[:10], max_turns=6, max_response=64, latency=(0.05, 0.5))
+        t = json.loads(Path(measured_tau).read_text())["shared_drafts"]
+        cfg = SimConfig(kv_blocks=router_kv_blocks(tau), spec_max_tokens=16, **cpu)
+        for share in ("off", "on"):
+            r = simulate(cfg, "x", from_replay(tau), policy="least_load", spec="always", share_drafts=share == "on")
+            real = t[share]["accepted_per_draft"]
+            out["acceptance"][share] = {"sim": r["accepted_per_verification"], "real": real,
+                                        "error": r["accepted_per_verification"] / real - 1}
+            print(f"acceptance (tokens accepted per verification), shared drafts {share}: sim "
+                  f"{r['accepted_per_verification']:.2f}, engine {real:.2f} ({r['accepted_per_verification'] / real - 1:+.1%})")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="loads 4, 16, 64 with shorter episodes")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--profile", default="h100-qwen3-32b-tp4")
+    ap.add_argument("--json")
+    ap.add_argument("--plot")
+    ap.add_argument("--validate", action="store_true")
+    ap.add_argument("--measured", default="results/router_swe.json")
+    ap.add_argument("--measured-tau", default="results/router.json")
+    ap.add_argument("--scale", action="store_true")
+    args = ap.parse_args()
+    if args.validate:
+        res = validate(args.measured, args.measured_tau if Path(args.measured_tau).exists() else None)
+    elif args.scale:
+        cfg = SimConfig(profile=args.profile, replicas=64, max_num_seqs=256, max_inflight_per_replica=256)
+        step = synthetic_scale(10_000, seed=0)
+        t0 = time.perf_counter()
+        r = simulate(cfg, "baseline", step)
+        res = {"replicas": 64, "trajectories": len(step), "wall_s": time.perf_counter() - t0, **r}
+        print(f"64 replicas, {len(step)} trajectories, {r['turns']} turns, {int(r['generated_tokens']):,} tokens: "
+              f"simulated makespan {r['makespan_s']:.0f} s in {res['wall_s']:.1f} s of wall time "
+              f"(routing decision {r['decision_us']:.0f} µs)")
+    else:
+        kw = dict(profile=args.profile)
+        if args.smoke:
+            kw.update(loads=(2,), turns=(2, 4), context=(256, 512), obs_median=64)
+        elif args.quick:
+            kw.update(loads=(4, 16, 64), turns=(5, 25))
+        cfg = SimConfig(**kw)
+        res = sweep.sweep(cfg)
+        print(sweep.table(res))
+        sp = sweep.speedups(res)
+        print(f"crossover (scheduling beats speculation) at P = {sweep.crossover(sp)}")
+        if args.plot:
+            sweep.plot(res, args.plot)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Fit the `linear` step-cost profile of our engine on this machine: run the real engine (one
+thread per engine, two engines at once in two processes, as the router benchmark's replicas run)
+on batches of every shape the router workloads
+produce — prefill chunks, decode at batch 1..32, contexts from 128 to 6k tokens — record what each
+step computed and how long `step()` took, and fit the profile's terms by non-negative least squares.
+
+    python -m rollwise.sim.fit MODEL_DIR [--replicas 2] [--out rollwise/sim/profiles/cpu-fitted.toml]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+
+from rollwise.sim.cost import LinearCost, StepWork, step_work
+
+GRID = [(b, ctx) for b in (1, 2, 4, 8, 16, 32) for ctx in (128, 512, 1536, 3072, 6144) if b * ctx <= 32 * 3072]
+
+
+def measure(model_dir: str, *, new_tokens: int = 24, max_num_batched_tokens: int = 1024, threads: int = 1,
+            seed: int = 0) -> list[tuple[StepWork, float]]:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+
+    from rollwise.config import EngineConfig
+    from rollwise.engine.llm_engine import LLMEngine
+    from rollwise.types import SamplingParams
+    torch.set_num_threads(threads)
+    eng = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=32, max_num_batched_tokens=max_num_batched_tokens,
+                                 num_kv_blocks=16_384, max_model_len=8192, enable_prefix_caching=False))
+    rng = random.Random(seed)
+    sched, seen = eng.scheduler, []
+    schedule = sched.schedule
+
+    def spy():
+        batch = schedule()
+        seen.append(batch)
+        return batch
+    sched.schedule = spy
+    samples = []
+    for b, ctx in GRID:
+        for i in range(b):
+            prompt = [rng.randrange(100, eng.vocab_size) for _ in range(ctx)]
+            eng.add_request(prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True),
+                            forced_output=[rng.randrange(100, eng.vocab_size) for _ in range(new_tokens)])
+        while eng.has_unfinished:
+            t0 = time.perf_counter()
+            eng.step()
+            dt = time.perf_counter() - t0
+            batch = seen[-1]
+            if batch:
+                samples.append((work_of(batch), dt))
+    return samples
+
+
+def work_of(batch) -> StepWork:
+    return step_work([(s.num_new_tokens + (len(s.draft) if s.draft is not None else 0), s.num_computed_before,
+                       (1 + (len(s.draft) if s.draft is not None else 0)) if s.samples else 0) for s in batch])
+
+
+def load_trace(trace_dir: str) -> list[tuple[StepWork, float]]:
+    """Steps recorded by engines run with $ROLLWISE_STEP_TRACE=DIR (e.g. the router benchmark's replicas)."""
+    out = []
+    for f in sorted(Path(trace_dir).glob("steps-*.jsonl")):
+        for line in f.read_text().splitlines():
+            if line.strip():
+                d = json.loads(line)
+                out.append((step_work([tuple(e) for e in d["e"]]), float(d["s"])))
+    if not out:
+        raise ValueError(f"no steps-*.jsonl with steps under {trace_dir}")
+    return out
+
+
+def fit(samples: list[tuple[StepWork, float]]) -> LinearCost:
+    """Non-negative least squares on relative error (short decode steps weigh as much as long
+    prefill steps): terms whose coefficient comes out negative are dropped and the rest refit."""
+    terms = list(LinearCost.TERMS)
+    x = np.array([[1.0, w.tokens, w.logits, w.seqs, w.kv_padded, w.attn_padded] for w, _ in samples])
+    y = np.array([dt for _, dt in samples])
+    wts = 1.0 / y
+    active = list(range(len(terms)))
+    for _ in range(len(terms)):
+        coef, *_ = np.linalg.lstsq(x[:, active] * wts[:, None], y * wts, rcond=None)
+        if (coef >= 0).all():
+            break
+        active = [a for a, c in zip(active, coef) if c > 0]
+    full = dict.fromkeys(terms, 0.0)
+    for a, c in zip(active, coef):
+        full[terms[a]] = float(c)
+    return LinearCost(full, name="cpu-fitted")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "profiles" / "cpu-fitted.toml"))
+    ap.add_argument("--replicas", type=int, default=2,
+                    help="engines measured at once, one process each (the router benchmark runs 2 on 2 cores)")
+    ap.add_argument("--trace", help="fit on steps recorded with $ROLLWISE_STEP_TRACE=DIR instead of measuring")
+    args = ap.parse_args(argv)
+    if args.trace:
+        samples = load_trace(args.trace)
+    else:
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(args.replicas) as pool:
+            runs = list(pool.map(measure, [args.model] * args.replicas))
+        samples = [s for run in runs for s in run]
+    cost = fit(samples)
+    pred = np.array([cost.step_s(w) for w, _ in samples])
+    y = np.array([dt for _, dt in samples])
+    err = np.abs(pred - y) / y
+    print(f"{len(samples)} steps, {y.sum():.1f} s measured; median |error| {np.median(err):.1%}, "
+          f"total predicted/measured {pred.sum() / y.sum():.3f}")
+    where = f"steps recorded in {args.trace}" if args.trace else f"steps measured, {args.replicas} engines at once"
+    lines = ["# Our engine on this CPU (1 thread per replica), fitted by `python -m rollwise.sim.fit`",
+             f"# on {len(samples)} {where} (model: {Path(args.model).name}); median |error| {np.median(err):.1%}.",
+             'kind = "linear"', "block_size = 16", "", "[coef]"]
+    lines += [f"{k} = {v:.6g}" for k, v in cost.coef.items()]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,375 @@
+"""A simulated replica: our engine's scheduling (continuous batching, chunked prefill under a token
+budget, paged KV with prefix reuse and LRU eviction through the engine's own `BlockManager`,
+preemption of the newest sequence when blocks run out) and speculation (the real `SuffixCache`
+drafts on the request's real tokens, the real `SpecController` sets each step's draft budget and
+learns the simulated step times), with the model forward replaced by a step-cost model and sleep
+on the virtual clock. Requests are replayed: a request emits its `forced_output`.
+
+Steps where every sequence decodes one token and nothing can be admitted are run in one stretch up
+to the next finish (the batch cannot change before it); an arrival cuts the stretch at the end of
+the step in progress, as it would in a real engine loop. It implements the router's `Replica`
+protocol (plus `add_sequence` for shared drafting material).
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import deque
+
+from rollwise.engine.block_manager import BlockManager, chain_hashes
+from rollwise.engine.spec_controller import SpecController
+from rollwise.router.prefix_index import HashMemo
+from rollwise.router.replica import LoadSnapshot, ReplicaError
+from rollwise.sim.cost import StepWork, step_work
+from rollwise.spec.replay import accept
+from rollwise.spec.suffix_cache import SuffixCache
+from rollwise.types import GenerateOutput, GenerateRequest
+
+
+class _Seq:
+    __slots__ = ("rid", "req", "full", "prompt_len", "out_len", "emitted", "computed", "table", "hashes",
+                 "registered", "cached", "future", "aborted")
+
+    def __init__(self, rid, req, full, prompt_len, hashes, future) -> None:
+        self.rid, self.req, self.full, self.prompt_len = rid, req, full, prompt_len
+        self.out_len, self.emitted, self.computed = len(full) - prompt_len, 0, 0
+        self.table: list[int] = []
+        self.hashes, self.registered, self.cached = hashes, 0, -1
+        self.future, self.aborted = future, False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + self.emitted
+
+
+class SimReplica:
+    def __init__(self, name: str, cost, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 num_kv_blocks: int | None = None, spec: str = "off", spec_max_tokens: int = 16,
+                 spec_threshold: int = 16, spec_max_depth: int = 24) -> None:
+        self.name, self.cost = name, cost
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        num_kv_blocks = num_kv_blocks or cost.default_kv_blocks
+        if not num_kv_blocks:
+            raise ValueError(f"profile {cost.name!r} has no KV capacity of its own: set num_kv_blocks (kv_blocks)")
+        self.blocks = BlockManager(num_kv_blocks, cost.block_size)
+        self.bs = cost.block_size
+        self.controller = SpecController(spec, spec_max_tokens, spec_threshold)
+        self.cache = None if spec == "off" else SuffixCache(max_depth=spec_max_depth, max_spec_tokens=spec_max_tokens)
+        if spec == "adaptive":  # as the engine does at start: seed the step-time model
+            for n in (1, 4, 16, 64, 256):
+                self.controller.observe_step(n, cost.step_s(step_work([(1, 1024, 1)] * n)))
+        self.memo = HashMemo(self.bs)
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self.alive = True
+        self._head_blocked = False  # the first waiting request did not fit; nothing frees blocks until a finish
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._ids = 0
+        self.tokens_per_s = 0.0
+        self.stats = dict.fromkeys(("busy_s", "steps", "prefill_tokens", "decode_tokens", "generated_tokens",
+                                    "preemptions", "prefix_queries", "prefix_hits", "spec_steps", "drafted_tokens",
+                                    "accepted_tokens", "verifications", "requests"), 0.0)
+
+    # the Replica protocol ---------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        if not self.alive:
+            raise ReplicaError(f"{self.name} is down")
+        prompt = request.prompt_token_ids
+        out = request.forced_output
+        if out is None:  # free generation: stand-in tokens of the requested length
+            rng = random.Random(f"{request.request_id}/{len(prompt)}")
+            out = [rng.randrange(100, 50_000) for _ in range(request.params.max_tokens)]
+        out = out[:request.params.max_tokens]
+        if not prompt or not out:
+            raise ValueError("a simulated request needs a prompt and at least one token to generate")
+        if self.blocks.num_blocks_for(len(prompt) + len(out)) > self.blocks.num_blocks:
+            raise ValueError(f"{len(prompt) + len(out)} tokens exceed {self.name}'s KV capacity")
+        self._ids += 1
+        rid = request.request_id or f"{self.name}-{self._ids}"
+        seq = _Seq(rid, request, prompt + out, len(prompt), self.memo.hashes(prompt, request.trajectory_id),
+                   asyncio.get_running_loop().create_future())
+        if self.cache is not None:
+            self.cache.start_request(rid, prompt, request.group_id, session=request.trajectory_id)
+        self.waiting.append(seq)
+        self.stats["requests"] += 1
+        self._ensure_loop()
+        self._wake.set()
+        try:
+            return await seq.future
+        except asyncio.CancelledError:
+            seq.aborted = True
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        for s in (*self.running, *self.waiting):
+            if s.rid == request_id:
+                s.aborted = True
+
+    async def health(self) -> bool:
+        return self.alive
+
+    async def load(self) -> LoadSnapshot:
+        st = self.stats
+        return LoadSnapshot(running=len(self.running), waiting=len(self.waiting), kv_usage=self.blocks.usage,
+                            tokens_per_s=self.tokens_per_s,
+                            prefix_hit_rate=st["prefix_hits"] / max(st["prefix_queries"], 1), busy_s=st["busy_s"],
+                            prefill_tokens=st["prefill_tokens"], decode_tokens=st["decode_tokens"], steps=st["steps"],
+                            at=asyncio.get_running_loop().time())
+
+    async def add_sequence(self, token_ids: list[int], group_id: str | None = None) -> None:
+        if self.cache is not None:
+            self.cache.add_sequence(token_ids, group_id)
+
+    def kill(self) -> None:
+        """The replica dies: what it holds fails (the router retries it elsewhere)."""
+        self.alive = False
+        for s in (*self.running, *self.waiting):
+            if not s.future.done():
+                s.future.set_exception(ReplicaError(f"{self.name} died"))
+        self.running.clear()
+        self.waiting.clear()
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    # the loop -------------------------------------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        try:
+            await self._steps()
+        except Exception as e:  # noqa: BLE001 - a bug here must fail the requests, not hang them
+            for s in (*self.running, *self.waiting):
+                if not s.future.done():
+                    s.future.set_exception(e)
+            raise
+
+    async def _steps(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.alive:
+            self._drop_aborted()
+            if not self.running and not self.waiting:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch, blocked = self._schedule()
+            if not batch:
+                raise RuntimeError(f"{self.name}: nothing schedulable ({len(self.waiting)} waiting)")
+            spec_live = self.cache is not None and self.controller.wants_drafts(len(self.running))
+            drafts = self._propose(batch) if spec_live else {}
+            work = self._work(batch, drafts)
+            dt = self.cost.step_s(work)
+            k = 1 if spec_live or not blocked else self._stretch(batch)
+            if k > 1:  # a stretch of pure decode steps; the KV read grows by one token per sequence per step
+                more = (k - 1) * len(batch)
+                grown = StepWork(work.tokens, work.logits, work.seqs, work.kv_read + more, work.attn_pairs + more,
+                                 work.kv_padded + more, work.attn_padded + more)
+                dt = 0.5 * (dt + self.cost.step_s(grown))
+                t0 = loop.time()
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), k * dt)
+                    k = min(k, int((loop.time() - t0) / dt) + 1)  # an arrival: finish the step in progress
+                    await asyncio.sleep(max(t0 + k * dt - loop.time(), 0.0))
+                except TimeoutError:
+                    pass
+            else:
+                await asyncio.sleep(dt)
+            if self.cache is not None:
+                self.controller.observe_step(work.tokens, dt)
+            self._apply(batch, drafts, k, dt)
+
+    def _schedule(self) -> tuple[list[tuple[_Seq, int]], bool]:
+        """The engine's scheduler rules. Returns the batch and whether admission is blocked until
+        something finishes (so a stretch of identical steps is exact)."""
+        blocks, budget, out, preempted, i = self.blocks, self.max_num_batched_tokens, [], False, 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.computed, budget)
+            need = blocks.num_blocks_for(seq.computed + n) - len(seq.table)
+            while not blocks.can_allocate(need) and self.running[-1] is not seq:
+                self._preempt(self.running.pop())
+                preempted = True
+            if not blocks.can_allocate(need):
+                self._preempt(self.running.pop(i))
+                preempted = True
+                continue
+            blocks.allocate(seq.table, need)
+            out.append((seq, n))
+            budget -= n
+            i += 1
+        admitted = False
+        while (self.waiting and budget > 0 and not preempted and not self._head_blocked
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            hits = blocks.match_prefix(self._hashes(seq, seq.num_tokens // self.bs))
+            if len(hits) * self.bs >= seq.num_tokens:
+                hits = hits[:-1]
+            cached = len(hits) * self.bs
+            n = min(seq.num_tokens - cached, budget)
+            need = blocks.num_blocks_for(cached + n) - len(hits)
+            if not blocks.can_allocate(need, hits):
+                self._head_blocked = True
+                break
+            self.waiting.popleft()
+            blocks.allocate(seq.table, need, hits)
+            seq.computed, seq.registered = cached, len(hits)
+            if seq.cached < 0:
+                seq.cached = cached
+            self.stats["prefix_queries"] += seq.num_tokens
+            self.stats["prefix_hits"] += cached
+            self.running.append(seq)
+            out.append((seq, n))
+            budget -= n
+            admitted = True
+        decode_only = all(n == 1 and s.computed + 1 == s.num_tokens and s.computed >= s.prompt_len for s, n in out)
+        return out, decode_only and not admitted and not preempted and budget > 0
+
+    def _stretch(self, batch) -> int:
+        """Pure decode steps that can run before anything changes: up to the first finish, and no
+        further than the free blocks allow (past that a preemption is due: single steps)."""
+        k = min(s.out_len - s.emitted for s, _ in batch)
+        free = self.blocks.num_free_blocks
+
+        def need(j: int) -> int:
+            return sum(self.blocks.num_blocks_for(s.computed + j) - len(s.table) for s, _ in batch)
+        if need(k) <= free:
+            return k
+        lo, hi = 1, k  # need(lo) <= free < need(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
+        return lo
+
+    def _propose(self, batch) -> dict[_Seq, tuple[list[int], list[int], str, float]]:
+        cands = [s for s, n in batch if n == 1 and s.computed + 1 == s.num_tokens and s.computed >= s.prompt_len]
+        if not cands:
+            return {}
+        drafts = self.cache.speculate_batch([s.rid for s in cands])
+        plan = self.controller.plan(drafts, sum(n for _, n in batch),
+                                    sum(1 for s, n in batch if s.computed + n == s.num_tokens))
+        room, out = self.max_num_batched_tokens - sum(n for _, n in batch), {}
+        for s, d, k in zip(cands, drafts, plan):
+            k = min(k, s.out_len - s.emitted - 1, room)
+            if k <= 0:
+                continue
+            need = self.blocks.num_blocks_for(s.computed + 1 + k) - len(s.table)
+            if need > 0:
+                if not self.blocks.can_allocate(need):
+                    continue
+                self.blocks.allocate(s.table, need)
+            d = d.truncated(k)
+            out[s] = (d.token_ids, d.parents, d.source, d.score)
+            room -= k
+        return out
+
+    def _work(self, batch, drafts) -> StepWork:
+        entries = []
+        for s, n in batch:
+            q = n + (len(drafts[s][0]) if s in drafts else 0)
+            entries.append((q, s.computed, q if s.computed + n == s.num_tokens else 0))
+        return step_work(entries)
+
+    def _apply(self, batch, drafts, k: int, dt: float) -> None:
+        st = self.stats
+        st["busy_s"] += k * dt
+        st["steps"] += k
+        appended, emitted_total, finished = {}, 0, []
+        for s, n in batch:
+            if s.aborted or s.future.done():
+                continue
+            samples = s.computed + n == s.num_tokens
+            if n > 1 or s.computed < s.prompt_len or not samples:
+                st["prefill_tokens"] += n
+            if not samples:
+                s.computed += n
+            else:
+                new = k
+                if s in drafts:
+                    toks, parents, source, score = drafts[s]
+                    a = accept(toks, parents, s.full[s.num_tokens:])
+                    st["spec_steps"] += 1
+                    st["verifications"] += 1
+                    st["drafted_tokens"] += len(toks)
+                    st["accepted_tokens"] += a
+                    st["decode_tokens"] += len(toks)
+                    self.controller.observe_acceptance(source, score, a)
+                    new = 1 + a
+                if n == 1 and s.computed >= s.prompt_len:
+                    st["decode_tokens"] += k
+                before = s.num_tokens
+                s.computed = s.num_tokens - 1 + new if n == 1 and s.computed >= s.prompt_len else s.computed + n
+                s.emitted += new
+                emitted_total += new
+                if self.cache is not None:
+                    appended[s.rid] = s.full[before:s.num_tokens]
+                if s in drafts:
+                    self.blocks.truncate(s.table, self.blocks.num_blocks_for(s.num_tokens))
+            self._register(s)
+            if s.emitted >= s.out_len:
+                finished.append(s)
+        if appended:
+            self.cache.append_batch(appended)
+        for s in finished:
+            self._finish(s)
+        st["generated_tokens"] += emitted_total
+        rate = emitted_total / max(k * dt, 1e-9)
+        self.tokens_per_s = rate if self.tokens_per_s == 0 else 0.9 * self.tokens_per_s + 0.1 * rate
+
+    # helpers ------------------------------------------------------------------------------------
+    def _hashes(self, s: _Seq, num_blocks: int) -> list[int]:
+        if len(s.hashes) < num_blocks:
+            start = len(s.hashes) * self.bs
+            s.hashes.extend(chain_hashes(s.full[start:num_blocks * self.bs], self.bs, s.hashes[-1] if s.hashes else 0))
+        return s.hashes[:num_blocks]
+
+    def _register(self, s: _Seq) -> None:
+        full = min(s.computed // self.bs, len(s.table))
+        if full > s.registered:
+            hashes = self._hashes(s, full)
+            for j in range(s.registered, full):
+                self.blocks.register(s.table[j], hashes[j])
+            s.registered = full
+
+    def _preempt(self, s: _Seq) -> None:
+        self._head_blocked = False
+        self.blocks.free_table(s.table)
+        s.computed = s.registered = 0
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(s)
+
+    def _finish(self, s: _Seq) -> None:
+        self._head_blocked = False
+        self.running.remove(s)
+        self.blocks.free_table(s.table)
+        if self.cache is not None:
+            self.cache.stop_request(s.rid)
+        if not s.future.done():
+            s.future.set_result(GenerateOutput(token_ids=s.full[s.prompt_len:], logprobs=[0.0] * s.out_len,
+                                               finish_reason="length", num_cached_tokens=max(s.cached, 0),
+                                               request_id=s.rid))
+
+    def _drop_aborted(self) -> None:
+        for s in [s for s in self.running if s.aborted]:
+            self._head_blocked = False
+            self.running.remove(s)
+            self.blocks.free_table(s.table)
+            if self.cache is not None:
+                self.cache.stop_request(s.rid)
+        for s in [s for s in self.waiting if s.aborted]:
+            self.waiting.remove(s)
+            if self.cache is not None:
+                self.cache.stop_request(s.rid)
+
+    def metrics(self) -> dict[str, float]:
+        st = dict(self.stats)
+        st["acceptance_rate"] = st["accepted_tokens"] / max(st["drafted_tokens"], 1)
+        st["accepted_per_verification"] = st["accepted_tokens"] / max(st["verifications"], 1)
+        st["prefix_hit_rate"] = st["prefix_hits"] / max(st["prefix_queries"], 1)
+        st["evictions"] = float(self.blocks.num_evictions)
+        return st

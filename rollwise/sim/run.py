@@ -1,0 +1,157 @@
+"""Run a workload on simulated replicas behind the real `Router` (real policies, real speculation
+controllers, real suffix caches), on the virtual clock, and report what a real run would: step
+makespan, throughput, prefill and decode tokens computed, acceptance, truncations.
+
+Configurations compared (WAR's ablation, plus ours):
+  baseline    verl's router, no speculation
+  spec_only   verl's router, threshold speculation (full drafts while <= war_threshold run)
+  sched_only  WAR's scheduler (`war` policy), no speculation
+  war         WAR: threshold speculation + `war` policy
+  rollwise    adaptive speculation controller + `rollwise` policy
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollwise.router.policies import make_policy
+from rollwise.router.router import Router
+from rollwise.sim.clock import run as run_virtual
+from rollwise.sim.cost import load_profile
+from rollwise.sim.replica import SimReplica
+from rollwise.sim.workload import SimTrajectory
+from rollwise.types import GenerateRequest, SamplingParams
+
+CONFIGS = {"baseline": ("verl", "off"), "spec_only": ("verl", "threshold"), "sched_only": ("war", "off"),
+           "war": ("war", "threshold"), "rollwise": ("rollwise", "adaptive")}
+WORKLOADS = ("war", "mooncake")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimConfig:
+    profile: str = "h100-qwen3-32b-tp4"  # a file in rollwise/sim/profiles or a TOML path
+    replicas: int = 4
+    configs: tuple[str, ...] = tuple(CONFIGS)
+    loads: tuple[int, ...] = (4, 8, 16, 32, 64)  # prompts per step (x group_size trajectories)
+    group_size: int = 8
+    workload: str = "war"
+    trace: str | None = None  # mooncake: the trace file
+    trace_limit: int = 2000
+    context: tuple[int, int] = (2048, 8192)
+    turns: tuple[int, int] = (10, 50)
+    obs_median: int = 400
+    tool_latency: tuple[float, float] = (1.0, 30.0)
+    sandbox_ttl_s: float = 1800.0  # a trajectory whose turn waits longer than this loses its sandbox
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    kv_blocks: int | None = None  # per replica; default: the profile's capacity
+    max_inflight_per_replica: int = 256
+    spec_max_tokens: int = 16
+    war_threshold: int = 32  # WAR speculates while at most this many sequences run on a replica
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        bad = [c for c in self.configs if c not in CONFIGS]
+        if bad:
+            raise ValueError(f"unknown configs {bad}; valid: {list(CONFIGS)}")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {WORKLOADS}, got {self.workload!r}")
+        if self.replicas < 1 or self.group_size < 1 or not self.loads:
+            raise ValueError("replicas and group_size must be >= 1 and loads non-empty")
+        load_profile(self.profile)  # fails early with the valid names
+
+    @classmethod
+    def from_toml(cls, path: str | Path, overrides: dict | None = None) -> SimConfig:
+        return cls.from_toml_text(Path(path).read_text(), overrides)
+
+    @classmethod
+    def from_toml_text(cls, text: str, overrides: dict | None = None) -> SimConfig:
+        d = {**tomllib.loads(text), **(overrides or {})}
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown sim config keys {sorted(unknown)}; valid: {sorted(names)}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+def make_replicas(cfg: SimConfig, spec: str, cost=None, **overrides) -> list[SimReplica]:
+    cost = cost or load_profile(cfg.profile)
+    kw = dict(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+              num_kv_blocks=cfg.kv_blocks, spec=spec, spec_max_tokens=cfg.spec_max_tokens,
+              spec_threshold=cfg.war_threshold)
+    kw.update(overrides)
+    return [SimReplica(f"sim{i}", cost, **kw) for i in range(cfg.replicas)]
+
+
+async def drive(router, trajectories: list[SimTrajectory], ttl_s: float | None = None) -> dict:
+    """Release every trajectory (at its arrival time); each runs its turns in order with its tool
+    latency in between. A turn that waited longer than the sandbox TTL ends its trajectory there."""
+    loop = asyncio.get_running_loop()
+    lat: list[float] = []
+    acc = {"turns": 0, "decode_tokens": 0, "truncated": 0}
+
+    async def one(t: SimTrajectory) -> None:
+        if t.arrival_s > 0:
+            await asyncio.sleep(t.arrival_s)
+        done = 0
+        for k, (p, r) in enumerate(t.turns):
+            t0 = loop.time()
+            await router.generate(GenerateRequest(
+                prompt_token_ids=t.tokens[:p], params=SamplingParams(temperature=0, max_tokens=r - p, ignore_eos=True),
+                trajectory_id=t.trajectory_id, group_id=t.group_id, turn=k, forced_output=t.tokens[p:r]))
+            lat.append(loop.time() - t0)
+            acc["turns"] += 1
+            acc["decode_tokens"] += r - p
+            done = k + 1
+            if ttl_s and lat[-1] > ttl_s and k < len(t.turns) - 1:
+                acc["truncated"] += 1
+                break
+            if k < len(t.tool_latency):
+                await asyncio.sleep(t.tool_latency[k])
+        await router.end_trajectory(t.trajectory_id, t.group_id, [], done)
+
+    t0 = loop.time()
+    await asyncio.gather(*(one(t) for t in trajectories))
+    lat.sort()
+    return {"makespan_s": loop.time() - t0, **acc,
+            "p99_turn_latency_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else 0.0}
+
+
+def simulate(cfg: SimConfig, config: str, trajectories: list[SimTrajectory], *, policy: str | None = None,
+             spec: str | None = None, cost=None, share_drafts: bool = True, **replica_overrides) -> dict:
+    """One step of `trajectories` under one configuration (or an explicit policy / spec mode)."""
+    pol, sp = CONFIGS[config] if config in CONFIGS else (None, None)
+    pol, sp = policy or pol, spec or sp
+    if pol is None:
+        raise ValueError(f"unknown config {config!r}; valid: {list(CONFIGS)} (or pass policy= and spec=)")
+    wall = time.perf_counter()
+    replicas = make_replicas(cfg, sp, cost, **replica_overrides)
+    options = {"capacity": cfg.max_inflight_per_replica} if pol == "war" else {}
+
+    async def go():
+        router = Router(replicas, make_policy(pol, **options), max_inflight_per_replica=cfg.max_inflight_per_replica,
+                        queue_timeout_s=1e12, share_drafts=share_drafts)
+        try:
+            return await drive(router, trajectories, cfg.sandbox_ttl_s), router.metrics()
+        finally:
+            await router.close()
+            for r in replicas:
+                r.close()
+    res, rm = run_virtual(go())
+    ms = [r.metrics() for r in replicas]
+    tot = {k: sum(m[k] for m in ms) for k in ms[0]}
+    busy = [m["busy_s"] for m in ms]
+    return {**res, "policy": pol, "spec": sp, "prefill_tokens": tot["prefill_tokens"],
+            "generated_tokens": tot["generated_tokens"], "decode_tokens_computed": tot["decode_tokens"],
+            "tok_s": res["decode_tokens"] / max(res["makespan_s"], 1e-9),
+            "hit_rate": tot["prefix_hits"] / max(tot["prefix_queries"], 1), "preemptions": tot["preemptions"],
+            "evictions": tot["evictions"], "drafted_tokens": tot["drafted_tokens"],
+            "accepted_tokens": tot["accepted_tokens"],
+            "acceptance_rate": tot["accepted_tokens"] / max(tot["drafted_tokens"], 1),
+            "accepted_per_verification": tot["accepted_tokens"] / max(tot["verifications"], 1),
+            "max_busy_s": max(busy), "mean_busy_s": sum(busy) / len(busy), "steps": tot["steps"],
+            "decision_us": rm["decision_us"], "wall_s": time.perf_counter() - wall}

@@ -1,0 +1,151 @@
+import asyncio
+import random
+
+import pytest
+
+from rollwise.sim.clock import VirtualClockLoop, run
+from rollwise.sim.cost import LinearCost, StepWork, load_profile, step_work
+from rollwise.sim.fit import fit
+from rollwise.sim.replica import SimReplica
+from rollwise.sim.run import SimConfig, simulate
+from rollwise.sim.workload import SimTrajectory, mooncake_step, synthetic_scale
+from rollwise.types import GenerateRequest, SamplingParams
+
+COST = LinearCost({"base_s": 1e-3, "per_token_s": 1e-5, "per_seq_s": 1e-4, "per_kv_token_s": 1e-7})
+
+
+def _req(prompt, out, tid=None, group=None):
+    return GenerateRequest(prompt_token_ids=prompt, params=SamplingParams(max_tokens=len(out), ignore_eos=True),
+                           forced_output=out, trajectory_id=tid, group_id=group)
+
+
+def test_virtual_clock_jumps_to_timers_and_reports_a_deadlock():
+    async def main():
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(asyncio.sleep(3600), asyncio.sleep(5))
+        return loop.time()
+    assert run(main()) == pytest.approx(3600)
+
+    async def stuck():
+        await asyncio.get_running_loop().create_future()
+    with pytest.raises(RuntimeError, match="deadlock"):
+        run(stuck())
+    assert isinstance(VirtualClockLoop().time(), float)
+
+
+def test_roofline_is_derived_from_the_shape_and_datasheet():
+    c = load_profile("h100-qwen3-32b-tp4")
+    assert c.model.params == pytest.approx(32.8e9, rel=0.01)  # Qwen3-32B
+    assert c.model.kv_bytes_per_token == 2 * 64 * 8 * 128 * 2
+    one = c.parts(StepWork(tokens=1, logits=1, seqs=1, kv_read=4000, attn_pairs=4000))
+    assert one["memory_s"] > 10 * one["compute_s"]  # decode at batch 1 reads weights: memory-bound
+    big = c.parts(StepWork(tokens=8192, logits=1, seqs=1, kv_read=8192, attn_pairs=8192 * 4096))
+    assert big["compute_s"] > big["memory_s"]  # a long prefill chunk is compute-bound
+    assert load_profile("h200-qwen3-32b-tp4").default_kv_blocks > 1.5 * c.default_kv_blocks  # 141 vs 80 GB
+    with pytest.raises(ValueError, match="available"):
+        load_profile("tpu-v9")
+
+
+def test_fit_recovers_a_known_linear_cost():
+    rng = random.Random(0)
+    truth = LinearCost({"base_s": 2e-3, "per_token_s": 3e-5, "per_seq_s": 1e-4, "per_kv_token_s": 2e-7,
+                        "per_attn_pair_s": 1e-8})
+    samples = []
+    for _ in range(300):
+        w = step_work([(rng.choice([1, 1, 5, 300]), rng.randrange(2000), rng.choice([0, 1])) for _ in range(rng.randint(1, 16))])
+        samples.append((w, truth.step_s(w)))
+    got = fit(samples)
+    for k, v in truth.coef.items():
+        assert got.coef[k] == pytest.approx(v, rel=1e-3, abs=1e-12)
+
+
+async def _serve(replica, reqs, gaps=None):
+    loop = asyncio.get_running_loop()
+
+    async def one(i, r):
+        await asyncio.sleep(gaps[i] if gaps else 0)
+        out = await replica.generate(r)
+        return out, loop.time()
+    res = await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
+    replica.close()
+    return res
+
+
+def test_decode_stretches_equal_single_steps_and_outputs_are_the_forced_tokens():
+    rng = random.Random(1)
+    reqs = [_req([rng.randrange(1000) for _ in range(rng.randint(20, 200))], [rng.randrange(1000) for _ in range(rng.randint(5, 80))])
+            for _ in range(12)]
+    gaps = [rng.uniform(0, 0.05) for _ in reqs]
+    fast = run(_serve(SimReplica("a", COST, num_kv_blocks=4096), reqs, gaps))
+    slow_r = SimReplica("b", COST, num_kv_blocks=4096)
+    slow_r._stretch = lambda batch: 1  # every step simulated on its own
+    slow = run(_serve(slow_r, reqs, gaps))
+    for (o1, t1), (o2, t2), r in zip(fast, slow, reqs):
+        assert o1.token_ids == o2.token_ids == r.forced_output
+        assert t1 == pytest.approx(t2, rel=0.02)
+
+
+def test_prefix_reuse_eviction_and_preemption():
+    base = list(range(100, 164))
+
+    async def turns(replica):
+        a = await replica.generate(_req(base, [1] * 20, tid="t"))
+        b = await replica.generate(_req(base + [1] * 20 + [2] * 8, [3] * 4, tid="t"))
+        replica.close()
+        return a, b
+    rep = SimReplica("r", COST, num_kv_blocks=64, max_num_batched_tokens=32)
+    a, b = run(turns(rep))
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 80  # 64 + 16 of the 84 computed tokens
+    # a KV pool smaller than the batch's working set: preemption and recompute, every output intact
+    rep = SimReplica("small", COST, num_kv_blocks=24)
+    reqs = [_req([i] * 100, [i + 1] * 60) for i in range(6)]
+    res = run(_serve(rep, reqs))
+    assert [o.token_ids for o, _ in res] == [r.forced_output for r in reqs]
+    assert rep.stats["preemptions"] > 0 and rep.stats["prefill_tokens"] > 600
+
+
+def test_speculation_uses_the_real_suffix_cache_and_changes_nothing_but_time():
+    text = [random.Random(2).randrange(50) for _ in range(40)]
+    reqs = [_req(text * 2, (text * 3)[:100], group="g") for _ in range(4)]
+    off, on = SimReplica("off", COST, spec="off", num_kv_blocks=512), SimReplica("on", COST, spec="always", num_kv_blocks=512)
+    r_off, r_on = run(_serve(off, reqs)), run(_serve(on, reqs))
+    assert [o.token_ids for o, _ in r_off] == [o.token_ids for o, _ in r_on]
+    assert on.stats["accepted_tokens"] > 200 and on.stats["steps"] < off.stats["steps"] / 3
+    assert max(t for _, t in r_on) < max(t for _, t in r_off)
+
+
+def test_simulated_step_does_equal_work_under_every_config_and_is_deterministic():
+    step = synthetic_scale(48, seed=3, context=(64, 256), turns=(2, 4), response=(8, 32), obs=(8, 64))
+    cfg = SimConfig(profile="h100-qwen3-8b-tp1", replicas=2, kv_blocks=2000)
+    res = {c: simulate(cfg, c, step) for c in ("baseline", "war", "rollwise")}
+    work = {(r["turns"], r["generated_tokens"]) for r in res.values()}
+    assert work == {(sum(len(t.turns) for t in step), sum(t.decode_tokens for t in step))}
+    again = simulate(cfg, "rollwise", step)
+    assert again["makespan_s"] == res["rollwise"]["makespan_s"]
+    assert all(r["truncated"] == 0 for r in res.values())
+
+
+def test_sandbox_ttl_truncates_a_trajectory_that_waited_too_long():
+    t = SimTrajectory("t", "g", list(range(100, 400)), [(100, 200), (250, 300)], [1.0])
+    cfg = SimConfig(profile="cpu-fitted", replicas=1, kv_blocks=256, sandbox_ttl_s=1e-6)
+    r = simulate(cfg, "baseline", [t])
+    assert r["truncated"] == 1 and r["turns"] == 1
+
+
+def test_config_errors_name_the_valid_options(tmp_path):
+    with pytest.raises(ValueError, match="valid"):
+        SimConfig(configs=("baseline", "magic"))
+    p = tmp_path / "c.toml"
+    p.write_text("replica = 3\n")
+    with pytest.raises(ValueError, match="replicas"):
+        SimConfig.from_toml(p)
+
+
+def test_mooncake_hash_ids_become_shared_token_prefixes(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]}\n'
+                 '{"timestamp": 500, "input_length": 1500, "output_length": 3, "hash_ids": [0, 1, 7]}\n'
+                 '{"timestamp": 900, "input_length": 700, "output_length": 2, "hash_ids": [0, 2]}\n')
+    a, b, c = mooncake_step(p)
+    assert b.tokens[:1000] == a.tokens[:1000] and c.tokens[:512] == a.tokens[:512] and c.tokens[512:700] != a.tokens[512:700]
+    assert b.arrival_s == 0.5 and b.turns == [(1500, 1503)]
