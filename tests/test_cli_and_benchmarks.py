@@ -112,3 +112,32 @@ def test_demo_smoke(tmp_path):
     sft, rl = (float(x.split("=")[1]) for x in last.split())
     assert last.startswith("sft_success=") and 0 <= sft <= 1 and 0 <= rl <= 1
     assert (tmp_path / "run" / "report" / "curves.png").exists()
+
+
+def test_war_sweep_smoke_and_validation(tmp_path):
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    r = run("benchmarks/war_sweep.py", "--smoke", "--json", str(out), "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    row = res["loads"]["2"]
+    assert set(row) == {"baseline", "spec_only", "sched_only", "war", "rollwise"}
+    assert len({(c["turns"], c["decode_tokens"]) for c in row.values()}) == 1  # equal work
+    assert all({"makespan_s", "decode_tokens", "prefill_tokens"} <= set(c) for c in row.values())
+    assert png.stat().st_size > 10_000
+    r = run("benchmarks/war_sweep.py", "--validate", "--json", str(tmp_path / "v.json"))
+    assert r.returncode == 0, r.stderr
+    v = json.loads((tmp_path / "v.json").read_text())
+    assert set(v["makespan"]) >= {"verl", "rollwise"} and all(m["sim_s"] > 0 for m in v["makespan"].values())
+
+
+def test_sim_cli(tmp_path):
+    cfg = tmp_path / "sim.toml"
+    cfg.write_text('profile = "h100-qwen3-8b-tp1"\nreplicas = 2\nloads = [1]\nturns = [2, 3]\ncontext = [128, 256]\n'
+                   'configs = ["baseline", "rollwise"]\n')
+    r = subprocess.run([sys.executable, "-m", "rollwise.cli", "sim", "--config", str(cfg), "--set", "obs_median=32",
+                        "--json", str(tmp_path / "s.json")], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "| 1 |" in r.stdout and "rollwise speedup per load" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "rollwise.cli", "sim", "--set", "configs=['nope']"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "valid" in r.stderr

@@ -261,6 +261,7 @@ class LLMEngine:
             "num_waiting": float(len(sch.waiting)),
             "kv_usage": self.blocks.usage,
             "num_kv_blocks": float(self.blocks.num_blocks),
+            "kv_capacity_tokens": float(self.blocks.num_blocks * self.blocks.block_size),
             "prefix_queries": float(sch.prefix_queries),
             "prefix_hits": float(sch.prefix_hits),
             "prefix_hit_rate": sch.prefix_hits / sch.prefix_queries if sch.prefix_queries else 0.0,

@@ -24,6 +24,7 @@ class LoadSnapshot:
     prefill_tokens: float = 0.0
     decode_tokens: float = 0.0
     steps: float = 0.0
+    kv_capacity_tokens: float = 0.0  # 0: unknown
     at: float = field(default_factory=time.monotonic)
 
 
@@ -82,7 +83,7 @@ class LocalReplica:
         m = self.engine.metrics()
         return LoadSnapshot(m["num_running"], m["num_waiting"], m["kv_usage"], self._tp.update(m["generated_tokens"]),
                             m["prefix_hit_rate"], m["step_time_s"], m["prefill_tokens"], m["decode_tokens"],
-                            m["num_steps"])
+                            m["num_steps"], m.get("kv_capacity_tokens", 0.0))
 
     async def update_weights(self, weights: dict | str, version: int | None = None) -> int:
         """New weights (tensors under Hugging Face names, or a model directory), between two steps."""
@@ -99,7 +100,7 @@ PROM = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "wa
         "vllm:generation_tokens_total": "generated", "vllm:prefix_cache_queries_total": "queries",
         "vllm:prefix_cache_hits_total": "hits", "rollwise:engine_step_seconds_total": "busy",
         "rollwise:prefill_tokens_computed_total": "prefill", "rollwise:decode_tokens_computed_total": "decode",
-        "rollwise:engine_steps_total": "steps"}
+        "rollwise:engine_steps_total": "steps", "rollwise:kv_capacity_tokens": "kv_capacity"}
 
 
 class HttpReplica:
@@ -174,7 +175,8 @@ class HttpReplica:
         q = v.get("queries", 0.0)
         return LoadSnapshot(v.get("running", 0.0), v.get("waiting", 0.0), v.get("kv_usage", 0.0),
                             self._tp.update(v.get("generated", 0.0)), v.get("hits", 0.0) / q if q else 0.0,
-                            v.get("busy"), v.get("prefill", 0.0), v.get("decode", 0.0), v.get("steps", 0.0))
+                            v.get("busy"), v.get("prefill", 0.0), v.get("decode", 0.0), v.get("steps", 0.0),
+                            v.get("kv_capacity", 0.0))
 
     async def add_sequence(self, token_ids: list[int], group_id: str | None) -> None:
         try:

@@ -18,6 +18,7 @@ METRICS = [
     ("step_time_s", "rollwise:engine_step_seconds_total", "counter", "Time spent in engine steps"),
     ("num_evictions", "rollwise:prefix_cache_evictions_total", "counter", "Cached blocks evicted"),
     ("num_kv_blocks", "rollwise:num_kv_blocks", "gauge", "KV blocks in the pool"),
+    ("kv_capacity_tokens", "rollwise:kv_capacity_tokens", "gauge", "Tokens the KV pool holds"),
     ("policy_version", "rollwise:policy_version", "gauge", "Weights version being served"),
     ("spec_verifications", "vllm:spec_decode_num_drafts_total", "counter", "Drafts verified"),
     ("spec_drafted_tokens", "vllm:spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified"),

@@ -115,7 +115,12 @@ class SimReplica:
                             tokens_per_s=self.tokens_per_s,
                             prefix_hit_rate=st["prefix_hits"] / max(st["prefix_queries"], 1), busy_s=st["busy_s"],
                             prefill_tokens=st["prefill_tokens"], decode_tokens=st["decode_tokens"], steps=st["steps"],
-                            at=asyncio.get_running_loop().time())
+                            kv_capacity_tokens=float(self.blocks.num_blocks * self.bs), at=asyncio.get_running_loop().time())
+
+    @property
+    def speculates(self) -> bool:
+        """Whether shared drafting material is of use here (the router skips replicas that say no)."""
+        return self.cache is not None
 
     async def add_sequence(self, token_ids: list[int], group_id: str | None = None) -> None:
         if self.cache is not None:

@@ -44,7 +44,7 @@ class SimConfig:
     context: tuple[int, int] = (2048, 8192)
     turns: tuple[int, int] = (10, 50)
     obs_median: int = 400
-    tool_latency: tuple[float, float] = (1.0, 30.0)
+    tool_latency: tuple[float, float] = (0.2, 10.0)  # seconds, log-uniform (SWE sandbox commands)
     sandbox_ttl_s: float = 1800.0  # a trajectory whose turn waits longer than this loses its sandbox
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192

@@ -24,11 +24,13 @@ def workload(cfg: SimConfig, load: int, pool=None) -> list:
 
 def sweep(cfg: SimConfig, log=print) -> dict:
     pool = task_pool(tau_groups()) if cfg.workload == "war" else None
-    out = {"profile": cfg.profile, "config": dataclasses.asdict(cfg), "loads": {}}
+    out = {"profile": cfg.profile, "config": dataclasses.asdict(cfg), "loads": {}, "tool_bound_s": {}}
     for load in cfg.loads:
         step = workload(cfg, load, pool)
         log(f"load {load}: {len(step)} trajectories, {sum(len(t.turns) for t in step)} turns, "
             f"{sum(t.decode_tokens for t in step)} tokens to generate")
+        # no configuration beats the slowest trajectory's tool time (its turns wait for the tools)
+        out["tool_bound_s"][str(load)] = max((sum(t.tool_latency) for t in step), default=0.0)
         row = {}
         for name in cfg.configs:
             t0 = time.perf_counter()
@@ -62,13 +64,15 @@ def crossover(sp: dict[str, dict[int, float]]) -> int | None:
 def table(result: dict) -> str:
     sp = speedups(result)
     names = list(next(iter(result["loads"].values())))
-    lines = ["| prompts x 8 | " + " | ".join(names) + " | work (turns / decode tok) |",
-             "|---" * (len(names) + 2) + "|"]
+    lines = ["| prompts x 8 | " + " | ".join(names) + " | work (turns / decode tok) | slowest trajectory's tool time |",
+             "|---" * (len(names) + 3) + "|"]
     for load, row in result["loads"].items():
         cells = [f"{row[n]['makespan_s']:.0f} s (x{sp[n][int(load)]:.2f})" if n in sp else f"{row[n]['makespan_s']:.0f} s"
                  for n in names]
         r0 = row[names[0]]
-        lines.append(f"| {load} | " + " | ".join(cells) + f" | {r0['turns']} / {int(r0['generated_tokens']):,} |")
+        bound = result.get("tool_bound_s", {}).get(load)
+        lines.append(f"| {load} | " + " | ".join(cells) + f" | {r0['turns']} / {int(r0['generated_tokens']):,} | "
+                     + (f"{bound:.0f} s |" if bound is not None else "|"))
     return "\n".join(lines)
 
 

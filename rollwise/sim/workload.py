@@ -69,13 +69,15 @@ def task_pool(groups) -> list[list[list[tuple[list[int], list[int]]]]]:
 
 def war_step(pool, num_prompts: int, group_size: int = 8, *, seed: int = 0, context: tuple[int, int] = (2048, 8192),
              turns: tuple[int, int] = (10, 50), obs_median: int = 400, obs_max: int = 4096, max_response: int = 512,
-             latency: tuple[float, float] = (0.2, 10.0), max_turns: int = 120) -> list[SimTrajectory]:
-    """Sibling s of prompt g replays the recorded trials in a stream of its own: trial s of task g
-    first (siblings 0..n-1 are the task's real trials), then the same trial index of the following
-    tasks (siblings past the number of trials start half the task list away), so no two siblings
-    replay the same recorded turns in the same step. Observations are real too, lengthened with the
-    stream's next observations to a heavy-tailed SWE-like length."""
+             latency: tuple[float, float] = (0.2, 10.0), max_turns: int = 120, vocab: int = 8192) -> list[SimTrajectory]:
+    """Sibling s of prompt g replays recorded trials in a stream of its own: trial s of task g first
+    (siblings 0..n-1 are the task's real trials), then trials of other tasks. The recordings are
+    fewer than a big step's turns, so a trial replayed again in the same step is replayed in another
+    "token universe" (ids mapped by a bijection): it keeps its own repetition structure but cannot
+    match its other copies, so drafting and prefix caching gain nothing from the reuse. Observations
+    are real too, lengthened with the stream's next observations to a heavy-tailed SWE-like length."""
     rng = random.Random(seed)
+    uses: dict[tuple[int, int], int] = {}
     out = []
     for g in range(num_prompts):
         task = pool[g % len(pool)]
@@ -85,11 +87,11 @@ def war_step(pool, num_prompts: int, group_size: int = 8, *, seed: int = 0, cont
         while len(shared) < target:  # the task's files and issue text: real text from the task's neighbours
             shared += [t for _, o in pool[(g + k) % len(pool)][0] for t in o]
             k += 1
-        shared = shared[:target]
+        shared = _universe(shared[:target], g // len(pool), vocab)  # a repeated task is another prompt
         typical = rng.randint(*turns)
         for s in range(group_size):
             n = max(2, min(max_turns, round(typical * rng.uniform(0.6, 1.4))))
-            stream = _stream(pool, g, s)
+            stream = _stream(pool, g, s, uses, vocab)
             tokens, spans, lat = list(shared), [], []
             for k in range(n):
                 r, o = next(stream)
@@ -108,12 +110,23 @@ def war_step(pool, num_prompts: int, group_size: int = 8, *, seed: int = 0, cont
     return out
 
 
-def _stream(pool, g: int, s: int):
+def _universe(tokens: list[int], u: int, vocab: int) -> list[int]:
+    if u == 0:
+        return tokens
+    a, b = 2 * (1000 + 37 * u) + 1, 7919 * u  # odd multiplier: a bijection modulo a power-of-two vocab
+    return [(a * t + b) % vocab for t in tokens]
+
+
+def _stream(pool, g: int, s: int, uses: dict, vocab: int):
     n_trials = max(len(t) for t in pool)
     first = g + (s // n_trials) * (len(pool) // 2)
     for j in itertools.count():
-        task = pool[(first + j) % len(pool)]
-        yield from task[s % len(task)]
+        t = (first + j) % len(pool)
+        trial = s % len(pool[t])
+        u = uses.get((t, trial), 0)
+        uses[(t, trial)] = u + 1
+        for r, o in pool[t][trial]:
+            yield _universe(r, u, vocab), _universe(o, u, vocab)
 
 
 def synthetic_scale(num_trajectories: int, group_size: int = 8, *, seed: int = 0, vocab: int = 50_000,
