@@ -57,7 +57,7 @@ class PrefixIndex:
         for r in replicas:
             held = self.held.get(r)
             lo, hi = 0, len(hashes)  # hashes[:lo] held, hashes[hi:] not
-            if held:
+            if held and hashes and hashes[0] in held:  # (most replicas hold none of a prompt: one probe)
                 while lo < hi:
                     mid = (lo + hi) // 2
                     if hashes[mid] in held:

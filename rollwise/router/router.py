@@ -124,7 +124,7 @@ class Router:
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         await self.start()
         tid = request.trajectory_id
-        info = RouteInfo(request=request, prompt_len=len(request.prompt_token_ids), arrival=asyncio.get_running_loop().time(),
+        info = RouteInfo(request=request, prompt_len=len(request.prompt_token_ids), arrival=self._now(),
                          sticky=self.sticky.get(tid) if tid else None, turns_done=self.turns.get(tid, 0) if tid else 0,
                          expected_turns=self.expected_turns.get(request.group_id) if request.group_id else None,
                          expected_new_tokens=self.mean_new_tokens)
@@ -173,6 +173,14 @@ class Router:
         self.policy_version = version
         return out
 
+    @staticmethod
+    def _now() -> float:
+        """The event loop's clock (virtual in the simulator); monotonic time outside a loop."""
+        try:
+            return asyncio.get_running_loop().time()
+        except RuntimeError:
+            return time.monotonic()
+
     # KV residency ----------------------------------------------------------------------------------
     def _budget(self, name: str) -> float | None:
         frac = getattr(self.policy, "kv_budget", None)
@@ -210,7 +218,7 @@ class Router:
     def _drop_idle_residents(self) -> None:
         """A resident idle past the policy's `resident_idle_s` (an episode that never ended) goes."""
         idle = getattr(self.policy, "resident_idle_s", 600.0)
-        now = asyncio.get_running_loop().time()
+        now = self._now()
         for name, res in self.residents.items():
             gone = [t for t, entry in res.items() if now - entry[1] > idle]
             for t in gone:
@@ -253,7 +261,7 @@ class Router:
         res = self.residents.setdefault(name, {})
         self._active_cache.pop(name, None)
         entry = res.get(tid)
-        now = asyncio.get_running_loop().time()
+        now = self._now()
         if entry is None:  # a trajectory that starts here shares its first prompt with its group
             res[tid] = [float(tokens), now, group, float(tokens) if self.turns.get(tid, 0) == 0 else 0.0]
         else:

@@ -5,6 +5,12 @@ produce — prefill chunks, decode at batch 1..32, contexts from 128 to 6k token
 step computed and how long `step()` took, and fit the profile's terms by non-negative least squares.
 
     python -m rollwise.sim.fit MODEL_DIR [--replicas 2] [--out rollwise/sim/profiles/cpu-fitted.toml]
+    ROLLWISE_STEP_TRACE=DIR python benchmarks/router.py --workload tau --quick   # steps under real serving
+    python -m rollwise.sim.fit MODEL_DIR --trace DIR
+
+Measured in isolation, steps come out ~20% faster than inside the router benchmark (there the
+replicas share the 2 cores with the router process and parse HTTP requests between steps), so the
+shipped profile is fitted on steps recorded by real replicas under the benchmark (`--trace`).
 """
 from __future__ import annotations
 

@@ -91,6 +91,8 @@ def plot(result: dict, path: str | Path) -> None:
         ax.annotate("scheduling > speculation", (x, ax.get_ylim()[0]), xytext=(4, 6), textcoords="offset points",
                     fontsize=8, color="grey")
     ax.set_xscale("log", base=2)
+    loads = sorted(int(p) for p in result["loads"])
+    ax.set_xticks(loads, [str(p) for p in loads])
     ax.set_xlabel(f"prompts per step (x {result['config']['group_size']} rollouts)")
     ax.set_ylabel("speedup of the step vs baseline (makespan)")
     ax.set_title(f"Simulated synchronous RL step: {result['profile']}, {result['config']['replicas']} replicas", fontsize=10)
