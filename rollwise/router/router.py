@@ -20,6 +20,7 @@ from rollwise.router.cost_model import CostModel
 from rollwise.router.policies import Candidate, Policy, RouteInfo, make_policy
 from rollwise.router.prefix_index import PrefixIndex
 from rollwise.router.replica import LoadSnapshot, ReplicaError, gather_loads
+from rollwise.router.residency import Residency
 from rollwise.types import GenerateOutput, GenerateRequest
 
 
@@ -64,12 +65,10 @@ class Router:
         self._seq = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._first_load: asyncio.Event | None = None
-        # KV residency (for policies with a `kv_budget`): per replica the trajectories whose contexts
-        # it keeps, in admission order: [context tokens, last activity, group, its first prompt's tokens]
-        self.residents: dict[str, dict[str, list]] = {}
-        self._active_cache: dict[str, tuple[set[str], float]] = {}
-        self._held_new: list[tuple] = []  # new trajectories waiting for a replica with KV room (a heap)
-        self._held_res: dict[str, list[tuple]] = {}  # replica -> turns of its suspended residents
+        kv_budget = getattr(self.policy, "kv_budget", None)  # KV residency, for policies that want it
+        self.residency = None if not kv_budget else Residency(
+            kv_budget, lambda n: self.loads[n].kv_capacity_tokens if self.loads.get(n) is not None else 0.0,
+            getattr(self.policy, "resident_idle_s", 600.0))
         self.placements = deque(maxlen=100_000) if record_placements else None  # (trajectory, group, turn, replica)
         self.stats = {"requests": 0, "retries": 0, "failovers": 0, "decisions": 0, "decision_s": 0.0, "parked": 0,
                       "queued": 0, "prompt_tokens": 0, "matched_tokens": 0, "cached_tokens": 0, "held": 0}
@@ -98,8 +97,9 @@ class Router:
         self.healthy.discard(name)
         self._unpark(name)
         self.index.remove_replica(name)
-        self.residents.pop(name, None)
-        self._unhold(name)
+        if self.residency is not None:
+            self.residency.drop_replica(name)
+            self._unhold(name)
         self.sticky = {t: r for t, r in self.sticky.items() if r != name}
         self._pump()
 
@@ -181,91 +181,12 @@ class Router:
         except RuntimeError:
             return time.monotonic()
 
-    # KV residency ----------------------------------------------------------------------------------
-    def _budget(self, name: str) -> float | None:
-        frac = getattr(self.policy, "kv_budget", None)
-        snap = self.loads.get(name)
-        return frac * snap.kv_capacity_tokens if frac and snap is not None and snap.kv_capacity_tokens else None
-
-    def _active(self, name: str, budget: float) -> tuple[set[str], float]:
-        """Residents whose contexts fit the budget, oldest admission first (the rest wait: their turns
-        are held so that the ones ahead keep their KV instead of everyone recomputing every turn)."""
-        got = self._active_cache.get(name)
-        if got is None:
-            active, used, groups = set(), 0.0, set()
-            for tid, (tokens, _, group, shared) in self.residents.get(name, {}).items():
-                if group is not None and group in groups:
-                    tokens -= shared  # siblings share their prompt's KV blocks: counted once
-                if active and used + tokens > budget:
-                    break
-                active.add(tid)
-                used += tokens
-                groups.add(group)
-            got = self._active_cache[name] = (active, used)
-        return got
-
-    def _unhold(self, name: str | None) -> None:
-        """Residency changed on `name` (or everywhere): held turns go back to the queue."""
-        if name is not None:
-            self._active_cache.pop(name, None)
-        items = self._held_new + [i for n in ([name] if name is not None else list(self._held_res))
-                                  for i in self._held_res.pop(n, [])]
-        self._held_new = []
-        for item in items:
-            heapq.heappush(self._queue, item)
-        self._pump()
-
-    def _drop_idle_residents(self) -> None:
-        """A resident idle past the policy's `resident_idle_s` (an episode that never ended) goes."""
-        idle = getattr(self.policy, "resident_idle_s", 600.0)
-        now = self._now()
-        for name, res in self.residents.items():
-            gone = [t for t, entry in res.items() if now - entry[1] > idle]
-            for t in gone:
-                del res[t]
-            if gone:
-                self._unhold(name)
-
-    def _resident_ok(self, w: _Waiter, names: list[str]) -> list[str]:
-        """Where this request may go now: anywhere for an active resident (the policy keeps it home);
-        nowhere for a suspended one; for a new trajectory, replicas whose residents are all active
-        and whose budget has room for its context (or that hold no one)."""
-        tid = w.info.request.trajectory_id
-        if tid is None or not getattr(self.policy, "kv_budget", None):
-            return names
-        home = self.sticky.get(tid)
-        if home is not None and tid in self.residents.get(home, {}):
-            budget = self._budget(home)
-            if budget is not None and tid not in self._active(home, budget)[0]:
-                return []
-            return [home] if home in names else names
-        out = []
-        for n in names:
-            budget, res = self._budget(n), self.residents.get(n)
-            if budget is None or not res:
-                out.append(n)
-                continue
-            active, used = self._active(n, budget)
-            group = w.info.request.group_id
-            need = w.info.prompt_len if group is None or not any(e[2] == group for e in res.values()) else 0
-            if len(active) == len(res) and used + need <= budget:
-                out.append(n)
-        return out
-
-    def _make_resident(self, tid: str | None, name: str, tokens: int, group: str | None = None) -> None:
-        if tid is None or not getattr(self.policy, "kv_budget", None):
-            return
-        for n, res in self.residents.items():
-            if n != name and res.pop(tid, None) is not None:
-                self._active_cache.pop(n, None)
-        res = self.residents.setdefault(name, {})
-        self._active_cache.pop(name, None)
-        entry = res.get(tid)
-        now = self._now()
-        if entry is None:  # a trajectory that starts here shares its first prompt with its group
-            res[tid] = [float(tokens), now, group, float(tokens) if self.turns.get(tid, 0) == 0 else 0.0]
-        else:
-            entry[0], entry[1] = max(entry[0], float(tokens)), now
+    def _unhold(self, name: str) -> None:
+        """Residency changed on `name`: held turns go back to the queue."""
+        if self.residency is not None:
+            for item in self.residency.release(name):
+                heapq.heappush(self._queue, item)
+            self._pump()
 
     async def end_trajectory(self, trajectory_id: str, group_id: str | None, token_ids: list[int],
                              num_turns: int) -> None:
@@ -276,8 +197,8 @@ class Router:
             self.expected_turns[group_id] = num_turns if old is None else 0.7 * old + 0.3 * num_turns
         self.sticky.pop(trajectory_id, None)
         self.turns.pop(trajectory_id, None)
-        for name, res in list(self.residents.items()):
-            if res.pop(trajectory_id, None) is not None:
+        if self.residency is not None:
+            for name in self.residency.end(trajectory_id):
                 self._unhold(name)  # its KV budget goes to the next resident or a new trajectory
 
     def _share(self, served_by: str, token_ids: list[int], group_id: str | None) -> None:
@@ -309,16 +230,14 @@ class Router:
             w = item[2]
             if w.future.done():  # the caller gave up
                 continue
-            allowed = self._resident_ok(w, room)
-            if not allowed:  # held until KV residency changes (a trajectory ends, a replica goes)
-                home = self.sticky.get(w.info.request.trajectory_id)
-                if home is not None and w.info.request.trajectory_id in self.residents.get(home, {}):
-                    self._held_res.setdefault(home, []).append(item)
-                else:
-                    heapq.heappush(self._held_new, item)
-                self.stats["held"] += 1
-                continue
-            room = allowed
+            tid = w.info.request.trajectory_id
+            if self.residency is not None and tid is not None:
+                home = self.sticky.get(tid)
+                room = self.residency.allowed(tid, w.info.request.group_id, w.info.prompt_len, home, room)
+                if not room:  # held until residency changes (a trajectory ends, a replica goes)
+                    self.residency.hold(item, tid, home)
+                    self.stats["held"] += 1
+                    continue
             home = w.info.sticky
             if (home is not None and home not in room and home in self.healthy and home in self.replicas
                     and home not in w.tried and self.policy.park(w.info)):
@@ -345,7 +264,9 @@ class Router:
         self._sync(name)
         self.stats["matched_tokens"] += min(matched[name], w.info.prompt_len)
         self.index.insert(name, w.hashes)  # predicted: siblings arriving next see it as cached
-        self._make_resident(req.trajectory_id, name, w.info.prompt_len, req.group_id)
+        if self.residency is not None and req.trajectory_id is not None:
+            self.residency.admit(req.trajectory_id, name, w.info.prompt_len, req.group_id,
+                                 self.turns.get(req.trajectory_id, 0) == 0, self._now())
         if self.placements is not None:
             self.placements.append((req.trajectory_id, req.group_id, req.turn, name))
         tid = req.trajectory_id
@@ -388,8 +309,9 @@ class Router:
             self.index.insert(name, self.index.hashes(req.prompt_token_ids + out.token_ids, req.trajectory_id))
         if req.trajectory_id is not None:
             self.turns[req.trajectory_id] = self.turns.get(req.trajectory_id, 0) + 1
-            if req.trajectory_id in self.residents.get(name, {}):
-                self._make_resident(req.trajectory_id, name, len(req.prompt_token_ids) + len(out.token_ids))
+            if self.residency is not None and self.residency.is_resident(req.trajectory_id, name):
+                self.residency.admit(req.trajectory_id, name, len(req.prompt_token_ids) + len(out.token_ids),
+                                     req.group_id, False, self._now())
         if self.share_drafts:
             self._share(name, out.token_ids, req.group_id)
 
@@ -398,15 +320,18 @@ class Router:
             self.healthy.discard(name)
             self.stats["failovers"] += 1
             self.index.remove_replica(name)
-            self.residents.pop(name, None)
-            self._unhold(name)
+            if self.residency is not None:
+                self.residency.drop_replica(name)
+                self._unhold(name)
             self._unpark(name)
             self._pump()
 
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval_s)
-            self._drop_idle_residents()
+            if self.residency is not None:
+                for name in self.residency.drop_idle(self._now()):
+                    self._unhold(name)
             for name, r in list(self.replicas.items()):
                 ok = await r.health()
                 if ok and name in self.stale and self._latest is not None:

@@ -1,0 +1,111 @@
+"""KV residency: thrashing control for agentic turns. When the live contexts exceed a replica's KV
+pool, every context is evicted during its tool calls and recomputed at its next turn. Instead, the
+trajectories whose contexts fit `fraction` of the pool keep it ("active" residents, oldest first);
+turns of the others wait (held) until one ends, and a new trajectory is admitted only where every
+resident is active and its prompt fits. Siblings' shared prompt counts once. The router owns the
+queue; this keeps who is resident where and which held turns a change releases.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+
+class Residency:
+    def __init__(self, fraction: float, capacity: Callable[[str], float], idle_s: float = 600.0) -> None:
+        self.fraction, self.capacity, self.idle_s = fraction, capacity, idle_s
+        # replica -> trajectory -> [context tokens, last activity, group, its first prompt's tokens]
+        self.residents: dict[str, dict[str, list]] = {}
+        self._active: dict[str, tuple[set[str], float]] = {}
+        self.held_new: list[tuple] = []  # new trajectories waiting for a replica with room (a heap)
+        self.held_res: dict[str, list[tuple]] = {}  # replica -> turns of its waiting residents
+
+    def budget(self, name: str) -> float | None:
+        cap = self.capacity(name)
+        return self.fraction * cap if cap else None
+
+    def active(self, name: str, budget: float) -> tuple[set[str], float]:
+        got = self._active.get(name)
+        if got is None:
+            active, used, groups = set(), 0.0, set()
+            for tid, (tokens, _, group, shared) in self.residents.get(name, {}).items():
+                if group is not None and group in groups:
+                    tokens -= shared  # siblings share their prompt's KV blocks
+                if active and used + tokens > budget:
+                    break
+                active.add(tid)
+                used += tokens
+                groups.add(group)
+            got = self._active[name] = (active, used)
+        return got
+
+    def is_resident(self, tid: str, name: str | None) -> bool:
+        return name is not None and tid in self.residents.get(name, {})
+
+    def allowed(self, tid: str, group: str | None, prompt_len: int, home: str | None, names: list[str]) -> list[str]:
+        """Where a turn may go now: home for an active resident, nowhere for a waiting one; for a new
+        trajectory, replicas whose residents are all active with room for its prompt (or empty)."""
+        if self.is_resident(tid, home):
+            budget = self.budget(home)
+            if budget is not None and tid not in self.active(home, budget)[0]:
+                return []
+            return [home] if home in names else names
+        out = []
+        for n in names:
+            budget, res = self.budget(n), self.residents.get(n)
+            if budget is None or not res:
+                out.append(n)
+                continue
+            active, used = self.active(n, budget)
+            need = prompt_len if group is None or not any(e[2] == group for e in res.values()) else 0
+            if len(active) == len(res) and used + need <= budget:
+                out.append(n)
+        return out
+
+    def admit(self, tid: str, name: str, tokens: int, group: str | None, first_turn: bool, now: float) -> None:
+        """`tid` is (or stays) resident on `name` with a context of `tokens`."""
+        for n, res in self.residents.items():
+            if n != name and res.pop(tid, None) is not None:
+                self._active.pop(n, None)
+        res = self.residents.setdefault(name, {})
+        self._active.pop(name, None)
+        entry = res.get(tid)
+        if entry is None:  # a trajectory that starts here shares its first prompt with its group
+            res[tid] = [float(tokens), now, group, float(tokens) if first_turn else 0.0]
+        else:
+            entry[0], entry[1] = max(entry[0], float(tokens)), now
+
+    def end(self, tid: str) -> list[str]:
+        """The trajectory ended: the replicas whose residency changed."""
+        changed = [n for n, res in self.residents.items() if res.pop(tid, None) is not None]
+        for n in changed:
+            self._active.pop(n, None)
+        return changed
+
+    def drop_replica(self, name: str) -> None:
+        self.residents.pop(name, None)
+        self._active.pop(name, None)
+
+    def drop_idle(self, now: float) -> list[str]:
+        """Residents idle past `idle_s` (an episode that never ended) go; the replicas changed."""
+        changed = []
+        for name, res in self.residents.items():
+            gone = [t for t, entry in res.items() if now - entry[1] > self.idle_s]
+            for t in gone:
+                del res[t]
+            if gone:
+                self._active.pop(name, None)
+                changed.append(name)
+        return changed
+
+    def hold(self, item: tuple, tid: str | None, home: str | None) -> None:
+        if tid is not None and self.is_resident(tid, home):
+            self.held_res.setdefault(home, []).append(item)
+        else:
+            heapq.heappush(self.held_new, item)
+
+    def release(self, name: str) -> list[tuple]:
+        """Held turns that a change on `name` may let through: its residents' and every new one."""
+        items = self.held_new + self.held_res.pop(name, [])
+        self.held_new = []
+        return items
