@@ -64,7 +64,9 @@ def crossover(sp: dict[str, dict[int, float]]) -> int | None:
 def table(result: dict) -> str:
     sp = speedups(result)
     names = list(next(iter(result["loads"].values())))
-    lines = ["| prompts x 8 | " + " | ".join(names) + " | work (turns / decode tok) | slowest trajectory's tool time |",
+    cfg = result["config"]
+    label = f"prompts x {cfg['group_size']}" if cfg["workload"] == "war" else "trace speed-up"
+    lines = [f"| {label} | " + " | ".join(names) + " | work (turns / decode tok) | slowest trajectory's tool time |",
              "|---" * (len(names) + 3) + "|"]
     for load, row in result["loads"].items():
         cells = [f"{row[n]['makespan_s']:.0f} s (x{sp[n][int(load)]:.2f})" if n in sp else f"{row[n]['makespan_s']:.0f} s"
@@ -93,7 +95,8 @@ def plot(result: dict, path: str | Path) -> None:
     ax.set_xscale("log", base=2)
     loads = sorted(int(p) for p in result["loads"])
     ax.set_xticks(loads, [str(p) for p in loads])
-    ax.set_xlabel(f"prompts per step (x {result['config']['group_size']} rollouts)")
+    ax.set_xlabel(f"prompts per step (x {result['config']['group_size']} rollouts)" if result["config"]["workload"] == "war"
+                  else "trace speed-up (arrival times divided by)")
     ax.set_ylabel("speedup of the step vs baseline (makespan)")
     ax.set_title(f"Simulated synchronous RL step: {result['profile']}, {result['config']['replicas']} replicas", fontsize=10)
     ax.axhline(1.0, color="black", lw=0.8)
