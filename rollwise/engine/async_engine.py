@@ -33,13 +33,14 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int] | GenerateRequest, params: SamplingParams | None = None,
                        request_id: str | None = None, **options) -> RequestOutput | GenerateOutput:
         """The finished output (finish_reason "abort" if it was aborted). options: `group_id` (the
-        prompt group, for drafting from siblings), `forced_output` (trace replay).
+        prompt group, for drafting from siblings), `forced_output` (trace replay), `session` (the
+        trajectory: its next turn extends this turn's drafting tree instead of rebuilding it).
 
         Given a `GenerateRequest` (the agent's `Generator` protocol) it returns a `GenerateOutput`."""
         if isinstance(prompt, GenerateRequest):
             req = prompt
             out = await self.generate(req.prompt_token_ids, req.params, req.request_id, group_id=req.group_id,
-                                      forced_output=req.forced_output)
+                                      forced_output=req.forced_output, session=req.trajectory_id)
             return GenerateOutput(token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=out.finish_reason,
                                   num_cached_tokens=out.num_cached_tokens, policy_version=out.policy_version,
                                   request_id=out.request_id)

@@ -64,11 +64,12 @@ class LLMEngine:
     # requests ------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     stream: bool = False, group_id: str | None = None,
-                    forced_output: list[int] | None = None) -> str:
+                    forced_output: list[int] | None = None, session: str | None = None) -> str:
         """Validate and queue a request; raises ValueError for input the engine cannot serve.
         `stream`: step() reports it after every token, not only when it finishes. `group_id`: its
         prompt group (siblings draft from each other). `forced_output`: trace replay — the model
-        runs for real but these tokens are emitted (and max_tokens is their number)."""
+        runs for real but these tokens are emitted (and max_tokens is their number). `session`: the
+        trajectory, whose next request's drafting tree extends this one's."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
@@ -95,7 +96,7 @@ class LLMEngine:
         seq.policy_version = self.policy_version  # weights may change while it runs; this is its oldest
         self.seqs[rid] = seq
         if self.spec is not None:
-            self.spec.start(rid, seq.prompt_token_ids, group_id)
+            self.spec.start(rid, seq.prompt_token_ids, group_id, session)
         self.stats["prompt_tokens"] += len(ids)
         if stream:
             self.streaming.add(rid)

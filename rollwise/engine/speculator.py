@@ -39,8 +39,8 @@ class Speculator:
             self.controller.observe_step(n, self.runner.time_forward(n))
 
     # lifecycle -----------------------------------------------------------------------------------
-    def start(self, request_id: str, prompt: list[int], group_id: str | None) -> None:
-        self.cache.start_request(request_id, prompt, group_id)
+    def start(self, request_id: str, prompt: list[int], group_id: str | None, session: str | None = None) -> None:
+        self.cache.start_request(request_id, prompt, group_id, session=session)
 
     def stop(self, request_id: str) -> None:
         self.cache.stop_request(request_id)

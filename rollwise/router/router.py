@@ -6,6 +6,8 @@ requests wait in one global queue ordered by the policy's priority. Every placem
 the prefix index at once (so siblings routed together see each other's prompt as cached) and
 reconciled with the cached-token count the replica reports. A replica that fails is marked
 unhealthy, its requests are retried elsewhere, and it rejoins when its /health answers again.
+For policies with a `kv_budget`, KV residency (`residency.py`) holds the turns of trajectories whose
+contexts would not stay in a replica's KV pool; a held turn still counts toward `queue_timeout_s`.
 """
 from __future__ import annotations
 

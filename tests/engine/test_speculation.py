@@ -124,3 +124,17 @@ def test_teacher_forcing_emits_the_trace_with_model_logprobs(model_dir):
     assert out2.logprobs == pytest.approx(out.logprobs, abs=1e-4)
     m = spec.metrics()
     assert m["spec_accepted_tokens"] >= 15 and m["num_steps"] < plain.metrics()["num_steps"]
+
+
+def test_a_trajectory_session_extends_its_drafting_tree_across_turns(model_dir):
+    eng = LLM(model_dir, speculative="suffix", spec_controller="always").engine
+    prompt, outs = _prompts(1, 6)[0], []
+    for turn in range(2):
+        out = [7, 8, 9, 10] * 5
+        eng.add_request(prompt, SamplingParams(temperature=0), forced_output=out, session="traj-1")
+        while eng.has_unfinished:
+            outs.extend(eng.step())
+        prompt = prompt + out + [3, 4, 5]
+    tree, tokens = eng.spec.cache._sessions["traj-1"]
+    assert tokens == prompt[:-3]  # both turns' prompts and outputs, the first tree extended, not rebuilt
+    assert [o.token_ids for o in outs if o.finished] == [[7, 8, 9, 10] * 5] * 2
