@@ -87,7 +87,7 @@ def make_replicas(cfg: SimConfig, spec: str, cost=None, **overrides) -> list[Sim
     return [SimReplica(f"sim{i}", cost, **kw) for i in range(cfg.replicas)]
 
 
-async def drive(router, trajectories: list[SimTrajectory], ttl_s: float | None = None) -> dict:
+async def drive(router, trajectories: list[SimTrajectory], ttl_s: float | None = None, bar=None) -> dict:
     """Release every trajectory (at its arrival time); each runs its turns in order with its tool
     latency in between. A turn that waited longer than the sandbox TTL ends its trajectory there."""
     loop = asyncio.get_running_loop()
@@ -105,6 +105,8 @@ async def drive(router, trajectories: list[SimTrajectory], ttl_s: float | None =
                 trajectory_id=t.trajectory_id, group_id=t.group_id, turn=k, forced_output=t.tokens[p:r]))
             lat.append(loop.time() - t0)
             acc["turns"] += 1
+            if bar is not None:
+                bar.update(1)
             acc["decode_tokens"] += r - p
             done = k + 1
             if ttl_s and lat[-1] > ttl_s and k < len(t.turns) - 1:
@@ -122,8 +124,10 @@ async def drive(router, trajectories: list[SimTrajectory], ttl_s: float | None =
 
 
 def simulate(cfg: SimConfig, config: str, trajectories: list[SimTrajectory], *, policy: str | None = None,
-             spec: str | None = None, cost=None, share_drafts: bool = True, **replica_overrides) -> dict:
-    """One step of `trajectories` under one configuration (or an explicit policy / spec mode)."""
+             spec: str | None = None, cost=None, share_drafts: bool = True, progress: bool = False,
+             **replica_overrides) -> dict:
+    """One step of `trajectories` under one configuration (or an explicit policy / spec mode).
+    `progress`: a live bar of turns done and simulated seconds (stderr)."""
     pol, sp = CONFIGS[config] if config in CONFIGS else (None, None)
     pol, sp = policy or pol, spec or sp
     if pol is None:
@@ -133,11 +137,15 @@ def simulate(cfg: SimConfig, config: str, trajectories: list[SimTrajectory], *, 
     options = {"capacity": cfg.max_inflight_per_replica} if pol == "war" else {}
 
     async def go():
+        from tqdm import tqdm
+        bar = tqdm(total=sum(len(t.turns) for t in trajectories), desc=f"  {config}", unit="turn", leave=False,
+                   disable=not progress)
         router = Router(replicas, make_policy(pol, **options), max_inflight_per_replica=cfg.max_inflight_per_replica,
                         queue_timeout_s=1e12, share_drafts=share_drafts)
         try:
-            return await drive(router, trajectories, cfg.sandbox_ttl_s), router.metrics()
+            return await drive(router, trajectories, cfg.sandbox_ttl_s, bar), router.metrics()
         finally:
+            bar.close()
             await router.close()
             for r in replicas:
                 r.close()

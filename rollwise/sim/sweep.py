@@ -22,7 +22,7 @@ def workload(cfg: SimConfig, load: int, pool=None) -> list:
                     context=cfg.context, turns=cfg.turns, obs_median=cfg.obs_median, latency=cfg.tool_latency)
 
 
-def sweep(cfg: SimConfig, log=print) -> dict:
+def sweep(cfg: SimConfig, log=print, progress: bool = True) -> dict:
     pool = task_pool(tau_groups()) if cfg.workload == "war" else None
     out = {"profile": cfg.profile, "config": dataclasses.asdict(cfg), "loads": {}, "tool_bound_s": {}}
     for load in cfg.loads:
@@ -34,7 +34,7 @@ def sweep(cfg: SimConfig, log=print) -> dict:
         row = {}
         for name in cfg.configs:
             t0 = time.perf_counter()
-            r = simulate(cfg, name, step)
+            r = simulate(cfg, name, step, progress=progress)
             row[name] = r
             base = row.get("baseline", r)["makespan_s"]
             log(f"  {name:<11}{r['makespan_s']:>10.1f} s  x{base / r['makespan_s']:.2f}  prefill {int(r['prefill_tokens']):>11,}"
