@@ -114,6 +114,14 @@ def run_sglang_router(model: str, step, args) -> dict | None:
             proc.wait(timeout=10)
 
 
+def kv_budget(step) -> tuple[int, int]:
+    """The live working set (distinct KV blocks of every trajectory's final context, shared
+    prefixes once) and the KV blocks per replica: 40% of it, so 2 replicas hold 80%."""
+    index = PrefixIndex(16)
+    working = len({h for t in step for h in index.hashes(t.turns[-1][0] + t.turns[-1][1])})
+    return working, max(int(working * 0.4), 256)
+
+
 class _Null:
     def __init__(self, name):
         self.name = name
@@ -176,10 +184,8 @@ def main() -> None:
     else:
         groups = load_groups(None, model, group_size=n_sib, limit=n_tasks * 4, system_chars=1500)
         step = replayed_step(groups[:n_tasks], max_turns=turns, max_response=resp, latency=(0.05, 0.5))
-    # the live working set: distinct KV blocks of every trajectory's final context (shared prefixes once)
-    index = PrefixIndex(16)
-    working = len({h for t in step for h in index.hashes(t.turns[-1][0] + t.turns[-1][1])})
-    args.kv_blocks = args.kv_blocks or max(int(working * 0.4), 256)  # 2 replicas hold 80% of it
+    working, blocks = kv_budget(step)
+    args.kv_blocks = args.kv_blocks or blocks
     print(f"{len(step)} trajectories ({n_tasks} prompts x {n_sib}), {sum(len(t.turns) for t in step)} turns; "
           f"live working set {working} distinct KV blocks, {args.kv_blocks} per replica")
     policies = [p for p in args.policies.split(",") if p]

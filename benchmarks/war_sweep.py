@@ -22,17 +22,12 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from rollwise.router.prefix_index import PrefixIndex  # noqa: E402
 from rollwise.router.workload import replayed_step, swe_step  # noqa: E402
 from rollwise.sim import sweep  # noqa: E402
 from rollwise.sim.run import SimConfig, simulate  # noqa: E402
 from rollwise.sim.workload import from_replay, synthetic_scale  # noqa: E402
 
-
-def router_kv_blocks(step) -> int:
-    """The router benchmark's KV budget per replica: 40% of the live working set."""
-    index = PrefixIndex(16)
-    return max(int(len({h for t in step for h in index.hashes(t.turns[-1][0] + t.turns[-1][1])}) * 0.4), 256)
+from router import kv_budget  # noqa: E402  (benchmarks/router.py: its KV budget per replica)
 
 
 def validate(measured: str, measured_tau: str | None) -> dict:
@@ -41,7 +36,7 @@ def validate(measured: str, measured_tau: str | None) -> dict:
                sandbox_ttl_s=0.0)
     m = json.loads(Path(measured).read_text())
     step = swe_step(8, 8, vocab=8000, seed=0, turns=(2, 10))  # router.py --workload swe (full)
-    cfg = SimConfig(kv_blocks=router_kv_blocks(step), **cpu)
+    cfg = SimConfig(kv_blocks=kv_budget(step)[1], **cpu)
     print(f"{'policy':<20}{'sim s':>8}{'real s':>8}{'error':>8}{'sim prefill':>13}{'real prefill':>13}")
     for p, real in m["policies"].items():
         r = simulate(cfg, p, from_replay(step), policy=p, spec="off")
@@ -58,7 +53,7 @@ def validate(measured: str, measured_tau: str | None) -> dict:
         groups = load_groups(None, model, group_size=4, limit=40, system_chars=1500)
         tau = replayed_step(groups[:10], max_turns=6, max_response=64, latency=(0.05, 0.5))
         t = json.loads(Path(measured_tau).read_text())["shared_drafts"]
-        cfg = SimConfig(kv_blocks=router_kv_blocks(tau), spec_max_tokens=16, **cpu)
+        cfg = SimConfig(kv_blocks=kv_budget(tau)[1], spec_max_tokens=16, **cpu)
         for share in ("off", "on"):
             r = simulate(cfg, "x", from_replay(tau), policy="least_load", spec="always", share_drafts=share == "on")
             real = t[share]["accepted_per_draft"]

@@ -33,19 +33,21 @@ class CostModel:
         if len(self.samples) >= 8:
             x = np.array([s[:3] for s in self.samples], dtype=float)
             y = np.array([s[3] for s in self.samples], dtype=float)
-            coef = _nnls(x, y)
+            coef = nnls(x, y)
             if coef is not None:
                 self.a, self.b, self.c = (float(v) for v in coef)
         return self.a, self.b, self.c
 
 
-def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray | None:
-    """Least squares with non-negative coefficients (drop negative ones and refit; 3 unknowns)."""
-    active = [0, 1, 2]
-    for _ in range(3):
+def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray | None:
+    """Least squares with non-negative coefficients: columns whose coefficient comes out negative
+    are dropped and the rest refit (few unknowns, so this simple active-set loop is enough)."""
+    n = x.shape[1]
+    active = list(range(n))
+    for _ in range(n):
         coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
         if (coef >= 0).all():
-            out = np.zeros(3)
+            out = np.zeros(n)
             out[active] = coef
             return out
         active = [a for a, c in zip(active, coef) if c > 0]

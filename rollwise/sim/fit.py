@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rollwise.router.cost_model import nnls
 from rollwise.sim.cost import LinearCost, StepWork, step_work
 
 GRID = [(b, ctx) for b in (1, 2, 4, 8, 16, 32) for ctx in (128, 512, 1536, 3072, 6144) if b * ctx <= 32 * 3072]
@@ -85,19 +86,12 @@ def load_trace(trace_dir: str) -> list[tuple[StepWork, float]]:
 def fit(samples: list[tuple[StepWork, float]]) -> LinearCost:
     """Non-negative least squares on relative error (short decode steps weigh as much as long
     prefill steps): terms whose coefficient comes out negative are dropped and the rest refit."""
-    terms = list(LinearCost.TERMS)
     x = np.array([[1.0, w.tokens, w.logits, w.seqs, w.kv_padded, w.attn_padded] for w, _ in samples])
     y = np.array([dt for _, dt in samples])
-    wts = 1.0 / y
-    active = list(range(len(terms)))
-    for _ in range(len(terms)):
-        coef, *_ = np.linalg.lstsq(x[:, active] * wts[:, None], y * wts, rcond=None)
-        if (coef >= 0).all():
-            break
-        active = [a for a, c in zip(active, coef) if c > 0]
-    full = dict.fromkeys(terms, 0.0)
-    for a, c in zip(active, coef):
-        full[terms[a]] = float(c)
+    coef = nnls(x / y[:, None], np.ones_like(y))  # rows scaled by 1/y: relative error
+    if coef is None:
+        raise ValueError("no non-negative fit of the step times")
+    full = {t: float(c) for t, c in zip(LinearCost.TERMS, coef)}
     return LinearCost(full, name="cpu-fitted")
 
 

@@ -41,6 +41,10 @@ class _Seq:
     def num_tokens(self) -> int:
         return self.prompt_len + self.emitted
 
+    def decodes(self, n: int) -> bool:
+        """Whether computing `n` tokens this step is a decode (one token after the prompt, sampled)."""
+        return n == 1 and self.computed + 1 == self.num_tokens and self.computed >= self.prompt_len
+
 
 class SimReplica:
     def __init__(self, name: str, cost, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
@@ -232,7 +236,7 @@ class SimReplica:
             out.append((seq, n))
             budget -= n
             admitted = True
-        decode_only = all(n == 1 and s.computed + 1 == s.num_tokens and s.computed >= s.prompt_len for s, n in out)
+        decode_only = all(s.decodes(n) for s, n in out)
         return out, decode_only and not admitted and not preempted and budget > 0
 
     def _stretch(self, batch) -> int:
@@ -252,7 +256,7 @@ class SimReplica:
         return lo
 
     def _propose(self, batch) -> dict[_Seq, tuple[list[int], list[int], str, float]]:
-        cands = [s for s, n in batch if n == 1 and s.computed + 1 == s.num_tokens and s.computed >= s.prompt_len]
+        cands = [s for s, n in batch if s.decodes(n)]
         if not cands:
             return {}
         drafts = self.cache.speculate_batch([s.rid for s in cands])
@@ -288,8 +292,8 @@ class SimReplica:
         for s, n in batch:
             if s.aborted or s.future.done():
                 continue
-            samples = s.computed + n == s.num_tokens
-            if n > 1 or s.computed < s.prompt_len or not samples:
+            samples, decode = s.computed + n == s.num_tokens, s.decodes(n)
+            if not decode:
                 st["prefill_tokens"] += n
             if not samples:
                 s.computed += n
@@ -305,10 +309,10 @@ class SimReplica:
                     st["decode_tokens"] += len(toks)
                     self.controller.observe_acceptance(source, score, a)
                     new = 1 + a
-                if n == 1 and s.computed >= s.prompt_len:
+                if decode:
                     st["decode_tokens"] += k
                 before = s.num_tokens
-                s.computed = s.num_tokens - 1 + new if n == 1 and s.computed >= s.prompt_len else s.computed + n
+                s.computed = s.num_tokens - 1 + new if decode else s.computed + n
                 s.emitted += new
                 emitted_total += new
                 if self.cache is not None:
