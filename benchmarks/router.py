@@ -7,10 +7,11 @@ time, p99 turn latency, and the work done (turns, decode tokens: equal across po
 Workloads: `tau` replays real tau-bench trajectories (trials of a task are GRPO siblings; every
 task shares the airline policy prompt); `swe` is SWE-like (8 prompts x 8 rollouts, a long task
 context per prompt shared by its siblings, 2-10 turns set by the task, long tool outputs). Tool
-latency 50-500 ms between turns. Each replica's KV budget is 40% of the live working set (distinct
-blocks of all final contexts), so the two replicas hold 80% of it and placement decides what is
-recomputed; the work done is read from the replicas' own counters and must match across runs. A control workload with no shared prefixes checks
-that locality policies do not lose to least_load there. Also measures the routing decision cost
+latency 50-500 ms between turns. Each replica's KV budget is `--kv-frac` (default 40%) of the live
+working set (distinct blocks of all final contexts), so the two replicas hold 80% of it (at 0.2,
+40%: most contexts cannot stay through their tool calls) and placement decides what is recomputed;
+the work done is read from the replicas' own counters and must match across runs. A control
+workload with no shared prefixes checks that locality policies do not lose to least_load there. Also measures the routing decision cost
 at 64 replicas and 10,000 live trajectories.
 """
 from __future__ import annotations
@@ -114,12 +115,12 @@ def run_sglang_router(model: str, step, args) -> dict | None:
             proc.wait(timeout=10)
 
 
-def kv_budget(step) -> tuple[int, int]:
+def kv_budget(step, fraction: float = 0.4) -> tuple[int, int]:
     """The live working set (distinct KV blocks of every trajectory's final context, shared
-    prefixes once) and the KV blocks per replica: 40% of it, so 2 replicas hold 80%."""
+    prefixes once) and the KV blocks per replica: `fraction` of it (0.4: 2 replicas hold 80%)."""
     index = PrefixIndex(16)
     working = len({h for t in step for h in index.hashes(t.turns[-1][0] + t.turns[-1][1])})
-    return working, max(int(working * 0.4), 256)
+    return working, max(int(working * fraction), 256)
 
 
 class _Null:
@@ -161,7 +162,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="finishes in under 5 minutes")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica (default: below the working set)")
+    ap.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica (default: --kv-frac of the working set)")
+    ap.add_argument("--kv-frac", type=float, default=0.4,
+                    help="each replica's KV as a share of the live working set (0.4: the fleet holds 80%%; 0.2: 40%%)")
     ap.add_argument("--tasks", type=int, help="prompts per step (override)")
     ap.add_argument("--siblings", type=int, help="rollouts per prompt (override; at most 4 for tau)")
     ap.add_argument("--turns", type=int, help="turns per trajectory at most (override)")
@@ -184,7 +187,7 @@ def main() -> None:
     else:
         groups = load_groups(None, model, group_size=n_sib, limit=n_tasks * 4, system_chars=1500)
         step = replayed_step(groups[:n_tasks], max_turns=turns, max_response=resp, latency=(0.05, 0.5))
-    working, blocks = kv_budget(step)
+    working, blocks = kv_budget(step, args.kv_frac)
     args.kv_blocks = args.kv_blocks or blocks
     print(f"{len(step)} trajectories ({n_tasks} prompts x {n_sib}), {sum(len(t.turns) for t in step)} turns; "
           f"live working set {working} distinct KV blocks, {args.kv_blocks} per replica")

@@ -4,7 +4,7 @@ with real agent text) under baseline (verl router, no speculation), spec_only, s
 rollwise; speedup = makespan ratio against baseline in the same sweep, with the work done alongside.
 
     python benchmarks/war_sweep.py [--quick | --smoke] [--profile h100-qwen3-32b-tp4] [--json PATH] [--plot PATH]
-    python benchmarks/war_sweep.py --validate [--measured results/router_swe.json] [--measured-tau results/router.json]
+    python benchmarks/war_sweep.py --validate [--measured results/router_swe.json] [--measured-tau results/router.json] [--kv-frac 0.4]
     python benchmarks/war_sweep.py --scale     # 64 replicas, 10,000 trajectories: simulator speed
 
 --validate runs the simulator on the CPU cost profile fitted from our engine (`rollwise.sim.fit`) with
@@ -30,13 +30,13 @@ from rollwise.sim.workload import from_replay, synthetic_scale  # noqa: E402
 from router import kv_budget  # noqa: E402  (benchmarks/router.py: its KV budget per replica)
 
 
-def validate(measured: str, measured_tau: str | None) -> dict:
+def validate(measured: str, measured_tau: str | None, kv_frac: float = 0.4) -> dict:
     out: dict = {"makespan": {}, "acceptance": {}}
     cpu = dict(profile="cpu-fitted", replicas=2, max_num_seqs=32, max_num_batched_tokens=1024, max_inflight_per_replica=32,
                sandbox_ttl_s=0.0)
     m = json.loads(Path(measured).read_text())
     step = swe_step(8, 8, vocab=8000, seed=0, turns=(2, 10))  # router.py --workload swe (full)
-    cfg = SimConfig(kv_blocks=kv_budget(step)[1], **cpu)
+    cfg = SimConfig(kv_blocks=kv_budget(step, kv_frac)[1], **cpu)
     print(f"{'policy':<20}{'sim s':>8}{'real s':>8}{'error':>8}{'sim prefill':>13}{'real prefill':>13}")
     for p, real in m["policies"].items():
         r = simulate(cfg, p, from_replay(step), policy=p, spec="off")
@@ -74,10 +74,11 @@ def main() -> None:
     ap.add_argument("--validate", action="store_true")
     ap.add_argument("--measured", default="results/router_swe.json")
     ap.add_argument("--measured-tau", default="results/router.json")
+    ap.add_argument("--kv-frac", type=float, default=0.4, help="the --kv-frac router.py measured --measured with")
     ap.add_argument("--scale", action="store_true")
     args = ap.parse_args()
     if args.validate:
-        res = validate(args.measured, args.measured_tau if Path(args.measured_tau).exists() else None)
+        res = validate(args.measured, args.measured_tau if Path(args.measured_tau).exists() else None, args.kv_frac)
     elif args.scale:
         cfg = SimConfig(profile=args.profile, replicas=64, max_num_seqs=256, max_inflight_per_replica=256)
         step = synthetic_scale(10_000, seed=0)

@@ -2,7 +2,9 @@
 pool, every context is evicted during its tool calls and recomputed at its next turn. Instead, the
 trajectories whose contexts fit `fraction` of the pool keep it ("active" residents, oldest first);
 turns of the others wait (held) until one ends, and a new trajectory is admitted only where every
-resident is active and its prompt fits. Siblings' shared prompt counts once. The router owns the
+resident is active and its prompt fits with everyone's expected growth (contexts grow by a
+response and a tool output every turn; admitting by today's sizes alone overfills the pool a few
+turns later and thrashes anyway). Siblings' shared prompt counts once. The router owns the
 queue; this keeps who is resident where and which held turns a change releases.
 """
 from __future__ import annotations
@@ -12,9 +14,14 @@ from collections.abc import Callable
 
 
 class Residency:
-    def __init__(self, fraction: float, capacity: Callable[[str], float], idle_s: float = 600.0) -> None:
+    def __init__(self, fraction: float, capacity: Callable[[str], float], idle_s: float = 600.0,
+                 growth_prior: float = 0.0) -> None:
         self.fraction, self.capacity, self.idle_s = fraction, capacity, idle_s
-        # replica -> trajectory -> [context tokens, last activity, group, its first prompt's tokens]
+        # contexts grow every turn (response + tool output): a new trajectory is admitted only where
+        # the residents' contexts still fit once each has grown by its expected remaining turns
+        self.growth = growth_prior  # EMA of context tokens added per turn (a prior until seen)
+        # replica -> trajectory -> [context tokens, last activity, group, its first prompt's tokens,
+        #                           context at its last turn's start, expected turns left]
         self.residents: dict[str, dict[str, list]] = {}
         self._active: dict[str, tuple[set[str], float]] = {}
         self.held_new: list[tuple] = []  # new trajectories waiting for a replica with room (a heap)
@@ -28,7 +35,7 @@ class Residency:
         got = self._active.get(name)
         if got is None:
             active, used, groups = set(), 0.0, set()
-            for tid, (tokens, _, group, shared) in self.residents.get(name, {}).items():
+            for tid, (tokens, _, group, shared, *_) in self.residents.get(name, {}).items():
                 if group is not None and group in groups:
                     tokens -= shared  # siblings share their prompt's KV blocks
                 if active and used + tokens > budget:
@@ -42,9 +49,11 @@ class Residency:
     def is_resident(self, tid: str, name: str | None) -> bool:
         return name is not None and tid in self.residents.get(name, {})
 
-    def allowed(self, tid: str, group: str | None, prompt_len: int, home: str | None, names: list[str]) -> list[str]:
+    def allowed(self, tid: str, group: str | None, prompt_len: int, home: str | None, names: list[str],
+                left_turns: float = 0.0) -> list[str]:
         """Where a turn may go now: home for an active resident, nowhere for a waiting one; for a new
-        trajectory, replicas whose residents are all active with room for its prompt (or empty)."""
+        trajectory (`left_turns` expected), replicas whose residents are all active with room for its
+        prompt and everyone's expected growth (or empty)."""
         if self.is_resident(tid, home):
             budget = self.budget(home)
             if budget is not None and tid not in self.active(home, budget)[0]:
@@ -58,12 +67,15 @@ class Residency:
                 continue
             active, used = self.active(n, budget)
             need = prompt_len if group is None or not any(e[2] == group for e in res.values()) else 0
+            need += self.growth * (left_turns + sum(e[5] for e in res.values()))
             if len(active) == len(res) and used + need <= budget:
                 out.append(n)
         return out
 
-    def admit(self, tid: str, name: str, tokens: int, group: str | None, first_turn: bool, now: float) -> None:
-        """`tid` is (or stays) resident on `name` with a context of `tokens`."""
+    def admit(self, tid: str, name: str, tokens: int, group: str | None, first_turn: bool, now: float,
+              left_turns: float | None = None) -> None:
+        """`tid` is (or stays) resident on `name` with a context of `tokens`; `left_turns` (its expected
+        turns after this one) is given when a turn starts."""
         for n, res in self.residents.items():
             if n != name and res.pop(tid, None) is not None:
                 self._active.pop(n, None)
@@ -71,9 +83,14 @@ class Residency:
         self._active.pop(name, None)
         entry = res.get(tid)
         if entry is None:  # a trajectory that starts here shares its first prompt with its group
-            res[tid] = [float(tokens), now, group, float(tokens) if first_turn else 0.0]
+            res[tid] = entry = [float(tokens), now, group, float(tokens) if first_turn else 0.0, float(tokens), 0.0]
         else:
+            if left_turns is not None and tokens > entry[4]:  # a new turn: what the last one added
+                self.growth = 0.9 * self.growth + 0.1 * (tokens - entry[4])
+                entry[4] = float(tokens)
             entry[0], entry[1] = max(entry[0], float(tokens)), now
+        if left_turns is not None:
+            entry[5] = max(left_turns, 0.0)
 
     def end(self, tid: str) -> list[str]:
         """The trajectory ended: the replicas whose residency changed."""

@@ -70,7 +70,7 @@ class Router:
         kv_budget = getattr(self.policy, "kv_budget", None)  # KV residency, for policies that want it
         self.residency = None if not kv_budget else Residency(
             kv_budget, lambda n: self.loads[n].kv_capacity_tokens if self.loads.get(n) is not None else 0.0,
-            getattr(self.policy, "resident_idle_s", 600.0))
+            getattr(self.policy, "resident_idle_s", 600.0), getattr(self.policy, "kv_growth_prior", 0.0))
         self.placements = deque(maxlen=100_000) if record_placements else None  # (trajectory, group, turn, replica)
         self.stats = {"requests": 0, "retries": 0, "failovers": 0, "decisions": 0, "decision_s": 0.0, "parked": 0,
                       "queued": 0, "prompt_tokens": 0, "matched_tokens": 0, "cached_tokens": 0, "held": 0}
@@ -235,7 +235,8 @@ class Router:
             tid = w.info.request.trajectory_id
             if self.residency is not None and tid is not None:
                 home = self.sticky.get(tid)
-                room = self.residency.allowed(tid, w.info.request.group_id, w.info.prompt_len, home, room)
+                room = self.residency.allowed(tid, w.info.request.group_id, w.info.prompt_len, home, room,
+                                              self._left_turns(w.info))
                 if not room:  # held until residency changes (a trajectory ends, a replica goes)
                     self.residency.hold(item, tid, home)
                     self.stats["held"] += 1
@@ -268,7 +269,7 @@ class Router:
         self.index.insert(name, w.hashes)  # predicted: siblings arriving next see it as cached
         if self.residency is not None and req.trajectory_id is not None:
             self.residency.admit(req.trajectory_id, name, w.info.prompt_len, req.group_id,
-                                 self.turns.get(req.trajectory_id, 0) == 0, self._now())
+                                 self.turns.get(req.trajectory_id, 0) == 0, self._now(), self._left_turns(w.info))
         if self.placements is not None:
             self.placements.append((req.trajectory_id, req.group_id, req.turn, name))
         tid = req.trajectory_id
@@ -278,6 +279,11 @@ class Router:
                 self._sync(name)
             self.sticky[tid] = name
         return name
+
+    def _left_turns(self, info) -> float:
+        """Turns expected after this one: finished siblings' count, else the policy's default."""
+        total = info.expected_turns if info.expected_turns is not None else getattr(self.policy, "default_turns", 4.0)
+        return max(total - info.turns_done - 1, 0.0)
 
     def _release(self, name: str, work: int) -> None:
         if name in self.inflight:

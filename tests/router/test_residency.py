@@ -27,12 +27,12 @@ def _episode(router, tid, base, log):
     return go()
 
 
-def _run(kv_budget):
+def _run(kv_budget, growth_prior=0.0):
     log = []
 
     async def main():
         rep = SimReplica("r", COST, num_kv_blocks=128)  # 2048 tokens of KV
-        router = Router([rep], Rollwise(kv_budget=kv_budget))
+        router = Router([rep], Rollwise(kv_budget=kv_budget, kv_growth_prior=growth_prior))
         await asyncio.gather(*(_episode(router, i, [100 + i] * 600, log) for i in range(3)))
         stats = dict(router.stats), rep.metrics()
         await router.close()
@@ -54,3 +54,36 @@ def test_when_contexts_outgrow_the_kv_budget_the_newest_resident_waits_and_nobod
     assert max(t for _, turn, ev, t in log2 if ev == "end" and turn == 1) < min(t1.values()) + 1.5
     assert rep["prefill_tokens"] < rep2["prefill_tokens"]
     assert rep["prefill_tokens"] <= 3 * 720 + 640 + 64  # each context once, the waiting one once more
+
+
+def test_admission_reserves_room_for_residents_growth_so_the_pool_is_not_overfilled_later():
+    # each turn adds 100 tokens (40 out + 60 tool output); three 600-token prompts fit 0.9 x 2048 today,
+    # but with 3 more turns' growth only two do: the third starts when one ends, and nothing is recomputed
+    log, (rstats, rep) = _run(0.9, growth_prior=100.0)
+    first = {tid: t for tid, turn, ev, t in log if ev == "start" and turn == 0}
+    ends = {tid: t for tid, turn, ev, t in log if ev == "end" and turn == 2}
+    served0 = {tid: t for tid, turn, ev, t in log if ev == "end" and turn == 0}
+    late = max(served0, key=served0.get)
+    assert sorted(served0.values())[1] < 0.2 < served0[late]  # two at once, the third held
+    assert served0[late] >= min(e for tid, e in ends.items() if tid != late)  # until one ended
+    assert len(ends) == 3 and rstats["held"] >= 1
+    assert rep["prefill_tokens"] <= 3 * 840  # every context computed once: no eviction, no recompute
+    _, (_, rep0) = _run(0.9)  # admitted by today's sizes: all three, then the pool overflows
+    assert rep0["prefill_tokens"] > rep["prefill_tokens"]
+    assert len(first) == 3
+
+
+def test_growth_estimate_learns_from_turns_and_counts_every_residents_remaining_turns():
+    from rollwise.router.residency import Residency
+    res = Residency(0.5, lambda n: 4000.0, growth_prior=100.0)  # budget 2000 tokens
+    assert res.allowed("a", "g1", 600, None, ["r"], left_turns=2) == ["r"]
+    res.admit("a", "r", 600, "g1", True, 0.0, left_turns=2)  # 600 + 2 x 100 expected
+    assert res.allowed("b", "g2", 600, None, ["r"], left_turns=2) == ["r"]  # 800 + 800 <= 2000
+    assert res.allowed("b", "g2", 600, None, ["r"], left_turns=7) == []  # 800 + 600 + 700 > 2000
+    assert res.allowed("b", "g1", 600, None, ["r"], left_turns=7) == ["r"]  # a sibling: its prompt is held
+    res.admit("a", "r", 1000, "g1", False, 1.0, left_turns=1)  # its next turn grew by 400
+    assert res.growth == 0.9 * 100 + 0.1 * 400
+    assert res.allowed("b", "g2", 600, None, ["r"], left_turns=2) == ["r"]  # 1000 + 600 + 130 x 3 <= 2000
+    res.admit("a", "r", 1200, "g1", False, 2.0)  # a completion: the size, not a new turn
+    assert res.growth == 0.9 * 100 + 0.1 * 400
+    assert res.allowed("b", "g2", 600, None, ["r"], left_turns=2) == []  # 1200 + 600 + 390 > 2000
