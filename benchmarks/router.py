@@ -86,6 +86,15 @@ def run_policy(model: str, policy: str, step, args, speculative: bool = False, s
             "fitted_cost_s": dict(zip(("per_prefill_token", "per_decode_token", "per_step"), router.cost_model.fit()))}
 
 
+def median_run(model: str, policy: str, step, args) -> dict:
+    """`--repeats` runs on fresh replicas; the median run by makespan, with every run's figures."""
+    runs = sorted((run_policy(model, policy, step, args) for _ in range(args.repeats)), key=lambda r: r["makespan_s"])
+    r = dict(runs[len(runs) // 2])
+    r["makespan_runs_s"] = [x["makespan_s"] for x in runs]
+    r["prefill_runs"] = [x["prefill_tokens"] for x in runs]
+    return r
+
+
 def run_sglang_router(model: str, step, args) -> dict | None:
     """sglang-router (Rust, cache_aware) in front of the same kind of replicas, if the peers venv has it."""
     import subprocess
@@ -196,11 +205,7 @@ def main() -> None:
     hdr = f"{'policy':<20}{'makespan s':>11}{'tok/s':>8}{'prefill tok':>12}{'hit rate':>9}{'busy max/mean':>15}{'p99 turn s':>11}{'turns':>7}{'decode tok':>11}"
     print(hdr)
     for p in policies:
-        runs = sorted((run_policy(model, p, step, args) for _ in range(args.repeats)), key=lambda r: r["makespan_s"])
-        r = dict(runs[len(runs) // 2])  # the median run by makespan
-        r["makespan_runs_s"] = [x["makespan_s"] for x in runs]
-        r["prefill_runs"] = [x["prefill_tokens"] for x in runs]
-        out["policies"][p] = r
+        r = out["policies"][p] = median_run(model, p, step, args)
         print(f"{p:<20}{r['makespan_s']:>11.2f}{r['tok_s']:>8.1f}{int(r['prefill_tokens']):>12}{r['hit_rate']:>9.2f}"
               f"{r['max_busy_s']:>8.1f}/{r['mean_busy_s']:<6.1f}{r['p99_turn_latency_s']:>11.2f}{r['turns']:>7}{r['decode_tokens']:>11}",
               flush=True)
@@ -222,9 +227,9 @@ def main() -> None:
     if not args.smoke:
         control = synthetic_step(n_tasks, n_sib, vocab=8000, seed=1)
         for p in [x for x in ("least_load", "rollwise") if x in policies]:
-            r = run_policy(model, p, control, args)
-            out["control"][p] = r
-            print(f"control (no shared prefixes) {p:<12} makespan {r['makespan_s']:.2f}s, prefill {int(r['prefill_tokens'])}")
+            r = out["control"][p] = median_run(model, p, control, args)
+            print(f"control (no shared prefixes) {p:<12} makespan {r['makespan_s']:.2f}s, prefill {int(r['prefill_tokens'])}"
+                  f" (runs: {', '.join(f'{x:.2f}' for x in r['makespan_runs_s'])})")
     if not args.smoke:  # shared drafting material: siblings spread by least_load, speculation on
         for share in (False, True):
             r = run_policy(model, "least_load", step, args, speculative=True, share=share)

@@ -19,6 +19,19 @@ DEMO_FULL = dict(sft_steps=2000, sft_tasks=8192, sft_direct_fraction=0.35, steps
                  lr=3e-4, max_staleness=1)
 DEMO_SMOKE = dict(sft_steps=2, sft_tasks=8, steps=2, groups_per_step=2, group_size=2, eval_tasks=4, max_tokens=16)
 DEMO_QUICK = dict(DEMO_FULL, steps=15, eval_tasks=100)  # reuses the full run's cached warm start
+DEMO_SFT = ("sft_steps", "sft_tasks", "sft_direct_fraction")  # the warm start's settings (its cache key)
+
+
+def demo_model() -> str:
+    """The demo's tiny model (built once; its warm starts are cached beside it, `DEMO_SFT_CACHE`)."""
+    from rollwise.make_model import make_model
+    if not (DEMO_DIR / "config.json").exists():
+        print(f"building a tiny model in {DEMO_DIR} ...", flush=True)
+        make_model(DEMO_DIR, **DEMO_MODEL)
+    return str(DEMO_DIR)
+
+
+DEMO_SFT_CACHE = str(DEMO_DIR.parent / "rl-demo-sft")
 
 
 def add_config_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
@@ -101,18 +114,13 @@ def cmd_bench_spec(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    """The main job on a tiny local model: SFT warm start on the calculator environment's expert
+    """The main job on a tiny local model: SFT warm start on the phonebook environment's
     transcripts, then asynchronous GRPO (staleness 1) with 2 in-process replicas behind the router,
     suffix speculation and weight sync after every step; evaluation on held-out tasks before and
     after RL. Last line: sft_success=<f> rl_success=<f>."""
     from rollwise.rl import TrainConfig, train
-    from rollwise.make_model import make_model
-    if not (DEMO_DIR / "config.json").exists():
-        print(f"building a tiny model in {DEMO_DIR} ...", flush=True)
-        make_model(DEMO_DIR, **DEMO_MODEL)
     size = DEMO_SMOKE if args.smoke else DEMO_QUICK if args.quick else DEMO_FULL
-    cfg = TrainConfig.from_dict({"model": str(DEMO_DIR), "seed": args.seed, "env": "phonebook",
-                                 "sft_cache": str(DEMO_DIR.parent / "rl-demo-sft"),
+    cfg = TrainConfig.from_dict({"model": demo_model(), "seed": args.seed, "env": "phonebook", "sft_cache": DEMO_SFT_CACHE,
                                  "run_dir": args.run_dir or f"runs/demo-{'quick' if args.quick else 'full'}-{args.seed}", **size})
     if Path(cfg.run_dir).exists() and not args.resume:
         import shutil

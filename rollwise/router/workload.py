@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from dataclasses import dataclass, field
 
 from rollwise.types import GenerateRequest, SamplingParams
@@ -23,6 +22,10 @@ class ReplayTrajectory:
     group_id: str
     turns: list[tuple[list[int], list[int]]]  # (prompt ids, response ids); each prompt extends the last
     tool_latency: list[float] = field(default_factory=list)  # seconds after each turn but the last
+    arrival_s: float = 0.0  # when its first turn is released
+
+    def turn(self, k: int) -> tuple[list[int], list[int]]:
+        return self.turns[k]
 
 
 def replayed_step(groups: list[list[list[tuple[list[int], list[int]]]]], *, max_turns: int, max_response: int,
@@ -77,29 +80,44 @@ def swe_step(num_groups: int, group_size: int, *, vocab: int, seed: int = 0, con
     return out
 
 
-async def run_step(generator, trajectories: list[ReplayTrajectory]) -> dict:
-    """Release every trajectory at once; each runs its turns in order (forced to the recorded tokens)
-    with its tool latency in between. Returns makespan, per-turn latencies and the work done."""
-    latencies: list[float] = []
+async def run_step(generator, trajectories, ttl_s: float | None = None, bar=None) -> dict:
+    """Release every trajectory (at its `arrival_s`); each runs its turns in order (forced to the
+    recorded tokens: `t.turn(k)` gives prompt and response ids) with its tool latency in between, and
+    ends with `end_trajectory` when the generator has one (the router). A turn that waited longer
+    than `ttl_s` (a sandbox's time to live) ends its trajectory there. Returns makespan, turn
+    latencies and the work done; time is the running loop's (virtual under the simulator)."""
+    loop = asyncio.get_running_loop()
+    lat: list[float] = []
+    acc = {"turns": 0, "decode_tokens": 0, "truncated": 0}
 
-    async def one(t: ReplayTrajectory) -> None:
-        for k, (prompt, resp) in enumerate(t.turns):
-            t0 = time.perf_counter()
+    async def one(t) -> None:
+        if t.arrival_s > 0:
+            await asyncio.sleep(t.arrival_s)
+        done = 0
+        for k in range(len(t.turns)):
+            prompt, resp = t.turn(k)
+            t0 = loop.time()
             await generator.generate(GenerateRequest(
                 prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=len(resp), ignore_eos=True),
                 trajectory_id=t.trajectory_id, group_id=t.group_id, turn=k, forced_output=resp))
-            latencies.append(time.perf_counter() - t0)
+            lat.append(loop.time() - t0)
+            acc["turns"] += 1
+            acc["decode_tokens"] += len(resp)
+            done = k + 1
+            if bar is not None:
+                bar.update(1)
+            if ttl_s and lat[-1] > ttl_s and k < len(t.turns) - 1:
+                acc["truncated"] += 1
+                break
             if k < len(t.tool_latency):
                 await asyncio.sleep(t.tool_latency[k])
         end = getattr(generator, "end_trajectory", None)
         if end is not None:
-            last_prompt, last_resp = t.turns[-1]
-            await end(t.trajectory_id, t.group_id, last_prompt + last_resp, len(t.turns))
+            await end(t.trajectory_id, t.group_id, [], done)
 
-    t0 = time.perf_counter()
+    t0 = loop.time()
     await asyncio.gather(*(one(t) for t in trajectories))
-    makespan = time.perf_counter() - t0
-    lat = sorted(latencies)
-    return {"makespan_s": makespan, "turns": len(lat), "decode_tokens": sum(len(r) for t in trajectories for _, r in t.turns),
+    lat.sort()
+    return {"makespan_s": loop.time() - t0, **acc,
             "p99_turn_latency_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else 0.0,
             "mean_turn_latency_s": sum(lat) / max(len(lat), 1)}

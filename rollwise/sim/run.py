@@ -11,7 +11,6 @@ Configurations compared (WAR's ablation, plus ours):
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 import tomllib
@@ -20,11 +19,11 @@ from pathlib import Path
 
 from rollwise.router.policies import make_policy
 from rollwise.router.router import Router
+from rollwise.router.workload import run_step
 from rollwise.sim.clock import run as run_virtual
 from rollwise.sim.cost import load_profile
 from rollwise.sim.replica import SimReplica
 from rollwise.sim.workload import SimTrajectory
-from rollwise.types import GenerateRequest, SamplingParams
 
 CONFIGS = {"baseline": ("verl", "off"), "spec_only": ("verl", "threshold"), "sched_only": ("war", "off"),
            "war": ("war", "threshold"), "rollwise": ("rollwise", "adaptive")}
@@ -87,42 +86,6 @@ def make_replicas(cfg: SimConfig, spec: str, cost=None, **overrides) -> list[Sim
     return [SimReplica(f"sim{i}", cost, **kw) for i in range(cfg.replicas)]
 
 
-async def drive(router, trajectories: list[SimTrajectory], ttl_s: float | None = None, bar=None) -> dict:
-    """Release every trajectory (at its arrival time); each runs its turns in order with its tool
-    latency in between. A turn that waited longer than the sandbox TTL ends its trajectory there."""
-    loop = asyncio.get_running_loop()
-    lat: list[float] = []
-    acc = {"turns": 0, "decode_tokens": 0, "truncated": 0}
-
-    async def one(t: SimTrajectory) -> None:
-        if t.arrival_s > 0:
-            await asyncio.sleep(t.arrival_s)
-        done = 0
-        for k, (p, r) in enumerate(t.turns):
-            t0 = loop.time()
-            await router.generate(GenerateRequest(
-                prompt_token_ids=t.tokens[:p], params=SamplingParams(temperature=0, max_tokens=r - p, ignore_eos=True),
-                trajectory_id=t.trajectory_id, group_id=t.group_id, turn=k, forced_output=t.tokens[p:r]))
-            lat.append(loop.time() - t0)
-            acc["turns"] += 1
-            if bar is not None:
-                bar.update(1)
-            acc["decode_tokens"] += r - p
-            done = k + 1
-            if ttl_s and lat[-1] > ttl_s and k < len(t.turns) - 1:
-                acc["truncated"] += 1
-                break
-            if k < len(t.tool_latency):
-                await asyncio.sleep(t.tool_latency[k])
-        await router.end_trajectory(t.trajectory_id, t.group_id, [], done)
-
-    t0 = loop.time()
-    await asyncio.gather(*(one(t) for t in trajectories))
-    lat.sort()
-    return {"makespan_s": loop.time() - t0, **acc,
-            "p99_turn_latency_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else 0.0}
-
-
 def simulate(cfg: SimConfig, config: str, trajectories: list[SimTrajectory], *, policy: str | None = None,
              spec: str | None = None, cost=None, share_drafts: bool = True, progress: bool = False,
              **replica_overrides) -> dict:
@@ -143,7 +106,7 @@ def simulate(cfg: SimConfig, config: str, trajectories: list[SimTrajectory], *, 
         router = Router(replicas, make_policy(pol, **options), max_inflight_per_replica=cfg.max_inflight_per_replica,
                         queue_timeout_s=1e12, share_drafts=share_drafts)
         try:
-            return await drive(router, trajectories, cfg.sandbox_ttl_s, bar), router.metrics()
+            return await run_step(router, trajectories, cfg.sandbox_ttl_s, bar), router.metrics()
         finally:
             bar.close()
             await router.close()

@@ -34,6 +34,10 @@ class SimTrajectory:
     def decode_tokens(self) -> int:
         return sum(r - p for p, r in self.turns)
 
+    def turn(self, k: int) -> tuple[list[int], list[int]]:
+        p, r = self.turns[k]
+        return self.tokens[:p], self.tokens[p:r]
+
 
 def from_replay(step) -> list[SimTrajectory]:
     """`ReplayTrajectory`s (each turn's prompt extends the previous turn's) to the compact form."""
