@@ -55,27 +55,39 @@ class PolicyModel:
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
     def logprobs(self, batch: Batch, temperature: float = 1.0, min_shared: int = 32) -> torch.Tensor:
-        """[B, L-1] log p(target) under the current weights at `temperature` (as the engine samples).
+        """[B, L-1] log p(target) under the current weights at `temperature` (as the engine samples),
+        at the generated positions (`batch.mask`); 0 elsewhere. The output head and softmax run only
+        there: on agent episodes most positions are prompt and tool output, and the head over the
+        vocabulary is the largest cost of a small model's step.
 
         Rows that start with the same tokens (a GRPO group's prompt; every episode's system prompt
         and tool schemas) have that prefix run once and its KV shared by the batch: exact (same
         logprobs and gradients, which flow back through the shared KV), and several times cheaper
-        when the prompt dominates. Logprobs of the shared part's own targets are left 0: none is a
-        generated token."""
+        when the prompt dominates."""
         p = batch.shared
+        body = self.model.get_decoder()  # the decoder without its output head
         if p < min_shared or batch.input_ids.shape[1] - p < 1:
-            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-            return _gather(logits, batch.targets, temperature)
+            h = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state[:, :-1]
+            return self._head(h, batch.targets, batch.mask, temperature)
         from transformers import DynamicCache
         n = batch.input_ids.shape[0]
         cache = DynamicCache(config=self.model.config)
-        pre = self.model(input_ids=batch.input_ids[:1, :p], use_cache=True, **{self._cache_kw: cache})
+        pre = body(input_ids=batch.input_ids[:1, :p], use_cache=True, **{self._cache_kw: cache}).last_hidden_state
         cache.batch_repeat_interleave(n)
-        rest = self.model(input_ids=batch.input_ids[:, p:], attention_mask=batch.attention_mask, use_cache=True,
-                          **{self._cache_kw: cache}).logits  # position p.. -> targets p..
-        logits = torch.cat([pre.logits[:, -1:].expand(n, 1, -1), rest[:, :-1]], dim=1)  # targets p-1..L-2
-        lp = _gather(logits, batch.targets[:, p - 1:], temperature)
+        rest = body(input_ids=batch.input_ids[:, p:], attention_mask=batch.attention_mask, use_cache=True,
+                    **{self._cache_kw: cache}).last_hidden_state  # position p.. -> targets p..
+        h = torch.cat([pre[:, -1:].expand(n, 1, -1), rest[:, :-1]], dim=1)  # targets p-1..L-2
+        lp = self._head(h, batch.targets[:, p - 1:], batch.mask[:, p - 1:], temperature)
         return torch.cat([lp.new_zeros(n, p - 1), lp], dim=1)
+
+    def _head(self, h: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+        sel = mask > 0
+        logits = self.model.get_output_embeddings()(h[sel]).float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        out = torch.zeros(targets.shape, dtype=logits.dtype)
+        out[sel] = torch.log_softmax(logits, dim=-1).gather(-1, targets[sel].unsqueeze(-1)).squeeze(-1)
+        return out
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """Detached copies under Hugging Face names (what `update_weights` of a replica takes)."""
@@ -86,12 +98,6 @@ class PolicyModel:
 
     def parameters(self):
         return self.model.parameters()
-
-
-def _gather(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    if temperature != 1.0:
-        logits = logits / temperature
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def micro_batches(trajs: list[Trajectory], max_tokens: int) -> list[list[Trajectory]]:
