@@ -5,10 +5,12 @@
 
 Environment: phonebook (the demo's) with tool latency 50-500 ms, log-normal (heavy tail, capped at
 2 s). Every configuration starts GRPO from the demo's SFT warm start (cached; built on first use,
-about 5 minutes), so rewards vary within groups and the trainer really trains (an untrained model
-earns reward 0 everywhere, and GRPO then has nothing to learn and no work to do). Reports per configuration: wall seconds per training step (after the first),
-trajectories/s, trainer idle fraction (waiting for rollouts), rollout idle fraction (no episode in
-flight), generated tokens, and the staleness actually seen.
+about 4.5 minutes), so rewards vary within groups and the trainer really trains (an untrained
+model earns reward 0 everywhere, and GRPO then has nothing to learn and no work to do). Reports
+per configuration: wall seconds per training step (after the first), trajectories/s, the
+trainer's own seconds per step, trainer idle fraction (waiting for rollouts), rollout idle
+fraction (no episode in flight), generated tokens, trajectories trained on, mean reward, and the
+staleness actually seen.
 """
 from __future__ import annotations
 

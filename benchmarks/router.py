@@ -11,8 +11,10 @@ latency 50-500 ms between turns. Each replica's KV budget is `--kv-frac` (defaul
 working set (distinct blocks of all final contexts), so the two replicas hold 80% of it (at 0.2,
 40%: most contexts cannot stay through their tool calls) and placement decides what is recomputed;
 the work done is read from the replicas' own counters and must match across runs. A control
-workload with no shared prefixes checks that locality policies do not lose to least_load there. Also measures the routing decision cost
-at 64 replicas and 10,000 live trajectories.
+workload with no shared prefixes checks that locality policies do not lose to least_load there.
+Also measures the routing decision cost at 64 replicas and 10,000 live trajectories.
+
+    python benchmarks/router.py --workload swe --kv-frac 0.2 --repeats 3   # high load (README)
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from rollwise.config import EngineConfig, ServerConfig  # noqa: E402
 DEMO_DIR = Path(os.environ.get("ROLLWISE_CACHE", Path.home() / ".cache" / "rollwise")) / "rl-demo-model"
 DEMO_MODEL = dict(family="qwen3", layers=2, hidden=128, heads=4, kv_heads=2, vocab=2048, seed=0)
 # SFT: a mix of tool-using and answer-at-once transcripts (see README); RL from reward then
-DEMO_FULL = dict(sft_steps=2000, sft_tasks=8192, sft_direct_fraction=0.35, steps=120, groups_per_step=8, group_size=8,
+DEMO_FULL = dict(sft_steps=2000, sft_tasks=8192, sft_direct_fraction=0.35, steps=240, groups_per_step=8, group_size=8,
                  lr=3e-4, max_staleness=1)
 DEMO_SMOKE = dict(sft_steps=2, sft_tasks=8, steps=2, groups_per_step=2, group_size=2, eval_tasks=4, max_tokens=16)
 DEMO_QUICK = dict(DEMO_FULL, steps=15, eval_tasks=100)  # reuses the full run's cached warm start

@@ -167,7 +167,8 @@ async def expert_trajectories(tokenizer, make_env, tasks: list[dict], direct_fra
     out = []
     async for g in collect(gen, make_env, tasks, SamplingParams(max_tokens=512), group_size=1):
         out.extend(g)
-    return out
+    order = {str(t["id"]): i for i, t in enumerate(tasks)}
+    return sorted(out, key=lambda t: order[str(t.task["id"])])  # task order, not completion order (reproducible)
 
 
 # the RL loop -------------------------------------------------------------------------------------
@@ -212,8 +213,9 @@ async def produce(cfg: TrainConfig, queue, router, make_env, tasks: list[dict], 
 def _sft_cache_path(cfg: TrainConfig) -> Path | None:
     if not cfg.sft_cache or cfg.sft_steps <= 0:
         return None
-    key = stable_seed(str(Path(cfg.model).resolve()), cfg.env, cfg.max_turns, cfg.sft_steps, cfg.sft_tasks, cfg.sft_lr,
-                      cfg.sft_batch, cfg.sft_direct_fraction, cfg.seed)
+    # "v2": transcripts in task order (before, in completion order: warm starts were not reproducible)
+    key = stable_seed("v2", str(Path(cfg.model).resolve()), cfg.env, cfg.max_turns, cfg.sft_steps, cfg.sft_tasks,
+                      cfg.sft_lr, cfg.sft_batch, cfg.sft_direct_fraction, cfg.seed)
     return Path(cfg.sft_cache) / f"sft-{key:016x}.pt"
 
 

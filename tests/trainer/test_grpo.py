@@ -106,3 +106,12 @@ def test_shared_prefix_forward_is_exact(model_dir):
     (a, ga), (c, gc) = grads
     assert torch.allclose(a, c, atol=1e-4)
     assert all(torch.allclose(x, y, atol=1e-5, rtol=1e-3) for x, y in zip(ga, gc))
+
+
+def test_expert_transcripts_come_in_task_order_whatever_finishes_first(model_dir):
+    """The SFT set (and so a warm start) must not depend on which episode's tools return first."""
+    tok = Tokenizer(model_dir)
+    tasks = make_env("phonebook").sample_tasks(24, seed=5)
+    runs = [asyncio.run(expert_trajectories(tok, lambda: make_env("phonebook"), tasks, 0.35, seed=0)) for _ in range(2)]
+    assert [t.task["id"] for t in runs[0]] == [t["id"] for t in tasks]
+    assert [t.token_ids for t in runs[0]] == [t.token_ids for t in runs[1]]
