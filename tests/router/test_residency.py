@@ -27,12 +27,13 @@ def _episode(router, tid, base, log):
     return go()
 
 
-def _run(kv_budget, growth_prior=0.0):
+def _run(kv_budget, growth_prior=0.0, work_conserving=False):
     log = []
 
     async def main():
         rep = SimReplica("r", COST, num_kv_blocks=128)  # 2048 tokens of KV
-        router = Router([rep], Rollwise(kv_budget=kv_budget, kv_growth_prior=growth_prior))
+        router = Router([rep], Rollwise(kv_budget=kv_budget, kv_growth_prior=growth_prior,
+                                        kv_work_conserving=work_conserving))
         await asyncio.gather(*(_episode(router, i, [100 + i] * 600, log) for i in range(3)))
         stats = dict(router.stats), rep.metrics()
         await router.close()
@@ -87,3 +88,14 @@ def test_growth_estimate_learns_from_turns_and_counts_every_residents_remaining_
     res.admit("a", "r", 1200, "g1", False, 2.0)  # a completion: the size, not a new turn
     assert res.growth == 0.9 * 100 + 0.1 * 400
     assert res.allowed("b", "g2", 600, None, ["r"], left_turns=2) == []  # 1200 + 600 + 390 > 2000
+
+
+def test_work_conserving_an_idle_replica_runs_held_turns_instead_of_waiting():
+    # the same step as above: the third trajectory is held while the others compute, but every
+    # trajectory spends most of its time in 1-second tool calls, when the replica has nothing to do
+    log, (rstats, _) = _run(0.9, growth_prior=100.0, work_conserving=True)
+    ends = {tid: t for tid, turn, ev, t in log if ev == "end" and turn == 2}
+    held_log, _ = _run(0.9, growth_prior=100.0)
+    held_ends = {tid: t for tid, turn, ev, t in held_log if ev == "end" and turn == 2}
+    assert len(ends) == 3 and max(ends.values()) < max(held_ends.values()) - 1.0  # no idle waiting
+    assert rstats["held"] >= 1  # it was held while the replica was busy

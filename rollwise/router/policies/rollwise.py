@@ -18,7 +18,8 @@ class Rollwise(Policy):
     def __init__(self, prefill_tok_s: float = 5000.0, step_s: float = 0.01, per_seq_s: float = 0.0004,
                  turn_s: float = 2.0, max_boost_s: float = 30.0, slack: int = 2,
                  default_turns: float = 4.0, sticky_slack: int = 8, kv_budget: float | None = 0.9,
-                 resident_idle_s: float = 600.0, kv_growth_prior: float = 128.0) -> None:
+                 resident_idle_s: float = 600.0, kv_growth_prior: float = 128.0,
+                 kv_work_conserving: bool = True) -> None:
         self.prefill_tok_s, self.step_s, self.per_seq_s, self.slack = prefill_tok_s, step_s, per_seq_s, slack
         self.default_turns, self.sticky_slack = default_turns, sticky_slack
         # KV residency (the router's mechanism): trajectories whose contexts fit kv_budget x a replica's
@@ -26,8 +27,9 @@ class Rollwise(Policy):
         # every turn when the live working set exceeds the KV pool (thrashing control); a new trajectory
         # is admitted only where the residents' contexts still fit after their expected remaining
         # turns, each adding what turns have added so far (EMA; until a turn is seen, kv_growth_prior
-        # tokens: about one response and one tool output)
+        # tokens: about one response and one tool output); an idle replica runs held turns anyway
         self.kv_budget, self.resident_idle_s, self.kv_growth_prior = kv_budget, resident_idle_s, kv_growth_prior
+        self.kv_work_conserving = kv_work_conserving
         self.turn_s, self.max_boost_s = turn_s, max_boost_s
 
     def calibrate(self, s_per_prefill_token: float, s_per_decode_token: float, s_per_step: float) -> None:
