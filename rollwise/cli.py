@@ -13,6 +13,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: spinn
 from rollwise.config import EngineConfig, ServerConfig  # noqa: E402
 
 DEMO_DIR = Path(os.environ.get("ROLLWISE_CACHE", Path.home() / ".cache" / "rollwise")) / "rl-demo-model"
+DEMO_SFT_CACHE = str(DEMO_DIR.parent / "rl-demo-sft")  # warm starts, keyed by their settings
 DEMO_MODEL = dict(family="qwen3", layers=2, hidden=128, heads=4, kv_heads=2, vocab=2048, seed=0)
 # SFT: a mix of tool-using and answer-at-once transcripts (see README); RL from reward then
 DEMO_FULL = dict(sft_steps=2000, sft_tasks=8192, sft_direct_fraction=0.35, steps=240, groups_per_step=8, group_size=8,
@@ -30,8 +31,6 @@ def demo_model() -> str:
         make_model(DEMO_DIR, **DEMO_MODEL)
     return str(DEMO_DIR)
 
-
-DEMO_SFT_CACHE = str(DEMO_DIR.parent / "rl-demo-sft")
 
 
 def add_config_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:

@@ -71,9 +71,11 @@ class Residency:
                 out.append(n)
                 continue
             active, used = self.active(n, budget)
+            if len(active) < len(res):  # a resident is waiting: no newcomer before it
+                continue
             need = prompt_len if group is None or not any(e[2] == group for e in res.values()) else 0
             need += self.growth * (left_turns + sum(e[5] for e in res.values()))
-            if len(active) == len(res) and used + need <= budget:
+            if used + need <= budget:
                 out.append(n)
         return out
 

@@ -236,9 +236,11 @@ class Router:
             tid = w.info.request.trajectory_id
             if self.residency is not None and tid is not None:
                 home = self.sticky.get(tid)
-                room = (self.residency.allowed(tid, w.info.request.group_id, w.info.prompt_len, home, room,
-                                               self._left_turns(w.info))
-                        or [n for n in room if self.inflight[n] == 0 and self.residency.work_conserving])
+                allowed = self.residency.allowed(tid, w.info.request.group_id, w.info.prompt_len, home, room,
+                                                 self._left_turns(w.info))
+                if not allowed and self.residency.work_conserving:  # an idle replica takes it anyway
+                    allowed = [n for n in room if self.inflight[n] == 0]
+                room = allowed
                 if not room:  # held until residency changes (a trajectory ends, a replica idles or goes)
                     self.residency.hold(item, tid, home)
                     self.stats["held"] += 1
