@@ -61,6 +61,9 @@ class TrainConfig:
     max_tokens: int = 64  # per turn
     max_turns: int = 4
     max_staleness: int = 1  # 0: synchronous (on-policy); k: rollouts up to k versions ahead
+    # reproducible run: each batch generated under one version (lockstep pipeline; k = 1 is one-step-off)
+    # and behaviour logprobs recomputed by the trainer; slower than the free-running pipeline
+    deterministic: bool = False
     max_concurrent_groups: int = 16
     episode_deadline_s: float = 60.0
     tool_latency: tuple[float, float] = (0.0, 0.0)  # seconds per tool call (simulated APIs): lo, hi
@@ -246,7 +249,8 @@ async def _train(cfg: TrainConfig) -> dict:
     train_tasks, sft_tasks, eval_tasks = task_sets(cfg, max(cfg.steps * cfg.groups_per_step * 2, 64))
     policy = PolicyModel(cfg.model, seed=cfg.seed)
     grpo = GRPOConfig(lr=cfg.lr, clip=cfg.clip, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef, temperature=cfg.temperature,
-                      loss_agg=cfg.loss_agg)
+                      loss_agg=cfg.loss_agg, behaviour="recompute" if cfg.deterministic else "rollout",
+                      keep_versions=cfg.max_staleness)
     report: dict = {"config": dataclasses.asdict(cfg), "steps": []}
     state = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
     status = Status(cfg.progress)
@@ -299,7 +303,7 @@ async def _train(cfg: TrainConfig) -> dict:
         left = [g for g in logged if g.seq not in used]  # complete before a crash, not trained on
         queue = GroupQueue(cfg.groups_per_step, cfg.max_staleness, version=trainer.version,
                            admitted=max([g.seq + 1 for g in logged] + [trainer.version * cfg.groups_per_step]),
-                           log_path=log_path)
+                           log_path=log_path, lockstep=cfg.deterministic)
         queue.restore(left)
         done_tasks = {g.task_index for g in logged}  # never generated twice; the rest run in order
         producer = asyncio.create_task(produce(cfg, queue, router, make_env, train_tasks, 0, done_tasks))
@@ -312,11 +316,15 @@ async def _train(cfg: TrainConfig) -> dict:
             t1 = time.perf_counter()
             m = await asyncio.to_thread(trainer.step, [g.trajectories for g in batch])
             train_s = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            if cfg.deterministic and len(history) + 1 < cfg.steps:
+                await queue.wait_generated()  # lockstep: weights change only between batches
+            lockstep_s = time.perf_counter() - t2
             await router.update_weights(policy.engine_weights(), trainer.version)
             await queue.commit(trainer.version)
             consumed += [g.seq for g in batch]
             lm = _fleet_metrics(router)
-            m.update(step=len(history), wait_s=wait_s, train_s=train_s, wall_s=time.perf_counter() - t_run,
+            m.update(step=len(history), wait_s=wait_s + lockstep_s, train_s=train_s, wall_s=time.perf_counter() - t_run,
                      group_versions=[g.version for g in batch], **lm)
             history.append(m)
             _save_checkpoint(ckpt_path, trainer, consumed, history,

@@ -11,6 +11,12 @@ later batch could not absorb within the bound (it waits for them: at most B), an
 with whichever groups are complete, oldest admission first, so stragglers do not stall training
 until the bound requires them. With k = 0 every step waits for exactly the groups admitted under its own
 weights: synchronous, on-policy RL. A group's version is the oldest version of any of its turns.
+
+Lockstep (`lockstep=True`, for reproducible runs): batch T is exactly groups T*B .. (T+1)*B - 1, and
+the trainer's new weights reach the replicas only once every group admitted under the old ones is
+complete (`wait_generated`), so each batch runs entirely under one version (T - k; verl's
+one-step-off pipeline when k = 1) and no turn's version depends on timing. A step then lasts
+max(rollout, training) instead of nearly (rollout + training) / 2 under the free-running rule.
 """
 from __future__ import annotations
 
@@ -54,10 +60,10 @@ class Group:
 
 class GroupQueue:
     def __init__(self, groups_per_step: int, max_staleness: int, *, version: int = 0, admitted: int | None = None,
-                 log_path: str | Path | None = None) -> None:
+                 log_path: str | Path | None = None, lockstep: bool = False) -> None:
         if groups_per_step < 1 or max_staleness < 0:
             raise ValueError("groups_per_step must be >= 1 and max_staleness >= 0")
-        self.B, self.k, self.version = groups_per_step, max_staleness, version
+        self.B, self.k, self.version, self.lockstep = groups_per_step, max_staleness, version, lockstep
         self.admitted = version * groups_per_step if admitted is None else admitted  # next admission index
         self.ready: dict[int, Group] = {}  # complete, not consumed: seq -> group
         self.pending: dict[int, int] = {}  # admitted, not complete: seq -> admitted version
@@ -122,7 +128,12 @@ class GroupQueue:
             need = max(need, sum(v <= t - self.k for _, v in left) - B * (t - T))
         return {s for s, _ in left[:need]}
 
+    def _lockstep_batch(self) -> list[int]:
+        return list(range(self.version * self.B, (self.version + 1) * self.B))
+
     def _batch_ready(self) -> bool:
+        if self.lockstep:
+            return all(s in self.ready for s in self._lockstep_batch())
         must = self._must()
         return all(s in self.ready for s in must) and len(self.ready) >= self.B
 
@@ -131,9 +142,12 @@ class GroupQueue:
         async with self._cond:
             await self._cond.wait_for(lambda: self._batch_ready() or self.error is not None)
             self._raise()
-            must = self._must()
-            rest = sorted(s for s in self.ready if s not in must)
-            seqs = sorted(must) + rest[: self.B - len(must)]
+            if self.lockstep:
+                seqs = self._lockstep_batch()
+            else:
+                must = self._must()
+                rest = sorted(s for s in self.ready if s not in must)
+                seqs = sorted(must) + rest[: self.B - len(must)]
             batch = [self.ready.pop(s) for s in seqs]
         for g in batch:
             stale = self.version - g.version
@@ -144,6 +158,15 @@ class GroupQueue:
                 self.stats["stale_groups"] += 1
                 self.stats["stale_trajectories"] += len(g.trajectories)
         return batch
+
+    async def wait_generated(self) -> None:
+        """Wait until every group the current version may admit has been admitted and is complete
+        (lockstep: only then may the replicas' weights change)."""
+        n = (self.version + self.k + 1) * self.B
+        async with self._cond:
+            await self._cond.wait_for(
+                lambda: (self.admitted >= n and not any(s < n for s in self.pending)) or self.error is not None)
+            self._raise()
 
     async def commit(self, version: int) -> None:
         """The step that used the last batch is done: the policy is now `version`; admit more."""

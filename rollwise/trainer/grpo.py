@@ -7,7 +7,11 @@ loss: token-level clipped policy gradient (decoupled PPO, as in AReaL). The prox
 trainer's weights at the start of the step; the rollout logprobs are the behaviour policy. The
 importance weight proximal/behaviour, truncated at `tis_cap`, corrects for stale samples (generated
 by older weights, or partly under newer ones); ratio current/proximal is clipped to 1 +- `clip`.
-Optional KL to a reference model (k3 estimator). Token losses are averaged over all generated
+With `behaviour="recompute"` the trainer computes the behaviour logprobs itself, under the weights
+of the version that generated each turn (it keeps the last `keep_versions` versions' weights):
+fresh tokens get weight exactly 1 and stale ones a weight that does not depend on the replicas'
+numerics (batch shapes, speculation), so a run is reproducible bit for bit. It needs every turn to
+have run under one version (the lockstep pipeline). Optional KL to a reference model (k3 estimator). Token losses are averaged over all generated
 tokens of the batch; AdamW, gradient clipping, micro-batches under a token budget.
 
 check: for samples whose every turn ran on the trainer's current version, the recomputed proximal
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +49,8 @@ class GRPOConfig:
     epochs: int = 1  # optimizer steps over each batch (PPO epochs)
     logprob_tolerance: float = 0.02  # mean |trainer - rollout| logprob allowed on fresh samples
     loss_agg: str = "token"  # "token": mean over all generated tokens; "sequence": per trajectory, then mean
+    behaviour: str = "rollout"  # behaviour logprobs: "rollout" (the replicas') or "recompute" (the trainer's)
+    keep_versions: int = 0  # "recompute": past versions' weights kept (the staleness bound)
 
 
 def advantages(groups: list[list[Trajectory]], scale: bool = True) -> list[float]:
@@ -66,6 +73,9 @@ class GRPOTrainer:
         self.policy, self.cfg = policy, config or GRPOConfig()
         if self.cfg.loss_agg not in ("token", "sequence"):
             raise ValueError(f"loss_agg must be 'token' or 'sequence', got {self.cfg.loss_agg!r}")
+        if self.cfg.behaviour not in ("rollout", "recompute"):
+            raise ValueError(f"behaviour must be 'rollout' or 'recompute', got {self.cfg.behaviour!r}")
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}  # version -> its weights ("recompute")
         self.opt = torch.optim.AdamW(policy.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.ref = copy.deepcopy(policy.model).eval() if self.cfg.kl_coef > 0 else None
         self.version = 0  # optimizer steps taken = the policy version the replicas should serve
@@ -86,15 +96,20 @@ class GRPOTrainer:
         batches = [(Batch.of(mb), torch.tensor([adv[id(t)] for t in mb], dtype=torch.float32)) for mb in mbs]
         with torch.no_grad():  # the proximal policy: these weights before this step
             prox = [self.policy.logprobs(b, cfg.temperature) for b, _ in batches]
+            behav = ([self._behaviour(mb, b, lp) for mb, (b, _), lp in zip(mbs, batches, prox)]
+                     if cfg.behaviour == "recompute" else [b.behaviour_logprobs for b, _ in batches])
         self._check(mbs, batches, prox, m)
+        if cfg.behaviour == "recompute" and cfg.keep_versions > 0:
+            self.kept[self.version] = {n: p.detach().clone() for n, p in self.policy.model.named_parameters()}
+            self.kept = {v: w for v, w in self.kept.items() if v > self.version - cfg.keep_versions}
         for _ in range(cfg.epochs):
             if not batches:
                 break
             stats = torch.zeros(4)
-            for (b, a), lp_prox in zip(batches, prox):
+            for (b, a), lp_prox, lp_behav in zip(batches, prox, behav):
                 lp = self.policy.logprobs(b, cfg.temperature)
                 ratio = torch.exp(lp - lp_prox)
-                w = torch.exp(lp_prox - b.behaviour_logprobs).clamp(max=cfg.tis_cap)  # truncated IS
+                w = torch.exp(lp_prox - lp_behav).clamp(max=cfg.tis_cap)  # truncated IS
                 A = a[:, None]
                 pg = -torch.minimum(ratio * A, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * A) * w
                 if self.ref is not None:
@@ -122,6 +137,35 @@ class GRPOTrainer:
         self.version += 1
         return m
 
+    def _behaviour(self, mb: list[Trajectory], b: Batch, prox: torch.Tensor) -> torch.Tensor:
+        """Each generated token's logprob under the weights of the version its turn ran under."""
+        ver = torch.full(b.mask.shape, self.version, dtype=torch.long)
+        for i, t in enumerate(mb):
+            for tr in t.turns:  # targets are shifted by one: token j is target j - 1
+                ver[i, tr.start - 1: tr.start - 1 + tr.num_generated] = tr.policy_version
+        out = prox.clone()
+        for u in sorted(set(ver[b.mask > 0].tolist()) - {self.version}):
+            if u not in self.kept:
+                raise ValueError(f"behaviour='recompute' needs the weights of version {u}; kept: {sorted(self.kept)} "
+                                 f"(keep_versions={self.cfg.keep_versions} must cover the staleness bound)")
+            with self._weights(self.kept[u]):
+                lp = self.policy.logprobs(b, self.cfg.temperature)
+            sel = ver == u
+            out[sel] = lp[sel]
+        return out
+
+    @contextmanager
+    def _weights(self, snapshot: dict[str, torch.Tensor]):
+        params = dict(self.policy.model.named_parameters())
+        saved = {n: params[n].data for n in snapshot}
+        try:
+            for n, w in snapshot.items():
+                params[n].data = w
+            yield
+        finally:
+            for n, w in saved.items():
+                params[n].data = w
+
     def _check(self, mbs, batches, prox, m) -> None:
         diffs, by_replica = [], {}
         for mb, (b, _), lp in zip(mbs, batches, prox):
@@ -144,12 +188,13 @@ class GRPOTrainer:
     # checkpoints ---------------------------------------------------------------------------------
     def state(self) -> dict:
         return {"model": self.policy.model.state_dict(), "optimizer": self.opt.state_dict(), "version": self.version,
-                "ref": self.ref.state_dict() if self.ref is not None else None}
+                "ref": self.ref.state_dict() if self.ref is not None else None, "kept": self.kept}
 
     def load_state(self, state: dict) -> None:
         self.policy.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
+        self.kept = state.get("kept") or {}
         if self.ref is not None and state.get("ref") is not None:
             self.ref.load_state_dict(state["ref"])
 

@@ -18,9 +18,10 @@ def _traj(versions: list[int], tid: str = "t") -> Trajectory:
                       logprobs=[0.0, -0.5], turns=turns, reward=1.0)
 
 
-async def _simulate(k: int, B: int, steps: int, seed: int, concurrency: int = 12) -> tuple[list, GroupQueue]:
+async def _simulate(k: int, B: int, steps: int, seed: int, concurrency: int = 12,
+                    lockstep: bool = False) -> tuple[list, GroupQueue]:
     rng = random.Random(seed)
-    q = GroupQueue(B, k)
+    q = GroupQueue(B, k, lockstep=lockstep)
     current = {"v": 0}  # the version the replicas serve (turns are stamped with it when they start)
 
     async def group() -> None:
@@ -49,6 +50,8 @@ async def _simulate(k: int, B: int, steps: int, seed: int, concurrency: int = 12
             used.append([(g.seq, q.version, g.version, [v for t in g.trajectories for v in t.policy_versions])
                          for g in batch])
             await asyncio.sleep(rng.uniform(0, 0.01))  # training
+            if lockstep:
+                await q.wait_generated()
             current["v"] = step + 1  # weight sync, then commit
             await q.commit(step + 1)
     finally:
@@ -76,6 +79,21 @@ def test_synchronous_mode_is_exactly_on_policy():
         for _, trainer_version, group_version, turn_versions in batch:
             assert group_version == trainer_version and set(turn_versions) == {trainer_version}
     assert q.stats["stale_groups"] == 0
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_lockstep_runs_each_batch_under_one_version_whatever_the_timing(k):
+    """Batch T is groups T*B.. (T+1)*B-1 and every turn of it ran under version max(0, T - k): what a
+    turn ran under does not depend on timing, so seeded runs repeat."""
+    for seed in (0, 1):
+        used, q = asyncio.run(_simulate(k, B=3, steps=12, seed=seed, lockstep=True))
+        for T, batch in enumerate(used):
+            assert [s for s, *_ in batch] == list(range(3 * T, 3 * T + 3))
+            for _, trainer_version, _, turn_versions in batch:
+                assert trainer_version == T and set(turn_versions) == {max(0, T - k)}
+    # the free-running rule mixes versions within a batch under the same timings (what lockstep removes)
+    used, _ = asyncio.run(_simulate(1, B=3, steps=12, seed=0))
+    assert any(len({v for *_, tv in batch for v in tv}) > 1 for batch in used)
 
 
 def test_admission_paces_producers():

@@ -115,3 +115,44 @@ def test_expert_transcripts_come_in_task_order_whatever_finishes_first(model_dir
     runs = [asyncio.run(expert_trajectories(tok, lambda: make_env("phonebook"), tasks, 0.35, seed=0)) for _ in range(2)]
     assert [t.task["id"] for t in runs[0]] == [t["id"] for t in tasks]
     assert [t.token_ids for t in runs[0]] == [t.token_ids for t in runs[1]]
+
+
+def _weights(policy: PolicyModel) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in policy.parameters()]
+
+
+def test_recomputed_behaviour_makes_a_step_independent_of_the_replicas_numerics(model_dir):
+    """The replicas' logprobs carry rounding noise (batch shapes, speculation); with the behaviour
+    recomputed by the trainer a step on fresh samples gives the same weights bit for bit."""
+    trajs = _sampled(model_dir, 8, seed=2)
+    noisy = _sampled(model_dir, 8, seed=2)
+    for t in noisy:
+        t.logprobs = [x + 1e-4 * (i % 3 - 1) if m else x for i, (x, m) in enumerate(zip(t.logprobs, t.loss_mask))]
+    for behaviour, same in (("recompute", True), ("rollout", False)):
+        out = []
+        for ts in (trajs, noisy):
+            policy = PolicyModel(model_dir)
+            GRPOTrainer(policy, GRPOConfig(lr=5e-3, behaviour=behaviour)).step([ts[i:i + 2] for i in range(0, 8, 2)])
+            out.append(_weights(policy))
+        assert all(torch.equal(a, b) for a, b in zip(*out)) == same, behaviour
+
+
+def test_recomputed_behaviour_of_stale_samples_uses_the_weights_that_generated_them(model_dir):
+    policy = PolicyModel(model_dir)
+    trainer = GRPOTrainer(policy, GRPOConfig(lr=5e-3, behaviour="recompute", keep_versions=1))
+    first, stale = _sampled(model_dir, 8, seed=2), _sampled(model_dir, 8, seed=3)  # both from version 0
+    trainer.step([first[i:i + 2] for i in range(0, 8, 2)])  # now version 1: `stale` is one version old
+    b = Batch.of(stale)
+    with torch.no_grad():
+        prox = policy.logprobs(b)
+        behaviour = trainer._behaviour(stale, b, prox)
+        v0 = PolicyModel(model_dir).logprobs(b)
+    assert torch.equal(behaviour * b.mask, v0 * b.mask)  # version 0's weights, exactly
+    assert not torch.allclose(prox * b.mask, v0 * b.mask)  # (the step did move them)
+    assert (behaviour - b.behaviour_logprobs).mul(b.mask).abs().max() < 1e-3  # what the engine sampled with
+    m = trainer.step([stale[i:i + 2] for i in range(0, 8, 2)])
+    assert m["stale_trajectories"] == 8 and m["max_staleness"] == 1
+    with pytest.raises(ValueError, match="keep_versions"):  # two versions old: not kept
+        trainer.step([first[i:i + 2] for i in range(0, 8, 2)])
+    with pytest.raises(ValueError, match="'rollout' or 'recompute'"):
+        GRPOTrainer(policy, GRPOConfig(behaviour="engine"))
