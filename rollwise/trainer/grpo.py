@@ -94,20 +94,23 @@ class GRPOTrainer:
              "is_weight_mean": 1.0, "clip_frac": 0.0, "logprob_diff": float("nan")}
         mbs = micro_batches(useful, cfg.micro_batch_tokens)
         batches = [(Batch.of(mb), torch.tensor([adv[id(t)] for t in mb], dtype=torch.float32)) for mb in mbs]
-        with torch.no_grad():  # the proximal policy: these weights before this step
-            prox = [self.policy.logprobs(b, cfg.temperature) for b, _ in batches]
-            behav = ([self._behaviour(mb, b, lp) for mb, (b, _), lp in zip(mbs, batches, prox)]
-                     if cfg.behaviour == "recompute" else [b.behaviour_logprobs for b, _ in batches])
-        self._check(mbs, batches, prox, m)
+        with torch.no_grad():  # behaviour logprobs of stale tokens under the weights that generated them
+            stale = ([self._stale(mb, b) for mb, (b, _) in zip(mbs, batches)] if cfg.behaviour == "recompute"
+                     else [None] * len(batches))
         if cfg.behaviour == "recompute" and cfg.keep_versions > 0:
             self.kept[self.version] = {n: p.detach().clone() for n, p in self.policy.model.named_parameters()}
             self.kept = {v: w for v, w in self.kept.items() if v > self.version - cfg.keep_versions}
-        for _ in range(cfg.epochs):
+        prox: list[torch.Tensor | None] = [None] * len(batches)
+        for epoch in range(cfg.epochs):
             if not batches:
                 break
             stats = torch.zeros(4)
-            for (b, a), lp_prox, lp_behav in zip(batches, prox, behav):
+            for j, ((b, a), st) in enumerate(zip(batches, stale)):
                 lp = self.policy.logprobs(b, cfg.temperature)
+                if prox[j] is None:  # the proximal policy: the weights before this step (the first
+                    prox[j] = lp.detach()  # epoch has not updated them: no separate forward needed)
+                lp_prox = prox[j]
+                lp_behav = b.behaviour_logprobs if st is None else torch.where(st[0] == self.version, lp_prox, st[1])
                 ratio = torch.exp(lp - lp_prox)
                 w = torch.exp(lp_prox - lp_behav).clamp(max=cfg.tis_cap)  # truncated IS
                 A = a[:, None]
@@ -129,6 +132,12 @@ class GRPOTrainer:
                 stats[0] += float(loss.detach())
                 stats[1] += float(((ratio.detach() - 1).abs() > cfg.clip).float().mul(b.mask).sum())
                 stats[3] += float((w.detach() * b.mask).sum())
+            if epoch == 0:  # before any update: a replica on other weights stops the step here
+                try:
+                    self._check(mbs, batches, prox, m)
+                except LogprobMismatch:
+                    self.opt.zero_grad(set_to_none=True)
+                    raise
             gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
@@ -137,22 +146,22 @@ class GRPOTrainer:
         self.version += 1
         return m
 
-    def _behaviour(self, mb: list[Trajectory], b: Batch, prox: torch.Tensor) -> torch.Tensor:
-        """Each generated token's logprob under the weights of the version its turn ran under."""
+    def _stale(self, mb: list[Trajectory], b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each target's policy version, and the logprobs of the tokens of older versions under the
+        weights of their version (0 at the current version's tokens: those are the proximal ones)."""
         ver = torch.full(b.mask.shape, self.version, dtype=torch.long)
         for i, t in enumerate(mb):
             for tr in t.turns:  # targets are shifted by one: token j is target j - 1
                 ver[i, tr.start - 1: tr.start - 1 + tr.num_generated] = tr.policy_version
-        out = prox.clone()
+        out = torch.zeros(b.mask.shape)
         for u in sorted(set(ver[b.mask > 0].tolist()) - {self.version}):
             if u not in self.kept:
                 raise ValueError(f"behaviour='recompute' needs the weights of version {u}; kept: {sorted(self.kept)} "
                                  f"(keep_versions={self.cfg.keep_versions} must cover the staleness bound)")
             with self._weights(self.kept[u]):
                 lp = self.policy.logprobs(b, self.cfg.temperature)
-            sel = ver == u
-            out[sel] = lp[sel]
-        return out
+            out = torch.where(ver == u, lp, out)
+        return ver, out
 
     @contextmanager
     def _weights(self, snapshot: dict[str, torch.Tensor]):

@@ -145,8 +145,9 @@ def test_recomputed_behaviour_of_stale_samples_uses_the_weights_that_generated_t
     b = Batch.of(stale)
     with torch.no_grad():
         prox = policy.logprobs(b)
-        behaviour = trainer._behaviour(stale, b, prox)
+        ver, behaviour = trainer._stale(stale, b)
         v0 = PolicyModel(model_dir).logprobs(b)
+    assert (ver[b.mask > 0] == 0).all()
     assert torch.equal(behaviour * b.mask, v0 * b.mask)  # version 0's weights, exactly
     assert not torch.allclose(prox * b.mask, v0 * b.mask)  # (the step did move them)
     assert (behaviour - b.behaviour_logprobs).mul(b.mask).abs().max() < 1e-3  # what the engine sampled with
