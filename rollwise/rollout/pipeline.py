@@ -17,6 +17,8 @@ the trainer's new weights reach the replicas only once every group admitted unde
 complete (`wait_generated`), so each batch runs entirely under one version (T - k; verl's
 one-step-off pipeline when k = 1) and no turn's version depends on timing. A step then lasts
 max(rollout, training) instead of nearly (rollout + training) / 2 under the free-running rule.
+A run resumed after a crash goes on with the oldest groups left (those lost in flight are not
+regenerated under their old numbers), so it is not bit-identical to an uninterrupted one.
 """
 from __future__ import annotations
 
@@ -129,11 +131,13 @@ class GroupQueue:
         return {s for s, _ in left[:need]}
 
     def _lockstep_batch(self) -> list[int]:
-        return list(range(self.version * self.B, (self.version + 1) * self.B))
+        """The B oldest unconsumed groups (T*B .. (T+1)*B - 1, unless a crash lost some in flight)."""
+        return sorted([*self.ready, *self.pending])[: self.B]
 
     def _batch_ready(self) -> bool:
         if self.lockstep:
-            return all(s in self.ready for s in self._lockstep_batch())
+            seqs = self._lockstep_batch()
+            return len(seqs) == self.B and all(s in self.ready for s in seqs)
         must = self._must()
         return all(s in self.ready for s in must) and len(self.ready) >= self.B
 

@@ -96,6 +96,23 @@ def test_lockstep_runs_each_batch_under_one_version_whatever_the_timing(k):
     assert any(len({v for *_, tv in batch for v in tv}) > 1 for batch in used)
 
 
+def test_lockstep_resume_with_groups_lost_in_flight_does_not_wait_for_them():
+    async def go():
+        q = GroupQueue(2, 1, version=1, admitted=6, lockstep=True)  # seqs 2, 3 were lost in flight
+        q.restore([Group(4, 4, {}, 1, [_traj([1])]), Group(5, 5, {}, 1, [_traj([1])])])
+        batch = await asyncio.wait_for(q.get_batch(), 1)
+        assert [g.seq for g in batch] == [4, 5]
+        await q.commit(2)
+        seqs = [(await q.admit())[0] for _ in range(2)]
+        waiting = asyncio.create_task(q.get_batch())
+        await asyncio.sleep(0.01)
+        assert seqs == [6, 7] and not waiting.done()  # the next batch waits for its groups to complete
+        for s in seqs:
+            await q.put(Group(s, s, {}, 2, [_traj([2])]))
+        assert [g.seq for g in await asyncio.wait_for(waiting, 1)] == [6, 7]
+    asyncio.run(go())
+
+
 def test_admission_paces_producers():
     async def go():
         q = GroupQueue(2, 1)

@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from rollwise.agent.envs import ENVS
@@ -68,10 +69,12 @@ def test_deterministic_runs_repeat_bit_for_bit(model_dir, tmp_path, monkeypatch)
     assert ra["rl_success"] == rb["rl_success"]
 
 
-def test_killed_trainer_resumes_without_losing_or_repeating_groups(model_dir, tmp_path):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_killed_trainer_resumes_without_losing_or_repeating_groups(model_dir, tmp_path, deterministic):
     run = tmp_path / "run"
     cfg = tmp_path / "cfg.toml"
-    lines = [f"model = {json.dumps(model_dir)}", f"run_dir = {json.dumps(str(run))}", "steps = 8", "max_staleness = 2"]
+    lines = [f"model = {json.dumps(model_dir)}", f"run_dir = {json.dumps(str(run))}", "steps = 8", "max_staleness = 2",
+             f"deterministic = {str(deterministic).lower()}"]
     lines += [f"{k} = {json.dumps(v) if not isinstance(v, bool) else str(v).lower()}" for k, v in TINY.items()]
     cfg.write_text("\n".join(lines) + "\n")
     cmd = [sys.executable, "-m", "rollwise.cli", "train", str(cfg)]
