@@ -11,8 +11,10 @@ With `behaviour="recompute"` the trainer computes the behaviour logprobs itself,
 of the version that generated each turn (it keeps the last `keep_versions` versions' weights):
 fresh tokens get weight exactly 1 and stale ones a weight that does not depend on the replicas'
 numerics (batch shapes, speculation), so a run is reproducible bit for bit. It needs every turn to
-have run under one version (the lockstep pipeline). Optional KL to a reference model (k3 estimator). Token losses are averaged over all generated
-tokens of the batch; AdamW, gradient clipping, micro-batches under a token budget.
+have run under one version (the lockstep pipeline). Optional KL to a reference model (k3
+estimator). Token losses are averaged over all generated tokens of the batch; AdamW, gradient
+clipping, micro-batches under a token budget. The proximal logprobs are those of the first epoch's
+training forward (no update has happened yet), so a step runs no separate forward for them.
 
 check: for samples whose every turn ran on the trainer's current version, the recomputed proximal
 logprobs must match the rollout logprobs; a mismatch means a replica is not serving the weights it
