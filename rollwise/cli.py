@@ -114,9 +114,10 @@ def cmd_bench_spec(args) -> None:
 
 def cmd_demo(args) -> None:
     """The main job on a tiny local model: SFT warm start on the phonebook environment's
-    transcripts, then asynchronous GRPO (staleness 1) with 2 in-process replicas behind the router,
-    suffix speculation and weight sync after every step; evaluation on held-out tasks before and
-    after RL. Last line: sft_success=<f> rl_success=<f>."""
+    transcripts, then asynchronous GRPO (staleness 1, the reproducible lockstep pipeline: the same
+    seed gives the same weights) with 2 in-process replicas behind the router, suffix speculation
+    and weight sync after every step; evaluation on held-out tasks before and after RL. Last line:
+    sft_success=<f> rl_success=<f>."""
     from rollwise.rl import TrainConfig, train
     size = DEMO_SMOKE if args.smoke else DEMO_QUICK if args.quick else DEMO_FULL
     cfg = TrainConfig.from_dict({"model": demo_model(), "seed": args.seed, "env": "phonebook", "sft_cache": DEMO_SFT_CACHE,
@@ -227,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     b.set_defaults(fn=cmd_bench_spec)
 
     p = sub.add_parser("demo", help="the main job: SFT + asynchronous GRPO on a tiny local model")
-    p.add_argument("--quick", action="store_true", help="a shorter run (under 3 minutes on 2 cores)")
+    p.add_argument("--quick", action="store_true",
+                   help="15 GRPO steps (20 s once the warm start is cached; a fresh machine first runs the SFT)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default=None)
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir instead of starting over")
