@@ -280,8 +280,10 @@ class SimReplica:
     def _work(self, batch, drafts) -> StepWork:
         entries = []
         for s, n in batch:
-            q = n + (len(drafts[s][0]) if s in drafts else 0)
-            entries.append((q, s.computed, q if s.computed + n == s.num_tokens else 0))
+            k = len(drafts[s][0]) if s in drafts else 0
+            # logits as our engine computes them: the last position of a sequence's tokens (a prefill
+            # chunk that ends its prompt needs one, not one per token), plus each draft token's
+            entries.append((n + k, s.computed, 1 + k if s.computed + n == s.num_tokens else 0))
         return step_work(entries)
 
     def _apply(self, batch, drafts, k: int, dt: float) -> None:

@@ -85,6 +85,19 @@ def test_decode_stretches_equal_single_steps_and_outputs_are_the_forced_tokens()
         assert t1 == pytest.approx(t2, rel=0.02)
 
 
+def test_step_work_counts_logits_as_the_engine_does():
+    """A prefill chunk that ends a prompt needs one logit (the engine's step traces count so), a
+    decode with k drafts 1 + k: counting one per prefill token overstated recomputation's cost."""
+    rep = SimReplica("r", LinearCost({"base_s": 1e-3, "per_logit_s": 1e-3}), num_kv_blocks=256,
+                     max_num_batched_tokens=64)
+    works = []
+    work = rep._work
+    rep._work = lambda batch, drafts: works.append(work(batch, drafts)) or works[-1]
+    run(_serve(rep, [_req(list(range(100)), [7] * 5)]))
+    assert [w.tokens for w in works[:2]] == [64, 36]  # two prefill chunks, then decode steps (a stretch)
+    assert [w.logits for w in works] == [0] + [1] * (len(works) - 1)  # the last chunk's one, one per decode
+
+
 def test_prefix_reuse_eviction_and_preemption():
     base = list(range(100, 164))
 
