@@ -75,9 +75,18 @@ def test_rollwise_keeps_siblings_together_at_low_load(servers, model_dir):
 def test_failover_loses_no_trajectory(model_dir):
     a, b = ServerProcess(model_dir, *ARGS, threads=1), ServerProcess(model_dir, *ARGS, threads=1)
     try:
-        router = Router([HttpReplica(a.url), HttpReplica(b.url)], "sticky_least_load", tokenizer=Tokenizer(model_dir),
+        rb = HttpReplica(b.url)
+        send = rb.generate
+
+        async def generate(request):  # b dies mid-step, holding trajectories whose later turns come to it
+            if request.turn and b.proc.poll() is None:
+                b.proc.kill()
+                b.proc.wait()
+            return await send(request)
+        rb.generate = generate
+        router = Router([HttpReplica(a.url), rb], "sticky_least_load", tokenizer=Tokenizer(model_dir),
                         health_interval_s=0.2)
-        trajs = run_groups(router, "frozenlake", n_tasks=6, group_size=2, on_start=b.proc.kill)
+        trajs = run_groups(router, "frozenlake", n_tasks=6, group_size=2)
         assert len(trajs) == 12 and all(t.status == "done" and t.reward == 1.0 for t in trajs)
         assert router.metrics()["failovers"] >= 1 and b.url not in router.healthy
     finally:
