@@ -32,7 +32,6 @@ def demo_model() -> str:
     return str(DEMO_DIR)
 
 
-
 def add_config_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
     for f in dataclasses.fields(cls):
         if f.name in skip:

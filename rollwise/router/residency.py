@@ -4,10 +4,9 @@ trajectories whose contexts fit `fraction` of the pool keep it ("active" residen
 turns of the others wait (held) until one ends, and a new trajectory is admitted only where every
 resident is active and its prompt fits with everyone's expected growth (contexts grow by a
 response and a tool output every turn; admitting by today's sizes alone overfills the pool a few
-turns later and thrashes anyway). Work-conserving: a replica with nothing in flight runs held
-turns anyway (short contexts and long tool calls would otherwise leave it idle for nothing).
-Siblings' shared prompt counts once. The router owns the
-queue; this keeps who is resident where and which held turns a change releases.
+turns later and thrashes anyway). Siblings' shared prompt counts once. The router owns the queue
+(and runs held turns on a replica with nothing in flight: work-conserving); this keeps who is
+resident where and which held turns a change releases.
 """
 from __future__ import annotations
 
@@ -17,11 +16,8 @@ from collections.abc import Callable
 
 class Residency:
     def __init__(self, fraction: float, capacity: Callable[[str], float], idle_s: float = 600.0,
-                 growth_prior: float = 0.0, work_conserving: bool = True) -> None:
+                 growth_prior: float = 0.0) -> None:
         self.fraction, self.capacity, self.idle_s = fraction, capacity, idle_s
-        # holding a turn is worth it only while its replica has other work: an idle replica (nothing
-        # in flight, e.g. every resident in a tool call) runs held turns rather than wait (the router)
-        self.work_conserving = work_conserving
         # contexts grow every turn (response + tool output): a new trajectory is admitted only where
         # the residents' contexts still fit once each has grown by its expected remaining turns
         self.growth = growth_prior  # EMA of context tokens added per turn (a prior until seen)

@@ -70,8 +70,10 @@ class Router:
         kv_budget = getattr(self.policy, "kv_budget", None)  # KV residency, for policies that want it
         self.residency = None if not kv_budget else Residency(
             kv_budget, lambda n: self.loads[n].kv_capacity_tokens if self.loads.get(n) is not None else 0.0,
-            getattr(self.policy, "resident_idle_s", 600.0), getattr(self.policy, "kv_growth_prior", 0.0),
-            getattr(self.policy, "kv_work_conserving", True))
+            getattr(self.policy, "resident_idle_s", 600.0), getattr(self.policy, "kv_growth_prior", 0.0))
+        # holding a turn is worth it only while its replica has other work: a replica with nothing in
+        # flight (e.g. every resident in a tool call) runs held turns rather than wait
+        self.work_conserving = self.residency is not None and getattr(self.policy, "kv_work_conserving", True)
         self.placements = deque(maxlen=100_000) if record_placements else None  # (trajectory, group, turn, replica)
         self.stats = {"requests": 0, "retries": 0, "failovers": 0, "decisions": 0, "decision_s": 0.0, "parked": 0,
                       "queued": 0, "prompt_tokens": 0, "matched_tokens": 0, "cached_tokens": 0, "held": 0}
@@ -238,7 +240,7 @@ class Router:
                 home = self.sticky.get(tid)
                 allowed = self.residency.allowed(tid, w.info.request.group_id, w.info.prompt_len, home, room,
                                                  self._left_turns(w.info))
-                if not allowed and self.residency.work_conserving:  # an idle replica takes it anyway
+                if not allowed and self.work_conserving:  # an idle replica takes it anyway
                     allowed = [n for n in room if self.inflight[n] == 0]
                 room = allowed
                 if not room:  # held until residency changes (a trajectory ends, a replica idles or goes)
@@ -294,7 +296,7 @@ class Router:
             self.inflight[name] -= 1
             self.inflight_tokens[name] -= work
             self._sync(name)
-            if self.inflight[name] == 0 and self.residency is not None and self.residency.work_conserving:
+            if self.inflight[name] == 0 and self.work_conserving:
                 self._unhold(name)  # an idle replica: held turns run there rather than wait
             parked = self._parked.get(name)
             while parked and self.inflight[name] < self.capacity and name in self.healthy:
