@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -76,11 +77,29 @@ def drive(router: Router, step, servers) -> dict:
             "accepted_per_draft": sum(x.get("accepted", 0) for x in m) / max(sum(x.get("drafts", 0) for x in m), 1)}
 
 
-def run_policy(model: str, policy: str, step, args, speculative: bool = False, share: bool = True) -> dict:
+@contextlib.contextmanager
+def traced(args, label: str):
+    """With --trace DIR, the replicas started inside record every engine step to DIR/label/
+    (`$ROLLWISE_STEP_TRACE`: what `python -m rollwise.sim.fit --trace` fits the simulator's profile on)."""
+    if not getattr(args, "trace", None):
+        yield
+        return
+    d = Path(args.trace) / label
+    d.mkdir(parents=True, exist_ok=True)
+    os.environ["ROLLWISE_STEP_TRACE"] = str(d)
+    try:
+        yield
+    finally:
+        os.environ.pop("ROLLWISE_STEP_TRACE", None)
+
+
+def run_policy(model: str, policy: str, step, args, speculative: bool = False, share: bool = True,
+               label: str | None = None) -> dict:
     serve_args = ("--max-num-seqs", "32", "--num-kv-blocks", str(args.kv_blocks), "--max-model-len", "8192")
     if speculative:
         serve_args += ("--speculative", "suffix", "--spec-controller", "always")
-    with ServerProcess(model, *serve_args, threads=1) as a, ServerProcess(model, *serve_args, threads=1) as b:
+    with traced(args, label or policy), ServerProcess(model, *serve_args, threads=1) as a, \
+            ServerProcess(model, *serve_args, threads=1) as b:
         router = Router([HttpReplica(a.url), HttpReplica(b.url)], policy, max_inflight_per_replica=32,
                         share_drafts=share)
         res = drive(router, step, (a, b))
@@ -88,9 +107,10 @@ def run_policy(model: str, policy: str, step, args, speculative: bool = False, s
             "fitted_cost_s": dict(zip(("per_prefill_token", "per_decode_token", "per_step"), router.cost_model.fit()))}
 
 
-def median_run(model: str, policy: str, step, args) -> dict:
+def median_run(model: str, policy: str, step, args, label: str | None = None) -> dict:
     """`--repeats` runs on fresh replicas; the median run by makespan, with every run's figures."""
-    runs = sorted((run_policy(model, policy, step, args) for _ in range(args.repeats)), key=lambda r: r["makespan_s"])
+    runs = sorted((run_policy(model, policy, step, args, label=label) for _ in range(args.repeats)),
+                  key=lambda r: r["makespan_s"])
     r = dict(runs[len(runs) // 2])
     r["makespan_runs_s"] = [x["makespan_s"] for x in runs]
     r["prefill_runs"] = [x["prefill_tokens"] for x in runs]
@@ -105,7 +125,8 @@ def run_sglang_router(model: str, step, args) -> dict | None:
         return None
     from rollwise.serve.process import free_port
     serve_args = ("--max-num-seqs", "32", "--num-kv-blocks", str(args.kv_blocks), "--max-model-len", "8192")
-    with ServerProcess(model, *serve_args, threads=1) as a, ServerProcess(model, *serve_args, threads=1) as b:
+    with traced(args, "sglang-router"), ServerProcess(model, *serve_args, threads=1) as a, \
+            ServerProcess(model, *serve_args, threads=1) as b:
         port = free_port()
         proc = subprocess.Popen([str(exe), "launch", "--worker-urls", a.url, b.url, "--policy", "cache_aware",
                                  "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
@@ -183,6 +204,8 @@ def main() -> None:
     ap.add_argument("--workload", choices=("tau", "swe"), default="tau",
                     help="tau: replayed tau-bench trajectories; swe: SWE-like groups with long shared task contexts")
     ap.add_argument("--json")
+    ap.add_argument("--trace", help="record every replica step under DIR/<policy>/ (to fit the simulator: "
+                                    "python -m rollwise.sim.fit MODEL --trace DIR/verl --trace ...)")
     args = ap.parse_args()
     model = cached_model("router-bench-model", family="llama", layers=2, hidden=128, heads=4, kv_heads=2,
                          vocab=8192, seed=0, max_positions=8192)
@@ -229,12 +252,13 @@ def main() -> None:
     if not args.smoke:
         control = synthetic_step(n_tasks, n_sib, vocab=8000, seed=1)
         for p in [x for x in ("least_load", "rollwise") if x in policies]:
-            r = out["control"][p] = median_run(model, p, control, args)
+            r = out["control"][p] = median_run(model, p, control, args, label=f"control-{p}")
             print(f"control (no shared prefixes) {p:<12} makespan {r['makespan_s']:.2f}s, prefill {int(r['prefill_tokens'])}"
                   f" (runs: {', '.join(f'{x:.2f}' for x in r['makespan_runs_s'])})")
     if not args.smoke:  # shared drafting material: siblings spread by least_load, speculation on
         for share in (False, True):
-            r = run_policy(model, "least_load", step, args, speculative=True, share=share)
+            r = run_policy(model, "least_load", step, args, speculative=True, share=share,
+                           label=f"speculating-shared-{'on' if share else 'off'}")
             out["shared_drafts"]["on" if share else "off"] = r
             print(f"speculating replicas, least_load, shared drafts {'on ' if share else 'off'}: accepted per draft "
                   f"{r['accepted_per_draft']:.2f}, {int(r['steps'])} engine steps, makespan {r['makespan_s']:.2f}s")

@@ -30,9 +30,9 @@ from rollwise.sim.workload import from_replay, synthetic_scale  # noqa: E402
 from router import kv_budget  # noqa: E402  (benchmarks/router.py: its KV budget per replica)
 
 
-def validate(measured: str, measured_tau: str | None, kv_frac: float = 0.4) -> dict:
-    out: dict = {"makespan": {}, "acceptance": {}}
-    cpu = dict(profile="cpu-fitted", replicas=2, max_num_seqs=32, max_num_batched_tokens=1024, max_inflight_per_replica=32,
+def validate(measured: str, measured_tau: str | None, kv_frac: float = 0.4, profile: str = "cpu-fitted") -> dict:
+    out: dict = {"profile": profile, "makespan": {}, "acceptance": {}}
+    cpu = dict(profile=profile, replicas=2, max_num_seqs=32, max_num_batched_tokens=1024, max_inflight_per_replica=32,
                sandbox_ttl_s=0.0)
     m = json.loads(Path(measured).read_text())
     step = swe_step(8, 8, vocab=8000, seed=0, turns=(2, 10))  # router.py --workload swe (full)
@@ -68,7 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="loads 4, 16, 64 with shorter episodes")
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--profile", default="h100-qwen3-32b-tp4")
+    ap.add_argument("--profile", help="default: h100-qwen3-32b-tp4 (sweep), cpu-fitted (--validate)")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     ap.add_argument("--validate", action="store_true")
@@ -78,9 +78,10 @@ def main() -> None:
     ap.add_argument("--scale", action="store_true")
     args = ap.parse_args()
     if args.validate:
-        res = validate(args.measured, args.measured_tau if Path(args.measured_tau).exists() else None, args.kv_frac)
+        res = validate(args.measured, args.measured_tau if Path(args.measured_tau).exists() else None, args.kv_frac,
+                       args.profile or "cpu-fitted")
     elif args.scale:
-        cfg = SimConfig(profile=args.profile, replicas=64, max_num_seqs=256, max_inflight_per_replica=256)
+        cfg = SimConfig(profile=args.profile or "h100-qwen3-32b-tp4", replicas=64, max_num_seqs=256, max_inflight_per_replica=256)
         step = synthetic_scale(10_000, seed=0)
         t0 = time.perf_counter()
         r = simulate(cfg, "baseline", step)
@@ -89,7 +90,7 @@ def main() -> None:
               f"simulated makespan {r['makespan_s']:.0f} s in {res['wall_s']:.1f} s of wall time "
               f"(routing decision {r['decision_us']:.0f} µs)")
     else:
-        kw = dict(profile=args.profile)
+        kw = dict(profile=args.profile or "h100-qwen3-32b-tp4")
         if args.smoke:
             kw.update(loads=(2,), turns=(2, 4), context=(256, 512), obs_median=64)
         elif args.quick:

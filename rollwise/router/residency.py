@@ -1,12 +1,14 @@
 """KV residency: thrashing control for agentic turns. When the live contexts exceed a replica's KV
 pool, every context is evicted during its tool calls and recomputed at its next turn. Instead, the
 trajectories whose contexts fit `fraction` of the pool keep it ("active" residents, oldest first);
-turns of the others wait (held) until one ends, and a new trajectory is admitted only where every
-resident is active and its prompt fits with everyone's expected growth (contexts grow by a
-response and a tool output every turn; admitting by today's sizes alone overfills the pool a few
-turns later and thrashes anyway). Siblings' shared prompt counts once. The router owns the queue
-(and runs held turns on a replica with nothing in flight: work-conserving); this keeps who is
-resident where and which held turns a change releases.
+turns of the others wait (held) until one ends, or run on another replica with room for their
+whole context. An active resident may move too, where the policy finds its home too crowded
+(residency does not pin a trajectory to a busier replica than its cost says). A new trajectory is
+admitted only where every resident is active and its prompt fits with everyone's expected growth
+(contexts grow by a response and a tool output every turn; admitting by today's sizes alone
+overfills the pool a few turns later and thrashes anyway). Siblings' shared prompt counts once.
+The router owns the queue (and runs held turns on a replica with nothing in flight:
+work-conserving); this keeps who is resident where and which held turns a change releases.
 """
 from __future__ import annotations
 
@@ -52,28 +54,32 @@ class Residency:
 
     def allowed(self, tid: str, group: str | None, prompt_len: int, home: str | None, names: list[str],
                 left_turns: float = 0.0) -> list[str]:
-        """Where a turn may go now: home for an active resident, nowhere for a waiting one; for a new
-        trajectory (`left_turns` expected), replicas whose residents are all active with room for its
-        prompt and everyone's expected growth (or empty)."""
+        """Where a turn may go now. A new trajectory (`left_turns` expected): replicas whose residents
+        are all active with room for its prompt and everyone's expected growth (or empty). A resident:
+        home while it is active there, and any other replica with room for its whole context (it
+        moves, and its KV budget at home goes to the next in line): the policy weighs recomputing the
+        context against a crowded home; a waiting resident runs elsewhere only where it fits."""
         if self.is_resident(tid, home):
             budget = self.budget(home)
-            if budget is not None and tid not in self.active(home, budget)[0]:
-                return []
-            return [home] if home in names else names
-        out = []
-        for n in names:
-            budget, res = self.budget(n), self.residents.get(n)
-            if budget is None or not res:
-                out.append(n)
-                continue
-            active, used = self.active(n, budget)
-            if len(active) < len(res):  # a resident is waiting: no newcomer before it
-                continue
-            need = prompt_len if group is None or not any(e[2] == group for e in res.values()) else 0
-            need += self.growth * (left_turns + sum(e[5] for e in res.values()))
-            if used + need <= budget:
-                out.append(n)
-        return out
+            if home not in names:  # home is full or gone: anywhere
+                return names
+            entry = self.residents[home][tid]
+            here = [home] if budget is None or tid in self.active(home, budget)[0] else []
+            return here + [n for n in names if n != home and self._fits(n, group, entry[0], entry[3], left_turns)]
+        return [n for n in names if self._fits(n, group, prompt_len, prompt_len, left_turns)]
+
+    def _fits(self, name: str, group: str | None, tokens: float, shared: float, left_turns: float) -> bool:
+        """Room on `name` for a context of `tokens` (of which `shared` is its group's prompt, held
+        once by siblings) growing for `left_turns` more turns, with every resident's growth."""
+        budget, res = self.budget(name), self.residents.get(name)
+        if budget is None or not res:
+            return True
+        active, used = self.active(name, budget)
+        if len(active) < len(res):  # a resident is waiting: no newcomer before it
+            return False
+        if group is not None and any(e[2] == group for e in res.values()):
+            tokens -= shared
+        return used + tokens + self.growth * (left_turns + sum(e[5] for e in res.values())) <= budget
 
     def admit(self, tid: str, name: str, tokens: int, group: str | None, first_turn: bool, now: float,
               left_turns: float | None = None) -> None:

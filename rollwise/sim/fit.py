@@ -5,8 +5,8 @@ produce — prefill chunks, decode at batch 1..32, contexts from 128 to 6k token
 step computed and how long `step()` took, and fit the profile's terms by non-negative least squares.
 
     python -m rollwise.sim.fit MODEL_DIR [--replicas 2] [--out rollwise/sim/profiles/cpu-fitted.toml]
-    ROLLWISE_STEP_TRACE=DIR python benchmarks/router.py --workload tau --quick   # steps under real serving
-    python -m rollwise.sim.fit MODEL_DIR --trace DIR
+    python benchmarks/router.py --workload swe --trace DIR ...   # steps under real serving, DIR/<policy>/
+    python -m rollwise.sim.fit MODEL_DIR --trace DIR/verl --trace DIR/round_robin ...
 
 Measured in isolation, steps come out ~20% faster than inside the router benchmark (there the
 replicas share the 2 cores with the router process and parse HTTP requests between steps), so the
@@ -26,6 +26,7 @@ import numpy as np
 from rollwise.router.cost_model import nnls
 from rollwise.sim.cost import LinearCost, StepWork, step_work
 
+FIT_LOSSES = ("seconds", "relative")
 GRID = [(b, ctx) for b in (1, 2, 4, 8, 16, 32) for ctx in (128, 512, 1536, 3072, 6144) if b * ctx <= 32 * 3072]
 
 
@@ -83,12 +84,18 @@ def load_trace(trace_dir: str) -> list[tuple[StepWork, float]]:
     return out
 
 
-def fit(samples: list[tuple[StepWork, float]]) -> LinearCost:
-    """Non-negative least squares on relative error (short decode steps weigh as much as long
-    prefill steps): terms whose coefficient comes out negative are dropped and the rest refit."""
+def fit(samples: list[tuple[StepWork, float]], loss: str = "seconds") -> LinearCost:
+    """Non-negative least squares (terms whose coefficient comes out negative are dropped and the
+    rest refit). `loss="seconds"`: on each step's error in seconds, so the total stays close (a
+    makespan is a sum of step times); `"relative"`: on relative error, so short decode steps weigh
+    as much as long prefill steps (a better median step, but it under-predicts the long ones: on
+    SWE traces its totals came out 7-25% low)."""
+    if loss not in FIT_LOSSES:
+        raise ValueError(f"loss must be one of {FIT_LOSSES}, got {loss!r}")
     x = np.array([[1.0, w.tokens, w.logits, w.seqs, w.kv_padded, w.attn_padded] for w, _ in samples])
     y = np.array([dt for _, dt in samples])
-    coef = nnls(x / y[:, None], np.ones_like(y))  # rows scaled by 1/y: relative error
+    wt = 1.0 / y if loss == "relative" else np.ones_like(y)
+    coef = nnls(x * wt[:, None], y * wt)
     if coef is None:
         raise ValueError("no non-negative fit of the step times")
     full = {t: float(c) for t, c in zip(LinearCost.TERMS, coef)}
@@ -101,24 +108,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "profiles" / "cpu-fitted.toml"))
     ap.add_argument("--replicas", type=int, default=2,
                     help="engines measured at once, one process each (the router benchmark runs 2 on 2 cores)")
-    ap.add_argument("--trace", help="fit on steps recorded with $ROLLWISE_STEP_TRACE=DIR instead of measuring")
+    ap.add_argument("--trace", action="append",
+                    help="fit on steps recorded with $ROLLWISE_STEP_TRACE=DIR instead of measuring (repeatable)")
+    ap.add_argument("--loss", choices=FIT_LOSSES, default="seconds")
     args = ap.parse_args(argv)
     if args.trace:
-        samples = load_trace(args.trace)
+        samples = [s for d in args.trace for s in load_trace(d)]
     else:
         from concurrent.futures import ProcessPoolExecutor
         with ProcessPoolExecutor(args.replicas) as pool:
             runs = list(pool.map(measure, [args.model] * args.replicas))
         samples = [s for run in runs for s in run]
-    cost = fit(samples)
+    cost = fit(samples, args.loss)
     pred = np.array([cost.step_s(w) for w, _ in samples])
     y = np.array([dt for _, dt in samples])
     err = np.abs(pred - y) / y
     print(f"{len(samples)} steps, {y.sum():.1f} s measured; median |error| {np.median(err):.1%}, "
           f"total predicted/measured {pred.sum() / y.sum():.3f}")
-    where = f"steps recorded in {args.trace}" if args.trace else f"steps measured, {args.replicas} engines at once"
+    where = f"steps recorded in {', '.join(args.trace)}" if args.trace else f"steps measured, {args.replicas} engines at once"
     lines = ["# Our engine on this CPU (1 thread per replica), fitted by `python -m rollwise.sim.fit`",
-             f"# on {len(samples)} {where} (model: {Path(args.model).name}); median |error| {np.median(err):.1%}.",
+             f"# (--loss {args.loss}) on {len(samples)} {where} (model: {Path(args.model).name});",
+             f"# median |error| per step {np.median(err):.1%}, total predicted / measured {pred.sum() / y.sum():.3f}.",
              'kind = "linear"', "block_size = 16", "", "[coef]"]
     lines += [f"{k} = {v:.6g}" for k, v in cost.coef.items()]
     Path(args.out).write_text("\n".join(lines) + "\n")

@@ -99,3 +99,18 @@ def test_work_conserving_an_idle_replica_runs_held_turns_instead_of_waiting():
     held_ends = {tid: t for tid, turn, ev, t in held_log if ev == "end" and turn == 2}
     assert len(ends) == 3 and max(ends.values()) < max(held_ends.values()) - 1.0  # no idle waiting
     assert rstats["held"] >= 1  # it was held while the replica was busy
+
+
+def test_a_resident_may_move_to_a_replica_with_room_for_its_whole_context():
+    from rollwise.router.residency import Residency
+    res = Residency(0.5, lambda n: 4000.0)  # budget 2000 tokens per replica
+    res.admit("a", "r1", 1500, "ga", True, 0.0, left_turns=0)
+    res.admit("b", "r1", 1000, "gb", True, 0.1, left_turns=0)  # over budget: b waits behind a
+    assert res.allowed("a", "ga", 1500, "r1", ["r1", "r2"]) == ["r1", "r2"]  # active: home, or away if the policy likes
+    assert res.allowed("b", "gb", 1000, "r1", ["r1", "r2"]) == ["r2"]  # waiting: only where it fits
+    res.admit("c", "r2", 1500, "gc", True, 0.2, left_turns=0)
+    assert res.allowed("b", "gb", 1000, "r1", ["r1", "r2"]) == []  # 1500 + 1000 > 2000 on r2 too: held
+    assert res.allowed("b", "gb", 1000, "r1", ["r2"]) == ["r2"]  # home full (no slot) or gone: anywhere
+    res.admit("b", "r2", 1000, "gb", False, 0.3)  # it moved: r1's budget is a's alone again
+    assert not res.is_resident("b", "r1") and res.is_resident("b", "r2")
+    assert res.allowed("d", "gd", 400, None, ["r1", "r2"]) == ["r1"]  # a newcomer fits beside a, not on r2

@@ -59,6 +59,23 @@ def test_fit_recovers_a_known_linear_cost():
         assert got.coef[k] == pytest.approx(v, rel=1e-3, abs=1e-12)
 
 
+def test_fit_in_seconds_keeps_the_total_where_a_relative_fit_underpredicts_long_steps():
+    # the engine's steps are not exactly linear (here long prefills cost superlinearly): a fit on
+    # relative error serves the many short steps and under-predicts the few long ones, so the sum of
+    # step times (a makespan) comes out low; a fit in seconds keeps the total
+    rng = random.Random(1)
+    samples = []
+    for _ in range(400):
+        w = step_work([(rng.choice([1, 1, 1, 1, 512]), rng.randrange(4000), 1) for _ in range(rng.randint(1, 16))])
+        samples.append((w, 1e-3 + 2e-7 * w.kv_padded + 5e-9 * w.tokens ** 2))
+    total = sum(dt for _, dt in samples)
+    pred = {loss: sum(fit(samples, loss).step_s(w) for w, _ in samples) for loss in ("seconds", "relative")}
+    assert pred["seconds"] == pytest.approx(total, rel=0.03)
+    assert pred["relative"] < 0.9 * total
+    with pytest.raises(ValueError, match="seconds"):
+        fit(samples, "mse")
+
+
 async def _serve(replica, reqs, gaps=None):
     loop = asyncio.get_running_loop()
 

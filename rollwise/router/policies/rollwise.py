@@ -1,7 +1,7 @@
 """rollwise's policy: one cost in seconds per replica, the expected time to serve this turn there —
 prefill of the part of the prompt it does not hold, plus max_tokens decode steps whose length grows
 with the replica's batch (continuous batching: a busier replica decodes every sequence slower),
-plus a penalty for KV pressure (a nearly full cache preempts someone to fit this request).
+plus a penalty for KV pressure (a nearly full cache preempts someone to fit what this request adds).
 Stickiness and sibling co-location come out of the prefix term: a trajectory moves only when the
 slower decode on its replica costs more than recomputing its context elsewhere. Crowding is
 charged for the trajectory's expected remaining turns, since they will follow it. The queue goes
@@ -19,7 +19,10 @@ class Rollwise(Policy):
                  turn_s: float = 2.0, max_boost_s: float = 30.0, slack: int = 2,
                  default_turns: float = 4.0, sticky_slack: int = 8, kv_budget: float | None = 0.9,
                  resident_idle_s: float = 600.0, kv_growth_prior: float = 128.0,
-                 kv_work_conserving: bool = True) -> None:
+                 kv_work_conserving: bool = True, move_tokens: int = 64) -> None:
+        # leaving a trajectory's home is charged this many prompt tokens more: the prefix index is
+        # block-granular, so smaller differences between replicas' cached prefixes are noise
+        self.move_tokens = move_tokens
         self.prefill_tok_s, self.step_s, self.per_seq_s, self.slack = prefill_tok_s, step_s, per_seq_s, slack
         self.default_turns, self.sticky_slack = default_turns, sticky_slack
         # KV residency (the router's mechanism): trajectories whose contexts fit kv_budget x a replica's
@@ -40,7 +43,8 @@ class Rollwise(Policy):
 
     def cost(self, info, c, least: int = 0) -> float:
         new = min(info.expected_new_tokens, info.request.params.max_tokens)
-        prefill = (info.prompt_len - c.matched) / self.prefill_tok_s
+        moving = info.sticky is not None and c.name != info.sticky
+        prefill = (info.prompt_len - c.matched + (self.move_tokens if moving else 0)) / self.prefill_tok_s
         # under continuous batching the decode work is the same wherever it runs; what a busier
         # replica costs is its longer steps once it is clearly busier than the least busy one
         # the trajectory's later turns will follow it here (their context is here): a crowded replica
@@ -50,7 +54,8 @@ class Rollwise(Policy):
         left = info.expected_turns - info.turns_done if info.expected_turns is not None else self.default_turns
         decode = new * (self.step_s + self.per_seq_s * excess * max(left, 1.0))
         kv = c.load.kv_usage if c.load is not None else 0.0
-        pressure = max(kv - 0.8, 0.0) / 0.2 * 2.0 * (info.prompt_len + new) / self.prefill_tok_s
+        # what it must allocate there (the part of the prompt not held, and its output) may preempt someone
+        pressure = max(kv - 0.8, 0.0) / 0.2 * 2.0 * (info.prompt_len - c.matched + new) / self.prefill_tok_s
         return prefill + decode + pressure
 
     def choose(self, info, cands):
