@@ -87,10 +87,21 @@ def test_router_benchmark_smoke(tmp_path):
 
 def test_router_benchmark_swe_workload_smoke(tmp_path):
     out = tmp_path / "router.json"
-    r = run("benchmarks/router.py", "--smoke", "--workload", "swe", "--policies", "verl,rollwise", "--json", str(out))
+    trace = tmp_path / "trace"
+    r = run("benchmarks/router.py", "--smoke", "--workload", "swe", "--policies", "verl,rollwise", "--json", str(out),
+            "--trace", str(trace))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())["policies"]
     assert res["verl"]["generated_tokens"] == res["rollwise"]["generated_tokens"] > 0  # counted by the replicas
+    # --trace: each policy's replicas recorded their steps apart, and the simulator's profile fits on them
+    steps = [line for f in (trace / "verl").glob("steps-*.jsonl") for line in f.read_text().splitlines()]
+    assert len(list((trace / "verl").glob("steps-*.jsonl"))) == 2 and len(steps) == res["verl"]["steps"]
+    assert list((trace / "rollwise").glob("steps-*.jsonl"))
+    prof = tmp_path / "fitted.toml"
+    r = run("-m", "rollwise.sim.fit", "router-bench-model", "--trace", str(trace / "verl"), "--trace",
+            str(trace / "rollwise"), "--out", str(prof))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[coef]" in prof.read_text() and "--loss seconds" in prof.read_text()
 
 
 def test_pipeline_benchmark_smoke(tmp_path):
