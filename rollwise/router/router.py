@@ -41,6 +41,7 @@ class Router:
                  health_interval_s: float = 1.0, load_interval_s: float = 0.5, queue_timeout_s: float = 600.0,
                  share_drafts: bool = True, record_placements: bool = False) -> None:
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.policy.attach(max_inflight_per_replica)
         self.tokenizer = tokenizer
         self.capacity, self.max_retries = max_inflight_per_replica, max_retries
         self.health_interval_s, self.load_interval_s = health_interval_s, load_interval_s

@@ -97,13 +97,12 @@ def simulate(cfg: SimConfig, config: str, trajectories: list[SimTrajectory], *, 
         raise ValueError(f"unknown config {config!r}; valid: {list(CONFIGS)} (or pass policy= and spec=)")
     wall = time.perf_counter()
     replicas = make_replicas(cfg, sp, cost, **replica_overrides)
-    options = {"capacity": cfg.max_inflight_per_replica} if pol == "war" else {}
 
     async def go():
         from tqdm import tqdm
         bar = tqdm(total=sum(len(t.turns) for t in trajectories), desc=f"  {config}", unit="turn", leave=False,
                    disable=not progress)
-        router = Router(replicas, make_policy(pol, **options), max_inflight_per_replica=cfg.max_inflight_per_replica,
+        router = Router(replicas, make_policy(pol), max_inflight_per_replica=cfg.max_inflight_per_replica,
                         queue_timeout_s=1e12, share_drafts=share_drafts)
         try:
             return await run_step(router, trajectories, cfg.sandbox_ttl_s, bar), router.metrics()

@@ -71,6 +71,19 @@ def test_war_switches_rules_with_load():
     assert p.choose(info(sticky="a"), high) == "b"  # high load: best cache hit
 
 
+def test_war_measures_load_against_what_its_router_sends_a_replica():
+    from rollwise.router.router import Router
+
+    class _R:
+        def __init__(self, name):
+            self.name = name
+    p = Router([_R("a"), _R("b")], "war", max_inflight_per_replica=8).policy
+    assert p.capacity == 8  # not a fixed default: 2 replicas x 8 slots, high load above 8 in flight
+    mid = [cand("a", inflight=5), cand("b", inflight=4, matched=100)]
+    assert p.choose(info(sticky="a"), mid) == "b"  # 9 > 0.5 x 8 x 2: high load
+    assert Router([_R("a")], make_policy("war", capacity=100), max_inflight_per_replica=8).policy.capacity == 100
+
+
 def test_every_policy_is_registered_and_bad_names_fail():
     assert set(POLICIES) == {"round_robin", "least_load", "verl", "sticky_least_load", "sglang_cache_aware", "dynamo",
                              "war", "rollwise"}

@@ -38,6 +38,9 @@ class Policy:
     def priority(self, info: RouteInfo) -> float:
         return info.arrival  # FIFO
 
+    def attach(self, max_inflight_per_replica: int) -> None:
+        """Called by the router that uses this policy, with the requests it sends a replica at most."""
+
     def park(self, info: RouteInfo) -> bool:
         """When the replica holding this trajectory's context is full: wait for a slot there
         (True) rather than go elsewhere now."""

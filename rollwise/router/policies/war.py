@@ -9,13 +9,19 @@ from rollwise.router.policies.base import Policy, least_loaded
 class War(Policy):
     name = "war"
 
-    def __init__(self, load_threshold: float = 0.5, capacity: int = 64, turn_s: float = 1.0) -> None:
+    def __init__(self, load_threshold: float = 0.5, capacity: int | None = None, turn_s: float = 1.0) -> None:
+        # high load: more than load_threshold x capacity requests in flight per replica; capacity
+        # defaults to the router's max_inflight_per_replica (what a replica can take from it)
         self.threshold, self.capacity, self.turn_s = load_threshold, capacity, turn_s
         self.high = False
 
+    def attach(self, max_inflight_per_replica: int) -> None:
+        if self.capacity is None:
+            self.capacity = max_inflight_per_replica
+
     def choose(self, info, cands):
         total = sum(c.inflight for c in cands)
-        self.high = total > self.threshold * self.capacity * len(cands)
+        self.high = total > self.threshold * (self.capacity or 64) * len(cands)
         names = {c.name for c in cands}
         if not self.high:
             return info.sticky if info.sticky in names else least_loaded(cands).name
