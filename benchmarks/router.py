@@ -15,6 +15,9 @@ workload with no shared prefixes checks that locality policies do not lose to le
 Also measures the routing decision cost at 64 replicas and 10,000 live trajectories.
 
     python benchmarks/router.py --workload swe --kv-frac 0.2 --repeats 3   # high load (README)
+
+`--trace DIR` records every replica step under DIR/<policy>/ (what the simulator's CPU profile is
+fitted on: `python -m rollwise.sim.fit MODEL --trace DIR/verl ...`).
 """
 from __future__ import annotations
 

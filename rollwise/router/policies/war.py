@@ -11,7 +11,7 @@ class War(Policy):
 
     def __init__(self, load_threshold: float = 0.5, capacity: int | None = None, turn_s: float = 1.0) -> None:
         # high load: more than load_threshold x capacity requests in flight per replica; capacity
-        # defaults to the router's max_inflight_per_replica (what a replica can take from it)
+        # defaults to the router's max_inflight_per_replica (what a replica can take from it; 64 without one)
         self.threshold, self.capacity, self.turn_s = load_threshold, capacity, turn_s
         self.high = False
 
