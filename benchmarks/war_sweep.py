@@ -77,11 +77,12 @@ def main() -> None:
     ap.add_argument("--kv-frac", type=float, default=0.4, help="the --kv-frac router.py measured --measured with")
     ap.add_argument("--scale", action="store_true")
     args = ap.parse_args()
+    gpu_profile = args.profile or "h100-qwen3-32b-tp4"
     if args.validate:
         res = validate(args.measured, args.measured_tau if Path(args.measured_tau).exists() else None, args.kv_frac,
                        args.profile or "cpu-fitted")
     elif args.scale:
-        cfg = SimConfig(profile=args.profile or "h100-qwen3-32b-tp4", replicas=64, max_num_seqs=256, max_inflight_per_replica=256)
+        cfg = SimConfig(profile=gpu_profile, replicas=64, max_num_seqs=256, max_inflight_per_replica=256)
         step = synthetic_scale(10_000, seed=0)
         t0 = time.perf_counter()
         r = simulate(cfg, "baseline", step)
@@ -90,7 +91,7 @@ def main() -> None:
               f"simulated makespan {r['makespan_s']:.0f} s in {res['wall_s']:.1f} s of wall time "
               f"(routing decision {r['decision_us']:.0f} µs)")
     else:
-        kw = dict(profile=args.profile or "h100-qwen3-32b-tp4")
+        kw = dict(profile=gpu_profile)
         if args.smoke:
             kw.update(loads=(2,), turns=(2, 4), context=(256, 512), obs_median=64)
         elif args.quick:

@@ -17,7 +17,6 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollwise.router.policies import make_policy
 from rollwise.router.router import Router
 from rollwise.router.workload import run_step
 from rollwise.sim.clock import run as run_virtual
@@ -102,7 +101,7 @@ def simulate(cfg: SimConfig, config: str, trajectories: list[SimTrajectory], *, 
         from tqdm import tqdm
         bar = tqdm(total=sum(len(t.turns) for t in trajectories), desc=f"  {config}", unit="turn", leave=False,
                    disable=not progress)
-        router = Router(replicas, make_policy(pol), max_inflight_per_replica=cfg.max_inflight_per_replica,
+        router = Router(replicas, pol, max_inflight_per_replica=cfg.max_inflight_per_replica,
                         queue_timeout_s=1e12, share_drafts=share_drafts)
         try:
             return await run_step(router, trajectories, cfg.sandbox_ttl_s, bar), router.metrics()

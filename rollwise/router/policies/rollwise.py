@@ -43,8 +43,9 @@ class Rollwise(Policy):
 
     def cost(self, info, c, least: int = 0) -> float:
         new = min(info.expected_new_tokens, info.request.params.max_tokens)
+        missing = info.prompt_len - c.matched  # prompt tokens this replica must compute and allocate
         moving = info.sticky is not None and c.name != info.sticky
-        prefill = (info.prompt_len - c.matched + (self.move_tokens if moving else 0)) / self.prefill_tok_s
+        prefill = (missing + (self.move_tokens if moving else 0)) / self.prefill_tok_s
         # under continuous batching the decode work is the same wherever it runs; what a busier
         # replica costs is its longer steps once it is clearly busier than the least busy one
         # the trajectory's later turns will follow it here (their context is here): a crowded replica
@@ -55,7 +56,7 @@ class Rollwise(Policy):
         decode = new * (self.step_s + self.per_seq_s * excess * max(left, 1.0))
         kv = c.load.kv_usage if c.load is not None else 0.0
         # what it must allocate there (the part of the prompt not held, and its output) may preempt someone
-        pressure = max(kv - 0.8, 0.0) / 0.2 * 2.0 * (info.prompt_len - c.matched + new) / self.prefill_tok_s
+        pressure = max(kv - 0.8, 0.0) / 0.2 * 2.0 * (missing + new) / self.prefill_tok_s
         return prefill + decode + pressure
 
     def choose(self, info, cands):
