@@ -1,6 +1,8 @@
 """Synchronous vs asynchronous RL in one run: the same environment, model, fleet and work per step
-(B groups x n episodes), max_staleness 0 (synchronous, WAR's setting) vs 1 and 2, and the lockstep
-(reproducible, `deterministic=True`) pipeline at staleness 1, which the demo runs.
+(B groups x n episodes), max_staleness 0 (synchronous, WAR's setting) vs 1 and 2, staleness 1 with
+partial rollout (turns in flight at a weight update continue under the new weights instead of
+finishing under the old ones), and the lockstep (reproducible, `deterministic=True`) pipeline at
+staleness 1, which the demo runs.
 
     python benchmarks/pipeline.py [--quick | --smoke] [--json PATH]
 
@@ -28,12 +30,12 @@ from rollwise.cli import DEMO_FULL, DEMO_SFT, DEMO_SFT_CACHE, demo_model  # noqa
 from rollwise.rl import TrainConfig, train  # noqa: E402
 
 
-def run(k: int, args, deterministic: bool = False) -> dict:
+def run(k: int, args, deterministic: bool = False, partial: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="rollwise-pipeline-") as tmp:
         cfg = TrainConfig.from_dict(dict(
             model=demo_model(), run_dir=tmp, env="phonebook", sft_cache=DEMO_SFT_CACHE, **args.sft, steps=args.steps,
             groups_per_step=args.groups, group_size=args.group_size, lr=DEMO_FULL["lr"], max_staleness=k,
-            deterministic=deterministic, tool_latency=(0.05, 0.5), tool_latency_kind="lognormal",
+            deterministic=deterministic, partial_rollout=partial, tool_latency=(0.05, 0.5), tool_latency_kind="lognormal",
             eval_tasks=args.eval_tasks, max_concurrent_groups=args.groups * 3, progress=False, seed=0))
         t0 = time.perf_counter()
         rep = train(cfg)
@@ -42,7 +44,7 @@ def run(k: int, args, deterministic: bool = False) -> dict:
     wall = steps[-1]["wall_s"] - steps[0]["wall_s"]  # from the end of step 0 (warm) to the end
     n = len(steps) - 1
     trajs = sum(s["trajectories"] for s in steps[1:])
-    return {"max_staleness": k, "step_s": wall / n, "trajectories_per_s": trajs / wall,
+    return {"max_staleness": k, "partial_rollout": partial, "step_s": wall / n, "trajectories_per_s": trajs / wall,
             "trainer_idle_frac": sum(s["wait_s"] for s in steps[1:]) / wall,
             "rollout_idle_frac": rep["queue"]["rollout_idle_s"] / steps[-1]["wall_s"],
             "generated_tokens": steps[-1].get("generated_tokens", 0.0), "trajectories": trajs,
@@ -65,16 +67,18 @@ def main() -> None:
     print(f"{args.steps} GRPO steps of {args.groups} groups x {args.group_size} episodes; phonebook, tool latency "
           "50-500 ms log-normal")
     out = {"configs": {}}
-    print(f"{'config':<12}{'s/step':>8}{'traj/s':>8}{'train s':>8}{'trainer idle':>13}{'rollout idle':>13}"
+    print(f"{'config':<17}{'s/step':>8}{'traj/s':>8}{'train s':>8}{'trainer idle':>13}{'rollout idle':>13}"
           f"{'gen tokens':>11}{'trained':>8}{'reward':>7}{'stale':>6}")
-    for name, k, det in (("sync", 0, False), ("async_k1", 1, False), ("async_k2", 2, False), ("lockstep_k1", 1, True)):
-        r = run(k, args, det)
+    for name, k, det, partial in (("sync", 0, False, False), ("async_k1", 1, False, False),
+                                  ("async_k1_partial", 1, False, True), ("async_k2", 2, False, False),
+                                  ("lockstep_k1", 1, True, False)):
+        r = run(k, args, det, partial)
         out["configs"][name] = r
-        print(f"{name:<12}{r['step_s']:>8.2f}{r['trajectories_per_s']:>8.1f}{r['train_s_per_step']:>8.2f}"
+        print(f"{name:<17}{r['step_s']:>8.2f}{r['trajectories_per_s']:>8.1f}{r['train_s_per_step']:>8.2f}"
               f"{r['trainer_idle_frac']:>13.2f}{r['rollout_idle_frac']:>13.2f}{int(r['generated_tokens']):>11}"
               f"{r['trained_trajectories']:>8}{r['reward_mean']:>7.2f}{r['max_staleness_seen']:>6}", flush=True)
     s = out["configs"]["sync"]
-    for name in ("async_k1", "async_k2", "lockstep_k1"):
+    for name in ("async_k1", "async_k1_partial", "async_k2", "lockstep_k1"):
         print(f"{name} vs sync: {s['step_s'] / out['configs'][name]['step_s']:.2f}x per step")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

@@ -61,6 +61,10 @@ class TrainConfig:
     max_tokens: int = 64  # per turn
     max_turns: int = 4
     max_staleness: int = 1  # 0: synchronous (on-policy); k: rollouts up to k versions ahead
+    # turns in flight at a weight update: finish under the old weights (False; the new ones wait for
+    # them on each replica) or are interrupted and continue under the new ones (True: recomputed,
+    # tokens and logprobs kept, each token labelled with its version)
+    partial_rollout: bool = False
     # reproducible run: each batch generated under one version (lockstep pipeline; k = 1 is one-step-off)
     # and behaviour logprobs recomputed by the trainer; slower than the free-running pipeline
     deterministic: bool = False
@@ -320,7 +324,7 @@ async def _train(cfg: TrainConfig) -> dict:
             if cfg.deterministic and len(history) + 1 < cfg.steps:
                 await queue.wait_generated()  # lockstep: weights change only between batches
             lockstep_s = time.perf_counter() - t2
-            await router.update_weights(policy.engine_weights(), trainer.version)
+            await router.update_weights(policy.engine_weights(), trainer.version, cfg.partial_rollout)
             await queue.commit(trainer.version)
             consumed += [g.seq for g in batch]
             lm = _fleet_metrics(router)

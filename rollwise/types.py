@@ -90,7 +90,10 @@ class RequestOutput:
     finish_reason: str | None = None  # one of FINISH_REASONS once finished
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    policy_version: int = 0  # weights version when the request was admitted: its oldest token's (conservative)
+    policy_version: int = 0  # weights version of its first token (the oldest)
+    # (first index in token_ids, version) per weights version, when the weights changed mid-request
+    # (partial rollout); empty: every token at policy_version
+    version_segments: list[tuple[int, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -142,6 +145,7 @@ class GenerateOutput:
     policy_version: int = 0
     request_id: str = ""
     replica: str = ""  # set by a router: which replica served it
+    version_segments: list[tuple[int, int]] = field(default_factory=list)  # as in RequestOutput
 
 
 TRAJECTORY_STATUSES = ("done", "max_turns", "max_context", "timeout", "error")
@@ -158,6 +162,16 @@ class TurnRecord:
     generation_s: float
     tool_s: float
     replica: str = ""  # which replica served the turn (set when a router placed it)
+    # (first generated token's offset in the turn, version) when the weights changed mid-turn
+    # (partial rollout); empty: all at policy_version
+    version_segments: list[tuple[int, int]] = field(default_factory=list)
+
+    def token_versions(self) -> list[int]:
+        """The policy version of each generated token of the turn."""
+        out = [self.policy_version] * self.num_generated
+        for (at, v), nxt in zip(self.version_segments, [s[0] for s in self.version_segments[1:]] + [self.num_generated]):
+            out[at:nxt] = [v] * (nxt - at)
+        return out
 
 
 @dataclass(slots=True, kw_only=True)

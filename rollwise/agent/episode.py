@@ -113,7 +113,7 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
         record = TurnRecord(start=start, num_generated=len(out.token_ids), num_observation=0,
                             finish_reason=out.finish_reason, policy_version=out.policy_version,
                             num_cached_tokens=out.num_cached_tokens, generation_s=gen_s, tool_s=tool_s,
-                            replica=out.replica)
+                            replica=out.replica, version_segments=list(out.version_segments))
         traj.turns.append(record)
         if done:
             traj.reward, traj.status = float(reward), "done"

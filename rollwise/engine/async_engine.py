@@ -43,7 +43,7 @@ class AsyncEngine:
                                       forced_output=req.forced_output, session=req.trajectory_id)
             return GenerateOutput(token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=out.finish_reason,
                                   num_cached_tokens=out.num_cached_tokens, policy_version=out.policy_version,
-                                  request_id=out.request_id)
+                                  request_id=out.request_id, version_segments=out.version_segments)
         out = None
         async for out in self._outputs(prompt, params, request_id, False, options):
             pass
@@ -83,9 +83,9 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> bool:
         return await self.call(lambda: self._abort(request_id))
 
-    async def update_weights(self, weights, version: int | None = None) -> int:
-        """Apply new weights between two steps; returns the new policy version."""
-        return await self.call(lambda: self.engine.update_weights(weights, version))
+    async def update_weights(self, weights, version: int | None = None, partial_rollout: bool = False) -> int:
+        """New weights between two steps (`LLMEngine.update_weights`); returns the new policy version."""
+        return await self.call(lambda: self.engine.update_weights(weights, version, partial_rollout))
 
     def metrics(self) -> dict[str, float]:
         return self.engine.metrics()

@@ -61,8 +61,8 @@ class LLM:
     def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None) -> list[RequestOutput]:
         return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params)
 
-    def update_weights(self, weights) -> int:
-        return self.engine.update_weights(weights)
+    def update_weights(self, weights, partial_rollout: bool = False) -> int:
+        return self.engine.update_weights(weights, partial_rollout=partial_rollout)
 
     def metrics(self) -> dict[str, float]:
         return self.engine.metrics()

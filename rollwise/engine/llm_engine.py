@@ -17,7 +17,7 @@ from rollwise.engine.block_manager import BlockManager
 from rollwise.engine.model_runner import ModelRunner
 from rollwise.engine.sampler import Sampler, SampleRow
 from rollwise.engine.scheduler import Scheduler
-from rollwise.engine.sequence import Sequence
+from rollwise.engine.sequence import Sequence, Status
 from rollwise.engine.tokenizer import Tokenizer
 from rollwise.types import RequestOutput, SamplingParams
 
@@ -41,11 +41,13 @@ class LLMEngine:
             self.spec = Speculator(cfg, self.runner, self.sampler)
         self.seqs: dict[str, Sequence] = {}
         self.streaming: set[str] = set()  # requests that want an output after every token
-        self.policy_version = 0  # a label: the trainer's version of the weights served
+        self.policy_version = 0  # a label: the trainer's version of the newest weights given
         self.weight_updates = 0
+        self._staged: dict | None = None  # new weights waiting for the requests admitted before them
+        self._held: list[Sequence] = []  # requests admitted after them: they wait for them
         self._ids = itertools.count()
         self.stats = dict.fromkeys(("num_steps", "prompt_tokens", "prefill_tokens", "decode_tokens", "generated_tokens",
-                                    "step_time_s", "num_finished", "num_aborted"), 0)
+                                    "step_time_s", "num_finished", "num_aborted", "num_interrupted"), 0)
         # $ROLLWISE_STEP_TRACE=DIR: every step's shape and seconds to DIR/steps-PID.jsonl (the
         # simulator's cost profile is fitted from these, recorded under real serving conditions)
         trace = os.environ.get("ROLLWISE_STEP_TRACE")
@@ -93,14 +95,17 @@ class LLMEngine:
         if rid in self.seqs:
             raise ValueError(f"request_id {rid!r} is already in flight")
         seq = Sequence(rid, list(ids), params, forced=list(forced_output) if forced_output else None)
-        seq.policy_version = self.policy_version  # weights may change while it runs; this is its oldest
+        seq.policy_version = self.policy_version
         self.seqs[rid] = seq
         if self.spec is not None:
             self.spec.start(rid, seq.prompt_token_ids, group_id, session)
         self.stats["prompt_tokens"] += len(ids)
         if stream:
             self.streaming.add(rid)
-        self.scheduler.add(seq)
+        if self._staged is not None:
+            self._held.append(seq)  # labelled with the staged weights: it runs once they are loaded
+        else:
+            self.scheduler.add(seq)
         return rid
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -108,11 +113,16 @@ class LLMEngine:
         self.streaming.discard(request_id)
         if seq is None:
             return None
-        self.scheduler.finish(seq)
+        if seq in self._held:
+            self._held.remove(seq)
+            seq.status = Status.FINISHED
+        else:
+            self.scheduler.finish(seq)
         if self.spec is not None:
             self.spec.stop(request_id)
         seq.finish_reason = "abort"
         self.stats["num_aborted"] += 1
+        self._maybe_apply()
         return self._output(seq)
 
     @property
@@ -124,6 +134,7 @@ class LLMEngine:
         """schedule -> propose -> run -> verify -> postprocess. Returns the outputs of requests that
         finished, and the current output of streaming requests that got new tokens."""
         t_sched = time.perf_counter()
+        self._maybe_apply()
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -173,6 +184,7 @@ class LLMEngine:
         st["step_time_s"] += seconds
         if shape is not None:
             self._trace.write(json.dumps({"e": shape, "s": time.perf_counter() - t_sched}) + "\n")
+        self._maybe_apply()
         return outputs
 
     def _sample(self, batch, logits, starts) -> dict:
@@ -240,19 +252,43 @@ class LLMEngine:
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids, logprobs=list(seq.logprobs), text=text, finished=finished,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            num_cached_tokens=max(seq.num_cached_tokens, 0), policy_version=seq.policy_version)
+            num_cached_tokens=max(seq.num_cached_tokens, 0), policy_version=seq.policy_version,
+            version_segments=list(seq.version_segments))
 
     # weights and metrics -------------------------------------------------------------------------
-    def update_weights(self, weights, version: int | None = None) -> int:
-        """Load new weights (a state dict or a model directory) between two steps; cached prefixes of
-        old weights are never matched again. Running requests go on under the new weights (their
-        tokens and logprobs so far are kept). The version becomes `version` (the trainer's count)
-        or the next one. Returns it."""
-        self.runner.update_weights(weights)
+    def update_weights(self, weights, version: int | None = None, partial_rollout: bool = False) -> int:
+        """New weights (a state dict or a model directory), checked at once (ValueError, nothing
+        changes). Requests in flight either finish under the weights they started with (default:
+        the new weights are staged until every request admitted before them is done; requests
+        arriving meanwhile wait for them), or, with `partial_rollout`, are interrupted: their KV is
+        dropped and they continue under the new weights from their tokens so far (kept, with their
+        logprobs; recomputed), starting a new version segment. Cached prefixes of old weights are
+        never matched again. The version becomes `version` (the trainer's count) or the next one;
+        it labels every request admitted from now on. Returns it."""
+        self._staged = self.runner.prepare_weights(weights)
         self.policy_version = self.policy_version + 1 if version is None else version
+        self._maybe_apply(interrupt=partial_rollout)
+        return self.policy_version
+
+    def _maybe_apply(self, interrupt: bool = False) -> None:
+        """Load the staged weights once no request admitted before them is left (or at once, interrupting)."""
+        if self._staged is None or (not interrupt and len(self.seqs) > len(self._held)):
+            return
+        self.runner.update_weights(self._staged)
+        self._staged = None
         self.weight_updates += 1
         self.scheduler.hash_root = self.weight_updates  # salt: KV of earlier weights never matches
-        return self.policy_version
+        self.stats["num_interrupted"] += self.scheduler.requeue_running()
+        v = self.policy_version
+        for seq in self.seqs.values():
+            n = seq.num_output_tokens
+            if n == 0:  # nothing sampled yet: all of it runs under the new weights
+                seq.policy_version, seq.version_segments = v, []
+            elif (seq.version_segments[-1][1] if seq.version_segments else seq.policy_version) != v:
+                seq.version_segments = (seq.version_segments or [(0, seq.policy_version)]) + [(n, v)]
+        for seq in self._held:
+            self.scheduler.add(seq)
+        self._held.clear()
 
     def metrics(self) -> dict[str, float]:
         s, sch = self.stats, self.scheduler
@@ -269,5 +305,6 @@ class LLMEngine:
             "num_preemptions": float(sch.num_preemptions),
             "num_evictions": float(self.blocks.num_evictions),
             "policy_version": float(self.policy_version),
+            "weights_pending": float(self._staged is not None),
             **(self.spec.metrics() if self.spec is not None else {}),
         }

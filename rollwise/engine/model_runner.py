@@ -8,7 +8,7 @@ import torch
 from rollwise.config import EngineConfig
 from rollwise.engine.attention import build_metadata
 from rollwise.engine.models.llama import CausalLM
-from rollwise.engine.models.loader import TORCH_DTYPES, load_model, load_state_dict, load_weights
+from rollwise.engine.models.loader import TORCH_DTYPES, check_weights, load_model, load_state_dict, load_weights
 from rollwise.engine.scheduler import ScheduledSeq
 
 
@@ -89,6 +89,12 @@ class ModelRunner:
         d = torch.tensor([slot(p) for p in dst], device=self.device)
         for cache in self.kv_cache:
             cache.index_copy_(1, d, cache.index_select(1, s))
+
+    def prepare_weights(self, weights: dict[str, torch.Tensor] | str) -> dict[str, torch.Tensor]:
+        """New weights (tensors under Hugging Face names, or a model directory), read and checked
+        against the model without changing it: what `update_weights` may later apply."""
+        state = load_state_dict(weights) if isinstance(weights, str) else weights
+        return check_weights(self.model, state, partial=True)
 
     @torch.inference_mode()
     def update_weights(self, weights: dict[str, torch.Tensor] | str) -> None:

@@ -96,12 +96,24 @@ class Scheduler:
         return out
 
     def _preempt(self, seq: Sequence) -> None:
+        self._requeue(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _requeue(self, seq: Sequence) -> None:
         self.blocks.free_table(seq.block_table)
         seq.num_computed_tokens = seq.num_registered_blocks = 0
         seq.status = Status.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def requeue_running(self) -> int:
+        """Drop every running sequence's KV and put it back at the head of the queue, in order: its
+        tokens are recomputed when it is next scheduled (after a weight update). Returns how many."""
+        n = len(self.running)
+        for seq in reversed(self.running):
+            self._requeue(seq)
+        self.running.clear()
+        return n
 
     def reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Make room for the first `num_tokens` tokens' KV (draft tokens), without preempting anyone."""

@@ -33,7 +33,10 @@ class Sequence:
     stop_reason: str | int | None = None
     text: str | None = None  # set when a stop string truncates the output
     forced: list[int] | None = None  # trace replay: the output tokens to emit
-    policy_version: int = 0  # weights version when it was admitted
+    policy_version: int = 0  # weights version of its first token (the oldest)
+    # (first output index, version) for each weights version its tokens came from, once the weights
+    # changed under it (partial rollout); empty: every token at policy_version
+    version_segments: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -96,7 +96,7 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         return {"request_id": rid, "token_ids": out.token_ids, "logprobs": out.logprobs, "text": "",
                 "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
                 "prompt_len": len(body.input_ids), "policy_version": out.policy_version,
-                "replica": out.replica}
+                "version_segments": out.version_segments, "replica": out.replica}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):

@@ -85,9 +85,10 @@ class LocalReplica:
                             m["prefix_hit_rate"], m["step_time_s"], m["prefill_tokens"], m["decode_tokens"],
                             m["num_steps"], m.get("kv_capacity_tokens", 0.0))
 
-    async def update_weights(self, weights: dict | str, version: int | None = None) -> int:
-        """New weights (tensors under Hugging Face names, or a model directory), between two steps."""
-        return await self.engine.update_weights(weights, version)
+    async def update_weights(self, weights: dict | str, version: int | None = None, partial_rollout: bool = False) -> int:
+        """New weights (tensors under Hugging Face names, or a model directory), between two steps;
+        requests in flight finish under the old ones, or with `partial_rollout` continue under these."""
+        return await self.engine.update_weights(weights, version, partial_rollout)
 
     async def add_sequence(self, token_ids: list[int], group_id: str | None) -> None:
         spec = getattr(self.engine.engine, "spec", None)
@@ -132,12 +133,13 @@ class HttpReplica:
         b = r.json()
         return GenerateOutput(token_ids=b["token_ids"], logprobs=b["logprobs"], finish_reason=b["finish_reason"],
                               num_cached_tokens=b["num_cached_tokens"], policy_version=b["policy_version"],
-                              request_id=b["request_id"])
+                              request_id=b["request_id"],
+                              version_segments=[tuple(x) for x in b.get("version_segments", [])])
 
     async def abort(self, request_id: str) -> None:
         pass  # closing the connection aborts the request on `rollwise serve`
 
-    async def update_weights(self, weights: dict | str, version: int | None = None) -> int:
+    async def update_weights(self, weights: dict | str, version: int | None = None, partial_rollout: bool = False) -> int:
         """POST /update_weights with a model directory; tensors are first written to a temporary
         one (the replica must see this machine's files: same host or a shared file system)."""
         import tempfile
@@ -147,7 +149,8 @@ class HttpReplica:
                 save_file({k: v.contiguous() for k, v in weights.items()}, f"{tmp}/model.safetensors")
                 weights = tmp
             try:
-                r = await self.client.post("/update_weights", json={"model_dir": weights, "policy_version": version})
+                r = await self.client.post("/update_weights", json={"model_dir": weights, "policy_version": version,
+                                                                        "partial_rollout": partial_rollout})
             except httpx.HTTPError as e:
                 raise ReplicaError(f"{self.name}: {type(e).__name__}: {e}") from e
         if r.status_code != 200:

@@ -159,12 +159,13 @@ class Router:
             return out
         raise ReplicaError(f"request failed on {sorted(w.tried)} after {self.max_retries} retries")
 
-    async def update_weights(self, weights, version: int) -> dict[str, int]:
-        """New weights to every member replica at once. One that fails to take them is out of
+    async def update_weights(self, weights, version: int, partial_rollout: bool = False) -> dict[str, int]:
+        """New weights to every member replica at once (requests in flight finish under the old ones,
+        or with `partial_rollout` continue under these). One that fails to take them is out of
         routing (stale) until the health loop has given it the latest weights."""
-        self._latest = (weights, version)
+        self._latest = (weights, version, partial_rollout)
         names = list(self.replicas)
-        res = await asyncio.gather(*(self.replicas[n].update_weights(weights, version) for n in names),
+        res = await asyncio.gather(*(self.replicas[n].update_weights(weights, version, partial_rollout) for n in names),
                                    return_exceptions=True)
         out = {}
         for n, r in zip(names, res):

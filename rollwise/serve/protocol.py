@@ -96,3 +96,5 @@ class AddSequenceRequest(_Strict):
 class UpdateWeightsRequest(_Strict):
     model_dir: str  # a directory with *.safetensors (the format `save_model` writes)
     policy_version: int | None = None  # the trainer's version; default: the next one
+    # requests in flight: finish under the old weights (false) or continue under the new ones (true)
+    partial_rollout: bool = False

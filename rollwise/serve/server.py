@@ -75,7 +75,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         if not cfg.api_key and not cfg.is_loopback:
             return error(403, "weight updates off loopback need the server started with --api-key",
                          "permission_error")
-        version = await engine.update_weights(body.model_dir, body.policy_version)
+        version = await engine.update_weights(body.model_dir, body.policy_version, body.partial_rollout)
         return {"status": "ok", "policy_version": version}
 
     @app.post("/generate")
@@ -148,7 +148,7 @@ def _generate_json(out: RequestOutput) -> dict:
     return {"request_id": out.request_id, "token_ids": out.token_ids, "logprobs": out.logprobs,
             "text": out.text, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
             "num_cached_tokens": out.num_cached_tokens, "prompt_len": len(out.prompt_token_ids),
-            "policy_version": out.policy_version}
+            "policy_version": out.policy_version, "version_segments": out.version_segments}
 
 
 def _usage(outs: list[RequestOutput]) -> dict:

@@ -154,7 +154,7 @@ class GRPOTrainer:
         ver = torch.full(b.mask.shape, self.version, dtype=torch.long)
         for i, t in enumerate(mb):
             for tr in t.turns:  # targets are shifted by one: token j is target j - 1
-                ver[i, tr.start - 1: tr.start - 1 + tr.num_generated] = tr.policy_version
+                ver[i, tr.start - 1: tr.start - 1 + tr.num_generated] = torch.tensor(tr.token_versions(), dtype=torch.long)
         out = torch.zeros(b.mask.shape)
         for u in sorted(set(ver[b.mask > 0].tolist()) - {self.version}):
             if u not in self.kept:

@@ -1,6 +1,7 @@
 """Engine behaviour: batching, prefix caching, preemption and chunking never change outputs."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -174,6 +175,82 @@ def test_update_weights_bumps_version_and_invalidates_prefixes(model_dir):
     assert fresh.generate([p], GREEDY)[0].token_ids == after.token_ids
     with pytest.raises(ValueError, match="shape"):
         llm.update_weights({"model.norm.weight": state["model.norm.weight"][:3]})
+
+
+def _flipped(llm) -> dict:
+    state = {k: v.clone() for k, v in llm.engine.runner.model.hf_tensors().items()}
+    state["model.norm.weight"] = state["model.norm.weight"] * -1.0
+    return state
+
+
+def _run(eng, rids: set[str]) -> dict:
+    done = {}
+    while rids - set(done):
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    return done
+
+
+def test_requests_in_flight_finish_under_the_weights_they_started_with(model_dir):
+    """Default weight update: the new weights wait (staged) until every request admitted before
+    them is done; requests arriving meanwhile wait for them and run entirely under them."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    p = _prompts(1, seed=5)[0]
+    llm = LLM(model_dir)
+    old = LLM(model_dir).generate([p], params)[0]
+    state = _flipped(llm)
+    fresh = LLM(model_dir)
+    fresh.update_weights(state)
+    new = fresh.generate([p], params)[0]
+    assert new.token_ids != old.token_ids
+    eng = llm.engine
+    a = eng.add_request(p, params)
+    for _ in range(5):
+        eng.step()
+    assert eng.update_weights(state, 3) == 3
+    assert eng.metrics()["weights_pending"] == 1.0 and eng.policy_version == 3
+    b = eng.add_request(p, params)  # admitted under version 3: waits for it
+    c = eng.add_request(p, params)
+    assert eng.abort(c).finish_reason == "abort"  # a waiting request can still be aborted
+    out = _run(eng, {a, b})
+    assert out[a].token_ids == old.token_ids and out[a].policy_version == 0 and out[a].version_segments == []
+    assert out[a].logprobs == pytest.approx(old.logprobs, abs=1e-4)
+    assert out[b].token_ids == new.token_ids and out[b].policy_version == 3 and out[b].version_segments == []
+    assert eng.metrics()["weights_pending"] == 0.0 and eng.metrics()["num_interrupted"] == 0
+    eng.scheduler.check_integrity()
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+    with pytest.raises(ValueError, match="shape"):  # checked at once, even when it would be staged
+        eng.add_request(p, params)
+        eng.step()
+        eng.update_weights({"model.norm.weight": state["model.norm.weight"][:3]})
+    assert eng.metrics()["weights_pending"] == 0.0 and eng.policy_version == 3
+
+
+def test_partial_rollout_continues_under_the_new_weights_from_the_tokens_so_far(model_dir):
+    """partial_rollout=True: a running request is interrupted, its KV recomputed under the new
+    weights, and it continues from its tokens (kept with their logprobs); each token's version is recorded."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    p = _prompts(1, seed=6)[0]
+    llm = LLM(model_dir)
+    old = LLM(model_dir).generate([p], params)[0]
+    state = _flipped(llm)
+    eng = llm.engine
+    a = eng.add_request(p, params)
+    for _ in range(6):
+        eng.step()
+    n = len(eng.seqs[a].output_token_ids)
+    assert 0 < n < 16
+    prefill = eng.stats["prefill_tokens"]
+    eng.update_weights(state, 1, partial_rollout=True)
+    assert eng.metrics()["weights_pending"] == 0.0 and eng.metrics()["num_interrupted"] == 1
+    out = _run(eng, {a})[a]
+    assert out.policy_version == 0 and out.version_segments == [(0, 0), (n, 1)]
+    assert out.token_ids[:n] == old.token_ids[:n] and out.logprobs[:n] == old.logprobs[:n]
+    assert eng.stats["prefill_tokens"] - prefill >= len(p) + n - 1  # recomputed, not old KV reused
+    fresh = LLM(model_dir)
+    fresh.update_weights(state)
+    cont = fresh.generate([p + old.token_ids[:n]], dataclasses.replace(params, max_tokens=16 - n))[0]
+    assert out.token_ids[n:] == cont.token_ids
+    assert out.logprobs[n:] == pytest.approx(cont.logprobs, abs=1e-4)
 
 
 def test_async_engine_survives_a_cancelled_call(model_dir):

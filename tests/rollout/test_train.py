@@ -24,9 +24,10 @@ TINY = dict(env="calculator", sft_steps=3, sft_tasks=8, groups_per_step=2, group
             eval_tasks=4, max_num_seqs=16, progress=False, episode_deadline_s=60.0)
 
 
-def test_train_end_to_end_with_in_process_replicas(model_dir, tmp_path):
+@pytest.mark.parametrize("partial_rollout", [False, True])
+def test_train_end_to_end_with_in_process_replicas(model_dir, tmp_path, partial_rollout):
     cfg = TrainConfig.from_dict({**TINY, "model": model_dir, "run_dir": str(tmp_path / "run"), "steps": 3,
-                                 "max_staleness": 1})
+                                 "max_staleness": 1, "partial_rollout": partial_rollout})
     report = train(cfg)
     assert len(report["steps"]) == 3 and report["policy_version"] == 3
     assert 0.0 <= report["sft_success"] <= 1.0 and 0.0 <= report["rl_success"] <= 1.0
@@ -37,6 +38,12 @@ def test_train_end_to_end_with_in_process_replicas(model_dir, tmp_path):
     assert (out / "report" / "curves.png").stat().st_size > 1000
     assert json.loads((out / "report" / "metrics.json").read_text())["rl_success"] == report["rl_success"]
     assert (out / "final-model" / "config.json").exists()
+    for g in read_log(out / "groups.jsonl"):  # every token's version, oldest first, none from the future
+        for t in g.trajectories:
+            for tr in t.turns:
+                v = tr.token_versions()
+                assert v == sorted(v) and all(tr.policy_version <= x <= 3 for x in v)
+                assert partial_rollout or tr.version_segments == []
 
 
 class _ParityReward(CalculatorEnv):

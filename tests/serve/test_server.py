@@ -1,7 +1,9 @@
 """The HTTP server over real HTTP on 127.0.0.1 (a `rollwise serve` subprocess)."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import time
 
 import httpx
 import pytest
@@ -161,6 +163,24 @@ def test_api_key_and_update_weights(model_dir, tmp_path):
         assert r.status_code == 200 and r.json()["policy_version"] == 1
         after = httpx.post(s.url + "/generate", json=req, headers=h).json()
         assert after["policy_version"] == 1 and after["token_ids"] != before["token_ids"]
+        # partial rollout: a request in flight continues under the new weights, its tokens labelled
+        long = {"input_ids": [3, 4, 5], "sampling_params": {"temperature": 0, "max_tokens": 400, "ignore_eos": True}}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(lambda: httpx.post(s.url + "/generate", json=long, headers=h, timeout=60).json())
+            base = _generated(s.url, h)
+            while _generated(s.url, h) == base:
+                time.sleep(0.005)
+            r = httpx.post(s.url + "/update_weights", json={"model_dir": model_dir, "policy_version": 7,
+                                                            "partial_rollout": True}, headers=h)
+            assert r.status_code == 200 and r.json()["policy_version"] == 7
+            out = fut.result()
+        (first, v1), (at, v2) = out["version_segments"]
+        assert (first, v1, v2) == (0, 1, 7) and 0 < at < 400 and out["policy_version"] == 1
+
+
+def _generated(url: str, headers: dict) -> float:
+    text = httpx.get(url + "/metrics", headers=headers).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:generation_tokens_total"))
 
 
 def test_weight_updates_off_loopback_need_an_api_key(model_dir):

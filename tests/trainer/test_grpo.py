@@ -151,6 +151,16 @@ def test_recomputed_behaviour_of_stale_samples_uses_the_weights_that_generated_t
     assert torch.equal(behaviour * b.mask, v0 * b.mask)  # version 0's weights, exactly
     assert not torch.allclose(prox * b.mask, v0 * b.mask)  # (the step did move them)
     assert (behaviour - b.behaviour_logprobs).mul(b.mask).abs().max() < 1e-3  # what the engine sampled with
+    # a turn the weights changed under (partial rollout): each token is judged by its own version
+    t = stale[0]
+    t.turns[0].version_segments = [(0, 0), (3, 1)]
+    assert t.turns[0].token_versions() == [0, 0, 0, 1, 1, 1, 1, 1]
+    with torch.no_grad():
+        ver, behaviour = trainer._stale(stale, b)
+    s0 = t.turns[0].start - 1  # token j is target j - 1
+    assert ver[0, s0:s0 + 8].tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert torch.equal(behaviour[0, s0:s0 + 3], v0[0, s0:s0 + 3])
+    t.turns[0].version_segments = []
     m = trainer.step([stale[i:i + 2] for i in range(0, 8, 2)])
     assert m["stale_trajectories"] == 8 and m["max_staleness"] == 1
     with pytest.raises(ValueError, match="keep_versions"):  # two versions old: not kept

@@ -47,6 +47,16 @@ def load_weights(model: CausalLM, state: dict[str, torch.Tensor], partial: bool 
     anything changes. `partial` allows a subset (a weight update in buckets); a tied lm_head may
     always be absent."""
     targets = model.hf_tensors()
+    todo = check_weights(model, state, partial)
+    with torch.no_grad():
+        for name, t in todo.items():
+            targets[name].copy_(t.to(targets[name].dtype))
+
+
+def check_weights(model: CausalLM, state: dict[str, torch.Tensor], partial: bool = False) -> dict[str, torch.Tensor]:
+    """The entries of `state` the model takes; ValueError naming the first unknown, missing or
+    misshapen weights (nothing is changed)."""
+    targets = model.hf_tensors()
     unknown = sorted(set(state) - set(targets) - {"lm_head.weight"})
     if unknown:
         raise ValueError(f"unexpected weights {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
@@ -57,9 +67,7 @@ def load_weights(model: CausalLM, state: dict[str, torch.Tensor], partial: bool 
     for name, t in todo.items():
         if tuple(targets[name].shape) != tuple(t.shape):
             raise ValueError(f"weight {name}: shape {tuple(t.shape)} != model's {tuple(targets[name].shape)}")
-    with torch.no_grad():
-        for name, t in todo.items():
-            targets[name].copy_(t.to(targets[name].dtype))
+    return todo
 
 
 def save_model(model: CausalLM, hf_config: dict, out_dir: str | Path, dtype: str | None = None) -> None:
