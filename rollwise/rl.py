@@ -75,6 +75,9 @@ class TrainConfig:
     # rollout fleet
     replicas: int = 2  # in-process engines (ignored when replica_urls is set)
     replica_urls: list[str] = field(default_factory=list)  # `rollwise serve` replicas instead
+    # their bearer key (servers off loopback take weight updates only with one); default: $ROLLWISE_API_KEY
+    replica_api_key: str | None = None
+    replica_weights_via: str = "stream"  # "stream" (safetensors in the request) or "file" (shared file system)
     routing_policy: str = "rollwise"
     speculative: str | None = "suffix"
     spec_controller: str = "adaptive"
@@ -101,6 +104,8 @@ class TrainConfig:
             raise ValueError(f"unknown env {cfg.env!r}; available: {sorted(ENVS)}")
         if cfg.routing_policy not in POLICIES:
             raise ValueError(f"unknown routing_policy {cfg.routing_policy!r}; available: {sorted(POLICIES)}")
+        if cfg.replica_weights_via not in ("stream", "file"):
+            raise ValueError(f"replica_weights_via must be 'stream' or 'file', got {cfg.replica_weights_via!r}")
         if cfg.tool_latency_kind not in ("uniform", "lognormal"):
             raise ValueError(f"tool_latency_kind must be 'uniform' or 'lognormal', got {cfg.tool_latency_kind!r}")
         if cfg.max_staleness < 0 or cfg.steps < 0 or cfg.groups_per_step < 1 or cfg.group_size < 2:
@@ -129,7 +134,8 @@ def task_sets(cfg: TrainConfig, n_train: int) -> tuple[list[dict], list[dict], l
 # the fleet ---------------------------------------------------------------------------------------
 def make_router(cfg: TrainConfig, tokenizer):
     if cfg.replica_urls:
-        replicas = [HttpReplica(u) for u in cfg.replica_urls]
+        key = cfg.replica_api_key or os.environ.get("ROLLWISE_API_KEY")
+        replicas = [HttpReplica(u, key, weights_via=cfg.replica_weights_via) for u in cfg.replica_urls]
     else:
         from rollwise.engine.async_engine import AsyncEngine
         replicas = [LocalReplica(f"replica{i}", AsyncEngine(cfg.model, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed + i,

@@ -264,7 +264,8 @@ class LLMEngine:
         dropped and they continue under the new weights from their tokens so far (kept, with their
         logprobs; recomputed), starting a new version segment. Cached prefixes of old weights are
         never matched again. The version becomes `version` (the trainer's count) or the next one;
-        it labels every request admitted from now on. Returns it."""
+        it labels every request admitted from now on. Returns it. Staged tensors are read when
+        applied: the caller hands them over (the trainer sends fresh copies)."""
         self._staged = self.runner.prepare_weights(weights)
         self.policy_version = self.policy_version + 1 if version is None else version
         self._maybe_apply(interrupt=partial_rollout)
@@ -295,7 +296,7 @@ class LLMEngine:
         return {
             **{k: float(v) for k, v in s.items()},
             "num_running": float(len(sch.running)),
-            "num_waiting": float(len(sch.waiting)),
+            "num_waiting": float(len(sch.waiting) + len(self._held)),  # held: waiting for staged weights
             "kv_usage": self.blocks.usage,
             "num_kv_blocks": float(self.blocks.num_blocks),
             "kv_capacity_tokens": float(self.blocks.num_blocks * self.blocks.block_size),

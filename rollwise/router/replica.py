@@ -107,7 +107,13 @@ PROM = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "wa
 class HttpReplica:
     """`rollwise serve` (or a server with the same /generate) at `url`."""
 
-    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0, weights_via: str = "stream") -> None:
+        """`weights_via`: how `update_weights` sends tensors: "stream" (the safetensors bytes in the
+        request body; works across machines) or "file" (written to a temporary directory the
+        server reads: same host or a shared file system)."""
+        if weights_via not in ("stream", "file"):
+            raise ValueError(f"weights_via must be 'stream' or 'file', got {weights_via!r}")
+        self.weights_via = weights_via
         self.name = self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout,
@@ -140,17 +146,24 @@ class HttpReplica:
         pass  # closing the connection aborts the request on `rollwise serve`
 
     async def update_weights(self, weights: dict | str, version: int | None = None, partial_rollout: bool = False) -> int:
-        """POST /update_weights with a model directory; tensors are first written to a temporary
-        one (the replica must see this machine's files: same host or a shared file system)."""
+        """POST /update_weights: a model directory (str) by name; tensors streamed as safetensors
+        bytes, or with weights_via="file" through a temporary directory the server must see."""
         import tempfile
         with tempfile.TemporaryDirectory(prefix="rollwise-weights-") as tmp:
-            if not isinstance(weights, str):
-                from safetensors.torch import save_file
-                save_file({k: v.contiguous() for k, v in weights.items()}, f"{tmp}/model.safetensors")
-                weights = tmp
+            if isinstance(weights, str) or self.weights_via == "file":
+                if not isinstance(weights, str):
+                    from safetensors.torch import save_file
+                    save_file({k: v.contiguous() for k, v in weights.items()}, f"{tmp}/model.safetensors")
+                    weights = tmp
+                req = dict(json={"model_dir": weights, "policy_version": version, "partial_rollout": partial_rollout})
+            else:
+                from safetensors.torch import save
+                data = await asyncio.to_thread(save, {k: v.contiguous() for k, v in weights.items()})
+                params = {"partial_rollout": str(partial_rollout).lower(),
+                          **({} if version is None else {"policy_version": version})}
+                req = dict(content=data, params=params, headers={"content-type": "application/octet-stream"})
             try:
-                r = await self.client.post("/update_weights", json={"model_dir": weights, "policy_version": version,
-                                                                        "partial_rollout": partial_rollout})
+                r = await self.client.post("/update_weights", **req)
             except httpx.HTTPError as e:
                 raise ReplicaError(f"{self.name}: {type(e).__name__}: {e}") from e
         if r.status_code != 200:

@@ -71,11 +71,24 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         return PlainTextResponse(prometheus_text(engine.metrics(), model_name))
 
     @app.post("/update_weights")
-    async def update_weights(body: UpdateWeightsRequest):
+    async def update_weights(request: Request):
+        """JSON `{"model_dir", "policy_version", "partial_rollout"}` (a directory this server can
+        read), or the weights themselves streamed as a safetensors file (Content-Type
+        application/octet-stream; `?policy_version=N&partial_rollout=true|false`)."""
         if not cfg.api_key and not cfg.is_loopback:
             return error(403, "weight updates off loopback need the server started with --api-key",
                          "permission_error")
-        version = await engine.update_weights(body.model_dir, body.policy_version, body.partial_rollout)
+        ctype = request.headers.get("content-type", "").split(";")[0].strip()
+        if ctype == "application/octet-stream":
+            weights = _safetensors(await request.body())
+            version, partial = _query_update(request.query_params)
+        elif ctype in ("application/json", ""):
+            body = UpdateWeightsRequest.model_validate_json(await request.body())  # ValueError -> 400
+            weights, version, partial = body.model_dir, body.policy_version, body.partial_rollout
+        else:
+            raise ValueError(f"Content-Type {ctype!r}: use application/json (a model_dir) or "
+                             "application/octet-stream (safetensors bytes)")
+        version = await engine.update_weights(weights, version, partial)
         return {"status": "ok", "policy_version": version}
 
     @app.post("/generate")
@@ -142,6 +155,29 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
                 "choices": [choice], "usage": _usage([out])}
 
     return app
+
+
+def _safetensors(data: bytes) -> dict:
+    from safetensors.torch import load
+    if not data:
+        raise ValueError("empty body: expected the weights as a safetensors file")
+    try:
+        return load(data)
+    except Exception as e:  # noqa: BLE001 - the library raises several kinds for a bad file
+        raise ValueError(f"body is not a safetensors file: {e}") from e
+
+
+def _query_update(q) -> tuple[int | None, bool]:
+    unknown = sorted(set(q) - {"policy_version", "partial_rollout"})
+    if unknown:
+        raise ValueError(f"unknown query parameters {unknown}; valid: ['partial_rollout', 'policy_version']")
+    version = q.get("policy_version")
+    if version is not None and not version.lstrip("-").isdigit():
+        raise ValueError(f"policy_version must be an integer, got {version!r}")
+    partial = q.get("partial_rollout", "false").lower()
+    if partial not in ("true", "false", "1", "0"):
+        raise ValueError(f"partial_rollout must be true or false, got {partial!r}")
+    return (None if version is None else int(version)), partial in ("true", "1")
 
 
 def _generate_json(out: RequestOutput) -> dict:

@@ -209,6 +209,7 @@ def test_requests_in_flight_finish_under_the_weights_they_started_with(model_dir
     assert eng.update_weights(state, 3) == 3
     assert eng.metrics()["weights_pending"] == 1.0 and eng.policy_version == 3
     b = eng.add_request(p, params)  # admitted under version 3: waits for it
+    assert eng.metrics()["num_waiting"] == 1 and eng.metrics()["num_running"] == 1
     c = eng.add_request(p, params)
     assert eng.abort(c).finish_reason == "abort"  # a waiting request can still be aborted
     out = _run(eng, {a, b})

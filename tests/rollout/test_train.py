@@ -135,3 +135,12 @@ def test_replica_killed_mid_run_fails_over_without_losing_trajectories(model_dir
     assert all(len(g.trajectories) == 2 and all(t.status != "error" for t in g.trajectories) for g in groups)
     late = [t for g in groups if g.admitted_version >= 2 for t in g.trajectories]
     assert late and all(tr.replica == a.url for t in late for tr in t.turns)  # only the survivor served them
+
+
+def test_example_config_is_the_demo_run(model_dir):
+    """examples/train-phonebook.toml parses and sets what `rollwise demo` runs."""
+    from rollwise.cli import DEMO_FULL
+    cfg = TrainConfig.from_toml(Path(__file__).parents[2] / "examples" / "train-phonebook.toml", model=model_dir)
+    assert cfg.env == "phonebook" and {k: getattr(cfg, k) for k in DEMO_FULL} == DEMO_FULL
+    with pytest.raises(ValueError, match="replica_weights_via"):
+        TrainConfig.from_dict({"model": model_dir, "replica_weights_via": "nfs"})

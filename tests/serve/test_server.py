@@ -125,6 +125,27 @@ def test_bad_input_gets_400_and_server_keeps_serving(client, path, body):
     _alive(client)
 
 
+@pytest.mark.parametrize("content,ctype,query", [
+    (b"not safetensors", "application/octet-stream", ""),
+    (b"", "application/octet-stream", ""),
+    ("norm", "application/octet-stream", ""),  # a valid file with a misshapen weight
+    ("norm", "application/octet-stream", "?policy_version=abc"),
+    ("norm", "application/octet-stream", "?partial_rollout=maybe"),
+    ("norm", "application/octet-stream", "?version=3"),
+    (b"model_dir=/x", "text/plain", ""),
+])
+def test_bad_streamed_weights_get_400(client, content, ctype, query):
+    if content == "norm":
+        import torch
+        from safetensors.torch import save
+        content = save({"model.norm.weight": torch.ones(3)})
+    r = client.post("/update_weights" + query, content=content, headers={"content-type": ctype})
+    assert r.status_code == 400, (r.status_code, r.text)
+    assert "message" in r.json()["error"]
+    assert client.get("/health").json()["policy_version"] == 0  # nothing changed
+    _alive(client)
+
+
 def test_malformed_json_is_400(client):
     r = client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
@@ -145,22 +166,25 @@ def test_concurrent_requests(client, server):
         "temperature": 0, "max_tokens": 5, "ignore_eos": True}}).json()["token_ids"]
 
 
-def test_api_key_and_update_weights(model_dir, tmp_path):
+def test_api_key_and_update_weights(model_dir):
+    import asyncio
+
     import torch
 
-    from rollwise.engine.models.loader import load_model, read_hf_config, save_model
+    from rollwise.engine.models.loader import load_model
+    from rollwise.router.replica import HttpReplica
     model = load_model(model_dir)
     with torch.no_grad():
         model.model.norm.weight.mul_(-1)
-    save_model(model, read_hf_config(model_dir), tmp_path)
+    flipped = {k: v.detach().clone() for k, v in model.hf_tensors().items()}
     with ServerProcess(model_dir, "--api-key", "sekret") as s:
         assert httpx.post(s.url + "/generate", json={"input_ids": [1]}).status_code == 401
         assert httpx.get(s.url + "/health").status_code == 200
         h = {"Authorization": "Bearer sekret"}
         req = {"input_ids": [3, 4, 5], "sampling_params": {"temperature": 0, "max_tokens": 6, "ignore_eos": True}}
         before = httpx.post(s.url + "/generate", json=req, headers=h).json()
-        r = httpx.post(s.url + "/update_weights", json={"model_dir": str(tmp_path)}, headers=h)
-        assert r.status_code == 200 and r.json()["policy_version"] == 1
+        # the tensors streamed in the request body (no shared file system needed)
+        assert asyncio.run(HttpReplica(s.url, api_key="sekret").update_weights(flipped, 1)) == 1
         after = httpx.post(s.url + "/generate", json=req, headers=h).json()
         assert after["policy_version"] == 1 and after["token_ids"] != before["token_ids"]
         # partial rollout: a request in flight continues under the new weights, its tokens labelled
@@ -176,6 +200,11 @@ def test_api_key_and_update_weights(model_dir, tmp_path):
             out = fut.result()
         (first, v1), (at, v2) = out["version_segments"]
         assert (first, v1, v2) == (0, 1, 7) and 0 < at < 400 and out["policy_version"] == 1
+        # tensors through a temporary directory (a shared file system), back to the flipped weights
+        assert asyncio.run(HttpReplica(s.url, api_key="sekret", weights_via="file").update_weights(flipped, 8)) == 8
+        assert httpx.post(s.url + "/generate", json=req, headers=h).json()["token_ids"] == after["token_ids"]
+    with pytest.raises(ValueError, match="'stream' or 'file'"):
+        HttpReplica("http://127.0.0.1:1", weights_via="nfs")
 
 
 def _generated(url: str, headers: dict) -> float:
