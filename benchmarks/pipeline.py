@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
-    args.steps, args.groups, args.group_size = (3, 2, 2) if args.smoke else (6, 4, 8) if args.quick else (12, 8, 8)
+    args.steps, args.groups, args.group_size = (3, 2, 2) if args.smoke else (6, 4, 8) if args.quick else (24, 8, 8)
     args.sft = dict(sft_steps=5, sft_tasks=8) if args.smoke else {k: DEMO_FULL[k] for k in DEMO_SFT}
     args.eval_tasks = 4 if args.smoke else 16
     print(f"{args.steps} GRPO steps of {args.groups} groups x {args.group_size} episodes; phonebook, tool latency "
