@@ -23,6 +23,9 @@ class EngineConfig:
     kv_cache_gb: float = 1.0
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; default: torch's choice
+    # weight versions kept for requests pinned to one (an older version is otherwise kept only while
+    # requests admitted under it run); each is a full copy of the weights
+    keep_weight_versions: int = 1
     # speculation (SuffixDecoding): drafts from suffix trees, verified in the same forward
     speculative: str | None = field(default=None, metadata={"choices": SPECULATIVE[1:]})
     spec_controller: str = field(default="adaptive", metadata={"choices": SPEC_CONTROLLERS})
@@ -47,7 +50,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device.split(":")[0] not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES} (optionally 'cuda:N'), got {self.device!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "keep_weight_versions"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

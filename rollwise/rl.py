@@ -61,12 +61,13 @@ class TrainConfig:
     max_tokens: int = 64  # per turn
     max_turns: int = 4
     max_staleness: int = 1  # 0: synchronous (on-policy); k: rollouts up to k versions ahead
-    # turns in flight at a weight update: finish under the old weights (False; the new ones wait for
-    # them on each replica) or are interrupted and continue under the new ones (True: recomputed,
+    # turns in flight at a weight update: finish under the old weights (False; replicas hold both
+    # versions meanwhile) or are interrupted and continue under the new ones (True: recomputed,
     # tokens and logprobs kept, each token labelled with its version)
     partial_rollout: bool = False
-    # reproducible run: each batch generated under one version (lockstep pipeline; k = 1 is one-step-off)
-    # and behaviour logprobs recomputed by the trainer; slower than the free-running pipeline
+    # reproducible run: each batch generated under one version, its groups pinned to it (lockstep
+    # pipeline; `rollwise serve` replicas then need --keep-weight-versions max_staleness + 1), and
+    # behaviour logprobs recomputed by the trainer (its step is slower)
     deterministic: bool = False
     max_concurrent_groups: int = 16
     episode_deadline_s: float = 60.0
@@ -138,8 +139,10 @@ def make_router(cfg: TrainConfig, tokenizer):
         replicas = [HttpReplica(u, key, weights_via=cfg.replica_weights_via) for u in cfg.replica_urls]
     else:
         from rollwise.engine.async_engine import AsyncEngine
+        keep = cfg.max_staleness + 1 if cfg.deterministic else 1  # lockstep pins groups to versions
         replicas = [LocalReplica(f"replica{i}", AsyncEngine(cfg.model, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed + i,
-                                                            speculative=cfg.speculative, spec_controller=cfg.spec_controller))
+                                                            speculative=cfg.speculative, spec_controller=cfg.spec_controller,
+                                                            keep_weight_versions=keep))
                     for i in range(cfg.replicas)]
     return Router(replicas, cfg.routing_policy, tokenizer=tokenizer, max_inflight_per_replica=cfg.max_num_seqs)
 
@@ -198,7 +201,8 @@ async def produce(cfg: TrainConfig, queue, router, make_env, tasks: list[dict], 
                 run_episode(router, make_env(), task,
                             SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                                            seed=stable_seed(cfg.seed, idx, k)),
-                            trajectory_id=f"{gid}/{k}", group_id=gid, deadline_s=cfg.episode_deadline_s)
+                            trajectory_id=f"{gid}/{k}", group_id=gid, deadline_s=cfg.episode_deadline_s,
+                            policy_version=version if cfg.deterministic else None)
                 for k in range(cfg.group_size)))
             await queue.put(Group(seq, idx, task, version, list(trajs)))
         except Exception as e:  # noqa: BLE001 - surfaces in the trainer instead of hanging it
@@ -326,15 +330,11 @@ async def _train(cfg: TrainConfig) -> dict:
             t1 = time.perf_counter()
             m = await asyncio.to_thread(trainer.step, [g.trajectories for g in batch])
             train_s = time.perf_counter() - t1
-            t2 = time.perf_counter()
-            if cfg.deterministic and len(history) + 1 < cfg.steps:
-                await queue.wait_generated()  # lockstep: weights change only between batches
-            lockstep_s = time.perf_counter() - t2
             await router.update_weights(policy.engine_weights(), trainer.version, cfg.partial_rollout)
             await queue.commit(trainer.version)
             consumed += [g.seq for g in batch]
             lm = _fleet_metrics(router)
-            m.update(step=len(history), wait_s=wait_s + lockstep_s, train_s=train_s, wall_s=time.perf_counter() - t_run,
+            m.update(step=len(history), wait_s=wait_s, train_s=train_s, wall_s=time.perf_counter() - t_run,
                      group_versions=[g.version for g in batch], **lm)
             history.append(m)
             _save_checkpoint(ckpt_path, trainer, consumed, history,

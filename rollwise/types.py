@@ -134,6 +134,7 @@ class GenerateRequest:
     group_id: str | None = None
     turn: int = 0
     forced_output: list[int] | None = None  # trace replay: emit these tokens (the forward still runs)
+    policy_version: int | None = None  # run under these weights (a replica must hold them); None: the newest
 
 
 @dataclass(slots=True, kw_only=True)

@@ -57,16 +57,18 @@ class GenerationError(RuntimeError):
 
 async def run_episode(generator: Generator, env: Env, task: dict, params: SamplingParams, *,
                       trajectory_id: str = "traj-0", group_id: str | None = None, max_context: int = 4096,
-                      deadline_s: float = 300.0, renderer: ChatRenderer | None = None) -> Trajectory:
+                      deadline_s: float = 300.0, renderer: ChatRenderer | None = None,
+                      policy_version: int | None = None) -> Trajectory:
     """One episode. Ends with status done, max_turns, max_context, timeout (the per-episode
     deadline) or error (the environment raised); the trajectory holds what was done until then.
-    A generator failure raises `GenerationError` (such an episode says nothing about the policy)."""
+    A generator failure raises `GenerationError` (such an episode says nothing about the policy).
+    `policy_version`: every turn runs under that version's weights (the replicas must hold it)."""
     renderer = renderer or ChatRenderer(generator.tokenizer)
     traj = Trajectory(trajectory_id=trajectory_id, group_id=group_id, task=task)
     t0 = time.perf_counter()
     try:
         async with asyncio.timeout(deadline_s):
-            await _loop(generator, env, task, params, traj, renderer, max_context)
+            await _loop(generator, env, task, params, traj, renderer, max_context, policy_version)
     except TimeoutError:
         traj.status = "timeout"
     except GenerationError:
@@ -80,7 +82,8 @@ async def run_episode(generator: Generator, env: Env, task: dict, params: Sampli
     return traj
 
 
-async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRenderer, max_context: int) -> None:
+async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRenderer, max_context: int,
+                policy_version: int | None) -> None:
     messages = await maybe_await(env.reset(task))
     schemas = [t.schema for t in getattr(env, "tools", [])] or None
     traj.messages = list(messages)
@@ -97,7 +100,7 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
         try:
             out = await generator.generate(GenerateRequest(prompt_token_ids=list(traj.token_ids), params=p,
                                                            trajectory_id=traj.trajectory_id, group_id=traj.group_id,
-                                                           turn=turn))
+                                                           turn=turn, policy_version=policy_version))
         except Exception as e:
             raise GenerationError(str(e)) from e
         gen_s = time.perf_counter() - g0

@@ -40,7 +40,8 @@ class AsyncEngine:
         if isinstance(prompt, GenerateRequest):
             req = prompt
             out = await self.generate(req.prompt_token_ids, req.params, req.request_id, group_id=req.group_id,
-                                      forced_output=req.forced_output, session=req.trajectory_id)
+                                      forced_output=req.forced_output, session=req.trajectory_id,
+                                      policy_version=req.policy_version)
             return GenerateOutput(token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=out.finish_reason,
                                   num_cached_tokens=out.num_cached_tokens, policy_version=out.policy_version,
                                   request_id=out.request_id, version_segments=out.version_segments)

@@ -17,7 +17,7 @@ from rollwise.engine.block_manager import BlockManager
 from rollwise.engine.model_runner import ModelRunner
 from rollwise.engine.sampler import Sampler, SampleRow
 from rollwise.engine.scheduler import Scheduler
-from rollwise.engine.sequence import Sequence, Status
+from rollwise.engine.sequence import Sequence
 from rollwise.engine.tokenizer import Tokenizer
 from rollwise.types import RequestOutput, SamplingParams
 
@@ -43,8 +43,8 @@ class LLMEngine:
         self.streaming: set[str] = set()  # requests that want an output after every token
         self.policy_version = 0  # a label: the trainer's version of the newest weights given
         self.weight_updates = 0
-        self._staged: dict | None = None  # new weights waiting for the requests admitted before them
-        self._held: list[Sequence] = []  # requests admitted after them: they wait for them
+        self._loaded = [0]  # weight versions held, oldest first (the last is the newest)
+        self._roots = {0: 0}  # version -> salt of its KV block hashes
         self._ids = itertools.count()
         self.stats = dict.fromkeys(("num_steps", "prompt_tokens", "prefill_tokens", "decode_tokens", "generated_tokens",
                                     "step_time_s", "num_finished", "num_aborted", "num_interrupted"), 0)
@@ -66,12 +66,15 @@ class LLMEngine:
     # requests ------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     stream: bool = False, group_id: str | None = None,
-                    forced_output: list[int] | None = None, session: str | None = None) -> str:
+                    forced_output: list[int] | None = None, session: str | None = None,
+                    policy_version: int | None = None) -> str:
         """Validate and queue a request; raises ValueError for input the engine cannot serve.
         `stream`: step() reports it after every token, not only when it finishes. `group_id`: its
         prompt group (siblings draft from each other). `forced_output`: trace replay — the model
         runs for real but these tokens are emitted (and max_tokens is their number). `session`: the
-        trajectory, whose next request's drafting tree extends this one's."""
+        trajectory, whose next request's drafting tree extends this one's. `policy_version`: run
+        under that version's weights (held: the newest `keep_weight_versions`, and any a request
+        still runs on) instead of the newest."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
@@ -95,17 +98,19 @@ class LLMEngine:
         if rid in self.seqs:
             raise ValueError(f"request_id {rid!r} is already in flight")
         seq = Sequence(rid, list(ids), params, forced=list(forced_output) if forced_output else None)
-        seq.policy_version = self.policy_version
+        v = self.policy_version if policy_version is None else policy_version
+        if v not in self._roots:
+            raise ValueError(f"weights of policy version {v} are not held (held: {self._loaded}); keep more "
+                             "with keep_weight_versions")
+        seq.policy_version = seq.weights_version = v
+        seq.pinned, seq.hash_root = policy_version is not None, self._roots[v]
         self.seqs[rid] = seq
         if self.spec is not None:
             self.spec.start(rid, seq.prompt_token_ids, group_id, session)
         self.stats["prompt_tokens"] += len(ids)
         if stream:
             self.streaming.add(rid)
-        if self._staged is not None:
-            self._held.append(seq)  # labelled with the staged weights: it runs once they are loaded
-        else:
-            self.scheduler.add(seq)
+        self.scheduler.add(seq)
         return rid
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -113,16 +118,12 @@ class LLMEngine:
         self.streaming.discard(request_id)
         if seq is None:
             return None
-        if seq in self._held:
-            self._held.remove(seq)
-            seq.status = Status.FINISHED
-        else:
-            self.scheduler.finish(seq)
+        self.scheduler.finish(seq)
         if self.spec is not None:
             self.spec.stop(request_id)
         seq.finish_reason = "abort"
         self.stats["num_aborted"] += 1
-        self._maybe_apply()
+        self._drop_unused()
         return self._output(seq)
 
     @property
@@ -134,7 +135,6 @@ class LLMEngine:
         """schedule -> propose -> run -> verify -> postprocess. Returns the outputs of requests that
         finished, and the current output of streaming requests that got new tokens."""
         t_sched = time.perf_counter()
-        self._maybe_apply()
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -184,7 +184,8 @@ class LLMEngine:
         st["step_time_s"] += seconds
         if shape is not None:
             self._trace.write(json.dumps({"e": shape, "s": time.perf_counter() - t_sched}) + "\n")
-        self._maybe_apply()
+        if outputs and len(self._loaded) > 1:
+            self._drop_unused()
         return outputs
 
     def _sample(self, batch, logits, starts) -> dict:
@@ -257,46 +258,58 @@ class LLMEngine:
 
     # weights and metrics -------------------------------------------------------------------------
     def update_weights(self, weights, version: int | None = None, partial_rollout: bool = False) -> int:
-        """New weights (a state dict or a model directory), checked at once (ValueError, nothing
-        changes). Requests in flight either finish under the weights they started with (default:
-        the new weights are staged until every request admitted before them is done; requests
-        arriving meanwhile wait for them), or, with `partial_rollout`, are interrupted: their KV is
-        dropped and they continue under the new weights from their tokens so far (kept, with their
-        logprobs; recomputed), starting a new version segment. Cached prefixes of old weights are
-        never matched again. The version becomes `version` (the trainer's count) or the next one;
-        it labels every request admitted from now on. Returns it. Staged tensors are read when
-        applied: the caller hands them over (the trainer sends fresh copies)."""
-        self._staged = self.runner.prepare_weights(weights)
-        self.policy_version = self.policy_version + 1 if version is None else version
-        self._maybe_apply(interrupt=partial_rollout)
-        return self.policy_version
-
-    def _maybe_apply(self, interrupt: bool = False) -> None:
-        """Load the staged weights once no request admitted before them is left (or at once, interrupting)."""
-        if self._staged is None or (not interrupt and len(self.seqs) > len(self._held)):
-            return
-        self.runner.update_weights(self._staged)
-        self._staged = None
+        """New weights (a state dict or a model directory), checked first (ValueError, nothing
+        changes); they serve every request admitted from now on. Requests in flight finish under
+        the weights they started with (both versions run in the same steps, one forward each; the
+        old weights are dropped when their last request ends), or with `partial_rollout` they are
+        interrupted: their KV is dropped and they continue under the new weights from their tokens
+        so far (kept, with their logprobs; recomputed), starting a new version segment. Requests
+        pinned to a version stay on it. The last `keep_weight_versions` versions stay held for
+        pinned requests. KV cached under other weights is never matched. The version becomes
+        `version` (the trainer's count) or the next one. Returns it."""
+        state = self.runner.prepare_weights(weights)
+        v = self.policy_version + 1 if version is None else version
+        self.runner.add_weights(v, state)
         self.weight_updates += 1
-        self.scheduler.hash_root = self.weight_updates  # salt: KV of earlier weights never matches
-        self.stats["num_interrupted"] += self.scheduler.requeue_running()
-        v = self.policy_version
-        for seq in self.seqs.values():
-            n = seq.num_output_tokens
-            if n == 0:  # nothing sampled yet: all of it runs under the new weights
-                seq.policy_version, seq.version_segments = v, []
-            elif (seq.version_segments[-1][1] if seq.version_segments else seq.policy_version) != v:
-                seq.version_segments = (seq.version_segments or [(0, seq.policy_version)]) + [(n, v)]
-        for seq in self._held:
-            self.scheduler.add(seq)
-        self._held.clear()
+        self._roots[v] = self.weight_updates  # salt: KV of earlier weights never matches
+        self._loaded = [u for u in self._loaded if u != v] + [v]
+        self.policy_version = v
+        if partial_rollout:
+            moving = lambda seq: not seq.pinned and seq.weights_version != v  # noqa: E731
+            self.stats["num_interrupted"] += self.scheduler.requeue_running(moving)
+            for seq in self.seqs.values():
+                if moving(seq):
+                    self._switch(seq, v)
+        self._drop_unused()
+        return v
+
+    def _switch(self, seq: Sequence, v: int) -> None:
+        """Move a sequence without KV onto version v's weights: its next tokens are v's."""
+        n = seq.num_output_tokens
+        if n == 0:  # nothing sampled yet: all of it runs under the new weights
+            seq.policy_version, seq.version_segments = v, []
+        else:
+            seq.version_segments = (seq.version_segments or [(0, seq.weights_version)]) + [(n, v)]
+        seq.weights_version, seq.hash_root = v, self._roots[v]
+        seq.block_hashes.clear()
+
+    def _drop_unused(self) -> None:
+        """Drop weight versions no request runs on, beyond the newest `keep_weight_versions`."""
+        if len(self._loaded) <= self.config.keep_weight_versions:
+            return
+        used = {s.weights_version for s in self.seqs.values()}
+        keep = set(self._loaded[-self.config.keep_weight_versions:]) | used
+        for u in [u for u in self._loaded if u not in keep]:
+            self.runner.drop_weights(u)
+            self._loaded.remove(u)
+            del self._roots[u]
 
     def metrics(self) -> dict[str, float]:
         s, sch = self.stats, self.scheduler
         return {
             **{k: float(v) for k, v in s.items()},
             "num_running": float(len(sch.running)),
-            "num_waiting": float(len(sch.waiting) + len(self._held)),  # held: waiting for staged weights
+            "num_waiting": float(len(sch.waiting)),
             "kv_usage": self.blocks.usage,
             "num_kv_blocks": float(self.blocks.num_blocks),
             "kv_capacity_tokens": float(self.blocks.num_blocks * self.blocks.block_size),
@@ -306,6 +319,6 @@ class LLMEngine:
             "num_preemptions": float(sch.num_preemptions),
             "num_evictions": float(self.blocks.num_evictions),
             "policy_version": float(self.policy_version),
-            "weights_pending": float(self._staged is not None),
+            "weight_versions": float(len(self._loaded)),  # held at once (each a copy of the weights)
             **(self.spec.metrics() if self.spec is not None else {}),
         }

@@ -1,12 +1,18 @@
-"""The one place that runs the model: builds the flat batch, owns the KV cache, returns logits."""
+"""The one place that runs the model: builds the flat batch, owns the KV cache, returns logits.
+
+It may hold several versions of the weights at once (one model each, sharing the KV pool): each
+sequence runs under its own, so requests admitted before a weight update finish under the old
+weights while new ones start under the new weights, in the same steps."""
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
 
 from rollwise.config import EngineConfig
 from rollwise.engine.attention import build_metadata
+from rollwise.engine.models.linear import Linear
 from rollwise.engine.models.llama import CausalLM
 from rollwise.engine.models.loader import TORCH_DTYPES, check_weights, load_model, load_state_dict, load_weights
 from rollwise.engine.scheduler import ScheduledSeq
@@ -19,6 +25,8 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.model: CausalLM = load_model(cfg.model, cfg.dtype, cfg.device, max_positions=max_model_len)
         self.model.prepack()
+        self.versions: dict[int, CausalLM] = {0: self.model}  # weights by policy version; self.model: the newest
+        self._spare: list[CausalLM] = []  # dropped versions' models, reused for the next ones
         mc = self.model.config
         self.block_size = cfg.block_size
         dtype = TORCH_DTYPES[cfg.dtype]
@@ -30,9 +38,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
-        """One forward over all scheduled tokens (and draft tokens). Returns logits and, per batch
-        entry, where its rows start in them: the last token's row for a sampling sequence, the last
-        token's row followed by one row per draft token for a speculating one; -1 if none."""
+        """One forward over all scheduled tokens (and draft tokens) per weight version in the batch.
+        Returns logits and, per batch entry, where its rows start in them: the last token's row for
+        a sampling sequence, the last token's row followed by one row per draft token for a
+        speculating one; -1 if none."""
+        by_version: dict[int, list[int]] = {}
+        for i, s in enumerate(batch):
+            by_version.setdefault(s.seq.weights_version, []).append(i)
+        if len(by_version) == 1:
+            return self._run(self.versions[batch[0].seq.weights_version], batch)
+        parts, starts, offset = [], [-1] * len(batch), 0
+        for v, idx in by_version.items():
+            logits, st = self._run(self.versions[v], [batch[i] for i in idx])
+            for i, s0 in zip(idx, st):
+                starts[i] = s0 + offset if s0 >= 0 else -1
+            parts.append(logits)
+            offset += logits.shape[0]
+        return torch.cat(parts), starts
+
+    def _run(self, model: CausalLM, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
         ids, positions, rows, starts, q_lens, trees = [], [], [], [], [], {}
         row = 0
         for b, s in enumerate(batch):
@@ -59,8 +83,8 @@ class ModelRunner:
         meta = build_metadata(q_lens, [s.num_computed_before for s in batch], [s.seq.block_table for s in batch],
                               self.block_size, self.device, trees)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        hidden = self.model(t(ids), t(positions), meta, self.kv_cache)
-        return self.model.logits(hidden[t(rows)]), starts
+        hidden = model(t(ids), t(positions), meta, self.kv_cache)
+        return model.logits(hidden[t(rows)]), starts
 
     @torch.inference_mode()
     def time_forward(self, num_tokens: int, repeats: int = 2) -> float:
@@ -92,15 +116,39 @@ class ModelRunner:
 
     def prepare_weights(self, weights: dict[str, torch.Tensor] | str) -> dict[str, torch.Tensor]:
         """New weights (tensors under Hugging Face names, or a model directory), read and checked
-        against the model without changing it: what `update_weights` may later apply."""
+        against the model without changing it (what `add_weights` takes)."""
         state = load_state_dict(weights) if isinstance(weights, str) else weights
         return check_weights(self.model, state, partial=True)
 
     @torch.inference_mode()
-    def update_weights(self, weights: dict[str, torch.Tensor] | str) -> None:
-        state = load_state_dict(weights) if isinstance(weights, str) else weights
-        load_weights(self.model, state, partial=True)
-        self.model.prepack()
+    def add_weights(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Hold `state` (checked by `prepare_weights`; a subset updates the newest weights) as
+        `version`, now the newest. A version already held is overwritten in place."""
+        model = self.versions.get(version)
+        if model is None:
+            model = self._spare.pop() if self._spare else _clone(self.model)
+            for dst, src in zip(model.parameters(), self.model.parameters()):
+                dst.copy_(src)
+        load_weights(model, state, partial=True)
+        model.prepack()
+        self.versions[version] = self.model = model
+
+    def drop_weights(self, version: int) -> None:
+        model = self.versions.pop(version)
+        assert model is not self.model, "the newest weights are always held"
+        self._spare.append(model)
+
+
+def _clone(model: CausalLM) -> CausalLM:
+    """A copy of the model (its packed inference copies of weights are rebuilt by `prepack`)."""
+    packed = {m: m.packed for m in model.modules() if isinstance(m, Linear)}
+    for m in packed:
+        m.packed = None
+    try:
+        return copy.deepcopy(model)
+    finally:
+        for m, p in packed.items():
+            m.packed = p
 
 
 def draft_depths(parents: list[int]) -> list[int]:

@@ -40,7 +40,6 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.hash_root = 0  # changes with the weights so stale KV is never matched
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0
@@ -70,9 +69,6 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.hash_root != self.hash_root:  # weights changed since its hashes were taken
-                seq.hash_root = self.hash_root
-                seq.block_hashes.clear()
             hits = self.blocks.match_prefix(seq.full_block_hashes(self.blocks.block_size))
             if len(hits) * self.blocks.block_size >= seq.num_tokens:
                 hits = hits[:-1]  # keep at least one token to compute, for its logits
@@ -106,14 +102,15 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
-    def requeue_running(self) -> int:
-        """Drop every running sequence's KV and put it back at the head of the queue, in order: its
-        tokens are recomputed when it is next scheduled (after a weight update). Returns how many."""
-        n = len(self.running)
-        for seq in reversed(self.running):
+    def requeue_running(self, which) -> int:
+        """Drop the KV of the running sequences `which(seq)` selects and put them back at the head
+        of the queue, in order: their tokens are recomputed when next scheduled (after a weight
+        update). Returns how many."""
+        out = [s for s in self.running if which(s)]
+        for seq in reversed(out):
+            self.running.remove(seq)
             self._requeue(seq)
-        self.running.clear()
-        return n
+        return len(out)
 
     def reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Make room for the first `num_tokens` tokens' KV (draft tokens), without preempting anyone."""

@@ -25,7 +25,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of full blocks of token_ids
-    hash_root: int = 0
+    hash_root: int = 0  # salt of its block hashes: its weights' (KV of other weights never matches)
     num_registered_blocks: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     num_preemptions: int = 0
@@ -34,6 +34,8 @@ class Sequence:
     text: str | None = None  # set when a stop string truncates the output
     forced: list[int] | None = None  # trace replay: the output tokens to emit
     policy_version: int = 0  # weights version of its first token (the oldest)
+    weights_version: int = 0  # the weights it runs under now
+    pinned: bool = False  # the caller chose weights_version: a partial-rollout update leaves it there
     # (first output index, version) for each weights version its tokens came from, once the weights
     # changed under it (partial rollout); empty: every token at policy_version
     version_segments: list[tuple[int, int]] = field(default_factory=list)

@@ -13,12 +13,13 @@ until the bound requires them. With k = 0 every step waits for exactly the group
 weights: synchronous, on-policy RL. A group's version is the oldest version of any of its turns.
 
 Lockstep (`lockstep=True`, for reproducible runs): batch T is exactly groups T*B .. (T+1)*B - 1, and
-the trainer's new weights reach the replicas only once every group admitted under the old ones is
-complete (`wait_generated`), so each batch runs entirely under one version (T - k; verl's
-one-step-off pipeline when k = 1) and no turn's version depends on timing. A step then lasts
-max(rollout, training) instead of nearly (rollout + training) / 2 under the free-running rule.
-A run resumed after a crash goes on with the oldest groups left (those lost in flight are not
-regenerated under their old numbers), so it is not bit-identical to an uninterrupted one.
+each group is pinned to version T - k (or the version the run started at, if newer; `admit` returns it; every turn asks the replicas for
+those weights, which they keep: `keep_weight_versions` = k + 1), so each batch runs entirely under
+one version and no turn's version depends on timing, while weights change as soon as the trainer
+has them and batches of different versions run at once (a step lasts about (rollout + training) / 2
+at k = 1, as under the free-running rule). A run resumed after a crash goes on with the oldest
+groups left (those lost in flight are not regenerated under their old numbers), so it is not
+bit-identical to an uninterrupted one.
 """
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ class GroupQueue:
         if groups_per_step < 1 or max_staleness < 0:
             raise ValueError("groups_per_step must be >= 1 and max_staleness >= 0")
         self.B, self.k, self.version, self.lockstep = groups_per_step, max_staleness, version, lockstep
+        self.start = version  # the run's (or resumed run's) first version: the oldest weights it has
         self.admitted = version * groups_per_step if admitted is None else admitted  # next admission index
         self.ready: dict[int, Group] = {}  # complete, not consumed: seq -> group
         self.pending: dict[int, int] = {}  # admitted, not complete: seq -> admitted version
@@ -86,7 +88,9 @@ class GroupQueue:
         return self.admitted < (self.version + self.k + 1) * self.B
 
     async def admit(self) -> tuple[int, int]:
-        """Wait for room under the staleness bound; returns (seq, the version it is admitted at)."""
+        """Wait for room under the staleness bound; returns (seq, its version): the version it is
+        admitted at, or in lockstep the one it is pinned to, seq // B - k (never newer than the
+        current one, nor older than the current one - k, nor the version this run started at)."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         async with self._cond:
@@ -94,7 +98,7 @@ class GroupQueue:
             self._raise()
             seq = self.admitted
             self.admitted += 1
-            self.pending[seq] = self.version
+            self.pending[seq] = max(self.start, seq // self.B - self.k) if self.lockstep else self.version
             if self._idle_since is not None:
                 self.stats["rollout_idle_s"] += loop.time() - self._idle_since
                 self._idle_since = None
@@ -162,15 +166,6 @@ class GroupQueue:
                 self.stats["stale_groups"] += 1
                 self.stats["stale_trajectories"] += len(g.trajectories)
         return batch
-
-    async def wait_generated(self) -> None:
-        """Wait until every group the current version may admit has been admitted and is complete
-        (lockstep: only then may the replicas' weights change)."""
-        n = (self.version + self.k + 1) * self.B
-        async with self._cond:
-            await self._cond.wait_for(
-                lambda: (self.admitted >= n and not any(s < n for s in self.pending)) or self.error is not None)
-            self._raise()
 
     async def commit(self, version: int) -> None:
         """The step that used the last batch is done: the policy is now `version`; admit more."""

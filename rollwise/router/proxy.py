@@ -91,7 +91,8 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         req = GenerateRequest(prompt_token_ids=body.input_ids, params=params, request_id=rid,
                               trajectory_id=body.trajectory_id or request.headers.get("x-session-id"),
                               group_id=body.group_id or request.headers.get("x-group-id"),
-                              turn=body.turn or 0, forced_output=body.forced_output)
+                              turn=body.turn or 0, forced_output=body.forced_output,
+                              policy_version=body.policy_version)
         out = await router.generate(req)
         return {"request_id": rid, "token_ids": out.token_ids, "logprobs": out.logprobs, "text": "",
                 "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,

@@ -125,6 +125,7 @@ class HttpReplica:
         body = {"input_ids": request.prompt_token_ids, "request_id": request.request_id,
                 "trajectory_id": request.trajectory_id, "group_id": request.group_id, "turn": request.turn,
                 "forced_output": request.forced_output,
+                **({} if request.policy_version is None else {"policy_version": request.policy_version}),
                 "sampling_params": {"max_new_tokens": p.max_tokens,  # SGLang's name; `rollwise serve` takes both
                                     **{k: getattr(p, k) for k in ("temperature", "top_p", "top_k", "seed", "min_tokens",
                                                                   "stop", "stop_token_ids", "ignore_eos")}}}

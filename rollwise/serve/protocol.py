@@ -76,6 +76,7 @@ class GenerateRequest(_Strict):
     group_id: str | None = None
     turn: int | None = None
     forced_output: list[int] | None = None  # trace replay: emit these tokens (the forward still runs)
+    policy_version: int | None = None  # run under these weights (held by this server); default: the newest
     # fields SGLang's router adds when it forwards /generate; accepted and ignored
     model: str | None = None
     background: bool | None = None

@@ -104,9 +104,11 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         prompt = body.input_ids if body.input_ids is not None else body.prompt
         rid = body.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         if body.stream:
+            if body.policy_version is not None:
+                raise ValueError("policy_version is not supported with stream=true; send stream=false")
             return _sse(await _primed(_stream_generate(engine, prompt, params, rid, body.group_id)))
         out = await engine.generate(prompt, params, rid, group_id=body.group_id, forced_output=body.forced_output,
-                                    session=body.trajectory_id)
+                                    session=body.trajectory_id, policy_version=body.policy_version)
         return _generate_json(out)
 
     @app.post("/spec/add_sequence")

@@ -191,11 +191,12 @@ def _run(eng, rids: set[str]) -> dict:
 
 
 def test_requests_in_flight_finish_under_the_weights_they_started_with(model_dir):
-    """Default weight update: the new weights wait (staged) until every request admitted before
-    them is done; requests arriving meanwhile wait for them and run entirely under them."""
+    """Default weight update: requests in flight finish under their weights while new ones run
+    under the new weights in the same steps; the old weights go when their last request ends.
+    A request may pin a held version."""
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     p = _prompts(1, seed=5)[0]
-    llm = LLM(model_dir)
+    llm = LLM(model_dir, keep_weight_versions=1)
     old = LLM(model_dir).generate([p], params)[0]
     state = _flipped(llm)
     fresh = LLM(model_dir)
@@ -206,24 +207,42 @@ def test_requests_in_flight_finish_under_the_weights_they_started_with(model_dir
     a = eng.add_request(p, params)
     for _ in range(5):
         eng.step()
-    assert eng.update_weights(state, 3) == 3
-    assert eng.metrics()["weights_pending"] == 1.0 and eng.policy_version == 3
-    b = eng.add_request(p, params)  # admitted under version 3: waits for it
-    assert eng.metrics()["num_waiting"] == 1 and eng.metrics()["num_running"] == 1
-    c = eng.add_request(p, params)
-    assert eng.abort(c).finish_reason == "abort"  # a waiting request can still be aborted
-    out = _run(eng, {a, b})
-    assert out[a].token_ids == old.token_ids and out[a].policy_version == 0 and out[a].version_segments == []
-    assert out[a].logprobs == pytest.approx(old.logprobs, abs=1e-4)
+    assert eng.update_weights(state, 3) == 3 and eng.policy_version == 3
+    b = eng.add_request(p, params)  # the newest weights
+    c = eng.add_request(p, params, policy_version=0)  # pinned: version 0 is held while `a` runs on it
+    d = eng.add_request(p, params)
+    assert eng.abort(d).finish_reason == "abort"
+    eng.step()
+    assert eng.metrics()["weight_versions"] == 2 and eng.metrics()["num_running"] == 3  # both at once
+    out = _run(eng, {a, b, c})
+    for r in (a, c):
+        assert out[r].token_ids == old.token_ids and out[r].policy_version == 0 and out[r].version_segments == []
+        assert out[r].logprobs == pytest.approx(old.logprobs, abs=1e-4)
     assert out[b].token_ids == new.token_ids and out[b].policy_version == 3 and out[b].version_segments == []
-    assert eng.metrics()["weights_pending"] == 0.0 and eng.metrics()["num_interrupted"] == 0
+    assert eng.metrics()["weight_versions"] == 1 and eng.metrics()["num_interrupted"] == 0  # version 0 dropped
+    with pytest.raises(ValueError, match="not held"):
+        eng.add_request(p, params, policy_version=0)
     eng.scheduler.check_integrity()
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
-    with pytest.raises(ValueError, match="shape"):  # checked at once, even when it would be staged
-        eng.add_request(p, params)
-        eng.step()
+    with pytest.raises(ValueError, match="shape"):  # checked first: nothing changes
         eng.update_weights({"model.norm.weight": state["model.norm.weight"][:3]})
-    assert eng.metrics()["weights_pending"] == 0.0 and eng.policy_version == 3
+    assert eng.policy_version == 3 and eng.metrics()["weight_versions"] == 1
+
+
+def test_kept_weight_versions_serve_pinned_requests(model_dir):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    p = _prompts(1, seed=7)[0]
+    llm = LLM(model_dir, keep_weight_versions=2)
+    old = llm.generate([p], params)[0]
+    state = _flipped(llm)
+    llm.update_weights(state)
+    eng = llm.engine
+    assert eng.metrics()["weight_versions"] == 2  # version 0 kept though nothing runs on it
+    r = eng.add_request(p, params, policy_version=0)
+    assert _run(eng, {r})[r].token_ids == old.token_ids
+    llm.update_weights(state)  # version 2: version 0 goes, 1 and 2 stay
+    with pytest.raises(ValueError, match=r"held: \[1, 2\]"):
+        eng.add_request(p, params, policy_version=0)
 
 
 def test_partial_rollout_continues_under_the_new_weights_from_the_tokens_so_far(model_dir):
@@ -242,7 +261,7 @@ def test_partial_rollout_continues_under_the_new_weights_from_the_tokens_so_far(
     assert 0 < n < 16
     prefill = eng.stats["prefill_tokens"]
     eng.update_weights(state, 1, partial_rollout=True)
-    assert eng.metrics()["weights_pending"] == 0.0 and eng.metrics()["num_interrupted"] == 1
+    assert eng.metrics()["weight_versions"] == 1 and eng.metrics()["num_interrupted"] == 1
     out = _run(eng, {a})[a]
     assert out.policy_version == 0 and out.version_segments == [(0, 0), (n, 1)]
     assert out.token_ids[:n] == old.token_ids[:n] and out.logprobs[:n] == old.logprobs[:n]

@@ -28,7 +28,7 @@ async def _simulate(k: int, B: int, steps: int, seed: int, concurrency: int = 12
         seq, v = await q.admit()
         versions = []
         for _ in range(rng.randint(1, 4)):  # turns; weights may change between (and during) them
-            versions.append(current["v"])
+            versions.append(v if lockstep else current["v"])  # lockstep: the replicas serve the pinned version
             await asyncio.sleep(rng.expovariate(1 / 0.004) if rng.random() < 0.9 else 0.05)  # heavy tail
         await q.put(Group(seq, seq, {}, v, [_traj(versions)]))
 
@@ -50,8 +50,6 @@ async def _simulate(k: int, B: int, steps: int, seed: int, concurrency: int = 12
             used.append([(g.seq, q.version, g.version, [v for t in g.trajectories for v in t.policy_versions])
                          for g in batch])
             await asyncio.sleep(rng.uniform(0, 0.01))  # training
-            if lockstep:
-                await q.wait_generated()
             current["v"] = step + 1  # weight sync, then commit
             await q.commit(step + 1)
     finally:
@@ -83,14 +81,28 @@ def test_synchronous_mode_is_exactly_on_policy():
 
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_lockstep_runs_each_batch_under_one_version_whatever_the_timing(k):
-    """Batch T is groups T*B.. (T+1)*B-1 and every turn of it ran under version max(0, T - k): what a
-    turn ran under does not depend on timing, so seeded runs repeat."""
+    """Batch T is groups T*B.. (T+1)*B-1, pinned to version max(0, T - k): what a turn runs under
+    does not depend on timing, so seeded runs repeat; a pin is never newer than the weights the
+    trainer has published when the group is admitted, nor more than k older."""
     for seed in (0, 1):
         used, q = asyncio.run(_simulate(k, B=3, steps=12, seed=seed, lockstep=True))
         for T, batch in enumerate(used):
             assert [s for s, *_ in batch] == list(range(3 * T, 3 * T + 3))
-            for _, trainer_version, _, turn_versions in batch:
-                assert trainer_version == T and set(turn_versions) == {max(0, T - k)}
+            for _, trainer_version, group_version, turn_versions in batch:
+                assert trainer_version == T and group_version == max(0, T - k)
+                assert set(turn_versions) == {max(0, T - k)}
+
+    async def pins():
+        q = GroupQueue(3, k, lockstep=True)
+        out = []
+        for v in range(6):
+            while q.may_admit():
+                seq, pin = await q.admit()
+                assert v - k <= pin <= v
+                out.append(pin)
+            await q.commit(v + 1)
+        return out
+    assert asyncio.run(pins())[:3 * (k + 2)] == [max(0, s // 3 - k) for s in range(3 * (k + 2))]
     # the free-running rule mixes versions within a batch under the same timings (what lockstep removes)
     used, _ = asyncio.run(_simulate(1, B=3, steps=12, seed=0))
     assert any(len({v for *_, tv in batch for v in tv}) > 1 for batch in used)
