@@ -38,6 +38,9 @@ def test_generate_is_token_in_token_out_and_matches_offline(client, model_dir):
     assert body["token_ids"] == ref.token_ids and body["finish_reason"] == "length"
     assert body["logprobs"] == pytest.approx(ref.logprobs, abs=1e-4)
     assert body["prompt_len"] == 5 and body["policy_version"] == 0
+    pinned = client.post("/generate", json={"input_ids": ids, "policy_version": 0, "sampling_params": {
+        "temperature": 0, "max_tokens": 8, "ignore_eos": True}}).json()
+    assert pinned["token_ids"] == ref.token_ids
     again = client.post("/generate", json={"input_ids": ids * 8, "sampling_params": {"max_tokens": 2}}).json()
     again2 = client.post("/generate", json={"input_ids": ids * 8 + [1], "sampling_params": {"max_tokens": 2}}).json()
     assert again["num_cached_tokens"] == 0 and again2["num_cached_tokens"] == 32
@@ -105,6 +108,8 @@ def test_models_and_metrics(client):
     ("/generate", {"input_ids": [1] * 600}),  # oversized prompt (max_model_len 512)
     ("/generate", {"input_ids": [10**9]}),  # token id out of vocabulary
     ("/generate", {"input_ids": []}),
+    ("/generate", {"input_ids": [1, 2], "policy_version": 99}),  # weights this server does not hold
+    ("/generate", {"input_ids": [1, 2], "policy_version": 0, "stream": True}),
     ("/generate", {}),
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}),
     ("/v1/completions", {"prompt": "x", "max_tokens": 4, "temperature": -2}),
