@@ -269,10 +269,17 @@ class LLMEngine:
         `version` (the trainer's count) or the next one. Returns it."""
         state = self.runner.prepare_weights(weights)
         v = self.policy_version + 1 if version is None else version
-        self.runner.add_weights(v, state)
+        # a version nothing will need is overwritten in place (the newest if it can be: then nothing
+        # is copied twice); with nothing in flight and one version kept, that is every update
+        keep = self.config.keep_weight_versions
+        used = {s.weights_version for s in self.seqs.values()} | set(self._loaded[max(0, len(self._loaded) - keep + 1):])
+        free = [u for u in self._loaded if u not in used and u != v]
+        reuse = (self._loaded[-1] if self._loaded[-1] in free else free[0]) if free else None
+        self.runner.add_weights(v, state, reuse)
         self.weight_updates += 1
+        self._roots.pop(reuse, None)
         self._roots[v] = self.weight_updates  # salt: KV of earlier weights never matches
-        self._loaded = [u for u in self._loaded if u != v] + [v]
+        self._loaded = [u for u in self._loaded if u not in (v, reuse)] + [v]
         self.policy_version = v
         if partial_rollout:
             moving = lambda seq: not seq.pinned and seq.weights_version != v  # noqa: E731

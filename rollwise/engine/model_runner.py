@@ -121,14 +121,18 @@ class ModelRunner:
         return check_weights(self.model, state, partial=True)
 
     @torch.inference_mode()
-    def add_weights(self, version: int, state: dict[str, torch.Tensor]) -> None:
+    def add_weights(self, version: int, state: dict[str, torch.Tensor], reuse: int | None = None) -> None:
         """Hold `state` (checked by `prepare_weights`; a subset updates the newest weights) as
-        `version`, now the newest. A version already held is overwritten in place."""
+        `version`, now the newest: in place of version `reuse` (one nothing needs any more), else
+        in a new copy of the model. A version already held is overwritten in place."""
         model = self.versions.get(version)
         if model is None:
-            model = self._spare.pop() if self._spare else _clone(self.model)
-            for dst, src in zip(model.parameters(), self.model.parameters()):
-                dst.copy_(src)
+            model = self.versions.pop(reuse) if reuse is not None else None
+            if model is None:
+                model = self._spare.pop() if self._spare else _clone(self.model)
+            if model is not self.model:
+                for dst, src in zip(model.parameters(), self.model.parameters()):
+                    dst.copy_(src)
         load_weights(model, state, partial=True)
         model.prepack()
         self.versions[version] = self.model = model
@@ -136,7 +140,8 @@ class ModelRunner:
     def drop_weights(self, version: int) -> None:
         model = self.versions.pop(version)
         assert model is not self.model, "the newest weights are always held"
-        self._spare.append(model)
+        if not self._spare:  # one kept for the next update made while requests run on old weights
+            self._spare.append(model)
 
 
 def _clone(model: CausalLM) -> CausalLM:

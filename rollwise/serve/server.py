@@ -104,9 +104,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         prompt = body.input_ids if body.input_ids is not None else body.prompt
         rid = body.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         if body.stream:
-            if body.policy_version is not None:
-                raise ValueError("policy_version is not supported with stream=true; send stream=false")
-            return _sse(await _primed(_stream_generate(engine, prompt, params, rid, body.group_id)))
+            return _sse(await _primed(_stream_generate(engine, prompt, params, rid, body.group_id,
+                                                       policy_version=body.policy_version)))
         out = await engine.generate(prompt, params, rid, group_id=body.group_id, forced_output=body.forced_output,
                                     session=body.trajectory_id, policy_version=body.policy_version)
         return _generate_json(out)
@@ -237,11 +236,11 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
-async def _deltas(engine, prompt, params: SamplingParams, rid: str, group_id: str | None = None):
+async def _deltas(engine, prompt, params: SamplingParams, rid: str, group_id: str | None = None, **options):
     """(new token ids, their logprobs, new text, final output or None) per engine step."""
     tok = engine.tokenizer
     sent_tokens, sent_text = 0, ""
-    async for out in engine.stream(prompt, params, rid, group_id=group_id):
+    async for out in engine.stream(prompt, params, rid, group_id=group_id, **options):
         text = out.text if out.finished else tok.decode(out.token_ids, params.skip_special_tokens)
         if not out.finished and text.endswith("\ufffd"):  # half a multi-byte character: wait
             continue
@@ -251,8 +250,8 @@ async def _deltas(engine, prompt, params: SamplingParams, rid: str, group_id: st
         yield new_ids, new_lps, delta, out if out.finished else None
 
 
-async def _stream_generate(engine, prompt, params, rid, group_id):
-    async for ids, lps, delta, final in _deltas(engine, prompt, params, rid, group_id):
+async def _stream_generate(engine, prompt, params, rid, group_id, **options):
+    async for ids, lps, delta, final in _deltas(engine, prompt, params, rid, group_id, **options):
         chunk = {"request_id": rid, "token_ids": ids, "logprobs": lps, "text": delta, "finished": final is not None}
         if final is not None:
             chunk |= {k: v for k, v in _generate_json(final).items() if k not in ("token_ids", "logprobs", "text")}

@@ -220,13 +220,16 @@ def test_requests_in_flight_finish_under_the_weights_they_started_with(model_dir
         assert out[r].logprobs == pytest.approx(old.logprobs, abs=1e-4)
     assert out[b].token_ids == new.token_ids and out[b].policy_version == 3 and out[b].version_segments == []
     assert eng.metrics()["weight_versions"] == 1 and eng.metrics()["num_interrupted"] == 0  # version 0 dropped
+    model = eng.runner.model
+    eng.update_weights(state, 4)  # nothing in flight: loaded in place, no second copy of the model
+    assert eng.runner.model is model and list(eng.runner.versions) == [4]
     with pytest.raises(ValueError, match="not held"):
         eng.add_request(p, params, policy_version=0)
     eng.scheduler.check_integrity()
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
     with pytest.raises(ValueError, match="shape"):  # checked first: nothing changes
         eng.update_weights({"model.norm.weight": state["model.norm.weight"][:3]})
-    assert eng.policy_version == 3 and eng.metrics()["weight_versions"] == 1
+    assert eng.policy_version == 4 and eng.metrics()["weight_versions"] == 1
 
 
 def test_kept_weight_versions_serve_pinned_requests(model_dir):

@@ -47,7 +47,7 @@ def test_generate_is_token_in_token_out_and_matches_offline(client, model_dir):
 
 
 def test_generate_stream(client):
-    with client.stream("POST", "/generate", json={"input_ids": [1, 2, 3], "stream": True,
+    with client.stream("POST", "/generate", json={"input_ids": [1, 2, 3], "stream": True, "policy_version": 0,
                                                   "sampling_params": {"temperature": 0, "max_tokens": 6, "ignore_eos": True}}) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
     assert sum(len(c["token_ids"]) for c in chunks) == 6
@@ -109,7 +109,7 @@ def test_models_and_metrics(client):
     ("/generate", {"input_ids": [10**9]}),  # token id out of vocabulary
     ("/generate", {"input_ids": []}),
     ("/generate", {"input_ids": [1, 2], "policy_version": 99}),  # weights this server does not hold
-    ("/generate", {"input_ids": [1, 2], "policy_version": 0, "stream": True}),
+    ("/generate", {"input_ids": [1, 2], "policy_version": 99, "stream": True}),
     ("/generate", {}),
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}),
     ("/v1/completions", {"prompt": "x", "max_tokens": 4, "temperature": -2}),
