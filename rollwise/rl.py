@@ -304,6 +304,13 @@ async def _train(cfg: TrainConfig) -> dict:
 
     router = make_router(cfg, tokenizer)
     try:
+        if cfg.deterministic and cfg.replica_urls:  # groups are pinned to versions up to k old
+            for r in router.replicas.values():
+                kept = (await r.info()).get("keep_weight_versions", 1)
+                if kept < cfg.max_staleness + 1:
+                    raise ValueError(f"replica {r.name} keeps {kept} weight version(s); a deterministic run at "
+                                     f"max_staleness={cfg.max_staleness} needs `rollwise serve ... "
+                                     f"--keep-weight-versions {cfg.max_staleness + 1}`")
         # every replica serves the trainer's weights, labelled with the trainer's version (RL steps done)
         await router.update_weights(policy.engine_weights(), trainer.version)
         if sft_success is None:

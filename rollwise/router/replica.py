@@ -177,6 +177,14 @@ class HttpReplica:
         except httpx.HTTPError:
             return False
 
+    async def info(self) -> dict:
+        """The server's /health body (policy_version, keep_weight_versions)."""
+        try:
+            r = await self.client.get("/health", timeout=10.0)
+        except httpx.HTTPError as e:
+            raise ReplicaError(f"{self.name}: {type(e).__name__}: {e}") from e
+        return r.json()
+
     async def load(self) -> LoadSnapshot:
         try:
             text = (await self.client.get("/metrics", timeout=2.0)).text

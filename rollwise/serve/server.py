@@ -59,7 +59,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "policy_version": engine.policy_version}
+        return {"status": "ok", "policy_version": engine.policy_version,
+                "keep_weight_versions": engine.engine.config.keep_weight_versions}
 
     @app.get("/v1/models")
     async def models():

@@ -144,3 +144,19 @@ def test_example_config_is_the_demo_run(model_dir):
     assert cfg.env == "phonebook" and {k: getattr(cfg, k) for k in DEMO_FULL} == DEMO_FULL
     with pytest.raises(ValueError, match="replica_weights_via"):
         TrainConfig.from_dict({"model": model_dir, "replica_weights_via": "nfs"})
+
+
+def test_deterministic_run_over_http_pins_groups_to_versions_the_servers_keep(model_dir, tmp_path):
+    with ServerProcess(model_dir, "--max-num-seqs", "16") as plain:
+        cfg = TrainConfig.from_dict({**TINY, "model": model_dir, "run_dir": str(tmp_path / "a"), "steps": 2,
+                                     "deterministic": True, "replica_urls": [plain.url]})
+        with pytest.raises(ValueError, match="--keep-weight-versions 2"):
+            train(cfg)
+    with ServerProcess(model_dir, "--max-num-seqs", "16", "--keep-weight-versions", "2") as a:
+        cfg = TrainConfig.from_dict({**TINY, "model": model_dir, "run_dir": str(tmp_path / "b"), "steps": 3,
+                                     "deterministic": True, "replica_urls": [a.url]})
+        report = train(cfg)
+    assert report["policy_version"] == 3
+    for g in read_log(Path(cfg.run_dir) / "groups.jsonl"):  # every turn under its group's pinned version
+        assert g.admitted_version == max(0, g.seq // 2 - 1)
+        assert {v for t in g.trajectories for v in t.policy_versions} <= {g.admitted_version}
