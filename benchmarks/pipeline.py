@@ -38,7 +38,8 @@ def run(k: int, args, deterministic: bool = False, partial: bool = False) -> dic
         cfg = TrainConfig.from_dict(dict(
             model=demo_model(), run_dir=tmp, env="phonebook", sft_cache=DEMO_SFT_CACHE, **args.sft, steps=args.steps,
             groups_per_step=args.groups, group_size=args.group_size, lr=DEMO_FULL["lr"], max_staleness=k,
-            deterministic=deterministic, partial_rollout=partial, tool_latency=(0.05, 0.5), tool_latency_kind="lognormal",
+            deterministic=deterministic, partial_rollout=partial, tool_latency=(0.05, 0.5),
+            tool_latency_kind="lognormal",
             eval_tasks=args.eval_tasks, max_concurrent_groups=args.groups * 3, progress=False, seed=0))
         t0 = time.perf_counter()
         rep = train(cfg)

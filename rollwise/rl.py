@@ -140,10 +140,9 @@ def make_router(cfg: TrainConfig, tokenizer):
     else:
         from rollwise.engine.async_engine import AsyncEngine
         keep = cfg.max_staleness + 1 if cfg.deterministic else 1  # lockstep pins groups to versions
-        replicas = [LocalReplica(f"replica{i}", AsyncEngine(cfg.model, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed + i,
-                                                            speculative=cfg.speculative, spec_controller=cfg.spec_controller,
-                                                            keep_weight_versions=keep))
-                    for i in range(cfg.replicas)]
+        replicas = [LocalReplica(f"replica{i}", AsyncEngine(
+            cfg.model, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed + i, speculative=cfg.speculative,
+            spec_controller=cfg.spec_controller, keep_weight_versions=keep)) for i in range(cfg.replicas)]
     return Router(replicas, cfg.routing_policy, tokenizer=tokenizer, max_inflight_per_replica=cfg.max_num_seqs)
 
 

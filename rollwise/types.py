@@ -123,6 +123,10 @@ class Draft:
         return Draft(self.token_ids[:n], self.parents[:n], probs, sum(probs), self.match_len, self.source)
 
 
+class WeightsNotHeld(ValueError):
+    """A request pinned to a weights version its replica does not hold (another replica may)."""
+
+
 @dataclass(slots=True, kw_only=True)
 class GenerateRequest:
     """One generation call of an episode: token ids in, with the session metadata schedulers use."""

@@ -19,7 +19,7 @@ from rollwise.engine.sampler import Sampler, SampleRow
 from rollwise.engine.scheduler import Scheduler
 from rollwise.engine.sequence import Sequence
 from rollwise.engine.tokenizer import Tokenizer
-from rollwise.types import RequestOutput, SamplingParams
+from rollwise.types import RequestOutput, SamplingParams, WeightsNotHeld
 
 
 class LLMEngine:
@@ -100,8 +100,8 @@ class LLMEngine:
         seq = Sequence(rid, list(ids), params, forced=list(forced_output) if forced_output else None)
         v = self.policy_version if policy_version is None else policy_version
         if v not in self._roots:
-            raise ValueError(f"weights of policy version {v} are not held (held: {self._loaded}); keep more "
-                             "with keep_weight_versions")
+            raise WeightsNotHeld(f"weights of policy version {v} are not held (held: {self._loaded}); keep more "
+                                 "with keep_weight_versions")
         seq.policy_version = seq.weights_version = v
         seq.pinned, seq.hash_root = policy_version is not None, self._roots[v]
         self.seqs[rid] = seq
@@ -272,7 +272,8 @@ class LLMEngine:
         # a version nothing will need is overwritten in place (the newest if it can be: then nothing
         # is copied twice); with nothing in flight and one version kept, that is every update
         keep = self.config.keep_weight_versions
-        used = {s.weights_version for s in self.seqs.values()} | set(self._loaded[max(0, len(self._loaded) - keep + 1):])
+        used = {s.weights_version for s in self.seqs.values()}
+        used |= set(self._loaded[max(0, len(self._loaded) - keep + 1):])  # the newest keep - 1 stay beside v
         free = [u for u in self._loaded if u not in used and u != v]
         reuse = (self._loaded[-1] if self._loaded[-1] in free else free[0]) if free else None
         self.runner.add_weights(v, state, reuse)

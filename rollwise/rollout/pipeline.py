@@ -13,13 +13,13 @@ until the bound requires them. With k = 0 every step waits for exactly the group
 weights: synchronous, on-policy RL. A group's version is the oldest version of any of its turns.
 
 Lockstep (`lockstep=True`, for reproducible runs): batch T is exactly groups T*B .. (T+1)*B - 1, and
-each group is pinned to version T - k (or the version the run started at, if newer; `admit` returns it; every turn asks the replicas for
-those weights, which they keep: `keep_weight_versions` = k + 1), so each batch runs entirely under
-one version and no turn's version depends on timing, while weights change as soon as the trainer
-has them and batches of different versions run at once (a step lasts about (rollout + training) / 2
-at k = 1, as under the free-running rule). A run resumed after a crash goes on with the oldest
-groups left (those lost in flight are not regenerated under their old numbers), so it is not
-bit-identical to an uninterrupted one.
+each group is pinned to version T - k (or the version the run started at, if newer; `admit` returns
+it): every turn asks the replicas for those weights, which they keep (`keep_weight_versions` =
+k + 1). So each batch runs entirely under one version and no turn's version depends on timing,
+while weights change as soon as the trainer has them and batches of different versions run at once
+(a step lasts about (rollout + training) / 2 at k = 1, as under the free-running rule). A run
+resumed after a crash goes on with the oldest groups left (those lost in flight are not
+regenerated under their old numbers), so it is not bit-identical to an uninterrupted one.
 """
 from __future__ import annotations
 

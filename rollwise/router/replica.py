@@ -9,7 +9,7 @@ from typing import Protocol
 
 import httpx
 
-from rollwise.types import GenerateOutput, GenerateRequest
+from rollwise.types import GenerateOutput, GenerateRequest, WeightsNotHeld
 
 
 @dataclass(slots=True)
@@ -85,7 +85,8 @@ class LocalReplica:
                             m["prefix_hit_rate"], m["step_time_s"], m["prefill_tokens"], m["decode_tokens"],
                             m["num_steps"], m.get("kv_capacity_tokens", 0.0))
 
-    async def update_weights(self, weights: dict | str, version: int | None = None, partial_rollout: bool = False) -> int:
+    async def update_weights(self, weights: dict | str, version: int | None = None,
+                             partial_rollout: bool = False) -> int:
         """New weights (tensors under Hugging Face names, or a model directory), between two steps;
         requests in flight finish under the old ones, or with `partial_rollout` continue under these."""
         return await self.engine.update_weights(weights, version, partial_rollout)
@@ -107,7 +108,8 @@ PROM = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "wa
 class HttpReplica:
     """`rollwise serve` (or a server with the same /generate) at `url`."""
 
-    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0, weights_via: str = "stream") -> None:
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0,
+                 weights_via: str = "stream") -> None:
         """`weights_via`: how `update_weights` sends tensors: "stream" (the safetensors bytes in the
         request body; works across machines) or "file" (written to a temporary directory the
         server reads: same host or a shared file system)."""
@@ -134,7 +136,8 @@ class HttpReplica:
         except httpx.HTTPError as e:
             raise ReplicaError(f"{self.name}: {type(e).__name__}: {e}") from e
         if r.status_code == 400:
-            raise ValueError(r.json().get("error", {}).get("message", r.text))
+            err = r.json().get("error", {})
+            raise (WeightsNotHeld if err.get("type") == "weights_not_held" else ValueError)(err.get("message", r.text))
         if r.status_code != 200:
             raise ReplicaError(f"{self.name}: HTTP {r.status_code}: {r.text[:200]}")
         b = r.json()
@@ -146,7 +149,8 @@ class HttpReplica:
     async def abort(self, request_id: str) -> None:
         pass  # closing the connection aborts the request on `rollwise serve`
 
-    async def update_weights(self, weights: dict | str, version: int | None = None, partial_rollout: bool = False) -> int:
+    async def update_weights(self, weights: dict | str, version: int | None = None,
+                             partial_rollout: bool = False) -> int:
         """POST /update_weights: a model directory (str) by name; tensors streamed as safetensors
         bytes, or with weights_via="file" through a temporary directory the server must see."""
         import tempfile

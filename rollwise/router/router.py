@@ -23,7 +23,7 @@ from rollwise.router.policies import Candidate, Policy, RouteInfo, make_policy
 from rollwise.router.prefix_index import PrefixIndex
 from rollwise.router.replica import LoadSnapshot, ReplicaError, gather_loads
 from rollwise.router.residency import Residency
-from rollwise.types import GenerateOutput, GenerateRequest
+from rollwise.types import GenerateOutput, GenerateRequest, WeightsNotHeld
 
 
 @dataclass(slots=True)
@@ -148,6 +148,13 @@ class Router:
                 self._release(name, w.work)
                 self._mark_down(name)
                 w.tried.add(name)
+                self.stats["retries"] += 1
+                continue
+            except WeightsNotHeld:  # pinned to weights this replica lacks (e.g. restarted): another may hold them
+                self._release(name, w.work)
+                w.tried.add(name)
+                if self.healthy <= w.tried:
+                    raise
                 self.stats["retries"] += 1
                 continue
             except BaseException:

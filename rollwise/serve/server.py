@@ -21,7 +21,7 @@ from rollwise.config import ServerConfig
 from rollwise.serve.metrics import prometheus_text
 from rollwise.serve.protocol import (AddSequenceRequest, ChatCompletionRequest, CompletionRequest,
                                      GenerateRequest, UpdateWeightsRequest)
-from rollwise.types import RequestOutput, SamplingParams
+from rollwise.types import RequestOutput, SamplingParams, WeightsNotHeld
 
 OPEN_PATHS = {"/health", "/metrics"}
 
@@ -41,6 +41,10 @@ def install_common(app: FastAPI, cfg: ServerConfig) -> None:
     @app.exception_handler(ValueError)
     async def _value(_: Request, exc: ValueError):
         return error(400, str(exc))
+
+    @app.exception_handler(WeightsNotHeld)
+    async def _not_held(_: Request, exc: WeightsNotHeld):
+        return error(400, str(exc), "weights_not_held")
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):

@@ -154,3 +154,33 @@ def test_a_full_home_replica_is_waited_for_by_sticky_policies():
     assert stayed and parked == 1  # waited for its home replica
     stayed, parked = asyncio.run(go("least_load"))
     assert not stayed and parked == 0  # went to the free replica
+
+
+def test_a_request_pinned_to_weights_one_replica_lacks_goes_to_one_that_holds_them(model_dir):
+    """A replica that lacks a pinned version (restarted, say) is not marked down: the request is
+    retried on one that holds it; if none does, the caller gets WeightsNotHeld."""
+    from rollwise.engine.async_engine import AsyncEngine
+    from rollwise.router.replica import LocalReplica
+    from rollwise.types import WeightsNotHeld
+    engines = {n: AsyncEngine(model_dir, keep_weight_versions=2) for n in ("a", "b")}
+
+    async def go():
+        state = {k: v.clone() for k, v in engines["a"].engine.runner.model.hf_tensors().items()}
+        await engines["a"].update_weights(state, 1)  # only a holds version 1
+        router = Router([LocalReplica(n, e) for n, e in engines.items()], "least_load")
+        try:
+            outs = await asyncio.gather(*(router.generate(GenerateRequest(
+                prompt_token_ids=[5, 6, 7 + i], params=SamplingParams(max_tokens=4), policy_version=1))
+                for i in range(6)))
+            assert {o.replica for o in outs} == {"a"} and {o.policy_version for o in outs} == {1}
+            assert router.healthy == {"a", "b"}
+            with pytest.raises(WeightsNotHeld):
+                await router.generate(GenerateRequest(prompt_token_ids=[5], params=SamplingParams(max_tokens=2),
+                                                      policy_version=9))
+        finally:
+            await router.close()
+    try:
+        asyncio.run(go())
+    finally:
+        for e in engines.values():
+            e.shutdown()

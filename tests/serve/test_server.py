@@ -151,6 +151,12 @@ def test_bad_streamed_weights_get_400(client, content, ctype, query):
     _alive(client)
 
 
+def test_unheld_weights_get_a_typed_400(client):
+    r = client.post("/generate", json={"input_ids": [1, 2], "policy_version": 99})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "weights_not_held"
+    _alive(client)
+
+
 def test_malformed_json_is_400(client):
     r = client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
