@@ -190,13 +190,14 @@ def _run(eng, rids: set[str]) -> dict:
     return done
 
 
-def test_requests_in_flight_finish_under_the_weights_they_started_with(model_dir):
+@pytest.mark.parametrize("spec", [None, "suffix"])  # drafts verified in steps that mix two weight versions
+def test_requests_in_flight_finish_under_the_weights_they_started_with(model_dir, spec):
     """Default weight update: requests in flight finish under their weights while new ones run
     under the new weights in the same steps; the old weights go when their last request ends.
     A request may pin a held version."""
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     p = _prompts(1, seed=5)[0]
-    llm = LLM(model_dir, keep_weight_versions=1)
+    llm = LLM(model_dir, keep_weight_versions=1, speculative=spec)
     old = LLM(model_dir).generate([p], params)[0]
     state = _flipped(llm)
     fresh = LLM(model_dir)
@@ -220,6 +221,7 @@ def test_requests_in_flight_finish_under_the_weights_they_started_with(model_dir
         assert out[r].logprobs == pytest.approx(old.logprobs, abs=1e-4)
     assert out[b].token_ids == new.token_ids and out[b].policy_version == 3 and out[b].version_segments == []
     assert eng.metrics()["weight_versions"] == 1 and eng.metrics()["num_interrupted"] == 0  # version 0 dropped
+    assert spec is None or eng.metrics()["spec_drafted_tokens"] > 0
     model = eng.runner.model
     eng.update_weights(state, 4)  # nothing in flight: loaded in place, no second copy of the model
     assert eng.runner.model is model and list(eng.runner.versions) == [4]
@@ -248,12 +250,13 @@ def test_kept_weight_versions_serve_pinned_requests(model_dir):
         eng.add_request(p, params, policy_version=0)
 
 
-def test_partial_rollout_continues_under_the_new_weights_from_the_tokens_so_far(model_dir):
+@pytest.mark.parametrize("spec", [None, "suffix"])
+def test_partial_rollout_continues_under_the_new_weights_from_the_tokens_so_far(model_dir, spec):
     """partial_rollout=True: a running request is interrupted, its KV recomputed under the new
     weights, and it continues from its tokens (kept with their logprobs); each token's version is recorded."""
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     p = _prompts(1, seed=6)[0]
-    llm = LLM(model_dir)
+    llm = LLM(model_dir, speculative=spec)
     old = LLM(model_dir).generate([p], params)[0]
     state = _flipped(llm)
     eng = llm.engine
