@@ -56,6 +56,7 @@ def run(k: int, args, deterministic: bool = False, partial: bool = False) -> dic
             "stale_trajectories": rep["queue"]["stale_trajectories"], "reward_last": steps[-1]["reward"],
             "reward_mean": sum(s["reward"] for s in steps) / len(steps),
             "train_s_per_step": sum(s["train_s"] for s in steps[1:]) / n,  # the trainer's own work
+            "sync_s_per_step": sum(s["sync_s"] for s in steps[1:]) / n,  # new weights to both replicas
             "trained_trajectories": sum(s["trained_trajectories"] for s in steps[1:]), "total_s": total}
 
 

@@ -28,7 +28,7 @@ from rollwise.agent.tools import Latency
 from rollwise.rollout.pipeline import Group, GroupQueue, read_log
 from rollwise.rollout.report import Status, write_report
 from rollwise.router.policies import POLICIES
-from rollwise.router.replica import HttpReplica, LocalReplica
+from rollwise.router.replica import WEIGHTS_VIA, HttpReplica, LocalReplica
 from rollwise.router.router import Router
 from rollwise.types import SamplingParams
 
@@ -78,7 +78,8 @@ class TrainConfig:
     replica_urls: list[str] = field(default_factory=list)  # `rollwise serve` replicas instead
     # their bearer key (servers off loopback take weight updates only with one); default: $ROLLWISE_API_KEY
     replica_api_key: str | None = None
-    replica_weights_via: str = "stream"  # "stream" (safetensors in the request) or "file" (shared file system)
+    # "stream" (safetensors in the request), "file" (shared file system) or "auto" (file on loopback)
+    replica_weights_via: str = "auto"
     routing_policy: str = "rollwise"
     speculative: str | None = "suffix"
     spec_controller: str = "adaptive"
@@ -105,8 +106,8 @@ class TrainConfig:
             raise ValueError(f"unknown env {cfg.env!r}; available: {sorted(ENVS)}")
         if cfg.routing_policy not in POLICIES:
             raise ValueError(f"unknown routing_policy {cfg.routing_policy!r}; available: {sorted(POLICIES)}")
-        if cfg.replica_weights_via not in ("stream", "file"):
-            raise ValueError(f"replica_weights_via must be 'stream' or 'file', got {cfg.replica_weights_via!r}")
+        if cfg.replica_weights_via not in WEIGHTS_VIA:
+            raise ValueError(f"replica_weights_via must be one of {WEIGHTS_VIA}, got {cfg.replica_weights_via!r}")
         if cfg.tool_latency_kind not in ("uniform", "lognormal"):
             raise ValueError(f"tool_latency_kind must be 'uniform' or 'lognormal', got {cfg.tool_latency_kind!r}")
         if cfg.max_staleness < 0 or cfg.steps < 0 or cfg.groups_per_step < 1 or cfg.group_size < 2:
@@ -337,10 +338,12 @@ async def _train(cfg: TrainConfig) -> dict:
             m = await asyncio.to_thread(trainer.step, [g.trajectories for g in batch])
             train_s = time.perf_counter() - t1
             await router.update_weights(policy.engine_weights(), trainer.version, cfg.partial_rollout)
+            sync_s = time.perf_counter() - t1 - train_s  # weights to every replica
             await queue.commit(trainer.version)
             consumed += [g.seq for g in batch]
             lm = _fleet_metrics(router)
-            m.update(step=len(history), wait_s=wait_s, train_s=train_s, wall_s=time.perf_counter() - t_run,
+            m.update(step=len(history), wait_s=wait_s, train_s=train_s, sync_s=sync_s,
+                     wall_s=time.perf_counter() - t_run,
                      group_versions=[g.version for g in batch], **lm)
             history.append(m)
             _save_checkpoint(ckpt_path, trainer, consumed, history,

@@ -154,3 +154,12 @@ def test_sim_cli(tmp_path):
     r = subprocess.run([sys.executable, "-m", "rollwise.cli", "sim", "--set", "configs=['nope']"], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "valid" in r.stderr
+
+
+def test_weight_sync_benchmark_smoke(tmp_path):
+    out = tmp_path / "sync.json"
+    r = run("benchmarks/weight_sync.py", "--smoke", "--repeats", "2", "--model", str(tmp_path / "model"),
+            "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["ms"]) == {"in_process", "http_file", "http_stream"} and all(v > 0 for v in res["ms"].values())

@@ -32,7 +32,7 @@ def test_train_end_to_end_with_in_process_replicas(model_dir, tmp_path, partial_
     assert len(report["steps"]) == 3 and report["policy_version"] == 3
     assert 0.0 <= report["sft_success"] <= 1.0 and 0.0 <= report["rl_success"] <= 1.0
     for s in report["steps"]:
-        assert s["trajectories"] == 4 and s["max_staleness"] <= 1
+        assert s["trajectories"] == 4 and s["max_staleness"] <= 1 and s["sync_s"] > 0
         assert all(s["step"] - v <= 1 for v in s["group_versions"])
     out = Path(cfg.run_dir)
     assert (out / "report" / "curves.png").stat().st_size > 1000

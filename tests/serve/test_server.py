@@ -195,7 +195,7 @@ def test_api_key_and_update_weights(model_dir):
         req = {"input_ids": [3, 4, 5], "sampling_params": {"temperature": 0, "max_tokens": 6, "ignore_eos": True}}
         before = httpx.post(s.url + "/generate", json=req, headers=h).json()
         # the tensors streamed in the request body (no shared file system needed)
-        assert asyncio.run(HttpReplica(s.url, api_key="sekret").update_weights(flipped, 1)) == 1
+        assert asyncio.run(HttpReplica(s.url, api_key="sekret", weights_via="stream").update_weights(flipped, 1)) == 1
         after = httpx.post(s.url + "/generate", json=req, headers=h).json()
         assert after["policy_version"] == 1 and after["token_ids"] != before["token_ids"]
         # partial rollout: a request in flight continues under the new weights, its tokens labelled
@@ -214,8 +214,10 @@ def test_api_key_and_update_weights(model_dir):
         # tensors through a temporary directory (a shared file system), back to the flipped weights
         assert asyncio.run(HttpReplica(s.url, api_key="sekret", weights_via="file").update_weights(flipped, 8)) == 8
         assert httpx.post(s.url + "/generate", json=req, headers=h).json()["token_ids"] == after["token_ids"]
-    with pytest.raises(ValueError, match="'stream' or 'file'"):
+    with pytest.raises(ValueError, match="weights_via must be one of"):
         HttpReplica("http://127.0.0.1:1", weights_via="nfs")
+    assert HttpReplica("http://127.0.0.1:1").weights_via == "file"
+    assert HttpReplica("http://10.1.2.3:8000").weights_via == "stream"
 
 
 def _generated(url: str, headers: dict) -> float:

@@ -1,0 +1,79 @@
+"""Weight sync: how long new weights take to reach a replica, side by side in one run on one model.
+
+    python benchmarks/weight_sync.py [--smoke] [--repeats N] [--json PATH] [--model DIR]
+
+In process (`LocalReplica`: tensors handed to the engine thread), and over HTTP to `rollwise serve`
+on 127.0.0.1: streamed as safetensors bytes in the request body (the default, works across
+machines) against the baseline of a temporary directory the server reads (same host or a shared
+file system). Each update is timed from the trainer's tensors to the replica answering; the new
+weights serve the next request (checked: the replica reports the version). Reports milliseconds
+per update (median) and the weights' megabytes next to it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from rollwise.engine.async_engine import AsyncEngine  # noqa: E402
+from rollwise.router.replica import HttpReplica, LocalReplica  # noqa: E402
+from rollwise.serve.process import ServerProcess  # noqa: E402
+from rollwise.types import GenerateRequest, SamplingParams  # noqa: E402
+
+from common import engine_model  # noqa: E402  (benchmarks/common.py)
+
+
+async def time_updates(replica, weights: dict, repeats: int) -> list[float]:
+    out = []
+    for v in range(1, repeats + 1):
+        t0 = time.perf_counter()
+        assert await replica.update_weights(weights, v) == v
+        out.append(time.perf_counter() - t0)
+        got = await replica.generate(GenerateRequest(prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=1)))
+        assert got.policy_version == v
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json")
+    ap.add_argument("--model", help="default: the engine benchmark's model (32M parameters), built once")
+    args = ap.parse_args()
+    model = engine_model("smoke" if args.smoke else "bench", args.model)
+    engine = AsyncEngine(model)
+    weights = {k: v.detach().clone() for k, v in engine.engine.runner.model.hf_tensors().items()}
+    mb = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
+    res = {}
+    try:
+        res["in_process"] = asyncio.run(time_updates(LocalReplica("local", engine), weights, args.repeats))
+    finally:
+        engine.shutdown()
+    with ServerProcess(model) as server:
+        for via in ("file", "stream"):
+            async def go(via=via):
+                replica = HttpReplica(server.url, weights_via=via)
+                try:
+                    return await time_updates(replica, weights, args.repeats)
+                finally:
+                    await replica.client.aclose()
+            res[f"http_{via}"] = asyncio.run(go())
+    out = {"model": model, "weights_mb": mb, "repeats": args.repeats,
+           "ms": {k: 1000 * statistics.median(v) for k, v in res.items()}}
+    print(f"model {model}: {mb:.1f} MB of weights, {args.repeats} updates each (median)")
+    for k, ms in out["ms"].items():
+        print(f"{k:<12}{ms:>9.1f} ms{mb / ms * 1000:>10.0f} MB/s")
+    print(f"streamed vs temporary directory: {out['ms']['http_file'] / out['ms']['http_stream']:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
