@@ -67,6 +67,8 @@ class BlockManager:
     # allocation ----------------------------------------------------------------------------------
     def can_allocate(self, num_new_blocks: int, shared: list[int] = ()) -> bool:
         """Whether `num_new_blocks` fresh blocks can be taken after referencing `shared` cached ones."""
+        if not shared:
+            return len(self.free) >= num_new_blocks
         revived = sum(1 for b in shared if self.blocks[b].ref_count == 0)
         return len(self.free) - revived >= num_new_blocks
 

@@ -201,14 +201,15 @@ class SimReplica:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.computed, budget)
             need = blocks.num_blocks_for(seq.computed + n) - len(seq.table)
-            while not blocks.can_allocate(need) and self.running[-1] is not seq:
-                self._preempt(self.running.pop())
-                preempted = True
-            if not blocks.can_allocate(need):
-                self._preempt(self.running.pop(i))
-                preempted = True
-                continue
-            blocks.allocate(seq.table, need)
+            if need > 0:  # (most decode steps fit in the last block)
+                while not blocks.can_allocate(need) and self.running[-1] is not seq:
+                    self._preempt(self.running.pop())
+                    preempted = True
+                if not blocks.can_allocate(need):
+                    self._preempt(self.running.pop(i))
+                    preempted = True
+                    continue
+                blocks.allocate(seq.table, need)
             out.append((seq, n))
             budget -= n
             i += 1
