@@ -72,7 +72,7 @@ def main() -> None:
     print(f"{args.steps} GRPO steps of {args.groups} groups x {args.group_size} episodes; phonebook, tool latency "
           "50-500 ms log-normal")
     out = {"configs": {}}
-    print(f"{'config':<17}{'s/step':>8}{'traj/s':>8}{'train s':>8}{'trainer idle':>13}{'rollout idle':>13}"
+    print(f"{'config':<17}{'s/step':>8}{'traj/s':>8}{'train s':>8}{'sync s':>7}{'trainer idle':>13}{'rollout idle':>13}"
           f"{'gen tokens':>11}{'trained':>8}{'reward':>7}{'stale':>6}")
     for name, k, det, partial in (("sync", 0, False, False), ("async_k1", 1, False, False),
                                   ("async_k1_partial", 1, False, True), ("async_k2", 2, False, False),
@@ -80,6 +80,7 @@ def main() -> None:
         r = run(k, args, det, partial)
         out["configs"][name] = r
         print(f"{name:<17}{r['step_s']:>8.2f}{r['trajectories_per_s']:>8.1f}{r['train_s_per_step']:>8.2f}"
+              f"{r['sync_s_per_step']:>7.3f}"
               f"{r['trainer_idle_frac']:>13.2f}{r['rollout_idle_frac']:>13.2f}{int(r['generated_tokens']):>11}"
               f"{r['trained_trajectories']:>8}{r['reward_mean']:>7.2f}{r['max_staleness_seen']:>6}", flush=True)
     s = out["configs"]["sync"]

@@ -106,6 +106,9 @@ class TrainConfig:
             raise ValueError(f"unknown env {cfg.env!r}; available: {sorted(ENVS)}")
         if cfg.routing_policy not in POLICIES:
             raise ValueError(f"unknown routing_policy {cfg.routing_policy!r}; available: {sorted(POLICIES)}")
+        if cfg.deterministic and cfg.partial_rollout:
+            raise ValueError("partial_rollout does nothing in a deterministic run (every turn is pinned to its "
+                             "group's version); set one of them")
         if cfg.replica_weights_via not in WEIGHTS_VIA:
             raise ValueError(f"replica_weights_via must be one of {WEIGHTS_VIA}, got {cfg.replica_weights_via!r}")
         if cfg.tool_latency_kind not in ("uniform", "lognormal"):

@@ -144,6 +144,8 @@ def test_example_config_is_the_demo_run(model_dir):
     assert cfg.env == "phonebook" and {k: getattr(cfg, k) for k in DEMO_FULL} == DEMO_FULL
     with pytest.raises(ValueError, match="replica_weights_via"):
         TrainConfig.from_dict({"model": model_dir, "replica_weights_via": "nfs"})
+    with pytest.raises(ValueError, match="partial_rollout does nothing"):
+        TrainConfig.from_dict({"model": model_dir, "deterministic": True, "partial_rollout": True})
 
 
 def test_deterministic_run_over_http_pins_groups_to_versions_the_servers_keep(model_dir, tmp_path):
