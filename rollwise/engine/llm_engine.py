@@ -274,7 +274,7 @@ class LLMEngine:
         keep = self.config.keep_weight_versions
         used = {s.weights_version for s in self.seqs.values()}
         used |= set(self._loaded[max(0, len(self._loaded) - keep + 1):])  # the newest keep - 1 stay beside v
-        free = [u for u in self._loaded if u not in used and u != v]
+        free = [u for u in self._loaded if u not in used] if v not in self._roots else []  # (v held: overwritten)
         reuse = (self._loaded[-1] if self._loaded[-1] in free else free[0]) if free else None
         self.runner.add_weights(v, state, reuse)
         self.weight_updates += 1

@@ -248,6 +248,8 @@ def test_kept_weight_versions_serve_pinned_requests(model_dir):
     llm.update_weights(state)  # version 2: version 0 goes, 1 and 2 stay
     with pytest.raises(ValueError, match=r"held: \[1, 2\]"):
         eng.add_request(p, params, policy_version=0)
+    eng.update_weights(state, 1)  # a version already held is overwritten in place, the others kept
+    assert eng.metrics()["weight_versions"] == 2 and sorted(eng.runner.versions) == [1, 2] == sorted(eng._roots)
 
 
 @pytest.mark.parametrize("spec", [None, "suffix"])
