@@ -108,11 +108,36 @@ PROM = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "wa
 WEIGHTS_VIA = ("auto", "stream", "file")
 
 
-async def _chunks(data: bytes, size: int = 1 << 20):
-    """A large body in 1 MiB pieces (httpx sends one huge bytes object several times slower)."""
-    view = memoryview(data)
-    for i in range(0, len(view), size):
-        yield bytes(view[i:i + size])
+SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
+                      "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def safetensors_stream(tensors: dict, piece: int = 1 << 20):
+    """`tensors` in the safetensors format (8-byte header length, JSON header padded to 8 bytes,
+    then each tensor's bytes in header order) as (total length, async iterator of <= 1 MiB pieces),
+    read straight from the tensors: no serialized copy of the whole model (`safetensors.save`
+    makes one), and httpx sends pieces several times faster than one huge bytes object."""
+    import json
+    import struct
+
+    import torch
+    items = sorted(tensors.items())
+    header, offset = {}, 0
+    for name, t in items:
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[str(t.dtype).removeprefix("torch.")], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+
+    async def pieces():
+        yield struct.pack("<Q", len(head)) + head
+        for _, t in items:
+            raw = memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+            for i in range(0, len(raw), piece):
+                yield bytes(raw[i:i + piece])
+    return 8 + len(head) + offset, pieces()
 
 
 class HttpReplica:
@@ -175,12 +200,11 @@ class HttpReplica:
                     weights = tmp
                 req = dict(json={"model_dir": weights, "policy_version": version, "partial_rollout": partial_rollout})
             else:
-                from safetensors.torch import save
-                data = await asyncio.to_thread(save, {k: v.contiguous() for k, v in weights.items()})
+                size, body = safetensors_stream(weights)
                 params = {"partial_rollout": str(partial_rollout).lower(),
                           **({} if version is None else {"policy_version": version})}
-                req = dict(content=_chunks(data), params=params, headers={
-                    "content-type": "application/octet-stream", "content-length": str(len(data))})
+                req = dict(content=body, params=params, headers={
+                    "content-type": "application/octet-stream", "content-length": str(size)})
             try:
                 r = await self.client.post("/update_weights", **req)
             except httpx.HTTPError as e:

@@ -254,3 +254,23 @@ def test_speculative_server_is_lossless_and_reports_acceptance(model_dir):
         metrics = httpx.get(s.url + "/metrics").text
     accepted = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
     assert float(accepted[0].split()[-1]) > 0  # siblings 2 and 3 drafted from sibling 1
+
+
+def test_safetensors_stream_is_a_safetensors_file():
+    import asyncio
+
+    import torch
+    from safetensors.torch import load
+
+    from rollwise.router.replica import safetensors_stream
+    tensors = {"b.w": torch.randn(3, 5), "a.h": torch.randn(7).to(torch.bfloat16), "c.i": torch.arange(6).view(2, 3),
+               "d.t": torch.randn(4, 4).t(), "e.big": torch.randn(300_000)}  # non-contiguous; > 1 MiB
+
+    async def collect():
+        size, body = safetensors_stream(tensors)
+        return size, b"".join([p async for p in body])
+    size, data = asyncio.run(collect())
+    back = load(data)
+    assert size == len(data) and set(back) == set(tensors)
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k], t)
