@@ -192,23 +192,25 @@ class HttpReplica:
         """POST /update_weights: a model directory (str) by name; tensors streamed as safetensors
         bytes, or with weights_via="file" through a temporary directory the server must see."""
         import tempfile
-        with tempfile.TemporaryDirectory(prefix="rollwise-weights-") as tmp:
-            if isinstance(weights, str) or self.weights_via == "file":
-                if not isinstance(weights, str):
-                    from safetensors.torch import save_file
-                    save_file({k: v.contiguous() for k, v in weights.items()}, f"{tmp}/model.safetensors")
-                    weights = tmp
-                req = dict(json={"model_dir": weights, "policy_version": version, "partial_rollout": partial_rollout})
-            else:
-                size, body = safetensors_stream(weights)
-                params = {"partial_rollout": str(partial_rollout).lower(),
-                          **({} if version is None else {"policy_version": version})}
-                req = dict(content=body, params=params, headers={
-                    "content-type": "application/octet-stream", "content-length": str(size)})
-            try:
-                r = await self.client.post("/update_weights", **req)
-            except httpx.HTTPError as e:
-                raise ReplicaError(f"{self.name}: {type(e).__name__}: {e}") from e
+        if not isinstance(weights, str) and self.weights_via == "stream":
+            size, body = safetensors_stream(weights)
+            params = {"partial_rollout": str(partial_rollout).lower(),
+                      **({} if version is None else {"policy_version": version})}
+            return await self._post_weights(content=body, params=params, headers={
+                "content-type": "application/octet-stream", "content-length": str(size)})
+        with tempfile.TemporaryDirectory(prefix="rollwise-weights-") as tmp:  # (kept until the server has read it)
+            if not isinstance(weights, str):
+                from safetensors.torch import save_file
+                save_file({k: v.contiguous() for k, v in weights.items()}, f"{tmp}/model.safetensors")
+                weights = tmp
+            return await self._post_weights(json={"model_dir": weights, "policy_version": version,
+                                                  "partial_rollout": partial_rollout})
+
+    async def _post_weights(self, **request) -> int:
+        try:
+            r = await self.client.post("/update_weights", **request)
+        except httpx.HTTPError as e:
+            raise ReplicaError(f"{self.name}: {type(e).__name__}: {e}") from e
         if r.status_code != 200:
             raise ReplicaError(f"{self.name}: weight update failed: HTTP {r.status_code}: {r.text[:200]}")
         return int(r.json()["policy_version"])
