@@ -69,6 +69,11 @@ class TrainConfig:
     # pipeline; `rollwise serve` replicas then need --keep-weight-versions max_staleness + 1), and
     # behaviour logprobs recomputed by the trainer (its step is slower)
     deterministic: bool = False
+    # the trainer takes groups as they complete and runs their forward and backward while the rest of
+    # the batch is generating (the optimizer step still waits for the whole batch); False: the whole
+    # batch at once when it is complete. Deterministic runs train whole batches (streamed micro-batches
+    # would depend on arrival timing).
+    stream_trainer: bool = True
     max_concurrent_groups: int = 16
     episode_deadline_s: float = 60.0
     tool_latency: tuple[float, float] = (0.0, 0.0)  # seconds per tool call (simulated APIs): lo, hi
@@ -333,19 +338,34 @@ async def _train(cfg: TrainConfig) -> dict:
         producer = asyncio.create_task(produce(cfg, queue, router, make_env, train_tasks, 0, done_tasks))
         bar = status.bar(cfg.steps, initial=len(history))
         t_run = time.perf_counter()
+        stream = cfg.stream_trainer and not cfg.deterministic
         while len(history) < cfg.steps:
-            t0 = time.perf_counter()
-            batch = await queue.get_batch()
-            wait_s = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            m = await asyncio.to_thread(trainer.step, [g.trajectories for g in batch])
-            train_s = time.perf_counter() - t1
+            batch, wait_s, train_s = [], 0.0, 0.0  # trainer idle (waiting for groups), trainer working
+            if stream:
+                trainer.begin()
+            while len(batch) < cfg.groups_per_step:
+                t0 = time.perf_counter()
+                new = [await queue.next_group(len(batch))]
+                while queue.has_next(len(batch) + len(new)):  # every group that arrived meanwhile: one pass
+                    new.append(await queue.next_group(len(batch) + len(new)))
+                batch += new
+                t1 = time.perf_counter()
+                wait_s += t1 - t0
+                if stream:
+                    await asyncio.to_thread(trainer.add, [g.trajectories for g in new])
+                    train_s += time.perf_counter() - t1
+            t2 = time.perf_counter()
+            m = await asyncio.to_thread(trainer.finish) if stream else \
+                await asyncio.to_thread(trainer.step, [g.trajectories for g in batch])
+            t3 = time.perf_counter()
+            train_s += t3 - t2
+            tail_s = t3 - t1  # from the batch's last group to new weights: training not hidden by rollouts
             await router.update_weights(policy.engine_weights(), trainer.version, cfg.partial_rollout)
-            sync_s = time.perf_counter() - t1 - train_s  # weights to every replica
+            sync_s = time.perf_counter() - t3  # weights to every replica
             await queue.commit(trainer.version)
             consumed += [g.seq for g in batch]
             lm = _fleet_metrics(router)
-            m.update(step=len(history), wait_s=wait_s, train_s=train_s, sync_s=sync_s,
+            m.update(step=len(history), wait_s=wait_s, train_s=train_s, tail_s=tail_s, sync_s=sync_s,
                      wall_s=time.perf_counter() - t_run,
                      group_versions=[g.version for g in batch], **lm)
             history.append(m)

@@ -109,9 +109,11 @@ def test_pipeline_benchmark_smoke(tmp_path):
     r = run("benchmarks/pipeline.py", "--smoke", "--json", str(out), timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())["configs"]
-    assert set(res) == {"sync", "async_k1", "async_k1_partial", "async_k2", "lockstep_k1"}
+    assert set(res) == {"sync_batch", "sync", "async_k1", "async_k1_partial", "async_k2", "lockstep_k1"}
     assert res["async_k1_partial"]["partial_rollout"] and not res["async_k1"]["partial_rollout"]
-    assert res["sync"]["max_staleness_seen"] == 0 and res["async_k2"]["max_staleness_seen"] <= 2
+    assert res["sync"]["stream_trainer"] and not res["sync_batch"]["stream_trainer"]
+    assert res["sync"]["max_staleness_seen"] == res["sync_batch"]["max_staleness_seen"] == 0
+    assert res["async_k2"]["max_staleness_seen"] <= 2
     assert res["lockstep_k1"]["max_staleness_seen"] == 1
     assert len({v["trajectories_per_step"] for v in res.values()}) == 1  # equal work per step
 

@@ -2,14 +2,17 @@
 
 Producers run GRPO groups (one task, `group_size` episodes through the router); a complete group
 goes to the `GroupQueue` and is appended to the run's `groups.jsonl` at once, so a crashed trainer
-resumes without regenerating it. The trainer takes `groups_per_step` groups per step.
+resumes without regenerating it. The trainer takes `groups_per_step` groups per step, one at a
+time as they complete (`next_group`): a streamed step computes each group's gradients while the
+rest of its batch is still generating, and only its last group and the optimizer step remain once
+the batch is complete.
 
 Staleness (AReaL's rule, checked per token): the trainer at version T may only use tokens generated
 by versions >= T - k. Admission paces producers: the i-th group (0-based) may start only when the
 policy version v satisfies i < (v + k + 1) * B. Batch T takes the oldest unconsumed groups that a
 later batch could not absorb within the bound (it waits for them: at most B), and fills the rest
-with whichever groups are complete, oldest admission first, so stragglers do not stall training
-until the bound requires them. With k = 0 every step waits for exactly the groups admitted under its own
+with whichever groups complete first (taken as they complete, while the batch still has room for
+every group the bound requires), so stragglers do not stall training until the bound requires them. With k = 0 every step waits for exactly the groups admitted under its own
 weights: synchronous, on-policy RL. A group's version is the oldest version of any of its turns.
 
 Lockstep (`lockstep=True`, for reproducible runs): batch T is exactly groups T*B .. (T+1)*B - 1, and
@@ -123,49 +126,58 @@ class GroupQueue:
             self._cond.notify_all()
 
     # the trainer ---------------------------------------------------------------------------------
-    def _must(self) -> set[int]:
-        """The oldest groups this batch has to take so that no later batch can be forced over the
-        bound: for each coming step t = T..T+k, the groups admitted at versions <= t - k that
-        batches T..t cannot all absorb (B each) must go now, oldest first."""
+    def _must(self) -> list[int]:
+        """The oldest groups the current batch still has to take so that no later batch can be forced
+        over the bound: for each coming step t = T..T+k, the groups admitted at versions <= t - k that
+        batches T+1..t cannot all absorb (B each) must go now, oldest first."""
         T, B = self.version, self.B
         left = sorted([(s, g.admitted_version) for s, g in self.ready.items()] + list(self.pending.items()))
         need = 0
         for t in range(T, T + self.k + 1):
             need = max(need, sum(v <= t - self.k for _, v in left) - B * (t - T))
-        return {s for s, _ in left[:need]}
+        return [s for s, _ in left[:need]]
 
-    def _lockstep_batch(self) -> list[int]:
-        """The B oldest unconsumed groups (T*B .. (T+1)*B - 1, unless a crash lost some in flight)."""
-        return sorted([*self.ready, *self.pending])[: self.B]
-
-    def _batch_ready(self) -> bool:
+    def _pick(self, taken: int) -> int | None:
+        """The group to hand the trainer next (its batch has `taken` already), or None to wait.
+        Lockstep: the oldest unconsumed group (batch T is T*B .. (T+1)*B - 1, unless a crash lost
+        some in flight), in order. Otherwise: a group the bound requires, oldest first, else (while
+        the batch has room for every group it requires) any complete group, oldest admission first."""
         if self.lockstep:
-            seqs = self._lockstep_batch()
-            return len(seqs) == self.B and all(s in self.ready for s in seqs)
-        must = self._must()
-        return all(s in self.ready for s in must) and len(self.ready) >= self.B
+            s = min([*self.ready, *self.pending], default=None)
+            return s if s in self.ready else None
+        must = self._must()  # never more than B - taken (the admission rule), so there is always room
+        ready = [s for s in must if s in self.ready]
+        if ready:
+            return ready[0]
+        return min(self.ready, default=None) if len(must) < self.B - taken else None
+
+    async def next_group(self, taken: int = 0) -> Group:
+        """The next group of the current step's batch (the step has `taken` of its B groups), as
+        soon as one may join it: a trainer that consumes groups as they complete (a streamed step)
+        calls this B times; `get_batch` is the same B calls. Groups stay in the queue's log until
+        `commit`."""
+        if not 0 <= taken < self.B:
+            raise ValueError(f"taken must be in [0, {self.B}), got {taken}")
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._pick(taken) is not None or self.error is not None)
+            self._raise()
+            g = self.ready.pop(self._pick(taken))
+        stale = self.version - g.version
+        if stale > self.k:  # cannot happen under the admission rule; checked, not assumed
+            raise RuntimeError(f"group {g.seq} is {stale} versions stale (bound {self.k})")
+        self.stats["max_staleness_seen"] = max(self.stats["max_staleness_seen"], stale)
+        if stale > 0:
+            self.stats["stale_groups"] += 1
+            self.stats["stale_trajectories"] += len(g.trajectories)
+        return g
+
+    def has_next(self, taken: int) -> bool:
+        """Whether `next_group(taken)` would return at once."""
+        return taken < self.B and self.error is None and self._pick(taken) is not None
 
     async def get_batch(self) -> list[Group]:
-        """The next step's groups (they stay owned by the queue's log until `commit`)."""
-        async with self._cond:
-            await self._cond.wait_for(lambda: self._batch_ready() or self.error is not None)
-            self._raise()
-            if self.lockstep:
-                seqs = self._lockstep_batch()
-            else:
-                must = self._must()
-                rest = sorted(s for s in self.ready if s not in must)
-                seqs = sorted(must) + rest[: self.B - len(must)]
-            batch = [self.ready.pop(s) for s in seqs]
-        for g in batch:
-            stale = self.version - g.version
-            if stale > self.k:  # cannot happen under the admission rule; checked, not assumed
-                raise RuntimeError(f"group {g.seq} is {stale} versions stale (bound {self.k})")
-            self.stats["max_staleness_seen"] = max(self.stats["max_staleness_seen"], stale)
-            if stale > 0:
-                self.stats["stale_groups"] += 1
-                self.stats["stale_trajectories"] += len(g.trajectories)
-        return batch
+        """The next step's B groups (they stay owned by the queue's log until `commit`)."""
+        return [await self.next_group(i) for i in range(self.B)]
 
     async def commit(self, version: int) -> None:
         """The step that used the last batch is done: the policy is now `version`; admit more."""

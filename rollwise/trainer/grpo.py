@@ -16,6 +16,11 @@ estimator). Token losses are averaged over all generated tokens of the batch; Ad
 clipping, micro-batches under a token budget. The proximal logprobs are those of the first epoch's
 training forward (no update has happened yet), so a step runs no separate forward for them.
 
+streamed steps: `begin`, then `add` each group as it completes (its forward and backward run while
+the rest of the batch is still generating), then `finish` (the optimizer step). The gradients are
+sums until `finish` divides them by the batch's generated tokens; `step(groups)` is the same on a
+batch known in advance.
+
 check: for samples whose every turn ran on the trainer's current version, the recomputed proximal
 logprobs must match the rollout logprobs; a mismatch means a replica is not serving the weights it
 claims (a failed or skipped weight sync) and raises `LogprobMismatch` naming the replicas.
@@ -84,69 +89,112 @@ class GRPOTrainer:
 
     def step(self, groups: list[list[Trajectory]]) -> dict[str, float]:
         """One optimizer step (per epoch) on complete groups; returns metrics."""
+        trajs = [t for g in groups for t in g]
+        adv = advantages(groups, self.cfg.scale_rewards)
+        useful = [t for t, a in zip(trajs, adv) if abs(a) > 1e-9 and sum(t.loss_mask) > 0]
+        # the batch's totals are known: each micro-batch's loss is normalized as it goes
+        self.begin(n_tokens=sum(sum(t.loss_mask) for t in useful), n_trajectories=len(useful))
+        self.add(groups)
+        return self.finish()
+
+    def begin(self, n_tokens: int | None = None, n_trajectories: int | None = None) -> None:
+        """Start a step whose groups arrive one by one (`add` as each completes, then `finish`): the
+        first epoch's forward and backward of each group run while the rest of the batch is still
+        generating. Gradients are summed unnormalized and divided by the batch's generated tokens
+        (or trajectories, for `loss_agg="sequence"`) at `finish`, unless the totals are given here."""
         cfg = self.cfg
+        if cfg.behaviour == "recompute" and cfg.keep_versions > 0:  # this version's weights, for later steps
+            self.kept[self.version] = {n: p.detach().clone() for n, p in self.policy.model.named_parameters()}
+        self.opt.zero_grad(set_to_none=True)
+        self._acc = {"trajs": [], "items": [], "diffs": ([], {}), "stats": torch.zeros(4), "n_tokens": 0, "n_useful": 0,
+                     "given": n_tokens if cfg.loss_agg == "token" else n_trajectories}
+
+    def add(self, groups: list[list[Trajectory]]) -> None:
+        """Complete groups of the current step: advantages, then forward and backward (first epoch)."""
+        cfg, acc = self.cfg, self._acc
         trajs = [t for g in groups for t in g]
         adv = dict(zip(map(id, trajs), advantages(groups, cfg.scale_rewards)))
         useful = [t for t in trajs if abs(adv[id(t)]) > 1e-9 and sum(t.loss_mask) > 0]
-        n_tokens = sum(sum(t.loss_mask) for t in useful)
+        acc["trajs"] += trajs
+        acc["n_useful"] += len(useful)
+        acc["n_tokens"] += sum(sum(t.loss_mask) for t in useful)
+        for mb in micro_batches(useful, cfg.micro_batch_tokens):
+            b = Batch.of(mb)
+            a = torch.tensor([adv[id(t)] for t in mb], dtype=torch.float32)
+            with torch.no_grad():  # behaviour logprobs of stale tokens under the weights that generated them
+                st = self._stale(mb, b) if cfg.behaviour == "recompute" else None
+            lp = self.policy.logprobs(b, cfg.temperature)
+            # the proximal policy: the weights before this step (no update yet: no separate forward)
+            prox = lp.detach()
+            self._backward(lp, b, a, st, prox, acc["given"] or 1.0, acc["stats"])
+            self._compare(mb, b, prox, acc["diffs"])
+            acc["items"].append((b, a, st, prox))
+
+    def finish(self) -> dict[str, float]:
+        """Check the fresh samples' logprobs, then the optimizer step (and any further epochs)."""
+        cfg, acc = self.cfg, self._acc
+        trajs, n_tokens = acc["trajs"], acc["n_tokens"]
         staleness = [self.version - oldest_version(t) for t in trajs]
-        m = {"reward": sum(t.reward for t in trajs) / len(trajs), "trajectories": len(trajs),
-             "trained_trajectories": len(useful), "trained_tokens": n_tokens, "max_staleness": max(staleness),
-             "stale_trajectories": sum(s > 0 for s in staleness), "loss": 0.0, "grad_norm": 0.0, "kl": 0.0,
-             "is_weight_mean": 1.0, "clip_frac": 0.0, "logprob_diff": float("nan")}
-        mbs = micro_batches(useful, cfg.micro_batch_tokens)
-        batches = [(Batch.of(mb), torch.tensor([adv[id(t)] for t in mb], dtype=torch.float32)) for mb in mbs]
-        with torch.no_grad():  # behaviour logprobs of stale tokens under the weights that generated them
-            stale = ([self._stale(mb, b) for mb, (b, _) in zip(mbs, batches)] if cfg.behaviour == "recompute"
-                     else [None] * len(batches))
-        if cfg.behaviour == "recompute" and cfg.keep_versions > 0:
-            self.kept[self.version] = {n: p.detach().clone() for n, p in self.policy.model.named_parameters()}
-            self.kept = {v: w for v, w in self.kept.items() if v > self.version - cfg.keep_versions}
-        prox: list[torch.Tensor | None] = [None] * len(batches)
+        m = {"reward": sum(t.reward for t in trajs) / max(len(trajs), 1), "trajectories": len(trajs),
+             "trained_trajectories": acc["n_useful"], "trained_tokens": n_tokens,
+             "max_staleness": max(staleness, default=0), "stale_trajectories": sum(s > 0 for s in staleness),
+             "loss": 0.0, "grad_norm": 0.0, "kl": 0.0, "is_weight_mean": 1.0, "clip_frac": 0.0,
+             "logprob_diff": float("nan")}
+        div = n_tokens if cfg.loss_agg == "token" else acc["n_useful"]
+        try:
+            self._check(acc["diffs"], m)  # before any update: a replica on other weights stops the step here
+        except LogprobMismatch:
+            self.opt.zero_grad(set_to_none=True)
+            raise
         for epoch in range(cfg.epochs):
-            if not batches:
+            if not acc["items"]:
                 break
-            stats = torch.zeros(4)
-            for j, ((b, a), st) in enumerate(zip(batches, stale)):
-                lp = self.policy.logprobs(b, cfg.temperature)
-                if prox[j] is None:  # the proximal policy: the weights before this step (the first
-                    prox[j] = lp.detach()  # epoch has not updated them: no separate forward needed)
-                lp_prox = prox[j]
-                lp_behav = b.behaviour_logprobs if st is None else torch.where(st[0] == self.version, lp_prox, st[1])
-                ratio = torch.exp(lp - lp_prox)
-                w = torch.exp(lp_prox - lp_behav).clamp(max=cfg.tis_cap)  # truncated IS
-                A = a[:, None]
-                pg = -torch.minimum(ratio * A, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * A) * w
-                if self.ref is not None:
-                    with torch.no_grad():
-                        lp_ref = torch.log_softmax(self.ref(input_ids=b.input_ids, attention_mask=b.attention_mask)
-                                                   .logits[:, :-1] / cfg.temperature, -1).gather(
-                            -1, b.targets.unsqueeze(-1)).squeeze(-1)
-                    d = lp_ref - lp
-                    kl = torch.exp(d) - d - 1
-                    pg = pg + cfg.kl_coef * kl
-                    stats[2] += float((kl * b.mask).sum())
-                if cfg.loss_agg == "sequence":
-                    loss = ((pg * b.mask).sum(1) / b.mask.sum(1).clamp(min=1)).sum() / len(useful)
-                else:
-                    loss = (pg * b.mask).sum() / n_tokens
-                loss.backward()
-                stats[0] += float(loss.detach())
-                stats[1] += float(((ratio.detach() - 1).abs() > cfg.clip).float().mul(b.mask).sum())
-                stats[3] += float((w.detach() * b.mask).sum())
-            if epoch == 0:  # before any update: a replica on other weights stops the step here
-                try:
-                    self._check(mbs, batches, prox, m)
-                except LogprobMismatch:
-                    self.opt.zero_grad(set_to_none=True)
-                    raise
+            stats = acc["stats"]
+            if epoch > 0:
+                stats = torch.zeros(4)
+                for b, a, st, prox in acc["items"]:
+                    self._backward(self.policy.logprobs(b, cfg.temperature), b, a, st, prox, div, stats)
+            elif not acc["given"]:  # streamed: the sums' gradients, normalized now that the batch is known
+                for p in self.policy.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(div)
+                stats[0] /= div
             gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             m.update(loss=float(stats[0]), grad_norm=float(gn), clip_frac=float(stats[1]) / n_tokens,
                      kl=float(stats[2]) / n_tokens, is_weight_mean=float(stats[3]) / n_tokens)
         self.version += 1
+        self.kept = {v: w for v, w in self.kept.items() if v >= self.version - cfg.keep_versions}
+        self._acc = None
         return m
+
+    def _backward(self, lp, b: Batch, a, st, prox, div: float, stats: torch.Tensor) -> None:
+        """The clipped, importance-weighted policy-gradient loss of one micro-batch (plus KL), divided
+        by `div`, backpropagated; adds loss, clipped tokens, KL and IS weight sums to `stats`."""
+        cfg = self.cfg
+        lp_behav = b.behaviour_logprobs if st is None else torch.where(st[0] == self.version, prox, st[1])
+        ratio = torch.exp(lp - prox)
+        w = torch.exp(prox - lp_behav).clamp(max=cfg.tis_cap)  # truncated IS
+        A = a[:, None]
+        pg = -torch.minimum(ratio * A, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * A) * w
+        if self.ref is not None:
+            with torch.no_grad():
+                lp_ref = torch.log_softmax(self.ref(input_ids=b.input_ids, attention_mask=b.attention_mask)
+                                           .logits[:, :-1] / cfg.temperature, -1).gather(
+                    -1, b.targets.unsqueeze(-1)).squeeze(-1)
+            d = lp_ref - lp
+            kl = torch.exp(d) - d - 1
+            pg = pg + cfg.kl_coef * kl
+            stats[2] += float((kl.detach() * b.mask).sum())
+        if cfg.loss_agg == "sequence":
+            loss = ((pg * b.mask).sum(1) / b.mask.sum(1).clamp(min=1)).sum() / div
+        else:
+            loss = (pg * b.mask).sum() / div
+        loss.backward()
+        stats[0] += float(loss.detach())
+        stats[1] += float(((ratio.detach() - 1).abs() > cfg.clip).float().mul(b.mask).sum())
+        stats[3] += float((w.detach() * b.mask).sum())
 
     def _stale(self, mb: list[Trajectory], b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each target's policy version, and the logprobs of the tokens of older versions under the
@@ -177,19 +225,22 @@ class GRPOTrainer:
             for n, w in saved.items():
                 params[n].data = w
 
-    def _check(self, mbs, batches, prox, m) -> None:
-        diffs, by_replica = [], {}
-        for mb, (b, _), lp in zip(mbs, batches, prox):
-            for i, t in enumerate(mb):
-                if not t.turns or min(t.policy_versions) != self.version:
-                    continue  # only samples fully generated by the weights the trainer holds now
-                sel = b.mask[i] > 0
-                d = float((lp[i][sel] - b.behaviour_logprobs[i][sel]).abs().mean())
-                diffs.append(d)
-                for r in {tr.replica for tr in t.turns}:
-                    by_replica.setdefault(r, []).append(d)
-        if diffs:
-            m["logprob_diff"] = sum(diffs) / len(diffs)
+    def _compare(self, mb: list[Trajectory], b: Batch, prox: torch.Tensor, diffs: tuple[list, dict]) -> None:
+        """Mean |trainer - rollout| logprob of each sample fully generated by the weights the trainer
+        holds now: into diffs (all samples, by replica)."""
+        for i, t in enumerate(mb):
+            if not t.turns or min(t.policy_versions) != self.version:
+                continue
+            sel = b.mask[i] > 0
+            d = float((prox[i][sel] - b.behaviour_logprobs[i][sel]).abs().mean())
+            diffs[0].append(d)
+            for r in {tr.replica for tr in t.turns}:
+                diffs[1].setdefault(r, []).append(d)
+
+    def _check(self, diffs: tuple[list, dict], m: dict) -> None:
+        every, by_replica = diffs
+        if every:
+            m["logprob_diff"] = sum(every) / len(every)
             bad = {r: sum(v) / len(v) for r, v in by_replica.items() if sum(v) / len(v) > self.cfg.logprob_tolerance}
             if bad:
                 raise LogprobMismatch(

@@ -19,7 +19,7 @@ def _traj(versions: list[int], tid: str = "t") -> Trajectory:
 
 
 async def _simulate(k: int, B: int, steps: int, seed: int, concurrency: int = 12,
-                    lockstep: bool = False) -> tuple[list, GroupQueue]:
+                    lockstep: bool = False, stream: bool = False) -> tuple[list, GroupQueue]:
     rng = random.Random(seed)
     q = GroupQueue(B, k, lockstep=lockstep)
     current = {"v": 0}  # the version the replicas serve (turns are stamped with it when they start)
@@ -45,7 +45,13 @@ async def _simulate(k: int, B: int, steps: int, seed: int, concurrency: int = 12
     prod = asyncio.create_task(producer())
     try:
         for step in range(steps):
-            batch = await q.get_batch()
+            if stream:  # a streamed trainer: each group as it may join, training between
+                batch = []
+                for i in range(B):
+                    batch.append(await q.next_group(i))
+                    await asyncio.sleep(rng.uniform(0, 0.002))
+            else:
+                batch = await q.get_batch()
             assert len(batch) == B
             used.append([(g.seq, q.version, g.version, [v for t in g.trajectories for v in t.policy_versions])
                          for g in batch])
@@ -58,9 +64,9 @@ async def _simulate(k: int, B: int, steps: int, seed: int, concurrency: int = 12
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_staleness_never_exceeds_the_bound_per_turn(k, seed):
-    used, q = asyncio.run(_simulate(k, B=4, steps=25, seed=seed))
+@pytest.mark.parametrize("seed,stream", [(0, False), (1, False), (2, True), (3, True)])
+def test_staleness_never_exceeds_the_bound_per_turn(k, seed, stream):
+    used, q = asyncio.run(_simulate(k, B=4, steps=25, seed=seed, stream=stream))
     seqs = [s for batch in used for s, *_ in batch]
     assert len(seqs) == len(set(seqs))  # no group used twice
     for batch in used:
@@ -71,8 +77,9 @@ def test_staleness_never_exceeds_the_bound_per_turn(k, seed):
         assert q.stats["stale_groups"] > 0
 
 
-def test_synchronous_mode_is_exactly_on_policy():
-    used, q = asyncio.run(_simulate(0, B=3, steps=20, seed=3))
+@pytest.mark.parametrize("stream", [False, True])
+def test_synchronous_mode_is_exactly_on_policy(stream):
+    used, q = asyncio.run(_simulate(0, B=3, steps=20, seed=3, stream=stream))
     for batch in used:
         for _, trainer_version, group_version, turn_versions in batch:
             assert group_version == trainer_version and set(turn_versions) == {trainer_version}
@@ -122,6 +129,42 @@ def test_lockstep_resume_with_groups_lost_in_flight_does_not_wait_for_them():
         for s in seqs:
             await q.put(Group(s, s, {}, 2, [_traj([2])]))
         assert [g.seq for g in await asyncio.wait_for(waiting, 1)] == [6, 7]
+    asyncio.run(go())
+
+
+def test_a_streamed_trainer_gets_each_group_as_soon_as_it_may_join_the_batch():
+    async def go():
+        q = GroupQueue(2, 1)
+        for _ in range(2):
+            await q.admit()  # seqs 0, 1 at version 0: batch 0 may take any two complete groups
+        await q.put(Group(1, 1, {}, 0, [_traj([0])]))
+        assert q.has_next(0) and (await asyncio.wait_for(q.next_group(0), 1)).seq == 1  # 0 still running
+        assert not q.has_next(1)
+        waiting = asyncio.create_task(q.next_group(1))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        await q.put(Group(0, 0, {}, 0, [_traj([0])]))
+        assert (await asyncio.wait_for(waiting, 1)).seq == 0
+        with pytest.raises(ValueError, match="taken"):
+            await q.next_group(2)
+
+        # the bound's stragglers keep their places: at version 1 with k = 1, seqs 2, 3 (admitted at
+        # version 0) must be in batch 1, so seqs 4, 5 (complete, version 1) wait for batch 2
+        assert [(await q.admit())[1] for _ in range(2)] == [0, 0]
+        await q.commit(1)
+        assert [(await q.admit())[1] for _ in range(2)] == [1, 1]
+        for s in (4, 5):
+            await q.put(Group(s, s, {}, 1, [_traj([1])]))
+        got = []
+        for i in range(2):
+            nxt = asyncio.create_task(q.next_group(i))
+            await asyncio.sleep(0.01)
+            assert not nxt.done() and not q.has_next(i)
+            await q.put(Group(3 - i, 3 - i, {}, 0, [_traj([0])]))  # seq 3 completes first
+            got.append((await asyncio.wait_for(nxt, 1)).seq)
+        assert got == [3, 2]
+        await q.commit(2)
+        assert [(await q.next_group(i)).seq for i in range(2)] == [4, 5]
     asyncio.run(go())
 
 
