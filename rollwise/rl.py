@@ -80,6 +80,10 @@ class TrainConfig:
     tool_latency_kind: str = "uniform"  # or "lognormal" (median (lo+hi)/2 above lo, heavy tail to 4*hi)
     # rollout fleet
     replicas: int = 2  # in-process engines (ignored when replica_urls is set)
+    # torch threads of each in-process replica and of the trainer; 0: the machine's cores split between
+    # them (replicas and trainer run at once: more threads than cores slows both)
+    replica_threads: int = 0
+    trainer_threads: int = 0
     replica_urls: list[str] = field(default_factory=list)  # `rollwise serve` replicas instead
     # their bearer key (servers off loopback take weight updates only with one); default: $ROLLWISE_API_KEY
     replica_api_key: str | None = None
@@ -120,6 +124,8 @@ class TrainConfig:
             raise ValueError(f"tool_latency_kind must be 'uniform' or 'lognormal', got {cfg.tool_latency_kind!r}")
         if cfg.max_staleness < 0 or cfg.steps < 0 or cfg.groups_per_step < 1 or cfg.group_size < 2:
             raise ValueError("need max_staleness >= 0, steps >= 0, groups_per_step >= 1, group_size >= 2")
+        if cfg.replica_threads < 0 or cfg.trainer_threads < 0:
+            raise ValueError("replica_threads and trainer_threads must be >= 0 (0: split the cores)")
         return cfg
 
 
@@ -142,16 +148,33 @@ def task_sets(cfg: TrainConfig, n_train: int) -> tuple[list[dict], list[dict], l
 
 
 # the fleet ---------------------------------------------------------------------------------------
+def threads(cfg: TrainConfig) -> tuple[int, int]:
+    """(threads per in-process replica, trainer threads): as configured, else the cores this process
+    may use split between the replicas and the trainer, at least one each. A trainer that never runs
+    beside the rollouts (synchronous, whole batches) or beside no replica of this process (HTTP
+    replicas) gets every core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    n = 0 if cfg.replica_urls else cfg.replicas
+    per = cfg.replica_threads or max(1, cores // (n + 1))
+    alone = n == 0 or cfg.max_staleness == 0 and not (cfg.stream_trainer and not cfg.deterministic)
+    return per, cfg.trainer_threads or (cores if alone else max(1, cores - n * per))
+
+
 def make_router(cfg: TrainConfig, tokenizer):
     if cfg.replica_urls:
         key = cfg.replica_api_key or os.environ.get("ROLLWISE_API_KEY")
         replicas = [HttpReplica(u, key, weights_via=cfg.replica_weights_via) for u in cfg.replica_urls]
     else:
+        import torch
+
         from rollwise.engine.async_engine import AsyncEngine
+        main_threads = torch.get_num_threads()  # (an engine's constructor sets its own in this thread)
         keep = cfg.max_staleness + 1 if cfg.deterministic else 1  # lockstep pins groups to versions
         replicas = [LocalReplica(f"replica{i}", AsyncEngine(
             cfg.model, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed + i, speculative=cfg.speculative,
-            spec_controller=cfg.spec_controller, keep_weight_versions=keep)) for i in range(cfg.replicas)]
+            spec_controller=cfg.spec_controller, keep_weight_versions=keep, num_threads=threads(cfg)[0]))
+            for i in range(cfg.replicas)]
+        torch.set_num_threads(main_threads)
     return Router(replicas, cfg.routing_policy, tokenizer=tokenizer, max_inflight_per_replica=cfg.max_num_seqs)
 
 
@@ -339,6 +362,12 @@ async def _train(cfg: TrainConfig) -> dict:
         bar = status.bar(cfg.steps, initial=len(history))
         t_run = time.perf_counter()
         stream = cfg.stream_trainer and not cfg.deterministic
+        n_threads = threads(cfg)[1]
+
+        def training(fn, *a):  # the trainer's work, on a worker thread with its own torch threads
+            torch.get_num_threads()  # (a thread's first use resets its count to the last one set anywhere)
+            torch.set_num_threads(n_threads)
+            return fn(*a)
         while len(history) < cfg.steps:
             batch, wait_s, train_s = [], 0.0, 0.0  # trainer idle (waiting for groups), trainer working
             if stream:
@@ -352,11 +381,11 @@ async def _train(cfg: TrainConfig) -> dict:
                 t1 = time.perf_counter()
                 wait_s += t1 - t0
                 if stream:
-                    await asyncio.to_thread(trainer.add, [g.trajectories for g in new])
+                    await asyncio.to_thread(training, trainer.add, [g.trajectories for g in new])
                     train_s += time.perf_counter() - t1
             t2 = time.perf_counter()
-            m = await asyncio.to_thread(trainer.finish) if stream else \
-                await asyncio.to_thread(trainer.step, [g.trajectories for g in batch])
+            m = await asyncio.to_thread(training, trainer.finish) if stream else \
+                await asyncio.to_thread(training, trainer.step, [g.trajectories for g in batch])
             t3 = time.perf_counter()
             train_s += t3 - t2
             tail_s = t3 - t1  # from the batch's last group to new weights: training not hidden by rollouts

@@ -307,3 +307,21 @@ def test_async_engine_survives_a_cancelled_call(model_dir):
         assert len(out.token_ids) == 4 and eng.is_running and ran == []
     finally:
         eng.shutdown()
+
+
+def test_async_engine_runs_the_model_with_its_own_thread_count(model_dir):
+    """torch's intra-op thread count is per thread: the engine sets num_threads on the thread that
+    runs the model, and leaves the caller's as it was."""
+    import asyncio
+
+    import torch
+
+    from rollwise import AsyncEngine
+    before = torch.get_num_threads()
+    eng = AsyncEngine(model_dir, num_threads=1)
+    try:
+        torch.set_num_threads(before)  # (the runner's constructor set the caller's; a caller may set it back)
+        assert asyncio.run(eng.call(torch.get_num_threads)) == 1
+        assert torch.get_num_threads() == before
+    finally:
+        eng.shutdown()

@@ -146,6 +146,28 @@ def test_example_config_is_the_demo_run(model_dir):
         TrainConfig.from_dict({"model": model_dir, "replica_weights_via": "nfs"})
     with pytest.raises(ValueError, match="partial_rollout does nothing"):
         TrainConfig.from_dict({"model": model_dir, "deterministic": True, "partial_rollout": True})
+    with pytest.raises(ValueError, match="trainer_threads"):
+        TrainConfig.from_dict({"model": model_dir, "trainer_threads": -1})
+
+
+def test_replicas_and_trainer_split_the_cores(monkeypatch):
+    """In-process replicas and the trainer run at once: by default each gets its share of the cores
+    (at least one thread), never all of them each."""
+    from rollwise.rl import threads
+
+    def cfg(**kw):
+        return TrainConfig.from_dict({"model": "m", **kw})
+    for cores, want in ((2, (1, 1)), (16, (5, 6)), (1, (1, 1))):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert threads(cfg()) == want
+    assert threads(cfg(replicas=3)) == (1, 1)  # (1 core)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    assert threads(cfg(replica_urls=["http://10.0.0.5:8000"])) == (16, 16)  # replicas elsewhere
+    assert threads(cfg(replica_threads=2, trainer_threads=3)) == (2, 3)
+    # a synchronous trainer that takes whole batches never runs beside the rollouts
+    assert threads(cfg(max_staleness=0, stream_trainer=False)) == threads(cfg(max_staleness=0, deterministic=True)) \
+        == (5, 16)
+    assert threads(cfg(max_staleness=0)) == (5, 6)  # streamed: beside the rollouts
 
 
 def test_deterministic_run_over_http_pins_groups_to_versions_the_servers_keep(model_dir, tmp_path):
