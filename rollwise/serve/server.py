@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -85,8 +87,15 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
                          "permission_error")
         ctype = request.headers.get("content-type", "").split(";")[0].strip()
         if ctype == "application/octet-stream":
-            weights = _safetensors(await request.body())
             version, partial = _query_update(request.query_params)
+            with tempfile.TemporaryDirectory(prefix="rollwise-weights-") as tmp:
+                # the body goes to disk as it arrives and is read back once: one copy of the weights
+                # in memory, not the body's bytes beside the tensors made from them
+                path = Path(tmp) / "model.safetensors"
+                with open(path, "wb") as f:
+                    async for chunk in request.stream():
+                        f.write(chunk)
+                weights = await asyncio.to_thread(_safetensors, path)
         elif ctype in ("application/json", ""):
             body = UpdateWeightsRequest.model_validate_json(await request.body())  # ValueError -> 400
             weights, version, partial = body.model_dir, body.policy_version, body.partial_rollout
@@ -163,12 +172,12 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     return app
 
 
-def _safetensors(data: bytes) -> dict:
-    from safetensors.torch import load
-    if not data:
+def _safetensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+    if path.stat().st_size == 0:
         raise ValueError("empty body: expected the weights as a safetensors file")
     try:
-        return load(data)
+        return load_file(str(path))
     except Exception as e:  # noqa: BLE001 - the library raises several kinds for a bad file
         raise ValueError(f"body is not a safetensors file: {e}") from e
 
