@@ -6,7 +6,7 @@ partial rollout (turns in flight at a weight update continue under the new weigh
 finishing under the old ones), and the lockstep (reproducible, `deterministic=True`) pipeline at
 staleness 1, which the demo runs.
 
-    python benchmarks/pipeline.py [--quick | --smoke] [--json PATH]
+    python benchmarks/pipeline.py [--quick | --smoke] [--json PATH] [--plot PNG]
 
 Environment: phonebook (the demo's) with tool latency 50-500 ms, log-normal (heavy tail, capped at
 2 s). Every configuration starts GRPO from the demo's SFT warm start (cached; built on first use,
@@ -52,7 +52,8 @@ def run(k: int, args, deterministic: bool = False, partial: bool = False, stream
     wall = steps[-1]["wall_s"] - steps[0]["wall_s"]  # from the end of step 0 (warm) to the end
     n = len(steps) - 1
     trajs = sum(s["trajectories"] for s in steps[1:])
-    return {"max_staleness": k, "partial_rollout": partial, "stream_trainer": stream, "step_s": wall / n, "trajectories_per_s": trajs / wall,
+    return {"max_staleness": k, "partial_rollout": partial, "stream_trainer": stream, "step_s": wall / n,
+            "trajectories_per_s": trajs / wall,
             "trainer_idle_frac": sum(s["wait_s"] for s in steps[1:]) / wall,
             "rollout_idle_frac": rep["queue"]["rollout_idle_s"] / steps[-1]["wall_s"],
             "generated_tokens": steps[-1].get("generated_tokens", 0.0), "trajectories": trajs,
@@ -70,6 +71,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--plot", help="PNG: seconds per step of each configuration, split into the trainer's waiting "
+                    "and the rest")
     args = ap.parse_args()
     args.steps, args.groups, args.group_size = (3, 2, 2) if args.smoke else (6, 4, 8) if args.quick else (24, 8, 8)
     args.sft = dict(sft_steps=5, sft_tasks=8) if args.smoke else {k: DEMO_FULL[k] for k in DEMO_SFT}
@@ -104,6 +107,33 @@ def main() -> None:
               f"{b['step_s'] / r['rule_bound_step_s']:.2f}x)")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    if args.plot:
+        plot(out, args.plot)
+
+
+def plot(out: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    c = out["configs"]
+    names = list(c)[::-1]
+    step = [c[n]["step_s"] for n in names]
+    idle = [c[n]["trainer_idle_frac"] * c[n]["step_s"] for n in names]  # the trainer waiting for groups
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    ax.barh(names, [s - i for s, i in zip(step, idle)], color="tab:blue", label="trainer working (or syncing)")
+    ax.barh(names, idle, left=[s - i for s, i in zip(step, idle)], color="tab:gray", alpha=0.5,
+            label="trainer waiting for rollouts")
+    base = c["sync_batch"]["step_s"]
+    ax.axvline(base / 2, ls="--", c="tab:red", label="2x over sync_batch")
+    for y, s in enumerate(step):
+        ax.text(s, y, f" {s:.2f} s  {base / s:.2f}x", va="center", fontsize=8,
+                bbox=dict(facecolor="white", edgecolor="none", pad=1))
+    ax.set(xlabel="seconds per training step (same work per step)", xlim=(0, base * 1.3),
+           title="synchronous vs asynchronous GRPO (phonebook, tools 50-500 ms)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,11 @@ class TrainConfig:
     eval_tasks: int = 200
     progress: bool = True
 
+    @property
+    def streamed(self) -> bool:
+        """Whether the trainer takes groups as they complete (see `stream_trainer`)."""
+        return self.stream_trainer and not self.deterministic
+
     @staticmethod
     def from_toml(path: str | Path, **overrides) -> TrainConfig:
         data = tomllib.loads(Path(path).read_text())
@@ -156,7 +161,7 @@ def threads(cfg: TrainConfig) -> tuple[int, int]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     n = 0 if cfg.replica_urls else cfg.replicas
     per = cfg.replica_threads or max(1, cores // (n + 1))
-    alone = n == 0 or cfg.max_staleness == 0 and not (cfg.stream_trainer and not cfg.deterministic)
+    alone = n == 0 or (cfg.max_staleness == 0 and not cfg.streamed)
     return per, cfg.trainer_threads or (cores if alone else max(1, cores - n * per))
 
 
@@ -361,8 +366,7 @@ async def _train(cfg: TrainConfig) -> dict:
         producer = asyncio.create_task(produce(cfg, queue, router, make_env, train_tasks, 0, done_tasks))
         bar = status.bar(cfg.steps, initial=len(history))
         t_run = time.perf_counter()
-        stream = cfg.stream_trainer and not cfg.deterministic
-        n_threads = threads(cfg)[1]
+        stream, n_threads = cfg.streamed, threads(cfg)[1]
 
         def training(fn, *a):  # the trainer's work, on a worker thread with its own torch threads
             torch.get_num_threads()  # (a thread's first use resets its count to the last one set anywhere)

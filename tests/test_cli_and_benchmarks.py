@@ -105,9 +105,10 @@ def test_router_benchmark_swe_workload_smoke(tmp_path):
 
 
 def test_pipeline_benchmark_smoke(tmp_path):
-    out = tmp_path / "pipeline.json"
-    r = run("benchmarks/pipeline.py", "--smoke", "--json", str(out), timeout=900)
+    out, png = tmp_path / "pipeline.json", tmp_path / "pipeline.png"
+    r = run("benchmarks/pipeline.py", "--smoke", "--json", str(out), "--plot", str(png), timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert png.stat().st_size > 1000
     res = json.loads(out.read_text())["configs"]
     assert set(res) == {"sync_batch", "sync", "async_k1", "async_k1_partial", "async_k2", "lockstep_k1"}
     assert res["async_k1_partial"]["partial_rollout"] and not res["async_k1"]["partial_rollout"]

@@ -12,8 +12,9 @@ by versions >= T - k. Admission paces producers: the i-th group (0-based) may st
 policy version v satisfies i < (v + k + 1) * B. Batch T takes the oldest unconsumed groups that a
 later batch could not absorb within the bound (it waits for them: at most B), and fills the rest
 with whichever groups complete first (taken as they complete, while the batch still has room for
-every group the bound requires), so stragglers do not stall training until the bound requires them. With k = 0 every step waits for exactly the groups admitted under its own
-weights: synchronous, on-policy RL. A group's version is the oldest version of any of its turns.
+every group the bound requires), so stragglers do not stall training until the bound requires
+them. With k = 0 every step waits for exactly the groups admitted under its own weights:
+synchronous, on-policy RL. A group's version is the oldest version of any of its turns.
 
 Lockstep (`lockstep=True`, for reproducible runs): batch T is exactly groups T*B .. (T+1)*B - 1, and
 each group is pinned to version T - k (or the version the run started at, if newer; `admit` returns

@@ -86,6 +86,7 @@ class GRPOTrainer:
         self.opt = torch.optim.AdamW(policy.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.ref = copy.deepcopy(policy.model).eval() if self.cfg.kl_coef > 0 else None
         self.version = 0  # optimizer steps taken = the policy version the replicas should serve
+        self._acc: dict | None = None  # the step begun and not finished (`begin`, `add`, `finish`)
 
     def step(self, groups: list[list[Trajectory]]) -> dict[str, float]:
         """One optimizer step (per epoch) on complete groups; returns metrics."""
@@ -111,7 +112,7 @@ class GRPOTrainer:
 
     def add(self, groups: list[list[Trajectory]]) -> None:
         """Complete groups of the current step: advantages, then forward and backward (first epoch)."""
-        cfg, acc = self.cfg, self._acc
+        cfg, acc = self.cfg, self._begun()
         trajs = [t for g in groups for t in g]
         adv = dict(zip(map(id, trajs), advantages(groups, cfg.scale_rewards)))
         useful = [t for t in trajs if abs(adv[id(t)]) > 1e-9 and sum(t.loss_mask) > 0]
@@ -132,7 +133,7 @@ class GRPOTrainer:
 
     def finish(self) -> dict[str, float]:
         """Check the fresh samples' logprobs, then the optimizer step (and any further epochs)."""
-        cfg, acc = self.cfg, self._acc
+        cfg, acc = self.cfg, self._begun()
         trajs, n_tokens = acc["trajs"], acc["n_tokens"]
         staleness = [self.version - oldest_version(t) for t in trajs]
         m = {"reward": sum(t.reward for t in trajs) / max(len(trajs), 1), "trajectories": len(trajs),
@@ -168,6 +169,11 @@ class GRPOTrainer:
         self.kept = {v: w for v, w in self.kept.items() if v >= self.version - cfg.keep_versions}
         self._acc = None
         return m
+
+    def _begun(self) -> dict:
+        if self._acc is None:
+            raise RuntimeError("no step begun: call begin() before add() and finish()")
+        return self._acc
 
     def _backward(self, lp, b: Batch, a, st, prox, div: float, stats: torch.Tensor) -> None:
         """The clipped, importance-weighted policy-gradient loss of one micro-batch (plus KL), divided

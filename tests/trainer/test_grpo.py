@@ -202,6 +202,8 @@ def test_a_streamed_step_checks_the_logprobs_before_updating(model_dir):
     w = {k: v + 0.05 * torch.randn_like(v) for k, v in policy.engine_weights().items()}
     bad = _sampled(model_dir, 4, seed=3, version=0, replica="replica-b", weights=w)
     before = _weights(policy)
+    with pytest.raises(RuntimeError, match="begin"):
+        trainer.add([bad[:2]])
     trainer.begin()
     trainer.add([bad[:2]])
     trainer.add([bad[2:]])
