@@ -25,11 +25,11 @@ from rollwise.agent.envs import ENVS, make_env
 from rollwise.agent.episode import collect, run_episode, stable_seed
 from rollwise.agent.generator import ScriptedGenerator, expert_policy
 from rollwise.agent.tools import Latency
+from rollwise.rollout.fleet import fleet_metrics, make_router, shutdown, threads
 from rollwise.rollout.pipeline import Group, GroupQueue, read_log
 from rollwise.rollout.report import Status, write_report
 from rollwise.router.policies import POLICIES
-from rollwise.router.replica import WEIGHTS_VIA, HttpReplica, LocalReplica
-from rollwise.router.router import Router
+from rollwise.router.replica import WEIGHTS_VIA
 from rollwise.types import SamplingParams
 
 
@@ -152,44 +152,6 @@ def task_sets(cfg: TrainConfig, n_train: int) -> tuple[list[dict], list[dict], l
     return train, sft, held[: cfg.eval_tasks]
 
 
-# the fleet ---------------------------------------------------------------------------------------
-def threads(cfg: TrainConfig) -> tuple[int, int]:
-    """(threads per in-process replica, trainer threads): as configured, else the cores this process
-    may use split between the replicas and the trainer, at least one each. A trainer that never runs
-    beside the rollouts (synchronous, whole batches) or beside no replica of this process (HTTP
-    replicas) gets every core."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    n = 0 if cfg.replica_urls else cfg.replicas
-    per = cfg.replica_threads or max(1, cores // (n + 1))
-    alone = n == 0 or (cfg.max_staleness == 0 and not cfg.streamed)
-    return per, cfg.trainer_threads or (cores if alone else max(1, cores - n * per))
-
-
-def make_router(cfg: TrainConfig, tokenizer):
-    if cfg.replica_urls:
-        key = cfg.replica_api_key or os.environ.get("ROLLWISE_API_KEY")
-        replicas = [HttpReplica(u, key, weights_via=cfg.replica_weights_via) for u in cfg.replica_urls]
-    else:
-        import torch
-
-        from rollwise.engine.async_engine import AsyncEngine
-        main_threads = torch.get_num_threads()  # (an engine's constructor sets its own in this thread)
-        keep = cfg.max_staleness + 1 if cfg.deterministic else 1  # lockstep pins groups to versions
-        replicas = [LocalReplica(f"replica{i}", AsyncEngine(
-            cfg.model, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed + i, speculative=cfg.speculative,
-            spec_controller=cfg.spec_controller, keep_weight_versions=keep, num_threads=threads(cfg)[0]))
-            for i in range(cfg.replicas)]
-        torch.set_num_threads(main_threads)
-    return Router(replicas, cfg.routing_policy, tokenizer=tokenizer, max_inflight_per_replica=cfg.max_num_seqs)
-
-
-def shutdown(router) -> None:
-    for r in router.replicas.values():
-        eng = getattr(r, "engine", None)
-        if eng is not None:
-            eng.shutdown()
-
-
 async def evaluate(router, make_env, tasks: list[dict], cfg: TrainConfig, temperature: float | None = None) -> float:
     """Success rate (reward 1) on `tasks`, one episode each, sampled at `temperature` (default: the
     rollouts' temperature, i.e. the policy being trained; 0 is greedy) with per-task seeds."""
@@ -287,6 +249,7 @@ async def _train(cfg: TrainConfig) -> dict:
     import torch
 
     from rollwise.engine.tokenizer import Tokenizer
+    from rollwise.engine.model_runner import set_threads
     from rollwise.trainer.grpo import GRPOConfig, GRPOTrainer, sft
     from rollwise.trainer.policy import PolicyModel
 
@@ -369,8 +332,7 @@ async def _train(cfg: TrainConfig) -> dict:
         stream, n_threads = cfg.streamed, threads(cfg)[1]
 
         def training(fn, *a):  # the trainer's work, on a worker thread with its own torch threads
-            torch.get_num_threads()  # (a thread's first use resets its count to the last one set anywhere)
-            torch.set_num_threads(n_threads)
+            set_threads(n_threads)
             return fn(*a)
         while len(history) < cfg.steps:
             batch, wait_s, train_s = [], 0.0, 0.0  # trainer idle (waiting for groups), trainer working
@@ -397,7 +359,7 @@ async def _train(cfg: TrainConfig) -> dict:
             sync_s = time.perf_counter() - t3  # weights to every replica
             await queue.commit(trainer.version)
             consumed += [g.seq for g in batch]
-            lm = _fleet_metrics(router)
+            lm = fleet_metrics(router)
             m.update(step=len(history), wait_s=wait_s, train_s=train_s, tail_s=tail_s, sync_s=sync_s,
                      wall_s=time.perf_counter() - t_run,
                      group_versions=[g.version for g in batch], **lm)
@@ -420,20 +382,3 @@ async def _train(cfg: TrainConfig) -> dict:
     write_report(run / "report", report)
     policy.save(str(run / "final-model"))
     return report
-
-
-def _fleet_metrics(router) -> dict:
-    """Summed engine counters of in-process replicas (HTTP ones report on their own /metrics)."""
-    tot: dict[str, float] = {}
-    for r in router.replicas.values():
-        eng = getattr(r, "engine", None)
-        if eng is None:
-            continue
-        for k, v in eng.metrics().items():
-            tot[k] = tot.get(k, 0.0) + v
-    if not tot:
-        return {}
-    return {"generated_tokens": tot.get("generated_tokens", 0.0), "spec_drafted": tot.get("spec_drafted_tokens", 0.0),
-            "spec_accepted": tot.get("spec_accepted_tokens", 0.0), "spec_steps": tot.get("spec_steps", 0.0),
-            "engine_steps": tot.get("num_steps", 0.0),
-            "prefix_hit_rate": tot.get("prefix_hits", 0.0) / max(tot.get("prefix_queries", 0.0), 1.0)}

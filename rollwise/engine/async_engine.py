@@ -10,10 +10,9 @@ import concurrent.futures as cf
 import threading
 from collections.abc import AsyncIterator, Callable
 
-import torch
-
 from rollwise.config import EngineConfig
 from rollwise.engine.llm_engine import LLMEngine
+from rollwise.engine.model_runner import set_threads
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
 
 
@@ -125,9 +124,8 @@ class AsyncEngine:
         return out is not None
 
     def _loop(self) -> None:
-        if self.engine.config.num_threads:  # torch's intra-op threads are per thread: this one runs the model
-            torch.get_num_threads()  # (a thread's first use resets its count to the last one set anywhere)
-            torch.set_num_threads(self.engine.config.num_threads)
+        if self.engine.config.num_threads:  # per thread: this one runs the model
+            set_threads(self.engine.config.num_threads)
         while True:
             with self._wake:
                 while not self._commands and not self.engine.has_unfinished and not self._stopped:

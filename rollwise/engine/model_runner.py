@@ -18,10 +18,18 @@ from rollwise.engine.models.loader import TORCH_DTYPES, check_weights, load_mode
 from rollwise.engine.scheduler import ScheduledSeq
 
 
+def set_threads(n: int) -> None:
+    """torch's intra-op thread count for the calling thread (it is per thread). A thread's first
+    torch call resets its count to the last one set anywhere in the process, so that call is made
+    first: otherwise the count set here is silently undone."""
+    torch.get_num_threads()
+    torch.set_num_threads(n)
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, max_model_len: int) -> None:
         if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
+            set_threads(cfg.num_threads)
         self.device = torch.device(cfg.device)
         self.model: CausalLM = load_model(cfg.model, cfg.dtype, cfg.device, max_positions=max_model_len)
         self.model.prepack()

@@ -153,7 +153,7 @@ def test_example_config_is_the_demo_run(model_dir):
 def test_replicas_and_trainer_split_the_cores(monkeypatch):
     """In-process replicas and the trainer run at once: by default each gets its share of the cores
     (at least one thread), never all of them each."""
-    from rollwise.rl import threads
+    from rollwise.rollout.fleet import threads
 
     def cfg(**kw):
         return TrainConfig.from_dict({"model": "m", **kw})

@@ -1,0 +1,66 @@
+"""The rollout fleet of a training run: N in-process engines (or `rollwise serve` replicas) behind
+the router, the CPU cores split between them and the trainer, and their summed counters."""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from rollwise.router.replica import HttpReplica, LocalReplica
+from rollwise.router.router import Router
+
+if TYPE_CHECKING:
+    from rollwise.rl import TrainConfig
+
+
+def threads(cfg: TrainConfig) -> tuple[int, int]:
+    """(threads per in-process replica, trainer threads): as configured, else the cores this process
+    may use split between the replicas and the trainer, at least one each. A trainer that never runs
+    beside the rollouts (synchronous, whole batches) or beside no replica of this process (HTTP
+    replicas) gets every core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    n = 0 if cfg.replica_urls else cfg.replicas
+    per = cfg.replica_threads or max(1, cores // (n + 1))
+    alone = n == 0 or (cfg.max_staleness == 0 and not cfg.streamed)
+    return per, cfg.trainer_threads or (cores if alone else max(1, cores - n * per))
+
+
+def make_router(cfg: TrainConfig, tokenizer):
+    if cfg.replica_urls:
+        key = cfg.replica_api_key or os.environ.get("ROLLWISE_API_KEY")
+        replicas = [HttpReplica(u, key, weights_via=cfg.replica_weights_via) for u in cfg.replica_urls]
+    else:
+        import torch
+
+        from rollwise.engine.async_engine import AsyncEngine
+        main_threads = torch.get_num_threads()  # (an engine's constructor sets its own in this thread)
+        keep = cfg.max_staleness + 1 if cfg.deterministic else 1  # lockstep pins groups to versions
+        replicas = [LocalReplica(f"replica{i}", AsyncEngine(
+            cfg.model, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed + i, speculative=cfg.speculative,
+            spec_controller=cfg.spec_controller, keep_weight_versions=keep, num_threads=threads(cfg)[0]))
+            for i in range(cfg.replicas)]
+        torch.set_num_threads(main_threads)
+    return Router(replicas, cfg.routing_policy, tokenizer=tokenizer, max_inflight_per_replica=cfg.max_num_seqs)
+
+
+def shutdown(router) -> None:
+    for r in router.replicas.values():
+        eng = getattr(r, "engine", None)
+        if eng is not None:
+            eng.shutdown()
+
+
+def fleet_metrics(router) -> dict:
+    """Summed engine counters of in-process replicas (HTTP ones report on their own /metrics)."""
+    tot: dict[str, float] = {}
+    for r in router.replicas.values():
+        eng = getattr(r, "engine", None)
+        if eng is None:
+            continue
+        for k, v in eng.metrics().items():
+            tot[k] = tot.get(k, 0.0) + v
+    if not tot:
+        return {}
+    return {"generated_tokens": tot.get("generated_tokens", 0.0), "spec_drafted": tot.get("spec_drafted_tokens", 0.0),
+            "spec_accepted": tot.get("spec_accepted_tokens", 0.0), "spec_steps": tot.get("spec_steps", 0.0),
+            "engine_steps": tot.get("num_steps", 0.0),
+            "prefix_hit_rate": tot.get("prefix_hits", 0.0) / max(tot.get("prefix_queries", 0.0), 1.0)}
