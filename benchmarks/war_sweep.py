@@ -6,6 +6,7 @@ rollwise; speedup = makespan ratio against baseline in the same sweep, with the 
     python benchmarks/war_sweep.py [--quick | --smoke] [--profile h100-qwen3-32b-tp4] [--json PATH] [--plot PATH]
     python benchmarks/war_sweep.py --validate [--measured results/router_swe.json] [--measured-tau results/router.json] [--kv-frac 0.4]
     python benchmarks/war_sweep.py --scale     # 64 replicas, 10,000 trajectories: simulator speed
+    python benchmarks/war_sweep.py --tool-scales 1,0.3,0.1,0 [--loads 4,8,16,32]   # tool latency x s
 
 --validate runs the simulator on the CPU cost profile fitted from our engine (`rollwise.sim.fit`) with
 the router benchmark's exact workloads and settings, and compares per policy its makespan and
@@ -76,6 +77,9 @@ def main() -> None:
     ap.add_argument("--measured-tau", default="results/router.json")
     ap.add_argument("--kv-frac", type=float, default=0.4, help="the --kv-frac router.py measured --measured with")
     ap.add_argument("--scale", action="store_true")
+    ap.add_argument("--tool-scales", help="comma-separated factors on every tool latency (0: instant tools); "
+                    "baseline, war and rollwise at each")
+    ap.add_argument("--loads", help="comma-separated prompts per step (default: the sweep's; 4,8,16,32 with --tool-scales)")
     args = ap.parse_args()
     gpu_profile = args.profile or "h100-qwen3-32b-tp4"
     if args.validate:
@@ -96,13 +100,23 @@ def main() -> None:
             kw.update(loads=(2,), turns=(2, 4), context=(256, 512), obs_median=64)
         elif args.quick:
             kw.update(loads=(4, 16, 64), turns=(5, 25))
-        cfg = SimConfig(**kw)
-        res = sweep.sweep(cfg)
-        print(sweep.table(res))
-        sp = sweep.speedups(res)
-        print(f"crossover (scheduling beats speculation) at P = {sweep.crossover(sp)}")
-        if args.plot:
-            sweep.plot(res, args.plot)
+        elif args.tool_scales:
+            kw.update(loads=(4, 8, 16, 32))
+        if args.loads:
+            kw.update(loads=tuple(int(x) for x in args.loads.split(",")))
+        if args.tool_scales:  # the same steps with every tool latency scaled: how tool-bound is the step?
+            cfg = SimConfig(**kw, configs=("baseline", "war", "rollwise"))
+            res = sweep.tool_sweep(cfg, [float(x) for x in args.tool_scales.split(",")])
+            print(sweep.tool_table(res))
+            if args.plot:
+                sweep.tool_plot(res, args.plot)
+        else:
+            res = sweep.sweep(SimConfig(**kw))
+            print(sweep.table(res))
+            sp = sweep.speedups(res)
+            print(f"crossover (scheduling beats speculation) at P = {sweep.crossover(sp)}")
+            if args.plot:
+                sweep.plot(res, args.plot)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")

@@ -146,6 +146,18 @@ def test_war_sweep_smoke_and_validation(tmp_path):
     assert set(v["makespan"]) >= {"verl", "rollwise"} and all(m["sim_s"] > 0 for m in v["makespan"].values())
 
 
+def test_war_sweep_tool_scales(tmp_path):
+    out, png = tmp_path / "tools.json", tmp_path / "tools.png"
+    r = run("benchmarks/war_sweep.py", "--smoke", "--tool-scales", "1,0", "--json", str(out), "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())["scales"]
+    assert set(res) == {"1", "0"} and res["0"]["tool_bound_s"]["2"] == 0 < res["1"]["tool_bound_s"]["2"]
+    rows = [res[s]["loads"]["2"] for s in ("1", "0")]
+    assert len({(c["turns"], c["decode_tokens"]) for row in rows for c in row.values()}) == 1  # same work at every scale
+    assert rows[1]["baseline"]["makespan_s"] < rows[0]["baseline"]["makespan_s"]  # no tool time at x0
+    assert "| x1 (0.2-10 s) |" in r.stdout and png.stat().st_size > 10_000
+
+
 def test_sim_cli(tmp_path):
     cfg = tmp_path / "sim.toml"
     cfg.write_text('profile = "h100-qwen3-8b-tp1"\nreplicas = 2\nloads = [1]\nturns = [2, 3]\ncontext = [128, 256]\n'

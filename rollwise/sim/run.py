@@ -43,6 +43,7 @@ class SimConfig:
     turns: tuple[int, int] = (10, 50)
     obs_median: int = 400
     tool_latency: tuple[float, float] = (0.2, 10.0)  # seconds, log-uniform (SWE sandbox commands)
+    tool_scale: float = 1.0  # multiplies every drawn tool latency (0: instant tools; same tokens and turns)
     sandbox_ttl_s: float = 1800.0  # a trajectory whose turn waits longer than this loses its sandbox
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -60,6 +61,9 @@ class SimConfig:
             raise ValueError(f"workload must be one of {WORKLOADS}, got {self.workload!r}")
         if self.replicas < 1 or self.group_size < 1 or not self.loads:
             raise ValueError("replicas and group_size must be >= 1 and loads non-empty")
+        if self.tool_scale < 0 or not 0 < self.tool_latency[0] <= self.tool_latency[1]:
+            raise ValueError(f"need 0 < tool_latency[0] <= tool_latency[1] and tool_scale >= 0, got "
+                             f"{list(self.tool_latency)} and {self.tool_scale}")
         load_profile(self.profile)  # fails early with the valid names
 
     @classmethod

@@ -19,7 +19,8 @@ def workload(cfg: SimConfig, load: int, pool=None) -> list:
             raise ValueError("workload 'mooncake' needs trace = PATH (e.g. ../shared/data/mooncake-traces/conversation_trace.jsonl)")
         return mooncake_step(cfg.trace, limit=cfg.trace_limit, time_scale=1.0 / load)
     return war_step(pool if pool is not None else task_pool(tau_groups()), load, cfg.group_size, seed=cfg.seed,
-                    context=cfg.context, turns=cfg.turns, obs_median=cfg.obs_median, latency=cfg.tool_latency)
+                    context=cfg.context, turns=cfg.turns, obs_median=cfg.obs_median, latency=cfg.tool_latency,
+                    tool_scale=cfg.tool_scale)
 
 
 def sweep(cfg: SimConfig, log=print, progress: bool = True) -> dict:
@@ -114,3 +115,68 @@ def write(result: dict, json_path: str | None = None, plot_path: str | None = No
     if plot_path:
         Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
         plot(result, plot_path)
+
+
+def tool_sweep(cfg: SimConfig, scales: list[float], log=print, progress: bool = True) -> dict:
+    """The same sweep with every tool latency scaled (0: instant tools): how far the step is from
+    tool-bound decides what generation speed-ups can give. Same tokens and turns at every scale."""
+    out = {"profile": cfg.profile, "scales": {}}
+    for s in scales:
+        log(f"tool latency x{s:g} ({cfg.tool_latency[0] * s:g}-{cfg.tool_latency[1] * s:g} s log-uniform)")
+        out["scales"][f"{s:g}"] = sweep(dataclasses.replace(cfg, tool_scale=s), log, progress)
+    return out
+
+
+def _bound(res: dict, load: str) -> float | None:
+    """The best speedup any configuration can reach: baseline makespan / slowest trajectory's tool time."""
+    t = res.get("tool_bound_s", {}).get(load)
+    base = res["loads"][load].get("baseline")
+    return base["makespan_s"] / t if t and base else None
+
+
+def tool_table(out: dict, names: tuple[str, ...] = ("war", "rollwise")) -> str:
+    first = next(iter(out["scales"].values()))
+    loads = list(first["loads"])
+    lines = ["| tool latency | " + " | ".join(f"P = {p}: {' / '.join(names)} (bound)" for p in loads) + " |",
+             "|---" * (len(loads) + 1) + "|"]
+    for s, res in out["scales"].items():
+        sp = speedups(res)
+        lo, hi = res["config"]["tool_latency"]
+        cells = []
+        for p in loads:
+            b = _bound(res, p)
+            cells.append(" / ".join(f"{sp[n][int(p)]:.2f}x" for n in names)
+                         + (f" ({b:.2f}x)" if b else " (no bound)"))
+        lines.append(f"| x{s} ({lo * float(s):g}-{hi * float(s):g} s) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def tool_plot(out: dict, path: str | Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    top = 1.0
+    for i, (s, res) in enumerate(out["scales"].items()):
+        sp, c = speedups(res), f"C{i}"
+        xs = sorted(sp["rollwise"])
+        ax.plot(xs, [sp["rollwise"][x] for x in xs], marker="o", color=c, lw=2, label=f"rollwise, tools x{s}")
+        if "war" in sp:
+            ax.plot(xs, [sp["war"][x] for x in xs], ls="--", color=c, lw=1, label=f"war, tools x{s}")
+        top = max(top, *(v for pts in sp.values() for v in pts.values()))
+        bounds = [_bound(res, str(x)) for x in xs]
+        if all(bounds):
+            ax.plot(xs, bounds, ls=":", color=c, lw=1)
+    ax.axhline(1.8, color="black", lw=0.8, ls="-.")
+    ax.set_ylim(0.9, top * 1.25)  # bounds far above every configuration run off the top
+    ax.set_xscale("log", base=2)
+    loads = sorted(int(p) for p in next(iter(out["scales"].values()))["loads"])
+    ax.set_xticks(loads, [str(p) for p in loads])
+    ax.set_xlabel("prompts per step (x 8 rollouts)")
+    ax.set_ylabel("speedup vs baseline (makespan)")
+    ax.set_title(f"Tool latency scaled ({out['profile']}); dotted: tool-time bound, dash-dot: 1.8x", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

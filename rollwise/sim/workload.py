@@ -73,13 +73,16 @@ def task_pool(groups) -> list[list[list[tuple[list[int], list[int]]]]]:
 
 def war_step(pool, num_prompts: int, group_size: int = 8, *, seed: int = 0, context: tuple[int, int] = (2048, 8192),
              turns: tuple[int, int] = (10, 50), obs_median: int = 400, obs_max: int = 4096, max_response: int = 512,
-             latency: tuple[float, float] = (0.2, 10.0), max_turns: int = 120, vocab: int = 8192) -> list[SimTrajectory]:
+             latency: tuple[float, float] = (0.2, 10.0), tool_scale: float = 1.0, max_turns: int = 120,
+             vocab: int = 8192) -> list[SimTrajectory]:
     """Sibling s of prompt g replays recorded trials in a stream of its own: trial s of task g first
     (siblings 0..n-1 are the task's real trials), then trials of other tasks. The recordings are
     fewer than a big step's turns, so a trial replayed again in the same step is replayed in another
     "token universe" (ids mapped by a bijection): it keeps its own repetition structure but cannot
     match its other copies, so drafting and prefix caching gain nothing from the reuse. Observations
-    are real too, lengthened with the stream's next observations to a heavy-tailed SWE-like length."""
+    are real too, lengthened with the stream's next observations to a heavy-tailed SWE-like length.
+    `tool_scale` multiplies every tool latency after it is drawn (0: instant tools), so steps that
+    differ only in it have the same tokens and turns."""
     rng = random.Random(seed)
     uses: dict[tuple[int, int], int] = {}
     out = []
@@ -109,7 +112,7 @@ def war_step(pool, num_prompts: int, group_size: int = 8, *, seed: int = 0, cont
                         obs += next(stream)[1]
                     tokens += obs[:want]
                     lo, hi = latency  # heavy tail: log-uniform between the bounds
-                    lat.append(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+                    lat.append(tool_scale * math.exp(rng.uniform(math.log(lo), math.log(hi))))
             out.append(SimTrajectory(f"g{g}/s{s}", f"g{g}", tokens, spans, lat))
     return out
 

@@ -155,6 +155,23 @@ def test_simulated_step_does_equal_work_under_every_config_and_is_deterministic(
     assert all(r["truncated"] == 0 for r in res.values())
 
 
+def test_tool_scale_scales_every_tool_latency_and_nothing_else():
+    from rollwise.sim.workload import war_step
+    pool = [[[([1, 2, 3], [4, 5, 6]), ([7, 8], [9])], [([3, 2], [1, 1, 1]), ([5], [])]]]  # one task, two trials
+    kw = dict(context=(64, 128), turns=(3, 6), obs_median=16)
+    one, half, none = (war_step(pool, 2, 3, tool_scale=s, **kw) for s in (1.0, 0.5, 0.0))
+    assert [t.tokens for t in one] == [t.tokens for t in half] == [t.tokens for t in none]
+    assert [t.turns for t in one] == [t.turns for t in none]
+    lat = [x for t in one for x in t.tool_latency]
+    assert lat and all(0.2 <= x <= 10.0 for x in lat)
+    assert [x for t in half for x in t.tool_latency] == pytest.approx([x / 2 for x in lat])
+    assert all(x == 0.0 for t in none for x in t.tool_latency)
+    with pytest.raises(ValueError, match="tool_scale"):
+        SimConfig(tool_scale=-1.0)
+    with pytest.raises(ValueError, match="tool_latency"):
+        SimConfig(tool_latency=(0.0, 1.0))
+
+
 def test_sandbox_ttl_truncates_a_trajectory_that_waited_too_long():
     t = SimTrajectory("t", "g", list(range(100, 400)), [(100, 200), (250, 300)], [1.0])
     cfg = SimConfig(profile="cpu-fitted", replicas=1, kv_blocks=256, sandbox_ttl_s=1e-6)
