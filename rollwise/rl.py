@@ -102,6 +102,12 @@ class TrainConfig:
         """Whether the trainer takes groups as they complete (see `stream_trainer`)."""
         return self.stream_trainer and not self.deterministic
 
+    @property
+    def weight_versions(self) -> int:
+        """Weight versions a replica must hold at once: a lockstep run pins groups to versions up to
+        `max_staleness` old; otherwise turns in flight at an update finish under the old weights."""
+        return self.max_staleness + 1 if self.deterministic else 1
+
     @staticmethod
     def from_toml(path: str | Path, **overrides) -> TrainConfig:
         data = tomllib.loads(Path(path).read_text())
@@ -306,10 +312,10 @@ async def _train(cfg: TrainConfig) -> dict:
         if cfg.deterministic and cfg.replica_urls:  # groups are pinned to versions up to k old
             for r in router.replicas.values():
                 kept = (await r.info()).get("keep_weight_versions", 1)
-                if kept < cfg.max_staleness + 1:
+                if kept < cfg.weight_versions:
                     raise ValueError(f"replica {r.name} keeps {kept} weight version(s); a deterministic run at "
                                      f"max_staleness={cfg.max_staleness} needs `rollwise serve ... "
-                                     f"--keep-weight-versions {cfg.max_staleness + 1}`")
+                                     f"--keep-weight-versions {cfg.weight_versions}`")
         # every replica serves the trainer's weights, labelled with the trainer's version (RL steps done)
         await router.update_weights(policy.engine_weights(), trainer.version)
         if sft_success is None:
