@@ -284,6 +284,7 @@ def test_partial_rollout_continues_under_the_new_weights_from_the_tokens_so_far(
 def test_async_engine_survives_a_cancelled_call(model_dir):
     """A caller that gives up on call() (e.g. a router shutting down) must not kill the engine thread."""
     import asyncio
+    import contextlib
     import threading
 
     from rollwise import AsyncEngine
@@ -297,6 +298,10 @@ def test_async_engine_survives_a_cancelled_call(model_dir):
         second = asyncio.ensure_future(eng.call(lambda: ran.append(1)))
         await asyncio.sleep(0.05)
         second.cancel()  # cancelled while queued
+        # the cancel reaches the engine's queue through the event loop's callbacks: wait until it has
+        # (else a freed engine thread may take the command first, a benign race the test must not run)
+        with contextlib.suppress(asyncio.CancelledError):
+            await second
         gate.set()
         await first
         # a dead engine thread would never answer: fail instead of hanging
