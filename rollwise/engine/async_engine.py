@@ -21,7 +21,12 @@ class AsyncEngine:
     `update_weights`, `metrics`; `shutdown()` stops the loop."""
 
     def __init__(self, model: str, **kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+        import torch
+        caller = torch.get_num_threads()  # the model runs on the engine thread, which sets its own count:
+        try:  # building it here must not change the caller's (torch's thread count is per thread)
+            self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+        finally:
+            torch.set_num_threads(caller)
         self.tokenizer = self.engine.tokenizer
         self._commands: list[tuple[Callable, cf.Future]] = []
         self._wake = threading.Condition()

@@ -29,16 +29,12 @@ def make_router(cfg: TrainConfig, tokenizer):
         key = cfg.replica_api_key or os.environ.get("ROLLWISE_API_KEY")
         replicas = [HttpReplica(u, key, weights_via=cfg.replica_weights_via) for u in cfg.replica_urls]
     else:
-        import torch
-
         from rollwise.engine.async_engine import AsyncEngine
-        main_threads = torch.get_num_threads()  # (an engine's constructor sets its own in this thread)
         replicas = [LocalReplica(f"replica{i}", AsyncEngine(
             cfg.model, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed + i, speculative=cfg.speculative,
             spec_controller=cfg.spec_controller, keep_weight_versions=cfg.weight_versions,
             num_threads=threads(cfg)[0]))
             for i in range(cfg.replicas)]
-        torch.set_num_threads(main_threads)
     return Router(replicas, cfg.routing_policy, tokenizer=tokenizer, max_inflight_per_replica=cfg.max_num_seqs)
 
 

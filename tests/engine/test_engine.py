@@ -281,6 +281,21 @@ def test_partial_rollout_continues_under_the_new_weights_from_the_tokens_so_far(
     assert out.logprobs[n:] == pytest.approx(cont.logprobs, abs=1e-4)
 
 
+def test_async_engine_leaves_the_callers_thread_count(model_dir):
+    """The engine's threads are its own thread's business: building one must not change the caller's."""
+    import torch
+
+    from rollwise import AsyncEngine
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        eng = AsyncEngine(model_dir, num_threads=1)
+        assert torch.get_num_threads() == 3
+        eng.shutdown()
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_async_engine_survives_a_cancelled_call(model_dir):
     """A caller that gives up on call() (e.g. a router shutting down) must not kill the engine thread."""
     import asyncio
