@@ -287,12 +287,12 @@ def test_async_engine_leaves_the_callers_thread_count(model_dir):
 
     from rollwise import AsyncEngine
     before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    eng = AsyncEngine(model_dir, num_threads=1)
     try:
-        torch.set_num_threads(3)
-        eng = AsyncEngine(model_dir, num_threads=1)
         assert torch.get_num_threads() == 3
-        eng.shutdown()
     finally:
+        eng.shutdown()
         torch.set_num_threads(before)
 
 
