@@ -10,6 +10,8 @@ import concurrent.futures as cf
 import threading
 from collections.abc import AsyncIterator, Callable
 
+import torch
+
 from rollwise.config import EngineConfig
 from rollwise.engine.llm_engine import LLMEngine
 from rollwise.engine.model_runner import set_threads
@@ -21,7 +23,6 @@ class AsyncEngine:
     `update_weights`, `metrics`; `shutdown()` stops the loop."""
 
     def __init__(self, model: str, **kwargs) -> None:
-        import torch
         caller = torch.get_num_threads()  # the model runs on the engine thread, which sets its own count:
         try:  # building it here must not change the caller's (torch's thread count is per thread)
             self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))

@@ -93,11 +93,7 @@ def plot(result: dict, path: str | Path) -> None:
         ax.axvline(x, color="grey", ls=":", lw=1)
         ax.annotate("scheduling > speculation", (x, ax.get_ylim()[0]), xytext=(4, 6), textcoords="offset points",
                     fontsize=8, color="grey")
-    ax.set_xscale("log", base=2)
-    loads = sorted(int(p) for p in result["loads"])
-    ax.set_xticks(loads, [str(p) for p in loads])
-    ax.set_xlabel(f"prompts per step (x {result['config']['group_size']} rollouts)" if result["config"]["workload"] == "war"
-                  else "trace speed-up (arrival times divided by)")
+    _load_axis(ax, result)
     ax.set_ylabel("speedup of the step vs baseline (makespan)")
     ax.set_title(f"Simulated synchronous RL step: {result['profile']}, {result['config']['replicas']} replicas", fontsize=10)
     ax.axhline(1.0, color="black", lw=0.8)
@@ -115,6 +111,15 @@ def write(result: dict, json_path: str | None = None, plot_path: str | None = No
     if plot_path:
         Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
         plot(result, plot_path)
+
+
+def _load_axis(ax, result: dict) -> None:
+    """The x axis of a sweep's plot: its loads, log 2."""
+    ax.set_xscale("log", base=2)
+    loads = sorted(int(p) for p in result["loads"])
+    ax.set_xticks(loads, [str(p) for p in loads])
+    ax.set_xlabel(f"prompts per step (x {result['config']['group_size']} rollouts)" if result["config"]["workload"] == "war"
+                  else "trace speed-up (arrival times divided by)")
 
 
 def tool_sweep(cfg: SimConfig, scales: list[float], log=print, progress: bool = True) -> dict:
@@ -169,10 +174,7 @@ def tool_plot(out: dict, path: str | Path) -> None:
             ax.plot(xs, bounds, ls=":", color=c, lw=1)
     ax.axhline(1.8, color="black", lw=0.8, ls="-.")
     ax.set_ylim(0.9, top * 1.25)  # bounds far above every configuration run off the top
-    ax.set_xscale("log", base=2)
-    loads = sorted(int(p) for p in next(iter(out["scales"].values()))["loads"])
-    ax.set_xticks(loads, [str(p) for p in loads])
-    ax.set_xlabel("prompts per step (x 8 rollouts)")
+    _load_axis(ax, next(iter(out["scales"].values())))
     ax.set_ylabel("speedup vs baseline (makespan)")
     ax.set_title(f"Tool latency scaled ({out['profile']}); dotted: tool-time bound, dash-dot: 1.8x", fontsize=10)
     ax.grid(alpha=0.3)
