@@ -1,7 +1,13 @@
 """What a replica's time goes to, learned from its own counters: over each polling interval,
 busy seconds ~= a * prefill tokens + b * decode tokens + c * steps (non-negative least squares
 over recent intervals, all replicas pooled: they run the same model). Policies that price
-placements in seconds read (a, b, c) from here instead of guessing."""
+placements in seconds read (a, b, c) from here instead of guessing.
+
+And what one more sequence in a replica's batch costs the others: with n sequences running, each
+waits n / tokens_per_s seconds per token it generates, ~= alpha + beta * n (the same fit over the
+replicas' snapshots). This is measured where it matters, speculation included: at a small batch a
+step verifies several drafted tokens per sequence, so the per-token time grows with the batch
+faster than the step time does."""
 from __future__ import annotations
 
 from collections import deque
@@ -16,9 +22,14 @@ class CostModel:
         self.samples: deque[tuple[float, float, float, float]] = deque(maxlen=window)
         self.last: dict[str, LoadSnapshot] = {}
         self.a, self.b, self.c = prior  # s per prefill token, s per decode token, s per step
+        self.rates: deque[tuple[float, float]] = deque(maxlen=2 * window)  # (running, s per token per sequence)
 
     def observe(self, name: str, snap: LoadSnapshot | None) -> None:
-        if snap is None or snap.busy_s is None:
+        if snap is None:
+            return
+        if snap.running >= 1 and snap.tokens_per_s > 0:
+            self.rates.append((snap.running, snap.running / snap.tokens_per_s))
+        if snap.busy_s is None:
             return
         prev = self.last.get(name)
         self.last[name] = snap
@@ -37,6 +48,15 @@ class CostModel:
             if coef is not None:
                 self.a, self.b, self.c = (float(v) for v in coef)
         return self.a, self.b, self.c
+
+    def token_time(self) -> tuple[float, float] | None:
+        """(alpha, beta): seconds per generated token of one sequence ~= alpha + beta * running;
+        None until there are enough snapshots."""
+        if len(self.rates) < 16:
+            return None
+        x = np.array([(1.0, n) for n, _ in self.rates])
+        coef = nnls(x, np.array([t for _, t in self.rates]))
+        return None if coef is None else (float(coef[0]), float(coef[1]))
 
 
 def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray | None:

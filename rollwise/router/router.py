@@ -15,7 +15,7 @@ import asyncio
 import heapq
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from rollwise.router.cost_model import CostModel
@@ -61,6 +61,7 @@ class Router:
         self.assigned: dict[str, int] = {}
         self.loads: dict[str, LoadSnapshot | None] = {}
         self.sticky: dict[str, str] = {}  # trajectory -> replica of its last turn
+        self.homed: Counter[str] = Counter()  # replica -> live trajectories whose last turn ran there
         self.turns: dict[str, int] = {}  # trajectory -> turns routed
         self.expected_turns: dict[str, float] = {}  # group -> EMA of finished siblings' turns
         self.mean_new_tokens = 64.0  # EMA of tokens generated per request
@@ -107,6 +108,7 @@ class Router:
             self.residency.drop_replica(name)
             self._unhold(name)
         self.sticky = {t: r for t, r in self.sticky.items() if r != name}
+        self.homed.pop(name, None)
         self._pump()
 
     async def start(self) -> None:
@@ -209,7 +211,10 @@ class Router:
         if group_id is not None:
             old = self.expected_turns.get(group_id)
             self.expected_turns[group_id] = num_turns if old is None else 0.7 * old + 0.3 * num_turns
-        self.sticky.pop(trajectory_id, None)
+        home = self.sticky.pop(trajectory_id, None)
+        if home is not None:
+            self.homed[home] -= 1
+            self._sync(home)
         self.turns.pop(trajectory_id, None)
         if self.residency is not None:
             for name in self.residency.end(trajectory_id):
@@ -291,7 +296,13 @@ class Router:
         if tid is not None:
             if tid not in self.sticky and tid not in self.turns:
                 self.assigned[name] += 1
-                self._sync(name)
+            old = self.sticky.get(tid)
+            if old != name:
+                self.homed[name] += 1
+                if old is not None:
+                    self.homed[old] -= 1
+                    self._sync(old)
+            self._sync(name)
             self.sticky[tid] = name
         return name
 
@@ -324,7 +335,7 @@ class Router:
         c = self._cands.get(name)
         if c is not None:
             c.inflight, c.inflight_tokens = self.inflight[name], self.inflight_tokens[name]
-            c.assigned, c.load = self.assigned[name], self.loads.get(name)
+            c.assigned, c.load, c.homed = self.assigned[name], self.loads.get(name), self.homed[name]
 
     def _record(self, name: str, w: _Waiter, req: GenerateRequest, out: GenerateOutput) -> None:
         self.stats["cached_tokens"] += out.num_cached_tokens
@@ -380,7 +391,7 @@ class Router:
                 self._sync(name)
             calibrate = getattr(self.policy, "calibrate", None)
             if calibrate is not None:
-                calibrate(*self.cost_model.fit())
+                calibrate(*self.cost_model.fit(), token_time=self.cost_model.token_time())
             self._first_load.set()
             await asyncio.sleep(self.load_interval_s)
 

@@ -26,6 +26,7 @@ from rollwise.serve.protocol import (AddSequenceRequest, ChatCompletionRequest, 
 from rollwise.types import RequestOutput, SamplingParams, WeightsNotHeld
 
 OPEN_PATHS = {"/health", "/metrics"}
+_WRITE_BYTES = 4 << 20  # a streamed weight update goes to disk in writes of about this size
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -93,8 +94,13 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
                 # in memory, not the body's bytes beside the tensors made from them
                 path = Path(tmp) / "model.safetensors"
                 with open(path, "wb") as f:
+                    buf = bytearray()
                     async for chunk in request.stream():
-                        f.write(chunk)
+                        buf += chunk
+                        if len(buf) >= _WRITE_BYTES:  # disk writes off the event loop: others keep being served
+                            await asyncio.to_thread(f.write, buf)
+                            buf.clear()
+                    await asyncio.to_thread(f.write, buf)
                 weights = await asyncio.to_thread(_safetensors, path)
         elif ctype in ("application/json", ""):
             body = UpdateWeightsRequest.model_validate_json(await request.body())  # ValueError -> 400

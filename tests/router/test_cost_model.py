@@ -27,3 +27,16 @@ def test_prior_until_enough_samples_and_replicas_without_counters_are_ignored():
     cm.observe("x", LoadSnapshot())  # no busy_s: another server's metrics
     cm.observe("x", None)
     assert cm.fit() == (1.0, 2.0, 3.0) and not cm.samples
+
+
+def test_token_time_recovers_the_per_sequence_cost_of_a_bigger_batch():
+    alpha, beta = 4e-3, 6e-4  # s per token of one sequence: alone, and per co-runner
+    cm = CostModel()
+    for i in range(15):
+        n = 1 + i % 12
+        cm.observe("r0", LoadSnapshot(running=n, tokens_per_s=n / (alpha + beta * n)))
+    cm.observe("r0", LoadSnapshot(running=0, tokens_per_s=0.0))  # idle: says nothing about batches
+    assert cm.token_time() is None  # 15 samples: not enough yet
+    cm.observe("r1", LoadSnapshot(running=30, tokens_per_s=30 / (alpha + beta * 30)))  # no busy_s needed
+    fa, fb = cm.token_time()
+    assert abs(fa - alpha) < 1e-9 and abs(fb - beta) < 1e-9

@@ -14,8 +14,8 @@ def info(prompt_len=100, sticky=None, turns_done=0, expected=None, arrival=0.0):
                      expected_turns=expected)
 
 
-def cand(name, inflight=0, tokens=0, matched=0, assigned=0, tps=0.0, kv=0.0):
-    return Candidate(name, inflight, tokens, matched, LoadSnapshot(tokens_per_s=tps, kv_usage=kv), assigned)
+def cand(name, inflight=0, tokens=0, matched=0, assigned=0, tps=0.0, kv=0.0, homed=0):
+    return Candidate(name, inflight, tokens, matched, LoadSnapshot(tokens_per_s=tps, kv_usage=kv), assigned, homed)
 
 
 def test_round_robin_cycles():
@@ -61,6 +61,27 @@ def test_rollwise_moves_only_when_waiting_costs_more_than_recomputing():
     # queue order: more expected work left goes first, but waiting long enough wins
     assert p.priority(info(turns_done=1, expected=10, arrival=5.0)) < p.priority(info(turns_done=9, expected=10, arrival=5.0))
     assert p.priority(info(turns_done=9, expected=10, arrival=0.0)) < p.priority(info(turns_done=0, expected=50, arrival=100.0))
+
+
+def test_rollwise_rebalances_a_crowded_home_by_measured_per_token_time():
+    p = make_policy("rollwise", prefill_tok_s=10_000.0)
+    # 20k tokens of context at home: 2 s to recompute elsewhere; 50 tokens a turn, 40 turns left
+    turn = dict(prompt_len=20_000, sticky="a", turns_done=10, expected=50)
+    crowded = [cand("a", inflight=3, matched=20_000, homed=8), cand("b", homed=1), cand("c", homed=3)]
+    assert p.choose(info(**turn), crowded) == "a"  # per-token time not measured yet: stays
+    p.calibrate(1e-4, 1e-4, 0.01, token_time=(0.005, 0.001))
+    # 7 others live at home, 1 on b: 2 * 2000 tokens * 1 ms * (7 - 1 - 1) = 20 s saved > 2 s * (1 + 1)
+    assert p.choose(info(**turn), crowded) == "b"
+    # in a tool call or not, trajectories living on a replica count: b now hosts 5 (only 1 in flight)
+    assert p.choose(info(**turn), [cand("a", inflight=3, matched=20_000, homed=8), cand("b", inflight=1, homed=5)]) == "a"
+    # a busy destination makes its runners wait out the prefill: 2 s * (1 + 6) > 2 * 2000 * 1 ms * (7 - 6 - 1)
+    assert p.choose(info(**turn), [cand("a", inflight=7, matched=20_000, homed=8), cand("b", inflight=6)]) == "a"
+    # one turn left (and not past its siblings' mean): 2 * 50 * 1 ms * 5 = 0.5 s < 4 s
+    assert p.choose(info(prompt_len=20_000, sticky="a", turns_done=2, expected=3), crowded) == "a"
+    # past its siblings' mean it is expected to go on for a quarter of its turns so far: 60 turns -> 15
+    assert p.choose(info(prompt_len=20_000, sticky="a", turns_done=60, expected=50), crowded) == "b"
+    # a first turn has no home: the cost places it, by the prompt a holds (siblings co-locate)
+    assert p.choose(info(prompt_len=20_000), crowded) == "a"
 
 
 def test_war_switches_rules_with_load():

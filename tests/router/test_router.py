@@ -115,6 +115,27 @@ def test_stickiness_and_sibling_colocation():
     asyncio.run(go())
 
 
+def test_candidates_count_the_trajectories_living_on_each_replica():
+    async def go():
+        reps = [FakeReplica("a"), FakeReplica("b"), FakeReplica("c")]
+        router = Router(reps, "least_load")  # turns move freely: homes change every turn
+
+        def homes():
+            want = {n: sum(1 for h in router.sticky.values() if h == n) for n in router.replicas}
+            assert {n: c.homed for n, c in router._cands.items()} == want
+            return want
+        for turn in range(3):
+            await asyncio.gather(*(router.generate(req(i, traj=f"t{i}", group="g", turn=turn)) for i in range(9)))
+            assert sum(homes().values()) == 9
+        for i in range(4):
+            await router.end_trajectory(f"t{i}", "g", [], 3)
+        assert sum(homes().values()) == 5
+        router.remove_replica("a")
+        assert set(homes()) == {"b", "c"} and sum(homes().values()) == len(router.sticky)
+        await router.close()
+    asyncio.run(go())
+
+
 def test_membership_changes_while_running():
     async def go():
         a, b = FakeReplica("a"), FakeReplica("b")

@@ -16,6 +16,7 @@ class Candidate:
     matched: int  # prompt tokens it holds (prefix index, including routed-but-unfinished siblings)
     load: LoadSnapshot | None  # last snapshot from the replica itself
     assigned: int  # trajectories ever assigned to it
+    homed: int = 0  # live trajectories whose last turn ran there (their next turns come back to it)
 
 
 @dataclass(slots=True)

@@ -2,11 +2,22 @@
 prefill of the part of the prompt it does not hold, plus max_tokens decode steps whose length grows
 with the replica's batch (continuous batching: a busier replica decodes every sequence slower),
 plus a penalty for KV pressure (a nearly full cache preempts someone to fit what this request adds).
-Stickiness and sibling co-location come out of the prefix term: a trajectory moves only when the
-slower decode on its replica costs more than recomputing its context elsewhere. Crowding is
-charged for the trajectory's expected remaining turns, since they will follow it. The queue goes
+Sibling co-location comes out of the prefix term (a group's first turns share its prompt), and so
+does stickiness until the per-token time below is measured. Crowding is charged for the
+trajectory's expected remaining turns, since they will follow it. The queue goes
 longest-expected-remaining-work first, with aging so nothing starves: a request's virtual arrival
-is moved earlier by its remaining work, capped."""
+is moved earlier by its remaining work, capped.
+
+Later turns (rebalancing) are priced by the sequence-seconds a move saves, from the
+measured per-token time of a sequence running beside n others (alpha + beta * n, the router's
+cost model). Moving from a replica where h other trajectories live to one where d live speeds
+the mover and its h former co-runners and slows the d, by beta per token each, for the W tokens
+the trajectory is still expected to generate: 2 * W * beta * (h - d) sequence-seconds. It costs
+recomputing the context there, which the d wait out as well: prefill * (1 + d). The move is made
+when the saving beats that by one co-runner's worth (no ping-pong). Siblings' lengths are
+correlated, so a replica can end up carrying the step's longest group while others idle; this
+is what moves part of it. Load here counts the trajectories living on a replica (in a tool call
+or not), since they all come back."""
 from __future__ import annotations
 
 from rollwise.router.policies.base import Policy
@@ -19,7 +30,7 @@ class Rollwise(Policy):
                  turn_s: float = 2.0, max_boost_s: float = 30.0, slack: int = 2,
                  default_turns: float = 4.0, sticky_slack: int = 8, kv_budget: float | None = 0.9,
                  resident_idle_s: float = 600.0, kv_growth_prior: float = 128.0,
-                 kv_work_conserving: bool = True, move_tokens: int = 64) -> None:
+                 kv_work_conserving: bool = True, move_tokens: int = 64, overrun: float = 0.25) -> None:
         # leaving a trajectory's home is charged this many prompt tokens more: the prefix index is
         # block-granular, so smaller differences between replicas' cached prefixes are noise
         self.move_tokens = move_tokens
@@ -34,12 +45,43 @@ class Rollwise(Policy):
         self.kv_budget, self.resident_idle_s, self.kv_growth_prior = kv_budget, resident_idle_s, kv_growth_prior
         self.kv_work_conserving = kv_work_conserving
         self.turn_s, self.max_boost_s = turn_s, max_boost_s
+        # a trajectory already past its siblings' mean turn count is expected to run for `overrun`
+        # times the turns it has done
+        self.overrun = overrun
+        self.token_time: tuple[float, float] | None = None  # (alpha, beta), measured
 
-    def calibrate(self, s_per_prefill_token: float, s_per_decode_token: float, s_per_step: float) -> None:
+    def calibrate(self, s_per_prefill_token: float, s_per_decode_token: float, s_per_step: float,
+                  token_time: tuple[float, float] | None = None) -> None:
         """The router's fitted cost model (what the replicas' own counters say time goes to)."""
         if s_per_prefill_token > 0:
             self.prefill_tok_s = 1.0 / s_per_prefill_token
         self.per_seq_s, self.step_s = s_per_decode_token, s_per_step
+        if token_time is not None:
+            self.token_time = token_time
+
+    def rebalance(self, info, cands) -> str | None:
+        """Where a trajectory's next turn goes when it has a home among `cands` and the per-token
+        time is known (None otherwise): home, or a replica where moving saves more than it costs."""
+        home = next((c for c in cands if c.name == info.sticky), None)
+        if home is None or self.token_time is None or info.turns_done == 0:
+            return None
+        beta = self.token_time[1]
+        new = min(info.expected_new_tokens, info.request.params.max_tokens)
+        left = info.expected_turns - info.turns_done if info.expected_turns is not None else self.default_turns
+        work = new * max(left, self.overrun * info.turns_done, 1.0)
+
+        def lives(c) -> int:  # trajectories living there besides this one
+            return max(c.inflight, c.homed - (c is home))
+        h = lives(home)
+        best, gain = home.name, 0.0
+        for c in cands:
+            if c is home:
+                continue
+            d = lives(c)
+            g = 2 * work * beta * (h - d - 1) - (info.prompt_len - c.matched) / self.prefill_tok_s * (1 + d)
+            if g > gain:
+                best, gain = c.name, g
+        return best
 
     def cost(self, info, c, least: int = 0) -> float:
         new = min(info.expected_new_tokens, info.request.params.max_tokens)
@@ -60,6 +102,9 @@ class Rollwise(Policy):
         return prefill + decode + pressure
 
     def choose(self, info, cands):
+        moved = self.rebalance(info, cands)
+        if moved is not None:
+            return moved
         least = min(c.inflight for c in cands)
         # replicas holding none of the prompt differ only in load and KV pressure: the best of them
         # by those stands for all (keeps the decision cheap at many replicas)
