@@ -78,7 +78,8 @@ class Router:
         self.work_conserving = self.residency is not None and getattr(self.policy, "kv_work_conserving", True)
         self.placements = deque(maxlen=100_000) if record_placements else None  # (trajectory, group, turn, replica)
         self.stats = {"requests": 0, "retries": 0, "failovers": 0, "decisions": 0, "decision_s": 0.0, "parked": 0,
-                      "queued": 0, "prompt_tokens": 0, "matched_tokens": 0, "cached_tokens": 0, "held": 0}
+                      "queued": 0, "prompt_tokens": 0, "matched_tokens": 0, "cached_tokens": 0, "held": 0,
+                      "moves": 0}
         for r in replicas:
             self.add_replica(r)
 
@@ -301,6 +302,7 @@ class Router:
                 self.homed[name] += 1
                 if old is not None:
                     self.homed[old] -= 1
+                    self.stats["moves"] += 1
                     self._sync(old)
             self._sync(name)
             self.sticky[tid] = name

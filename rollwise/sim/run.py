@@ -127,4 +127,4 @@ def simulate(cfg: SimConfig, config: str, trajectories: list[SimTrajectory], *, 
             "acceptance_rate": tot["accepted_tokens"] / max(tot["drafted_tokens"], 1),
             "accepted_per_verification": tot["accepted_tokens"] / max(tot["verifications"], 1),
             "max_busy_s": max(busy), "mean_busy_s": sum(busy) / len(busy), "steps": tot["steps"],
-            "decision_us": rm["decision_us"], "wall_s": time.perf_counter() - wall}
+            "decision_us": rm["decision_us"], "moves": int(rm["moves"]), "wall_s": time.perf_counter() - wall}

@@ -118,18 +118,23 @@ def test_stickiness_and_sibling_colocation():
 def test_candidates_count_the_trajectories_living_on_each_replica():
     async def go():
         reps = [FakeReplica("a"), FakeReplica("b"), FakeReplica("c")]
-        router = Router(reps, "least_load")  # turns move freely: homes change every turn
+        router = Router(reps, "round_robin", record_placements=True)  # 8 trajectories over 3: homes change
 
         def homes():
             want = {n: sum(1 for h in router.sticky.values() if h == n) for n in router.replicas}
             assert {n: c.homed for n, c in router._cands.items()} == want
             return want
         for turn in range(3):
-            await asyncio.gather(*(router.generate(req(i, traj=f"t{i}", group="g", turn=turn)) for i in range(9)))
-            assert sum(homes().values()) == 9
+            await asyncio.gather(*(router.generate(req(i, traj=f"t{i}", group="g", turn=turn)) for i in range(8)))
+            assert sum(homes().values()) == 8
+        last, moves = {}, 0
+        for tid, _, _, name in router.placements:
+            moves += last.get(tid, name) != name
+            last[tid] = name
+        assert moves > 0 and router.metrics()["moves"] == moves
         for i in range(4):
             await router.end_trajectory(f"t{i}", "g", [], 3)
-        assert sum(homes().values()) == 5
+        assert sum(homes().values()) == 4
         router.remove_replica("a")
         assert set(homes()) == {"b", "c"} and sum(homes().values()) == len(router.sticky)
         await router.close()
