@@ -15,10 +15,11 @@ import asyncio
 import heapq
 import itertools
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 from rollwise.router.cost_model import CostModel
+from rollwise.router.homes import Homes
 from rollwise.router.policies import Candidate, Policy, RouteInfo, make_policy
 from rollwise.router.prefix_index import PrefixIndex
 from rollwise.router.replica import LoadSnapshot, ReplicaError, gather_loads
@@ -60,8 +61,7 @@ class Router:
         self.inflight_tokens: dict[str, int] = {}
         self.assigned: dict[str, int] = {}
         self.loads: dict[str, LoadSnapshot | None] = {}
-        self.sticky: dict[str, str] = {}  # trajectory -> replica of its last turn
-        self.homed: Counter[str] = Counter()  # replica -> live trajectories whose last turn ran there
+        self.sticky = Homes()  # trajectory -> replica of its last turn, and how many live on each
         self.turns: dict[str, int] = {}  # trajectory -> turns routed
         self.expected_turns: dict[str, float] = {}  # group -> EMA of finished siblings' turns
         self.mean_new_tokens = 64.0  # EMA of tokens generated per request
@@ -108,8 +108,7 @@ class Router:
         if self.residency is not None:
             self.residency.drop_replica(name)
             self._unhold(name)
-        self.sticky = {t: r for t, r in self.sticky.items() if r != name}
-        self.homed.pop(name, None)
+        self.sticky.drop_replica(name)
         self._pump()
 
     async def start(self) -> None:
@@ -212,9 +211,8 @@ class Router:
         if group_id is not None:
             old = self.expected_turns.get(group_id)
             self.expected_turns[group_id] = num_turns if old is None else 0.7 * old + 0.3 * num_turns
-        home = self.sticky.pop(trajectory_id, None)
+        home = self.sticky.pop(trajectory_id)
         if home is not None:
-            self.homed[home] -= 1
             self._sync(home)
         self.turns.pop(trajectory_id, None)
         if self.residency is not None:
@@ -298,14 +296,11 @@ class Router:
             if tid not in self.sticky and tid not in self.turns:
                 self.assigned[name] += 1
             old = self.sticky.get(tid)
-            if old != name:
-                self.homed[name] += 1
-                if old is not None:
-                    self.homed[old] -= 1
-                    self.stats["moves"] += 1
-                    self._sync(old)
-            self._sync(name)
             self.sticky[tid] = name
+            if old is not None and old != name:
+                self.stats["moves"] += 1
+                self._sync(old)
+            self._sync(name)
         return name
 
     def _left_turns(self, info) -> float:
@@ -337,7 +332,7 @@ class Router:
         c = self._cands.get(name)
         if c is not None:
             c.inflight, c.inflight_tokens = self.inflight[name], self.inflight_tokens[name]
-            c.assigned, c.load, c.homed = self.assigned[name], self.loads.get(name), self.homed[name]
+            c.assigned, c.load, c.homed = self.assigned[name], self.loads.get(name), self.sticky.count(name)
 
     def _record(self, name: str, w: _Waiter, req: GenerateRequest, out: GenerateOutput) -> None:
         self.stats["cached_tokens"] += out.num_cached_tokens
