@@ -2,6 +2,7 @@
 on a model from make-model, speculation off vs the controller, at several concurrencies, in one run.
 
     python benchmarks/spec_engine.py [--quick | --smoke] [--json PATH] [--controllers adaptive,threshold]
+    python benchmarks/spec_engine.py --quick --alphas 1,2   # draft length (x match length), same run
 
 Trace replay ("teacher forcing"): the model computes every forward for real, but the engine emits
 the recorded assistant tokens, so acceptance is that of real agent text and verification costs what
@@ -41,8 +42,8 @@ def requests_from_trajectories(model: str, n_traj: int, prompt_len: int, max_new
     return reqs
 
 
-def run(model: str, reqs: list[dict], concurrency: int, controller: str | None) -> dict:
-    spec = {} if controller is None else {"speculative": "suffix", "spec_controller": controller}
+def run(model: str, reqs: list[dict], concurrency: int, controller: str | None, alpha: float | None = None) -> dict:
+    spec = {} if controller is None else {"speculative": "suffix", "spec_controller": controller, "spec_alpha": alpha}
     eng = LLMEngine(EngineConfig(model=model, max_num_seqs=max(concurrency, 1), **spec))
     params = SamplingParams(temperature=0)
     todo = list(reqs)
@@ -70,6 +71,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model and workload (CI)")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--controllers", default="adaptive", help="comma-separated: adaptive, threshold, always")
+    ap.add_argument("--alphas", help="comma-separated draft lengths (spec_alpha) to run each controller with "
+                                     "(default: the controller's own)")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
     size = "smoke" if args.smoke else "bench"
@@ -78,7 +81,9 @@ def main() -> None:
     n_traj = 4 if args.smoke else 24 if args.quick else 48
     prompt_len, max_new = (32, 16) if args.smoke else (256, 96)
     reqs = requests_from_trajectories(model, n_traj, prompt_len, max_new)
-    ctrls = [c for c in args.controllers.split(",") if c]
+    alphas = [float(a) for a in args.alphas.split(",")] if args.alphas else [None]
+    # (column, controller, alpha)
+    ctrls = [(c if a is None else f"{c} a={a:g}", c, a) for c in args.controllers.split(",") if c for a in alphas]
     out: dict = {"model": model, "concurrency": {}}
     # warm-up: kernels are built per batch shape on first use; build them before any timing
     warm = reqs[: 8 if args.smoke else 64]
@@ -86,18 +91,18 @@ def main() -> None:
         run(model, warm, max(conc), ctrl)
     print(f"{len(reqs)} assistant turns from {n_traj} trajectories, {sum(len(r['forced']) for r in reqs)} tokens "
           f"to generate, prompts cut to their last {prompt_len} tokens")
-    print(f"{'conc':>5}{'requests':>10}{'off tok/s':>11}" + "".join(f"{c + ' tok/s':>17}{'ratio':>7}{'acc/verif':>10}{'spec steps':>11}" for c in ctrls))
+    print(f"{'conc':>5}{'requests':>10}{'off tok/s':>11}" + "".join(f"{c + ' tok/s':>17}{'ratio':>7}{'acc/verif':>10}{'spec steps':>11}" for c, _, _ in ctrls))
     for c in conc:
         sub = reqs[: max(16 if args.quick or args.smoke else 40, 4 * c) if not args.smoke else 8]
         off = run(model, sub, c, None)
         row = {"off_tok_s": off["tok_s"], "off": off}
         line = f"{c:>5}{len(sub):>10}{off['tok_s']:>11.1f}"
-        for ctrl in ctrls:
-            r = run(model, sub, c, ctrl)
+        for ctrl, mode, alpha in ctrls:
+            r = run(model, sub, c, mode, alpha)
             assert r["generated_tokens"] == off["generated_tokens"], "configurations must do the same work"
             row[ctrl] = r
             line += f"{r['tok_s']:>17.1f}{r['tok_s'] / off['tok_s']:>6.2f}x{r['mean_accepted']:>10.2f}{r['spec_step_fraction']:>11.2f}"
-        first = row[ctrls[0]]
+        first = row[ctrls[0][0]]
         row |= {"spec_tok_s": first["tok_s"], "mean_accepted": first["mean_accepted"]}
         out["concurrency"][c] = row
         print(line, flush=True)

@@ -33,7 +33,7 @@ class EngineConfig:
     spec_max_tokens: int = 16  # draft tokens per sequence per step, at most
     spec_tree: bool = False  # tree drafts (several branches verified at once) instead of chains
     spec_max_depth: int = 24
-    spec_alpha: float = 1.0  # draft budget = alpha * match length + offset
+    spec_alpha: float | None = None  # draft budget = alpha * match length + offset (None: 2 under adaptive, else 1)
     spec_offset: float = 0.0
     spec_min_token_prob: float = 0.1
     spec_max_cached_requests: int = 10000

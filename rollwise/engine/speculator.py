@@ -12,7 +12,7 @@ import torch
 
 from rollwise.config import EngineConfig
 from rollwise.engine.scheduler import Scheduler, ScheduledSeq
-from rollwise.engine.spec_controller import SpecController
+from rollwise.engine.spec_controller import SpecController, draft_alpha
 from rollwise.engine.verification import Verdict, verify
 from rollwise.spec.suffix_cache import SOURCES, SuffixCache
 
@@ -22,7 +22,7 @@ class Speculator:
         self.runner, self.sampler = runner, sampler
         self.tree = cfg.spec_tree
         self.cache = SuffixCache(max_depth=cfg.spec_max_depth, max_spec_tokens=cfg.spec_max_tokens,
-                                 alpha=cfg.spec_alpha, offset=cfg.spec_offset,
+                                 alpha=draft_alpha(cfg.spec_controller, cfg.spec_alpha), offset=cfg.spec_offset,
                                  min_token_prob=cfg.spec_min_token_prob,
                                  max_cached_requests=cfg.spec_max_cached_requests, eviction=cfg.spec_eviction,
                                  tree=cfg.spec_tree)

@@ -241,7 +241,7 @@ class Router:
 
     def _pump(self) -> None:
         while self._queue:
-            room = [n for n in self.healthy if n in self.replicas and self.inflight[n] < self.capacity]
+            room = [n for n in self.replicas if n in self.healthy and self.inflight[n] < self.capacity]  # not set order
             if not room:
                 return
             item = heapq.heappop(self._queue)

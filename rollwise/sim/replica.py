@@ -17,7 +17,7 @@ import random
 from collections import deque
 
 from rollwise.engine.block_manager import BlockManager, chain_hashes
-from rollwise.engine.spec_controller import SpecController
+from rollwise.engine.spec_controller import SpecController, draft_alpha
 from rollwise.router.prefix_index import HashMemo
 from rollwise.router.replica import LoadSnapshot, ReplicaError
 from rollwise.sim.cost import StepWork, step_work
@@ -49,7 +49,8 @@ class _Seq:
 class SimReplica:
     def __init__(self, name: str, cost, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  num_kv_blocks: int | None = None, spec: str = "off", spec_max_tokens: int = 16,
-                 spec_threshold: int = 16, spec_max_depth: int = 24) -> None:
+                 spec_threshold: int = 16, spec_max_depth: int = 24, spec_tree: bool = False,
+                 spec_alpha: float | None = None, spec_min_token_prob: float = 0.1) -> None:
         self.name, self.cost = name, cost
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         num_kv_blocks = num_kv_blocks or cost.default_kv_blocks
@@ -58,7 +59,9 @@ class SimReplica:
         self.blocks = BlockManager(num_kv_blocks, cost.block_size)
         self.bs = cost.block_size
         self.controller = SpecController(spec, spec_max_tokens, spec_threshold)
-        self.cache = None if spec == "off" else SuffixCache(max_depth=spec_max_depth, max_spec_tokens=spec_max_tokens)
+        self.cache = None if spec == "off" else SuffixCache(
+            max_depth=spec_max_depth, max_spec_tokens=spec_max_tokens, alpha=draft_alpha(spec, spec_alpha),
+            min_token_prob=spec_min_token_prob, tree=spec_tree)
         if spec == "adaptive":  # as the engine does at start: seed the step-time model
             for n in (1, 4, 16, 64, 256):
                 self.controller.observe_step(n, cost.step_s(step_work([(1, 1024, 1)] * n)))

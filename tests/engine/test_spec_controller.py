@@ -63,3 +63,24 @@ def test_fixed_modes(mode, running, expect):
 def test_unknown_mode_names_the_valid_ones():
     with pytest.raises(ValueError, match="adaptive"):
         SpecController("sometimes")
+
+
+def test_adaptive_is_offered_longer_drafts_than_the_fixed_rules():
+    """The adaptive controller prunes what does not pay, so the suffix trees offer it 2x the matched
+    length; the fixed rules verify everything offered and keep SuffixDecoding's 1x; an explicit
+    alpha wins. Checked on what the trees then propose for a short match."""
+    from rollwise.engine.spec_controller import draft_alpha
+    from rollwise.sim.cost import LinearCost
+    from rollwise.sim.replica import SimReplica
+    assert draft_alpha("adaptive") == 2.0 and draft_alpha("threshold") == 1.0 and draft_alpha("always") == 1.0
+    assert draft_alpha("adaptive", 1.5) == 1.5
+    lens = {}
+    for mode in ("adaptive", "threshold"):
+        rep = SimReplica(mode, LinearCost({"base_s": 1e-3}), num_kv_blocks=64, spec=mode)
+        seen = list(range(100, 140))  # a response seen once: every continuation has probability 1
+        rep.cache.start_request("old", [1, 2, 3])
+        rep.cache.append_batch({"old": seen})
+        rep.cache.stop_request("old")
+        rep.cache.start_request("new", [7, 8, 9] + seen[:3])  # matches 3 tokens of it (and their suffixes)
+        lens[mode] = len(rep.cache.speculate("new"))
+    assert lens == {"adaptive": 6, "threshold": 3}

@@ -141,6 +141,27 @@ def test_candidates_count_the_trajectories_living_on_each_replica():
     asyncio.run(go())
 
 
+def test_policies_see_candidates_in_the_replicas_order():
+    """Not a set's order: string hashes differ between processes, and a policy's ties (the first of
+    equals) must not, or the same simulated step gives different makespans run to run."""
+    from rollwise.router.policies.least_load import LeastLoad
+    seen = []
+
+    class Recording(LeastLoad):
+        def choose(self, info, cands):
+            seen.append([c.name for c in cands])
+            return super().choose(info, cands)
+
+    async def go():
+        names = [f"replica-{c}" for c in "qwertyuiop"]
+        router = Router([FakeReplica(n) for n in names], Recording())
+        await asyncio.gather(*(router.generate(req(i, traj=f"t{i}")) for i in range(4)))
+        await router.close()
+        return names
+    names = asyncio.run(go())
+    assert seen and all(s == [n for n in names if n in s] for s in seen) and len(seen[0]) == len(names)
+
+
 def test_membership_changes_while_running():
     async def go():
         a, b = FakeReplica("a"), FakeReplica("b")
