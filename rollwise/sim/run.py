@@ -50,6 +50,7 @@ class SimConfig:
     kv_blocks: int | None = None  # per replica; default: the profile's capacity
     max_inflight_per_replica: int = 256
     spec_max_tokens: int = 16
+    spec_alpha: float | None = None  # draft length / matched length; None: the controller's own (2 adaptive, else 1)
     war_threshold: int = 32  # WAR speculates while at most this many sequences run on a replica
     seed: int = 0
 
@@ -84,7 +85,7 @@ def make_replicas(cfg: SimConfig, spec: str, cost=None, **overrides) -> list[Sim
     cost = cost or load_profile(cfg.profile)
     kw = dict(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
               num_kv_blocks=cfg.kv_blocks, spec=spec, spec_max_tokens=cfg.spec_max_tokens,
-              spec_threshold=cfg.war_threshold)
+              spec_threshold=cfg.war_threshold, spec_alpha=cfg.spec_alpha)
     kw.update(overrides)
     return [SimReplica(f"sim{i}", cost, **kw) for i in range(cfg.replicas)]
 

@@ -155,6 +155,13 @@ def test_simulated_step_does_equal_work_under_every_config_and_is_deterministic(
     assert all(r["truncated"] == 0 for r in res.values())
 
 
+def test_spec_alpha_reaches_the_simulated_suffix_caches():
+    from rollwise.sim.run import make_replicas
+    alpha = {(a, mode): make_replicas(SimConfig(replicas=1, spec_alpha=a), mode)[0].cache.alpha
+             for a in (None, 1.0) for mode in ("adaptive", "threshold")}
+    assert alpha == {(None, "adaptive"): 2.0, (None, "threshold"): 1.0, (1.0, "adaptive"): 1.0, (1.0, "threshold"): 1.0}
+
+
 def test_tool_scale_scales_every_tool_latency_and_nothing_else():
     from rollwise.sim.workload import war_step
     pool = [[[([1, 2, 3], [4, 5, 6]), ([7, 8], [9])], [([3, 2], [1, 1, 1]), ([5], [])]]]  # one task, two trials
