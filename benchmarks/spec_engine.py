@@ -91,7 +91,7 @@ def main() -> None:
         run(model, warm, max(conc), ctrl)
     print(f"{len(reqs)} assistant turns from {n_traj} trajectories, {sum(len(r['forced']) for r in reqs)} tokens "
           f"to generate, prompts cut to their last {prompt_len} tokens")
-    print(f"{'conc':>5}{'requests':>10}{'off tok/s':>11}" + "".join(f"{c + ' tok/s':>17}{'ratio':>7}{'acc/verif':>10}{'spec steps':>11}" for c, _, _ in ctrls))
+    print(f"{'conc':>5}{'requests':>10}{'off tok/s':>11}" + "".join(f"{c + ' tok/s':>20}{'ratio':>7}{'acc/verif':>10}{'spec steps':>11}" for c, _, _ in ctrls))
     for c in conc:
         sub = reqs[: max(16 if args.quick or args.smoke else 40, 4 * c) if not args.smoke else 8]
         off = run(model, sub, c, None)
@@ -101,7 +101,7 @@ def main() -> None:
             r = run(model, sub, c, mode, alpha)
             assert r["generated_tokens"] == off["generated_tokens"], "configurations must do the same work"
             row[ctrl] = r
-            line += f"{r['tok_s']:>17.1f}{r['tok_s'] / off['tok_s']:>6.2f}x{r['mean_accepted']:>10.2f}{r['spec_step_fraction']:>11.2f}"
+            line += f"{r['tok_s']:>20.1f}{r['tok_s'] / off['tok_s']:>6.2f}x{r['mean_accepted']:>10.2f}{r['spec_step_fraction']:>11.2f}"
         first = row[ctrls[0][0]]
         row |= {"spec_tok_s": first["tok_s"], "mean_accepted": first["mean_accepted"]}
         out["concurrency"][c] = row
