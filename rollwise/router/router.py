@@ -104,12 +104,16 @@ class Router:
         self._cands.pop(name, None)
         self.healthy.discard(name)
         self._unpark(name)
+        self._forget_contents(name)
+        self.sticky.drop_replica(name)
+        self._pump()
+
+    def _forget_contents(self, name: str) -> None:
+        """What the replica held is gone (it left or went down): its prefixes and KV residents."""
         self.index.remove_replica(name)
         if self.residency is not None:
             self.residency.drop_replica(name)
             self._unhold(name)
-        self.sticky.drop_replica(name)
-        self._pump()
 
     async def start(self) -> None:
         if not self._tasks:
@@ -352,10 +356,7 @@ class Router:
         if name in self.healthy:
             self.healthy.discard(name)
             self.stats["failovers"] += 1
-            self.index.remove_replica(name)
-            if self.residency is not None:
-                self.residency.drop_replica(name)
-                self._unhold(name)
+            self._forget_contents(name)
             self._unpark(name)
             self._pump()
 
