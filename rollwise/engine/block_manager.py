@@ -8,14 +8,6 @@ and are evicted (their hash forgotten) only when the pool needs them. Imports no
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
-
-
-@dataclass(slots=True)
-class Block:
-    block_id: int
-    ref_count: int = 0
-    block_hash: int | None = None  # set once the block is full and registered in the cache
 
 
 def chain_hashes(token_ids: list[int], block_size: int, root: int = 0) -> list[int]:
@@ -29,24 +21,26 @@ def chain_hashes(token_ids: list[int], block_size: int, root: int = 0) -> list[i
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        self.block_size = block_size
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks  # set once full and registered in the cache
+        # The free list, in reuse order, kept in three parts so a large pool costs nothing to create:
+        # blocks freed with nothing cached (last freed first), then never-used blocks in id order, then
+        # cached blocks, least recently freed first (LRU eviction).
+        self._spare: list[int] = []
+        self._fresh = 0  # blocks _fresh.. were never used
+        self._lru: OrderedDict[int, None] = OrderedDict()
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.num_evictions = 0
 
     @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-    @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return len(self._spare) + self.num_blocks - self._fresh + len(self._lru)
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self.free) / len(self.blocks)
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -67,49 +61,51 @@ class BlockManager:
     # allocation ----------------------------------------------------------------------------------
     def can_allocate(self, num_new_blocks: int, shared: list[int] = ()) -> bool:
         """Whether `num_new_blocks` fresh blocks can be taken after referencing `shared` cached ones."""
-        if not shared:
-            return len(self.free) >= num_new_blocks
-        revived = sum(1 for b in shared if self.blocks[b].ref_count == 0)
-        return len(self.free) - revived >= num_new_blocks
+        ref = self.ref_count
+        revived = [ref[b] for b in shared].count(0) if shared else 0
+        return self.num_free_blocks - revived >= num_new_blocks
 
     def allocate(self, block_table: list[int], num_new_blocks: int, shared: list[int] = ()) -> None:
         """Append `shared` (cache hits, referenced) then `num_new_blocks` fresh blocks to a table."""
         if not self.can_allocate(num_new_blocks, shared):
             raise RuntimeError("out of KV blocks: call can_allocate first")
+        ref = self.ref_count
         for b in shared:
-            blk = self.blocks[b]
-            if blk.ref_count == 0:
-                del self.free[b]
-            blk.ref_count += 1
+            if ref[b] == 0:
+                del self._lru[b]
+            ref[b] += 1
             block_table.append(b)
         for _ in range(num_new_blocks):
-            b, _ = self.free.popitem(last=False)
-            blk = self.blocks[b]
-            if blk.block_hash is not None:  # evict: its cached prefix is gone
-                del self.cached[blk.block_hash]
-                blk.block_hash = None
+            if self._spare:
+                b = self._spare.pop()
+            elif self._fresh < self.num_blocks:
+                b = self._fresh
+                self._fresh += 1
+            else:  # evict: the least recently freed cached prefix block is gone
+                b, _ = self._lru.popitem(last=False)
+                del self.cached[self.block_hash[b]]
+                self.block_hash[b] = None
                 self.num_evictions += 1
-            blk.ref_count = 1
+            ref[b] = 1
             block_table.append(b)
 
     def register(self, block_id: int, block_hash: int) -> None:
         """Publish a full block's contents for reuse; a duplicate of a cached prefix stays private."""
-        if not self.enable_prefix_caching:
-            return
-        blk = self.blocks[block_id]
-        if blk.block_hash is None and block_hash not in self.cached:
-            blk.block_hash = block_hash
+        if self.enable_prefix_caching and self.block_hash[block_id] is None and block_hash not in self.cached:
+            self.block_hash[block_id] = block_hash
             self.cached[block_hash] = block_id
 
     def free_table(self, block_table: list[int]) -> None:
-        """Drop one reference to each block; tail blocks go to the LRU end first so prefixes outlive them."""
+        """Drop one reference to each block; tail blocks are freed first so cached prefixes outlive
+        their tails, and blocks with nothing cached are reused before any cached one."""
+        ref, hashes = self.ref_count, self.block_hash
         for b in reversed(block_table):
-            blk = self.blocks[b]
-            blk.ref_count -= 1
-            if blk.ref_count == 0:
-                self.free[b] = None
-                if blk.block_hash is None:
-                    self.free.move_to_end(b, last=False)  # nothing cached there: reuse it first
+            ref[b] -= 1
+            if ref[b] == 0:
+                if hashes[b] is None:
+                    self._spare.append(b)
+                else:
+                    self._lru[b] = None
         block_table.clear()
 
     def truncate(self, block_table: list[int], keep: int) -> None:
@@ -121,15 +117,21 @@ class BlockManager:
 
     # invariants ----------------------------------------------------------------------------------
     def check_integrity(self, live_tables: list[list[int]]) -> None:
-        refs = [0] * len(self.blocks)
+        refs = [0] * self.num_blocks
         for table in live_tables:
             for b in table:
                 refs[b] += 1
-        for blk in self.blocks:
-            assert blk.ref_count == refs[blk.block_id], f"block {blk.block_id}: ref {blk.ref_count} != {refs[blk.block_id]}"
-            assert (blk.ref_count == 0) == (blk.block_id in self.free), f"block {blk.block_id} free-list mismatch"
-            if blk.block_hash is not None:
-                assert self.cached.get(blk.block_hash) == blk.block_id, f"block {blk.block_id} hash not mapped"
-        assert len(self.cached) == sum(b.block_hash is not None for b in self.blocks), "stale hash entries"
+        free = [*self._spare, *range(self._fresh, self.num_blocks), *self._lru]
+        assert len(free) == len(set(free)), "a block is on the free list twice"
+        free_set = set(free)
+        for b in range(self.num_blocks):
+            assert self.ref_count[b] == refs[b], f"block {b}: ref {self.ref_count[b]} != {refs[b]}"
+            assert (refs[b] == 0) == (b in free_set), f"block {b} free-list mismatch"
+            if self.block_hash[b] is not None:
+                assert self.cached.get(self.block_hash[b]) == b, f"block {b} hash not mapped"
+        assert all(self.block_hash[b] is None for b in self._spare), "a cached block among the spare ones"
+        assert all(self.block_hash[b] is not None for b in self._lru), "an uncached block in the LRU part"
+        assert all(self.block_hash[b] is None for b in range(self._fresh, self.num_blocks)), "a used block as fresh"
+        assert len(self.cached) == sum(h is not None for h in self.block_hash), "stale hash entries"
         for h, b in self.cached.items():
-            assert self.blocks[b].block_hash == h, f"hash map points at block {b} with another hash"
+            assert self.block_hash[b] == h, f"hash map points at block {b} with another hash"

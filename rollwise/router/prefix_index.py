@@ -23,7 +23,8 @@ class HashMemo:
         if key is None:
             return chain_hashes(token_ids, bs)
         prev = self.memo.pop(key, None)
-        if prev is not None and prev[1] <= len(token_ids) and token_ids[:prev[1]] == prev[0][:prev[1]]:
+        if prev is not None and prev[1] <= len(token_ids) and token_ids[:prev[1]] == (
+                prev[0] if len(prev[0]) == prev[1] else prev[0][:prev[1]]):  # (one copy fewer, most turns)
             out = prev[2][:min(len(prev[2]), prev[1] // bs)]
             start = len(out) * bs
             out.extend(chain_hashes(token_ids[start:len(token_ids) // bs * bs], bs, out[-1] if out else 0))

@@ -54,6 +54,7 @@ class Router:
         self.stale: set[str] = set()  # replicas that missed a weight update (kept out of routing)
         self._latest: tuple | None = None  # (weights, version) of the last update
         self._sharing: set[asyncio.Future] = set()
+        self._drafters: list | None = None  # members that draft from shared tokens (found again on membership changes)
         self._parked: dict[str, deque[_Waiter]] = {}  # replica -> requests waiting for a slot there
         self.replicas: dict[str, object] = {}
         self.healthy: set[str] = set()
@@ -93,6 +94,7 @@ class Router:
             d.setdefault(replica.name, 0)
         self.loads[replica.name] = None
         self._cands[replica.name] = Candidate(replica.name, 0, 0, 0, None, 0)
+        self._drafters = None
         self._sync(replica.name)
         self._pump()
 
@@ -102,6 +104,7 @@ class Router:
             raise ValueError(f"unknown replica {name!r}; members: {sorted(self.replicas)}")
         del self.replicas[name]
         self._cands.pop(name, None)
+        self._drafters = None
         self.healthy.discard(name)
         self._unpark(name)
         self._forget_contents(name)
@@ -226,8 +229,10 @@ class Router:
     def _share(self, served_by: str, token_ids: list[int], group_id: str | None) -> None:
         """Every turn's new tokens go to the other replicas' suffix caches (the serving one has
         them), so siblings draft from each other wherever they run."""
-        targets = [r for n, r in self.replicas.items()
-                   if n != served_by and hasattr(r, "add_sequence") and getattr(r, "speculates", True)]
+        if self._drafters is None:
+            self._drafters = [(n, r) for n, r in self.replicas.items()
+                              if hasattr(r, "add_sequence") and getattr(r, "speculates", True)]
+        targets = [r for n, r in self._drafters if n != served_by]
         if targets and token_ids:
             task = asyncio.ensure_future(asyncio.gather(*(r.add_sequence(token_ids, group_id) for r in targets),
                                                         return_exceptions=True))
@@ -239,8 +244,9 @@ class Router:
         w.future = asyncio.get_running_loop().create_future()
         heapq.heappush(self._queue, (self.policy.priority(w.info), next(self._seq), w))
         self._pump()
-        if not w.future.done():
-            self.stats["queued"] += 1
+        if w.future.done():  # (most requests: no timer to set up)
+            return w.future.result()
+        self.stats["queued"] += 1
         return await asyncio.wait_for(w.future, self.queue_timeout_s)
 
     def _pump(self) -> None:

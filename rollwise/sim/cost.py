@@ -44,21 +44,22 @@ class StepWork:
 def step_work(entries: list[tuple[int, int, int]]) -> StepWork:
     """entries: (query tokens, context before them, tokens needing logits) per sequence in the step.
     Our engine runs attention in three padded groups (decodes, short queries, prefill chunks)."""
-    w = StepWork(seqs=len(entries))
-    groups: dict[int, list[int]] = {}  # group -> [sequences, longest query, longest context]
-    for q, ctx, lg in entries:
-        w.tokens += q
-        w.logits += lg
-        w.kv_read += ctx + q
-        w.attn_pairs += q * (ctx + (q + 1) // 2)
-        g = groups.setdefault(0 if q == 1 else 1 if q <= 64 else 2, [0, 0, 0])
+    tokens = logits = kv_read = pairs = 0
+    groups = [[0, 0, 0], [0, 0, 0], [0, 0, 0]]  # per group: sequences, longest query, longest context
+    for q, ctx, lg in entries:  # (once per sequence per simulated step: kept lean)
+        tokens += q
+        logits += lg
+        kv = ctx + q
+        kv_read += kv
+        pairs += q * (ctx + (q + 1) // 2)
+        g = groups[0 if q == 1 else 1 if q <= 64 else 2]
         g[0] += 1
-        g[1] = max(g[1], q)
-        g[2] = max(g[2], ctx + q)
-    for n, q, kv in groups.values():
-        w.kv_padded += n * kv
-        w.attn_padded += n * q * kv
-    return w
+        if q > g[1]:
+            g[1] = q
+        if kv > g[2]:
+            g[2] = kv
+    return StepWork(tokens, logits, len(entries), kv_read, pairs, sum(n * kv for n, _, kv in groups),
+                    sum(n * q * kv for n, q, kv in groups))
 
 
 class LinearCost:

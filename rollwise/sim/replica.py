@@ -27,23 +27,29 @@ from rollwise.types import GenerateOutput, GenerateRequest
 
 
 class _Seq:
-    __slots__ = ("rid", "req", "full", "prompt_len", "out_len", "emitted", "computed", "table", "hashes",
-                 "registered", "cached", "future", "aborted")
+    __slots__ = ("rid", "req", "full", "prompt_len", "out_len", "emitted", "num_tokens", "computed", "table",
+                 "hashes", "registered", "cached", "future", "aborted")
 
     def __init__(self, rid, req, full, prompt_len, hashes, future) -> None:
         self.rid, self.req, self.full, self.prompt_len = rid, req, full, prompt_len
-        self.out_len, self.emitted, self.computed = len(full) - prompt_len, 0, 0
+        self.out_len, self.emitted, self.num_tokens, self.computed = len(full) - prompt_len, 0, prompt_len, 0
         self.table: list[int] = []
         self.hashes, self.registered, self.cached = hashes, 0, -1
         self.future, self.aborted = future, False
 
-    @property
-    def num_tokens(self) -> int:
-        return self.prompt_len + self.emitted
+    def emit(self, n: int) -> None:
+        self.emitted += n
+        self.num_tokens += n
 
     def decodes(self, n: int) -> bool:
-        """Whether computing `n` tokens this step is a decode (one token after the prompt, sampled)."""
+        """Whether computing `n` tokens this step is a decode (one token after the prompt, sampled).
+        (The step loops below inline this test: they run once per sequence per step.)"""
         return n == 1 and self.computed + 1 == self.num_tokens and self.computed >= self.prompt_len
+
+
+def _time_up(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(False)
 
 
 class SimReplica:
@@ -70,7 +76,7 @@ class SimReplica:
         self.running: list[_Seq] = []
         self.alive = True
         self._head_blocked = False  # the first waiting request did not fit; nothing frees blocks until a finish
-        self._wake: asyncio.Event | None = None
+        self._waker: asyncio.Future | None = None  # what the loop waits on: set by an arrival or a timer
         self._task: asyncio.Task | None = None
         self._ids = 0
         self.tokens_per_s = 0.0
@@ -101,7 +107,8 @@ class SimReplica:
         self.waiting.append(seq)
         self.stats["requests"] += 1
         self._ensure_loop()
-        self._wake.set()
+        if self._waker is not None and not self._waker.done():
+            self._waker.set_result(True)
         try:
             return await seq.future
         except asyncio.CancelledError:
@@ -149,7 +156,6 @@ class SimReplica:
     # the loop -------------------------------------------------------------------------------------
     def _ensure_loop(self) -> None:
         if self._task is None or self._task.done():
-            self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def _loop(self) -> None:
@@ -166,8 +172,7 @@ class SimReplica:
         while self.alive:
             self._drop_aborted()
             if not self.running and not self.waiting:
-                self._wake.clear()
-                await self._wake.wait()
+                await self._sleep(None)
                 continue
             batch, blocked = self._schedule()
             if not batch:
@@ -183,27 +188,40 @@ class SimReplica:
                                  work.kv_padded + more, work.attn_padded + more)
                 dt = 0.5 * (dt + self.cost.step_s(grown))
                 t0 = loop.time()
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), k * dt)
+                if await self._sleep(k * dt):
                     k = min(k, int((loop.time() - t0) / dt) + 1)  # an arrival: finish the step in progress
                     await asyncio.sleep(max(t0 + k * dt - loop.time(), 0.0))
-                except TimeoutError:
-                    pass
             else:
                 await asyncio.sleep(dt)
             if self.cache is not None:
                 self.controller.observe_step(work.tokens, dt)
             self._apply(batch, drafts, k, dt)
 
+    async def _sleep(self, delay: float | None) -> bool:
+        """Sleep `delay` virtual seconds (None: until an arrival); True if an arrival came first.
+        (A future and a timer rather than wait_for on an Event: no task per stretch.)"""
+        loop = asyncio.get_running_loop()
+        self._waker = fut = loop.create_future()
+        timer = None if delay is None else loop.call_later(delay, _time_up, fut)
+        try:
+            return await fut
+        finally:
+            self._waker = None
+            if timer is not None:
+                timer.cancel()
+
     def _schedule(self) -> tuple[list[tuple[_Seq, int]], bool]:
         """The engine's scheduler rules. Returns the batch and whether admission is blocked until
         something finishes (so a stretch of identical steps is exact)."""
         blocks, budget, out, preempted, i = self.blocks, self.max_num_batched_tokens, [], False, 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.computed, budget)
-            need = blocks.num_blocks_for(seq.computed + n) - len(seq.table)
+        bs, running, decode_only = self.bs, self.running, True
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            c = seq.computed
+            n = seq.num_tokens - c
+            if n > budget:
+                n = budget
+            need = (c + n + bs - 1) // bs - len(seq.table)
             if need > 0:  # (most decode steps fit in the last block)
                 while not blocks.can_allocate(need) and self.running[-1] is not seq:
                     self._preempt(self.running.pop())
@@ -213,6 +231,8 @@ class SimReplica:
                     preempted = True
                     continue
                 blocks.allocate(seq.table, need)
+            if decode_only and not (n == 1 and c + 1 == seq.num_tokens and c >= seq.prompt_len):
+                decode_only = False
             out.append((seq, n))
             budget -= n
             i += 1
@@ -220,7 +240,7 @@ class SimReplica:
         while (self.waiting and budget > 0 and not preempted and not self._head_blocked
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            hits = blocks.match_prefix(self._hashes(seq, seq.num_tokens // self.bs))
+            hits = blocks.match_prefix(self._hashes(seq, seq.num_tokens // bs)[:seq.num_tokens // bs])
             if len(hits) * self.bs >= seq.num_tokens:
                 hits = hits[:-1]
             cached = len(hits) * self.bs
@@ -240,7 +260,6 @@ class SimReplica:
             out.append((seq, n))
             budget -= n
             admitted = True
-        decode_only = all(s.decodes(n) for s, n in out)
         return out, decode_only and not admitted and not preempted and budget > 0
 
     def _stretch(self, batch) -> int:
@@ -282,32 +301,31 @@ class SimReplica:
         return out
 
     def _work(self, batch, drafts) -> StepWork:
+        # logits as our engine computes them: the last position of a sequence's tokens (a prefill
+        # chunk that ends its prompt needs one, not one per token), plus each draft token's
+        if not drafts:
+            return step_work([(n, s.computed, 1 if s.computed + n == s.num_tokens else 0) for s, n in batch])
         entries = []
         for s, n in batch:
             k = len(drafts[s][0]) if s in drafts else 0
-            # logits as our engine computes them: the last position of a sequence's tokens (a prefill
-            # chunk that ends its prompt needs one, not one per token), plus each draft token's
             entries.append((n + k, s.computed, 1 + k if s.computed + n == s.num_tokens else 0))
         return step_work(entries)
 
     def _apply(self, batch, drafts, k: int, dt: float) -> None:
-        st = self.stats
-        st["busy_s"] += k * dt
-        st["steps"] += k
-        appended, emitted_total, finished = {}, 0, []
+        st, bs, cache = self.stats, self.bs, self.cache
+        appended, finished, emitted_total, prefill, decoded = {}, [], 0, 0, 0
         for s, n in batch:
             if s.aborted or s.future.done():
                 continue
-            samples, decode = s.computed + n == s.num_tokens, s.decodes(n)
-            if not decode:
-                st["prefill_tokens"] += n
-            if not samples:
-                s.computed += n
+            c, before = s.computed, s.num_tokens
+            if c + n != before:  # a prefill chunk short of the prompt's end: nothing sampled
+                prefill += n
+                s.computed = c + n
             else:
-                new = k
-                if s in drafts:
-                    toks, parents, source, score = drafts[s]
-                    a = accept(toks, parents, s.full[s.num_tokens:])
+                new, d = k, drafts.get(s) if drafts else None
+                if d is not None:
+                    toks, parents, source, score = d
+                    a = accept(toks, parents, s.full[before:before + len(toks)])
                     st["spec_steps"] += 1
                     st["verifications"] += 1
                     st["drafted_tokens"] += len(toks)
@@ -315,33 +333,41 @@ class SimReplica:
                     st["decode_tokens"] += len(toks)
                     self.controller.observe_acceptance(source, score, a)
                     new = 1 + a
-                if decode:
-                    st["decode_tokens"] += k
-                before = s.num_tokens
-                s.computed = s.num_tokens - 1 + new if decode else s.computed + n
-                s.emitted += new
+                if n == 1 and c >= s.prompt_len:  # a decode (s.decodes(n))
+                    decoded += k
+                    s.computed = before - 1 + new
+                else:
+                    prefill += n
+                    s.computed = c + n
+                s.emit(new)
                 emitted_total += new
-                if self.cache is not None:
-                    appended[s.rid] = s.full[before:s.num_tokens]
-                if s in drafts:
+                if cache is not None:
+                    appended[s.rid] = s.full[before:before + new]
+                if d is not None:
                     self.blocks.truncate(s.table, self.blocks.num_blocks_for(s.num_tokens))
-            self._register(s)
+            if s.computed // bs > s.registered:
+                self._register(s)
             if s.emitted >= s.out_len:
                 finished.append(s)
         if appended:
-            self.cache.append_batch(appended)
+            cache.append_batch(appended)
         for s in finished:
             self._finish(s)
+        st["busy_s"] += k * dt
+        st["steps"] += k
+        st["prefill_tokens"] += prefill
+        st["decode_tokens"] += decoded
         st["generated_tokens"] += emitted_total
         rate = emitted_total / max(k * dt, 1e-9)
         self.tokens_per_s = rate if self.tokens_per_s == 0 else 0.9 * self.tokens_per_s + 0.1 * rate
 
     # helpers ------------------------------------------------------------------------------------
     def _hashes(self, s: _Seq, num_blocks: int) -> list[int]:
+        """The sequence's block hashes, at least `num_blocks` of them (its list, not a copy)."""
         if len(s.hashes) < num_blocks:
             start = len(s.hashes) * self.bs
             s.hashes.extend(chain_hashes(s.full[start:num_blocks * self.bs], self.bs, s.hashes[-1] if s.hashes else 0))
-        return s.hashes[:num_blocks]
+        return s.hashes
 
     def _register(self, s: _Seq) -> None:
         full = min(s.computed // self.bs, len(s.table))

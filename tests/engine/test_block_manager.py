@@ -29,7 +29,7 @@ def test_shared_prefix_is_reused_and_lru_evicted():
     assert bm.match_prefix(h) == t1
     t2: list[int] = []
     bm.allocate(t2, 0, shared=bm.match_prefix(h))
-    assert t2 == t1 and all(bm.blocks[b].ref_count == 2 for b in t1)
+    assert t2 == t1 and all(bm.ref_count[b] == 2 for b in t1)
     bm.free_table(t2)
     bm.free_table(t1)
     assert bm.match_prefix(h) == [t1_b for t1_b in bm.match_prefix(h)]  # still cached after free
@@ -88,7 +88,7 @@ def test_random_block_ops_keep_integrity(seed):
         for toks, table in live.values():
             for i, h in enumerate(chain_hashes(toks, bs)):
                 b = bm.cached.get(h)
-                assert b is None or bm.blocks[b].block_hash == h
+                assert b is None or bm.block_hash[b] == h
     for _, t in live.values():
         bm.free_table(t)
     bm.check_integrity([])
@@ -124,3 +124,61 @@ def test_random_scheduler_ops_with_preemption(seed):
         sch.finish(s)
     sch.check_integrity()
     assert bm.num_free_blocks == bm.num_blocks
+
+
+class _OneFreeList:
+    """The reuse order as one list (what BlockManager's three-part free list must reproduce): blocks
+    freed with nothing cached go to the front, cached ones to the back, allocation takes the front."""
+
+    def __init__(self, n: int) -> None:
+        self.free, self.ref, self.hash = list(range(n)), [0] * n, [None] * n
+
+    def allocate(self, table: list[int], new: int, shared: list[int]) -> None:
+        for b in shared:
+            if self.ref[b] == 0:
+                self.free.remove(b)
+            self.ref[b] += 1
+            table.append(b)
+        for _ in range(new):
+            b = self.free.pop(0)
+            self.hash[b], self.ref[b] = None, 1
+            table.append(b)
+
+    def free_table(self, table: list[int]) -> None:
+        for b in reversed(table):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free.insert(0, b) if self.hash[b] is None else self.free.append(b)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_blocks_are_reused_in_free_list_order(seed):
+    """Which block an allocation gets decides which cached prefix is evicted: never-used blocks in id
+    order after blocks freed uncached (last freed first), cached blocks least recently freed first."""
+    rng = random.Random(seed)
+    bs, n = 2, 16
+    bm, ref = BlockManager(num_blocks=n, block_size=bs), _OneFreeList(n)
+    live: list[tuple[list[int], list[int]]] = []
+    prefixes = [[rng.randrange(3) for _ in range(bs * 3)] for _ in range(3)]
+    for _ in range(300):
+        if rng.random() < 0.55:
+            toks = rng.choice(prefixes)[: bs * rng.randint(0, 3)] + [rng.randrange(3) for _ in range(rng.randint(1, 5))]
+            hashes = chain_hashes(toks, bs)
+            hits = bm.match_prefix(hashes)
+            need = bm.num_blocks_for(len(toks)) - len(hits)
+            if bm.can_allocate(need, hits):
+                t, t_ref = [], []
+                bm.allocate(t, need, hits)
+                ref.allocate(t_ref, need, hits)
+                assert t == t_ref
+                for k in range(len(hits), len(hashes)):
+                    if bm.block_hash[t[k]] is None and hashes[k] not in bm.cached:
+                        ref.hash[t[k]] = hashes[k]
+                    bm.register(t[k], hashes[k])
+                live.append((t, t_ref))
+        elif live:
+            t, t_ref = live.pop(rng.randrange(len(live)))
+            bm.free_table(t)
+            ref.free_table(t_ref)
+        assert bm.num_free_blocks == len(ref.free)
+        bm.check_integrity([t for t, _ in live])
