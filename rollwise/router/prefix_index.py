@@ -54,11 +54,13 @@ class PrefixIndex:
 
     def match(self, hashes: list[int], replicas: list[str]) -> dict[str, int]:
         """Matched prefix length in tokens, per replica."""
-        out = {}
+        if not hashes:
+            return dict.fromkeys(replicas, 0)
+        out, first, get = {}, hashes[0], self.held.get
         for r in replicas:
-            held = self.held.get(r)
+            held = get(r)
             lo, hi = 0, len(hashes)  # hashes[:lo] held, hashes[hi:] not
-            if held and hashes and hashes[0] in held:  # (most replicas hold none of a prompt: one probe)
+            if held and first in held:  # (most replicas hold none of a prompt: one probe)
                 while lo < hi:
                     mid = (lo + hi) // 2
                     if hashes[mid] in held:

@@ -122,9 +122,11 @@ class Router:
         if not self._tasks:
             self._first_load = asyncio.Event()
             self._tasks = [asyncio.create_task(self._health_loop()), asyncio.create_task(self._load_loop())]
+            self._first_wait = asyncio.ensure_future(self._first_load.wait())  # (one task, however many wait)
+            self._tasks.append(self._first_wait)
         if not self._first_load.is_set():  # place nothing before the replicas' load (and KV capacity) is known
             try:
-                await asyncio.wait_for(asyncio.shield(self._first_load.wait()), 5.0)
+                await asyncio.wait_for(asyncio.shield(self._first_wait), 5.0)
             except TimeoutError:
                 pass
 

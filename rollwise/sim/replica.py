@@ -266,10 +266,11 @@ class SimReplica:
         """Pure decode steps that can run before anything changes: up to the first finish, and no
         further than the free blocks allow (past that a preemption is due: single steps)."""
         k = min(s.out_len - s.emitted for s, _ in batch)
-        free = self.blocks.num_free_blocks
+        free, bs = self.blocks.num_free_blocks, self.bs
+        computed, held = [s.computed + bs - 1 for s, _ in batch], sum(len(s.table) for s, _ in batch)
 
         def need(j: int) -> int:
-            return sum(self.blocks.num_blocks_for(s.computed + j) - len(s.table) for s, _ in batch)
+            return sum([(c + j) // bs for c in computed]) - held
         if need(k) <= free:
             return k
         lo, hi = 1, k  # need(lo) <= free < need(hi)
@@ -321,6 +322,13 @@ class SimReplica:
             if c + n != before:  # a prefill chunk short of the prompt's end: nothing sampled
                 prefill += n
                 s.computed = c + n
+            elif not drafts and n == 1 and c >= s.prompt_len:  # a plain decode (most of them): k tokens
+                s.computed, s.num_tokens = c + k, before + k
+                s.emitted += k
+                decoded += k
+                emitted_total += k
+                if cache is not None:
+                    appended[s.rid] = s.full[before:before + k]
             else:
                 new, d = k, drafts.get(s) if drafts else None
                 if d is not None:
