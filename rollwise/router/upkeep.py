@@ -1,0 +1,110 @@
+"""The router's upkeep of its members: joining and leaving, failover when one goes down, weight
+updates to all of them, and the two background loops (health: rejoin and catch up on weights; load:
+the snapshots that placement and its cost model read). Mixed into `Router`, whose state it keeps.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from rollwise.router.policies import Candidate
+from rollwise.router.replica import ReplicaError, gather_loads
+
+
+class Upkeep:
+    """Membership, failover, weights and the background loops of a `Router` (the queue and
+    placement that these keep fed are in router.py: `_pump`, `_sync`, `_unpark`, `_unhold`)."""
+
+    def add_replica(self, replica) -> None:
+        if replica.name in self.replicas:
+            raise ValueError(f"replica {replica.name!r} is already a member")
+        self.replicas[replica.name] = replica
+        self.healthy.add(replica.name)
+        for d in (self.inflight, self.inflight_tokens, self.assigned):
+            d.setdefault(replica.name, 0)
+        self.loads[replica.name] = None
+        self._cands[replica.name] = Candidate(replica.name, 0, 0, 0, None, 0)
+        self._drafters = None
+        self._sync(replica.name)
+        self._pump()
+
+    def remove_replica(self, name: str) -> None:
+        """Stop routing to it; its in-flight requests finish (or fail over if it goes away)."""
+        if name not in self.replicas:
+            raise ValueError(f"unknown replica {name!r}; members: {sorted(self.replicas)}")
+        del self.replicas[name]
+        self._cands.pop(name, None)
+        self._drafters = None
+        self.healthy.discard(name)
+        self._unpark(name)
+        self._forget_contents(name)
+        self.sticky.drop_replica(name)
+        self._pump()
+
+    def _forget_contents(self, name: str) -> None:
+        """What the replica held is gone (it left or went down): its prefixes and KV residents."""
+        self.index.remove_replica(name)
+        if self.residency is not None:
+            self.residency.drop_replica(name)
+            self._unhold(name)
+
+    async def update_weights(self, weights, version: int, partial_rollout: bool = False) -> dict[str, int]:
+        """New weights to every member replica at once (requests in flight finish under the old ones,
+        or with `partial_rollout` continue under these). One that fails to take them is out of
+        routing (stale) until the health loop has given it the latest weights."""
+        self._latest = (weights, version, partial_rollout)
+        names = list(self.replicas)
+        res = await asyncio.gather(*(self.replicas[n].update_weights(weights, version, partial_rollout) for n in names),
+                                   return_exceptions=True)
+        out = {}
+        for n, r in zip(names, res):
+            if isinstance(r, BaseException):
+                self._mark_down(n)
+                self.stale.add(n)
+            else:
+                self.stale.discard(n)
+                out[n] = r
+        if not out:
+            raise ReplicaError(f"no replica took the new weights: {dict(zip(names, map(str, res)))}")
+        self.policy_version = version
+        return out
+
+    def _mark_down(self, name: str) -> None:
+        if name in self.healthy:
+            self.healthy.discard(name)
+            self.stats["failovers"] += 1
+            self._forget_contents(name)
+            self._unpark(name)
+            self._pump()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            if self.residency is not None:
+                for name in self.residency.drop_idle(self._now()):
+                    self._unhold(name)
+            for name, r in list(self.replicas.items()):
+                ok = await r.health()
+                if ok and name in self.stale and self._latest is not None:
+                    try:
+                        await r.update_weights(*self._latest)
+                        self.stale.discard(name)
+                    except (ReplicaError, OSError, ValueError):
+                        continue
+                if ok and name not in self.healthy and name not in self.stale:
+                    self.healthy.add(name)
+                    self._pump()
+                elif not ok and name in self.healthy:
+                    self._mark_down(name)
+
+    async def _load_loop(self) -> None:
+        while True:
+            snaps = await gather_loads(list(self.replicas.values()))
+            self.loads.update(snaps)
+            for name, snap in snaps.items():
+                self.cost_model.observe(name, snap)
+                self._sync(name)
+            calibrate = getattr(self.policy, "calibrate", None)
+            if calibrate is not None:
+                calibrate(*self.cost_model.fit(), token_time=self.cost_model.token_time())
+            self._first_load.set()
+            await asyncio.sleep(self.load_interval_s)
