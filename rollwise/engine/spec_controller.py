@@ -26,8 +26,8 @@ def draft_alpha(mode: str, alpha: float | None = None) -> float:
     SuffixDecoding's 1x; the adaptive controller verifies only tokens whose expected acceptance pays
     for their compute, so it is offered 2x and prunes. Measured against 1x: simulated H100 steps
     1-9% shorter in 23 of 24 seeded runs (one 1% longer); the CPU engine's trace replay -2% to +9%
-    by concurrency. 4x lost 6-8% on the CPU at high concurrency: acceptance is calibrated per
-    source, not per depth, and deep tokens drafted from short matches are overrated."""
+    by concurrency. 4x lost 6-8% on the CPU at high concurrency, and still did not beat 2x with
+    acceptance calibrated per depth as well as per source (tried, within noise, not adopted)."""
     if alpha is not None:
         return alpha
     return 2.0 if mode == "adaptive" else 1.0
