@@ -40,6 +40,7 @@ class StepTimeModel:
     def __init__(self, ema: float = 0.2) -> None:
         self.ema = ema
         self.points: dict[int, tuple[float, float]] = {}  # bucket -> (mean tokens, mean seconds)
+        self._curve: tuple[list[float], list[float]] | None = None  # the points sorted, until the next observe
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         b = max(0, round(math.log2(max(num_tokens, 1))))
@@ -47,13 +48,16 @@ class StepTimeModel:
         a = self.ema
         self.points[b] = (num_tokens, seconds) if old is None else \
             ((1 - a) * old[0] + a * num_tokens, (1 - a) * old[1] + a * seconds)
+        self._curve = None
 
     def predict(self, num_tokens: float) -> float:
-        pts = sorted(self.points.values())
-        if not pts:
+        if self._curve is None:  # (a plan predicts many token counts between two observations)
+            pts = sorted(self.points.values())
+            self._curve = [p[0] for p in pts], [p[1] for p in pts]
+        xs, ys = self._curve
+        if not xs:
             return 1.0
-        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-        if len(pts) == 1:
+        if len(xs) == 1:
             return ys[0] * max(num_tokens, 1) / max(xs[0], 1) if num_tokens > xs[0] else ys[0]
         if num_tokens <= xs[0]:
             return ys[0]
