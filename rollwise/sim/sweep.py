@@ -88,6 +88,13 @@ def plot(result: dict, path: str | Path) -> None:
     for name, pts in sp.items():
         xs = sorted(pts)
         ax.plot(xs, [pts[x] for x in xs], marker="o", label=name, lw=2.5 if name == "rollwise" else 1.5)
+    top = max(v for pts in sp.values() for v in pts.values()) * 1.12
+    bound = {int(p): row["baseline"]["makespan_s"] / result["tool_bound_s"][p] for p, row in result["loads"].items()
+             if "baseline" in row and result.get("tool_bound_s", {}).get(p)}
+    if bound:  # no configuration can beat the slowest trajectory's own tool time
+        xs = sorted(bound)
+        ax.plot(xs, [bound[x] for x in xs], color="black", ls="--", lw=1, label="bound: slowest trajectory's tool time")
+        ax.set_ylim(top=top)
     x = crossover(sp)
     if x is not None:
         ax.axvline(x, color="grey", ls=":", lw=1)
