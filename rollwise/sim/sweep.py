@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import time
 from pathlib import Path
 
@@ -23,6 +24,35 @@ def workload(cfg: SimConfig, load: int, pool=None) -> list:
                     tool_scale=cfg.tool_scale)
 
 
+def isolated(fn, *args, **kwargs):
+    """fn(*args, **kwargs) in a forked child process (which inherits the arguments, unpickled), its
+    result sent back. What a simulation leaves allocated (the allocator keeps freed suffix-tree and
+    token-list memory) goes with the child, so a sweep's peak is its largest run, not their sum."""
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            send.send((True, fn(*args, **kwargs)))
+        except BaseException as e:  # noqa: BLE001 - handed to the parent, which raises it
+            send.send((False, e))
+
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+    send.close()  # (so a child that dies leaves the pipe at EOF)
+    try:
+        ok, value = recv.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"the simulation's process died (exit code {proc.exitcode}; -9: out of memory?)") from None
+    finally:
+        recv.close()
+    proc.join()
+    if not ok:
+        raise value
+    return value
+
+
 def sweep(cfg: SimConfig, log=print, progress: bool = True) -> dict:
     pool = task_pool(tau_groups()) if cfg.workload == "war" else None
     out = {"profile": cfg.profile, "config": dataclasses.asdict(cfg), "loads": {}, "tool_bound_s": {}}
@@ -35,7 +65,7 @@ def sweep(cfg: SimConfig, log=print, progress: bool = True) -> dict:
         row = {}
         for name in cfg.configs:
             t0 = time.perf_counter()
-            r = simulate(cfg, name, step, progress=progress)
+            r = isolated(simulate, cfg, name, step, progress=progress)
             row[name] = r
             base = row.get("baseline", r)["makespan_s"]
             log(f"  {name:<11}{r['makespan_s']:>10.1f} s  x{base / r['makespan_s']:.2f}  prefill {int(r['prefill_tokens']):>11,}"
@@ -95,6 +125,7 @@ def plot(result: dict, path: str | Path) -> None:
         xs = sorted(bound)
         ax.plot(xs, [bound[x] for x in xs], color="black", ls="--", lw=1, label="bound: slowest trajectory's tool time")
         ax.set_ylim(top=top)
+        ax.axhline(1.8, color="black", lw=0.8, ls="-.", label="1.8x target")
     x = crossover(sp)
     if x is not None:
         ax.axvline(x, color="grey", ls=":", lw=1)
