@@ -240,7 +240,8 @@ class SimReplica:
         while (self.waiting and budget > 0 and not preempted and not self._head_blocked
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            hits = blocks.match_prefix(self._hashes(seq, seq.num_tokens // bs)[:seq.num_tokens // bs])
+            full = seq.num_tokens // bs
+            hits = blocks.match_prefix(self._hashes(seq, full)[:full])
             if len(hits) * self.bs >= seq.num_tokens:
                 hits = hits[:-1]
             cached = len(hits) * self.bs
