@@ -37,10 +37,6 @@ class _Seq:
         self.hashes, self.registered, self.cached = hashes, 0, -1
         self.future, self.aborted = future, False
 
-    def emit(self, n: int) -> None:
-        self.emitted += n
-        self.num_tokens += n
-
     def decodes(self, n: int) -> bool:
         """Whether computing `n` tokens this step is a decode (one token after the prompt, sampled).
         (The step loops below inline this test: they run once per sequence per step.)"""
@@ -348,7 +344,7 @@ class SimReplica:
                 else:
                     prefill += n
                     s.computed = c + n
-                s.emit(new)
+                s.emitted, s.num_tokens = s.emitted + new, before + new
                 emitted_total += new
                 if cache is not None:
                     appended[s.rid] = s.full[before:before + new]
