@@ -8,7 +8,7 @@ on the virtual clock. Requests are replayed: a request emits its `forced_output`
 Steps where every sequence decodes one token and nothing can be admitted are run in one stretch up
 to the next finish (the batch cannot change before it); an arrival cuts the stretch at the end of
 the step in progress, as it would in a real engine loop. It implements the router's `Replica`
-protocol (plus `add_sequence` for shared drafting material).
+protocol (plus `add_sequence` for shared drafting material). The scheduler rules are in `sched.py`.
 """
 from __future__ import annotations
 
@@ -16,31 +16,15 @@ import asyncio
 import random
 from collections import deque
 
-from rollwise.engine.block_manager import BlockManager, chain_hashes
+from rollwise.engine.block_manager import BlockManager
 from rollwise.engine.spec_controller import SpecController, draft_alpha
 from rollwise.router.prefix_index import HashMemo
 from rollwise.router.replica import LoadSnapshot, ReplicaError
 from rollwise.sim.cost import StepWork, step_work
+from rollwise.sim.sched import Scheduling, Seq
 from rollwise.spec.replay import accept
 from rollwise.spec.suffix_cache import SuffixCache
 from rollwise.types import GenerateOutput, GenerateRequest
-
-
-class _Seq:
-    __slots__ = ("rid", "req", "full", "prompt_len", "out_len", "emitted", "num_tokens", "computed", "table",
-                 "hashes", "registered", "cached", "future", "aborted")
-
-    def __init__(self, rid, req, full, prompt_len, hashes, future) -> None:
-        self.rid, self.req, self.full, self.prompt_len = rid, req, full, prompt_len
-        self.out_len, self.emitted, self.num_tokens, self.computed = len(full) - prompt_len, 0, prompt_len, 0
-        self.table: list[int] = []
-        self.hashes, self.registered, self.cached = hashes, 0, -1
-        self.future, self.aborted = future, False
-
-    def decodes(self, n: int) -> bool:
-        """Whether computing `n` tokens this step is a decode (one token after the prompt, sampled).
-        (The step loops below inline this test: they run once per sequence per step.)"""
-        return n == 1 and self.computed + 1 == self.num_tokens and self.computed >= self.prompt_len
 
 
 def _time_up(fut: asyncio.Future) -> None:
@@ -48,7 +32,7 @@ def _time_up(fut: asyncio.Future) -> None:
         fut.set_result(False)
 
 
-class SimReplica:
+class SimReplica(Scheduling):
     def __init__(self, name: str, cost, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  num_kv_blocks: int | None = None, spec: str = "off", spec_max_tokens: int = 16,
                  spec_threshold: int = 16, spec_max_depth: int = 24, spec_tree: bool = False,
@@ -68,8 +52,8 @@ class SimReplica:
             for n in (1, 4, 16, 64, 256):
                 self.controller.observe_step(n, cost.step_s(step_work([(1, 1024, 1)] * n)))
         self.memo = HashMemo(self.bs)
-        self.waiting: deque[_Seq] = deque()
-        self.running: list[_Seq] = []
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
         self.alive = True
         self._head_blocked = False  # the first waiting request did not fit; nothing frees blocks until a finish
         self._waker: asyncio.Future | None = None  # what the loop waits on: set by an arrival or a timer
@@ -96,7 +80,7 @@ class SimReplica:
             raise ValueError(f"{len(prompt) + len(out)} tokens exceed {self.name}'s KV capacity")
         self._ids += 1
         rid = request.request_id or f"{self.name}-{self._ids}"
-        seq = _Seq(rid, request, prompt + out, len(prompt), self.memo.hashes(prompt, request.trajectory_id),
+        seq = Seq(rid, request, prompt + out, len(prompt), self.memo.hashes(prompt, request.trajectory_id),
                    asyncio.get_running_loop().create_future())
         if self.cache is not None:
             self.cache.start_request(rid, prompt, request.group_id, session=request.trajectory_id)
@@ -206,77 +190,7 @@ class SimReplica:
             if timer is not None:
                 timer.cancel()
 
-    def _schedule(self) -> tuple[list[tuple[_Seq, int]], bool]:
-        """The engine's scheduler rules. Returns the batch and whether admission is blocked until
-        something finishes (so a stretch of identical steps is exact)."""
-        blocks, budget, out, preempted, i = self.blocks, self.max_num_batched_tokens, [], False, 0
-        bs, running, decode_only = self.bs, self.running, True
-        while i < len(running) and budget > 0:
-            seq = running[i]
-            c = seq.computed
-            n = seq.num_tokens - c
-            if n > budget:
-                n = budget
-            need = (c + n + bs - 1) // bs - len(seq.table)
-            if need > 0:  # (most decode steps fit in the last block)
-                while not blocks.can_allocate(need) and self.running[-1] is not seq:
-                    self._preempt(self.running.pop())
-                    preempted = True
-                if not blocks.can_allocate(need):
-                    self._preempt(self.running.pop(i))
-                    preempted = True
-                    continue
-                blocks.allocate(seq.table, need)
-            if decode_only and not (n == 1 and c + 1 == seq.num_tokens and c >= seq.prompt_len):
-                decode_only = False
-            out.append((seq, n))
-            budget -= n
-            i += 1
-        admitted = False
-        while (self.waiting and budget > 0 and not preempted and not self._head_blocked
-               and len(self.running) < self.max_num_seqs):
-            seq = self.waiting[0]
-            full = seq.num_tokens // bs
-            hits = blocks.match_prefix(self._hashes(seq, full)[:full])
-            if len(hits) * self.bs >= seq.num_tokens:
-                hits = hits[:-1]
-            cached = len(hits) * self.bs
-            n = min(seq.num_tokens - cached, budget)
-            need = blocks.num_blocks_for(cached + n) - len(hits)
-            if not blocks.can_allocate(need, hits):
-                self._head_blocked = True
-                break
-            self.waiting.popleft()
-            blocks.allocate(seq.table, need, hits)
-            seq.computed, seq.registered = cached, len(hits)
-            if seq.cached < 0:
-                seq.cached = cached
-            self.stats["prefix_queries"] += seq.num_tokens
-            self.stats["prefix_hits"] += cached
-            self.running.append(seq)
-            out.append((seq, n))
-            budget -= n
-            admitted = True
-        return out, decode_only and not admitted and not preempted and budget > 0
-
-    def _stretch(self, batch) -> int:
-        """Pure decode steps that can run before anything changes: up to the first finish, and no
-        further than the free blocks allow (past that a preemption is due: single steps)."""
-        k = min(s.out_len - s.emitted for s, _ in batch)
-        free, bs = self.blocks.num_free_blocks, self.bs
-        computed, held = [s.computed + bs - 1 for s, _ in batch], sum(len(s.table) for s, _ in batch)
-
-        def need(j: int) -> int:
-            return sum([(c + j) // bs for c in computed]) - held
-        if need(k) <= free:
-            return k
-        lo, hi = 1, k  # need(lo) <= free < need(hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
-        return lo
-
-    def _propose(self, batch) -> dict[_Seq, tuple[list[int], list[int], str, float]]:
+    def _propose(self, batch) -> dict[Seq, tuple[list[int], list[int], str, float]]:
         cands = [s for s, n in batch if s.decodes(n)]
         if not cands:
             return {}
@@ -366,30 +280,8 @@ class SimReplica:
         rate = emitted_total / max(k * dt, 1e-9)
         self.tokens_per_s = rate if self.tokens_per_s == 0 else 0.9 * self.tokens_per_s + 0.1 * rate
 
-    # helpers ------------------------------------------------------------------------------------
-    def _hashes(self, s: _Seq, num_blocks: int) -> list[int]:
-        """The sequence's block hashes, at least `num_blocks` of them (its list, not a copy)."""
-        if len(s.hashes) < num_blocks:
-            start = len(s.hashes) * self.bs
-            s.hashes.extend(chain_hashes(s.full[start:num_blocks * self.bs], self.bs, s.hashes[-1] if s.hashes else 0))
-        return s.hashes
-
-    def _register(self, s: _Seq) -> None:
-        full = min(s.computed // self.bs, len(s.table))
-        if full > s.registered:
-            hashes = self._hashes(s, full)
-            for j in range(s.registered, full):
-                self.blocks.register(s.table[j], hashes[j])
-            s.registered = full
-
-    def _preempt(self, s: _Seq) -> None:
-        self._head_blocked = False
-        self.blocks.free_table(s.table)
-        s.computed = s.registered = 0
-        self.stats["preemptions"] += 1
-        self.waiting.appendleft(s)
-
-    def _finish(self, s: _Seq) -> None:
+    # finishing -----------------------------------------------------------------------------------
+    def _finish(self, s: Seq) -> None:
         self._head_blocked = False
         self.running.remove(s)
         self.blocks.free_table(s.table)
