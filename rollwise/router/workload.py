@@ -85,15 +85,18 @@ async def run_step(generator, trajectories, ttl_s: float | None = None, bar=None
     recorded tokens: `t.turn(k)` gives prompt and response ids) with its tool latency in between, and
     ends with `end_trajectory` when the generator has one (the router). A turn that waited longer
     than `ttl_s` (a sandbox's time to live) ends its trajectory there. Returns makespan, turn
-    latencies and the work done; time is the running loop's (virtual under the simulator)."""
+    latencies, the work done and the step's critical path: the trajectory that ended last, with
+    its makespan split into arrival, tool time and generation (its turns' latencies, queueing
+    included); time is the running loop's (virtual under the simulator)."""
     loop = asyncio.get_running_loop()
     lat: list[float] = []
     acc = {"turns": 0, "decode_tokens": 0, "truncated": 0}
+    last: dict = {}
 
     async def one(t) -> None:
         if t.arrival_s > 0:
             await asyncio.sleep(t.arrival_s)
-        done = 0
+        done, gen_s, tool_s = 0, 0.0, 0.0
         for k in range(len(t.turns)):
             prompt, resp = t.turn(k)
             t0 = loop.time()
@@ -101,6 +104,7 @@ async def run_step(generator, trajectories, ttl_s: float | None = None, bar=None
                 prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=len(resp), ignore_eos=True),
                 trajectory_id=t.trajectory_id, group_id=t.group_id, turn=k, forced_output=resp))
             lat.append(loop.time() - t0)
+            gen_s += lat[-1]
             acc["turns"] += 1
             acc["decode_tokens"] += len(resp)
             done = k + 1
@@ -111,6 +115,10 @@ async def run_step(generator, trajectories, ttl_s: float | None = None, bar=None
                 break
             if k < len(t.tool_latency):
                 await asyncio.sleep(t.tool_latency[k])
+                tool_s += t.tool_latency[k]
+        if loop.time() >= last.get("end", -1.0):  # ties: the later to finish in the loop's order
+            last.update(end=loop.time(), trajectory_id=t.trajectory_id, arrival_s=t.arrival_s, tool_s=tool_s,
+                        generate_s=gen_s, turns=done)
         end = getattr(generator, "end_trajectory", None)
         if end is not None:
             await end(t.trajectory_id, t.group_id, [], done)
@@ -120,4 +128,5 @@ async def run_step(generator, trajectories, ttl_s: float | None = None, bar=None
     lat.sort()
     return {"makespan_s": loop.time() - t0, **acc,
             "p99_turn_latency_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else 0.0,
-            "mean_turn_latency_s": sum(lat) / max(len(lat), 1)}
+            "mean_turn_latency_s": sum(lat) / max(len(lat), 1),
+            "last": {k: v for k, v in last.items() if k != "end"}}

@@ -67,10 +67,11 @@ def sweep(cfg: SimConfig, log=print, progress: bool = True) -> dict:
             t0 = time.perf_counter()
             r = isolated(simulate, cfg, name, step, progress=progress)
             row[name] = r
-            base = row.get("baseline", r)["makespan_s"]
+            base, last = row.get("baseline", r)["makespan_s"], r["last"]
             log(f"  {name:<11}{r['makespan_s']:>10.1f} s  x{base / r['makespan_s']:.2f}  prefill {int(r['prefill_tokens']):>11,}"
                 f"  decode {int(r['generated_tokens']):>9,}  accepted/verify {r['accepted_per_verification']:.2f}"
-                f"  truncated {r['truncated']}  ({time.perf_counter() - t0:.0f}s)")
+                f"  truncated {r['truncated']}  last {last['trajectory_id']}: tools {last['tool_s']:.0f} s + generation "
+                f"{last['generate_s']:.0f} s  ({time.perf_counter() - t0:.0f}s)")
         out["loads"][str(load)] = row
     return out
 
@@ -97,16 +98,21 @@ def table(result: dict) -> str:
     names = list(next(iter(result["loads"].values())))
     cfg = result["config"]
     label = f"prompts x {cfg['group_size']}" if cfg["workload"] == "war" else "trace speed-up"
-    lines = [f"| {label} | " + " | ".join(names) + " | work (turns / decode tok) | slowest trajectory's tool time |",
-             "|---" * (len(names) + 3) + "|"]
+    lines = [f"| {label} | " + " | ".join(names) + " | work (turns / decode tok) | slowest trajectory's tool time "
+             f"| {names[-1]}'s last trajectory: tools + generation |", "|---" * (len(names) + 4) + "|"]
     for load, row in result["loads"].items():
         cells = [f"{row[n]['makespan_s']:.0f} s (x{sp[n][int(load)]:.2f})" if n in sp else f"{row[n]['makespan_s']:.0f} s"
                  for n in names]
         r0 = row[names[0]]
         bound = result.get("tool_bound_s", {}).get(load)
         lines.append(f"| {load} | " + " | ".join(cells) + f" | {r0['turns']} / {int(r0['generated_tokens']):,} | "
-                     + (f"{bound:.0f} s |" if bound is not None else "|"))
+                     + (f"{bound:.0f} s |" if bound is not None else "|") + _critical(row[names[-1]]))
     return "\n".join(lines)
+
+
+def _critical(r: dict) -> str:
+    last = r.get("last")  # (results written before the critical path was recorded have none)
+    return f" {last['tool_s']:.0f} + {last['generate_s']:.0f} s |" if last else " |"
 
 
 def plot(result: dict, path: str | Path) -> None:

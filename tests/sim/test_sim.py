@@ -155,6 +155,26 @@ def test_simulated_step_does_equal_work_under_every_config_and_is_deterministic(
     assert all(r["truncated"] == 0 for r in res.values())
 
 
+def test_the_critical_path_is_the_last_trajectory_split_into_arrival_tools_and_generation():
+    from rollwise.router.workload import ReplayTrajectory, run_step
+
+    class Gen:  # a turn takes 0.1 s per token to generate
+        async def generate(self, req):
+            await asyncio.sleep(0.1 * len(req.forced_output))
+
+    ts = [ReplayTrajectory("a", "g", [([1], [2] * 5), ([1, 2], [3] * 20)], [4.0]),  # 0.5 + 4 + 2 = 6.5 s
+          ReplayTrajectory("b", "g", [([1], [2] * 10), ([1, 2], [3] * 10)], [3.0], arrival_s=2.0),  # 2 + 1 + 3 + 1
+          ReplayTrajectory("c", "h", [([1], [2] * 30)])]  # 3 s
+    r = run(run_step(Gen(), ts))
+    assert r["makespan_s"] == pytest.approx(7.0)
+    last = r["last"]
+    assert last["trajectory_id"] == "b" and last["turns"] == 2
+    assert (last["arrival_s"], last["tool_s"]) == (2.0, 3.0) and last["generate_s"] == pytest.approx(2.0)
+    sim = simulate(SimConfig(profile="cpu-fitted", replicas=1, kv_blocks=256), "rollwise", ts)
+    s = sim["last"]
+    assert s["arrival_s"] + s["tool_s"] + s["generate_s"] == pytest.approx(sim["makespan_s"])
+
+
 def test_spec_alpha_reaches_the_simulated_suffix_caches():
     from rollwise.sim.run import make_replicas
     alpha = {(a, mode): make_replicas(SimConfig(replicas=1, spec_alpha=a), mode)[0].cache.alpha
