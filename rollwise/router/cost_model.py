@@ -51,7 +51,10 @@ class CostModel:
 
     def token_time(self) -> tuple[float, float] | None:
         """(alpha, beta): seconds per generated token of one sequence ~= alpha + beta * running;
-        None until there are enough snapshots."""
+        None until there are enough snapshots. Known bias: snapshots taken while a replica
+        prefills count as slow decode tokens, so early in a step alpha reads far too high and beta
+        zero. Fitting on decode intervals only fixes the measurement but made `rollwise`'s moves
+        worse at high load (docs/simulator-notes.md): the move rule must be revisited with it."""
         if len(self.rates) < 16:
             return None
         x = np.array([(1.0, n) for n, _ in self.rates])
