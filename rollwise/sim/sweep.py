@@ -68,10 +68,11 @@ def sweep(cfg: SimConfig, log=print, progress: bool = True) -> dict:
             r = isolated(simulate, cfg, name, step, progress=progress)
             row[name] = r
             base, last = row.get("baseline", r)["makespan_s"], r["last"]
+            crit = f"  last {last['trajectory_id']}: tools {last['tool_s']:.0f} s + generation {last['generate_s']:.0f} s" \
+                if last else ""
             log(f"  {name:<11}{r['makespan_s']:>10.1f} s  x{base / r['makespan_s']:.2f}  prefill {int(r['prefill_tokens']):>11,}"
                 f"  decode {int(r['generated_tokens']):>9,}  accepted/verify {r['accepted_per_verification']:.2f}"
-                f"  truncated {r['truncated']}  last {last['trajectory_id']}: tools {last['tool_s']:.0f} s + generation "
-                f"{last['generate_s']:.0f} s  ({time.perf_counter() - t0:.0f}s)")
+                f"  truncated {r['truncated']}{crit}  ({time.perf_counter() - t0:.0f}s)")
         out["loads"][str(load)] = row
     return out
 
