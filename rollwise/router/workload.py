@@ -116,9 +116,8 @@ async def run_step(generator, trajectories, ttl_s: float | None = None, bar=None
             if k < len(t.tool_latency):
                 await asyncio.sleep(t.tool_latency[k])
                 tool_s += t.tool_latency[k]
-        if loop.time() >= last.get("end", -1.0):  # ties: the later to finish in the loop's order
-            last.update(end=loop.time(), trajectory_id=t.trajectory_id, arrival_s=t.arrival_s, tool_s=tool_s,
-                        generate_s=gen_s, turns=done)
+        # the loop's clock only moves forward: whoever finishes now is the latest so far
+        last.update(trajectory_id=t.trajectory_id, arrival_s=t.arrival_s, tool_s=tool_s, generate_s=gen_s, turns=done)
         end = getattr(generator, "end_trajectory", None)
         if end is not None:
             await end(t.trajectory_id, t.group_id, [], done)
@@ -129,4 +128,4 @@ async def run_step(generator, trajectories, ttl_s: float | None = None, bar=None
     return {"makespan_s": loop.time() - t0, **acc,
             "p99_turn_latency_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else 0.0,
             "mean_turn_latency_s": sum(lat) / max(len(lat), 1),
-            "last": {k: v for k, v in last.items() if k != "end"}}
+            "last": last}
