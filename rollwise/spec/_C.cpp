@@ -1,5 +1,5 @@
-// Python bindings of the suffix tree (suffix_tree.h) and of the native request registry.
-#include "suffix_tree.h"
+// Python bindings of the suffix tree (suffix_tree.h, suffix_tree_read.h) and of the native request registry.
+#include "suffix_tree_read.h"
 
 #include <stdexcept>
 #include <string>
@@ -105,6 +105,8 @@ PYBIND11_MODULE(_C, m) {
         .def(py::init<int>(), py::arg("max_depth"))
         .def_property_readonly("max_depth", &SuffixTree::max_depth)
         .def_property_readonly("num_nodes", &SuffixTree::num_nodes)
+        .def_property_readonly("num_records", &SuffixTree::num_records)
+        .def_property_readonly("num_stores", &SuffixTree::num_stores)
         .def("has_seq", &SuffixTree::has_seq)
         .def("append", &SuffixTree::append, py::arg("seq_id"), py::arg("tokens"))
         .def("remove", &SuffixTree::remove, py::arg("seq_id"))

@@ -1,5 +1,6 @@
 """Depth-limited suffix tree with occurrence counts: the Python reference (and test oracle) of the
-C++ core in `_C`.
+C++ core in `_C`. This one keeps a node per trie position; the C++ tree stores the same trie
+path-compressed (suffix_tree.h) and must give the same counts and drafts.
 
 The tree indexes every substring of up to `max_depth` tokens of the sequences it holds; a node's
 count is how often the substring spelled by its path occurs. A sequence is extended in O(max_depth)

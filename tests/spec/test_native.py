@@ -26,7 +26,12 @@ def test_random_operations_give_identical_trees_and_drafts(seed):
         op = rng.random()
         if op < 0.55 or not live:
             sid = rng.randrange(8)
-            toks = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+            if live and rng.random() < 0.3:  # a piece of a held sequence: long shared paths to split and merge
+                src = py.seqs[rng.choice(live)]
+                a = rng.randrange(len(src))
+                toks = src[a:a + rng.randint(1, 30)]
+            else:
+                toks = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
             py.append(sid, toks)
             cpp.append(sid, toks)
             if sid not in live:
@@ -48,6 +53,43 @@ def test_random_operations_give_identical_trees_and_drafts(seed):
     py.check_integrity()
     cpp.check_integrity()
     assert cpp.path_counts() == py.path_counts()
+
+
+def test_records_hold_runs_of_positions():
+    """Path compression: 1000 distinct tokens at depth 24 are 23,724 trie positions (what num_nodes
+    counts, as the Python tree does) in one record per suffix."""
+    t = _C.SuffixTree(24)
+    t.append(0, list(range(1000)))
+    assert t.num_nodes == sum(min(24, 1000 - i) for i in range(1000))
+    assert t.num_records == 1000
+    t.append(1, list(range(500, 520)))  # a shared stretch splits records where counts part
+    t.check_integrity()
+    assert t.path_counts()[tuple(range(500, 520))] == 2 and t.path_counts()[tuple(range(500, 521))] == 1
+    t.remove(0)
+    t.check_integrity()
+    assert t.num_nodes == sum(min(24, 20 - i) for i in range(20)) and t.num_records == 20
+
+
+def test_removed_sequences_let_their_tokens_go():
+    """Records spell their labels out of stored sequences; a removed sequence's tokens are kept only
+    while a record still spells from them, and records follow the latest sequence through them,
+    so a FIFO window of cached responses holds about the window's tokens, not every response's."""
+    rng = random.Random(0)
+    common = [[rng.randrange(50) for _ in range(6)] for _ in range(30)]
+    t, live = _C.SuffixTree(24), []
+    for i in range(600):
+        toks = []
+        for _ in range(20):
+            toks += rng.choice(common) + [rng.randrange(1000)]
+        t.append(i, toks)
+        live.append(i)
+        if len(live) > 8:
+            t.remove(live.pop(0))
+    t.check_integrity()
+    assert t.num_stores <= 10
+    for i in live:
+        t.remove(i)
+    assert (t.num_stores, t.num_records, t.num_nodes) == (0, 0, 0)
 
 
 def test_native_requests_draft_from_the_best_tree():
