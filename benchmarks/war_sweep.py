@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--tool-scales", help="comma-separated factors on every tool latency (0: instant tools); "
                     "baseline, war and rollwise at each")
     ap.add_argument("--loads", help="comma-separated prompts per step (default: the sweep's; 4,8,16,32 with --tool-scales)")
+    ap.add_argument("--jobs", type=int, default=1, help="simulations run at once, each in its own process (same results)")
     args = ap.parse_args()
     gpu_profile = args.profile or "h100-qwen3-32b-tp4"
     if args.validate:
@@ -106,12 +107,12 @@ def main() -> None:
             kw.update(loads=tuple(int(x) for x in args.loads.split(",")))
         if args.tool_scales:  # the same steps with every tool latency scaled: how tool-bound is the step?
             cfg = SimConfig(**kw, configs=("baseline", "war", "rollwise"))
-            res = sweep.tool_sweep(cfg, [float(x) for x in args.tool_scales.split(",")])
+            res = sweep.tool_sweep(cfg, [float(x) for x in args.tool_scales.split(",")], jobs=args.jobs)
             print(sweep.tool_table(res))
             if args.plot:
                 sweep.tool_plot(res, args.plot)
         else:
-            res = sweep.sweep(SimConfig(**kw))
+            res = sweep.sweep(SimConfig(**kw), jobs=args.jobs)
             print(sweep.table(res))
             sp = sweep.speedups(res)
             print(f"crossover (scheduling beats speculation) at P = {sweep.crossover(sp)}")

@@ -151,7 +151,7 @@ def cmd_sim(args) -> None:
         cfg = SimConfig.from_toml(args.config, overrides)
     else:
         cfg = SimConfig.from_toml_text("", overrides)
-    result = sweep.sweep(cfg)
+    result = sweep.sweep(cfg, jobs=args.jobs)
     sweep.write(result, args.json, args.plot)
     print(sweep.table(result))
     sp = sweep.speedups(result)
@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.add_argument("--json", help="write {loads: {P: {CONFIG: {makespan_s, decode_tokens, prefill_tokens, ...}}}}")
     p.add_argument("--plot", help="write a PNG of speedup vs load")
+    p.add_argument("--jobs", type=int, default=1, help="simulations run at once, each in its own process (same results)")
     p.set_defaults(fn=cmd_sim)
 
     args = ap.parse_args(argv)

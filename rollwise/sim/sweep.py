@@ -8,6 +8,7 @@ import dataclasses
 import json
 import multiprocessing
 import time
+from multiprocessing.connection import wait
 from pathlib import Path
 
 from rollwise.sim.run import SimConfig, simulate
@@ -28,6 +29,10 @@ def isolated(fn, *args, **kwargs):
     """fn(*args, **kwargs) in a forked child process (which inherits the arguments, unpickled), its
     result sent back. What a simulation leaves allocated (the allocator keeps freed suffix-tree and
     token-list memory) goes with the child, so a sweep's peak is its largest run, not their sum."""
+    return _collect(_spawn(fn, *args, **kwargs))
+
+
+def _spawn(fn, *args, **kwargs):
     ctx = multiprocessing.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
 
@@ -40,6 +45,11 @@ def isolated(fn, *args, **kwargs):
     proc = ctx.Process(target=child, daemon=True)
     proc.start()
     send.close()  # (so a child that dies leaves the pipe at EOF)
+    return proc, recv
+
+
+def _collect(handle):
+    proc, recv = handle
     try:
         ok, value = recv.recv()
     except EOFError:
@@ -53,7 +63,11 @@ def isolated(fn, *args, **kwargs):
     return value
 
 
-def sweep(cfg: SimConfig, log=print, progress: bool = True) -> dict:
+def sweep(cfg: SimConfig, log=print, progress: bool = True, jobs: int = 1) -> dict:
+    """jobs: simulations run at once, each in its own process (results are the same: simulated time);
+    their progress bars are shown only when one runs at a time."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
     pool = task_pool(tau_groups()) if cfg.workload == "war" else None
     out = {"profile": cfg.profile, "config": dataclasses.asdict(cfg), "loads": {}, "tool_bound_s": {}}
     for load in cfg.loads:
@@ -62,19 +76,36 @@ def sweep(cfg: SimConfig, log=print, progress: bool = True) -> dict:
             f"{sum(t.decode_tokens for t in step)} tokens to generate")
         # no configuration beats the slowest trajectory's tool time (its turns wait for the tools)
         out["tool_bound_s"][str(load)] = max((sum(t.tool_latency) for t in step), default=0.0)
-        row = {}
-        for name in cfg.configs:
-            t0 = time.perf_counter()
-            r = isolated(simulate, cfg, name, step, progress=progress)
-            row[name] = r
-            base, last = row.get("baseline", r)["makespan_s"], r["last"]
-            crit = f"  last {last['trajectory_id']}: tools {last['tool_s']:.0f} s + generation {last['generate_s']:.0f} s" \
-                if last else ""
-            log(f"  {name:<11}{r['makespan_s']:>10.1f} s  x{base / r['makespan_s']:.2f}  prefill {int(r['prefill_tokens']):>11,}"
-                f"  decode {int(r['generated_tokens']):>9,}  accepted/verify {r['accepted_per_verification']:.2f}"
-                f"  truncated {r['truncated']}{crit}  ({time.perf_counter() - t0:.0f}s)")
-        out["loads"][str(load)] = row
+        names, done, running = list(cfg.configs), {}, {}
+        todo, logged = list(names), 0
+
+        def launch() -> None:
+            name = todo.pop(0)
+            running[name] = time.perf_counter(), _spawn(simulate, cfg, name, step, progress=progress and jobs == 1)
+        while todo and len(running) < jobs:
+            launch()
+        while running:  # whichever ends first makes room for the next; logged in configuration order
+            ready = wait([h[1] for _, h in running.values()])
+            for name in [n for n, (_, h) in running.items() if h[1] in ready]:
+                t0, handle = running.pop(name)
+                done[name] = _collect(handle), time.perf_counter() - t0
+                if todo:
+                    launch()
+            while logged < len(names) and names[logged] in done:
+                name = names[logged]
+                logged += 1
+                log(_line(name, *done[name], done.get("baseline", done[name])[0]))
+        out["loads"][str(load)] = {name: done[name][0] for name in names}
     return out
+
+
+def _line(name: str, r: dict, wall_s: float, base: dict) -> str:
+    last = r["last"]
+    crit = f"  last {last['trajectory_id']}: tools {last['tool_s']:.0f} s + generation {last['generate_s']:.0f} s" \
+        if last else ""
+    return (f"  {name:<11}{r['makespan_s']:>10.1f} s  x{base['makespan_s'] / r['makespan_s']:.2f}"
+            f"  prefill {int(r['prefill_tokens']):>11,}  decode {int(r['generated_tokens']):>9,}"
+            f"  accepted/verify {r['accepted_per_verification']:.2f}  truncated {r['truncated']}{crit}  ({wall_s:.0f}s)")
 
 
 def speedups(result: dict) -> dict[str, dict[int, float]]:
@@ -167,13 +198,13 @@ def _load_axis(ax, result: dict) -> None:
                   else "trace speed-up (arrival times divided by)")
 
 
-def tool_sweep(cfg: SimConfig, scales: list[float], log=print, progress: bool = True) -> dict:
+def tool_sweep(cfg: SimConfig, scales: list[float], log=print, progress: bool = True, jobs: int = 1) -> dict:
     """The same sweep with every tool latency scaled (0: instant tools): how far the step is from
     tool-bound decides what generation speed-ups can give. Same tokens and turns at every scale."""
     out = {"profile": cfg.profile, "scales": {}}
     for s in scales:
         log(f"tool latency x{s:g} ({cfg.tool_latency[0] * s:g}-{cfg.tool_latency[1] * s:g} s log-uniform)")
-        out["scales"][f"{s:g}"] = sweep(dataclasses.replace(cfg, tool_scale=s), log, progress)
+        out["scales"][f"{s:g}"] = sweep(dataclasses.replace(cfg, tool_scale=s), log, progress, jobs)
     return out
 
 
