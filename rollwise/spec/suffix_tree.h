@@ -206,15 +206,19 @@ class SuffixTree {
         next.push_back(c);
     }
 
-    int32_t new_store() {
-        int32_t s;
-        if (!free_stores_.empty()) {
-            s = free_stores_.back();
-            free_stores_.pop_back();
-        } else {
-            s = (int32_t)stores_.size();
-            stores_.emplace_back();
+    template <class T>
+    static int32_t take(std::vector<T>& arena, std::vector<int32_t>& free) {  // a freed slot, or a new one
+        if (free.empty()) {
+            arena.emplace_back();
+            return (int32_t)arena.size() - 1;
         }
+        const int32_t id = free.back();
+        free.pop_back();
+        return id;
+    }
+
+    int32_t new_store() {
+        const int32_t s = take(stores_, free_stores_);
         stores_[s].live = true;
         return s;
     }
@@ -240,14 +244,7 @@ class SuffixTree {
     }
 
     int32_t alloc() {
-        int32_t id;
-        if (!free_.empty()) {
-            id = free_.back();
-            free_.pop_back();
-        } else {
-            id = (int32_t)nodes_.size();
-            nodes_.emplace_back();
-        }
+        const int32_t id = take(nodes_, free_);
         nodes_[id] = Node();
         return id;
     }

@@ -69,7 +69,7 @@ inline void SuffixTree::tree_draft(Pos start, int budget, double min_prob, Draft
     auto push = [&](Pos at_pos, double parent_p, int32_t parent_idx) {
         const Node& n = nodes_[at_pos.node];
         if (at_pos.depth < n.depth) {  // one child, the label's next position: ratio 1
-            if (parent_p * 1.0 >= min_prob) heap.push({parent_p * 1.0, pushed++, {at_pos.node, at_pos.depth + 1}, parent_idx});
+            if (parent_p >= min_prob) heap.push({parent_p, pushed++, {at_pos.node, at_pos.depth + 1}, parent_idx});
             return;
         }
         // only children that clear min_prob, most frequent first (the order ties are broken in)
