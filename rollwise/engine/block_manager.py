@@ -50,9 +50,9 @@ class BlockManager:
         """Block ids holding the longest cached prefix with these hashes (no references taken)."""
         if not self.enable_prefix_caching:
             return []
-        hit = []
+        hit, get = [], self.cached.get
         for h in hashes:
-            b = self.cached.get(h)
+            b = get(h)
             if b is None:
                 break
             hit.append(b)
@@ -61,20 +61,24 @@ class BlockManager:
     # allocation ----------------------------------------------------------------------------------
     def can_allocate(self, num_new_blocks: int, shared: list[int] = ()) -> bool:
         """Whether `num_new_blocks` fresh blocks can be taken after referencing `shared` cached ones."""
+        free = len(self._spare) + self.num_blocks - self._fresh + len(self._lru)
+        if free - len(shared) >= num_new_blocks:  # (however many of `shared` it revives)
+            return True
         ref = self.ref_count
-        revived = [ref[b] for b in shared].count(0) if shared else 0
-        return self.num_free_blocks - revived >= num_new_blocks
+        return free - [ref[b] for b in shared].count(0) >= num_new_blocks
 
     def allocate(self, block_table: list[int], num_new_blocks: int, shared: list[int] = ()) -> None:
         """Append `shared` (cache hits, referenced) then `num_new_blocks` fresh blocks to a table."""
         if not self.can_allocate(num_new_blocks, shared):
             raise RuntimeError("out of KV blocks: call can_allocate first")
-        ref = self.ref_count
+        ref, lru = self.ref_count, self._lru
         for b in shared:
-            if ref[b] == 0:
-                del self._lru[b]
-            ref[b] += 1
-            block_table.append(b)
+            if ref[b]:
+                ref[b] += 1
+            else:
+                del lru[b]
+                ref[b] = 1
+        block_table.extend(shared)
         for _ in range(num_new_blocks):
             if self._spare:
                 b = self._spare.pop()
@@ -98,14 +102,15 @@ class BlockManager:
     def free_table(self, block_table: list[int]) -> None:
         """Drop one reference to each block; tail blocks are freed first so cached prefixes outlive
         their tails, and blocks with nothing cached are reused before any cached one."""
-        ref, hashes = self.ref_count, self.block_hash
+        ref, hashes, spare, lru = self.ref_count, self.block_hash, self._spare, self._lru
         for b in reversed(block_table):
-            ref[b] -= 1
-            if ref[b] == 0:
+            r = ref[b] - 1
+            ref[b] = r
+            if not r:
                 if hashes[b] is None:
-                    self._spare.append(b)
+                    spare.append(b)
                 else:
-                    self._lru[b] = None
+                    lru[b] = None
         block_table.clear()
 
     def truncate(self, block_table: list[int], keep: int) -> None:

@@ -45,6 +45,8 @@ class PrefixIndex:
     def __init__(self, block_size: int = 16, capacity_blocks: int = 100_000) -> None:
         self.block_size, self.capacity = block_size, capacity_blocks
         self.held: dict[str, dict[int, int]] = {}  # replica -> block hash -> recency tick
+        # first block hash -> the replicas holding it (a prompt's match is 0 everywhere else)
+        self.holders: dict[int, dict[str, None]] = {}
         self.tick = 0
         self._memo = HashMemo(block_size)
 
@@ -54,29 +56,34 @@ class PrefixIndex:
 
     def match(self, hashes: list[int], replicas: list[str]) -> dict[str, int]:
         """Matched prefix length in tokens, per replica."""
+        out = dict.fromkeys(replicas, 0)
         if not hashes:
-            return dict.fromkeys(replicas, 0)
-        out, first, get = {}, hashes[0], self.held.get
-        for r in replicas:
-            held = get(r)
-            lo, hi = 0, len(hashes)  # hashes[:lo] held, hashes[hi:] not
-            if held and first in held:  # (most replicas hold none of a prompt: one probe)
+            return out
+        for r in self.holders.get(hashes[0], ()):  # (most replicas hold none of a prompt)
+            if r in out:
+                held, lo, hi = self.held[r], 1, len(hashes)  # hashes[:lo] held, hashes[hi:] not
                 while lo < hi:
                     mid = (lo + hi) // 2
                     if hashes[mid] in held:
                         lo = mid + 1
                     else:
                         hi = mid
-            out[r] = lo * self.block_size
+                out[r] = lo * self.block_size
         return out
 
     def insert(self, replica: str, hashes: list[int]) -> None:
         self.tick += 1
+        if not hashes:
+            return
         held = self.held.setdefault(replica, {})
         held.update(dict.fromkeys(hashes, self.tick))
+        self.holders.setdefault(hashes[0], {})[replica] = None
         if len(held) > self.capacity * 1.1:  # drop whole ticks, least recent first, down to capacity
             cut = sorted(held.values())[len(held) - self.capacity]  # (so a prefix never goes before its extensions)
-            self.held[replica] = {h: t for h, t in held.items() if t > cut}
+            self.held[replica] = held = {h: t for h, t in held.items() if t > cut}
+            for first, reps in list(self.holders.items()):
+                if replica in reps and first not in held:
+                    self._drop_holder(first, replica)
 
     def reconcile(self, replica: str, hashes: list[int], cached_tokens: int) -> None:
         """The replica reported `cached_tokens` of this prompt cached: blocks past that are not
@@ -87,7 +94,13 @@ class PrefixIndex:
                 held.pop(h, None)
 
     def remove_replica(self, replica: str) -> None:
-        self.held.pop(replica, None)
+        for first in self.held.pop(replica, ()):
+            self._drop_holder(first, replica)
+
+    def _drop_holder(self, first: int, replica: str) -> None:
+        reps = self.holders.get(first)
+        if reps is not None and reps.pop(replica, 0) is None and not reps:
+            del self.holders[first]
 
     def num_blocks(self, replica: str) -> int:
         return len(self.held.get(replica, ()))

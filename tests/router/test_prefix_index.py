@@ -26,10 +26,15 @@ def test_match_equals_a_linear_scan_after_random_inserts_evictions_and_reconcile
             idx.insert(r, hs)
         elif op < 0.8:
             idx.reconcile(r, hs, rng.randrange(0, len(toks) + 1))
+        elif op < 0.82:
+            idx.remove_replica(r)
         got = idx.match(hs, ["r0", "r1", "r2"])
         for name in ("r0", "r1", "r2"):
             assert got[name] == _naive_match(set(idx.held.get(name, {})), hs, 4)
         assert all(idx.num_blocks(n) <= 66 for n in ("r0", "r1", "r2"))
+        firsts = {idx.hashes(root[:4])[0] for root in roots}  # the index of who holds each prompt's first block
+        assert {f: set(reps) for f, reps in idx.holders.items()} == {
+            f: {n for n, held in idx.held.items() if f in held} for f in firsts if any(f in h for h in idx.held.values())}
 
 
 def test_a_prefix_outlives_its_extensions_under_eviction():

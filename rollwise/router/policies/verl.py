@@ -9,8 +9,7 @@ class Verl(Policy):
     name = "verl"
 
     def choose(self, info, cands):
-        names = {c.name for c in cands}
-        if info.sticky in names:
+        if info.sticky is not None and any(c.name == info.sticky for c in cands):
             return info.sticky
         return min(cands, key=lambda c: (c.assigned, c.name)).name
 
