@@ -5,7 +5,7 @@ rollwise; speedup = makespan ratio against baseline in the same sweep, with the 
 
     python benchmarks/war_sweep.py [--quick | --smoke] [--profile h100-qwen3-32b-tp4] [--json PATH] [--plot PATH]
     python benchmarks/war_sweep.py --validate [--measured results/router_swe.json] [--measured-tau results/router.json] [--kv-frac 0.4]
-    python benchmarks/war_sweep.py --scale     # 64 replicas, 10,000 trajectories: simulator speed
+    python benchmarks/war_sweep.py --scale [--repeats 3]   # 64 replicas, 10,000 trajectories: simulator speed
     python benchmarks/war_sweep.py --tool-scales 1,0.3,0.1,0 [--loads 4,8,16,32]   # tool latency x s
 
 --validate runs the simulator on the CPU cost profile fitted from our engine (`rollwise.sim.fit`) with
@@ -65,6 +65,13 @@ def validate(measured: str, measured_tau: str | None, kv_frac: float = 0.4, prof
     return out
 
 
+def _timed(cfg: SimConfig) -> dict:
+    step = synthetic_scale(10_000, seed=0)  # built in the run's own process (none of it copied on write)
+    t0 = time.perf_counter()
+    r = simulate(cfg, "baseline", step)
+    return {**r, "wall_s": time.perf_counter() - t0, "trajectories": len(step)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="loads 4, 16, 64 with shorter episodes")
@@ -77,24 +84,31 @@ def main() -> None:
     ap.add_argument("--measured-tau", default="results/router.json")
     ap.add_argument("--kv-frac", type=float, default=0.4, help="the --kv-frac router.py measured --measured with")
     ap.add_argument("--scale", action="store_true")
+    ap.add_argument("--repeats", type=int, default=1, help="--scale: runs (the median is reported)")
     ap.add_argument("--tool-scales", help="comma-separated factors on every tool latency (0: instant tools); "
                     "baseline, war and rollwise at each")
     ap.add_argument("--loads", help="comma-separated prompts per step (default: the sweep's; 4,8,16,32 with --tool-scales)")
     ap.add_argument("--jobs", type=int, default=1, help="simulations run at once, each in its own process (same results)")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     gpu_profile = args.profile or "h100-qwen3-32b-tp4"
     if args.validate:
         res = validate(args.measured, args.measured_tau if Path(args.measured_tau).exists() else None, args.kv_frac,
                        args.profile or "cpu-fitted")
     elif args.scale:
         cfg = SimConfig(profile=gpu_profile, replicas=64, max_num_seqs=256, max_inflight_per_replica=256)
-        step = synthetic_scale(10_000, seed=0)
-        t0 = time.perf_counter()
-        r = simulate(cfg, "baseline", step)
-        res = {"replicas": 64, "trajectories": len(step), "wall_s": time.perf_counter() - t0, **r}
-        print(f"64 replicas, {len(step)} trajectories, {r['turns']} turns, {int(r['generated_tokens']):,} tokens: "
-              f"simulated makespan {r['makespan_s']:.0f} s in {res['wall_s']:.1f} s of wall time "
-              f"(routing decision {r['decision_us']:.0f} µs)")
+        walls = []
+        for _ in range(args.repeats):  # each in a fresh process: this machine's speed drifts between runs
+            r = sweep.isolated(_timed, cfg)
+            walls.append(r["wall_s"])
+            print(f"64 replicas, {r['trajectories']} trajectories, {r['turns']} turns, {int(r['generated_tokens']):,} tokens: "
+                  f"simulated makespan {r['makespan_s']:.0f} s in {r['wall_s']:.1f} s of wall time "
+                  f"(routing decision {r['decision_us']:.0f} µs)", flush=True)
+        walls.sort()
+        res = {"replicas": 64, **r, "wall_s": walls[len(walls) // 2], "walls_s": walls}
+        if args.repeats > 1:
+            print(f"wall time over {len(walls)} runs: median {res['wall_s']:.1f} s, {walls[0]:.1f}-{walls[-1]:.1f} s")
     else:
         kw = dict(profile=gpu_profile)
         if args.smoke:
