@@ -81,9 +81,7 @@ class PrefixIndex:
         if len(held) > self.capacity * 1.1:  # drop whole ticks, least recent first, down to capacity
             cut = sorted(held.values())[len(held) - self.capacity]  # (so a prefix never goes before its extensions)
             self.held[replica] = held = {h: t for h, t in held.items() if t > cut}
-            for first, reps in list(self.holders.items()):
-                if replica in reps and first not in held:
-                    self._drop_holder(first, replica)
+            self._forget(replica, keep=held)
 
     def reconcile(self, replica: str, hashes: list[int], cached_tokens: int) -> None:
         """The replica reported `cached_tokens` of this prompt cached: blocks past that are not
@@ -94,13 +92,16 @@ class PrefixIndex:
                 held.pop(h, None)
 
     def remove_replica(self, replica: str) -> None:
-        for first in self.held.pop(replica, ()):
-            self._drop_holder(first, replica)
+        self.held.pop(replica, None)
+        self._forget(replica, keep={})
 
-    def _drop_holder(self, first: int, replica: str) -> None:
-        reps = self.holders.get(first)
-        if reps is not None and reps.pop(replica, 0) is None and not reps:
-            del self.holders[first]
+    def _forget(self, replica: str, keep: dict[int, int]) -> None:
+        """Take `replica` off the holders of every first block it no longer holds (not in `keep`)."""
+        for first in [f for f, reps in self.holders.items() if replica in reps and f not in keep]:
+            reps = self.holders[first]
+            del reps[replica]
+            if not reps:
+                del self.holders[first]
 
     def num_blocks(self, replica: str) -> int:
         return len(self.held.get(replica, ()))
