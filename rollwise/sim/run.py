@@ -96,7 +96,7 @@ def make_replicas(cfg: SimConfig, spec: str, cost=None, **overrides) -> list[Sim
 def _cycle_collector_paused():
     """As timeit does: no cyclic garbage collection during a run. A run makes millions of token
     lists and tuples, freed by reference counting; the collector's passes over them cost 8-10% of
-    the scale step and find a few hundred cycles per run (asyncio's), which it collects after."""
+    the scale step and find under a thousand objects in cycles per run (asyncio's), collected after."""
     enabled = gc.isenabled()
     gc.disable()
     try:
