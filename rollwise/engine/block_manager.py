@@ -61,7 +61,7 @@ class BlockManager:
     # allocation ----------------------------------------------------------------------------------
     def can_allocate(self, num_new_blocks: int, shared: list[int] = ()) -> bool:
         """Whether `num_new_blocks` fresh blocks can be taken after referencing `shared` cached ones."""
-        free = len(self._spare) + self.num_blocks - self._fresh + len(self._lru)  # (num_free_blocks, inlined)
+        free = self.num_free_blocks
         if free - len(shared) >= num_new_blocks:  # (however many of `shared` it revives)
             return True
         ref = self.ref_count
