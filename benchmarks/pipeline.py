@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from rollwise.omp import passive_unless_chosen
+passive_unless_chosen()  # before torch loads
 
 from rollwise.cli import DEMO_FULL, DEMO_SFT, DEMO_SFT_CACHE, demo_model  # noqa: E402
 from rollwise.rl import TrainConfig, train  # noqa: E402

@@ -30,7 +30,8 @@ import random
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from rollwise.omp import passive_unless_chosen
+passive_unless_chosen()  # before torch loads
 
 from rollwise.router.policies import POLICIES  # noqa: E402
 from rollwise.router.prefix_index import PrefixIndex  # noqa: E402

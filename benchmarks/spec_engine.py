@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from rollwise.omp import passive_unless_chosen
+passive_unless_chosen()  # before torch loads
 
 from rollwise.config import EngineConfig  # noqa: E402
 from rollwise.engine.llm_engine import LLMEngine  # noqa: E402

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from rollwise.omp import passive_unless_chosen
+passive_unless_chosen()  # before torch loads
 
 from rollwise.router.workload import replayed_step, swe_step  # noqa: E402
 from rollwise.sim import sweep  # noqa: E402

@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from rollwise.omp import passive_unless_chosen
+passive_unless_chosen()  # before torch loads
 
 from rollwise.engine.async_engine import AsyncEngine  # noqa: E402
 from rollwise.router.replica import HttpReplica, LocalReplica  # noqa: E402

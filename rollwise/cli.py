@@ -8,7 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: spinning threads starve peers
+from rollwise.omp import passive_unless_chosen
+passive_unless_chosen()  # before torch loads: spinning threads starve peers
 
 from rollwise.config import EngineConfig, ServerConfig  # noqa: E402
 

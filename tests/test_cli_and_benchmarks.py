@@ -7,12 +7,37 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from rollwise.omp import passive_env, spin_env
+
 ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+ENV = passive_env()
 
 
 def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("chosen, policy", [({}, "PASSIVE"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),
+                                             ({"GOMP_SPINCOUNT": "300000"}, None)])
+def test_cli_omp_wait_policy_passive_unless_chosen(chosen, policy):
+    # the CLI makes idle OpenMP threads sleep before torch loads, unless the user chose a policy or
+    # a spin count (a process with its cores to itself decodes faster with a bounded spin)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    code = "import os, sys, rollwise.cli; print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], env={**env, **chosen}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(policy), "False"]  # and torch is not loaded yet when it is decided
+
+
+def test_passive_and_spin_envs():
+    # libgomp lets an explicit GOMP_SPINCOUNT override OMP_WAIT_POLICY=PASSIVE, so passive drops it
+    env = passive_env({"GOMP_SPINCOUNT": "300000", "OMP_WAIT_POLICY": "ACTIVE", "PATH": "/bin"})
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "PATH": "/bin"}
+    assert spin_env(1000, env) == {"GOMP_SPINCOUNT": "1000", "PATH": "/bin"}
+    with pytest.raises(ValueError, match="spin_count"):
+        spin_env(0)
 
 
 def test_make_model_and_generate(tmp_path):
@@ -39,6 +64,24 @@ def test_engine_benchmark_smoke(tmp_path):
     assert pr["on"]["prefill_tokens_per_run"] < pr["off"]["prefill_tokens_per_run"]
     assert pr["on"]["decode_tokens"] == pr["off"]["decode_tokens"]
     assert "prefix reuse" in r.stdout
+    # the same work in-process and over HTTP: every request generates its 4 tokens
+    assert [res["rollwise"]["decode"]["2"]["tokens"], res["transformers"]["decode"]["2"]["tokens"],
+            res["rollwise_http"]["2"]["tokens"]] == [8, 8, 8]
+    assert res["servers_omp"] == "OMP_WAIT_POLICY=PASSIVE"
+    assert run("benchmarks/engine.py", "--server-spin", "0").returncode == 2
+
+
+def test_omp_wait_benchmark_smoke(tmp_path):
+    out = tmp_path / "omp.json"
+    r = run("benchmarks/omp_wait.py", "--smoke", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert set(res["runs"]) == {"passive/1", "passive/2", "spin/1", "spin/2"}
+    assert [len(v) for v in res["runs"].values()] == [1, 2, 1, 2]
+    for outs in res["runs"].values():  # the same work in every run: 1 and 2 requests of 4 tokens
+        assert all(o["decode"]["1"]["tokens"] == 4 and o["decode"]["2"]["tokens"] == 8 for o in outs)
+    assert "GOMP_SPINCOUNT=300000" in r.stdout and "OMP_WAIT_POLICY=PASSIVE" in r.stdout
+    assert run("benchmarks/omp_wait.py", "--spin-count", "0").returncode == 2
 
 
 def test_spec_engine_benchmark_smoke(tmp_path):

@@ -1,13 +1,14 @@
 """Start `rollwise serve` as a real subprocess on 127.0.0.1 and wait until it answers /health."""
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
 import time
 
 import httpx
+
+from rollwise.omp import passive_env, spin_env
 
 
 def free_port() -> int:
@@ -17,11 +18,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
+    """`rollwise serve MODEL_DIR *args` on a free port; a context manager that stops it on exit. The
+    server's idle OpenMP threads sleep (`rollwise.omp.passive_env`: it shares the cores with its
+    caller) unless `spin_count` is given (libgomp's bounded spin, `rollwise.omp.spin_env`)."""
+
     def __init__(self, model_dir: str, *args: str, port: int | None = None, threads: int | None = None,
-                 startup_timeout: float = 120.0) -> None:
+                 startup_timeout: float = 120.0, spin_count: int | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+        env = passive_env() if spin_count is None else spin_env(spin_count)
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         cmd = [sys.executable, "-m", "rollwise.cli", "serve", model_dir, "--port", str(self.port), *args]

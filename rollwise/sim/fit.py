@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import time
 from pathlib import Path
@@ -32,7 +31,8 @@ GRID = [(b, ctx) for b in (1, 2, 4, 8, 16, 32) for ctx in (128, 512, 1536, 3072,
 
 def measure(model_dir: str, *, new_tokens: int = 24, max_num_batched_tokens: int = 1024, threads: int = 1,
             seed: int = 0) -> list[tuple[StepWork, float]]:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from rollwise.omp import passive_unless_chosen
+    passive_unless_chosen()  # before torch loads
     import torch
 
     from rollwise.config import EngineConfig

@@ -16,6 +16,7 @@ import torch
 
 from rollwise.agent.envs import ENVS
 from rollwise.agent.envs.calculator import CalculatorEnv
+from rollwise.omp import passive_env
 from rollwise.rl import TrainConfig, train
 from rollwise.rollout.pipeline import read_log
 from rollwise.serve.process import ServerProcess
@@ -87,7 +88,7 @@ def test_killed_trainer_resumes_without_losing_or_repeating_groups(model_dir, tm
     lines += [f"{k} = {json.dumps(v) if not isinstance(v, bool) else str(v).lower()}" for k, v in TINY.items()]
     cfg.write_text("\n".join(lines) + "\n")
     cmd = [sys.executable, "-m", "rollwise.cli", "train", str(cfg)]
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    env = passive_env()
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     ckpt = run / "checkpoint.pt"
     deadline = time.time() + 240

@@ -1,0 +1,106 @@
+"""OpenMP's wait policy and the engine's decode speed: alone on the cores, and beside a second busy
+engine process on the same cores (rollwise/omp.py).
+
+    python benchmarks/omp_wait.py [--smoke] [--json PATH] [--spin-count N]
+
+For each policy (`OMP_WAIT_POLICY=PASSIVE`, what rollwise's entry points set by default, and
+libgomp's bounded spin `GOMP_SPINCOUNT=N` with no policy) it runs in-process decode at batch 1, 16
+and 64 (64 new tokens per request, median of 3 runs) in one engine process, then in two at once,
+each a fresh process with all the cores' threads. Every run generates the same tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def worker(model: str, batches: list[int], new: int, reps: int) -> dict:
+    import random
+
+    import torch
+
+    from rollwise import LLM, SamplingParams
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    rng = random.Random(0)
+    llm = LLM(model, max_num_seqs=max(batches), enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    llm.generate([[rng.randrange(100, vocab) for _ in range(32)] for _ in range(2)], params)  # warm up
+    out = {"threads": torch.get_num_threads(), "decode": {}}
+    for b in batches:
+        prompts = [[rng.randrange(100, vocab) for _ in range(32)] for _ in range(b)]
+        runs = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            n = sum(len(o.token_ids) for o in llm.generate(prompts, params))
+            runs.append(time.perf_counter() - t0)
+        dt = sorted(runs)[len(runs) // 2]
+        out["decode"][str(b)] = {"tok_s": n / dt, "tokens": n, "seconds": dt}
+    return out
+
+
+def launch(model: str, env: dict, args) -> subprocess.Popen:
+    cmd = [sys.executable, str(Path(__file__)), "--worker", "--model", model, "--batches", args.batches,
+           "--new", str(args.new), "--reps", str(args.reps)]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def collect(procs: list[subprocess.Popen]) -> list[dict]:
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate()
+        if p.returncode:
+            raise RuntimeError(f"worker failed ({p.returncode}): {stderr[-2000:]}")
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    return outs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model directory (default: the engine benchmark's)")
+    ap.add_argument("--smoke", action="store_true", help="tiny model and sizes (CI)")
+    ap.add_argument("--json", help="write results here")
+    ap.add_argument("--spin-count", type=int, default=300_000, help="GOMP_SPINCOUNT of the spinning policy")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--batches", default="1,16,64", help=argparse.SUPPRESS)
+    ap.add_argument("--new", type=int, default=64, help=argparse.SUPPRESS)
+    ap.add_argument("--reps", type=int, default=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.spin_count < 1:
+        ap.error("--spin-count must be >= 1")
+    if args.worker:
+        print(json.dumps(worker(args.model, [int(b) for b in args.batches.split(",")], args.new, args.reps)))
+        return
+    if args.smoke:
+        args.batches, args.new, args.reps = "1,2", 4, 1
+    sys.path.insert(0, str(HERE))
+    from common import engine_model  # benchmarks/common.py
+    model = engine_model("smoke" if args.smoke else "bench", args.model)
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    policies = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "spin": {"GOMP_SPINCOUNT": str(args.spin_count)}}
+    results: dict = {"model": model, "new_tokens": args.new, "policies": policies, "runs": {}}
+    for name, env in policies.items():
+        for procs in (1, 2):
+            print(f"{name}: {procs} process(es) ...", file=sys.stderr, flush=True)
+            outs = collect([launch(model, {**base, **env}, args) for _ in range(procs)])
+            results["runs"][f"{name}/{procs}"] = outs
+    batches = args.batches.split(",")
+    print(f"\ndecode tok/s per process ({args.new} new tokens per request; two processes: each, on the same cores)")
+    print(f"{'policy':<28}" + "".join(f"{'b=' + b + ' alone':>14}{'b=' + b + ' two':>14}" for b in batches))
+    for name, env in policies.items():
+        alone, two = results["runs"][f"{name}/1"][0], results["runs"][f"{name}/2"]
+        cells = "".join(f"{alone['decode'][b]['tok_s']:>14.1f}"
+                        f"{sum(o['decode'][b]['tok_s'] for o in two) / len(two):>14.1f}" for b in batches)
+        print(f"{' '.join(f'{k}={v}' for k, v in env.items()):<28}{cells}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
