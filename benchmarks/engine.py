@@ -7,8 +7,8 @@ Reports decode tokens/s at batch 1, 16 and 64, prefill tokens/s, and the speedup
 a shared-prefix workload, with the work done (tokens) beside every time. The two sides of each
 comparison take turns within every repetition (both servers up at once), so a drift of the
 machine's speed reaches both. In process, OpenMP's wait policy is what the environment chose (by
-default PASSIVE, rollwise/omp.py); the servers always run with PASSIVE (they share the cores with
-this client).
+default PASSIVE, rollwise/omp.py); the servers run with PASSIVE (they share the cores with this
+client) unless --server-spin N gives them libgomp's bounded spin.
 """
 from __future__ import annotations
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from rollwise.omp import passive_env, spin_env
 
 HERE = Path(__file__).resolve().parent
 
@@ -82,22 +83,21 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from common import engine_model  # benchmarks/common.py
     model = engine_model("smoke" if args.smoke else "bench", args.model)
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    policies = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "spin": {"GOMP_SPINCOUNT": str(args.spin_count)}}
+    policies = {"passive": "OMP_WAIT_POLICY=PASSIVE", "spin": f"GOMP_SPINCOUNT={args.spin_count}"}
+    envs = {"passive": passive_env(), "spin": spin_env(args.spin_count)}
     results: dict = {"model": model, "new_tokens": args.new, "policies": policies, "runs": {}}
-    for name, env in policies.items():
+    for name in policies:
         for procs in (1, 2):
             print(f"{name}: {procs} process(es) ...", file=sys.stderr, flush=True)
-            outs = collect([launch(model, {**base, **env}, args) for _ in range(procs)])
-            results["runs"][f"{name}/{procs}"] = outs
+            results["runs"][f"{name}/{procs}"] = collect([launch(model, envs[name], args) for _ in range(procs)])
     batches = args.batches.split(",")
     print(f"\ndecode tok/s per process ({args.new} new tokens per request; two processes: each, on the same cores)")
     print(f"{'policy':<28}" + "".join(f"{'b=' + b + ' alone':>14}{'b=' + b + ' two':>14}" for b in batches))
-    for name, env in policies.items():
+    for name, label in policies.items():
         alone, two = results["runs"][f"{name}/1"][0], results["runs"][f"{name}/2"]
         cells = "".join(f"{alone['decode'][b]['tok_s']:>14.1f}"
                         f"{sum(o['decode'][b]['tok_s'] for o in two) / len(two):>14.1f}" for b in batches)
-        print(f"{' '.join(f'{k}={v}' for k, v in env.items()):<28}{cells}")
+        print(f"{label:<28}{cells}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
