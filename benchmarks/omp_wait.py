@@ -14,7 +14,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from rollwise.omp import passive_env, spin_env
@@ -23,25 +22,23 @@ HERE = Path(__file__).resolve().parent
 
 
 def worker(model: str, batches: list[int], new: int, reps: int) -> dict:
-    import random
-
+    """The engine benchmark's in-process decode (its prompts, its median of `reps` runs), under the
+    wait policy this process was started with."""
+    sys.path.insert(0, str(HERE))
+    import engine  # benchmarks/engine.py: leaves the chosen policy alone (rollwise.omp)
     import torch
 
     from rollwise import LLM, SamplingParams
+    engine.REPS = reps
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    rng = random.Random(0)
     llm = LLM(model, max_num_seqs=max(batches), enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    llm.generate([[rng.randrange(100, vocab) for _ in range(32)] for _ in range(2)], params)  # warm up
+    llm.generate(engine.rand_prompts(2, 32, vocab, 99), params)  # warm up
     out = {"threads": torch.get_num_threads(), "decode": {}}
     for b in batches:
-        prompts = [[rng.randrange(100, vocab) for _ in range(32)] for _ in range(b)]
-        runs = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            n = sum(len(o.token_ids) for o in llm.generate(prompts, params))
-            runs.append(time.perf_counter() - t0)
-        dt = sorted(runs)[len(runs) // 2]
+        prompts = engine.rand_prompts(b, 32, vocab, b)
+        outs, dt = engine.paired({"rollwise": lambda: llm.generate(prompts, params)})["rollwise"]
+        n = sum(len(o.token_ids) for o in outs)
         out["decode"][str(b)] = {"tok_s": n / dt, "tokens": n, "seconds": dt}
     return out
 
