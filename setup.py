@@ -1,9 +1,17 @@
-"""Build of the C++ suffix-tree core (rollwise.spec._C); everything else is in pyproject.toml."""
+"""Builds of the native cores (rollwise.spec._C: the suffix tree; rollwise.engine._C: paged decode
+attention); everything else is in pyproject.toml."""
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
 setup(
-    ext_modules=[Pybind11Extension("rollwise.spec._C", ["rollwise/spec/_C.cpp"], depends=["rollwise/spec/suffix_tree.h", "rollwise/spec/suffix_tree_read.h"],
-                                   cxx_std=17, extra_compile_args=["-O3"])],
+    ext_modules=[
+        Pybind11Extension("rollwise.spec._C", ["rollwise/spec/_C.cpp"],
+                          depends=["rollwise/spec/suffix_tree.h", "rollwise/spec/suffix_tree_read.h"],
+                          cxx_std=17, extra_compile_args=["-O3"]),
+        # OpenMP: the same libgomp torch loads (soname libgomp.so.1), so one thread pool and one
+        # OMP_WAIT_POLICY for both. Optional: without it the engine runs its torch path
+        Pybind11Extension("rollwise.engine._C", ["rollwise/engine/_C.cpp"], cxx_std=17, optional=True,
+                          extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"]),
+    ],
     cmdclass={"build_ext": build_ext},
 )

