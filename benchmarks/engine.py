@@ -64,12 +64,12 @@ def bench_kernel(model: str, cases: list[tuple[int, int]], new: int, vocab: int)
     """cases: (batch, prompt_len). A first run caches each case's prompts, so the timed runs decode
     (and recompute one prompt token each); both sides must produce the same tokens."""
     from rollwise.engine import attention
-    default = attention.NATIVE_DECODE
+    default = attention.NATIVE
     llm = LLM(model, max_num_seqs=max(b for b, _ in cases), enable_prefix_caching=True)
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
 
     def run(native: bool, prompts):
-        attention.NATIVE_DECODE = native
+        attention.NATIVE = native
         return llm.generate(prompts, params)
 
     out = {}
@@ -84,7 +84,7 @@ def bench_kernel(model: str, cases: list[tuple[int, int]], new: int, vocab: int)
                                       "torch_s": t_ref, "speedup": t_ref / t_nat,
                                       "same_tokens": [o.token_ids for o in nat] == [o.token_ids for o in ref]}
     finally:
-        attention.NATIVE_DECODE = default
+        attention.NATIVE = default
     return out
 
 

@@ -1,8 +1,10 @@
-// Paged attention for single-token queries (decode steps), reading keys and values in place from the
-// block pool. The Python path in attention.py gathers every sequence's blocks into a padded copy
-// before SDPA; at decode that copy moves more memory than the attention itself reads. Here the
-// keys are read where they lie, in partitions of whole blocks (flash-decoding: each partition keeps
-// its max score and sum, the partitions of a sequence are combined at the end), with no copy.
+// Paged attention for short queries (decode steps, drafts being verified), reading keys and values in
+// place from the block pool. The torch path in attention.py gathers every sequence's blocks into a
+// padded copy before SDPA; for a few queries per sequence that copy moves more memory than the
+// attention reads. Here keys are read where they lie, in partitions of whole blocks
+// (flash-decoding: each partition keeps its max score and sum; a query's partitions are combined
+// at the end). Each query sees its sequence's first `prefix` keys and, among the next ones (its
+// own token, the draft), those its 64-bit mask names: causal for chains, ancestors for trees.
 // attention.py's torch path is the test oracle.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -50,19 +52,26 @@ inline float exp_nonpositive(float x) {
     return (p * r * r + r + 1.f) * two_n;
 }
 
-// One partition [t0, t1) of one sequence's keys, every head: reading a key row's heads together
-// reads the row whole, in order. q: [H, d] (kv head h serves query heads h*g .. h*g+g-1); key and
-// value row r at kc + r * row. Writes per head the max score m, the sum z of exp(score - m) and the
-// unnormalized sum acc [H, d] of exp(score - m) * value. scores: scratch of H * (t1 - t0) floats.
+// One partition [t0, t1) of one sequence's keys for one query, every head: reading a key row's heads
+// together reads the row whole, in order. q: [H, d] (kv head h serves query heads h*g .. h*g+g-1);
+// key and value row r at kc + r * row. Keys from `prefix` on are visible only where `mask` has
+// their bit (key prefix + i: bit i). Writes per head the max score m (-inf if no key is visible),
+// the sum z of exp(score - m) and the unnormalized sum acc [H, d] of exp(score - m) * value.
+// scores: scratch of H * (t1 - t0) floats.
 ROLLWISE_CLONES
 void attend_part(const float* __restrict q, int H, int g, int d, const float* __restrict kc,
                  const float* __restrict vc, int64_t row, const int64_t* __restrict table, int64_t t0, int64_t t1,
-                 int64_t bs, float scale, float* __restrict acc, float* __restrict m, float* __restrict z,
-                 float* __restrict scores) {
+                 int64_t prefix, uint64_t mask, int64_t bs, float scale, float* __restrict acc,
+                 float* __restrict m, float* __restrict z, float* __restrict scores) {
     const int64_t n = t1 - t0;
     for (int64_t t = t0; t < t1; ++t) {
+        const bool seen = t < prefix || ((mask >> (t - prefix)) & 1);
         const float* k = kc + (table[t / bs] * bs + t % bs) * row;
         for (int h = 0; h < H; ++h) {
+            if (!seen) {
+                scores[h * n + (t - t0)] = -INFINITY;
+                continue;
+            }
             const float* qh = q + h * d;
             const float* kh = k + (h / g) * d;
             float s = 0.f;
@@ -75,16 +84,21 @@ void attend_part(const float* __restrict q, int H, int g, int d, const float* __
         float* sh = scores + h * n;
         const float mh = *std::max_element(sh, sh + n);
         float zh = 0.f;
+        if (mh == -INFINITY) {  // nothing visible here: weight 0 when partitions are combined
+            std::fill(sh, sh + n, 0.f);
+        } else {
 #pragma omp simd reduction(+ : zh)
-        for (int64_t t = 0; t < n; ++t) {
-            sh[t] = exp_nonpositive(sh[t] - mh);
-            zh += sh[t];
+            for (int64_t t = 0; t < n; ++t) {
+                sh[t] = sh[t] == -INFINITY ? 0.f : exp_nonpositive(sh[t] - mh);
+                zh += sh[t];
+            }
         }
         m[h] = mh;
         z[h] = zh;
         std::fill(acc + h * d, acc + (h + 1) * d, 0.f);
     }
     for (int64_t t = t0; t < t1; ++t) {
+        if (!(t < prefix || ((mask >> (t - prefix)) & 1))) continue;
         const float* v = vc + (table[t / bs] * bs + t % bs) * row;
         for (int h = 0; h < H; ++h) {
             const float p = scores[h * n + (t - t0)];
@@ -103,14 +117,16 @@ constexpr int64_t kPart = 256;  // keys per work item, rounded down to whole blo
 constexpr int64_t kParallelPairs = 65536;
 
 void need(bool ok, const std::string& what) {
-    if (!ok) throw std::invalid_argument("paged_decode: " + what);
+    if (!ok) throw std::invalid_argument("paged_attention: " + what);
 }
 
-// q, out [T, H, D]; k_cache, v_cache [S, Hkv, D]; block_tables [B, nb]; rows, seq_lens [B].
-// Sequence b's query is row rows[b] of q; it attends to its first seq_lens[b] cached tokens (the
-// new token's key is already written) and its output goes to row rows[b] of out.
-void paged_decode(const f32& q, const f32& k_cache, const f32& v_cache, const i64& block_tables, const i64& rows,
-                  const i64& seq_lens, f32& out, int64_t block_size, double scale) {
+// q, out [T, H, D]; k_cache, v_cache [S, Hkv, D]; block_tables [B, nb]; lens, prefix [B]; rows,
+// seqs, masks [R]. Query i is row rows[i] of q, of sequence seqs[i] (non-decreasing); it reads
+// that sequence's first lens[b] cached keys (the step's new keys already written), sees the first
+// prefix[b] and, of the rest (at most 64), those in masks[i]; its output goes to row rows[i] of out.
+void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const i64& block_tables, const i64& lens_a,
+                     const i64& prefix_a, const i64& rows_a, const i64& seqs_a, const i64& masks_a, f32& out,
+                     int64_t block_size, double scale) {
     need(q.ndim() == 3 && out.ndim() == 3 && k_cache.ndim() == 3 && v_cache.ndim() == 3, "q, out and caches are 3-d");
     const int64_t T = q.shape(0), H = q.shape(1), D = q.shape(2);
     const int64_t S = k_cache.shape(0), Hkv = k_cache.shape(1);
@@ -119,60 +135,76 @@ void paged_decode(const f32& q, const f32& k_cache, const f32& v_cache, const i6
          "caches are [S, Hkv, D] alike with q's D");
     need(Hkv > 0 && H % Hkv == 0, "query heads are a multiple of kv heads");
     need(block_size > 0 && S % block_size == 0, "the pool is whole blocks");
-    need(block_tables.ndim() == 2 && rows.ndim() == 1 && seq_lens.ndim() == 1, "tables 2-d, rows and lens 1-d");
-    const int64_t B = rows.shape(0), nb = block_tables.shape(1);
-    need(block_tables.shape(0) == B && seq_lens.shape(0) == B, "one table, row and length per sequence");
-    const int64_t* bt = block_tables.data();
-    const int64_t* r = rows.data();
-    const int64_t* lens = seq_lens.data();
+    need(block_tables.ndim() == 2 && lens_a.ndim() == 1 && prefix_a.ndim() == 1 && rows_a.ndim() == 1 &&
+         seqs_a.ndim() == 1 && masks_a.ndim() == 1, "tables 2-d, the rest 1-d");
+    const int64_t B = block_tables.shape(0), nb = block_tables.shape(1), R = rows_a.shape(0);
+    need(lens_a.shape(0) == B && prefix_a.shape(0) == B, "one length and prefix per sequence");
+    need(seqs_a.shape(0) == R && masks_a.shape(0) == R, "one sequence and mask per query");
+    const int64_t *bt = block_tables.data(), *lens = lens_a.data(), *prefix = prefix_a.data();
+    const int64_t *rows = rows_a.data(), *seqs = seqs_a.data();
+    const uint64_t* masks = reinterpret_cast<const uint64_t*>(masks_a.data());
     for (int64_t b = 0; b < B; ++b) {
-        need(r[b] >= 0 && r[b] < T, "rows within q");
-        need(lens[b] >= 1 && lens[b] <= nb * block_size, "seq_lens within 1..nb * block_size");
+        need(lens[b] >= 1 && lens[b] <= nb * block_size, "lens within 1..nb * block_size");
+        need(prefix[b] >= 0 && prefix[b] <= lens[b] && lens[b] - prefix[b] <= 64, "lens - 64 <= prefix <= lens");
         for (int64_t j = 0; j < (lens[b] + block_size - 1) / block_size; ++j)
             need(bt[b * nb + j] >= 0 && bt[b * nb + j] < S / block_size, "block ids within the pool");
     }
+    for (int64_t i = 0; i < R; ++i) {
+        need(rows[i] >= 0 && rows[i] < T, "rows within q");
+        need(seqs[i] >= 0 && seqs[i] < B && (i == 0 || seqs[i] >= seqs[i - 1]), "seqs within tables, non-decreasing");
+        const int64_t extra = lens[seqs[i]] - prefix[seqs[i]];
+        need(extra == 64 || (masks[i] >> extra) == 0, "masks name keys below lens only");
+        need(prefix[seqs[i]] > 0 || masks[i] != 0, "every query sees a key");
+    }
     const int g = int(H / Hkv), h = int(H), d = int(D);
-    const float* qp = q.data();
-    const float* kp = k_cache.data();
-    const float* vp = v_cache.data();
+    // work items: (query, partition of up to kPart keys, whole blocks), ordered sequence by
+    // sequence, partition by partition, so a sequence's queries read a partition while it is cached
+    const int64_t part = std::max<int64_t>(1, kPart / block_size) * block_size;
+    std::vector<int64_t> first(R + 1, 0);  // query i's partials: first[i] .. first[i + 1] - 1
+    for (int64_t i = 0; i < R; ++i) first[i + 1] = first[i] + (lens[seqs[i]] + part - 1) / part;
+    std::vector<std::pair<int64_t, int64_t>> items;  // (query, partition)
+    items.reserve(first[R]);
+    int64_t pairs = 0;
+    for (int64_t i0 = 0; i0 < R;) {
+        int64_t i1 = i0;
+        while (i1 < R && seqs[i1] == seqs[i0]) ++i1;
+        for (int64_t p = 0; p < first[i0 + 1] - first[i0]; ++p)
+            for (int64_t i = i0; i < i1; ++i) items.emplace_back(i, p);
+        pairs += (i1 - i0) * lens[seqs[i0]] * h;
+        i0 = i1;
+    }
+    const int64_t P = first[R], W = int64_t(items.size());
+    std::vector<float> acc(size_t(P) * h * d), mx(size_t(P) * h), tot(size_t(P) * h);
+    const float *qp = q.data(), *kp = k_cache.data(), *vp = v_cache.data();
     float* op = out.mutable_data();
     const float sc = float(scale);
-    // work items: partitions of up to kPart keys (whole blocks), so a few long sequences still
-    // keep every thread busy; each sequence's partitions are combined afterwards
-    const int64_t part = std::max<int64_t>(1, kPart / block_size) * block_size;
-    std::vector<int64_t> first(B + 1, 0);  // sequence b's partitions: first[b] .. first[b + 1] - 1
-    for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + (lens[b] + part - 1) / part;
-    const int64_t P = first[B];
-    std::vector<int64_t> seq_of(P);
-    for (int64_t b = 0; b < B; ++b) std::fill(seq_of.begin() + first[b], seq_of.begin() + first[b + 1], b);
-    std::vector<float> acc(size_t(P) * h * d), mx(size_t(P) * h), tot(size_t(P) * h);
-    int64_t pairs = 0;
-    for (int64_t b = 0; b < B; ++b) pairs += lens[b] * h;
     py::gil_scoped_release nogil;
 #pragma omp parallel if (pairs >= kParallelPairs)
     {
         std::vector<float> scores(size_t(h) * part);
 #pragma omp for schedule(dynamic)
-        for (int64_t p = 0; p < P; ++p) {
-            const int64_t b = seq_of[p], t0 = (p - first[b]) * part, t1 = std::min(lens[b], t0 + part);
-            attend_part(qp + r[b] * h * d, h, g, d, kp, vp, Hkv * D, bt + b * nb, t0, t1, block_size, sc,
-                        acc.data() + p * h * d, mx.data() + p * h, tot.data() + p * h, scores.data());
+        for (int64_t w = 0; w < W; ++w) {
+            const auto [i, p] = items[w];
+            const int64_t b = seqs[i], t0 = p * part, t1 = std::min(lens[b], t0 + part), k = first[i] + p;
+            attend_part(qp + rows[i] * h * d, h, g, d, kp, vp, Hkv * D, bt + b * nb, t0, t1, prefix[b], masks[i],
+                        block_size, sc, acc.data() + k * h * d, mx.data() + k * h, tot.data() + k * h,
+                        scores.data());
         }
 #pragma omp for
-        for (int64_t b = 0; b < B; ++b) {
+        for (int64_t i = 0; i < R; ++i) {
             for (int hh = 0; hh < h; ++hh) {
                 float top = -INFINITY, total = 0.f;
-                for (int64_t p = first[b]; p < first[b + 1]; ++p) top = std::max(top, mx[p * h + hh]);
-                float* o = op + (r[b] * h + hh) * d;
+                for (int64_t k = first[i]; k < first[i + 1]; ++k) top = std::max(top, mx[k * h + hh]);
+                float* o = op + (rows[i] * h + hh) * d;
                 std::fill(o, o + d, 0.f);
-                for (int64_t p = first[b]; p < first[b + 1]; ++p) {
-                    const float w = std::exp(mx[p * h + hh] - top);
-                    total += w * tot[p * h + hh];
-                    const float* a = acc.data() + (p * h + hh) * d;
-                    for (int i = 0; i < d; ++i) o[i] += w * a[i];
+                for (int64_t k = first[i]; k < first[i + 1]; ++k) {
+                    const float w = std::exp(mx[k * h + hh] - top);  // 0 for a partition it sees none of
+                    total += w * tot[k * h + hh];
+                    const float* a = acc.data() + (k * h + hh) * d;
+                    for (int j = 0; j < d; ++j) o[j] += w * a[j];
                 }
                 const float inv = 1.f / total;
-                for (int i = 0; i < d; ++i) o[i] *= inv;
+                for (int j = 0; j < d; ++j) o[j] *= inv;
             }
         }
     }
@@ -181,8 +213,9 @@ void paged_decode(const f32& q, const f32& k_cache, const f32& v_cache, const i6
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-    m.doc() = "Native paged decode attention (see attention.py for the torch path it must match)";
-    m.def("paged_decode", &paged_decode, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
-          py::arg("v_cache").noconvert(), py::arg("block_tables").noconvert(), py::arg("rows").noconvert(),
-          py::arg("seq_lens").noconvert(), py::arg("out").noconvert(), py::arg("block_size"), py::arg("scale"));
+    m.doc() = "Native paged attention for short queries (see attention.py for the torch path it must match)";
+    m.def("paged_attention", &paged_attention, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
+          py::arg("v_cache").noconvert(), py::arg("block_tables").noconvert(), py::arg("lens").noconvert(),
+          py::arg("prefix").noconvert(), py::arg("rows").noconvert(), py::arg("seqs").noconvert(),
+          py::arg("masks").noconvert(), py::arg("out").noconvert(), py::arg("block_size"), py::arg("scale"));
 }

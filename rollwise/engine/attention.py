@@ -6,14 +6,15 @@ slots, then gathers every sequence's blocks (whole blocks: few, large copies) in
 runs one SDPA per group of sequences with similar query lengths (decodes together, prefill chunks
 together), so a long prefill chunk does not pad the decodes.
 
-Decodes (one query each) on CPU in fp32 skip the copy: the native kernel (`_C.paged_decode`) reads
-keys and values where they lie. The torch path stays as its oracle and as the path for everything
-else (bf16, other devices, drafts, prefill).
+Short queries (decodes, drafts being verified, short prompts: up to 64 a sequence) on CPU in fp32
+skip the copy: the native kernel (`_C.paged_attention`) reads keys and values where they lie. The
+torch path stays as its oracle and as the path for long prefill chunks, bf16 and other devices.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -22,7 +23,21 @@ try:
 except ImportError:  # not built: the torch path does everything
     _C = None
 
-NATIVE_DECODE = _C is not None  # tests and benchmarks turn it off to compare with the torch path
+NATIVE = _C is not None  # tests and benchmarks turn it off to compare with the torch path
+MAX_SHORT = 64  # queries per sequence the native kernel takes (one bit each in a 64-bit mask)
+
+
+@dataclass(slots=True)
+class ShortQueries:
+    """A group's queries as the native kernel reads them: sequence b's query sees its first
+    prefix[b] keys and, of the next lens[b] - prefix[b] (the step's new tokens), those in its
+    mask (bit i: key prefix[b] + i)."""
+    lens: np.ndarray  # [B] int64 keys each sequence reads (cached before plus new)
+    prefix: np.ndarray  # [B] keys every query of the sequence sees (those cached before)
+    rows: np.ndarray  # [R] row of each query in the flat batch
+    seqs: np.ndarray  # [R] its sequence in the group
+    masks: np.ndarray  # [R] int64 bits of the new keys it sees (causal, or its tree ancestors)
+
 
 @dataclass(slots=True)
 class AttentionGroup:
@@ -31,7 +46,7 @@ class AttentionGroup:
     mask: torch.Tensor | None  # [B, 1, Lq, nb * block_size] bool; None when every key is visible
     out_rows: torch.Tensor | None  # [N] flat rows this group produces; None: all rows, in order
     out_select: torch.Tensor | None  # [N] positions in the flattened [B * Lq] result that hold them
-    seq_lens: torch.Tensor  # [B] keys each sequence attends to (cached before plus new)
+    short: ShortQueries | None  # for the native kernel (at most MAX_SHORT queries a sequence)
 
 
 @dataclass(slots=True)
@@ -64,7 +79,7 @@ def build_metadata(
     # padded batch, so nobody is padded to a long chunk
     groups = [
         _group(sel.nonzero().flatten(), q, c, bt, starts, block_size, device, tree_masks or {})
-        for sel in (q == 1, (q > 1) & (q <= 64), q > 64) if bool(sel.any())
+        for sel in (q == 1, (q > 1) & (q <= MAX_SHORT), q > MAX_SHORT) if bool(sel.any())
     ]
     return AttentionMetadata(slot_mapping.to(device), groups, block_size)
 
@@ -93,8 +108,22 @@ def _group(idx, q_all, c_all, bt_all, starts_all, block_size, device, tree_masks
         out_rows = out_select = None  # this group is the whole batch, in order
     else:
         out_rows, out_select = out_rows.to(device), out_select.to(device)
-    return AttentionGroup(q_index.to(device), bt[:, :nb].contiguous().to(device), mask, out_rows, out_select,
-                          (c + q).to(device))
+    short = _short_queries(idx, q, c, s, valid_q, tree_masks) if lq <= MAX_SHORT else None
+    return AttentionGroup(q_index.to(device), bt[:, :nb].contiguous().to(device), mask, out_rows, out_select, short)
+
+
+def _short_queries(idx, q, c, s, valid_q, tree_masks) -> ShortQueries:
+    lq = valid_q.shape[1]
+    seen = torch.ones(lq, lq, dtype=torch.bool).tril().repeat(len(idx), 1, 1)  # [B, Lq, Lq] new keys seen
+    for b, i in enumerate(idx.tolist()):
+        if i in tree_masks:
+            n = int(q[b])
+            seen[b, :n, :n] = tree_masks[i]
+    bits = (seen.long() << torch.arange(lq)).sum(-1)  # distinct bits: the sum is their OR (bit 63 too)
+    j = torch.arange(lq)[None, :].expand_as(valid_q)
+    seqs = torch.arange(len(idx))[:, None].expand_as(valid_q)
+    return ShortQueries((c + q).numpy(), c.numpy(), (s[:, None] + j)[valid_q].numpy(), seqs[valid_q].numpy(),
+                        bits[valid_q].numpy())
 
 
 def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -108,11 +137,13 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch
     for g in meta.groups:
         b, nb = g.block_tables.shape
         lq = g.q_index.shape[1]
-        if lq == 1 and NATIVE_DECODE and q.device.type == "cpu" and q.dtype == torch.float32:
+        if g.short is not None and NATIVE and q.device.type == "cpu" and q.dtype == torch.float32:
             if out is None:
                 out = torch.empty_like(q)
-            _C.paged_decode(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), g.block_tables.numpy(),
-                            g.q_index[:, 0].numpy(), g.seq_lens.numpy(), out.numpy(), meta.block_size, d ** -0.5)
+            sq = g.short
+            _C.paged_attention(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), g.block_tables.numpy(),
+                               sq.lens, sq.prefix, sq.rows, sq.seqs, sq.masks, out.numpy(), meta.block_size,
+                               d ** -0.5)
             continue
         # index_select copies whole rows and is ~2x faster than advanced indexing here
         qg = q.index_select(0, g.q_index.flatten()).view(b, lq, -1, d).transpose(1, 2)  # [B, H, Lq, D]

@@ -1,4 +1,5 @@
-"""The native paged decode kernel (rollwise.engine._C) against the torch path it replaces."""
+"""The native paged attention kernel for short queries (rollwise.engine._C) against the torch path
+it replaces."""
 from __future__ import annotations
 
 import random
@@ -12,11 +13,11 @@ from rollwise.engine import attention as A
 
 @pytest.fixture
 def torch_path(monkeypatch):
-    """Runs `paged_attention` with the native decode kernel on or off."""
+    """Runs `paged_attention` with the native kernel on or off."""
     assert A._C is not None, "rollwise.engine._C is not built (pip install -e . builds it)"
 
     def run(native: bool, *args):
-        monkeypatch.setattr(A, "NATIVE_DECODE", native)
+        monkeypatch.setattr(A, "NATIVE", native)
         return A.paged_attention(*args)
     return run
 
@@ -49,8 +50,8 @@ def test_decode_matches_torch_path(torch_path, heads, kv_heads, d, bs):
 
 
 def test_mixed_batch_scatters_decode_rows(torch_path):
-    """Decodes between a prefill chunk and a draft verification: the kernel writes the decode rows
-    in place, the other groups still go through SDPA, and the result is the torch path's."""
+    """Decodes, a draft tree and a prefill chunk in one batch: the kernel writes the short groups'
+    rows in place, the chunk still goes through SDPA, and the result is the torch path's."""
     bs, h, hkv, d = 8, 4, 2, 16
     q_lens, ctx = [1, 70, 1, 5, 1], [9, 0, 30, 12, 0]
     need = [(c + n + bs - 1) // bs for c, n in zip(ctx, q_lens)]
@@ -83,27 +84,67 @@ def test_extreme_scores_stay_finite(torch_path):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_drafts_and_short_prompts_match_torch_path(torch_path, tree):
+    """Verification queries (the last token plus a chain or a tree of drafts, up to 64 in all) on
+    contexts across partitions, and short prompts with nothing cached: one query may see no key of
+    a partition (its ancestors all in the one before)."""
+    rng = random.Random(7 + tree)
+    bs, h, hkv, d = 16, 8, 2, 32
+    q_lens = [1 + rng.randrange(64) for _ in range(9)] + [64, 2, 20]
+    ctx = [rng.choice([250, 255, 256, 511, rng.randrange(1, 900)]) for _ in range(9)] + [300, 1, 0]
+    need = [(c + n + bs - 1) // bs for c, n in zip(ctx, q_lens)]
+    ids = rng.sample(range(sum(need) + 3), sum(need))
+    tables = [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(len(q_lens))]
+    trees = {}
+    if tree:
+        for i, n in enumerate(q_lens[:-1]):  # the last is a prompt: causal
+            parents = [-1] + [rng.randrange(k) for k in range(1, n)]  # node k hangs under an earlier one
+            trees[i] = torch.zeros(n, n, dtype=torch.bool)
+            for k, p in enumerate(parents):
+                trees[i][k] = trees[i][p] if p >= 0 else trees[i][k]
+                trees[i][k, k] = True
+    kc, vc = make_pool(sum(need) + 3, bs, hkv, d, 5)
+    t = sum(q_lens)
+    q, k, v = torch.randn(t, h, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    meta = A.build_metadata(q_lens, ctx, tables, bs, torch.device("cpu"), trees)
+    assert all(g.short is not None for g in meta.groups)  # all on the native path
+    ref = torch_path(False, q, k, v, kc.clone(), vc.clone(), meta)
+    out = torch_path(True, q, k, v, kc, vc, meta)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_long_prefill_chunks_stay_on_torch_path():
+    meta = A.build_metadata([65, 1], [0, 10], [[0, 1, 2, 3, 4], [5]], 16, torch.device("cpu"))
+    assert [g.short is None for g in meta.groups] == [False, True]  # decode native; the chunk is not
+
+
 def test_bad_input_is_a_clear_error():
-    q = np.zeros((2, 4, 8), np.float32)
+    q = np.zeros((3, 4, 8), np.float32)
     cache = np.zeros((16, 2, 8), np.float32)
-    tables, rows, lens = np.array([[0, 1], [2, 3]]), np.array([0, 1]), np.array([5, 8])
-    ok = dict(q=q, k_cache=cache, v_cache=cache, block_tables=tables, rows=rows, seq_lens=lens, out=q.copy(),
+    i64 = lambda *x: np.array(x, np.int64)  # noqa: E731
+    ok = dict(q=q, k_cache=cache, v_cache=cache, block_tables=np.array([[0, 1], [2, 3]]), lens=i64(5, 8),
+              prefix=i64(4, 6), rows=i64(0, 1, 2), seqs=i64(0, 1, 1), masks=i64(1, 1, 3), out=q.copy(),
               block_size=4, scale=0.5)
-    A._C.paged_decode(**ok)
+    A._C.paged_attention(**ok)
     bad = {
         "block ids within the pool": dict(block_tables=np.array([[0, 1], [2, 4]])),
-        "seq_lens within": dict(seq_lens=np.array([5, 9])),
-        "rows within q": dict(rows=np.array([0, 2])),
-        "multiple of kv heads": dict(q=np.zeros((2, 3, 8), np.float32), out=np.zeros((2, 3, 8), np.float32)),
+        "lens within": dict(lens=i64(5, 9)),
+        "prefix <= lens": dict(prefix=i64(6, 6)),
+        "rows within q": dict(rows=i64(0, 1, 3)),
+        "non-decreasing": dict(seqs=i64(1, 0, 1)),
+        "masks name keys below lens": dict(masks=i64(1, 1, 4)),
+        "every query sees a key": dict(prefix=i64(0, 6), masks=i64(0, 1, 3)),
+        "multiple of kv heads": dict(q=np.zeros((3, 3, 8), np.float32), out=np.zeros((3, 3, 8), np.float32)),
         "whole blocks": dict(block_size=3),
     }
     for msg, change in bad.items():
         with pytest.raises(ValueError, match=msg):
-            A._C.paged_decode(**dict(ok, **change))
+            A._C.paged_attention(**dict(ok, **change))
     with pytest.raises(TypeError):  # float64 would be a silent copy the kernel writes into: refused
-        A._C.paged_decode(**dict(ok, out=np.zeros((2, 4, 8))))
+        A._C.paged_attention(**dict(ok, out=np.zeros((3, 4, 8))))
     with pytest.raises(TypeError):  # so is a strided view
-        A._C.paged_decode(**dict(ok, q=np.zeros((2, 4, 16), np.float32)[:, :, ::2]))
+        A._C.paged_attention(**dict(ok, q=np.zeros((3, 4, 16), np.float32)[:, :, ::2]))
 
 
 def test_engine_greedy_tokens_same_with_and_without_kernel(model_dirs, monkeypatch):
@@ -115,7 +156,7 @@ def test_engine_greedy_tokens_same_with_and_without_kernel(model_dirs, monkeypat
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     runs = {}
     for native in (False, True):
-        monkeypatch.setattr(A, "NATIVE_DECODE", native)
+        monkeypatch.setattr(A, "NATIVE", native)
         runs[native] = llm.generate(prompts, params)
     for a, b in zip(runs[False], runs[True]):
         assert a.token_ids == b.token_ids
