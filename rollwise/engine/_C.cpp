@@ -6,6 +6,9 @@
 // at the end). Each query sees its sequence's first `prefix` keys and, among the next ones (its
 // own token, the draft), those its 64-bit mask names: causal for chains, ancestors for trees.
 // attention.py's torch path is the test oracle.
+//
+// Also the small ops of a decoder layer (RMSNorm, SiLU-and-multiply), one pass each; their torch
+// twins in models/llama.py are the oracles.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -32,12 +35,13 @@ using i64 = py::array_t<int64_t, py::array::c_style>;
 #define ROLLWISE_CLONES
 #endif
 
-// exp(x) for x <= 0 (softmax after subtracting the max), in a form the compiler vectorizes:
-// std::exp is a scalar call per score. Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7
-// polynomial for exp(r), 2^n from the exponent bits. Relative error under 1e-7 for every float in
-// [-87, 0] (checked exhaustively against double-precision exp when written).
-inline float exp_nonpositive(float x) {
-    x = std::max(x, -87.f);  // 2^n stays a normal float; exp(-87) is 0 next to the max's 1
+// exp(x) in a form the compiler vectorizes (std::exp is a scalar call): Cephes' expf. x = n ln2 + r,
+// |r| <= ln2 / 2, a degree-7 polynomial for exp(r), 2^n from the exponent bits; x is clamped to
+// [-87, 88], where 2^n stays a normal float (exp(-87) is 1.6e-38, exp(88) 1.7e38). Relative error
+// under 1e-7 for every float in [-87, 88] (checked exhaustively against double-precision exp when
+// written).
+inline float exp_clamped(float x) {
+    x = std::min(std::max(x, -87.f), 88.f);
     const float n = std::floor(x * 1.44269504088896341f + 0.5f);
     const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -99,7 +103,7 @@ ROLLWISE_CLONES void attend_part(const float* __restrict q, int H, int g, int d_
         if (mh == -INFINITY) {  // nothing visible here: weight 0 when partitions are combined
             std::fill(sh, sh + n, 0.f);
         } else {
-            for (int64_t t = 0; t < n; ++t) sh[t] = exp_nonpositive(sh[t] - mh);
+            for (int64_t t = 0; t < n; ++t) sh[t] = exp_clamped(sh[t] - mh);
             for (int64_t t = std::max(prefix, t0); t < t1; ++t)  // hidden new keys: exactly 0, not exp(-87)
                 if (!((mask >> (t - prefix)) & 1)) sh[t - t0] = 0.f;
 #pragma omp simd reduction(+ : zh)
@@ -131,7 +135,7 @@ constexpr int64_t kPart = 256;  // keys per work item, rounded down to whole blo
 constexpr int64_t kParallelPairs = 65536;
 
 void need(bool ok, const std::string& what) {
-    if (!ok) throw std::invalid_argument("paged_attention: " + what);
+    if (!ok) throw std::invalid_argument(what);
 }
 
 // q, out [T, H, D]; k_cache, v_cache [S, Hkv, D]; block_tables [B, nb]; lens, prefix [B]; rows,
@@ -141,34 +145,35 @@ void need(bool ok, const std::string& what) {
 void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const i64& block_tables, const i64& lens_a,
                      const i64& prefix_a, const i64& rows_a, const i64& seqs_a, const i64& masks_a, f32& out,
                      int64_t block_size, double scale) {
-    need(q.ndim() == 3 && out.ndim() == 3 && k_cache.ndim() == 3 && v_cache.ndim() == 3, "q, out and caches are 3-d");
+    const auto check = [](bool ok, const std::string& what) { need(ok, "paged_attention: " + what); };
+    check(q.ndim() == 3 && out.ndim() == 3 && k_cache.ndim() == 3 && v_cache.ndim() == 3, "q, out and caches are 3-d");
     const int64_t T = q.shape(0), H = q.shape(1), D = q.shape(2);
     const int64_t S = k_cache.shape(0), Hkv = k_cache.shape(1);
-    need(out.shape(0) == T && out.shape(1) == H && out.shape(2) == D, "out has q's shape");
-    need(k_cache.shape(2) == D && v_cache.shape(0) == S && v_cache.shape(1) == Hkv && v_cache.shape(2) == D,
+    check(out.shape(0) == T && out.shape(1) == H && out.shape(2) == D, "out has q's shape");
+    check(k_cache.shape(2) == D && v_cache.shape(0) == S && v_cache.shape(1) == Hkv && v_cache.shape(2) == D,
          "caches are [S, Hkv, D] alike with q's D");
-    need(Hkv > 0 && H % Hkv == 0, "query heads are a multiple of kv heads");
-    need(block_size > 0 && S % block_size == 0, "the pool is whole blocks");
-    need(block_tables.ndim() == 2 && lens_a.ndim() == 1 && prefix_a.ndim() == 1 && rows_a.ndim() == 1 &&
+    check(Hkv > 0 && H % Hkv == 0, "query heads are a multiple of kv heads");
+    check(block_size > 0 && S % block_size == 0, "the pool is whole blocks");
+    check(block_tables.ndim() == 2 && lens_a.ndim() == 1 && prefix_a.ndim() == 1 && rows_a.ndim() == 1 &&
          seqs_a.ndim() == 1 && masks_a.ndim() == 1, "tables 2-d, the rest 1-d");
     const int64_t B = block_tables.shape(0), nb = block_tables.shape(1), R = rows_a.shape(0);
-    need(lens_a.shape(0) == B && prefix_a.shape(0) == B, "one length and prefix per sequence");
-    need(seqs_a.shape(0) == R && masks_a.shape(0) == R, "one sequence and mask per query");
+    check(lens_a.shape(0) == B && prefix_a.shape(0) == B, "one length and prefix per sequence");
+    check(seqs_a.shape(0) == R && masks_a.shape(0) == R, "one sequence and mask per query");
     const int64_t *bt = block_tables.data(), *lens = lens_a.data(), *prefix = prefix_a.data();
     const int64_t *rows = rows_a.data(), *seqs = seqs_a.data();
     const uint64_t* masks = reinterpret_cast<const uint64_t*>(masks_a.data());
     for (int64_t b = 0; b < B; ++b) {
-        need(lens[b] >= 1 && lens[b] <= nb * block_size, "lens within 1..nb * block_size");
-        need(prefix[b] >= 0 && prefix[b] <= lens[b] && lens[b] - prefix[b] <= 64, "lens - 64 <= prefix <= lens");
+        check(lens[b] >= 1 && lens[b] <= nb * block_size, "lens within 1..nb * block_size");
+        check(prefix[b] >= 0 && prefix[b] <= lens[b] && lens[b] - prefix[b] <= 64, "lens - 64 <= prefix <= lens");
         for (int64_t j = 0; j < (lens[b] + block_size - 1) / block_size; ++j)
-            need(bt[b * nb + j] >= 0 && bt[b * nb + j] < S / block_size, "block ids within the pool");
+            check(bt[b * nb + j] >= 0 && bt[b * nb + j] < S / block_size, "block ids within the pool");
     }
     for (int64_t i = 0; i < R; ++i) {
-        need(rows[i] >= 0 && rows[i] < T, "rows within q");
-        need(seqs[i] >= 0 && seqs[i] < B && (i == 0 || seqs[i] >= seqs[i - 1]), "seqs within tables, non-decreasing");
+        check(rows[i] >= 0 && rows[i] < T, "rows within q");
+        check(seqs[i] >= 0 && seqs[i] < B && (i == 0 || seqs[i] >= seqs[i - 1]), "seqs within tables, non-decreasing");
         const int64_t extra = lens[seqs[i]] - prefix[seqs[i]];
-        need(extra == 64 || (masks[i] >> extra) == 0, "masks name keys below lens only");
-        need(prefix[seqs[i]] > 0 || masks[i] != 0, "every query sees a key");
+        check(extra == 64 || (masks[i] >> extra) == 0, "masks name keys below lens only");
+        check(prefix[seqs[i]] > 0 || masks[i] != 0, "every query sees a key");
     }
     const int g = int(H / Hkv), h = int(H), d = int(D);
     // work items: (query, partition of up to kPart keys, whole blocks), ordered sequence by
@@ -224,12 +229,60 @@ void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const
     }
 }
 
+// The small ops of a decoder layer, each one pass over its rows. In torch each is several kernels,
+// and each kernel may wake the OpenMP threads (200-300 us per wake under PASSIVE on 2-core VMs,
+// more than the work at decode sizes). Rows split across threads only past kParallelFloats.
+constexpr int64_t kParallelFloats = 1 << 18;
+
+// out = x / sqrt(mean(x^2) + eps) * w, row by row; x, out [N, D], w [D] (F.rms_norm's math).
+void rms_norm(const f32& x, const f32& w, double eps, f32& out) {
+    need(x.ndim() == 2 && out.ndim() == 2 && w.ndim() == 1, "rms_norm: x and out 2-d, w 1-d");
+    const int64_t N = x.shape(0), D = x.shape(1);
+    need(out.shape(0) == N && out.shape(1) == D && w.shape(0) == D, "rms_norm: out like x, w of x's width");
+    const float *xp = x.data(), *wp = w.data();
+    float* op = out.mutable_data();
+    const float e = float(eps);
+    py::gil_scoped_release nogil;
+#pragma omp parallel for if (N * D >= kParallelFloats)
+    for (int64_t n = 0; n < N; ++n) {
+        const float* xr = xp + n * D;
+        float* orow = op + n * D;
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < D; ++i) ss += xr[i] * xr[i];
+        const float inv = 1.f / std::sqrt(ss / float(D) + e);
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) orow[i] = xr[i] * inv * wp[i];
+    }
+}
+
+// out = silu(x[:, :I]) * x[:, I:]; x [N, 2I] (gate, then up, as the fused projection lays them out).
+void silu_and_mul(const f32& x, f32& out) {
+    need(x.ndim() == 2 && out.ndim() == 2 && x.shape(1) % 2 == 0, "silu_and_mul: x [N, 2I] and out 2-d");
+    const int64_t N = x.shape(0), I = x.shape(1) / 2;
+    need(out.shape(0) == N && out.shape(1) == I, "silu_and_mul: out [N, I]");
+    const float* xp = x.data();
+    float* op = out.mutable_data();
+    py::gil_scoped_release nogil;
+#pragma omp parallel for if (N * I >= kParallelFloats)
+    for (int64_t n = 0; n < N; ++n) {
+        const float *gate = xp + n * 2 * I, *up = gate + I;
+        float* orow = op + n * I;
+#pragma omp simd
+        for (int64_t i = 0; i < I; ++i) orow[i] = gate[i] / (1.f + exp_clamped(-gate[i])) * up[i];
+    }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-    m.doc() = "Native paged attention for short queries (see attention.py for the torch path it must match)";
+    m.doc() = "Native kernels: paged attention for short queries, RMSNorm, SiLU-and-multiply (torch twins in "
+              "attention.py and models/llama.py)";
     m.def("paged_attention", &paged_attention, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
           py::arg("v_cache").noconvert(), py::arg("block_tables").noconvert(), py::arg("lens").noconvert(),
           py::arg("prefix").noconvert(), py::arg("rows").noconvert(), py::arg("seqs").noconvert(),
           py::arg("masks").noconvert(), py::arg("out").noconvert(), py::arg("block_size"), py::arg("scale"));
+    m.def("rms_norm", &rms_norm, py::arg("x").noconvert(), py::arg("w").noconvert(), py::arg("eps"),
+          py::arg("out").noconvert());
+    m.def("silu_and_mul", &silu_and_mul, py::arg("x").noconvert(), py::arg("out").noconvert());
 }

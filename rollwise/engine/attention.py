@@ -7,8 +7,9 @@ runs one SDPA per group of sequences with similar query lengths (decodes togethe
 together), so a long prefill chunk does not pad the decodes.
 
 Short queries (decodes, drafts being verified, short prompts: up to 64 a sequence) on CPU in fp32
-skip the copy: the native kernel (`_C.paged_attention`) reads keys and values where they lie. The
-torch path stays as its oracle and as the path for long prefill chunks, bf16 and other devices.
+skip the copy: the native kernel (`_C.paged_attention`, see native.py) reads keys and values where
+they lie. The torch path stays as its oracle and as the path for long prefill chunks, bf16 and
+other devices.
 """
 from __future__ import annotations
 
@@ -18,12 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-try:
-    from rollwise.engine import _C
-except ImportError:  # not built: the torch path does everything
-    _C = None
+from rollwise.engine import native
 
-NATIVE = _C is not None  # tests and benchmarks turn it off to compare with the torch path
 MAX_SHORT = 64  # queries per sequence the native kernel takes (one bit each in a 64-bit mask)
 
 
@@ -137,13 +134,13 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch
     for g in meta.groups:
         b, nb = g.block_tables.shape
         lq = g.q_index.shape[1]
-        if g.short is not None and NATIVE and q.device.type == "cpu" and q.dtype == torch.float32:
+        if g.short is not None and native.ENABLED and q.device.type == "cpu" and q.dtype == torch.float32:
             if out is None:
                 out = torch.empty_like(q)
             sq = g.short
-            _C.paged_attention(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), g.block_tables.numpy(),
-                               sq.lens, sq.prefix, sq.rows, sq.seqs, sq.masks, out.numpy(), meta.block_size,
-                               d ** -0.5)
+            native._C.paged_attention(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(),
+                                      g.block_tables.numpy(), sq.lens, sq.prefix, sq.rows, sq.seqs, sq.masks,
+                                      out.numpy(), meta.block_size, d ** -0.5)
             continue
         # index_select copies whole rows and is ~2x faster than advanced indexing here
         qg = q.index_select(0, g.q_index.flatten()).view(b, lq, -1, d).transpose(1, 2)  # [B, H, Lq, D]

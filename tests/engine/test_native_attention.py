@@ -9,15 +9,16 @@ import pytest
 import torch
 
 from rollwise.engine import attention as A
+from rollwise.engine import native
 
 
 @pytest.fixture
 def torch_path(monkeypatch):
     """Runs `paged_attention` with the native kernel on or off."""
-    assert A._C is not None, "rollwise.engine._C is not built (pip install -e . builds it)"
+    assert native._C is not None, "rollwise.engine._C is not built (pip install -e . builds it)"
 
-    def run(native: bool, *args):
-        monkeypatch.setattr(A, "NATIVE", native)
+    def run(on: bool, *args):
+        monkeypatch.setattr(native, "ENABLED", on)
         return A.paged_attention(*args)
     return run
 
@@ -126,7 +127,7 @@ def test_bad_input_is_a_clear_error():
     ok = dict(q=q, k_cache=cache, v_cache=cache, block_tables=np.array([[0, 1], [2, 3]]), lens=i64(5, 8),
               prefix=i64(4, 6), rows=i64(0, 1, 2), seqs=i64(0, 1, 1), masks=i64(1, 1, 3), out=q.copy(),
               block_size=4, scale=0.5)
-    A._C.paged_attention(**ok)
+    native._C.paged_attention(**ok)
     bad = {
         "block ids within the pool": dict(block_tables=np.array([[0, 1], [2, 4]])),
         "lens within": dict(lens=i64(5, 9)),
@@ -140,11 +141,11 @@ def test_bad_input_is_a_clear_error():
     }
     for msg, change in bad.items():
         with pytest.raises(ValueError, match=msg):
-            A._C.paged_attention(**dict(ok, **change))
+            native._C.paged_attention(**dict(ok, **change))
     with pytest.raises(TypeError):  # float64 would be a silent copy the kernel writes into: refused
-        A._C.paged_attention(**dict(ok, out=np.zeros((3, 4, 8))))
+        native._C.paged_attention(**dict(ok, out=np.zeros((3, 4, 8))))
     with pytest.raises(TypeError):  # so is a strided view
-        A._C.paged_attention(**dict(ok, q=np.zeros((3, 4, 16), np.float32)[:, :, ::2]))
+        native._C.paged_attention(**dict(ok, q=np.zeros((3, 4, 16), np.float32)[:, :, ::2]))
 
 
 def test_engine_greedy_tokens_same_with_and_without_kernel(model_dirs, monkeypatch):
@@ -155,9 +156,9 @@ def test_engine_greedy_tokens_same_with_and_without_kernel(model_dirs, monkeypat
     prompts = [[5 + i, 9, 40 + 3 * i, 7] * (i + 1) for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     runs = {}
-    for native in (False, True):
-        monkeypatch.setattr(A, "NATIVE", native)
-        runs[native] = llm.generate(prompts, params)
+    for on in (False, True):
+        monkeypatch.setattr(native, "ENABLED", on)
+        runs[on] = llm.generate(prompts, params)
     for a, b in zip(runs[False], runs[True]):
         assert a.token_ids == b.token_ids
         assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollwise.engine import native
 from rollwise.engine.attention import AttentionMetadata, paged_attention
 from rollwise.engine.models.linear import Linear
 
@@ -79,6 +80,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if native.takes(x):  # one pass over the rows (inference, fp32 on the CPU)
+            return native.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # fused kernel; same math as below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
@@ -166,7 +169,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if native.takes(gate_up):  # one pass instead of silu, then multiply
+            return self.down_proj(native.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -1,0 +1,34 @@
+"""The native kernels (rollwise/engine/_C.cpp, built by `pip install`) behind one switch. Each has a
+torch twin, which stays its test oracle and the path for what the kernels do not take: bf16, other
+devices, autograd, long prefill chunks (attention.py)."""
+from __future__ import annotations
+
+import torch
+
+try:
+    from rollwise.engine import _C
+except ImportError:  # not built: the torch twins do everything
+    _C = None
+
+ENABLED = _C is not None  # tests and benchmarks turn it off to compare with the torch path
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether the small-op kernels take x: fp32 on the CPU, contiguous, no autograd."""
+    return (ENABLED and x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
+            and not torch.is_grad_enabled())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm over the last dimension of x (see `takes`)."""
+    out = torch.empty_like(x)
+    d = x.shape[-1]
+    _C.rms_norm(x.view(-1, d).numpy(), weight.detach().numpy(), eps, out.view(-1, d).numpy())
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate, up] along the last dimension, x [N, 2I] (see `takes`)."""
+    out = x.new_empty(x.shape[0], x.shape[1] // 2)
+    _C.silu_and_mul(x.numpy(), out.numpy())
+    return out
