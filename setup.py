@@ -1,5 +1,5 @@
-"""Builds of the native cores (rollwise.spec._C: the suffix tree; rollwise.engine._C: paged decode
-attention); everything else is in pyproject.toml."""
+"""Builds of the native cores (rollwise.spec._C: the suffix tree; rollwise.engine._C: the engine's
+kernels); everything else is in pyproject.toml."""
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
@@ -9,9 +9,12 @@ setup(
                           depends=["rollwise/spec/suffix_tree.h", "rollwise/spec/suffix_tree_read.h"],
                           cxx_std=17, extra_compile_args=["-O3"]),
         # OpenMP: the same libgomp torch loads (soname libgomp.so.1), so one thread pool and one
-        # OMP_WAIT_POLICY for both. Optional: without it the engine runs its torch path
+        # OMP_WAIT_POLICY for both. Reassociating float sums lets GCC vectorize reductions as trees.
+        # Optional: without it the engine runs torch ops alone
         Pybind11Extension("rollwise.engine._C", ["rollwise/engine/_C.cpp"], cxx_std=17, optional=True,
-                          extra_compile_args=["-O3", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"], extra_link_args=["-fopenmp"]),
+                          extra_compile_args=["-O3", "-fopenmp", "-fassociative-math", "-fno-signed-zeros",
+                                              "-fno-trapping-math"],
+                          extra_link_args=["-fopenmp"]),
     ],
     cmdclass={"build_ext": build_ext},
 )

@@ -13,10 +13,10 @@ except ImportError:  # not built: the torch twins do everything
 ENABLED = _C is not None  # tests and benchmarks turn it off to compare with the torch path
 
 
-def takes(x: torch.Tensor) -> bool:
-    """Whether the small-op kernels take x: fp32 on the CPU, contiguous, no autograd."""
-    return (ENABLED and x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
-            and not torch.is_grad_enabled())
+def takes(*xs: torch.Tensor) -> bool:
+    """Whether the small-op kernels take these tensors: fp32 on the CPU, contiguous, no autograd."""
+    return ENABLED and not torch.is_grad_enabled() and all(
+        x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() for x in xs)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

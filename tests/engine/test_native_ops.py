@@ -57,6 +57,7 @@ def test_takes_only_inference_fp32_cpu_contiguous(monkeypatch):
         assert native.takes(x)
         assert not native.takes(x.to(torch.bfloat16))
         assert not native.takes(x.t())  # strided: the torch twin handles views
+        assert not native.takes(x, x.to(torch.bfloat16))  # every tensor must qualify
         monkeypatch.setattr(native, "ENABLED", False)
         assert not native.takes(x)
     monkeypatch.setattr(native, "ENABLED", True)

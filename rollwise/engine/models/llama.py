@@ -80,7 +80,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if native.takes(x):  # one pass over the rows (inference, fp32 on the CPU)
+        if native.takes(x, self.weight):  # one pass over the rows (inference, fp32 on the CPU)
             return native.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # fused kernel; same math as below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -170,7 +170,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
-        if native.takes(gate_up):  # one pass instead of silu, then multiply
+        if gate_up.dim() == 2 and native.takes(gate_up):  # one pass instead of silu, then multiply
             return self.down_proj(native.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
