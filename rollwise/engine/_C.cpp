@@ -1,11 +1,12 @@
-// Paged attention for short queries (decode steps, drafts being verified), reading keys and values in
-// place from the block pool. The torch path in attention.py gathers every sequence's blocks into a
-// padded copy before SDPA; for a few queries per sequence that copy moves more memory than the
-// attention reads. Here keys are read where they lie, in partitions of whole blocks
-// (flash-decoding: each partition keeps its max score and sum; a query's partitions are combined
-// at the end). Each query sees its sequence's first `prefix` keys and, among the next ones (its
-// own token, the draft), those its 64-bit mask names: causal for chains, ancestors for trees.
-// attention.py's torch path is the test oracle.
+// Paged attention reading keys and values in place from the block pool. The torch path in
+// attention.py gathers every sequence's blocks into a padded copy before SDPA; for a few queries per
+// sequence that copy moves more memory than the attention reads. Here keys are read where they
+// lie, in partitions of whole blocks (flash-decoding: each partition keeps its max score and sum;
+// a query's partitions are combined at the end). Each query sees its sequence's first `prefix`
+// keys and, of the next 64, those its mask names (tree drafts: the ancestors). What a query
+// computes depends only on the keys it sees, so a row gives the same bits in a prefill chunk, a
+// decode step or a draft chain, in any batch: seeded sampling stays reproducible with prefix
+// caching and chunked prefill. attention.py's torch path is the test oracle.
 //
 // Also the small ops of a decoder layer (RMSNorm, SiLU-and-multiply), one pass each; their torch
 // twins in models/llama.py are the oracles.
@@ -83,13 +84,15 @@ ROLLWISE_CLONES void attend_part(const float* __restrict q, int H, int g, int d_
                                  float* __restrict scores) {
     const int d = D ? D : d_;
     const int64_t n = t1 - t0;
-    for (int64_t t = t0; t < t1; ++t) {
+    // key t's pool row: base + t within its block (t0 starts a block: partitions are whole blocks)
+    for (int64_t t = t0, base = 0, left = 0; t < t1; ++t, --left) {
+        if (left == 0) base = table[t / bs] * bs - t, left = bs;  // one division per block, not per key
         const bool seen = t < prefix || ((mask >> (t - prefix)) & 1);
         if (!seen) {
             for (int h = 0; h < H; ++h) scores[h * n + (t - t0)] = -INFINITY;
             continue;
         }
-        const float* k = kc + (table[t / bs] * bs + t % bs) * row;
+        const float* k = kc + (base + t) * row;
         for (int kv = 0, h = 0; kv < H / g; ++kv) {
             const float* kh = k + kv * d;
             for (int j = 0; j < g; ++j, ++h) scores[h * n + (t - t0)] = dot<D>(q + h * d, kh, d) * scale;
@@ -112,9 +115,10 @@ ROLLWISE_CLONES void attend_part(const float* __restrict q, int H, int g, int d_
         z[h] = zh;
         std::fill(acc + h * d, acc + (h + 1) * d, 0.f);
     }
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t = t0, base = 0, left = 0; t < t1; ++t, --left) {
+        if (left == 0) base = table[t / bs] * bs - t, left = bs;
         if (!(t < prefix || ((mask >> (t - prefix)) & 1))) continue;
-        const float* v = vc + (table[t / bs] * bs + t % bs) * row;
+        const float* v = vc + (base + t) * row;
         for (int kv = 0, h = 0; kv < H / g; ++kv) {
             const float* vh = v + kv * d;
             for (int j = 0; j < g; ++j, ++h) {
@@ -137,60 +141,66 @@ void need(bool ok, const std::string& what) {
     if (!ok) throw std::invalid_argument(what);
 }
 
-// q, out [T, H, D]; k_cache, v_cache [S, Hkv, D]; block_tables [B, nb]; lens, prefix [B]; rows,
-// seqs, masks [R]. Query i is row rows[i] of q, of sequence seqs[i] (non-decreasing); it reads
-// that sequence's first lens[b] cached keys (the step's new keys already written), sees the first
-// prefix[b] and, of the rest (at most 64), those in masks[i]; its output goes to row rows[i] of out.
-void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const i64& block_tables, const i64& lens_a,
-                     const i64& prefix_a, const i64& rows_a, const i64& seqs_a, const i64& masks_a, f32& out,
-                     int64_t block_size, double scale) {
+// Keys a query reads: its first `prefix` and, of the next 64, up to the last its mask names.
+inline int64_t keys_end(int64_t prefix, uint64_t mask) { return prefix + (mask ? 64 - __builtin_clzll(mask) : 0); }
+
+// q, out [T, H, D]; k_cache, v_cache [S, Hkv, D]; block_tables [B, nb]; rows, seqs, prefix, masks
+// [R]. Query i is row rows[i] of q, of sequence seqs[i] (non-decreasing); it sees that sequence's
+// first prefix[i] cached keys (the step's new keys already written) and, of the next 64, those
+// in masks[i] (causal rows: prefix = position + 1, mask 0; tree drafts: the ancestors); its
+// output goes to row rows[i] of out. A query's result depends only on what it sees, not on the
+// rest of the batch: runs that compute a row in different batches agree bit for bit.
+void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const i64& block_tables, const i64& rows_a,
+                     const i64& seqs_a, const i64& prefix_a, const i64& masks_a, f32& out, int64_t block_size,
+                     double scale) {
     const auto check = [](bool ok, const std::string& what) { need(ok, "paged_attention: " + what); };
     check(q.ndim() == 3 && out.ndim() == 3 && k_cache.ndim() == 3 && v_cache.ndim() == 3, "q, out and caches are 3-d");
     const int64_t T = q.shape(0), H = q.shape(1), D = q.shape(2);
     const int64_t S = k_cache.shape(0), Hkv = k_cache.shape(1);
     check(out.shape(0) == T && out.shape(1) == H && out.shape(2) == D, "out has q's shape");
     check(k_cache.shape(2) == D && v_cache.shape(0) == S && v_cache.shape(1) == Hkv && v_cache.shape(2) == D,
-         "caches are [S, Hkv, D] alike with q's D");
+          "caches are [S, Hkv, D] alike with q's D");
     check(Hkv > 0 && H % Hkv == 0, "query heads are a multiple of kv heads");
     check(block_size > 0 && S % block_size == 0, "the pool is whole blocks");
-    check(block_tables.ndim() == 2 && lens_a.ndim() == 1 && prefix_a.ndim() == 1 && rows_a.ndim() == 1 &&
-         seqs_a.ndim() == 1 && masks_a.ndim() == 1, "tables 2-d, the rest 1-d");
+    check(block_tables.ndim() == 2 && rows_a.ndim() == 1 && seqs_a.ndim() == 1 && prefix_a.ndim() == 1 &&
+          masks_a.ndim() == 1, "tables 2-d, the rest 1-d");
     const int64_t B = block_tables.shape(0), nb = block_tables.shape(1), R = rows_a.shape(0);
-    check(lens_a.shape(0) == B && prefix_a.shape(0) == B, "one length and prefix per sequence");
-    check(seqs_a.shape(0) == R && masks_a.shape(0) == R, "one sequence and mask per query");
-    const int64_t *bt = block_tables.data(), *lens = lens_a.data(), *prefix = prefix_a.data();
-    const int64_t *rows = rows_a.data(), *seqs = seqs_a.data();
+    check(seqs_a.shape(0) == R && prefix_a.shape(0) == R && masks_a.shape(0) == R,
+          "one row, sequence, prefix and mask per query");
+    const int64_t *bt = block_tables.data(), *rows = rows_a.data(), *seqs = seqs_a.data(), *prefix = prefix_a.data();
     const uint64_t* masks = reinterpret_cast<const uint64_t*>(masks_a.data());
-    for (int64_t b = 0; b < B; ++b) {
-        check(lens[b] >= 1 && lens[b] <= nb * block_size, "lens within 1..nb * block_size");
-        check(prefix[b] >= 0 && prefix[b] <= lens[b] && lens[b] - prefix[b] <= 64, "lens - 64 <= prefix <= lens");
-        for (int64_t j = 0; j < (lens[b] + block_size - 1) / block_size; ++j)
-            check(bt[b * nb + j] >= 0 && bt[b * nb + j] < S / block_size, "block ids within the pool");
-    }
+    std::vector<int64_t> end(R), seq_end(B, 0);
     for (int64_t i = 0; i < R; ++i) {
         check(rows[i] >= 0 && rows[i] < T, "rows within q");
         check(seqs[i] >= 0 && seqs[i] < B && (i == 0 || seqs[i] >= seqs[i - 1]), "seqs within tables, non-decreasing");
-        const int64_t extra = lens[seqs[i]] - prefix[seqs[i]];
-        check(extra == 64 || (masks[i] >> extra) == 0, "masks name keys below lens only");
-        check(prefix[seqs[i]] > 0 || masks[i] != 0, "every query sees a key");
+        check(prefix[i] >= 0, "prefix >= 0");
+        end[i] = keys_end(prefix[i], masks[i]);
+        check(end[i] >= 1, "every query sees a key");
+        check(end[i] <= nb * block_size, "keys within the block table");
+        seq_end[seqs[i]] = std::max(seq_end[seqs[i]], end[i]);
     }
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t j = 0; j < (seq_end[b] + block_size - 1) / block_size; ++j)
+            check(bt[b * nb + j] >= 0 && bt[b * nb + j] < S / block_size, "block ids within the pool");
     const int g = int(H / Hkv), h = int(H), d = int(D);
-    // work items: (query, partition of up to kPart keys, whole blocks), ordered sequence by
-    // sequence, partition by partition, so a sequence's queries read a partition while it is cached
+    // work items: (query, partition of up to kPart keys, whole blocks, from key 0), ordered
+    // sequence by sequence, partition by partition, so a sequence's queries read a partition while
+    // it is cached
     const int64_t part = std::max<int64_t>(1, kPart / block_size) * block_size;
     std::vector<int64_t> first(R + 1, 0);  // query i's partials: first[i] .. first[i + 1] - 1
-    for (int64_t i = 0; i < R; ++i) first[i + 1] = first[i] + (lens[seqs[i]] + part - 1) / part;
+    for (int64_t i = 0; i < R; ++i) first[i + 1] = first[i] + (end[i] + part - 1) / part;
     std::vector<std::pair<int64_t, int64_t>> items;  // (query, partition)
     items.reserve(first[R]);
     int64_t pairs = 0;
     for (int64_t i0 = 0; i0 < R;) {
         int64_t i1 = i0;
         while (i1 < R && seqs[i1] == seqs[i0]) ++i1;
-        for (int64_t p = 0; p < first[i0 + 1] - first[i0]; ++p)
-            for (int64_t i = i0; i < i1; ++i) items.emplace_back(i, p);
-        pairs += (i1 - i0) * lens[seqs[i0]] * h;
+        for (int64_t p = 0; p * part < seq_end[seqs[i0]]; ++p)
+            for (int64_t i = i0; i < i1; ++i)
+                if (p < first[i + 1] - first[i]) items.emplace_back(i, p);
         i0 = i1;
     }
+    for (int64_t i = 0; i < R; ++i) pairs += end[i] * h;
     const int64_t P = first[R], W = int64_t(items.size());
     std::vector<float> acc(size_t(P) * h * d), mx(size_t(P) * h), tot(size_t(P) * h);
     const float *qp = q.data(), *kp = k_cache.data(), *vp = v_cache.data();
@@ -203,9 +213,9 @@ void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const
 #pragma omp for schedule(dynamic)
         for (int64_t w = 0; w < W; ++w) {
             const auto [i, p] = items[w];
-            const int64_t b = seqs[i], t0 = p * part, t1 = std::min(lens[b], t0 + part), k = first[i] + p;
+            const int64_t b = seqs[i], t0 = p * part, t1 = std::min(end[i], t0 + part), k = first[i] + p;
             auto fn = d == 64 ? attend_part<64> : d == 128 ? attend_part<128> : attend_part<0>;
-            fn(qp + rows[i] * h * d, h, g, d, kp, vp, Hkv * D, bt + b * nb, t0, t1, prefix[b], masks[i], block_size,
+            fn(qp + rows[i] * h * d, h, g, d, kp, vp, Hkv * D, bt + b * nb, t0, t1, prefix[i], masks[i], block_size,
                sc, acc.data() + k * h * d, mx.data() + k * h, tot.data() + k * h, scores.data());
         }
 #pragma omp for
@@ -275,12 +285,12 @@ void silu_and_mul(const f32& x, f32& out) {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-    m.doc() = "Native kernels: paged attention for short queries, RMSNorm, SiLU-and-multiply (torch twins in "
-              "attention.py and models/llama.py)";
+    m.doc() = "Native kernels: paged attention, RMSNorm, SiLU-and-multiply (torch twins in attention.py and "
+              "models/llama.py)";
     m.def("paged_attention", &paged_attention, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
-          py::arg("v_cache").noconvert(), py::arg("block_tables").noconvert(), py::arg("lens").noconvert(),
-          py::arg("prefix").noconvert(), py::arg("rows").noconvert(), py::arg("seqs").noconvert(),
-          py::arg("masks").noconvert(), py::arg("out").noconvert(), py::arg("block_size"), py::arg("scale"));
+          py::arg("v_cache").noconvert(), py::arg("block_tables").noconvert(), py::arg("rows").noconvert(),
+          py::arg("seqs").noconvert(), py::arg("prefix").noconvert(), py::arg("masks").noconvert(),
+          py::arg("out").noconvert(), py::arg("block_size"), py::arg("scale"));
     m.def("rms_norm", &rms_norm, py::arg("x").noconvert(), py::arg("w").noconvert(), py::arg("eps"),
           py::arg("out").noconvert());
     m.def("silu_and_mul", &silu_and_mul, py::arg("x").noconvert(), py::arg("out").noconvert());

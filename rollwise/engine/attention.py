@@ -6,10 +6,12 @@ slots, then gathers every sequence's blocks (whole blocks: few, large copies) in
 runs one SDPA per group of sequences with similar query lengths (decodes together, prefill chunks
 together), so a long prefill chunk does not pad the decodes.
 
-Short queries (decodes, drafts being verified, short prompts: up to 64 a sequence) on CPU in fp32
-skip the copy: the native kernel (`_C.paged_attention`, see native.py) reads keys and values where
-they lie. The torch path stays as its oracle and as the path for long prefill chunks, bf16 and
-other devices.
+On CPU in fp32, when the engine asks for it (`EngineConfig.native_attention`), the native kernel
+(`_C.paged_attention`, see native.py) takes every group instead:
+it reads keys and values where they lie, and what a row computes depends only on the keys it
+sees, so the same row gives the same bits in a prefill chunk, a decode step or a draft chain
+(seeded sampling stays reproducible with prefix caching). The torch path stays as its oracle and
+for bf16, other devices, and tree drafts of more than 64 tokens.
 """
 from __future__ import annotations
 
@@ -21,19 +23,17 @@ import torch.nn.functional as F
 
 from rollwise.engine import native
 
-MAX_SHORT = 64  # queries per sequence the native kernel takes (one bit each in a 64-bit mask)
+MAX_SHORT = 64  # short queries (drafts, short prompts) get their own group; a tree's mask fits 64 bits
 
 
 @dataclass(slots=True)
-class ShortQueries:
-    """A group's queries as the native kernel reads them: sequence b's query sees its first
-    prefix[b] keys and, of the next lens[b] - prefix[b] (the step's new tokens), those in its
-    mask (bit i: key prefix[b] + i)."""
-    lens: np.ndarray  # [B] int64 keys each sequence reads (cached before plus new)
-    prefix: np.ndarray  # [B] keys every query of the sequence sees (those cached before)
-    rows: np.ndarray  # [R] row of each query in the flat batch
+class NativeQueries:
+    """A group's queries as the native kernel reads them: query i sees the first prefix[i] keys of
+    its sequence and, of the next 64, those in masks[i] (bit j: key prefix[i] + j)."""
+    rows: np.ndarray  # [R] int64 row of each query in the flat batch
     seqs: np.ndarray  # [R] its sequence in the group
-    masks: np.ndarray  # [R] int64 bits of the new keys it sees (causal, or its tree ancestors)
+    prefix: np.ndarray  # [R] causal rows: position + 1; tree drafts: the keys cached before the step
+    masks: np.ndarray  # [R] int64 tree drafts: their ancestors among the step's new tokens; else 0
 
 
 @dataclass(slots=True)
@@ -43,7 +43,7 @@ class AttentionGroup:
     mask: torch.Tensor | None  # [B, 1, Lq, nb * block_size] bool; None when every key is visible
     out_rows: torch.Tensor | None  # [N] flat rows this group produces; None: all rows, in order
     out_select: torch.Tensor | None  # [N] positions in the flattened [B * Lq] result that hold them
-    short: ShortQueries | None  # for the native kernel (at most MAX_SHORT queries a sequence)
+    native: NativeQueries | None  # for the native kernel; None: not asked for, or a tree too long for it
 
 
 @dataclass(slots=True)
@@ -51,11 +51,12 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     groups: list[AttentionGroup]
     block_size: int
+    use_native: bool = False  # the native kernel takes the groups it can (CPU, fp32)
 
 
 def build_metadata(
     q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
-    device: torch.device, tree_masks: dict[int, torch.Tensor] | None = None,
+    device: torch.device, tree_masks: dict[int, torch.Tensor] | None = None, use_native: bool = False,
 ) -> AttentionMetadata:
     """q_lens[i] new tokens of sequence i follow ctx_lens[i] tokens already in the cache and take the
     next q_lens[i] slots. Without a tree mask they attend causally; `tree_masks[i]` ([q, q] bool:
@@ -75,13 +76,13 @@ def build_metadata(
     # decodes, short queries (verification of drafts) and long prefill chunks each get their own
     # padded batch, so nobody is padded to a long chunk
     groups = [
-        _group(sel.nonzero().flatten(), q, c, bt, starts, block_size, device, tree_masks or {})
+        _group(sel.nonzero().flatten(), q, c, bt, starts, block_size, device, tree_masks or {}, use_native)
         for sel in (q == 1, (q > 1) & (q <= MAX_SHORT), q > MAX_SHORT) if bool(sel.any())
     ]
-    return AttentionMetadata(slot_mapping.to(device), groups, block_size)
+    return AttentionMetadata(slot_mapping.to(device), groups, block_size, use_native)
 
 
-def _group(idx, q_all, c_all, bt_all, starts_all, block_size, device, tree_masks) -> AttentionGroup:
+def _group(idx, q_all, c_all, bt_all, starts_all, block_size, device, tree_masks, use_native) -> AttentionGroup:
     q, c, bt, s = q_all[idx], c_all[idx], bt_all[idx], starts_all[idx]
     lq = int(q.max())
     nb = -(-int((c + q).max()) // block_size)
@@ -105,22 +106,22 @@ def _group(idx, q_all, c_all, bt_all, starts_all, block_size, device, tree_masks
         out_rows = out_select = None  # this group is the whole batch, in order
     else:
         out_rows, out_select = out_rows.to(device), out_select.to(device)
-    short = _short_queries(idx, q, c, s, valid_q, tree_masks) if lq <= MAX_SHORT else None
-    return AttentionGroup(q_index.to(device), bt[:, :nb].contiguous().to(device), mask, out_rows, out_select, short)
+    trees = [(b, tree_masks[i]) for b, i in enumerate(idx.tolist()) if i in tree_masks]
+    native = _native_queries(q, c, s, valid_q, trees) if use_native and (lq <= MAX_SHORT or not trees) else None
+    return AttentionGroup(q_index.to(device), bt[:, :nb].contiguous().to(device), mask, out_rows, out_select, native)
 
 
-def _short_queries(idx, q, c, s, valid_q, tree_masks) -> ShortQueries:
-    lq = valid_q.shape[1]
-    seen = torch.ones(lq, lq, dtype=torch.bool).tril().repeat(len(idx), 1, 1)  # [B, Lq, Lq] new keys seen
-    for b, i in enumerate(idx.tolist()):
-        if i in tree_masks:
-            n = int(q[b])
-            seen[b, :n, :n] = tree_masks[i]
-    bits = (seen.long() << torch.arange(lq)).sum(-1)  # distinct bits: the sum is their OR (bit 63 too)
-    j = torch.arange(lq)[None, :].expand_as(valid_q)
-    seqs = torch.arange(len(idx))[:, None].expand_as(valid_q)
-    return ShortQueries((c + q).numpy(), c.numpy(), (s[:, None] + j)[valid_q].numpy(), seqs[valid_q].numpy(),
-                        bits[valid_q].numpy())
+def _native_queries(q, c, s, valid_q, trees) -> NativeQueries:
+    j = torch.arange(valid_q.shape[1])[None, :].expand_as(valid_q)
+    prefix = c[:, None] + j + 1  # causal: every key up to its own
+    masks = torch.zeros_like(prefix)
+    for b, tree in trees:  # [n, n]: token a sees new token b
+        n = int(q[b])
+        prefix[b, :n] = c[b]
+        masks[b, :n] = (tree.long() << torch.arange(n)).sum(-1)  # distinct bits: the sum is their OR (bit 63 too)
+    seqs = torch.arange(len(q))[:, None].expand_as(valid_q)
+    return NativeQueries((s[:, None] + j)[valid_q].numpy(), seqs[valid_q].numpy(), prefix[valid_q].numpy(),
+                         masks[valid_q].numpy())
 
 
 def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -134,13 +135,14 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch
     for g in meta.groups:
         b, nb = g.block_tables.shape
         lq = g.q_index.shape[1]
-        if g.short is not None and native.ENABLED and q.device.type == "cpu" and q.dtype == torch.float32:
+        if meta.use_native and g.native is not None and native.ENABLED and q.device.type == "cpu" \
+                and q.dtype == torch.float32:
             if out is None:
                 out = torch.empty_like(q)
-            sq = g.short
+            nq = g.native
             native._C.paged_attention(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(),
-                                      g.block_tables.numpy(), sq.lens, sq.prefix, sq.rows, sq.seqs, sq.masks,
-                                      out.numpy(), meta.block_size, d ** -0.5)
+                                      g.block_tables.numpy(), nq.rows, nq.seqs, nq.prefix, nq.masks, out.numpy(),
+                                      meta.block_size, d ** -0.5)
             continue
         # index_select copies whole rows and is ~2x faster than advanced indexing here
         qg = q.index_select(0, g.q_index.flatten()).view(b, lq, -1, d).transpose(1, 2)  # [B, H, Lq, D]

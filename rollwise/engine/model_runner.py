@@ -37,6 +37,7 @@ class ModelRunner:
         self._spare: list[CausalLM] = []  # dropped versions' models, reused for the next ones
         mc = self.model.config
         self.block_size = cfg.block_size
+        self.native_attention = cfg.native_attention
         dtype = TORCH_DTYPES[cfg.dtype]
         bytes_per_block = 2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
         self.num_blocks = cfg.num_kv_blocks or max(2, int(cfg.kv_cache_gb * 2**30 // bytes_per_block))
@@ -89,7 +90,7 @@ class ModelRunner:
                 starts.append(-1)
             q_lens.append(n + (len(s.draft) if s.draft is not None else 0))
         meta = build_metadata(q_lens, [s.num_computed_before for s in batch], [s.seq.block_table for s in batch],
-                              self.block_size, self.device, trees)
+                              self.block_size, self.device, trees, self.native_attention)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         hidden = model(t(ids), t(positions), meta, self.kv_cache)
         return model.logits(hidden[t(rows)]), starts
@@ -101,7 +102,7 @@ class ModelRunner:
         bs = self.block_size
         table = list(range(min(self.num_blocks, -(-num_tokens // bs))))
         n = min(num_tokens, len(table) * bs)
-        meta = build_metadata([n], [0], [table], bs, self.device)
+        meta = build_metadata([n], [0], [table], bs, self.device, use_native=self.native_attention)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
         best = float("inf")

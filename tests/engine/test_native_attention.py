@@ -41,7 +41,7 @@ def test_decode_matches_torch_path(torch_path, heads, kv_heads, d, bs):
         tables = [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(batch)]
         kc, vc = make_pool(sum(need) + 5, bs, kv_heads, d, batch)
         q, k, v = torch.randn(batch, heads, d), torch.randn(batch, kv_heads, d), torch.randn(batch, kv_heads, d)
-        meta = A.build_metadata([1] * batch, ctx, tables, bs, torch.device("cpu"))
+        meta = A.build_metadata([1] * batch, ctx, tables, bs, torch.device("cpu"), use_native=True)
         ref = torch_path(False, q, k, v, kc.clone(), vc.clone(), meta)
         out = torch_path(True, q, k, v, kc, vc, meta)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
@@ -64,7 +64,7 @@ def test_mixed_batch_scatters_decode_rows(torch_path):
     q, k, v = torch.randn(t, h, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
     tree = {3: torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 0, 0, 1]],
                             dtype=torch.bool)}
-    meta = A.build_metadata(q_lens, ctx, tables, bs, torch.device("cpu"), tree)
+    meta = A.build_metadata(q_lens, ctx, tables, bs, torch.device("cpu"), tree, use_native=True)
     ref = torch_path(False, q, k, v, kc.clone(), vc.clone(), meta)
     out = torch_path(True, q, k, v, kc, vc, meta)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
@@ -78,7 +78,7 @@ def test_extreme_scores_stay_finite(torch_path):
     kc[2] = 50.0  # one key far ahead of the rest
     q = torch.full((2, h, d), 1.0)
     k, v = torch.zeros(2, hkv, d), torch.randn(2, hkv, d)
-    meta = A.build_metadata([1, 1], [4, 2], [[0, 1], [2, 3]], bs, torch.device("cpu"))
+    meta = A.build_metadata([1, 1], [4, 2], [[0, 1], [2, 3]], bs, torch.device("cpu"), use_native=True)
     ref = torch_path(False, q, k, v, kc.clone(), vc.clone(), meta)
     out = torch_path(True, q, k, v, kc, vc, meta)
     assert torch.isfinite(out).all()
@@ -108,40 +108,59 @@ def test_drafts_and_short_prompts_match_torch_path(torch_path, tree):
     kc, vc = make_pool(sum(need) + 3, bs, hkv, d, 5)
     t = sum(q_lens)
     q, k, v = torch.randn(t, h, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
-    meta = A.build_metadata(q_lens, ctx, tables, bs, torch.device("cpu"), trees)
-    assert all(g.short is not None for g in meta.groups)  # all on the native path
+    meta = A.build_metadata(q_lens, ctx, tables, bs, torch.device("cpu"), trees, use_native=True)
+    assert all(g.native is not None for g in meta.groups)  # all on the native path
     ref = torch_path(False, q, k, v, kc.clone(), vc.clone(), meta)
     out = torch_path(True, q, k, v, kc, vc, meta)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
-def test_long_prefill_chunks_stay_on_torch_path():
-    meta = A.build_metadata([65, 1], [0, 10], [[0, 1, 2, 3, 4], [5]], 16, torch.device("cpu"))
-    assert [g.short is None for g in meta.groups] == [False, True]  # decode native; the chunk is not
+def test_long_chunks_native_too_and_rows_same_bits_in_any_group(torch_path):
+    """A prefill chunk of 300 tokens goes through the kernel too, and each of its rows gives the
+    same bits as that row alone (a decode step after a cached prefix) and as a row of a draft
+    chain: what seeded sampling with prefix caching relies on. A tree of more than 64 tokens
+    stays on the torch path."""
+    bs, h, hkv, d = 16, 8, 2, 32
+    n = 300
+    kc, vc = make_pool(32, bs, hkv, d, 9)
+    table = list(range(19))
+    q, k, v = torch.randn(n, h, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+    meta = A.build_metadata([n], [0], [table], bs, torch.device("cpu"), use_native=True)
+    assert meta.groups[0].native is not None
+    full = torch_path(True, q, k, v, kc, vc, meta)
+    torch.testing.assert_close(full, torch_path(False, q, k, v, kc.clone(), vc.clone(), meta), rtol=1e-5, atol=1e-6)
+    for p in (0, 255, 256, 299):  # the row alone, its keys cached
+        one = A.build_metadata([1], [p], [table], bs, torch.device("cpu"), use_native=True)
+        assert torch.equal(torch_path(True, q[p:p + 1], k[p:p + 1], v[p:p + 1], kc, vc, one), full[p:p + 1])
+    # rows 250-258 as a draft chain, across a partition edge
+    chain = A.build_metadata([9], [250], [table], bs, torch.device("cpu"), use_native=True)
+    assert torch.equal(torch_path(True, q[250:259], k[250:259], v[250:259], kc, vc, chain), full[250:259])
+    tree = {0: torch.eye(65, dtype=torch.bool)}
+    assert A.build_metadata([65], [0], [table], bs, torch.device("cpu"), tree, use_native=True).groups[0].native is None
 
 
 def test_bad_input_is_a_clear_error():
     q = np.zeros((3, 4, 8), np.float32)
     cache = np.zeros((16, 2, 8), np.float32)
     i64 = lambda *x: np.array(x, np.int64)  # noqa: E731
-    ok = dict(q=q, k_cache=cache, v_cache=cache, block_tables=np.array([[0, 1], [2, 3]]), lens=i64(5, 8),
-              prefix=i64(4, 6), rows=i64(0, 1, 2), seqs=i64(0, 1, 1), masks=i64(1, 1, 3), out=q.copy(),
-              block_size=4, scale=0.5)
+    ok = dict(q=q, k_cache=cache, v_cache=cache, block_tables=np.array([[0, 1], [2, 3]]), rows=i64(0, 1, 2),
+              seqs=i64(0, 1, 1), prefix=i64(5, 6, 6), masks=i64(0, 1, 3), out=q.copy(), block_size=4, scale=0.5)
     native._C.paged_attention(**ok)
     bad = {
         "block ids within the pool": dict(block_tables=np.array([[0, 1], [2, 4]])),
-        "lens within": dict(lens=i64(5, 9)),
-        "prefix <= lens": dict(prefix=i64(6, 6)),
+        "keys within the block table": dict(prefix=i64(9, 6, 6)),
+        "prefix >= 0": dict(prefix=i64(-1, 6, 6)),
         "rows within q": dict(rows=i64(0, 1, 3)),
         "non-decreasing": dict(seqs=i64(1, 0, 1)),
-        "masks name keys below lens": dict(masks=i64(1, 1, 4)),
-        "every query sees a key": dict(prefix=i64(0, 6), masks=i64(0, 1, 3)),
+        "every query sees a key": dict(prefix=i64(0, 6, 6), masks=i64(0, 1, 3)),
         "multiple of kv heads": dict(q=np.zeros((3, 3, 8), np.float32), out=np.zeros((3, 3, 8), np.float32)),
         "whole blocks": dict(block_size=3),
     }
     for msg, change in bad.items():
         with pytest.raises(ValueError, match=msg):
             native._C.paged_attention(**dict(ok, **change))
+    with pytest.raises(ValueError, match="keys within the block table"):  # a mask naming keys past the table
+        native._C.paged_attention(**dict(ok, masks=i64(0, 1, 1 << 3)))
     with pytest.raises(TypeError):  # float64 would be a silent copy the kernel writes into: refused
         native._C.paged_attention(**dict(ok, out=np.zeros((3, 4, 8))))
     with pytest.raises(TypeError):  # so is a strided view
@@ -152,7 +171,7 @@ def test_engine_greedy_tokens_same_with_and_without_kernel(model_dirs, monkeypat
     """A whole generation (prefill, decode, continuous batching) gives the same tokens and
     logprobs either way."""
     from rollwise import LLM, SamplingParams
-    llm = LLM(model_dirs["qwen3"], max_num_seqs=8)
+    llm = LLM(model_dirs["qwen3"], max_num_seqs=8, native_attention=True)
     prompts = [[5 + i, 9, 40 + 3 * i, 7] * (i + 1) for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     runs = {}
@@ -162,3 +181,17 @@ def test_engine_greedy_tokens_same_with_and_without_kernel(model_dirs, monkeypat
     for a, b in zip(runs[False], runs[True]):
         assert a.token_ids == b.token_ids
         assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_seeded_sampling_reproducible_with_prefix_caching(model_dirs):
+    """The second run finds the prompts cached and recomputes only their last tokens, alone: with
+    the kernel those rows give the bits the full prefill gave, so the samples and logprobs repeat
+    (the torch path has the same property; a kernel only for short groups would break it)."""
+    from rollwise import LLM, SamplingParams
+    llm = LLM(model_dirs["llama"], max_num_seqs=8, native_attention=True, enable_prefix_caching=True)
+    prompts = [[3 + i % 50 for i in range(s, s + 90)] for s in range(4)]  # 90 tokens: a long prefill chunk
+    params = [SamplingParams(temperature=1.0, max_tokens=16, seed=i) for i in range(4)]
+    a, b = llm.generate(prompts, params), llm.generate(prompts, params)
+    assert llm.metrics()["prefix_hit_rate"] > 0
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.logprobs for o in a] == [o.logprobs for o in b]

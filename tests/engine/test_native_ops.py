@@ -78,6 +78,6 @@ def test_model_forward_same_with_and_without_native_ops(model_dirs, monkeypatch)
             monkeypatch.setattr(native, "ENABLED", on)
             kv = [torch.zeros(mc.num_layers, 4 * 16, mc.num_kv_heads, mc.head_dim) for _ in range(2)]
             with torch.inference_mode():
-                meta = build_metadata([len(ids)], [0], [[0, 1, 2]], 16, torch.device("cpu"))
+                meta = build_metadata([len(ids)], [0], [[0, 1, 2]], 16, torch.device("cpu"), use_native=True)
                 logits[on] = model.logits(model(ids, torch.arange(len(ids)), meta, kv))
         torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
