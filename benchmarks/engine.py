@@ -286,13 +286,13 @@ def report(r: dict, batches: list[int]) -> None:
           f"({int(pr['on']['prefill_tokens_per_run'])} computed, hit rate {pr['on']['hit_rate']:.2f}): "
           f"{pr['speedup']:.2f}x")
     if "native_kernels" in r:
-        print(f"\n{'native kernels':<28}{'native s':>10}{'torch s':>10}{'speedup':>9}  work")
+        print(f"\n{'native kernels':<34}{'native s':>10}{'torch s':>10}{'speedup':>9}  work (each side)")
         for c in r["native_kernels"].values():
             what = (f"decode, batch {c['batch']}, context {c['prompt_len']}" if "decode_tokens" in c
                     else f"prefill, {c['batch']} x {c['prompt_len']}")
-            work = (f"{c['decode_tokens']} tokens each" if "decode_tokens" in c
-                    else f"{c['prefill_tokens']} prompt tokens each")
-            print(f"{what:<28}{c['native_s']:>10.2f}{c['torch_s']:>10.2f}{c['speedup']:>8.2f}x  {work}, "
+            work = (f"{c['decode_tokens']} new tokens" if "decode_tokens" in c
+                    else f"{c['prefill_tokens']} prompt tokens")
+            print(f"{what:<34}{c['native_s']:>10.2f}{c['torch_s']:>10.2f}{c['speedup']:>8.2f}x  {work}, "
                   f"same tokens: {c['same_tokens']}")
 
 if __name__ == "__main__":
