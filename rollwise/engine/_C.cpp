@@ -170,6 +170,7 @@ void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const
     const int64_t *bt = block_tables.data(), *rows = rows_a.data(), *seqs = seqs_a.data(), *prefix = prefix_a.data();
     const uint64_t* masks = reinterpret_cast<const uint64_t*>(masks_a.data());
     std::vector<int64_t> end(R), seq_end(B, 0);
+    int64_t pairs = 0;  // (key, query head) pairs: the work
     for (int64_t i = 0; i < R; ++i) {
         check(rows[i] >= 0 && rows[i] < T, "rows within q");
         check(seqs[i] >= 0 && seqs[i] < B && (i == 0 || seqs[i] >= seqs[i - 1]), "seqs within tables, non-decreasing");
@@ -178,6 +179,7 @@ void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const
         check(end[i] >= 1, "every query sees a key");
         check(end[i] <= nb * block_size, "keys within the block table");
         seq_end[seqs[i]] = std::max(seq_end[seqs[i]], end[i]);
+        pairs += end[i] * H;
     }
     for (int64_t b = 0; b < B; ++b)
         for (int64_t j = 0; j < (seq_end[b] + block_size - 1) / block_size; ++j)
@@ -191,7 +193,6 @@ void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const
     for (int64_t i = 0; i < R; ++i) first[i + 1] = first[i] + (end[i] + part - 1) / part;
     std::vector<std::pair<int64_t, int64_t>> items;  // (query, partition)
     items.reserve(first[R]);
-    int64_t pairs = 0;
     for (int64_t i0 = 0; i0 < R;) {
         int64_t i1 = i0;
         while (i1 < R && seqs[i1] == seqs[i0]) ++i1;
@@ -200,12 +201,12 @@ void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const
                 if (p < first[i + 1] - first[i]) items.emplace_back(i, p);
         i0 = i1;
     }
-    for (int64_t i = 0; i < R; ++i) pairs += end[i] * h;
     const int64_t P = first[R], W = int64_t(items.size());
     std::vector<float> acc(size_t(P) * h * d), mx(size_t(P) * h), tot(size_t(P) * h);
     const float *qp = q.data(), *kp = k_cache.data(), *vp = v_cache.data();
     float* op = out.mutable_data();
     const float sc = float(scale);
+    const auto attend = d == 64 ? attend_part<64> : d == 128 ? attend_part<128> : attend_part<0>;
     py::gil_scoped_release nogil;
 #pragma omp parallel if (pairs >= kParallelPairs)
     {
@@ -214,9 +215,8 @@ void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const
         for (int64_t w = 0; w < W; ++w) {
             const auto [i, p] = items[w];
             const int64_t b = seqs[i], t0 = p * part, t1 = std::min(end[i], t0 + part), k = first[i] + p;
-            auto fn = d == 64 ? attend_part<64> : d == 128 ? attend_part<128> : attend_part<0>;
-            fn(qp + rows[i] * h * d, h, g, d, kp, vp, Hkv * D, bt + b * nb, t0, t1, prefix[i], masks[i], block_size,
-               sc, acc.data() + k * h * d, mx.data() + k * h, tot.data() + k * h, scores.data());
+            attend(qp + rows[i] * h * d, h, g, d, kp, vp, Hkv * D, bt + b * nb, t0, t1, prefix[i], masks[i], block_size,
+                   sc, acc.data() + k * h * d, mx.data() + k * h, tot.data() + k * h, scores.data());
         }
 #pragma omp for
         for (int64_t i = 0; i < R; ++i) {

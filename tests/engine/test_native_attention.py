@@ -28,6 +28,14 @@ def make_pool(num_blocks, bs, hkv, d, seed):
     return torch.randn(num_blocks * bs, hkv, d, generator=g), torch.randn(num_blocks * bs, hkv, d, generator=g)
 
 
+def random_tables(q_lens, ctx, bs, rng, spare):
+    """Block tables for sequences of ctx + q tokens, drawn in random order from a pool with `spare`
+    blocks left over. Returns (tables, number of blocks in the pool)."""
+    need = [(c + n + bs - 1) // bs for c, n in zip(ctx, q_lens)]
+    ids = rng.sample(range(sum(need) + spare), sum(need))
+    return [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))], sum(need) + spare
+
+
 @pytest.mark.parametrize("heads,kv_heads,d,bs", [(8, 4, 64, 16), (4, 4, 32, 8), (12, 2, 16, 4), (2, 1, 8, 32)])
 def test_decode_matches_torch_path(torch_path, heads, kv_heads, d, bs):
     """Random lengths (1 key, block edges, several of the kernel's 256-key partitions), blocks in
@@ -36,10 +44,8 @@ def test_decode_matches_torch_path(torch_path, heads, kv_heads, d, bs):
     for batch in (1, 3, 17, 48):  # 48 long sequences: over kParallelPairs, the threaded path
         ctx = [rng.choice([0, bs - 1, bs, 2 * bs + 1, rng.randrange(200), rng.randrange(256, 900)])
                for _ in range(batch)]
-        need = [(c + 1 + bs - 1) // bs for c in ctx]
-        ids = rng.sample(range(sum(need) + 5), sum(need))
-        tables = [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(batch)]
-        kc, vc = make_pool(sum(need) + 5, bs, kv_heads, d, batch)
+        tables, num_blocks = random_tables([1] * batch, ctx, bs, rng, spare=5)
+        kc, vc = make_pool(num_blocks, bs, kv_heads, d, batch)
         q, k, v = torch.randn(batch, heads, d), torch.randn(batch, kv_heads, d), torch.randn(batch, kv_heads, d)
         meta = A.build_metadata([1] * batch, ctx, tables, bs, torch.device("cpu"), use_native=True)
         ref = torch_path(False, q, k, v, kc.clone(), vc.clone(), meta)
@@ -55,11 +61,8 @@ def test_mixed_batch_scatters_decode_rows(torch_path):
     rows in place, the chunk still goes through SDPA, and the result is the torch path's."""
     bs, h, hkv, d = 8, 4, 2, 16
     q_lens, ctx = [1, 70, 1, 5, 1], [9, 0, 30, 12, 0]
-    need = [(c + n + bs - 1) // bs for c, n in zip(ctx, q_lens)]
-    ids = list(range(sum(need)))
-    random.Random(1).shuffle(ids)
-    tables = [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(len(q_lens))]
-    kc, vc = make_pool(sum(need), bs, hkv, d, 3)
+    tables, num_blocks = random_tables(q_lens, ctx, bs, random.Random(1), spare=0)
+    kc, vc = make_pool(num_blocks, bs, hkv, d, 3)
     t = sum(q_lens)
     q, k, v = torch.randn(t, h, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
     tree = {3: torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 0, 0, 1]],
@@ -94,9 +97,7 @@ def test_drafts_and_short_prompts_match_torch_path(torch_path, tree):
     bs, h, hkv, d = 16, 8, 2, 32
     q_lens = [1 + rng.randrange(64) for _ in range(9)] + [64, 2, 20]
     ctx = [rng.choice([250, 255, 256, 511, rng.randrange(1, 900)]) for _ in range(9)] + [300, 1, 0]
-    need = [(c + n + bs - 1) // bs for c, n in zip(ctx, q_lens)]
-    ids = rng.sample(range(sum(need) + 3), sum(need))
-    tables = [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(len(q_lens))]
+    tables, num_blocks = random_tables(q_lens, ctx, bs, rng, spare=3)
     trees = {}
     if tree:
         for i, n in enumerate(q_lens[:-1]):  # the last is a prompt: causal
@@ -105,7 +106,7 @@ def test_drafts_and_short_prompts_match_torch_path(torch_path, tree):
             for k, p in enumerate(parents):
                 trees[i][k] = trees[i][p] if p >= 0 else trees[i][k]
                 trees[i][k, k] = True
-    kc, vc = make_pool(sum(need) + 3, bs, hkv, d, 5)
+    kc, vc = make_pool(num_blocks, bs, hkv, d, 5)
     t = sum(q_lens)
     q, k, v = torch.randn(t, h, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
     meta = A.build_metadata(q_lens, ctx, tables, bs, torch.device("cpu"), trees, use_native=True)
