@@ -37,6 +37,20 @@ def test_silu_and_mul_matches_torch(rows, inter):
     torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [4, 600])  # one thread and both threads
+def test_kernels_flush_denormals_only_while_they_run(rows):
+    """The kernels flush denormals to zero (a denormal costs ~100 cycles a lane) and must restore the
+    thread's floating-point mode after: a denormal result elsewhere stays a denormal."""
+    tiny = np.float32(1e-38)
+    assert tiny / np.float32(100) > 0  # the mode before: denormals kept
+    x = torch.randn(rows, 2 * 1408) * 1e-3  # small gates: the vectorized select's other side is denormal
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(native.silu_and_mul(x), F.silu(gate) * up, rtol=1e-5, atol=1e-12)
+    native.rms_norm(x, torch.ones(2 * 1408), 1e-6)
+    assert tiny / np.float32(100) > 0
+    assert (torch.full((4,), 1e-38) / 100).gt(0).all()  # torch's threads too
+
+
 def test_bad_input_is_a_clear_error():
     x, w = np.zeros((4, 8), np.float32), np.ones(8, np.float32)
     with pytest.raises(ValueError, match="rms_norm: out like x"):
