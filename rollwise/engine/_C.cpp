@@ -2,11 +2,13 @@
 // attention.py gathers every sequence's blocks into a padded copy before SDPA; for a few queries per
 // sequence that copy moves more memory than the attention reads. Here keys are read where they
 // lie, in partitions of whole blocks (flash-decoding: each partition keeps its max score and sum;
-// a query's partitions are combined at the end). Each query sees its sequence's first `prefix`
-// keys and, of the next 64, those its mask names (tree drafts: the ancestors). What a query
-// computes depends only on the keys it sees, so a row gives the same bits in a prefill chunk, a
-// decode step or a draft chain, in any batch: seeded sampling stays reproducible with prefix
-// caching and chunked prefill. attention.py's torch path is the test oracle.
+// a query's partitions are combined at the end), by tiles of up to 16 queries of a sequence that
+// share each key's loads (prefill chunks run as fast as SDPA's tiles). Each query sees its
+// sequence's first `prefix` keys and, of the next 64, those its mask names (tree drafts: the
+// ancestors). What a query computes depends only on the keys it sees, in an order fixed by the
+// source, not by its tile or batch, so a row gives the same bits in a prefill chunk, a decode step
+// or a draft chain: seeded sampling stays reproducible with prefix caching and chunked prefill.
+// attention.py's torch path is the test oracle.
 //
 // Also the small ops of a decoder layer (RMSNorm, SiLU-and-multiply), one pass each; their torch
 // twins in models/llama.py are the oracles.
@@ -73,32 +75,26 @@ inline float exp_clamped(float x) {
     return (p * r * r + r + 1.f) * two_n;
 }
 
-// q . k over d floats (a compile-time d unrolls). setup.py lets GCC reassociate float sums:
-// without it the lanes of each vector sum are added one after another, a chain of dependent adds
-// per dot product.
-template <int D>
-inline float dot(const float* __restrict q, const float* __restrict k, int d_) {
-    const int d = D ? D : d_;
+// q . k over d floats
+inline float dot(const float* __restrict q, const float* __restrict k, int d) {
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
     for (int i = 0; i < d; ++i) s += q[i] * k[i];
     return s;
 }
 
-// One partition [t0, t1) of one sequence's keys for one query, every head: reading a key row's heads
+// The loop kernel, for head sizes other than 64 and 128 (attend_tile_v below takes those): one
+// partition [t0, t1) of one sequence's keys for one query, every head; reading a key row's heads
 // together reads the row whole, in order. q: [H, d] (kv head h serves query heads h*g .. h*g+g-1);
 // key and value row r at kc + r * row. Keys from `prefix` on are visible only where `mask` has
 // their bit (key prefix + i: bit i). Writes per head the max score m (-inf if no key is visible),
 // the sum z of exp(score - m) and the unnormalized sum acc [H, d] of exp(score - m) * value.
-// scores: scratch of H * (t1 - t0) floats. D: the head size when known at compile time (0: d), so
-// that the dot products unroll into a few vector instructions.
-template <int D>
-ROLLWISE_CLONES void attend_part(const float* __restrict q, int H, int g, int d_, const float* __restrict kc,
+// scores: scratch of H * (t1 - t0) floats.
+ROLLWISE_CLONES void attend_part(const float* __restrict q, int H, int g, int d, const float* __restrict kc,
                                  const float* __restrict vc, int64_t row, const int64_t* __restrict table,
                                  int64_t t0, int64_t t1, int64_t prefix, uint64_t mask, int64_t bs, float scale,
                                  float* __restrict acc, float* __restrict m, float* __restrict z,
                                  float* __restrict scores) {
-    const int d = D ? D : d_;
     const int64_t n = t1 - t0;
     // key t's pool row: base + t within its block (t0 starts a block: partitions are whole blocks)
     for (int64_t t = t0, base = 0, left = 0; t < t1; ++t, --left) {
@@ -111,7 +107,7 @@ ROLLWISE_CLONES void attend_part(const float* __restrict q, int H, int g, int d_
         const float* k = kc + (base + t) * row;
         for (int kv = 0, h = 0; kv < H / g; ++kv) {
             const float* kh = k + kv * d;
-            for (int j = 0; j < g; ++j, ++h) scores[h * n + (t - t0)] = dot<D>(q + h * d, kh, d) * scale;
+            for (int j = 0; j < g; ++j, ++h) scores[h * n + (t - t0)] = dot(q + h * d, kh, d) * scale;
         }
     }
     for (int h = 0; h < H; ++h) {
@@ -143,6 +139,207 @@ ROLLWISE_CLONES void attend_part(const float* __restrict q, int H, int g, int d_
 #pragma omp simd
                 for (int i = 0; i < d; ++i) ah[i] += p * vh[i];
             }
+        }
+    }
+}
+
+// The same for head sizes of C x 16 floats, written with explicit 16-float vectors (GCC vector
+// extensions: zmm on x86-64-v4, pairs of ymm on v3) so that the order of every sum is the code's,
+// not the compiler's:
+// - q . k: each of the 16 lanes sums its C products in order (one multiply, then multiply-adds),
+//   then the 16 lanes are added as a tree (lane j + lane j+8, then + 4, + 2, + 1). The trees of 16
+//   keys run together, as a transpose-and-add of their 16 vectors: about 3 instructions a key
+//   instead of a horizontal sum each (the loop above: ~8).
+// - p v: each head's accumulator stays in registers over the partition's keys, added in key order.
+// A query's partition is computed by this code alone, whatever else the call holds, so rows agree
+// bit for bit across batches as above.
+typedef float v16 __attribute__((vector_size(64)));
+typedef int i16v __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+    v16 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+// sums[t] = the lane tree of x[t], for 16 vectors
+inline v16 tree_sums(v16* x) {
+    constexpr i16v lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    constexpr i16v hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    constexpr i16v lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    constexpr i16v hi4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    constexpr i16v lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    constexpr i16v hi2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    constexpr i16v lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    constexpr i16v hi1 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    // 16 vectors of one key each -> 8 of two keys' 8 partials -> 4 of four keys' 4 -> 2 of eight
+    // keys' 2 -> one of sixteen sums, keys in order
+    for (int i = 0; i < 8; ++i)
+        x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo8) + __builtin_shuffle(x[2 * i], x[2 * i + 1], hi8);
+    for (int i = 0; i < 4; ++i)
+        x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo4) + __builtin_shuffle(x[2 * i], x[2 * i + 1], hi4);
+    for (int i = 0; i < 2; ++i)
+        x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo2) + __builtin_shuffle(x[2 * i], x[2 * i + 1], hi2);
+    return __builtin_shuffle(x[0], x[1], lo1) + __builtin_shuffle(x[0], x[1], hi1);
+}
+
+// max of x[0 .. n), -inf if n == 0, 16 lanes at a time (std::max_element is one dependent compare a
+// float; a max is exact in any order)
+inline float max_of(const float* x, int64_t n) {
+    v16 mv = v16{} - INFINITY;
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+        const v16 xv = load16(x + t);
+        mv = xv > mv ? xv : mv;
+    }
+    float mx = -INFINITY;
+    for (int j = 0; j < 16; ++j) mx = std::max(mx, mv[j]);
+    for (; t < n; ++t) mx = std::max(mx, x[t]);
+    return mx;
+}
+
+constexpr int64_t kTile = 16;  // queries per work item (the vector kernel)
+
+// What a tile of queries needs: their rows of q, what each sees, and where each one's partials go.
+struct Tile {
+    const float* q;  // [T, H, d]
+    const int64_t *rows, *prefix, *end, *first;
+    const uint64_t* masks;
+    int64_t i0, i1, p;  // queries i0 .. i1 - 1 (one sequence), partition p
+};
+
+// One query of a tile: its q row for the head, its scores for the partition, how many of the
+// partition's keys it reads, what it sees.
+struct Query {
+    const float* q;
+    float* scores;
+    int64_t keys, prefix;
+    uint64_t mask;
+    bool sees(int64_t t) const { return t < prefix || ((mask >> (t - prefix)) & 1); }
+};
+
+// Scores of NQ queries for the 16 keys from b (partition-relative; key t0 + b + j): each key's C
+// vectors are loaded once for the NQ queries. Every query's q . k is the same sequence of
+// operations whatever NQ (a multiply, then multiply-adds in order, then the lane tree).
+template <int C, int NQ>
+inline void scores_block(const Query* u, const float* __restrict kc, const int64_t* __restrict off, int kvd,
+                         int64_t t0, int64_t b, int64_t n, float scale) {
+    const int nk = int(std::min<int64_t>(16, n - b));
+    v16 qv[NQ][C], x[NQ][16];
+    for (int r = 0; r < NQ; ++r)
+        for (int c = 0; c < C; ++c) qv[r][c] = load16(u[r].q + 16 * c);
+    for (int j = 0; j < 16; ++j) {
+        if (j >= nk) {
+            for (int r = 0; r < NQ; ++r) x[r][j] = v16{};
+            continue;
+        }
+        const float* k = kc + off[b + j] + kvd;
+        v16 kv[C];
+        for (int c = 0; c < C; ++c) kv[c] = load16(k + 16 * c);
+        for (int r = 0; r < NQ; ++r) {
+            v16 s = qv[r][0] * kv[0];
+            for (int c = 1; c < C; ++c) s += qv[r][c] * kv[c];
+            x[r][j] = s;
+        }
+    }
+    for (int r = 0; r < NQ; ++r) {
+        const v16 sums = tree_sums(x[r]) * scale;
+        const int mine = int(std::min<int64_t>(nk, u[r].keys - b));
+        for (int j = 0; j < mine; ++j) u[r].scores[b + j] = u[r].sees(t0 + b + j) ? sums[j] : -INFINITY;
+    }
+}
+
+// acc[r] += p v over the 16 keys from b, for NQ queries, each in key order; a key all NQ see (the
+// common case) loads its value once for them.
+template <int C, int NQ>
+inline void values_block(const Query* u, float* const* acc, const float* __restrict vc,
+                         const int64_t* __restrict off, int kvd, int64_t t0, int64_t b, int64_t n) {
+    const int nk = int(std::min<int64_t>(16, n - b));
+    int64_t all = t0 + b + nk;  // keys before this all NQ see and read
+    for (int r = 0; r < NQ; ++r) all = std::min({all, u[r].prefix, t0 + u[r].keys});
+    v16 a[NQ][C];
+    for (int r = 0; r < NQ; ++r)
+        for (int c = 0; c < C; ++c) a[r][c] = load16(acc[r] + 16 * c);
+    for (int j = 0; j < nk; ++j) {
+        const int64_t t = t0 + b + j;
+        const float* v = vc + off[b + j] + kvd;
+        if (t < all) {
+            v16 vv[C];
+            for (int c = 0; c < C; ++c) vv[c] = load16(v + 16 * c);
+            for (int r = 0; r < NQ; ++r) {
+                const float p = u[r].scores[b + j];
+                for (int c = 0; c < C; ++c) a[r][c] += p * vv[c];
+            }
+        } else {
+            for (int r = 0; r < NQ; ++r) {  // a hidden key's value may be anything, NaN included: skipped
+                if (t >= t0 + u[r].keys || !u[r].sees(t)) continue;
+                const float p = u[r].scores[b + j];
+                for (int c = 0; c < C; ++c) a[r][c] += p * load16(v + 16 * c);
+            }
+        }
+    }
+    for (int r = 0; r < NQ; ++r) std::memcpy(acc[r], a[r], sizeof a[r]);
+}
+
+// Queries i0 .. i1 - 1 of one sequence against partition [t0, t0 + part) of its keys, every head, for
+// head sizes of C x 16 floats: scores, softmax, values, each over blocks of 16 keys, the queries in
+// groups of G that share each key's loads (one query at a time is bound by its loads from L2).
+// Writes each query's max score, sum and unnormalized output for the partition, as attend_part.
+template <int C>
+ROLLWISE_CLONES void attend_tile_v(const Tile& tl, int H, int g, const float* __restrict kc,
+                                   const float* __restrict vc, int64_t row, const int64_t* __restrict table,
+                                   int64_t part, int64_t bs, float scale, float* __restrict acc, float* __restrict m,
+                                   float* __restrict z, float* __restrict scores, int64_t* __restrict off) {
+    constexpr int d = 16 * C, G = C <= 4 ? 4 : 2;  // G x C accumulators stay in registers
+    const int64_t t0 = tl.p * part, nq = tl.i1 - tl.i0;
+    Query u[kTile];
+    int64_t n = 0;  // keys of the partition any query of the tile reads
+    for (int64_t r = 0; r < nq; ++r) {
+        const int64_t i = tl.i0 + r;
+        u[r] = {nullptr, scores + r * part, std::min(tl.end[i], t0 + part) - t0, tl.prefix[i], tl.masks[i]};
+        n = std::max(n, u[r].keys);
+    }
+    for (int64_t t = t0, base = 0, left = 0; t < t0 + n; ++t, --left) {  // each key's pool row, once
+        if (left == 0) base = table[t / bs] * bs - t, left = bs;
+        off[t - t0] = (base + t) * row;
+    }
+    for (int h = 0; h < H; ++h) {
+        const int kvd = (h / g) * d;
+        for (int64_t r = 0; r < nq; ++r) u[r].q = tl.q + (tl.rows[tl.i0 + r] * H + h) * d;
+        for (int64_t b = 0; b < n; b += 16) {
+            int64_t r = 0;  // the queries in groups of G, then 2, then 1
+            for (; r + G <= nq; r += G) scores_block<C, G>(u + r, kc, off, kvd, t0, b, n, scale);
+            for (; r + 2 <= nq; r += 2) scores_block<C, 2>(u + r, kc, off, kvd, t0, b, n, scale);
+            for (; r < nq; ++r) scores_block<C, 1>(u + r, kc, off, kvd, t0, b, n, scale);
+        }
+        float* ak[kTile];
+        for (int64_t r = 0; r < nq; ++r) {  // softmax over the partition, per query
+            const int64_t ni = u[r].keys, k = (tl.first[tl.i0 + r] + tl.p) * H + h;
+            float* sh = u[r].scores;
+            const float mh = max_of(sh, ni);
+            float zh = 0.f;
+            if (mh != -INFINITY) {
+                for (int64_t t = 0; t < ni; ++t) sh[t] = exp_clamped(sh[t] - mh);
+                for (int64_t t = std::max(u[r].prefix, t0); t < t0 + ni; ++t)  // hidden new keys: exactly 0
+                    if (!u[r].sees(t)) sh[t - t0] = 0.f;
+                v16 zv = {};  // the sum as 16 lanes, then lane by lane
+                int64_t t = 0;
+                for (; t + 16 <= ni; t += 16) zv += load16(sh + t);
+                for (int j = 0; j < 16; ++j) zh += zv[j];
+                for (; t < ni; ++t) zh += sh[t];
+            } else {
+                u[r].keys = 0;  // sees nothing here: weight 0 when partitions are combined
+            }
+            m[k] = mh;
+            z[k] = zh;
+            ak[r] = acc + k * d;
+            std::fill(ak[r], ak[r] + d, 0.f);
+        }
+        for (int64_t b = 0; b < n; b += 16) {
+            int64_t r = 0;
+            for (; r + G <= nq; r += G) values_block<C, G>(u + r, ak + r, vc, off, kvd, t0, b, n);
+            for (; r + 2 <= nq; r += 2) values_block<C, 2>(u + r, ak + r, vc, off, kvd, t0, b, n);
+            for (; r < nq; ++r) values_block<C, 1>(u + r, ak + r, vc, off, kvd, t0, b, n);
         }
     }
 }
@@ -201,39 +398,55 @@ void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const
         for (int64_t j = 0; j < (seq_end[b] + block_size - 1) / block_size; ++j)
             check(bt[b * nb + j] >= 0 && bt[b * nb + j] < S / block_size, "block ids within the pool");
     const int g = int(H / Hkv), h = int(H), d = int(D);
-    // work items: (query, partition of up to kPart keys, whole blocks, from key 0), ordered
-    // sequence by sequence, partition by partition, so a sequence's queries read a partition while
-    // it is cached
+    // work items: (tile of up to kTile queries of one sequence, partition of up to kPart keys, whole
+    // blocks, from key 0), ordered sequence by sequence, partition by partition, so a sequence's
+    // queries read a partition while it is cached
     const int64_t part = std::max<int64_t>(1, kPart / block_size) * block_size;
     std::vector<int64_t> first(R + 1, 0);  // query i's partials: first[i] .. first[i + 1] - 1
     for (int64_t i = 0; i < R; ++i) first[i + 1] = first[i] + (end[i] + part - 1) / part;
-    std::vector<std::pair<int64_t, int64_t>> items;  // (query, partition)
-    items.reserve(first[R]);
-    for (int64_t i0 = 0; i0 < R;) {
-        int64_t i1 = i0;
-        while (i1 < R && seqs[i1] == seqs[i0]) ++i1;
-        for (int64_t p = 0; p * part < seq_end[seqs[i0]]; ++p)
-            for (int64_t i = i0; i < i1; ++i)
-                if (p < first[i + 1] - first[i]) items.emplace_back(i, p);
-        i0 = i1;
+    const float *qp = q.data(), *kp = k_cache.data(), *vp = v_cache.data();
+    const bool vec = d == 64 || d == 128;  // most models' head sizes: the vector kernel; others the loop
+    const int64_t tile = vec ? kTile : 1;
+    std::vector<Tile> items;
+    for (int64_t s0 = 0; s0 < R;) {
+        int64_t s1 = s0;
+        while (s1 < R && seqs[s1] == seqs[s0]) ++s1;
+        for (int64_t p = 0; p * part < seq_end[seqs[s0]]; ++p)
+            for (int64_t i = s0; i < s1;) {
+                if (p >= first[i + 1] - first[i]) { ++i; continue; }
+                int64_t j = i + 1;  // a run of queries that read partition p
+                while (j < s1 && j - i < tile && p < first[j + 1] - first[j]) ++j;
+                items.push_back({qp, rows, prefix, end.data(), first.data(), masks, i, j, p});
+                i = j;
+            }
+        s0 = s1;
     }
     const int64_t P = first[R], W = int64_t(items.size());
     std::vector<float> acc(size_t(P) * h * d), mx(size_t(P) * h), tot(size_t(P) * h);
-    const float *qp = q.data(), *kp = k_cache.data(), *vp = v_cache.data();
     float* op = out.mutable_data();
     const float sc = float(scale);
-    const auto attend = d == 64 ? attend_part<64> : d == 128 ? attend_part<128> : attend_part<0>;
     py::gil_scoped_release nogil;
 #pragma omp parallel if (pairs >= kParallelPairs)
     {
         FlushDenormals ftz;
-        std::vector<float> scores(size_t(h) * part);
+        std::vector<float> scores(size_t(std::max<int64_t>(h, tile)) * part);
+        std::vector<int64_t> offsets(part);
 #pragma omp for schedule(dynamic)
         for (int64_t w = 0; w < W; ++w) {
-            const auto [i, p] = items[w];
-            const int64_t b = seqs[i], t0 = p * part, t1 = std::min(end[i], t0 + part), k = first[i] + p;
-            attend(qp + rows[i] * h * d, h, g, d, kp, vp, Hkv * D, bt + b * nb, t0, t1, prefix[i], masks[i], block_size,
-                   sc, acc.data() + k * h * d, mx.data() + k * h, tot.data() + k * h, scores.data());
+            const Tile& tl = items[w];
+            const int64_t* table = bt + seqs[tl.i0] * nb;
+            if (d == 64)
+                attend_tile_v<4>(tl, h, g, kp, vp, Hkv * D, table, part, block_size, sc, acc.data(), mx.data(),
+                                 tot.data(), scores.data(), offsets.data());
+            else if (d == 128)
+                attend_tile_v<8>(tl, h, g, kp, vp, Hkv * D, table, part, block_size, sc, acc.data(), mx.data(),
+                                 tot.data(), scores.data(), offsets.data());
+            else {
+                const int64_t i = tl.i0, t0 = tl.p * part, k = first[i] + tl.p;
+                attend_part(qp + rows[i] * h * d, h, g, d, kp, vp, Hkv * D, table, t0, std::min(end[i], t0 + part),
+                               prefix[i], masks[i], block_size, sc, acc.data() + k * h * d, mx.data() + k * h,
+                               tot.data() + k * h, scores.data());
+            }
         }
 #pragma omp for
         for (int64_t i = 0; i < R; ++i) {

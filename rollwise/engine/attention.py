@@ -6,12 +6,11 @@ slots, then gathers every sequence's blocks (whole blocks: few, large copies) in
 runs one SDPA per group of sequences with similar query lengths (decodes together, prefill chunks
 together), so a long prefill chunk does not pad the decodes.
 
-On CPU in fp32, when the engine asks for it (`EngineConfig.native_attention`), the native kernel
-(`_C.paged_attention`, see native.py) takes every group instead: it reads keys and values where
-they lie, and what a row computes depends only on the keys it sees, so the same row gives the same
-bits in a prefill chunk, a decode step or a draft chain (seeded sampling stays reproducible with
-prefix caching). The torch path stays as its oracle and for bf16, other devices, and tree drafts
-of more than 64 tokens.
+On CPU in fp32 the native kernel (`_C.paged_attention`, see native.py; `EngineConfig.native_attention`,
+on by default) takes every group instead: it reads keys and values where they lie, and what a row
+computes depends only on the keys it sees, so the same row gives the same bits in a prefill chunk,
+a decode step or a draft chain (seeded sampling stays reproducible with prefix caching). The torch
+path stays as its oracle and for bf16, other devices, and tree drafts of more than 64 tokens.
 """
 from __future__ import annotations
 

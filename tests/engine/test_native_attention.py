@@ -1,5 +1,6 @@
-"""The native paged attention kernel for short queries (rollwise.engine._C) against the torch path
-it replaces."""
+"""The native paged attention kernel (rollwise.engine._C) against the torch path it replaces. Head
+sizes 64 and 128 take its vector kernel (tiles of queries sharing key loads), others its loop
+kernel; the tests run both."""
 from __future__ import annotations
 
 import random
@@ -36,7 +37,8 @@ def random_tables(q_lens, ctx, bs, rng, spare):
     return [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(len(need))], sum(need) + spare
 
 
-@pytest.mark.parametrize("heads,kv_heads,d,bs", [(8, 4, 64, 16), (4, 4, 32, 8), (12, 2, 16, 4), (2, 1, 8, 32)])
+@pytest.mark.parametrize("heads,kv_heads,d,bs", [(8, 4, 64, 16), (4, 4, 32, 8), (12, 2, 16, 4), (2, 1, 8, 32),
+                                                 (6, 1, 128, 4)])
 def test_decode_matches_torch_path(torch_path, heads, kv_heads, d, bs):
     """Random lengths (1 key, block edges, several of the kernel's 256-key partitions), blocks in
     random order."""
@@ -56,10 +58,11 @@ def test_decode_matches_torch_path(torch_path, heads, kv_heads, d, bs):
         assert torch.equal(kc[slot], k) and torch.equal(vc[slot], v)
 
 
-def test_mixed_batch_scatters_decode_rows(torch_path):
-    """Decodes, a draft tree and a prefill chunk in one batch: the kernel writes the short groups'
-    rows in place, the chunk still goes through SDPA, and the result is the torch path's."""
-    bs, h, hkv, d = 8, 4, 2, 16
+@pytest.mark.parametrize("d", [16, 64])
+def test_mixed_batch_scatters_decode_rows(torch_path, d):
+    """Decodes, a draft tree and a prefill chunk in one batch: each group's rows land in place and
+    the result is the torch path's."""
+    bs, h, hkv = 8, 4, 2
     q_lens, ctx = [1, 70, 1, 5, 1], [9, 0, 30, 12, 0]
     tables, num_blocks = random_tables(q_lens, ctx, bs, random.Random(1), spare=0)
     kc, vc = make_pool(num_blocks, bs, hkv, d, 3)
@@ -88,13 +91,14 @@ def test_extreme_scores_stay_finite(torch_path):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("tree", [False, True])
-def test_drafts_and_short_prompts_match_torch_path(torch_path, tree):
+def test_drafts_and_short_prompts_match_torch_path(torch_path, tree, d):
     """Verification queries (the last token plus a chain or a tree of drafts, up to 64 in all) on
     contexts across partitions, and short prompts with nothing cached: one query may see no key of
     a partition (its ancestors all in the one before)."""
     rng = random.Random(7 + tree)
-    bs, h, hkv, d = 16, 8, 2, 32
+    bs, h, hkv = 16, 8, 2
     q_lens = [1 + rng.randrange(64) for _ in range(9)] + [64, 2, 20]
     ctx = [rng.choice([250, 255, 256, 511, rng.randrange(1, 900)]) for _ in range(9)] + [300, 1, 0]
     tables, num_blocks = random_tables(q_lens, ctx, bs, rng, spare=3)
@@ -116,12 +120,13 @@ def test_drafts_and_short_prompts_match_torch_path(torch_path, tree):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
-def test_long_chunks_native_too_and_rows_same_bits_in_any_group(torch_path):
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_long_chunks_native_too_and_rows_same_bits_in_any_group(torch_path, d):
     """A prefill chunk of 300 tokens goes through the kernel too, and each of its rows gives the
     same bits as that row alone (a decode step after a cached prefix) and as a row of a draft
-    chain: what seeded sampling with prefix caching relies on. A tree of more than 64 tokens
-    stays on the torch path."""
-    bs, h, hkv, d = 16, 8, 2, 32
+    chain, whatever tile and group of the vector kernel it falls in: what seeded sampling with
+    prefix caching relies on. A tree of more than 64 tokens stays on the torch path."""
+    bs, h, hkv = 16, 8, 2
     n = 300
     kc, vc = make_pool(32, bs, hkv, d, 9)
     table = list(range(19))
@@ -133,9 +138,10 @@ def test_long_chunks_native_too_and_rows_same_bits_in_any_group(torch_path):
     for p in (0, 255, 256, 299):  # the row alone, its keys cached
         one = A.build_metadata([1], [p], [table], bs, torch.device("cpu"), use_native=True)
         assert torch.equal(torch_path(True, q[p:p + 1], k[p:p + 1], v[p:p + 1], kc, vc, one), full[p:p + 1])
-    # rows 250-258 as a draft chain, across a partition edge
-    chain = A.build_metadata([9], [250], [table], bs, torch.device("cpu"), use_native=True)
-    assert torch.equal(torch_path(True, q[250:259], k[250:259], v[250:259], kc, vc, chain), full[250:259])
+    # rows 250-260 as a draft chain, across a partition edge (in the chunk: tiles from row 240, groups
+    # of 4 from 248; here tiles from 250, groups of 4, 4, 2, 1)
+    chain = A.build_metadata([11], [250], [table], bs, torch.device("cpu"), use_native=True)
+    assert torch.equal(torch_path(True, q[250:261], k[250:261], v[250:261], kc, vc, chain), full[250:261])
     tree = {0: torch.eye(65, dtype=torch.bool)}
     assert A.build_metadata([65], [0], [table], bs, torch.device("cpu"), tree, use_native=True).groups[0].native is None
 
