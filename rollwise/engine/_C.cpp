@@ -40,6 +40,8 @@ using i64 = py::array_t<int64_t, py::array::c_style>;
 #else
 #define ROLLWISE_CLONES
 #endif
+// what a clone calls must be inlined into it: a call out runs the baseline instruction set
+#define ROLLWISE_INLINE inline __attribute__((always_inline))
 
 // Denormals flushed to zero (MXCSR's FTZ and DAZ) while a kernel runs, per thread (the register is
 // per thread), restored after. A denormal operand or result costs a microcode assist of ~100 cycles
@@ -59,7 +61,7 @@ struct FlushDenormals {
 // [-87, 88], where 2^n stays a normal float (exp(-87) is 1.6e-38, exp(88) 1.7e38). Relative error
 // under 1e-7 for every float in [-87, 88] (checked exhaustively against double-precision exp when
 // written).
-inline float exp_clamped(float x) {
+ROLLWISE_INLINE float exp_clamped(float x) {
     x = std::min(std::max(x, -87.f), 88.f);
     const float n = std::floor(x * 1.44269504088896341f + 0.5f);
     const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -76,7 +78,7 @@ inline float exp_clamped(float x) {
 }
 
 // q . k over d floats
-inline float dot(const float* __restrict q, const float* __restrict k, int d) {
+ROLLWISE_INLINE float dot(const float* __restrict q, const float* __restrict k, int d) {
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
     for (int i = 0; i < d; ++i) s += q[i] * k[i];
@@ -156,14 +158,14 @@ ROLLWISE_CLONES void attend_part(const float* __restrict q, int H, int g, int d,
 typedef float v16 __attribute__((vector_size(64)));
 typedef int i16v __attribute__((vector_size(64)));
 
-inline v16 load16(const float* p) {
+ROLLWISE_INLINE v16 load16(const float* p) {
     v16 v;
     std::memcpy(&v, p, sizeof v);
     return v;
 }
 
 // sums[t] = the lane tree of x[t], for 16 vectors
-inline v16 tree_sums(v16* x) {
+ROLLWISE_INLINE v16 tree_sums(v16* x) {
     constexpr i16v lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
     constexpr i16v hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
     constexpr i16v lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
@@ -185,7 +187,7 @@ inline v16 tree_sums(v16* x) {
 
 // max of x[0 .. n), -inf if n == 0, 16 lanes at a time (std::max_element is one dependent compare a
 // float; a max is exact in any order)
-inline float max_of(const float* x, int64_t n) {
+ROLLWISE_INLINE float max_of(const float* x, int64_t n) {
     v16 mv = v16{} - INFINITY;
     int64_t t = 0;
     for (; t + 16 <= n; t += 16) {
@@ -222,7 +224,7 @@ struct Query {
 // vectors are loaded once for the NQ queries. Every query's q . k is the same sequence of
 // operations whatever NQ (a multiply, then multiply-adds in order, then the lane tree).
 template <int C, int NQ>
-inline void scores_block(const Query* u, const float* __restrict kc, const int64_t* __restrict off, int kvd,
+ROLLWISE_INLINE void scores_block(const Query* u, const float* __restrict kc, const int64_t* __restrict off, int kvd,
                          int64_t t0, int64_t b, int64_t n, float scale) {
     const int nk = int(std::min<int64_t>(16, n - b));
     v16 qv[NQ][C], x[NQ][16];
@@ -252,7 +254,7 @@ inline void scores_block(const Query* u, const float* __restrict kc, const int64
 // acc[r] += p v over the 16 keys from b, for NQ queries, each in key order; a key all NQ see (the
 // common case) loads its value once for them.
 template <int C, int NQ>
-inline void values_block(const Query* u, float* const* acc, const float* __restrict vc,
+ROLLWISE_INLINE void values_block(const Query* u, float* const* acc, const float* __restrict vc,
                          const int64_t* __restrict off, int kvd, int64_t t0, int64_t b, int64_t n) {
     const int nk = int(std::min<int64_t>(16, n - b));
     int64_t all = t0 + b + nk;  // keys before this all NQ see and read
@@ -282,64 +284,65 @@ inline void values_block(const Query* u, float* const* acc, const float* __restr
 }
 
 // Queries i0 .. i1 - 1 of one sequence against partition [t0, t0 + part) of its keys, every head, for
-// head sizes of C x 16 floats: scores, softmax, values, each over blocks of 16 keys, the queries in
-// groups of G that share each key's loads (one query at a time is bound by its loads from L2).
-// Writes each query's max score, sum and unnormalized output for the partition, as attend_part.
+// head sizes of C x 16 floats: scores, softmax, values, each over blocks of 16 keys. For each kv
+// head, its (query, head) pairs (the tile's queries times the g heads it serves) go in groups of G
+// that share each key's loads: one at a time, a decode is bound by its loads from L2. Writes each
+// pair's max score, sum and unnormalized output for the partition, as attend_part. u: scratch of
+// (i1 - i0) * g entries; scores: of as many rows of `part` floats.
 template <int C>
 ROLLWISE_CLONES void attend_tile_v(const Tile& tl, int H, int g, const float* __restrict kc,
                                    const float* __restrict vc, int64_t row, const int64_t* __restrict table,
                                    int64_t part, int64_t bs, float scale, float* __restrict acc, float* __restrict m,
-                                   float* __restrict z, float* __restrict scores, int64_t* __restrict off) {
+                                   float* __restrict z, float* __restrict scores, int64_t* __restrict off,
+                                   Query* __restrict u, float** __restrict ak) {
     constexpr int d = 16 * C, G = C <= 4 ? 4 : 2;  // G x C accumulators stay in registers
-    const int64_t t0 = tl.p * part, nq = tl.i1 - tl.i0;
-    Query u[kTile];
+    const int64_t t0 = tl.p * part, ne = (tl.i1 - tl.i0) * g;
     int64_t n = 0;  // keys of the partition any query of the tile reads
-    for (int64_t r = 0; r < nq; ++r) {
-        const int64_t i = tl.i0 + r;
-        u[r] = {nullptr, scores + r * part, std::min(tl.end[i], t0 + part) - t0, tl.prefix[i], tl.masks[i]};
-        n = std::max(n, u[r].keys);
-    }
+    for (int64_t i = tl.i0; i < tl.i1; ++i) n = std::max(n, std::min(tl.end[i], t0 + part) - t0);
     for (int64_t t = t0, base = 0, left = 0; t < t0 + n; ++t, --left) {  // each key's pool row, once
         if (left == 0) base = table[t / bs] * bs - t, left = bs;
         off[t - t0] = (base + t) * row;
     }
-    for (int h = 0; h < H; ++h) {
-        const int kvd = (h / g) * d;
-        for (int64_t r = 0; r < nq; ++r) u[r].q = tl.q + (tl.rows[tl.i0 + r] * H + h) * d;
-        for (int64_t b = 0; b < n; b += 16) {
-            int64_t r = 0;  // the queries in groups of G, then 2, then 1
-            for (; r + G <= nq; r += G) scores_block<C, G>(u + r, kc, off, kvd, t0, b, n, scale);
-            for (; r + 2 <= nq; r += 2) scores_block<C, 2>(u + r, kc, off, kvd, t0, b, n, scale);
-            for (; r < nq; ++r) scores_block<C, 1>(u + r, kc, off, kvd, t0, b, n, scale);
+    for (int kh = 0; kh < H / g; ++kh) {
+        const int kvd = kh * d;
+        for (int64_t e = 0; e < ne; ++e) {  // (query, head) pairs, query by query
+            const int64_t i = tl.i0 + e / g, h = kh * g + e % g, k = (tl.first[i] + tl.p) * H + h;
+            u[e] = {tl.q + (tl.rows[i] * H + h) * d, scores + e * part, std::min(tl.end[i], t0 + part) - t0,
+                    tl.prefix[i], tl.masks[i]};
+            ak[e] = acc + k * d;
         }
-        float* ak[kTile];
-        for (int64_t r = 0; r < nq; ++r) {  // softmax over the partition, per query
-            const int64_t ni = u[r].keys, k = (tl.first[tl.i0 + r] + tl.p) * H + h;
-            float* sh = u[r].scores;
+        for (int64_t b = 0; b < n; b += 16) {
+            int64_t e = 0;  // in groups of G, then 2, then 1
+            for (; e + G <= ne; e += G) scores_block<C, G>(u + e, kc, off, kvd, t0, b, n, scale);
+            for (; e + 2 <= ne; e += 2) scores_block<C, 2>(u + e, kc, off, kvd, t0, b, n, scale);
+            for (; e < ne; ++e) scores_block<C, 1>(u + e, kc, off, kvd, t0, b, n, scale);
+        }
+        for (int64_t e = 0; e < ne; ++e) {  // softmax over the partition, per pair
+            const int64_t ni = u[e].keys, k = (ak[e] - acc) / d;
+            float* sh = u[e].scores;
             const float mh = max_of(sh, ni);
             float zh = 0.f;
             if (mh != -INFINITY) {
                 for (int64_t t = 0; t < ni; ++t) sh[t] = exp_clamped(sh[t] - mh);
-                for (int64_t t = std::max(u[r].prefix, t0); t < t0 + ni; ++t)  // hidden new keys: exactly 0
-                    if (!u[r].sees(t)) sh[t - t0] = 0.f;
+                for (int64_t t = std::max(u[e].prefix, t0); t < t0 + ni; ++t)  // hidden new keys: exactly 0
+                    if (!u[e].sees(t)) sh[t - t0] = 0.f;
                 v16 zv = {};  // the sum as 16 lanes, then lane by lane
                 int64_t t = 0;
                 for (; t + 16 <= ni; t += 16) zv += load16(sh + t);
                 for (int j = 0; j < 16; ++j) zh += zv[j];
                 for (; t < ni; ++t) zh += sh[t];
             } else {
-                u[r].keys = 0;  // sees nothing here: weight 0 when partitions are combined
+                u[e].keys = 0;  // sees nothing here: weight 0 when partitions are combined
             }
             m[k] = mh;
             z[k] = zh;
-            ak[r] = acc + k * d;
-            std::fill(ak[r], ak[r] + d, 0.f);
+            std::fill(ak[e], ak[e] + d, 0.f);
         }
         for (int64_t b = 0; b < n; b += 16) {
-            int64_t r = 0;
-            for (; r + G <= nq; r += G) values_block<C, G>(u + r, ak + r, vc, off, kvd, t0, b, n);
-            for (; r + 2 <= nq; r += 2) values_block<C, 2>(u + r, ak + r, vc, off, kvd, t0, b, n);
-            for (; r < nq; ++r) values_block<C, 1>(u + r, ak + r, vc, off, kvd, t0, b, n);
+            int64_t e = 0;
+            for (; e + G <= ne; e += G) values_block<C, G>(u + e, ak + e, vc, off, kvd, t0, b, n);
+            for (; e + 2 <= ne; e += 2) values_block<C, 2>(u + e, ak + e, vc, off, kvd, t0, b, n);
+            for (; e < ne; ++e) values_block<C, 1>(u + e, ak + e, vc, off, kvd, t0, b, n);
         }
     }
 }
@@ -347,7 +350,7 @@ ROLLWISE_CLONES void attend_tile_v(const Tile& tl, int H, int g, const float* __
 constexpr int64_t kPart = 256;  // keys per work item, rounded down to whole blocks
 // below this many (key, query head) pairs one thread does the call: waking a sleeping OpenMP
 // thread (OMP_WAIT_POLICY=PASSIVE) cost 200-300 us on the 2-core machines this was measured on,
-// more than the work (one thread: 13-15 ns a pair)
+// more than the work (one thread: 5 ns a pair in prefill tiles, 12 ns in decodes)
 constexpr int64_t kParallelPairs = 65536;
 
 void need(bool ok, const std::string& what) {
@@ -429,18 +432,20 @@ void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const
 #pragma omp parallel if (pairs >= kParallelPairs)
     {
         FlushDenormals ftz;
-        std::vector<float> scores(size_t(std::max<int64_t>(h, tile)) * part);
+        std::vector<float> scores(size_t(std::max<int64_t>(h, tile * g)) * part);
         std::vector<int64_t> offsets(part);
+        std::vector<Query> pairs_(size_t(tile * g));
+        std::vector<float*> outs(size_t(tile * g));
 #pragma omp for schedule(dynamic)
         for (int64_t w = 0; w < W; ++w) {
             const Tile& tl = items[w];
             const int64_t* table = bt + seqs[tl.i0] * nb;
             if (d == 64)
                 attend_tile_v<4>(tl, h, g, kp, vp, Hkv * D, table, part, block_size, sc, acc.data(), mx.data(),
-                                 tot.data(), scores.data(), offsets.data());
+                                 tot.data(), scores.data(), offsets.data(), pairs_.data(), outs.data());
             else if (d == 128)
                 attend_tile_v<8>(tl, h, g, kp, vp, Hkv * D, table, part, block_size, sc, acc.data(), mx.data(),
-                                 tot.data(), scores.data(), offsets.data());
+                                 tot.data(), scores.data(), offsets.data(), pairs_.data(), outs.data());
             else {
                 const int64_t i = tl.i0, t0 = tl.p * part, k = first[i] + tl.p;
                 attend_part(qp + rows[i] * h * d, h, g, d, kp, vp, Hkv * D, table, t0, std::min(end[i], t0 + part),
