@@ -152,9 +152,10 @@ ROLLWISE_CLONES void attend_part(const float* __restrict q, int H, int g, int d,
 //   then the 16 lanes are added as a tree (lane j + lane j+8, then + 4, + 2, + 1). The trees of 16
 //   keys run together, as a transpose-and-add of their 16 vectors: about 3 instructions a key
 //   instead of a horizontal sum each (the loop above: ~8).
-// - p v: each head's accumulator stays in registers over the partition's keys, added in key order.
-// A query's partition is computed by this code alone, whatever else the call holds, so rows agree
-// bit for bit across batches as above.
+// - p v: each (query, head) pair's accumulator, added to in key order (in registers over each
+//   block of 16 keys).
+// A pair's arithmetic is this code's whatever tile or group it falls in (the tests check the bits
+// of rows alone, in chunks and in draft chains), so rows agree bit for bit across batches as above.
 typedef float v16 __attribute__((vector_size(64)));
 typedef int i16v __attribute__((vector_size(64)));
 
