@@ -211,8 +211,8 @@ struct Tile {
     int64_t i0, i1, p;  // queries i0 .. i1 - 1 (one sequence), partition p
 };
 
-// One query of a tile: its q row for the head, its scores for the partition, how many of the
-// partition's keys it reads, what it sees.
+// One (query, head) pair of a tile: the query's q row for the head, the pair's scores for the
+// partition, how many of the partition's keys the query reads, what it sees.
 struct Query {
     const float* q;
     float* scores;
@@ -221,12 +221,12 @@ struct Query {
     bool sees(int64_t t) const { return t < prefix || ((mask >> (t - prefix)) & 1); }
 };
 
-// Scores of NQ queries for the 16 keys from b (partition-relative; key t0 + b + j): each key's C
-// vectors are loaded once for the NQ queries. Every query's q . k is the same sequence of
-// operations whatever NQ (a multiply, then multiply-adds in order, then the lane tree).
+// Scores of NQ pairs for the 16 keys from b (partition-relative; key t0 + b + j): each key's C
+// vectors are loaded once for the NQ pairs. Every pair's q . k is the same sequence of operations
+// whatever NQ (a multiply, then multiply-adds in order, then the lane tree).
 template <int C, int NQ>
 ROLLWISE_INLINE void scores_block(const Query* u, const float* __restrict kc, const int64_t* __restrict off, int kvd,
-                         int64_t t0, int64_t b, int64_t n, float scale) {
+                                  int64_t t0, int64_t b, int64_t n, float scale) {
     const int nk = int(std::min<int64_t>(16, n - b));
     v16 qv[NQ][C], x[NQ][16];
     for (int r = 0; r < NQ; ++r)
@@ -252,11 +252,11 @@ ROLLWISE_INLINE void scores_block(const Query* u, const float* __restrict kc, co
     }
 }
 
-// acc[r] += p v over the 16 keys from b, for NQ queries, each in key order; a key all NQ see (the
+// acc[r] += p v over the 16 keys from b, for NQ pairs, each in key order; a key all NQ see (the
 // common case) loads its value once for them.
 template <int C, int NQ>
 ROLLWISE_INLINE void values_block(const Query* u, float* const* acc, const float* __restrict vc,
-                         const int64_t* __restrict off, int kvd, int64_t t0, int64_t b, int64_t n) {
+                                  const int64_t* __restrict off, int kvd, int64_t t0, int64_t b, int64_t n) {
     const int nk = int(std::min<int64_t>(16, n - b));
     int64_t all = t0 + b + nk;  // keys before this all NQ see and read
     for (int r = 0; r < NQ; ++r) all = std::min({all, u[r].prefix, t0 + u[r].keys});
@@ -409,8 +409,8 @@ void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const
     std::vector<int64_t> first(R + 1, 0);  // query i's partials: first[i] .. first[i + 1] - 1
     for (int64_t i = 0; i < R; ++i) first[i + 1] = first[i] + (end[i] + part - 1) / part;
     const float *qp = q.data(), *kp = k_cache.data(), *vp = v_cache.data();
-    const bool vec = d == 64 || d == 128;  // most models' head sizes: the vector kernel; others the loop
-    const int64_t tile = vec ? kTile : 1;
+    // head sizes 64 and 128 (most models) take the vector kernel, in tiles; others the loop kernel
+    const int64_t tile = d == 64 || d == 128 ? kTile : 1;
     std::vector<Tile> items;
     for (int64_t s0 = 0; s0 < R;) {
         int64_t s1 = s0;
@@ -435,23 +435,23 @@ void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const
         FlushDenormals ftz;
         std::vector<float> scores(size_t(std::max<int64_t>(h, tile * g)) * part);
         std::vector<int64_t> offsets(part);
-        std::vector<Query> pairs_(size_t(tile * g));
-        std::vector<float*> outs(size_t(tile * g));
+        std::vector<Query> tile_pairs(size_t(tile * g));
+        std::vector<float*> pair_acc(size_t(tile * g));
 #pragma omp for schedule(dynamic)
         for (int64_t w = 0; w < W; ++w) {
             const Tile& tl = items[w];
             const int64_t* table = bt + seqs[tl.i0] * nb;
             if (d == 64)
                 attend_tile_v<4>(tl, h, g, kp, vp, Hkv * D, table, part, block_size, sc, acc.data(), mx.data(),
-                                 tot.data(), scores.data(), offsets.data(), pairs_.data(), outs.data());
+                                 tot.data(), scores.data(), offsets.data(), tile_pairs.data(), pair_acc.data());
             else if (d == 128)
                 attend_tile_v<8>(tl, h, g, kp, vp, Hkv * D, table, part, block_size, sc, acc.data(), mx.data(),
-                                 tot.data(), scores.data(), offsets.data(), pairs_.data(), outs.data());
+                                 tot.data(), scores.data(), offsets.data(), tile_pairs.data(), pair_acc.data());
             else {
                 const int64_t i = tl.i0, t0 = tl.p * part, k = first[i] + tl.p;
                 attend_part(qp + rows[i] * h * d, h, g, d, kp, vp, Hkv * D, table, t0, std::min(end[i], t0 + part),
-                               prefix[i], masks[i], block_size, sc, acc.data() + k * h * d, mx.data() + k * h,
-                               tot.data() + k * h, scores.data());
+                            prefix[i], masks[i], block_size, sc, acc.data() + k * h * d, mx.data() + k * h,
+                            tot.data() + k * h, scores.data());
             }
         }
 #pragma omp for
