@@ -41,7 +41,7 @@ def add_config_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ())
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
-        if f.type in ("bool",) or isinstance(default, bool):
+        if f.type in ("bool", "bool | None") or isinstance(default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         else:
             conv = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)

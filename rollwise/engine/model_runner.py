@@ -11,7 +11,7 @@ import time
 import torch
 
 from rollwise.config import EngineConfig
-from rollwise.engine.attention import build_metadata
+from rollwise.engine.attention import VECTOR_HEAD_SIZES, build_metadata
 from rollwise.engine.models.linear import Linear
 from rollwise.engine.models.llama import CausalLM
 from rollwise.engine.models.loader import TORCH_DTYPES, check_weights, load_model, load_state_dict, load_weights
@@ -37,7 +37,8 @@ class ModelRunner:
         self._spare: list[CausalLM] = []  # dropped versions' models, reused for the next ones
         mc = self.model.config
         self.block_size = cfg.block_size
-        self.native_attention = cfg.native_attention
+        na = cfg.native_attention  # None: where the kernel's vector path runs
+        self.native_attention = mc.head_dim in VECTOR_HEAD_SIZES if na is None else na
         dtype = TORCH_DTYPES[cfg.dtype]
         bytes_per_block = 2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
         self.num_blocks = cfg.num_kv_blocks or max(2, int(cfg.kv_cache_gb * 2**30 // bytes_per_block))

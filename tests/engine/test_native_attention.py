@@ -202,3 +202,14 @@ def test_seeded_sampling_reproducible_with_prefix_caching(model_dirs):
     assert llm.metrics()["prefix_hit_rate"] > 0
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.logprobs for o in a] == [o.logprobs for o in b]
+
+
+def test_default_takes_the_kernel_where_its_vector_path_runs(tmp_path):
+    """native_attention=None (the default): the kernel for head sizes 64 and 128, SDPA for others
+    (its loop path is slower there at long contexts); True and False force either way."""
+    from rollwise import LLM
+    from rollwise.make_model import make_model
+    for heads, vector in ((2, True), (4, False)):  # hidden 128: head size 64, then 32
+        model = make_model(tmp_path / f"heads{heads}", layers=1, hidden=128, heads=heads, kv_heads=1, vocab=256)
+        for asked, used in ((None, vector), (True, True), (False, False)):
+            assert LLM(str(model), max_num_seqs=2, native_attention=asked).engine.runner.native_attention is used
