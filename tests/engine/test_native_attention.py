@@ -210,6 +210,6 @@ def test_default_takes_the_kernel_where_its_vector_path_runs(tmp_path):
     from rollwise import LLM
     from rollwise.make_model import make_model
     for heads, vector in ((2, True), (4, False)):  # hidden 128: head size 64, then 32
-        model = make_model(tmp_path / f"heads{heads}", layers=1, hidden=128, heads=heads, kv_heads=1, vocab=256)
+        model = make_model(tmp_path / f"heads{heads}", layers=1, hidden=128, heads=heads, kv_heads=1, vocab=512)
         for asked, used in ((None, vector), (True, True), (False, False)):
             assert LLM(str(model), max_num_seqs=2, native_attention=asked).engine.runner.native_attention is used
