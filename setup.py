@@ -13,7 +13,10 @@ setup(
         # operations is its source's (explicit vectors), the same for a row in any batch; multiply-adds
         # fuse (-ffp-contract=fast, GCC's default, spelled out).
         # Optional: without it the engine runs torch ops alone
-        Pybind11Extension("rollwise.engine._C", ["rollwise/engine/_C.cpp"], cxx_std=17, optional=True,
+        Pybind11Extension("rollwise.engine._C",
+                          ["rollwise/engine/_C.cpp", "rollwise/engine/paged_attention.cpp",
+                           "rollwise/engine/small_ops.cpp"],
+                          depends=["rollwise/engine/kernels.h"], cxx_std=17, optional=True,
                           extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=fast", "-fno-trapping-math"],
                           extra_link_args=["-fopenmp"]),
     ],

@@ -7,7 +7,7 @@ runs one SDPA per group of sequences with similar query lengths (decodes togethe
 together), so a long prefill chunk does not pad the decodes.
 
 On CPU in fp32 the native kernel (`_C.paged_attention`, see native.py; `EngineConfig.native_attention`,
-on by default for head sizes 64 and 128) takes every group instead: it reads keys and values where
+on by default for head sizes 32, 64 and 128) takes every group instead: it reads keys and values where
 they lie, and what a row computes depends only on the keys it sees, so the same row gives the same
 bits in a prefill chunk, a decode step or a draft chain (seeded sampling stays reproducible with
 prefix caching). The torch path stays as its oracle and for bf16, other devices, other head sizes
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from rollwise.engine import native
 
-VECTOR_HEAD_SIZES = (64, 128)  # the native kernel's vector path (_C.cpp); its loop path takes the rest
+VECTOR_HEAD_SIZES = (32, 64, 128)  # the native kernel's vector path (paged_attention.cpp); its loop path: the rest
 MAX_SHORT = 64  # short queries (drafts, short prompts) get their own group; a tree's mask fits 64 bits
 
 

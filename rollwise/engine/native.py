@@ -1,4 +1,4 @@
-"""The native kernels (rollwise/engine/_C.cpp, built by `pip install`) behind one switch. Each has a
+"""The native kernels (rollwise/engine/*.cpp, built by `pip install`) behind one switch. Each has a
 torch twin, which stays its test oracle and the path for what the kernels do not take: bf16, other
 devices, autograd, tree drafts of more than 64 tokens (attention.py)."""
 from __future__ import annotations

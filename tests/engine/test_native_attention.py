@@ -1,5 +1,5 @@
 """The native paged attention kernel (rollwise.engine._C) against the torch path it replaces. Head
-sizes 64 and 128 take its vector kernel (tiles of queries sharing key loads), others its loop
+sizes 32, 64 and 128 take its vector kernel (tiles of queries sharing key loads), others its loop
 kernel; the tests run both."""
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_extreme_scores_stay_finite(torch_path):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
 @pytest.mark.parametrize("tree", [False, True])
 def test_drafts_and_short_prompts_match_torch_path(torch_path, tree, d):
     """Verification queries (the last token plus a chain or a tree of drafts, up to 64 in all) on
@@ -120,7 +120,7 @@ def test_drafts_and_short_prompts_match_torch_path(torch_path, tree, d):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
 def test_long_chunks_native_too_and_rows_same_bits_in_any_group(torch_path, d):
     """A prefill chunk of 300 tokens goes through the kernel too, and each of its rows gives the
     same bits as that row alone (a decode step after a cached prefix) and as a row of a draft
@@ -205,11 +205,11 @@ def test_seeded_sampling_reproducible_with_prefix_caching(model_dirs):
 
 
 def test_default_takes_the_kernel_where_its_vector_path_runs(tmp_path):
-    """native_attention=None (the default): the kernel for head sizes 64 and 128, SDPA for others
-    (its loop path is slower there at long contexts); True and False force either way."""
+    """native_attention=None (the default): the kernel for head sizes 32, 64 and 128, SDPA for
+    others (its loop path is slower there at long contexts); True and False force either way."""
     from rollwise import LLM
     from rollwise.make_model import make_model
-    for heads, vector in ((2, True), (4, False)):  # hidden 128: head size 64, then 32
+    for heads, vector in ((2, True), (4, True), (8, False)):  # hidden 128: head size 64, 32, then 16
         model = make_model(tmp_path / f"heads{heads}", layers=1, hidden=128, heads=heads, kv_heads=1, vocab=512)
         for asked, used in ((None, vector), (True, True), (False, False)):
             assert LLM(str(model), max_num_seqs=2, native_attention=asked).engine.runner.native_attention is used

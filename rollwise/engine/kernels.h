@@ -1,0 +1,102 @@
+// What the engine's native kernels share (paged_attention.cpp, small_ops.cpp; bound to Python in
+// _C.cpp): the instruction-set clones, the denormal flush, a vectorizable exp, 16-float vectors.
+#pragma once
+#include <pybind11/numpy.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
+namespace rollwise {
+
+namespace py = pybind11;
+using f32 = py::array_t<float, py::array::c_style>;
+using i64 = py::array_t<int64_t, py::array::c_style>;
+
+// one clone per instruction set, picked at load time: the module is built on the machine that
+// runs it, but a wheel or a shared venv may move
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ROLLWISE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define ROLLWISE_CLONES
+#endif
+// what a clone calls must be inlined into it: a call out runs the baseline instruction set
+#define ROLLWISE_INLINE inline __attribute__((always_inline))
+
+// Denormals flushed to zero (MXCSR's FTZ and DAZ) while a kernel runs, per thread (the register is
+// per thread), restored after. A denormal operand or result costs a microcode assist of ~100 cycles
+// per lane; vectorized code computes both sides of a select, and SiLU's side for a clamped exp
+// (x / (1 + e^88)) is denormal for every |x| < 1: the kernel ran 8x slower than with the flush.
+// Values under 1.2e-38 become 0, far below what a softmax weight or an activation can carry.
+struct FlushDenormals {
+#if defined(__SSE__)
+    unsigned saved = _mm_getcsr();
+    FlushDenormals() { _mm_setcsr(saved | 0x8040); }
+    ~FlushDenormals() { _mm_setcsr(saved); }
+#endif
+};
+
+// exp(x) in a form the compiler vectorizes (std::exp is a scalar call): Cephes' expf. x = n ln2 + r,
+// |r| <= ln2 / 2, a degree-7 polynomial for exp(r), 2^n from the exponent bits; x is clamped to
+// [-87, 88], where 2^n stays a normal float (exp(-87) is 1.6e-38, exp(88) 1.7e38). Relative error
+// under 1e-7 for every float in [-87, 88] (checked exhaustively against double-precision exp when
+// written).
+ROLLWISE_INLINE float exp_clamped(float x) {
+    x = std::min(std::max(x, -87.f), 88.f);
+    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const int32_t bits = (int32_t(n) + 127) << 23;
+    float two_n;
+    std::memcpy(&two_n, &bits, sizeof two_n);
+    return (p * r * r + r + 1.f) * two_n;
+}
+
+// 16 floats (GCC vector extensions: zmm on x86-64-v4, pairs of ymm on v3), operations in the
+// source's order
+typedef float v16 __attribute__((vector_size(64)));
+typedef int i16v __attribute__((vector_size(64)));
+
+ROLLWISE_INLINE v16 load16(const float* p) {
+    v16 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+// max of x[0 .. n), -inf if n == 0, 16 lanes at a time (std::max_element is one dependent compare a
+// float; a max is exact in any order)
+ROLLWISE_INLINE float max_of(const float* x, int64_t n) {
+    v16 mv = v16{} - INFINITY;
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+        const v16 xv = load16(x + t);
+        mv = xv > mv ? xv : mv;
+    }
+    float mx = -INFINITY;
+    for (int j = 0; j < 16; ++j) mx = std::max(mx, mv[j]);
+    for (; t < n; ++t) mx = std::max(mx, x[t]);
+    return mx;
+}
+
+inline void need(bool ok, const std::string& what) {
+    if (!ok) throw std::invalid_argument(what);
+}
+
+// The entry points (paged_attention.cpp, small_ops.cpp), with their contracts there.
+void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const i64& block_tables, const i64& rows,
+                     const i64& seqs, const i64& prefix, const i64& masks, f32& out, int64_t block_size, double scale);
+void rms_norm(const f32& x, const f32& w, double eps, f32& out);
+void silu_and_mul(const f32& x, f32& out);
+
+}  // namespace rollwise
