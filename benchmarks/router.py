@@ -259,7 +259,9 @@ def main() -> None:
             r = out["control"][p] = median_run(model, p, control, args, label=f"control-{p}")
             print(f"control (no shared prefixes) {p:<12} makespan {r['makespan_s']:.2f}s, prefill {int(r['prefill_tokens'])}"
                   f" (runs: {', '.join(f'{x:.2f}' for x in r['makespan_runs_s'])})")
-    if not args.smoke:  # shared drafting material: siblings spread by least_load, speculation on
+    # shared drafting material: siblings spread by least_load, speculation on (not on the SWE step:
+    # its tokens are random, so nothing drafted is ever accepted)
+    if not args.smoke and args.workload != "swe":
         for share in (False, True):
             r = run_policy(model, "least_load", step, args, speculative=True, share=share,
                            label=f"speculating-shared-{'on' if share else 'off'}")
