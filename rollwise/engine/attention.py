@@ -23,7 +23,9 @@ import torch.nn.functional as F
 
 from rollwise.engine import native
 
-VECTOR_HEAD_SIZES = (32, 64, 128)  # the native kernel's vector path (paged_attention.cpp); its loop path: the rest
+# head sizes the native kernel's vector path takes (32, 64, 128; its loop path takes the rest): the
+# default for EngineConfig.native_attention; none when the kernels are not built
+VECTOR_HEAD_SIZES: tuple[int, ...] = native._C.VECTOR_HEAD_SIZES if native._C is not None else ()
 MAX_SHORT = 64  # short queries (drafts, short prompts) get their own group; a tree's mask fits 64 bits
 
 

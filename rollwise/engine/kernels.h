@@ -89,6 +89,10 @@ ROLLWISE_INLINE float max_of(const float* x, int64_t n) {
     return mx;
 }
 
+// Head sizes the attention's vector kernel takes (C x 16 floats, C = 2, 4, 8); the loop kernel takes
+// the rest. Exported to Python as _C.VECTOR_HEAD_SIZES (the engine's default, attention.py).
+constexpr int kVectorHeadSizes[] = {32, 64, 128};
+
 inline void need(bool ok, const std::string& what) {
     if (!ok) throw std::invalid_argument(what);
 }

@@ -9,6 +9,7 @@
 // source, not by its tile or batch, so a row gives the same bits in a prefill chunk, a decode step
 // or a draft chain: seeded sampling stays reproducible with prefix caching and chunked prefill.
 // attention.py's torch path is the test oracle.
+#include <iterator>
 #include <type_traits>
 #include <vector>
 
@@ -96,6 +97,7 @@ ROLLWISE_CLONES void attend_part(const float* __restrict q, int H, int g, int d,
 //   block of 16 keys).
 // A pair's arithmetic is this code's whatever tile or group it falls in (the tests check the bits
 // of rows alone, in chunks and in draft chains), so rows agree bit for bit across batches as above.
+
 // sums[t] = the lane tree of x[t], for 16 vectors
 ROLLWISE_INLINE v16 tree_sums(v16* x) {
     constexpr i16v lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
@@ -324,7 +326,7 @@ void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const
     for (int64_t i = 0; i < R; ++i) first[i + 1] = first[i] + (end[i] + part - 1) / part;
     const float *qp = q.data(), *kp = k_cache.data(), *vp = v_cache.data();
     // head sizes 32, 64 and 128 (most models) take the vector kernel, in tiles; others the loop kernel
-    const int C = d == 32 || d == 64 || d == 128 ? d / 16 : 0;
+    const int C = std::count(std::begin(kVectorHeadSizes), std::end(kVectorHeadSizes), d) ? d / 16 : 0;
     const int64_t tile = C ? kTile : 1;
     std::vector<Tile> items;
     for (int64_t s0 = 0; s0 < R;) {
@@ -352,22 +354,22 @@ void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const
         std::vector<int64_t> offsets(part);
         std::vector<Query> tile_pairs(size_t(tile * g));
         std::vector<float*> pair_acc(size_t(tile * g));
-        const auto vector = [&](auto c, const Tile& tl, const int64_t* table) {
+        const auto vector_tile = [&](auto c, const Tile& tl, const int64_t* table) {  // c: C as a type
             attend_tile_v<decltype(c)::value>(tl, h, g, kp, vp, Hkv * D, table, part, block_size, sc, acc.data(),
-                                              mx.data(), tot.data(), scores.data(), offsets.data(), tile_pairs.data(),
-                                              pair_acc.data());
+                                              mx.data(), tot.data(), scores.data(), offsets.data(),
+                                              tile_pairs.data(), pair_acc.data());
         };
 #pragma omp for schedule(dynamic)
         for (int64_t w = 0; w < W; ++w) {
             const Tile& tl = items[w];
             const int64_t* table = bt + seqs[tl.i0] * nb;
             if (C == 2)
-                vector(std::integral_constant<int, 2>{}, tl, table);
+                vector_tile(std::integral_constant<int, 2>{}, tl, table);
             else if (C == 4)
-                vector(std::integral_constant<int, 4>{}, tl, table);
+                vector_tile(std::integral_constant<int, 4>{}, tl, table);
             else if (C == 8)
-                vector(std::integral_constant<int, 8>{}, tl, table);
-            else {
+                vector_tile(std::integral_constant<int, 8>{}, tl, table);
+            else {  // C == 0
                 const int64_t i = tl.i0, t0 = tl.p * part, k = first[i] + tl.p;
                 attend_part(qp + rows[i] * h * d, h, g, d, kp, vp, Hkv * D, table, t0, std::min(end[i], t0 + part),
                             prefix[i], masks[i], block_size, sc, acc.data() + k * h * d, mx.data() + k * h,
