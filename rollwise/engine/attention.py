@@ -67,10 +67,8 @@ def build_metadata(
     whose branches share the context but not each other)."""
     q = torch.tensor(q_lens, dtype=torch.long)
     c = torch.tensor(ctx_lens, dtype=torch.long)
-    width = max(len(bt) for bt in block_tables)
-    bt = torch.zeros(len(q_lens), width, dtype=torch.long)
-    for i, table in enumerate(block_tables):
-        bt[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+    width = max(len(bt) for bt in block_tables)  # padded with block 0 (masked); one array, not a tensor a row
+    bt = torch.from_numpy(np.array([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=np.int64))
     starts = torch.cumsum(q, 0) - q
     # slot of every new token: its sequence's block at position // block_size, then the offset
     seq_of_row = torch.repeat_interleave(torch.arange(len(q_lens)), q)
