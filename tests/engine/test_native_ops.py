@@ -1,4 +1,5 @@
-"""The native small ops (RMSNorm, SiLU-and-multiply) against their torch twins, and when they are used."""
+"""The native small ops (RMSNorm, SiLU-and-multiply, RoPE) against their torch twins, and when they are
+used."""
 from __future__ import annotations
 
 import numpy as np
@@ -37,6 +38,33 @@ def test_silu_and_mul_matches_torch(rows, inter):
     torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows,heads,kv_heads,d", [(1, 8, 4, 64), (7, 4, 2, 32), (600, 8, 4, 64)])  # last: threaded
+def test_rope_matches_torch_in_place(rows, heads, kv_heads, d):
+    """q's and k's heads rotated in place in the fused projection's rows, v's columns untouched; at
+    positions far apart (large angles) as apply_rope does them."""
+    from rollwise.engine.models.llama import ModelConfig, RotaryEmbedding, apply_rope
+    g = torch.Generator().manual_seed(rows)
+    cfg = ModelConfig.from_hf({"model_type": "llama", "vocab_size": 64, "hidden_size": heads * d,
+                               "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": heads,
+                               "num_key_value_heads": kv_heads, "rope_theta": 10000.0})
+    cos, sin = RotaryEmbedding(cfg, 8192).table(torch.randint(0, 8192, (rows,), generator=g), torch.float32)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g)
+    q, k, v = (x.reshape(rows, -1, d) for x in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
+    ref_q, ref_k = apply_rope(q, k, cos, sin)
+    ref_v = v.clone()
+    with torch.inference_mode():
+        assert native.takes(qkv, cos, sin)
+        assert native.rope_(qkv, 0, heads + kv_heads, cos, sin) is qkv
+    torch.testing.assert_close(q, ref_q, rtol=1e-5, atol=1e-5)  # views of qkv: rotated in place
+    torch.testing.assert_close(k, ref_k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(v, ref_v)
+    # from a column offset (k alone), the rest of the row untouched
+    before = qkv.clone()
+    native.rope_(qkv, heads * d, kv_heads, cos, sin)
+    assert torch.equal(qkv[:, : heads * d], before[:, : heads * d]) and torch.equal(v, ref_v)
+    torch.testing.assert_close(k, apply_rope(ref_k, ref_k, cos, sin)[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("rows", [4, 600])  # one thread and both threads
 def test_kernels_flush_denormals_only_while_they_run(rows):
     """The kernels flush denormals to zero (a denormal costs ~100 cycles a lane) and must restore the
@@ -63,6 +91,11 @@ def test_bad_input_is_a_clear_error():
         native._C.silu_and_mul(np.zeros((4, 7), np.float32), np.zeros((4, 3), np.float32))
     with pytest.raises(TypeError):  # float64: would be a silent copy; refused
         native._C.rms_norm(x.astype(np.float64), w, 1e-6, x.copy())
+    cs = np.ones((4, 4), np.float32)
+    with pytest.raises(ValueError, match="rope_: even D, heads within x's columns"):
+        native._C.rope_(x.copy(), 6, 1, cs, cs)  # columns 6..9 of 8
+    with pytest.raises(ValueError, match="rope_: cos and sin"):
+        native._C.rope_(x.copy(), 0, 2, cs[:3], cs[:3])
 
 
 def test_takes_only_inference_fp32_cpu_contiguous(monkeypatch):

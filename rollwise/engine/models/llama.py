@@ -151,13 +151,24 @@ class Attention(nn.Module):
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, kv_cache):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        # RoPE in one pass, in place (inference, fp32 on the CPU): q's and k's heads side by side in
+        # the projection, or q-norm's and k-norm's fresh outputs
+        fused = not self.qk_norm and qkv.dim() == 2 and native.takes(qkv, *rope)
+        if fused:
+            native.rope_(qkv, 0, self.num_heads + self.num_kv_heads, *rope)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, *rope)
+            fused = q.dim() == 3 and native.takes(q, k, *rope)
+            if fused:
+                native.rope_(q.view(t, -1), 0, self.num_heads, *rope)
+                native.rope_(k.view(t, -1), 0, self.num_kv_heads, *rope)
+        if not fused:
+            q, k = apply_rope(q, k, *rope)
         o = paged_attention(q, k, v, kv_cache[0][self.layer_idx], kv_cache[1][self.layer_idx], meta)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
