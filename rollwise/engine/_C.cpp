@@ -16,8 +16,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("out").noconvert(), py::arg("block_size"), py::arg("scale"));
     m.def("rms_norm", &rms_norm, py::arg("x").noconvert(), py::arg("w").noconvert(), py::arg("eps"),
           py::arg("out").noconvert());
-    py::tuple sizes(std::size(kVectorHeadSizes));
-    for (size_t i = 0; i < sizes.size(); ++i) sizes[i] = kVectorHeadSizes[i];
+    py::tuple sizes(std::size(VectorHeadSizes::values));
+    for (size_t i = 0; i < sizes.size(); ++i) sizes[i] = VectorHeadSizes::values[i];
     m.attr("VECTOR_HEAD_SIZES") = sizes;  // the attention's vector kernel; other head sizes: its loop kernel
     m.def("silu_and_mul", &silu_and_mul, py::arg("x").noconvert(), py::arg("out").noconvert());
     m.def("rope_", &rope_, py::arg("x").noconvert(), py::arg("c0"), py::arg("heads"), py::arg("cos").noconvert(),

@@ -89,9 +89,14 @@ ROLLWISE_INLINE float max_of(const float* x, int64_t n) {
     return mx;
 }
 
-// Head sizes the attention's vector kernel takes (C x 16 floats, C = 2, 4, 8); the loop kernel takes
-// the rest. Exported to Python as _C.VECTOR_HEAD_SIZES (the engine's default, attention.py).
-constexpr int kVectorHeadSizes[] = {32, 64, 128};
+// Head sizes the attention's vector kernel takes (C x 16 floats); the loop kernel takes the rest. One
+// list: paged_attention.cpp instantiates and dispatches from it, _C.cpp exports it as
+// _C.VECTOR_HEAD_SIZES (the engine's default, attention.py).
+template <int... D>
+struct HeadSizes {
+    static constexpr int values[] = {D...};
+};
+using VectorHeadSizes = HeadSizes<32, 64, 128>;
 
 inline void need(bool ok, const std::string& what) {
     if (!ok) throw std::invalid_argument(what);

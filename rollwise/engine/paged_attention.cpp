@@ -272,6 +272,13 @@ constexpr int64_t kPart = 256;  // keys per work item, rounded down to whole blo
 // more than the work (one thread: 5 ns a pair in prefill tiles, 12 ns in decodes)
 constexpr int64_t kParallelPairs = 65536;
 
+// Calls f(std::integral_constant<int, d / 16>) if d is one of the list's head sizes (the vector
+// kernel's C as a type, one instantiation per size); false if none.
+template <typename F, int... D>
+bool with_vector_kernel(HeadSizes<D...>, int d, F&& f) {
+    return ((d == D && (f(std::integral_constant<int, D / 16>{}), true)) || ...);
+}
+
 // Keys a query reads: its first `prefix` and, of the next 64, up to the last its mask names.
 inline int64_t keys_end(int64_t prefix, uint64_t mask) { return prefix + (mask ? 64 - __builtin_clzll(mask) : 0); }
 
@@ -326,8 +333,8 @@ void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const
     for (int64_t i = 0; i < R; ++i) first[i + 1] = first[i] + (end[i] + part - 1) / part;
     const float *qp = q.data(), *kp = k_cache.data(), *vp = v_cache.data();
     // head sizes 32, 64 and 128 (most models) take the vector kernel, in tiles; others the loop kernel
-    const int C = std::count(std::begin(kVectorHeadSizes), std::end(kVectorHeadSizes), d) ? d / 16 : 0;
-    const int64_t tile = C ? kTile : 1;
+    const auto& vec = VectorHeadSizes::values;
+    const int64_t tile = std::count(std::begin(vec), std::end(vec), d) ? kTile : 1;
     std::vector<Tile> items;
     for (int64_t s0 = 0; s0 < R;) {
         int64_t s1 = s0;
@@ -354,22 +361,16 @@ void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const
         std::vector<int64_t> offsets(part);
         std::vector<Query> tile_pairs(size_t(tile * g));
         std::vector<float*> pair_acc(size_t(tile * g));
-        const auto vector_tile = [&](auto c, const Tile& tl, const int64_t* table) {  // c: C as a type
-            attend_tile_v<decltype(c)::value>(tl, h, g, kp, vp, Hkv * D, table, part, block_size, sc, acc.data(),
-                                              mx.data(), tot.data(), scores.data(), offsets.data(),
-                                              tile_pairs.data(), pair_acc.data());
-        };
 #pragma omp for schedule(dynamic)
         for (int64_t w = 0; w < W; ++w) {
             const Tile& tl = items[w];
             const int64_t* table = bt + seqs[tl.i0] * nb;
-            if (C == 2)
-                vector_tile(std::integral_constant<int, 2>{}, tl, table);
-            else if (C == 4)
-                vector_tile(std::integral_constant<int, 4>{}, tl, table);
-            else if (C == 8)
-                vector_tile(std::integral_constant<int, 8>{}, tl, table);
-            else {  // C == 0
+            const auto vector_tile = [&](auto c) {  // c: C as a type
+                attend_tile_v<decltype(c)::value>(tl, h, g, kp, vp, Hkv * D, table, part, block_size, sc,
+                                                  acc.data(), mx.data(), tot.data(), scores.data(), offsets.data(),
+                                                  tile_pairs.data(), pair_acc.data());
+            };
+            if (!with_vector_kernel(VectorHeadSizes{}, d, vector_tile)) {
                 const int64_t i = tl.i0, t0 = tl.p * part, k = first[i] + tl.p;
                 attend_part(qp + rows[i] * h * d, h, g, d, kp, vp, Hkv * D, table, t0, std::min(end[i], t0 + part),
                             prefix[i], masks[i], block_size, sc, acc.data() + k * h * d, mx.data() + k * h,

@@ -154,7 +154,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         # RoPE in one pass, in place (inference, fp32 on the CPU): q's and k's heads side by side in
         # the projection, or q-norm's and k-norm's fresh outputs
-        fused = not self.qk_norm and qkv.dim() == 2 and native.takes(qkv, *rope)
+        fused = not self.qk_norm and native.takes(qkv, *rope)
         if fused:
             native.rope_(qkv, 0, self.num_heads + self.num_kv_heads, *rope)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -163,7 +163,7 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-            fused = q.dim() == 3 and native.takes(q, k, *rope)
+            fused = native.takes(q, k, *rope)
             if fused:
                 native.rope_(q.view(t, -1), 0, self.num_heads, *rope)
                 native.rope_(k.view(t, -1), 0, self.num_kv_heads, *rope)
