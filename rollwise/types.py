@@ -4,7 +4,7 @@ Imports no torch: the control plane (router, rollout, spec) uses these types too
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 
 @dataclass(slots=True, kw_only=True)
@@ -49,6 +49,13 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_sample(self, j: int) -> SamplingParams:
+        """The params of sample j of n from one prompt: seeded ones get seed + j (vLLM's rule), so
+        the samples differ and each is reproducible on its own; unseeded ones are these params."""
+        if self.seed is None or j == 0:
+            return self
+        return replace(self, seed=(self.seed + j + 2**63) % 2**64 - 2**63)  # wraps within int64
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:

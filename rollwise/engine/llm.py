@@ -1,6 +1,8 @@
 """`LLM`: offline batch generation on the engine."""
 from __future__ import annotations
 
+import uuid
+
 from rollwise.config import EngineConfig
 from rollwise.engine.llm_engine import LLMEngine
 from rollwise.types import RequestOutput, SamplingParams
@@ -17,10 +19,12 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[int] | list, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False, group_ids: list[str | None] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, group_ids: list[str | None] | None = None, n: int = 1) -> list[RequestOutput]:
         """prompts: strings or token-id lists (one prompt alone is accepted too); params: one for all
         or one per prompt; group_ids: the prompt group of each (siblings draft from each other).
-        Returns outputs in prompt order."""
+        n: samples per prompt (a GRPO group): prompt i's come at i*n .. i*n+n-1, sample j seeded
+        seed + j (`SamplingParams.for_sample`), its prompt computed once, and they form a group for
+        drafting unless `group_ids` names one. Returns outputs in prompt order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -28,6 +32,14 @@ class LLM:
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         groups = group_ids or [None] * len(prompts)
+        if len(groups) != len(prompts):
+            raise ValueError(f"got {len(groups)} group_ids for {len(prompts)} prompts")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        if n > 1:
+            groups = [g if g is not None else f"llm-{uuid.uuid4().hex[:12]}" for g in groups]
+            prompts, groups = [p for p in prompts for _ in range(n)], [g for g in groups for _ in range(n)]
+            plist = [sp.for_sample(j) for sp in plist for j in range(n)]
         ids: list[str] = []
         try:
             for p, sp, g in zip(prompts, plist, groups):

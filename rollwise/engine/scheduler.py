@@ -2,7 +2,8 @@
 
 Each step has a token budget. Running sequences go first (a decode costs one token, an unfinished
 prefill continues in chunks); waiting ones are admitted while budget, `max_num_seqs` and KV blocks
-allow, reusing cached prefix blocks. When a running sequence needs a block and none is free, the
+allow, reusing cached prefix blocks (one whose prefix a running sequence is computing waits
+for it instead of computing it too). When a running sequence needs a block and none is free, the
 most recently admitted sequence is preempted: its blocks are released (they stay in the prefix cache
 while nothing reuses them) and it is recomputed later.
 """
@@ -34,6 +35,8 @@ class ScheduledSeq:
 
 
 class Scheduler:
+    share_computing_prefix = True  # False: admit a sibling beside the one computing its prefix (an A/B baseline)
+
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
@@ -67,9 +70,17 @@ class Scheduler:
             out.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
             budget -= n
             i += 1
+        pending: set[int] | None = None  # blocks running sequences are still computing (built when needed)
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.blocks.match_prefix(seq.full_block_hashes(self.blocks.block_size))
+            hashes = seq.full_block_hashes(self.blocks.block_size)
+            hits = self.blocks.match_prefix(hashes)
+            if len(hits) < len(hashes) and self.blocks.enable_prefix_caching and self.share_computing_prefix:
+                pending = self._computing() if pending is None else pending
+                if hashes[len(hits)] in pending:  # a sibling computes this prefix now: reuse it next step
+                    deferred.append(self.waiting.popleft())
+                    continue
             if len(hits) * self.blocks.block_size >= seq.num_tokens:
                 hits = hits[:-1]  # keep at least one token to compute, for its logits
             cached = len(hits) * self.blocks.block_size
@@ -89,6 +100,19 @@ class Scheduler:
             self.running.append(seq)
             out.append(ScheduledSeq(seq, n, cached))
             budget -= n
+            if pending is not None:
+                pending.update(hashes[len(hits):])
+        self.waiting.extendleft(reversed(deferred))
+        return out
+
+    def _computing(self) -> set[int]:
+        """Hashes of the full blocks that running sequences have still to compute (their prefills).
+        A waiting sequence whose next uncached block is among them waits for it rather than
+        computing the same prefix beside it (a prompt group's siblings arriving together)."""
+        bs, out = self.blocks.block_size, set()
+        for r in self.running:
+            if r.num_tokens - r.num_computed_tokens > 1:  # decodes compute one token: no block to share
+                out.update(r.full_block_hashes(bs)[r.num_computed_tokens // bs:])
         return out
 
     def _preempt(self, seq: Sequence) -> None:

@@ -5,6 +5,7 @@ Trajectories are identified by the body's `trajectory_id` / `group_id` / `turn` 
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -110,16 +111,20 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
             prompt = router.tokenizer.encode(prompt)
         if not prompt or not all(isinstance(t, int) for t in prompt):
             raise ValueError("prompt must be a string or one non-empty list of token ids")
-        req = GenerateRequest(prompt_token_ids=prompt, params=body.sampling(body.max_tokens),
-                              request_id=f"cmpl-{uuid.uuid4().hex[:16]}", trajectory_id=body.trajectory_id,
-                              group_id=body.group_id, turn=body.turn or 0)
-        out = await router.generate(req)
-        text = router.tokenizer.decode(out.token_ids) if router.tokenizer is not None else ""
-        return {"id": req.request_id, "object": "text_completion", "created": int(time.time()), "model": body.model,
-                "choices": [{"index": 0, "text": text, "finish_reason": out.finish_reason,
-                             "logprobs": {"token_logprobs": out.logprobs, "token_ids": out.token_ids}
-                             if body.logprobs is not None else None}],
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out.token_ids),
-                          "total_tokens": len(prompt) + len(out.token_ids)}}
+        rid, n, params = f"cmpl-{uuid.uuid4().hex[:16]}", body.n, body.sampling(body.max_tokens)
+        group = body.group_id or (f"{rid}-g" if n > 1 else None)  # n samples: one group (shared drafts)
+        tid = body.trajectory_id
+        reqs = [GenerateRequest(prompt_token_ids=prompt, params=params.for_sample(j), request_id=f"{rid}-{j}",
+                                trajectory_id=f"{tid}/{j}" if tid and n > 1 else tid, group_id=group,
+                                turn=body.turn or 0) for j in range(n)]
+        outs = await asyncio.gather(*(router.generate(r) for r in reqs))
+        dec = router.tokenizer.decode if router.tokenizer is not None else (lambda ids: "")
+        choices = [{"index": j, "text": dec(o.token_ids), "finish_reason": o.finish_reason,
+                    "logprobs": {"token_logprobs": o.logprobs, "token_ids": o.token_ids}
+                    if body.logprobs is not None else None} for j, o in enumerate(outs)]
+        completion = sum(len(o.token_ids) for o in outs)
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model,
+                "choices": choices, "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion,
+                                              "total_tokens": len(prompt) + completion}}
 
     return app

@@ -7,6 +7,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollwise.types import SamplingParams
 
+MAX_N = 128  # samples per prompt in one OpenAI request (a bigger group: several requests, one group_id)
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -24,7 +26,7 @@ class _OpenAISampling(_Strict):
     min_tokens: int = 0
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    n: Literal[1] = 1  # groups are separate requests sharing a group_id
+    n: int = Field(1, ge=1, le=MAX_N)  # samples per prompt: a group (sample j seeded seed + j)
     presence_penalty: Literal[0, 0.0] = 0.0
     frequency_penalty: Literal[0, 0.0] = 0.0
     user: str | None = None

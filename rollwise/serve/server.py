@@ -142,21 +142,21 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     async def completions(body: CompletionRequest):
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
             body.prompt[0], int) else [body.prompt]
-        params = body.sampling(body.max_tokens)
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
+        runs = _samples(prompts, body.sampling(body.max_tokens), body.n, body.group_id, rid)
         if body.stream:
             if len(prompts) != 1:
                 raise ValueError("streaming takes one prompt")
-            return _sse(await _primed(_stream_completion(engine, prompts[0], params, rid, model_name,
-                                                          body.logprobs is not None, body.group_id)))
-        outs = await asyncio.gather(*(engine.generate(p, params, f"{rid}-{i}", group_id=body.group_id)
-                                      for i, p in enumerate(prompts)))
+            return _sse(await _primed(_merged([
+                _stream_completion(engine, p, sp, rid, k, model_name, body.logprobs is not None, g)
+                for k, (p, sp, g) in enumerate(runs)])))
+        outs = await _all(engine.generate(p, sp, f"{rid}-{k}", group_id=g) for k, (p, sp, g) in enumerate(runs))
         choices = [{"index": i, "text": o.text, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
                     "logprobs": _completion_logprobs(tok, o, body.return_tokens_as_token_ids)
                     if body.logprobs is not None else None}
                    for i, o in enumerate(outs)]
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                "choices": choices, "usage": _usage(outs)}
+                "choices": choices, "usage": _usage(outs, body.n)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest):
@@ -165,15 +165,17 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         room = engine.engine.max_model_len - len(ids)
         params = body.sampling(body.max_completion_tokens or body.max_tokens or max(room, 1))
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
+        runs = _samples([ids], params, body.n, body.group_id, rid)
         if body.stream:
-            return _sse(await _primed(_stream_chat(engine, ids, params, rid, model_name, body.logprobs,
-                                                    body.group_id)))
-        out = await engine.generate(ids, params, rid, group_id=body.group_id)
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                  "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
-                  "logprobs": {"content": _chat_logprobs(tok, out.token_ids, out.logprobs)} if body.logprobs else None}
+            return _sse(await _primed(_merged([_stream_chat(engine, p, sp, rid, k, model_name, body.logprobs, g)
+                                               for k, (p, sp, g) in enumerate(runs)])))
+        outs = await _all(engine.generate(p, sp, f"{rid}-{k}", group_id=g) for k, (p, sp, g) in enumerate(runs))
+        choices = [{"index": k, "message": {"role": "assistant", "content": o.text},
+                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+                    "logprobs": {"content": _chat_logprobs(tok, o.token_ids, o.logprobs)} if body.logprobs else None}
+                   for k, o in enumerate(outs)]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                "choices": [choice], "usage": _usage([out])}
+                "choices": choices, "usage": _usage(outs, body.n)}
 
     return app
 
@@ -208,11 +210,30 @@ def _generate_json(out: RequestOutput) -> dict:
             "policy_version": out.policy_version, "version_segments": out.version_segments}
 
 
-def _usage(outs: list[RequestOutput]) -> dict:
-    p = sum(len(o.prompt_token_ids) for o in outs)
+async def _all(coros) -> list:
+    """asyncio.gather, but the first error (or the caller's cancellation) cancels the rest, which
+    aborts their requests instead of leaving them to generate for nobody."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _samples(prompts: list, params: SamplingParams, n: int, group_id: str | None, rid: str) -> list[tuple]:
+    """(prompt, params, group) of each choice, choice i * n + j being prompt i's sample j: seeded
+    seed + j, and one drafting group per prompt when n > 1 (unless the request names one)."""
+    return [(p, params.for_sample(j), group_id or (f"{rid}-p{i}" if n > 1 else None))
+            for i, p in enumerate(prompts) for j in range(n)]
+
+
+def _usage(outs: list[RequestOutput], n: int = 1) -> dict:
+    """OpenAI's usage: each prompt counted once however many samples it has."""
+    p = sum(len(o.prompt_token_ids) for o in outs[::n])
     c = sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs[::n])}}
 
 
 def _completion_logprobs(tok, out: RequestOutput, as_ids: bool = False) -> dict:
@@ -278,21 +299,55 @@ async def _stream_generate(engine, prompt, params, rid, group_id, **options):
         yield chunk
 
 
-async def _stream_completion(engine, prompt, params, rid, model, with_logprobs: bool, group_id: str | None):
-    async for ids, lps, delta, final in _deltas(engine, prompt, params, rid, group_id):
-        choice = {"index": 0, "text": delta, "finish_reason": final.finish_reason if final else None,
+async def _merged(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
+    """The chunks of several streams (a request's n choices) as they come; the first error ends it,
+    and closing it closes every stream (which aborts their requests)."""
+    if len(streams) == 1:
+        async for c in streams[0]:
+            yield c
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(s):
+        try:
+            async for c in s:
+                await queue.put(c)
+            await queue.put(None)
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put(e)
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _stream_completion(engine, prompt, params, rid, index: int, model, with_logprobs: bool,
+                             group_id: str | None):
+    async for ids, lps, delta, final in _deltas(engine, prompt, params, f"{rid}-{index}", group_id):
+        choice = {"index": index, "text": delta, "finish_reason": final.finish_reason if final else None,
                   "logprobs": {"token_logprobs": lps, "token_ids": ids} if with_logprobs else None}
         yield {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
                "choices": [choice]}
 
 
-async def _stream_chat(engine, ids, params, rid, model, with_logprobs: bool, group_id: str | None):
+async def _stream_chat(engine, ids, params, rid, index: int, model, with_logprobs: bool, group_id: str | None):
     tok = engine.tokenizer
     first = True
-    async for new_ids, lps, delta, final in _deltas(engine, ids, params, rid, group_id):
+    async for new_ids, lps, delta, final in _deltas(engine, ids, params, f"{rid}-{index}", group_id):
         d = {"role": "assistant", "content": delta} if first else {"content": delta}
         first = False
-        choice = {"index": 0, "delta": d, "finish_reason": final.finish_reason if final else None,
+        choice = {"index": index, "delta": d, "finish_reason": final.finish_reason if final else None,
                   "logprobs": {"content": _chat_logprobs(tok, new_ids, lps)} if with_logprobs else None}
         yield {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
                "choices": [choice]}

@@ -1,8 +1,9 @@
 """The engine's scheduler rules, mirrored for the simulated replica (a mixin of `SimReplica`):
 continuous batching of running sequences under a token budget (chunked prefill), admission in
-arrival order with prefix reuse through the engine's own `BlockManager`, preemption of the newest
-sequence when blocks run out, and block-hash registration as blocks fill. The replica owns the
-state (`running`, `waiting`, `blocks`, `bs`, `stats`, the limits); this is how it moves."""
+arrival order with prefix reuse through the engine's own `BlockManager` (waiting for a prefix a
+running sequence is computing), preemption of the newest sequence when blocks run out, and
+block-hash registration as blocks fill. The replica owns the state (`running`, `waiting`,
+`blocks`, `bs`, `stats`, the limits); this is how it moves."""
 from __future__ import annotations
 
 from rollwise.engine.block_manager import chain_hashes
@@ -54,19 +55,25 @@ class Scheduling:
             out.append((seq, n))
             budget -= n
             i += 1
-        admitted = False
+        admitted, pending, deferred = False, None, []
         while (self.waiting and budget > 0 and not preempted and not self._head_blocked
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
             full = seq.num_tokens // bs
-            hits = blocks.match_prefix(self._hashes(seq, full)[:full])
+            hashes = self._hashes(seq, full)
+            hits = blocks.match_prefix(hashes[:full])
+            if len(hits) < full and blocks.enable_prefix_caching:
+                pending = self._computing() if pending is None else pending
+                if hashes[len(hits)] in pending:  # a sibling computes this prefix now: reuse it next step
+                    deferred.append(self.waiting.popleft())
+                    continue
             if len(hits) * self.bs >= seq.num_tokens:
                 hits = hits[:-1]
             cached = len(hits) * self.bs
             n = min(seq.num_tokens - cached, budget)
             need = blocks.num_blocks_for(cached + n) - len(hits)
             if not blocks.can_allocate(need, hits):
-                self._head_blocked = True
+                self._head_blocked = not deferred  # (a deferred one goes first next step, with its hits)
                 break
             self.waiting.popleft()
             blocks.allocate(seq.table, need, hits)
@@ -79,7 +86,19 @@ class Scheduling:
             out.append((seq, n))
             budget -= n
             admitted = True
-        return out, decode_only and not admitted and not preempted and budget > 0
+            if pending is not None:
+                pending.update(hashes[len(hits):full])
+        self.waiting.extendleft(reversed(deferred))
+        return out, decode_only and not admitted and not preempted and budget > 0 and not deferred
+
+    def _computing(self) -> set[int]:
+        """Hashes of the full blocks running sequences have still to compute (the engine's rule)."""
+        bs, out = self.bs, set()
+        for r in self.running:
+            if r.num_tokens - r.computed > 1:
+                full = r.num_tokens // bs
+                out.update(self._hashes(r, full)[r.computed // bs:full])
+        return out
 
     def _stretch(self, batch) -> int:
         """Pure decode steps that can run before anything changes: up to the first finish, and no

@@ -54,6 +54,41 @@ def test_cached_prefix_skips_prefill_compute(model_dir):
     assert llm.metrics()["prefill_tokens"] - before == len(p) + 3 - out.num_cached_tokens
 
 
+@pytest.mark.parametrize("budget", [1024, 40])
+def test_siblings_arriving_together_compute_their_prompt_once(model_dir, budget):
+    """A group's samples queued at once (GRPO's n): the first computes the shared prompt, the others
+    wait for its blocks instead of computing them in the same step; outputs are unchanged."""
+    p = _prompts(1, seed=4, shared=90)[0]  # > 90 tokens: chunked over several steps at budget 40
+    params = [dataclasses.replace(GREEDY, temperature=1.0, seed=s) for s in range(8)]
+    llm = LLM(model_dir, block_size=16, max_num_batched_tokens=budget)
+    outs = llm.generate([p] * 8, params)
+    full = (len(p) // 16) * 16 if len(p) % 16 else len(p) - 16
+    assert [o.num_cached_tokens for o in outs] == [0] + [full] * 7
+    assert llm.metrics()["prefill_tokens"] == len(p) + 7 * (len(p) - full)
+    # a second group that shares only the first 48 tokens waits for them too, then computes the rest
+    q = p[:48] + [7] * 30
+    outs2 = llm.generate([q] * 3 + [p], GREEDY)
+    assert [o.num_cached_tokens for o in outs2] == [48, 64, 64, full]
+    off = LLM(model_dir, block_size=16, max_num_batched_tokens=budget, enable_prefix_caching=False)
+    assert [o.token_ids for o in off.generate([p] * 8, params)] == [o.token_ids for o in outs]
+    llm.engine.scheduler.check_integrity()
+
+
+def test_n_samples_per_prompt(llm):
+    ps = _prompts(2, seed=5, shared=40)
+    sp = dataclasses.replace(GREEDY, temperature=1.0, seed=7)
+    outs = llm.generate(ps, sp, n=3)
+    assert [o.prompt_token_ids for o in outs] == [ps[0]] * 3 + [ps[1]] * 3
+    for j in range(3):  # sample j is seeded seed + j: the same tokens as a request of its own
+        assert llm.generate([ps[1]], dataclasses.replace(sp, seed=7 + j))[0].token_ids == outs[3 + j].token_ids
+    assert len({tuple(o.token_ids) for o in outs[:3]}) > 1
+    assert sp.for_sample(0) is sp and dataclasses.replace(sp, seed=2**63 - 1).for_sample(1).seed == -(2**63)
+    with pytest.raises(ValueError, match="n must be"):
+        llm.generate(ps, sp, n=0)
+    with pytest.raises(ValueError, match="group_ids"):
+        llm.generate(ps, sp, group_ids=["a"])
+
+
 def test_chunked_prefill_and_preemption_do_not_change_outputs(model_dir, llm):
     prompts = _prompts(16, seed=3, shared=30)
     ref = llm.generate(prompts, GREEDY)

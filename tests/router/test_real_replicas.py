@@ -118,6 +118,12 @@ def test_route_proxy_over_http(servers, model_dir):
             assert len(seen) == 1  # the session stuck to one replica
             text = c.post("/v1/completions", json={"prompt": "The agent", "max_tokens": 3}).json()
             assert text["usage"]["completion_tokens"] == 3
+            body = {"prompt": "The agent", "max_tokens": 3, "seed": 2, "ignore_eos": True, "logprobs": 0}
+            group = c.post("/v1/completions", json=body | {"n": 3}).json()  # n samples: seeds 2, 3, 4
+            assert [ch["index"] for ch in group["choices"]] == [0, 1, 2]
+            assert group["usage"]["completion_tokens"] == 9 == group["usage"]["total_tokens"] - text["usage"]["prompt_tokens"]
+            alone = c.post("/v1/completions", json=body | {"seed": 3}).json()["choices"][0]
+            assert alone["logprobs"]["token_ids"] == group["choices"][1]["logprobs"]["token_ids"]
             for bad in ({"input_ids": "x"}, {"input_ids": []}, {"input_ids": [1], "sampling_params": {"max_tokens": -1}},
                         {"input_ids": [1], "bogus": 1}, {"prompt": "text"}, {"input_ids": [10**9]}):
                 r = c.post("/generate", json=bad)

@@ -88,6 +88,71 @@ def test_chat_completions(client):
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+def _metric(client, name: str) -> float:
+    line = [x for x in client.get("/metrics").text.splitlines() if x.startswith(name + "{")]
+    return float(line[0].split()[-1])
+
+
+def _prefill(client) -> float:
+    return _metric(client, "rollwise:prefill_tokens_computed_total")
+
+
+def test_a_failed_choice_aborts_its_siblings(client):
+    """One prompt of a request is bad: HTTP 400, and the good one's generation is aborted rather
+    than run to its end for nobody."""
+    before = _metric(client, "vllm:generation_tokens_total")
+    r = client.post("/v1/completions", json={"prompt": ["x", "x " * 700], "max_tokens": 400, "ignore_eos": True})
+    assert r.status_code == 400
+    for _ in range(200):
+        if _metric(client, "vllm:num_requests_running") == 0:
+            break
+        time.sleep(0.05)
+    assert _metric(client, "vllm:generation_tokens_total") - before < 400
+    _alive(client)
+
+
+def test_n_samples_per_prompt(client):
+    """OpenAI's n: choice i * n + j is prompt i's sample j, seeded seed + j (the same tokens as a
+    request of its own with that seed); each prompt is computed once and counted once in usage."""
+    prompt = [11 + i for i in range(70)]  # 4 full blocks of 16 + 6
+    body = {"prompt": prompt, "max_tokens": 5, "temperature": 1.0, "seed": 40, "ignore_eos": True, "logprobs": 0}
+    before = _prefill(client)
+    r = client.post("/v1/completions", json=body | {"n": 4})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert _prefill(client) - before == 70 + 3 * 6  # the siblings waited for the first one's blocks
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert out["usage"]["prompt_tokens"] == 70 and out["usage"]["completion_tokens"] == 20
+    got = [c["logprobs"]["token_ids"] for c in out["choices"]]
+    for j in range(4):
+        alone = client.post("/v1/completions", json=body | {"seed": 40 + j}).json()
+        assert alone["choices"][0]["logprobs"]["token_ids"] == got[j]
+    assert len({tuple(g) for g in got}) > 1  # not one sample four times
+    two = client.post("/v1/completions", json={"prompt": ["a b", "c"], "n": 2, "max_tokens": 2}).json()
+    assert [c["index"] for c in two["choices"]] == [0, 1, 2, 3]
+    with client.stream("POST", "/v1/completions", json=body | {"n": 3, "stream": True}) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+    by_index: dict = {}
+    for c in chunks:
+        ch = c["choices"][0]
+        by_index.setdefault(ch["index"], []).extend(ch["logprobs"]["token_ids"])
+    assert by_index == {0: got[0], 1: got[1], 2: got[2]}
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = client.post("/v1/chat/completions", json={"messages": msgs, "n": 2, "max_tokens": 4, "seed": 8}).json()
+    assert [c["index"] for c in chat["choices"]] == [0, 1]
+    second = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "seed": 9}).json()
+    assert chat["choices"][1]["message"] == second["choices"][0]["message"]
+    with client.stream("POST", "/v1/chat/completions", json={"messages": msgs, "n": 2, "max_tokens": 4,
+                                                             "seed": 8, "stream": True}) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+    text: dict = {}
+    for c in chunks:
+        ch = c["choices"][0]
+        text[ch["index"]] = text.get(ch["index"], "") + ch["delta"]["content"]
+    assert text == {k: c["message"]["content"] for k, c in enumerate(chat["choices"])}
+    _alive(client)
+
+
 def test_models_and_metrics(client):
     assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 512
     text = client.get("/metrics").text
@@ -113,7 +178,9 @@ def test_models_and_metrics(client):
     ("/generate", {}),
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}),
     ("/v1/completions", {"prompt": "x", "max_tokens": 4, "temperature": -2}),
-    ("/v1/completions", {"prompt": "x", "n": 3}),
+    ("/v1/completions", {"prompt": "x", "n": 0}),
+    ("/v1/completions", {"prompt": "x", "n": 129}),  # more than MAX_N samples in one request
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2.5}),
     ("/v1/completions", {"prompt": "x", "top_p": 0}),
     ("/v1/completions", {"prompt": "x " * 700}),
     ("/v1/completions", {"prompt": "x", "stream": True, "max_tokens": 0}),

@@ -134,6 +134,18 @@ def test_prefix_reuse_eviction_and_preemption():
     assert rep.stats["preemptions"] > 0 and rep.stats["prefill_tokens"] > 600
 
 
+@pytest.mark.parametrize("budget", [1024, 40])
+def test_siblings_arriving_together_compute_their_prompt_once_as_in_the_engine(budget):
+    """The engine's rule (tests/engine: the same figures): a group's samples queued at once wait for
+    the first one's prompt blocks instead of computing them beside it."""
+    p = list(range(100, 213))  # 113 tokens: 7 full blocks of 16
+    rep = SimReplica("r", COST, num_kv_blocks=256, max_num_batched_tokens=budget)
+    res = run(_serve(rep, [_req(p, [5 + i] * 6) for i in range(8)]))
+    assert [o.num_cached_tokens for o, _ in res] == [0] + [112] * 7
+    assert rep.stats["prefill_tokens"] == 113 + 7 * 1
+    assert [o.token_ids for o, _ in res] == [[5 + i] * 6 for i in range(8)]
+
+
 def test_speculation_uses_the_real_suffix_cache_and_changes_nothing_but_time():
     text = [random.Random(2).randrange(50) for _ in range(40)]
     reqs = [_req(text * 2, (text * 3)[:100], group="g") for _ in range(4)]
