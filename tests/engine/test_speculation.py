@@ -73,6 +73,28 @@ def _chi2_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+def test_inverse_cdf_draws_each_token_with_its_probability():
+    import torch
+
+    from rollwise.engine.sampler import inverse_cdf
+    p = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
+    n = 40_000
+    u = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    got = inverse_cdf(p.expand(n, -1), u)
+    counts = torch.bincount(got, minlength=6).tolist()
+    assert counts[1] == counts[5] == 0  # probability 0: never
+    expect = [n * float(x) for x in p]
+    chi2 = sum((c - e) ** 2 / e for c, e in zip(counts, expect) if e > 0)
+    assert chi2 < _chi2_critical(3), (counts, chi2)
+    # the ends of [0, 1): the first token, and the last one with probability > 0 (never the zeros after it)
+    edge = inverse_cdf(p.expand(2, -1), torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64))
+    assert edge.tolist() == [0, 4]
+    # a row's draw does not depend on the batch (unnormalized rows are fine)
+    rows = torch.rand(5, 1000, generator=torch.Generator().manual_seed(1)) ** 4
+    us = torch.rand(5, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    assert inverse_cdf(rows, us).tolist() == [int(inverse_cdf(rows[i:i + 1], us[i:i + 1])[0]) for i in range(5)]
+
+
 @pytest.mark.parametrize("tree", [False, True])
 def test_sampling_distribution_is_unchanged(model_dir, tree):
     """Two-sample chi-square on the joint distribution of 3 sampled tokens (top-k 3: 27 outcomes)."""
