@@ -24,7 +24,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; default: torch's choice
     # the native paged attention kernel for every row (CPU, fp32; README "Native kernels": decode
-    # 1.17-1.71x with every kernel native, prefill at par), reproducible bit for bit like the torch
+    # 1.04-1.71x with every kernel native, prefill at par), reproducible bit for bit like the torch
     # path. None: on for head sizes 32, 64 and 128 (its vector kernel), SDPA for others, where its
     # loop kernel is slower at long contexts (0.23-0.37x at head size 32 before the vector kernel
     # took it); True: always; False: SDPA
