@@ -5,7 +5,6 @@ Trajectories are identified by the body's `trajectory_id` / `group_id` / `turn` 
 """
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
@@ -17,7 +16,7 @@ from rollwise.config import ServerConfig
 from rollwise.router.replica import HttpReplica, ReplicaError
 from rollwise.router.router import Router
 from rollwise.serve.protocol import CompletionRequest, GenerateRequest as GenerateBody
-from rollwise.serve.server import error, install_common
+from rollwise.serve.server import choice_samples, error, gather_or_cancel, install_common
 from rollwise.types import GenerateRequest, SamplingParams
 
 
@@ -111,13 +110,12 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
             prompt = router.tokenizer.encode(prompt)
         if not prompt or not all(isinstance(t, int) for t in prompt):
             raise ValueError("prompt must be a string or one non-empty list of token ids")
-        rid, n, params = f"cmpl-{uuid.uuid4().hex[:16]}", body.n, body.sampling(body.max_tokens)
-        group = body.group_id or (f"{rid}-g" if n > 1 else None)  # n samples: one group (shared drafts)
-        tid = body.trajectory_id
-        reqs = [GenerateRequest(prompt_token_ids=prompt, params=params.for_sample(j), request_id=f"{rid}-{j}",
-                                trajectory_id=f"{tid}/{j}" if tid and n > 1 else tid, group_id=group,
-                                turn=body.turn or 0) for j in range(n)]
-        outs = await asyncio.gather(*(router.generate(r) for r in reqs))
+        rid, n, tid = f"cmpl-{uuid.uuid4().hex[:16]}", body.n, body.trajectory_id
+        runs = choice_samples([prompt], body.sampling(body.max_tokens), n, body.group_id, rid)
+        reqs = [GenerateRequest(prompt_token_ids=p, params=sp, request_id=f"{rid}-{j}", group_id=g,
+                                trajectory_id=f"{tid}/{j}" if tid and n > 1 else tid, turn=body.turn or 0)
+                for j, (p, sp, g) in enumerate(runs)]
+        outs = await gather_or_cancel(router.generate(r) for r in reqs)
         dec = router.tokenizer.decode if router.tokenizer is not None else (lambda ids: "")
         choices = [{"index": j, "text": dec(o.token_ids), "finish_reason": o.finish_reason,
                     "logprobs": {"token_logprobs": o.logprobs, "token_ids": o.token_ids}

@@ -143,14 +143,15 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
             body.prompt[0], int) else [body.prompt]
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
-        runs = _samples(prompts, body.sampling(body.max_tokens), body.n, body.group_id, rid)
+        runs = choice_samples(prompts, body.sampling(body.max_tokens), body.n, body.group_id, rid)
         if body.stream:
             if len(prompts) != 1:
                 raise ValueError("streaming takes one prompt")
             return _sse(await _primed(_merged([
                 _stream_completion(engine, p, sp, rid, k, model_name, body.logprobs is not None, g)
                 for k, (p, sp, g) in enumerate(runs)])))
-        outs = await _all(engine.generate(p, sp, f"{rid}-{k}", group_id=g) for k, (p, sp, g) in enumerate(runs))
+        outs = await gather_or_cancel(engine.generate(p, sp, f"{rid}-{k}", group_id=g)
+                                      for k, (p, sp, g) in enumerate(runs))
         choices = [{"index": i, "text": o.text, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
                     "logprobs": _completion_logprobs(tok, o, body.return_tokens_as_token_ids)
                     if body.logprobs is not None else None}
@@ -165,11 +166,12 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         room = engine.engine.max_model_len - len(ids)
         params = body.sampling(body.max_completion_tokens or body.max_tokens or max(room, 1))
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
-        runs = _samples([ids], params, body.n, body.group_id, rid)
+        runs = choice_samples([ids], params, body.n, body.group_id, rid)
         if body.stream:
             return _sse(await _primed(_merged([_stream_chat(engine, p, sp, rid, k, model_name, body.logprobs, g)
                                                for k, (p, sp, g) in enumerate(runs)])))
-        outs = await _all(engine.generate(p, sp, f"{rid}-{k}", group_id=g) for k, (p, sp, g) in enumerate(runs))
+        outs = await gather_or_cancel(engine.generate(p, sp, f"{rid}-{k}", group_id=g)
+                                      for k, (p, sp, g) in enumerate(runs))
         choices = [{"index": k, "message": {"role": "assistant", "content": o.text},
                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
                     "logprobs": {"content": _chat_logprobs(tok, o.token_ids, o.logprobs)} if body.logprobs else None}
@@ -210,7 +212,7 @@ def _generate_json(out: RequestOutput) -> dict:
             "policy_version": out.policy_version, "version_segments": out.version_segments}
 
 
-async def _all(coros) -> list:
+async def gather_or_cancel(coros) -> list:
     """asyncio.gather, but the first error (or the caller's cancellation) cancels the rest, which
     aborts their requests instead of leaving them to generate for nobody."""
     tasks = [asyncio.ensure_future(c) for c in coros]
@@ -221,7 +223,7 @@ async def _all(coros) -> list:
             t.cancel()
 
 
-def _samples(prompts: list, params: SamplingParams, n: int, group_id: str | None, rid: str) -> list[tuple]:
+def choice_samples(prompts: list, params: SamplingParams, n: int, group_id: str | None, rid: str) -> list[tuple]:
     """(prompt, params, group) of each choice, choice i * n + j being prompt i's sample j: seeded
     seed + j, and one drafting group per prompt when n > 1 (unless the request names one)."""
     return [(p, params.for_sample(j), group_id or (f"{rid}-p{i}" if n > 1 else None))
