@@ -36,8 +36,10 @@ class SimReplica(Scheduling):
     def __init__(self, name: str, cost, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  num_kv_blocks: int | None = None, spec: str = "off", spec_max_tokens: int = 16,
                  spec_threshold: int = 16, spec_max_depth: int = 24, spec_tree: bool = False,
-                 spec_alpha: float | None = None, spec_min_token_prob: float = 0.1) -> None:
+                 spec_alpha: float | None = None, spec_min_token_prob: float = 0.1,
+                 share_computing_prefix: bool = True) -> None:
         self.name, self.cost = name, cost
+        self.share_computing_prefix = share_computing_prefix  # the engine's Scheduler rule (sched.py)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         num_kv_blocks = num_kv_blocks or cost.default_kv_blocks
         if not num_kv_blocks:

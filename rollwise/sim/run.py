@@ -54,6 +54,7 @@ class SimConfig:
     spec_max_tokens: int = 16
     spec_alpha: float | None = None  # draft length / matched length; None: the controller's own (2 adaptive, else 1)
     war_threshold: int = 32  # WAR speculates while at most this many sequences run on a replica
+    share_computing_prefix: bool = True  # False: a sibling computes a prefix beside the one computing it
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -87,7 +88,8 @@ def make_replicas(cfg: SimConfig, spec: str, cost=None, **overrides) -> list[Sim
     cost = cost or load_profile(cfg.profile)
     kw = dict(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
               num_kv_blocks=cfg.kv_blocks, spec=spec, spec_max_tokens=cfg.spec_max_tokens,
-              spec_threshold=cfg.war_threshold, spec_alpha=cfg.spec_alpha)
+              spec_threshold=cfg.war_threshold, spec_alpha=cfg.spec_alpha,
+              share_computing_prefix=cfg.share_computing_prefix)
     kw.update(overrides)
     return [SimReplica(f"sim{i}", cost, **kw) for i in range(cfg.replicas)]
 

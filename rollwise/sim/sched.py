@@ -62,7 +62,7 @@ class Scheduling:
             full = seq.num_tokens // bs
             hashes = self._hashes(seq, full)
             hits = blocks.match_prefix(hashes[:full])
-            if len(hits) < full and blocks.enable_prefix_caching:
+            if len(hits) < full and blocks.enable_prefix_caching and self.share_computing_prefix:
                 pending = self._computing() if pending is None else pending
                 if hashes[len(hits)] in pending:  # a sibling computes this prefix now: reuse it next step
                     deferred.append(self.waiting.popleft())

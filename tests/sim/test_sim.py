@@ -144,6 +144,12 @@ def test_siblings_arriving_together_compute_their_prompt_once_as_in_the_engine(b
     assert [o.num_cached_tokens for o, _ in res] == [0] + [112] * 7
     assert rep.stats["prefill_tokens"] == 113 + 7 * 1
     assert [o.token_ids for o, _ in res] == [[5 + i] * 6 for i in range(8)]
+    # switched off (SimConfig.share_computing_prefix, an A/B baseline): at budget 1,024 all 8 fit in
+    # the first step and each computes the prompt; at 40 the second starts in the first's last chunk
+    off = SimReplica("r", COST, num_kv_blocks=256, max_num_batched_tokens=budget, share_computing_prefix=False)
+    res = run(_serve(off, [_req(p, [5 + i] * 6) for i in range(8)]))
+    assert [o.num_cached_tokens for o, _ in res] == ([0] * 8 if budget > 113 * 8 else [0, 80] + [112] * 6)
+    assert [o.token_ids for o, _ in res] == [[5 + i] * 6 for i in range(8)]
 
 
 def test_speculation_uses_the_real_suffix_cache_and_changes_nothing_but_time():
