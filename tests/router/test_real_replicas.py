@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -94,19 +95,26 @@ def test_failover_loses_no_trajectory(model_dir):
         b.stop()
 
 
-def test_route_proxy_over_http(servers, model_dir):
+def start_route(servers, model_dir, policy: str) -> tuple[subprocess.Popen, str]:
+    """`rollwise route` in front of the servers, answering /health."""
     port = free_port()
-    cmd = [sys.executable, "-m", "rollwise.cli", "route", "--port", str(port), "--policy", "sticky_least_load",
+    cmd = [sys.executable, "-m", "rollwise.cli", "route", "--port", str(port), "--policy", policy,
            "--tokenizer", model_dir] + [x for s in servers for x in ("--replica", s.url)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.terminate()
+    raise TimeoutError(f"rollwise route did not answer: {proc.stderr.read().decode()[-2000:]}")
+
+
+def test_route_proxy_over_http(servers, model_dir):
+    proc, url = start_route(servers, model_dir, "sticky_least_load")
     try:
-        for _ in range(100):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         with httpx.Client(base_url=url, timeout=60) as c:
             ids, seen = [5, 6, 7, 8] * 10, set()
             for turn in range(3):
@@ -155,3 +163,39 @@ def test_openai_replica_speaks_token_ids_through_completions(servers):
     a, b, load = asyncio.run(go())
     assert a.token_ids == b.token_ids and len(a.token_ids) == 6 and a.finish_reason == "length"
     assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4) and load.busy_s is not None
+
+
+def test_n_samples_through_the_route_survive_a_replica_dying(model_dir):
+    """`n` fans out as n router requests; a replica killed while it generates some of them: each of
+    those is retried on the other, and every choice still equals its seed (seed + j) alone."""
+    a, b = ServerProcess(model_dir, *ARGS, threads=1), ServerProcess(model_dir, *ARGS, threads=1)
+    proc, url = start_route([a, b], model_dir, "round_robin")  # the samples go to both
+    body = {"prompt": "The agent", "max_tokens": 300, "seed": 10, "ignore_eos": True, "logprobs": 0}
+    try:
+        with httpx.Client(base_url=url, timeout=120) as c:
+            def kill_b_once_busy():
+                while b.proc.poll() is None:
+                    running = [ln for ln in httpx.get(b.url + "/metrics").text.splitlines()
+                               if ln.startswith("vllm:num_requests_running")]
+                    if running and float(running[0].split()[-1]) > 0:
+                        b.proc.kill()
+                        return
+                    time.sleep(0.01)
+            killer = threading.Thread(target=kill_b_once_busy)
+            killer.start()
+            group = c.post("/v1/completions", json=body | {"n": 4})
+            killer.join()
+            assert group.status_code == 200, group.text
+            choices = group.json()["choices"]
+            assert [ch["index"] for ch in choices] == [0, 1, 2, 3]
+            assert all(len(ch["logprobs"]["token_ids"]) == 300 for ch in choices)
+            metrics = c.get("/metrics").text
+            assert float(metrics.split("rollwise_router:failovers ")[1].split()[0]) >= 1
+            for j, ch in enumerate(choices):  # now all on a: the same tokens as that seed alone
+                alone = c.post("/v1/completions", json=body | {"seed": 10 + j}).json()["choices"][0]
+                assert alone["logprobs"]["token_ids"] == ch["logprobs"]["token_ids"], j
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        a.stop()
+        b.stop()
