@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
+MAX_LOGPROBS = 20  # top logprobs per output token at most (vLLM's default max_logprobs)
 
 @dataclass(slots=True, kw_only=True)
 class SamplingParams:
     """How to sample one request. `temperature == 0` means greedy.
 
     Logprobs of sampled tokens are always returned: they are taken under the distribution at the
-    request's temperature, before top-k/top-p truncation (raw log-softmax when greedy).
+    request's temperature, before top-k/top-p truncation (raw log-softmax when greedy). `logprobs=k`
+    adds, for every output position, the k most likely tokens under that same distribution.
     """
 
     temperature: float = 1.0
@@ -26,6 +28,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: int = 0  # also the k most likely tokens per output position, with their logprobs
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,6 +40,7 @@ class SamplingParams:
         _check_int("top_k", self.top_k, lo=-1)
         _check_int("max_tokens", self.max_tokens, lo=1)
         _check_int("min_tokens", self.min_tokens, lo=0)
+        _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.seed is not None:
@@ -92,6 +96,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # with SamplingParams.logprobs = k: per output token, the k most likely {token id: logprob}, best first
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
     text: str = ""
     finished: bool = False
     finish_reason: str | None = None  # one of FINISH_REASONS once finished

@@ -148,12 +148,14 @@ class LLMEngine:
              (1 + (len(s.draft) if s.draft is not None else 0)) if s.samples else 0] for s in batch]
         logits, starts = self.runner.run(batch)
         appended: dict[str, list[int]] = {}
-        for s, (toks, lps) in self._sample(batch, logits, starts).items():
+        for s, (toks, lps, tops) in self._sample(batch, logits, starts).items():
             seq = s.seq
             before = seq.num_tokens
-            for tok, lp in zip(toks, lps):
+            for tok, lp, top in zip(toks, lps, tops):
                 seq.token_ids.append(tok)
                 seq.logprobs.append(lp)
+                if top is not None:
+                    seq.top_logprobs.append(top)
                 self._check_stop(seq, tok)
                 if seq.finish_reason is not None:
                     break
@@ -189,18 +191,19 @@ class LLMEngine:
         return outputs
 
     def _sample(self, batch, logits, starts) -> dict:
-        """Emitted tokens and logprobs per scheduled sequence: sampled, or verified drafts + one."""
+        """Emitted tokens, logprobs and top logprobs per scheduled sequence: sampled, or verified
+        drafts + one."""
         emitted = {}
         plain = [b for b, s in enumerate(batch) if s.samples and s.draft is None]
         if plain:
             rows = [self._row(batch[b].seq) for b in plain]
-            toks, lps = self.sampler(logits[[starts[b] for b in plain]], rows)
-            emitted = {batch[b]: ([t], [lp]) for b, t, lp in zip(plain, toks, lps)}
+            toks, lps, tops = self.sampler(logits[[starts[b] for b in plain]], rows)
+            emitted = {batch[b]: ([t], [lp], [top]) for b, t, lp, top in zip(plain, toks, lps, tops)}
         for b, s in enumerate(batch):
             if s.draft is not None:
                 v = self.spec.verify(s, logits[starts[b]:starts[b] + 1 + len(s.draft)])
                 s.num_new_tokens += len(v.accepted)
-                emitted[s] = (v.tokens, v.logprobs)
+                emitted[s] = (v.tokens, v.logprobs, v.top)
         return emitted
 
     def _row(self, seq: Sequence) -> SampleRow:
@@ -251,7 +254,8 @@ class LLMEngine:
                 seq.output_token_ids, seq.params.skip_special_tokens)
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids, logprobs=list(seq.logprobs), text=text, finished=finished,
+            token_ids=seq.output_token_ids, logprobs=list(seq.logprobs), top_logprobs=list(seq.top_logprobs),
+            text=text, finished=finished,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             num_cached_tokens=max(seq.num_cached_tokens, 0), policy_version=seq.policy_version,
             version_segments=list(seq.version_segments))

@@ -35,8 +35,10 @@ class Sampler:
         return torch.Generator().manual_seed(hash((params.seed, position, 0x5EED)) & (2**63 - 1))  # ints: same in every process
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[float]]:
-        """logits [B, V] float32 -> sampled token ids and their logprobs."""
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]
+                 ) -> tuple[list[int], list[float], list[dict[int, float] | None]]:
+        """logits [B, V] float32 -> sampled token ids, their logprobs, and each row's top logprobs
+        (`SamplingParams.logprobs` of them; None for a row that asks for none)."""
         logits = logits.float().cpu()
         for i, r in enumerate(rows):
             if r.banned:
@@ -52,7 +54,7 @@ class Sampler:
             if r.forced is not None:
                 tokens[i] = r.forced
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-        return tokens.tolist(), chosen.tolist()
+        return tokens.tolist(), chosen.tolist(), top_logprobs(logprobs, [r.params.logprobs for r in rows])
 
     def _sample(self, scaled: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         probs = torch.softmax(top_k_top_p(scaled, [r.params.top_k for r in rows], [r.params.top_p for r in rows]), dim=-1)
@@ -64,6 +66,18 @@ class Sampler:
             if r.params.seed is not None:
                 u[i] = seeded_uniform(r.params.seed, r.position)
         return inverse_cdf(probs, u)
+
+
+def top_logprobs(logprobs: torch.Tensor, ks: list[int]) -> list[dict[int, float] | None]:
+    """Row i's ks[i] most likely {token id: logprob}, best first; None where ks[i] is 0. One topk
+    over the rows that ask."""
+    out: list[dict[int, float] | None] = [None] * len(ks)
+    want = [i for i, k in enumerate(ks) if k > 0]
+    if want:
+        values, ids = logprobs[want].topk(min(max(ks[i] for i in want), logprobs.shape[-1]), dim=-1)
+        for i, v, t in zip(want, values.tolist(), ids.tolist()):
+            out[i] = dict(zip(t[:ks[i]], v[:ks[i]]))
+    return out
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

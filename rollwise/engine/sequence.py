@@ -21,6 +21,7 @@ class Sequence:
     params: SamplingParams
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # with params.logprobs > 0
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollwise.engine.sampler import inverse_cdf, seeded_uniform, top_k_top_p
+from rollwise.engine.sampler import inverse_cdf, seeded_uniform, top_k_top_p, top_logprobs
 from rollwise.types import Draft, SamplingParams
 
 
@@ -27,6 +27,15 @@ class Verdict:
     accepted: list[int]  # indices of accepted draft tokens, root to leaf
     tokens: list[int]  # emitted tokens: the accepted draft tokens, then one more
     logprobs: list[float]
+    top: list[dict[int, float] | None]  # each emitted token's top logprobs (SamplingParams.logprobs)
+
+
+def _verdict(accepted: list[int], tokens: list[int], lps: list[float], logprobs: torch.Tensor,
+             params: SamplingParams) -> Verdict:
+    """The emitted tokens come from rows 0 (the last token) and 1 + each accepted draft index."""
+    rows = [0] + [i + 1 for i in accepted][:len(tokens) - 1]
+    top = top_logprobs(logprobs[rows], [params.logprobs] * len(rows)) if params.logprobs else [None] * len(tokens)
+    return Verdict(accepted, tokens, lps, top)
 
 
 def children_of(parents: list[int]) -> dict[int, list[int]]:
@@ -55,7 +64,7 @@ def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, position:
             lps.append(float(logprobs[row, want]))
             nxt = next((i for i in kids.get(node, ()) if draft.token_ids[i] == want), None)
             if nxt is None or (forced is not None and position + len(tokens) >= len(forced)):
-                return Verdict(accepted, tokens, lps)
+                return _verdict(accepted, tokens, lps, logprobs, params)
             accepted.append(nxt)
             node = nxt
     probs = torch.softmax(top_k_top_p(scaled, [params.top_k] * len(scaled), [params.top_p] * len(scaled)), dim=-1)
@@ -68,7 +77,7 @@ def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, position:
             lps.append(float(logprobs[row, tok]))
             nxt = next((i for i in kids.get(node, ()) if draft.token_ids[i] == tok), None)
             if nxt is None:
-                return Verdict(accepted, tokens, lps)
+                return _verdict(accepted, tokens, lps, logprobs, params)
             accepted.append(nxt)
             node = nxt
     while True:
@@ -86,7 +95,7 @@ def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, position:
             tok = int(torch.multinomial(p / p.sum(), 1, generator=generator))
             tokens.append(tok)
             lps.append(float(logprobs[row, tok]))
-            return Verdict(accepted, tokens, lps)
+            return _verdict(accepted, tokens, lps, logprobs, params)
         accepted.append(nxt)
         tokens.append(draft.token_ids[nxt])
         lps.append(float(logprobs[row, draft.token_ids[nxt]]))

@@ -103,6 +103,8 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
     async def completions(body: CompletionRequest):
         if body.stream:
             raise ValueError("streaming is not supported by the router yet; send stream=false")
+        if body.logprobs:
+            raise ValueError("top logprobs are not forwarded by the router yet; send logprobs 0 or null")
         prompt = body.prompt
         if isinstance(prompt, str):
             if router.tokenizer is None:

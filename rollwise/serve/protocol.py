@@ -35,17 +35,17 @@ class _OpenAISampling(_Strict):
     group_id: str | None = None
     turn: int | None = None
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
+    def sampling(self, max_tokens: int, top_logprobs: int = 0) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
                               stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, logprobs=top_logprobs)
 
 
 class CompletionRequest(_OpenAISampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int = 16
-    logprobs: int | None = None  # OpenAI: number of top logprobs; we return the sampled token's
+    logprobs: int | None = None  # the sampled token's logprob, and this many top logprobs (0-20)
     echo: Literal[False] = False
     return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs.tokens as "token_id:N"
 

@@ -143,12 +143,13 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
             body.prompt[0], int) else [body.prompt]
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
-        runs = choice_samples(prompts, body.sampling(body.max_tokens), body.n, body.group_id, rid)
+        runs = choice_samples(prompts, body.sampling(body.max_tokens, body.logprobs or 0), body.n, body.group_id, rid)
         if body.stream:
             if len(prompts) != 1:
                 raise ValueError("streaming takes one prompt")
             return _sse(await _primed(_merged([
-                _stream_completion(engine, p, sp, rid, k, model_name, body.logprobs is not None, g)
+                _stream_completion(engine, p, sp, rid, k, model_name, body.logprobs is not None, g,
+                                   body.return_tokens_as_token_ids)
                 for k, (p, sp, g) in enumerate(runs)])))
         outs = await gather_or_cancel(engine.generate(p, sp, f"{rid}-{k}", group_id=g)
                                       for k, (p, sp, g) in enumerate(runs))
@@ -164,7 +165,9 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         ids = tok.encode_chat(messages, tools=body.tools, **(body.chat_template_kwargs or {}))
         room = engine.engine.max_model_len - len(ids)
-        params = body.sampling(body.max_completion_tokens or body.max_tokens or max(room, 1))
+        if body.top_logprobs and not body.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        params = body.sampling(body.max_completion_tokens or body.max_tokens or max(room, 1), body.top_logprobs or 0)
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
         runs = choice_samples([ids], params, body.n, body.group_id, rid)
         if body.stream:
@@ -174,7 +177,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
                                       for k, (p, sp, g) in enumerate(runs))
         choices = [{"index": k, "message": {"role": "assistant", "content": o.text},
                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                    "logprobs": {"content": _chat_logprobs(tok, o.token_ids, o.logprobs)} if body.logprobs else None}
+                    "logprobs": {"content": _chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs)}
+                    if body.logprobs else None}
                    for k, o in enumerate(outs)]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": _usage(outs, body.n)}
@@ -209,7 +213,13 @@ def _generate_json(out: RequestOutput) -> dict:
     return {"request_id": out.request_id, "token_ids": out.token_ids, "logprobs": out.logprobs,
             "text": out.text, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
             "num_cached_tokens": out.num_cached_tokens, "prompt_len": len(out.prompt_token_ids),
-            "policy_version": out.policy_version, "version_segments": out.version_segments}
+            "policy_version": out.policy_version, "version_segments": out.version_segments,
+            **({"top_logprobs": _pairs(out.top_logprobs)} if out.top_logprobs else {})}
+
+
+def _pairs(tops: list[dict[int, float]]) -> list[list[list]]:
+    """Top logprobs as JSON keeps token ids: per token, [[id, logprob], ...] best first."""
+    return [[[t, lp] for t, lp in top.items()] for top in tops]
 
 
 async def gather_or_cancel(coros) -> list:
@@ -238,22 +248,28 @@ def _usage(outs: list[RequestOutput], n: int = 1) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs[::n])}}
 
 
+def _piece(tok, t: int, as_ids: bool = False) -> str:
+    return f"token_id:{t}" if as_ids else tok.decode([t], skip_special_tokens=False)
+
+
 def _completion_logprobs(tok, out: RequestOutput, as_ids: bool = False) -> dict:
-    pieces = [f"token_id:{t}" if as_ids else tok.decode([t], skip_special_tokens=False) for t in out.token_ids]
+    pieces = [_piece(tok, t, as_ids) for t in out.token_ids]
     offsets, pos = [], 0
     for p in pieces:
         offsets.append(pos)
         pos += len(p)
-    return {"tokens": pieces, "token_logprobs": out.logprobs, "top_logprobs": None,
-            "text_offset": offsets, "token_ids": out.token_ids}
+    return {"tokens": pieces, "token_logprobs": out.logprobs, "text_offset": offsets, "token_ids": out.token_ids,
+            "top_logprobs": [{_piece(tok, t, as_ids): lp for t, lp in top.items()} for top in out.top_logprobs]
+            if out.top_logprobs else None}
 
 
-def _chat_logprobs(tok, token_ids: list[int], logprobs: list[float]) -> list[dict]:
+def _chat_logprobs(tok, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]]) -> list[dict]:
     out = []
-    for t, lp in zip(token_ids, logprobs):
-        piece = tok.decode([t], skip_special_tokens=False)
-        out.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": [],
-                    "token_id": t})
+    for i, (t, lp) in enumerate(zip(token_ids, logprobs)):
+        piece = _piece(tok, t)
+        top = [{"token": (p := _piece(tok, c)), "logprob": v, "bytes": list(p.encode()), "token_id": c}
+               for c, v in tops[i].items()] if tops else []
+        out.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": top, "token_id": t})
     return out
 
 
@@ -280,7 +296,7 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 
 
 async def _deltas(engine, prompt, params: SamplingParams, rid: str, group_id: str | None = None, **options):
-    """(new token ids, their logprobs, new text, final output or None) per engine step."""
+    """(new token ids, their logprobs, their top logprobs, new text, final output or None) per engine step."""
     tok = engine.tokenizer
     sent_tokens, sent_text = 0, ""
     async for out in engine.stream(prompt, params, rid, group_id=group_id, **options):
@@ -289,15 +305,19 @@ async def _deltas(engine, prompt, params: SamplingParams, rid: str, group_id: st
             continue
         new_ids, new_lps = out.token_ids[sent_tokens:], out.logprobs[sent_tokens:]
         delta = text[len(sent_text):] if text.startswith(sent_text) else ""
+        new_tops = out.top_logprobs[sent_tokens:]
         sent_tokens, sent_text = len(out.token_ids), text
-        yield new_ids, new_lps, delta, out if out.finished else None
+        yield new_ids, new_lps, new_tops, delta, out if out.finished else None
 
 
 async def _stream_generate(engine, prompt, params, rid, group_id, **options):
-    async for ids, lps, delta, final in _deltas(engine, prompt, params, rid, group_id, **options):
+    async for ids, lps, tops, delta, final in _deltas(engine, prompt, params, rid, group_id, **options):
         chunk = {"request_id": rid, "token_ids": ids, "logprobs": lps, "text": delta, "finished": final is not None}
+        if tops:
+            chunk["top_logprobs"] = _pairs(tops)
         if final is not None:
-            chunk |= {k: v for k, v in _generate_json(final).items() if k not in ("token_ids", "logprobs", "text")}
+            chunk |= {k: v for k, v in _generate_json(final).items()
+                      if k not in ("token_ids", "logprobs", "text", "top_logprobs")}
         yield chunk
 
 
@@ -335,10 +355,12 @@ async def _merged(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
 
 
 async def _stream_completion(engine, prompt, params, rid, index: int, model, with_logprobs: bool,
-                             group_id: str | None):
-    async for ids, lps, delta, final in _deltas(engine, prompt, params, f"{rid}-{index}", group_id):
+                             group_id: str | None, as_ids: bool = False):
+    tok = engine.tokenizer
+    async for ids, lps, tops, delta, final in _deltas(engine, prompt, params, f"{rid}-{index}", group_id):
+        top = [{_piece(tok, t, as_ids): v for t, v in d.items()} for d in tops] if tops else None
         choice = {"index": index, "text": delta, "finish_reason": final.finish_reason if final else None,
-                  "logprobs": {"token_logprobs": lps, "token_ids": ids} if with_logprobs else None}
+                  "logprobs": {"token_logprobs": lps, "token_ids": ids, "top_logprobs": top} if with_logprobs else None}
         yield {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
                "choices": [choice]}
 
@@ -346,10 +368,10 @@ async def _stream_completion(engine, prompt, params, rid, index: int, model, wit
 async def _stream_chat(engine, ids, params, rid, index: int, model, with_logprobs: bool, group_id: str | None):
     tok = engine.tokenizer
     first = True
-    async for new_ids, lps, delta, final in _deltas(engine, ids, params, f"{rid}-{index}", group_id):
+    async for new_ids, lps, tops, delta, final in _deltas(engine, ids, params, f"{rid}-{index}", group_id):
         d = {"role": "assistant", "content": delta} if first else {"content": delta}
         first = False
         choice = {"index": index, "delta": d, "finish_reason": final.finish_reason if final else None,
-                  "logprobs": {"content": _chat_logprobs(tok, new_ids, lps)} if with_logprobs else None}
+                  "logprobs": {"content": _chat_logprobs(tok, new_ids, lps, tops)} if with_logprobs else None}
         yield {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
                "choices": [choice]}

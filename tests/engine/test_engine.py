@@ -133,6 +133,34 @@ def test_logprobs_are_at_the_request_temperature(llm):
     assert greedy.logprobs[0] == pytest.approx(torch.log_softmax(logits, -1).max().item(), abs=1e-4)
 
 
+def test_top_logprobs_are_the_most_likely_tokens_at_the_request_temperature(llm):
+    """`logprobs=k`: per output token, the k most likely tokens and their logprobs under the same
+    distribution as the sampled token's logprob (here recomputed with the model directly)."""
+    import torch
+    from rollwise.engine.attention import build_metadata
+    p = _prompts(1, seed=8)[0]
+    out = llm.generate([p], SamplingParams(temperature=0.7, seed=2, max_tokens=4, ignore_eos=True, logprobs=5))[0]
+    assert len(out.top_logprobs) == 4 and all(len(t) == 5 for t in out.top_logprobs)
+    model, cfg = llm.engine.runner.model, llm.engine.runner.model.config
+    seq = p + out.token_ids
+    kv = (torch.zeros(cfg.num_layers, 128, cfg.num_kv_heads, cfg.head_dim), torch.zeros(cfg.num_layers, 128, cfg.num_kv_heads, cfg.head_dim))
+    with torch.no_grad():
+        h = model(torch.tensor(seq), torch.arange(len(seq)), build_metadata([len(seq)], [0], [list(range(8))], 16, "cpu"), kv)
+        logprobs = torch.log_softmax(model.logits(h[len(p) - 1:len(seq) - 1]) / 0.7, -1)
+    for i, top in enumerate(out.top_logprobs):
+        values, ids = logprobs[i].topk(5)
+        assert list(top) == ids.tolist()  # best first
+        assert list(top.values()) == pytest.approx(values.tolist(), abs=1e-4)
+        assert out.logprobs[i] <= max(top.values()) + 1e-6
+    greedy = llm.generate([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1))[0]
+    assert [next(iter(t)) for t in greedy.top_logprobs] == greedy.token_ids
+    assert [next(iter(t.values())) for t in greedy.top_logprobs] == pytest.approx(greedy.logprobs, abs=1e-6)
+    assert llm.generate([p], SamplingParams(max_tokens=2))[0].top_logprobs == []  # none asked, none kept
+    for bad in (-1, 21, 2.0):
+        with pytest.raises(ValueError, match="logprobs"):
+            SamplingParams(logprobs=bad)
+
+
 def test_top_k_one_is_greedy(llm):
     prompts = _prompts(4, seed=6)
     g = llm.generate(prompts, GREEDY)

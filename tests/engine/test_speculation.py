@@ -42,6 +42,26 @@ def test_greedy_tokens_and_logprobs_equal_without_speculation(model_dir, baselin
         assert m["spec_kv_moves"] > 0  # accepted side branches were moved into place
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_top_logprobs_equal_without_speculation(model_dir, baseline, tree):
+    """Each emitted token's top logprobs come from its own verification row: the same as decoding
+    one token a step, greedy and seeded."""
+    prompts = _prompts(8, seed=11)
+    llm = LLM(model_dir, max_num_seqs=64, speculative="suffix", spec_controller="always", spec_tree=tree)
+    for params in (SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3),
+                   SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True, logprobs=3)):
+        ref = baseline.generate(prompts, params)
+        for _ in range(2):
+            out = llm.generate(prompts, params)
+            assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+            for a, b in zip(out, ref):
+                assert len(a.top_logprobs) == len(a.token_ids)
+                assert [list(t) for t in a.top_logprobs] == [list(t) for t in b.top_logprobs]
+                assert [v for t in a.top_logprobs for v in t.values()] == pytest.approx(
+                    [v for t in b.top_logprobs for v in t.values()], abs=1e-4)
+    assert llm.metrics()["spec_accepted_tokens"] > 0
+
+
 def test_speculation_with_preemption_chunking_and_prefix_cache(model_dir, baseline):
     prompts = [p + q for p, q in zip(_prompts(12, 1), _prompts(12, 2))]
     ref = baseline.generate(prompts, GREEDY)

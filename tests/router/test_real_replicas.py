@@ -136,6 +136,8 @@ def test_route_proxy_over_http(servers, model_dir):
                         {"input_ids": [1], "bogus": 1}, {"prompt": "text"}, {"input_ids": [10**9]}):
                 r = c.post("/generate", json=bad)
                 assert r.status_code == 400 and "message" in r.json()["error"], (bad, r.text)
+            r = c.post("/v1/completions", json={"prompt": "The agent", "logprobs": 2})  # not forwarded: said so
+            assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"]
             assert c.post("/generate", content=b"{oops", headers={"content-type": "application/json"}).status_code == 400
             assert c.get("/replicas").json()["replicas"] == sorted(s.url for s in servers)
             assert c.request("DELETE", "/replicas", json={"url": servers[1].url}).json()["replicas"] == [servers[0].url]

@@ -88,6 +88,37 @@ def test_chat_completions(client):
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+def test_top_logprobs_in_every_format(client, model_dir):
+    """completions `logprobs: k`, chat `top_logprobs: k`, /generate `sampling_params.logprobs`,
+    streamed and not: the same k most likely tokens per position as the engine's."""
+    ids = [5, 17, 300, 42, 9]
+    ref = LLM(model_dir).generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3))[0]
+    gen = client.post("/generate", json={"input_ids": ids, "sampling_params": {
+        "temperature": 0, "max_tokens": 4, "ignore_eos": True, "logprobs": 3}}).json()
+    assert [[t for t, _ in top] for top in gen["top_logprobs"]] == [list(t) for t in ref.top_logprobs]
+    body = {"prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 3,
+            "return_tokens_as_token_ids": True}
+    lp = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert [list(t) for t in lp["top_logprobs"]] == [[f"token_id:{i}" for i in t] for t in ref.top_logprobs]
+    assert [list(t.values()) for t in lp["top_logprobs"]] == [pytest.approx(list(t.values()), abs=1e-4)
+                                                               for t in ref.top_logprobs]
+    with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+    streamed = [t for c in chunks for t in (c["choices"][0]["logprobs"]["top_logprobs"] or [])]
+    assert [list(t) for t in streamed] == [list(t) for t in lp["top_logprobs"]]
+    assert client.post("/v1/completions", json=body | {"logprobs": 0}).json()["choices"][0]["logprobs"]["top_logprobs"] is None
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = {"messages": msgs, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    content = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    assert all(len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["token_id"] == c["token_id"]
+               and c["top_logprobs"][0]["logprob"] == pytest.approx(c["logprob"], abs=1e-6) for c in content)
+    with client.stream("POST", "/v1/chat/completions", json=chat | {"stream": True}) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+    streamed = [c for ch in chunks for c in (ch["choices"][0]["logprobs"] or {}).get("content", [])]
+    assert [[t["token_id"] for t in c["top_logprobs"]] for c in streamed] == \
+        [[t["token_id"] for t in c["top_logprobs"]] for c in content]
+
+
 def _metric(client, name: str) -> float:
     line = [x for x in client.get("/metrics").text.splitlines() if x.startswith(name + "{")]
     return float(line[0].split()[-1])
@@ -182,6 +213,9 @@ def test_models_and_metrics(client):
     ("/v1/completions", {"prompt": "x", "n": 129}),  # more than MAX_N samples in one request
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2.5}),
     ("/v1/completions", {"prompt": "x", "top_p": 0}),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}),  # more top logprobs than MAX_LOGPROBS
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}),  # logprobs off
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"logprobs": -1}}),
     ("/v1/completions", {"prompt": "x " * 700}),
     ("/v1/completions", {"prompt": "x", "stream": True, "max_tokens": 0}),
     ("/v1/completions", {"prompt": "x", "unknown_field": True}),
