@@ -164,6 +164,7 @@ class GenerateOutput:
     request_id: str = ""
     replica: str = ""  # set by a router: which replica served it
     version_segments: list[tuple[int, int]] = field(default_factory=list)  # as in RequestOutput
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # as in RequestOutput
 
 
 TRAJECTORY_STATUSES = ("done", "max_turns", "max_context", "timeout", "error")

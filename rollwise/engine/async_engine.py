@@ -51,7 +51,8 @@ class AsyncEngine:
                                       policy_version=req.policy_version)
             return GenerateOutput(token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=out.finish_reason,
                                   num_cached_tokens=out.num_cached_tokens, policy_version=out.policy_version,
-                                  request_id=out.request_id, version_segments=out.version_segments)
+                                  request_id=out.request_id, version_segments=out.version_segments,
+                                  top_logprobs=out.top_logprobs)
         out = None
         async for out in self._outputs(prompt, params, request_id, False, options):
             pass

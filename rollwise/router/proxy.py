@@ -16,7 +16,7 @@ from rollwise.config import ServerConfig
 from rollwise.router.replica import HttpReplica, ReplicaError
 from rollwise.router.router import Router
 from rollwise.serve.protocol import CompletionRequest, GenerateRequest as GenerateBody
-from rollwise.serve.server import choice_samples, error, gather_or_cancel, install_common
+from rollwise.serve.server import choice_samples, error, gather_or_cancel, install_common, pairs
 from rollwise.types import GenerateRequest, SamplingParams
 
 
@@ -97,14 +97,13 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         return {"request_id": rid, "token_ids": out.token_ids, "logprobs": out.logprobs, "text": "",
                 "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
                 "prompt_len": len(body.input_ids), "policy_version": out.policy_version,
-                "version_segments": out.version_segments, "replica": out.replica}
+                "version_segments": out.version_segments, "replica": out.replica,
+                **({"top_logprobs": pairs(out.top_logprobs)} if out.top_logprobs else {})}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
         if body.stream:
             raise ValueError("streaming is not supported by the router yet; send stream=false")
-        if body.logprobs:
-            raise ValueError("top logprobs are not forwarded by the router yet; send logprobs 0 or null")
         prompt = body.prompt
         if isinstance(prompt, str):
             if router.tokenizer is None:
@@ -113,14 +112,18 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         if not prompt or not all(isinstance(t, int) for t in prompt):
             raise ValueError("prompt must be a string or one non-empty list of token ids")
         rid, n, tid = f"cmpl-{uuid.uuid4().hex[:16]}", body.n, body.trajectory_id
-        runs = choice_samples([prompt], body.sampling(body.max_tokens), n, body.group_id, rid)
+        runs = choice_samples([prompt], body.sampling(body.max_tokens, body.logprobs or 0), n, body.group_id, rid)
         reqs = [GenerateRequest(prompt_token_ids=p, params=sp, request_id=f"{rid}-{j}", group_id=g,
                                 trajectory_id=f"{tid}/{j}" if tid and n > 1 else tid, turn=body.turn or 0)
                 for j, (p, sp, g) in enumerate(runs)]
         outs = await gather_or_cancel(router.generate(r) for r in reqs)
         dec = router.tokenizer.decode if router.tokenizer is not None else (lambda ids: "")
+        as_ids = body.return_tokens_as_token_ids or router.tokenizer is None
+        key = (lambda t: f"token_id:{t}") if as_ids else (lambda t: router.tokenizer.decode([t], skip_special_tokens=False))
         choices = [{"index": j, "text": dec(o.token_ids), "finish_reason": o.finish_reason,
-                    "logprobs": {"token_logprobs": o.logprobs, "token_ids": o.token_ids}
+                    "logprobs": {"token_logprobs": o.logprobs, "token_ids": o.token_ids,
+                                 "top_logprobs": [{key(t): v for t, v in top.items()} for top in o.top_logprobs]
+                                 if o.top_logprobs else None}
                     if body.logprobs is not None else None} for j, o in enumerate(outs)]
         completion = sum(len(o.token_ids) for o in outs)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model,

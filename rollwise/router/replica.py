@@ -168,7 +168,8 @@ class HttpReplica:
                 **({} if request.policy_version is None else {"policy_version": request.policy_version}),
                 "sampling_params": {"max_new_tokens": p.max_tokens,  # SGLang's name; `rollwise serve` takes both
                                     **{k: getattr(p, k) for k in ("temperature", "top_p", "top_k", "seed", "min_tokens",
-                                                                  "stop", "stop_token_ids", "ignore_eos")}}}
+                                                                  "stop", "stop_token_ids", "ignore_eos")},
+                                    **({"logprobs": p.logprobs} if p.logprobs else {})}}
         try:
             r = await self.client.post("/generate", json=body)
         except httpx.HTTPError as e:
@@ -182,7 +183,8 @@ class HttpReplica:
         return GenerateOutput(token_ids=b["token_ids"], logprobs=b["logprobs"], finish_reason=b["finish_reason"],
                               num_cached_tokens=b["num_cached_tokens"], policy_version=b["policy_version"],
                               request_id=b["request_id"],
-                              version_segments=[tuple(x) for x in b.get("version_segments", [])])
+                              version_segments=[tuple(x) for x in b.get("version_segments", [])],
+                              top_logprobs=[{t: lp for t, lp in top} for top in b.get("top_logprobs", [])])
 
     async def abort(self, request_id: str) -> None:
         pass  # closing the connection aborts the request on `rollwise serve`
@@ -269,8 +271,9 @@ async def gather_loads(replicas) -> dict[str, LoadSnapshot | None]:
 
 class OpenAIReplica(HttpReplica):
     """Another server (vLLM, SGLang) through its OpenAI /v1/completions API, token ids in and out:
-    the prompt is sent as ids, and `return_tokens_as_token_ids` + `logprobs=0` (vLLM's extensions)
-    bring back the sampled ids and their logprobs. Load comes from its Prometheus /metrics."""
+    the prompt is sent as ids, and `return_tokens_as_token_ids` + `logprobs` (vLLM's extensions)
+    bring back the sampled ids and their logprobs (and the top ones when asked; vLLM's include the
+    sampled token). Load comes from its Prometheus /metrics."""
 
     def __init__(self, url: str, model: str, api_key: str | None = None, timeout: float = 600.0) -> None:
         super().__init__(url, api_key, timeout)
@@ -280,7 +283,7 @@ class OpenAIReplica(HttpReplica):
         p = request.params
         body = {"model": self.model, "prompt": request.prompt_token_ids, "max_tokens": p.max_tokens,
                 "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed, "stop": p.stop or None,
-                "logprobs": 0, "return_tokens_as_token_ids": True, "ignore_eos": p.ignore_eos,
+                "logprobs": p.logprobs, "return_tokens_as_token_ids": True, "ignore_eos": p.ignore_eos,
                 "min_tokens": p.min_tokens, "stop_token_ids": p.stop_token_ids or None}
         if p.top_k > 0:
             body["top_k"] = p.top_k
@@ -297,9 +300,10 @@ class OpenAIReplica(HttpReplica):
         lp = ch.get("logprobs") or {}
         ids = ch.get("token_ids") or [int(t.split(":", 1)[1]) for t in lp.get("tokens", [])]
         cached = ((b.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        tops = [{int(t.split(":", 1)[1]): float(v) for t, v in top.items()} for top in lp.get("top_logprobs") or []]
         return GenerateOutput(token_ids=ids, logprobs=[float(x) for x in lp.get("token_logprobs", [0.0] * len(ids))],
                               finish_reason=ch.get("finish_reason"), num_cached_tokens=cached,
-                              request_id=b.get("id", ""))
+                              request_id=b.get("id", ""), top_logprobs=tops if p.logprobs else [])
 
     async def add_sequence(self, token_ids: list[int], group_id: str | None) -> None:
         pass  # other servers keep their own drafting state

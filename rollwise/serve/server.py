@@ -214,10 +214,10 @@ def _generate_json(out: RequestOutput) -> dict:
             "text": out.text, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
             "num_cached_tokens": out.num_cached_tokens, "prompt_len": len(out.prompt_token_ids),
             "policy_version": out.policy_version, "version_segments": out.version_segments,
-            **({"top_logprobs": _pairs(out.top_logprobs)} if out.top_logprobs else {})}
+            **({"top_logprobs": pairs(out.top_logprobs)} if out.top_logprobs else {})}
 
 
-def _pairs(tops: list[dict[int, float]]) -> list[list[list]]:
+def pairs(tops: list[dict[int, float]]) -> list[list[list]]:
     """Top logprobs as JSON keeps token ids: per token, [[id, logprob], ...] best first."""
     return [[[t, lp] for t, lp in top.items()] for top in tops]
 
@@ -314,7 +314,7 @@ async def _stream_generate(engine, prompt, params, rid, group_id, **options):
     async for ids, lps, tops, delta, final in _deltas(engine, prompt, params, rid, group_id, **options):
         chunk = {"request_id": rid, "token_ids": ids, "logprobs": lps, "text": delta, "finished": final is not None}
         if tops:
-            chunk["top_logprobs"] = _pairs(tops)
+            chunk["top_logprobs"] = pairs(tops)
         if final is not None:
             chunk |= {k: v for k, v in _generate_json(final).items()
                       if k not in ("token_ids", "logprobs", "text", "top_logprobs")}

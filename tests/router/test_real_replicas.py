@@ -136,8 +136,16 @@ def test_route_proxy_over_http(servers, model_dir):
                         {"input_ids": [1], "bogus": 1}, {"prompt": "text"}, {"input_ids": [10**9]}):
                 r = c.post("/generate", json=bad)
                 assert r.status_code == 400 and "message" in r.json()["error"], (bad, r.text)
-            r = c.post("/v1/completions", json={"prompt": "The agent", "logprobs": 2})  # not forwarded: said so
-            assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"]
+            # top logprobs come through the router: the replica's own, as token ids
+            top = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+            direct = httpx.post(servers[0].url + "/v1/completions", json=top | {"return_tokens_as_token_ids": True})
+            routed = c.post("/v1/completions", json=top | {"return_tokens_as_token_ids": True}).json()
+            assert [list(t) for t in routed["choices"][0]["logprobs"]["top_logprobs"]] == \
+                [list(t) for t in direct.json()["choices"][0]["logprobs"]["top_logprobs"]]
+            gen = c.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+                "temperature": 0, "max_tokens": 3, "ignore_eos": True, "logprobs": 2}}).json()
+            assert [[t for t, _ in x] for x in gen["top_logprobs"]] == \
+                [[int(k.split(":")[1]) for k in t] for t in routed["choices"][0]["logprobs"]["top_logprobs"]]
             assert c.post("/generate", content=b"{oops", headers={"content-type": "application/json"}).status_code == 400
             assert c.get("/replicas").json()["replicas"] == sorted(s.url for s in servers)
             assert c.request("DELETE", "/replicas", json={"url": servers[1].url}).json()["replicas"] == [servers[0].url]
@@ -157,7 +165,7 @@ def test_openai_replica_speaks_token_ids_through_completions(servers):
 
     async def go():
         req = GenerateRequest(prompt_token_ids=[11, 12, 13, 14], params=SamplingParams(temperature=0, max_tokens=6,
-                                                                                       ignore_eos=True))
+                                                                                       ignore_eos=True, logprobs=2))
         a = await OpenAIReplica(servers[0].url, "m").generate(req)
         b = await HttpReplica(servers[0].url).generate(req)
         load = await OpenAIReplica(servers[0].url, "m").load()
@@ -165,6 +173,8 @@ def test_openai_replica_speaks_token_ids_through_completions(servers):
     a, b, load = asyncio.run(go())
     assert a.token_ids == b.token_ids and len(a.token_ids) == 6 and a.finish_reason == "length"
     assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4) and load.busy_s is not None
+    assert len(b.top_logprobs) == 6 and [list(t) for t in a.top_logprobs] == [list(t) for t in b.top_logprobs]
+    assert [next(iter(t)) for t in b.top_logprobs] == b.token_ids  # greedy: the best is the token
 
 
 def test_n_samples_through_the_route_survive_a_replica_dying(model_dir):
