@@ -180,6 +180,8 @@ class LLMEngine:
                     outputs.append(self._output(seq))
         st = self.stats
         st["num_steps"] += 1
+        if self.spec is not None and any(s.draft is not None for s in batch):
+            self.spec.stats["spec_steps"] += 1  # counted with num_steps, once the step has run
         st["decode_tokens"] += decode  # verification computes every draft token
         st["prefill_tokens"] += computed - decode  # includes recompute after preemption
         st["generated_tokens"] += sum(len(t) for t in appended.values())

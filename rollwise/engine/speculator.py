@@ -65,8 +65,6 @@ class Speculator:
                 continue
             s.draft = d.truncated(k)
             room -= k
-        if any(s.draft is not None for s in cands):
-            self.stats["spec_steps"] += 1
 
     def verify(self, s: ScheduledSeq, logits: torch.Tensor) -> Verdict:
         seq, d = s.seq, s.draft

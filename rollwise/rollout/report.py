@@ -30,7 +30,7 @@ def write_report(out: Path, report: dict) -> None:
     ax[0, 1].plot(x, acc, label="accepted draft tokens")
     ax[0, 1].set(title="speculation per training step", xlabel="step")
     ax2 = ax[0, 1].twinx()
-    ax2.plot(x, [a / max(b, 1) for a, b in zip(sp, es)], c="orange", label="share of engine steps speculating")
+    ax2.plot(x, [min(a, b) / max(b, 1) for a, b in zip(sp, es)], c="orange", label="share of engine steps speculating")
     ax[0, 1].legend(loc="upper left")
     ax2.legend(loc="upper right")
     ax[1, 0].plot(x, [s["wait_s"] for s in steps], label="trainer waiting for rollouts")
@@ -87,8 +87,9 @@ class _Bar:
 
     def update(self, m: dict) -> None:
         acc = m.get("spec_accepted", 0) - self._prev.get("spec_accepted", 0)
-        spec = m.get("spec_steps", 0) - self._prev.get("spec_steps", 0)
+        # (read while the replicas step, the two counters can be a step apart: the share is capped at 1)
         steps = m.get("engine_steps", 0) - self._prev.get("engine_steps", 0)
+        spec = min(m.get("spec_steps", 0) - self._prev.get("spec_steps", 0), steps)
         self._prev = m
         self.bar.set_postfix_str(f"reward {m['reward']:.2f} | accepted/step {acc / max(steps, 1):.2f} | spec "
                                  f"{'on' if spec else 'off'} {spec / max(steps, 1):.0%} | hit {m.get('prefix_hit_rate', 0):.2f} | "

@@ -34,7 +34,7 @@ def test_greedy_tokens_and_logprobs_equal_without_speculation(model_dir, baselin
         for a, b in zip(out, ref):
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     m = llm.metrics()
-    assert m["spec_accepted_tokens"] > 0 and m["spec_steps"] > 0
+    assert m["spec_accepted_tokens"] > 0 and 0 < m["spec_steps"] <= m["num_steps"]
     assert m["num_steps"] < 2 * baseline.metrics()["num_steps"]  # fewer steps than two plain rounds
     llm.engine.scheduler.check_integrity()
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
