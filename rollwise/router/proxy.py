@@ -16,7 +16,7 @@ from rollwise.config import ServerConfig
 from rollwise.router.replica import HttpReplica, ReplicaError
 from rollwise.router.router import Router
 from rollwise.serve.protocol import CompletionRequest, GenerateRequest as GenerateBody
-from rollwise.serve.server import choice_samples, error, gather_or_cancel, install_common, pairs
+from rollwise.serve.server import choice_samples, completion_tops, error, gather_or_cancel, install_common, pairs
 from rollwise.types import GenerateRequest, SamplingParams
 
 
@@ -119,11 +119,9 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         outs = await gather_or_cancel(router.generate(r) for r in reqs)
         dec = router.tokenizer.decode if router.tokenizer is not None else (lambda ids: "")
         as_ids = body.return_tokens_as_token_ids or router.tokenizer is None
-        key = (lambda t: f"token_id:{t}") if as_ids else (lambda t: router.tokenizer.decode([t], skip_special_tokens=False))
         choices = [{"index": j, "text": dec(o.token_ids), "finish_reason": o.finish_reason,
                     "logprobs": {"token_logprobs": o.logprobs, "token_ids": o.token_ids,
-                                 "top_logprobs": [{key(t): v for t, v in top.items()} for top in o.top_logprobs]
-                                 if o.top_logprobs else None}
+                                 "top_logprobs": completion_tops(router.tokenizer, o.top_logprobs, as_ids)}
                     if body.logprobs is not None else None} for j, o in enumerate(outs)]
         completion = sum(len(o.token_ids) for o in outs)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model,

@@ -252,6 +252,11 @@ def _piece(tok, t: int, as_ids: bool = False) -> str:
     return f"token_id:{t}" if as_ids else tok.decode([t], skip_special_tokens=False)
 
 
+def completion_tops(tok, tops: list[dict[int, float]], as_ids: bool = False) -> list[dict[str, float]] | None:
+    """OpenAI completions' `top_logprobs`: per token {piece: logprob}, best first (None if none asked)."""
+    return [{_piece(tok, t, as_ids): lp for t, lp in top.items()} for top in tops] if tops else None
+
+
 def _completion_logprobs(tok, out: RequestOutput, as_ids: bool = False) -> dict:
     pieces = [_piece(tok, t, as_ids) for t in out.token_ids]
     offsets, pos = [], 0
@@ -259,8 +264,7 @@ def _completion_logprobs(tok, out: RequestOutput, as_ids: bool = False) -> dict:
         offsets.append(pos)
         pos += len(p)
     return {"tokens": pieces, "token_logprobs": out.logprobs, "text_offset": offsets, "token_ids": out.token_ids,
-            "top_logprobs": [{_piece(tok, t, as_ids): lp for t, lp in top.items()} for top in out.top_logprobs]
-            if out.top_logprobs else None}
+            "top_logprobs": completion_tops(tok, out.top_logprobs, as_ids)}
 
 
 def _chat_logprobs(tok, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]]) -> list[dict]:
@@ -303,9 +307,8 @@ async def _deltas(engine, prompt, params: SamplingParams, rid: str, group_id: st
         text = out.text if out.finished else tok.decode(out.token_ids, params.skip_special_tokens)
         if not out.finished and text.endswith("\ufffd"):  # half a multi-byte character: wait
             continue
-        new_ids, new_lps = out.token_ids[sent_tokens:], out.logprobs[sent_tokens:]
+        new_ids, new_lps, new_tops = (x[sent_tokens:] for x in (out.token_ids, out.logprobs, out.top_logprobs))
         delta = text[len(sent_text):] if text.startswith(sent_text) else ""
-        new_tops = out.top_logprobs[sent_tokens:]
         sent_tokens, sent_text = len(out.token_ids), text
         yield new_ids, new_lps, new_tops, delta, out if out.finished else None
 
@@ -358,9 +361,9 @@ async def _stream_completion(engine, prompt, params, rid, index: int, model, wit
                              group_id: str | None, as_ids: bool = False):
     tok = engine.tokenizer
     async for ids, lps, tops, delta, final in _deltas(engine, prompt, params, f"{rid}-{index}", group_id):
-        top = [{_piece(tok, t, as_ids): v for t, v in d.items()} for d in tops] if tops else None
         choice = {"index": index, "text": delta, "finish_reason": final.finish_reason if final else None,
-                  "logprobs": {"token_logprobs": lps, "token_ids": ids, "top_logprobs": top} if with_logprobs else None}
+                  "logprobs": {"token_logprobs": lps, "token_ids": ids, "top_logprobs": completion_tops(tok, tops, as_ids)}
+                  if with_logprobs else None}
         yield {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
                "choices": [choice]}
 
