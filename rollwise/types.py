@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 MAX_LOGPROBS = 20  # top logprobs per output token at most (vLLM's default max_logprobs)
+PENALTIES_OFF = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 @dataclass(slots=True, kw_only=True)
 class SamplingParams:
@@ -15,6 +16,12 @@ class SamplingParams:
     Logprobs of sampled tokens are always returned: they are taken under the distribution at the
     request's temperature, before top-k/top-p truncation (raw log-softmax when greedy). `logprobs=k`
     adds, for every output position, the k most likely tokens under that same distribution.
+
+    Penalties follow vLLM and act on the logits before temperature, so the logprobs above include
+    them: `repetition_penalty` r divides a positive logit by r and multiplies a negative one by r
+    for every token seen in the prompt or the output so far; then each token's logit loses
+    `frequency_penalty` times its count in the output and `presence_penalty` once if it occurs
+    there. Speculation stays lossless: each drafted position is penalized with the drafts before it.
     """
 
     temperature: float = 1.0
@@ -29,6 +36,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int = 0  # also the k most likely tokens per output position, with their logprobs
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # (0, 10]; 1: off
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,6 +51,9 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, lo=1)
         _check_int("min_tokens", self.min_tokens, lo=0)
         _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        _check_number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _check_number("repetition_penalty", self.repetition_penalty, lo=0.0, hi=10.0, lo_open=True)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.seed is not None:
@@ -53,6 +66,14 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.penalties())
+
+    def penalties(self) -> dict[str, float]:
+        """The penalties that are on, by field name (what a client forwards)."""
+        return {k: getattr(self, k) for k, off in PENALTIES_OFF.items() if getattr(self, k) != off}
 
     def for_sample(self, j: int) -> SamplingParams:
         """The params of sample j of n from one prompt: seeded ones get seed + j (vLLM's rule), so

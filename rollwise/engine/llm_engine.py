@@ -210,7 +210,7 @@ class LLMEngine:
 
     def _row(self, seq: Sequence) -> SampleRow:
         n = seq.num_output_tokens
-        return SampleRow(seq.params, n, self._banned(seq), seq.forced[n] if seq.forced else None)
+        return SampleRow(seq.params, n, self._banned(seq), seq.forced[n] if seq.forced else None, seq.token_ids)
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)

@@ -22,6 +22,7 @@ class SampleRow:
     position: int  # index of the output token being sampled
     banned: tuple[int, ...] = ()  # e.g. EOS before min_tokens
     forced: int | None = None  # trace replay: emit this token (its logprob is still the model's)
+    tokens: list[int] | None = None  # prompt + output so far: needed only for penalties
 
 
 class Sampler:
@@ -41,6 +42,8 @@ class Sampler:
         (`SamplingParams.logprobs` of them; None for a row that asks for none)."""
         logits = logits.float().cpu()
         for i, r in enumerate(rows):
+            if r.params.has_penalties:
+                logits[i:i + 1] = penalize(logits[i:i + 1], r.params, r.tokens, r.position)
             if r.banned:
                 logits[i, list(r.banned)] = float("-inf")
         temps = torch.tensor([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows])
@@ -66,6 +69,42 @@ class Sampler:
             if r.params.seed is not None:
                 u[i] = seeded_uniform(r.params.seed, r.position)
         return inverse_cdf(probs, u)
+
+
+def penalize(logits: torch.Tensor, params: SamplingParams, tokens: list[int], num_output: int,
+             paths: list[list[int]] | None = None) -> torch.Tensor:
+    """logits [R, V] of one sequence with vLLM's penalties applied (a new tensor). `tokens` is the
+    prompt followed by the `num_output` tokens generated so far; row r's output so far is those plus
+    paths[r] (the drafted tokens verified before row r; none without paths). Only the columns of
+    tokens that occur change, so the work is the number of distinct tokens, not the vocabulary."""
+    rows = logits.shape[0]
+    n_prompt = len(tokens) - num_output
+    paths = paths or [[]] * rows
+    seq = torch.tensor(tokens, dtype=torch.long)
+    drafted = torch.tensor([t for p in paths for t in p], dtype=torch.long)
+    rp = params.repetition_penalty
+    ids = torch.unique(torch.cat([seq if rp != 1 else seq[n_prompt:], drafted]))  # sorted: the columns that change
+    if not ids.numel():
+        return logits
+
+    def counts(t: torch.Tensor) -> torch.Tensor:
+        return torch.bincount(torch.searchsorted(ids, t), minlength=len(ids)).float()
+
+    count = counts(seq[n_prompt:]).repeat(rows, 1)
+    at = 0
+    for r, path in enumerate(paths):
+        if path:
+            count[r] += counts(drafted[at:at + len(path)])
+            at += len(path)
+    sub = logits[:, ids]
+    if rp != 1:
+        seen = count > 0
+        seen[:, torch.searchsorted(ids, seq[:n_prompt])] = True
+        sub = torch.where(seen, torch.where(sub > 0, sub / rp, sub * rp), sub)
+    sub = sub - params.frequency_penalty * count - params.presence_penalty * (count > 0).float()
+    out = logits.clone()
+    out[:, ids] = sub
+    return out
 
 
 def top_logprobs(logprobs: torch.Tensor, ks: list[int]) -> list[dict[int, float] | None]:

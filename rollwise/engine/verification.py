@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollwise.engine.sampler import inverse_cdf, seeded_uniform, top_k_top_p, top_logprobs
+from rollwise.engine.sampler import inverse_cdf, penalize, seeded_uniform, top_k_top_p, top_logprobs
 from rollwise.types import Draft, SamplingParams
 
 
@@ -38,6 +38,14 @@ def _verdict(accepted: list[int], tokens: list[int], lps: list[float], logprobs:
     return Verdict(accepted, tokens, lps, top)
 
 
+def draft_paths(draft: Draft) -> list[list[int]]:
+    """Each draft token's path from the root: the tokens it is verified after, itself included."""
+    paths: list[list[int]] = []
+    for t, p in zip(draft.token_ids, draft.parents):
+        paths.append((paths[p] if p >= 0 else []) + [t])
+    return paths
+
+
 def children_of(parents: list[int]) -> dict[int, list[int]]:
     kids: dict[int, list[int]] = {}
     for i, p in enumerate(parents):
@@ -47,8 +55,11 @@ def children_of(parents: list[int]) -> dict[int, list[int]]:
 
 @torch.inference_mode()
 def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, position: int,
-           forced: list[int] | None, generator: torch.Generator) -> Verdict:
-    """logits [1 + len(draft), V] (float32, CPU); position: output index of the first new token."""
+           forced: list[int] | None, generator: torch.Generator, tokens: list[int] | None = None) -> Verdict:
+    """logits [1 + len(draft), V] (float32, CPU); position: output index of the first new token;
+    tokens: the prompt and output so far (needed only for penalties)."""
+    if params.has_penalties:
+        logits = penalize(logits, params, tokens, position, [[]] + draft_paths(draft))
     temp = params.temperature if params.temperature > 0 else 1.0
     scaled = logits / temp
     logprobs = torch.log_softmax(scaled, dim=-1)

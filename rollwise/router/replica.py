@@ -169,6 +169,7 @@ class HttpReplica:
                 "sampling_params": {"max_new_tokens": p.max_tokens,  # SGLang's name; `rollwise serve` takes both
                                     **{k: getattr(p, k) for k in ("temperature", "top_p", "top_k", "seed", "min_tokens",
                                                                   "stop", "stop_token_ids", "ignore_eos")},
+                                    **p.penalties(),
                                     **({"logprobs": p.logprobs} if p.logprobs else {})}}
         try:
             r = await self.client.post("/generate", json=body)
@@ -287,6 +288,7 @@ class OpenAIReplica(HttpReplica):
                 "min_tokens": p.min_tokens, "stop_token_ids": p.stop_token_ids or None}
         if p.top_k > 0:
             body["top_k"] = p.top_k
+        body.update(p.penalties())
         try:
             r = await self.client.post("/v1/completions", json={k: v for k, v in body.items() if v is not None})
         except httpx.HTTPError as e:

@@ -27,8 +27,9 @@ class _OpenAISampling(_Strict):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = Field(1, ge=1, le=MAX_N)  # samples per prompt: a group (sample j seeded seed + j)
-    presence_penalty: Literal[0, 0.0] = 0.0
-    frequency_penalty: Literal[0, 0.0] = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension
     user: str | None = None
     # session metadata for schedulers (trajectory, group, turn)
     trajectory_id: str | None = None
@@ -39,7 +40,9 @@ class _OpenAISampling(_Strict):
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
                               stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
-                              ignore_eos=self.ignore_eos, logprobs=top_logprobs)
+                              ignore_eos=self.ignore_eos, logprobs=top_logprobs,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty)
 
 
 class CompletionRequest(_OpenAISampling):

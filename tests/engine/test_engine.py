@@ -161,6 +161,55 @@ def test_top_logprobs_are_the_most_likely_tokens_at_the_request_temperature(llm)
             SamplingParams(logprobs=bad)
 
 
+def _penalized(logits, prompt: list[int], output: list[int], p: SamplingParams):
+    """vLLM's penalties, written out token by token (the reference for the engine's tensor code)."""
+    from collections import Counter
+    out = logits.clone()
+    for t in set(prompt) | set(output):
+        out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
+    for t, c in Counter(output).items():
+        out[t] -= p.frequency_penalty * c + p.presence_penalty
+    return out
+
+
+@pytest.mark.parametrize("pen", [dict(repetition_penalty=1.3), dict(frequency_penalty=0.7, presence_penalty=0.5),
+                                 dict(repetition_penalty=0.8, frequency_penalty=-0.4, presence_penalty=1.5)])
+def test_penalties_act_on_the_logits_as_vllm_defines_them(llm, pen):
+    """Greedy tokens are the argmax of the penalized logits, and the logprobs (sampled and top) are
+    taken under them at the request's temperature: checked against a direct forward of the model."""
+    import torch
+    from rollwise.engine.attention import build_metadata
+    p = _prompts(1, seed=9)[0]
+    for temp in (0.0, 0.7):
+        params = SamplingParams(temperature=temp, seed=4, max_tokens=24, ignore_eos=True, logprobs=3, **pen)
+        out = llm.generate([p], params)[0]
+        model, cfg = llm.engine.runner.model, llm.engine.runner.model.config
+        seq = p + out.token_ids
+        kv = tuple(torch.zeros(cfg.num_layers, 128, cfg.num_kv_heads, cfg.head_dim) for _ in range(2))
+        with torch.no_grad():
+            h = model(torch.tensor(seq), torch.arange(len(seq)), build_metadata([len(seq)], [0], [list(range(8))], 16, "cpu"), kv)
+            logits = model.logits(h[len(p) - 1:len(seq) - 1])
+        for i, tok in enumerate(out.token_ids):
+            row = _penalized(logits[i], p, out.token_ids[:i], params)
+            lp = torch.log_softmax(row / (temp or 1.0), -1)
+            if temp == 0:
+                assert tok == int(row.argmax())
+            assert out.logprobs[i] == pytest.approx(float(lp[tok]), abs=1e-4)
+            assert list(out.top_logprobs[i]) == lp.topk(3).indices.tolist()
+    # the penalties change what is generated
+    plain = llm.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].token_ids
+    greedy = llm.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **pen))[0].token_ids
+    assert greedy != plain
+
+
+def test_bad_penalties_are_rejected():
+    for field, bad in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+                       ("repetition_penalty", -1.0), ("presence_penalty", "1")):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: bad})
+    assert not SamplingParams().has_penalties and SamplingParams(repetition_penalty=1.1).has_penalties
+
+
 def test_top_k_one_is_greedy(llm):
     prompts = _prompts(4, seed=6)
     g = llm.generate(prompts, GREEDY)

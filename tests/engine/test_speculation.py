@@ -115,16 +115,17 @@ def test_inverse_cdf_draws_each_token_with_its_probability():
     assert inverse_cdf(rows, us).tolist() == [int(inverse_cdf(rows[i:i + 1], us[i:i + 1])[0]) for i in range(5)]
 
 
-@pytest.mark.parametrize("tree", [False, True])
-def test_sampling_distribution_is_unchanged(model_dir, tree):
-    """Two-sample chi-square on the joint distribution of 3 sampled tokens (top-k 3: 27 outcomes)."""
+@pytest.mark.parametrize("tree,pen", [(False, {}), (True, {}), (True, {"repetition_penalty": 2.0, "frequency_penalty": 1.0})])
+def test_sampling_distribution_is_unchanged(model_dir, tree, pen):
+    """Two-sample chi-square on the joint distribution of 3 sampled tokens (top-k 3: 27 outcomes);
+    with penalties, each drafted position's distribution depends on the drafts before it."""
     prompt = _prompts(1, 5)[0]
     n = 700
-    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, seed=i) for i in range(n)]
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, seed=i, **pen) for i in range(n)]
     plain = LLM(model_dir, max_num_seqs=64).generate([prompt] * n, params)
     spec_llm = LLM(model_dir, max_num_seqs=64, speculative="suffix", spec_controller="always", spec_tree=tree,
                    spec_min_token_prob=0.0, spec_alpha=4.0)
-    spec = spec_llm.generate([prompt] * n, [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    spec = spec_llm.generate([prompt] * n, [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, **pen)
                                             for _ in range(n)])
     assert spec_llm.metrics()["spec_accepted_tokens"] > 100  # rejection sampling was exercised
     a, b = Counter(tuple(o.token_ids) for o in plain), Counter(tuple(o.token_ids) for o in spec)
@@ -145,6 +146,26 @@ def test_seeded_sampling_gives_the_same_tokens_with_speculation(model_dir, basel
     for _ in range(2):  # the second round drafts from the first round's outputs
         out = llm.generate(prompts, params)
         assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert llm.metrics()["spec_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_penalties_are_lossless_with_speculation(model_dir, baseline, tree):
+    """Each drafted position is penalized with the drafts verified before it: greedy and seeded
+    requests with penalties give the same tokens and logprobs as decoding one token a step."""
+    prompts = _prompts(8, seed=12)
+    pen = dict(repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2)
+    llm = LLM(model_dir, max_num_seqs=64, speculative="suffix", spec_controller="always", spec_tree=tree,
+              spec_min_token_prob=0.0)
+    for params in (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2, **pen),
+                   SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True, **pen)):
+        ref = baseline.generate(prompts, params)
+        for _ in range(2):  # the second round drafts from the first round's outputs
+            out = llm.generate(prompts, params)
+            assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+            for a, b in zip(out, ref):
+                assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+                assert [list(t) for t in a.top_logprobs] == [list(t) for t in b.top_logprobs]
     assert llm.metrics()["spec_accepted_tokens"] > 0
 
 

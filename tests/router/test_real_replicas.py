@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 import threading
@@ -169,6 +170,13 @@ def test_openai_replica_speaks_token_ids_through_completions(servers):
         a = await OpenAIReplica(servers[0].url, "m").generate(req)
         b = await HttpReplica(servers[0].url).generate(req)
         load = await OpenAIReplica(servers[0].url, "m").load()
+        # penalties are forwarded by both clients
+        pen = dataclasses.replace(req, params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                             repetition_penalty=1.5, frequency_penalty=0.5))
+        pa, pb = [await r.generate(pen) for r in (OpenAIReplica(servers[0].url, "m"), HttpReplica(servers[0].url))]
+        plain = await HttpReplica(servers[0].url).generate(dataclasses.replace(
+            pen, params=dataclasses.replace(pen.params, repetition_penalty=1.0, frequency_penalty=0.0)))
+        assert pa.token_ids == pb.token_ids != plain.token_ids
         return a, b, load
     a, b, load = asyncio.run(go())
     assert a.token_ids == b.token_ids and len(a.token_ids) == 6 and a.finish_reason == "length"

@@ -119,6 +119,30 @@ def test_top_logprobs_in_every_format(client, model_dir):
         [[t["token_id"] for t in c["top_logprobs"]] for c in content]
 
 
+def test_penalties_in_every_api(client, model_dir):
+    """presence / frequency / repetition penalties reach the engine from /generate, completions and
+    chat: the same tokens as the engine's with them, other tokens than without them."""
+    ids = [5, 17, 300, 42, 9]
+    pen = {"presence_penalty": 0.5, "frequency_penalty": 0.8, "repetition_penalty": 1.3}
+    llm = LLM(model_dir)
+    ref = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **pen))[0]
+    assert ref.token_ids != llm.generate([ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].token_ids
+    gen = client.post("/generate", json={"input_ids": ids, "sampling_params": {
+        "temperature": 0, "max_tokens": 16, "ignore_eos": True, **pen}}).json()
+    assert gen["token_ids"] == ref.token_ids
+    assert gen["logprobs"] == pytest.approx(ref.logprobs, abs=1e-4)
+    body = {"prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "return_tokens_as_token_ids": True, **pen}
+    lp = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in ref.token_ids]
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = llm.engine.tokenizer.encode_chat(msgs)
+    want = llm.generate([chat], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **pen))[0]
+    got = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 8, "temperature": 0,
+                                                    "ignore_eos": True, "logprobs": True, **pen}).json()
+    assert [c["token_id"] for c in got["choices"][0]["logprobs"]["content"]] == want.token_ids
+
+
 def _metric(client, name: str) -> float:
     line = [x for x in client.get("/metrics").text.splitlines() if x.startswith(name + "{")]
     return float(line[0].split()[-1])
@@ -216,6 +240,9 @@ def test_models_and_metrics(client):
     ("/v1/completions", {"prompt": "x", "logprobs": 21}),  # more top logprobs than MAX_LOGPROBS
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}),  # logprobs off
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"logprobs": -1}}),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 0}}),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -3}),
     ("/v1/completions", {"prompt": "x " * 700}),
     ("/v1/completions", {"prompt": "x", "stream": True, "max_tokens": 0}),
     ("/v1/completions", {"prompt": "x", "unknown_field": True}),
