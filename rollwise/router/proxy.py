@@ -16,7 +16,8 @@ from rollwise.config import ServerConfig
 from rollwise.router.replica import HttpReplica, ReplicaError
 from rollwise.router.router import Router
 from rollwise.serve.protocol import CompletionRequest, GenerateRequest as GenerateBody
-from rollwise.serve.server import choice_samples, completion_tops, error, gather_or_cancel, install_common, pairs
+from rollwise.serve.server import (choice_samples, completion_tops, error, gather_or_cancel, install_common, pairs,
+                                   unless_disconnected)
 from rollwise.types import GenerateRequest, SamplingParams
 
 
@@ -93,7 +94,7 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
                               group_id=body.group_id or request.headers.get("x-group-id"),
                               turn=body.turn or 0, forced_output=body.forced_output,
                               policy_version=body.policy_version)
-        out = await router.generate(req)
+        out = await unless_disconnected(request, router.generate(req))
         return {"request_id": rid, "token_ids": out.token_ids, "logprobs": out.logprobs, "text": "",
                 "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
                 "prompt_len": len(body.input_ids), "policy_version": out.policy_version,
@@ -101,7 +102,7 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
                 **({"top_logprobs": pairs(out.top_logprobs)} if out.top_logprobs else {})}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         if body.stream:
             raise ValueError("streaming is not supported by the router yet; send stream=false")
         prompt = body.prompt
@@ -116,7 +117,7 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         reqs = [GenerateRequest(prompt_token_ids=p, params=sp, request_id=f"{rid}-{j}", group_id=g,
                                 trajectory_id=f"{tid}/{j}" if tid and n > 1 else tid, turn=body.turn or 0)
                 for j, (p, sp, g) in enumerate(runs)]
-        outs = await gather_or_cancel(router.generate(r) for r in reqs)
+        outs = await unless_disconnected(request, gather_or_cancel(router.generate(r) for r in reqs))
         dec = router.tokenizer.decode if router.tokenizer is not None else (lambda ids: "")
         as_ids = body.return_tokens_as_token_ids or router.tokenizer is None
         choices = [{"index": j, "text": dec(o.token_ids), "finish_reason": o.finish_reason,

@@ -7,17 +7,18 @@ the server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from rollwise.config import ServerConfig
 from rollwise.serve.metrics import prometheus_text
@@ -33,8 +34,40 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
+class ClientGone(Exception):
+    """The HTTP client disconnected before its response was ready."""
+
+
+async def unless_disconnected(request: Request, work: Awaitable):
+    """Await `work`; if the client disconnects first, cancel it, which aborts its requests (raises
+    ClientGone). A non-streaming request would otherwise generate to its end for nobody, e.g. after
+    an episode's deadline or a router's timeout; a streamed one is cancelled by Starlette itself."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task  # its requests are aborted before this returns
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def install_common(app: FastAPI, cfg: ServerConfig) -> None:
     """HTTP 400 + JSON for bad input, and the optional bearer API key (health and metrics stay open)."""
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, exc: ClientGone):
+        return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
@@ -112,7 +145,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         return {"status": "ok", "policy_version": version}
 
     @app.post("/generate")
-    async def generate(body: GenerateRequest):
+    async def generate(body: GenerateRequest, request: Request):
         if (body.input_ids is None) == (body.prompt is None):
             raise ValueError("give exactly one of input_ids or prompt")
         sp = dict(body.sampling_params)
@@ -126,8 +159,9 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         if body.stream:
             return _sse(await _primed(_stream_generate(engine, prompt, params, rid, body.group_id,
                                                        policy_version=body.policy_version)))
-        out = await engine.generate(prompt, params, rid, group_id=body.group_id, forced_output=body.forced_output,
-                                    session=body.trajectory_id, policy_version=body.policy_version)
+        out = await unless_disconnected(request, engine.generate(
+            prompt, params, rid, group_id=body.group_id, forced_output=body.forced_output,
+            session=body.trajectory_id, policy_version=body.policy_version))
         return _generate_json(out)
 
     @app.post("/spec/add_sequence")
@@ -139,7 +173,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         return {"status": "ok"}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
             body.prompt[0], int) else [body.prompt]
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
@@ -151,8 +185,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
                 _stream_completion(engine, p, sp, rid, k, model_name, body.logprobs is not None, g,
                                    body.return_tokens_as_token_ids)
                 for k, (p, sp, g) in enumerate(runs)])))
-        outs = await gather_or_cancel(engine.generate(p, sp, f"{rid}-{k}", group_id=g)
-                                      for k, (p, sp, g) in enumerate(runs))
+        outs = await unless_disconnected(request, gather_or_cancel(
+            engine.generate(p, sp, f"{rid}-{k}", group_id=g) for k, (p, sp, g) in enumerate(runs)))
         choices = [{"index": i, "text": o.text, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
                     "logprobs": _completion_logprobs(tok, o, body.return_tokens_as_token_ids)
                     if body.logprobs is not None else None}
@@ -161,7 +195,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
                 "choices": choices, "usage": _usage(outs, body.n)}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest):
+    async def chat(body: ChatCompletionRequest, request: Request):
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         ids = tok.encode_chat(messages, tools=body.tools, **(body.chat_template_kwargs or {}))
         room = engine.engine.max_model_len - len(ids)
@@ -173,8 +207,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         if body.stream:
             return _sse(await _primed(_merged([_stream_chat(engine, p, sp, rid, k, model_name, body.logprobs, g)
                                                for k, (p, sp, g) in enumerate(runs)])))
-        outs = await gather_or_cancel(engine.generate(p, sp, f"{rid}-{k}", group_id=g)
-                                      for k, (p, sp, g) in enumerate(runs))
+        outs = await unless_disconnected(request, gather_or_cancel(
+            engine.generate(p, sp, f"{rid}-{k}", group_id=g) for k, (p, sp, g) in enumerate(runs)))
         choices = [{"index": k, "message": {"role": "assistant", "content": o.text},
                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
                     "logprobs": {"content": _chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs)}

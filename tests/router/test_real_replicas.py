@@ -159,6 +159,33 @@ def test_route_proxy_over_http(servers, model_dir):
         proc.wait(timeout=10)
 
 
+def _replica_metric(server, name: str) -> float:
+    return sum(float(ln.split()[-1]) for ln in httpx.get(server.url + "/metrics").text.splitlines()
+               if ln.startswith(name + "{"))
+
+
+def test_a_client_leaving_the_route_aborts_the_replica_request(servers, model_dir):
+    """The router's client disconnects: the router cancels the turn, which closes its request to
+    the replica, which aborts it there."""
+    proc, url = start_route(servers, model_dir, "round_robin")
+    try:
+        before = sum(_replica_metric(s, "vllm:generation_tokens_total") for s in servers)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+                "max_tokens": 2000, "ignore_eos": True}}, timeout=httpx.Timeout(10, read=0.3))
+        for _ in range(100):
+            if all(_replica_metric(s, "vllm:num_requests_running") == 0 for s in servers):
+                break
+            time.sleep(0.05)
+        assert all(_replica_metric(s, "vllm:num_requests_running") == 0 for s in servers)
+        assert 0 < sum(_replica_metric(s, "vllm:generation_tokens_total") for s in servers) - before < 1000
+        r = httpx.post(url + "/generate", json={"input_ids": [5], "sampling_params": {"max_tokens": 3}}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["token_ids"]) == 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def test_openai_replica_speaks_token_ids_through_completions(servers):
     """The OpenAI-API replica (for vLLM/SGLang) against our own server: same tokens as /generate."""
     from rollwise.router.replica import OpenAIReplica

@@ -148,6 +148,30 @@ def _metric(client, name: str) -> float:
     return float(line[0].split()[-1])
 
 
+def test_a_client_that_disconnects_aborts_its_requests(model_dir):
+    """A non-streaming request whose client goes away (an episode's deadline, a router's timeout)
+    is aborted, all its samples, instead of generating to its end for nobody; the server keeps
+    serving."""
+    msgs = [{"role": "user", "content": "hi"}]
+    cases = (("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4000, "ignore_eos": True}}, 1),
+             ("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4000, "ignore_eos": True, "n": 2}, 2),
+             ("/v1/chat/completions", {"messages": msgs, "max_tokens": 4000, "ignore_eos": True}, 1))
+    with ServerProcess(model_dir, "--max-model-len", "4096") as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        for path, body, n in cases:
+            before = _metric(c, "vllm:generation_tokens_total")
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(s.url + path, json=body, timeout=httpx.Timeout(10, read=0.3))
+            for _ in range(100):
+                if _metric(c, "vllm:num_requests_running") == 0:
+                    break
+                time.sleep(0.05)
+            assert _metric(c, "vllm:num_requests_running") == 0, path
+            # about 0.3 s of tokens each (the whole 4000 each if it ran on)
+            assert 0 < _metric(c, "vllm:generation_tokens_total") - before < 2000 * n, path
+        _alive(c)
+        assert len(c.post("/generate", json={"input_ids": [5], "sampling_params": {"max_tokens": 3}}).json()["token_ids"]) == 3
+
+
 def _prefill(client) -> float:
     return _metric(client, "rollwise:prefill_tokens_computed_total")
 
