@@ -158,7 +158,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         rid = body.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         if body.stream:
             return _sse(await _primed(_stream_generate(engine, prompt, params, rid, body.group_id,
-                                                       policy_version=body.policy_version)))
+                                                       policy_version=body.policy_version, session=body.trajectory_id,
+                                                       forced_output=body.forced_output)))
         out = await unless_disconnected(request, engine.generate(
             prompt, params, rid, group_id=body.group_id, forced_output=body.forced_output,
             session=body.trajectory_id, policy_version=body.policy_version))

@@ -55,6 +55,12 @@ def test_generate_stream(client):
     sgl = client.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}})
     assert len(sgl.json()["token_ids"]) == 5
     assert chunks[-1]["finished"] and chunks[-1]["finish_reason"] == "length"
+    # a streamed trace replay emits the trace, as a plain one does
+    trace = [7, 8, 9, 7, 8]
+    with client.stream("POST", "/generate", json={"input_ids": [1, 2, 3], "stream": True, "forced_output": trace,
+                                                  "trajectory_id": "t1", "sampling_params": {"max_tokens": 5}}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    assert [t for c in chunks for t in c["token_ids"]] == trace
 
 
 def test_completions(client):
