@@ -15,10 +15,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollwise.config import ServerConfig
 from rollwise.router.replica import HttpReplica, ReplicaError
 from rollwise.router.router import Router
-from rollwise.serve.protocol import CompletionRequest, GenerateRequest as GenerateBody
-from rollwise.serve.server import (choice_samples, completion_tops, error, gather_or_cancel, install_common, pairs,
-                                   unless_disconnected)
+from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest as GenerateBody
+from rollwise.serve.server import (chat_logprobs, choice_samples, completion_tops, error, gather_or_cancel,
+                                   install_common, pairs, unless_disconnected)
 from rollwise.types import GenerateRequest, SamplingParams
+
+
+UNTIL_MODEL_LEN = 2**31 - 1  # max_tokens of a chat request that gives none: the replica stops at its model length
 
 
 class ReplicaBody(BaseModel):
@@ -79,6 +82,15 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         await router.end_trajectory(body.trajectory_id, body.group_id, body.token_ids, body.num_turns)
         return {"status": "ok"}
 
+    def samples(body, request: Request, prompt: list[int], params: SamplingParams, rid: str):
+        """The body's n samples of one prompt through the router (sample j of trajectory t is t/j)."""
+        n, group = body.n, body.group_id or request.headers.get("x-group-id")
+        tid = body.trajectory_id or request.headers.get("x-session-id")
+        runs = choice_samples([prompt], params, n, group, rid)
+        return gather_or_cancel(router.generate(GenerateRequest(
+            prompt_token_ids=p, params=sp, request_id=f"{rid}-{j}", group_id=g,
+            trajectory_id=f"{tid}/{j}" if tid and n > 1 else tid, turn=body.turn or 0)) for j, (p, sp, g) in enumerate(runs))
+
     @app.post("/generate")
     async def generate(body: GenerateBody, request: Request):
         if body.input_ids is None or body.prompt is not None:
@@ -112,12 +124,9 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
             prompt = router.tokenizer.encode(prompt)
         if not prompt or not all(isinstance(t, int) for t in prompt):
             raise ValueError("prompt must be a string or one non-empty list of token ids")
-        rid, n, tid = f"cmpl-{uuid.uuid4().hex[:16]}", body.n, body.trajectory_id
-        runs = choice_samples([prompt], body.sampling(body.max_tokens, body.logprobs or 0), n, body.group_id, rid)
-        reqs = [GenerateRequest(prompt_token_ids=p, params=sp, request_id=f"{rid}-{j}", group_id=g,
-                                trajectory_id=f"{tid}/{j}" if tid and n > 1 else tid, turn=body.turn or 0)
-                for j, (p, sp, g) in enumerate(runs)]
-        outs = await unless_disconnected(request, gather_or_cancel(router.generate(r) for r in reqs))
+        rid = f"cmpl-{uuid.uuid4().hex[:16]}"
+        outs = await unless_disconnected(request, samples(
+            body, request, prompt, body.sampling(body.max_tokens, body.logprobs or 0), rid))
         dec = router.tokenizer.decode if router.tokenizer is not None else (lambda ids: "")
         as_ids = body.return_tokens_as_token_ids or router.tokenizer is None
         choices = [{"index": j, "text": dec(o.token_ids), "finish_reason": o.finish_reason,
@@ -128,5 +137,38 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model,
                 "choices": choices, "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion,
                                               "total_tokens": len(prompt) + completion}}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        """Chat through the router: the router's tokenizer renders the chat template, the turn is
+        routed as token ids, and the reply is decoded here (stop strings cut as the replica does)."""
+        tok = router.tokenizer
+        if body.stream:
+            raise ValueError("streaming is not supported by the router yet; send stream=false")
+        if tok is None:
+            raise ValueError("this router has no tokenizer (--tokenizer): chat needs its chat template")
+        if body.top_logprobs and not body.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        ids = tok.encode_chat([m.model_dump(exclude_none=True) for m in body.messages], tools=body.tools,
+                              **(body.chat_template_kwargs or {}))
+        # no max_tokens: up to the replica's model length (its engine stops there)
+        params = body.sampling(body.max_completion_tokens or body.max_tokens or UNTIL_MODEL_LEN, body.top_logprobs or 0)
+        rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
+        outs = await unless_disconnected(request, samples(body, request, ids, params, rid))
+        choices = []
+        for j, o in enumerate(outs):
+            text, reason, stop = tok.decode(o.token_ids, params.skip_special_tokens), o.finish_reason, None
+            hits = [(at, x) for x in params.stop if (at := text.find(x)) >= 0]
+            if hits:
+                at, stop = min(hits)
+                text, reason = text[:at + (len(stop) if params.include_stop_str_in_output else 0)], "stop"
+            choices.append({"index": j, "message": {"role": "assistant", "content": text},
+                            "finish_reason": reason, "stop_reason": stop,
+                            "logprobs": {"content": chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs)}
+                            if body.logprobs else None})
+        completion = sum(len(o.token_ids) for o in outs)
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": body.model,
+                "choices": choices, "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
+                                              "total_tokens": len(ids) + completion}}
 
     return app

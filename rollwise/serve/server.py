@@ -212,7 +212,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
             engine.generate(p, sp, f"{rid}-{k}", group_id=g) for k, (p, sp, g) in enumerate(runs)))
         choices = [{"index": k, "message": {"role": "assistant", "content": o.text},
                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                    "logprobs": {"content": _chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs)}
+                    "logprobs": {"content": chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs)}
                     if body.logprobs else None}
                    for k, o in enumerate(outs)]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
@@ -302,7 +302,7 @@ def _completion_logprobs(tok, out: RequestOutput, as_ids: bool = False) -> dict:
             "top_logprobs": completion_tops(tok, out.top_logprobs, as_ids)}
 
 
-def _chat_logprobs(tok, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]]) -> list[dict]:
+def chat_logprobs(tok, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]]) -> list[dict]:
     out = []
     for i, (t, lp) in enumerate(zip(token_ids, logprobs)):
         piece = _piece(tok, t)
@@ -410,6 +410,6 @@ async def _stream_chat(engine, ids, params, rid, index: int, model, with_logprob
         d = {"role": "assistant", "content": delta} if first else {"content": delta}
         first = False
         choice = {"index": index, "delta": d, "finish_reason": final.finish_reason if final else None,
-                  "logprobs": {"content": _chat_logprobs(tok, new_ids, lps, tops)} if with_logprobs else None}
+                  "logprobs": {"content": chat_logprobs(tok, new_ids, lps, tops)} if with_logprobs else None}
         yield {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
                "choices": [choice]}

@@ -147,6 +147,25 @@ def test_route_proxy_over_http(servers, model_dir):
                 "temperature": 0, "max_tokens": 3, "ignore_eos": True, "logprobs": 2}}).json()
             assert [[t for t, _ in x] for x in gen["top_logprobs"]] == \
                 [[int(k.split(":")[1]) for k in t] for t in routed["choices"][0]["logprobs"]["top_logprobs"]]
+            # chat through the router: the replica's own reply, token for token; n seeded samples; a stop string
+            msgs = [{"role": "user", "content": "Find the agent"}]
+            greedy = {"temperature": 0, "max_tokens": 12}
+            reply = httpx.post(servers[0].url + "/v1/chat/completions", json={"messages": msgs, **greedy},
+                               timeout=60).json()["choices"][0]["message"]["content"]
+            # the last: a piece of the greedy reply as a stop string (the replica stops there, the router cuts it)
+            for extra in (greedy, {"seed": 4, "n": 2, "max_tokens": 8, "ignore_eos": True},
+                          greedy | {"stop": [reply.strip()[2:4]]}):
+                chat = {"messages": msgs, "logprobs": True, **extra}
+                want = httpx.post(servers[0].url + "/v1/chat/completions", json=chat, timeout=60).json()
+                got = c.post("/v1/chat/completions", json=chat, headers={"X-Session-Id": "chat-1"}).json()
+                assert [ch["message"] for ch in got["choices"]] == [ch["message"] for ch in want["choices"]], extra
+                assert [[t["token_id"] for t in ch["logprobs"]["content"]] for ch in got["choices"]] == \
+                    [[t["token_id"] for t in ch["logprobs"]["content"]] for ch in want["choices"]]
+                assert [ch["finish_reason"] for ch in got["choices"]] == [ch["finish_reason"] for ch in want["choices"]]
+                assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+            assert got["choices"][0]["finish_reason"] == "stop" and extra["stop"][0] not in got["choices"][0]["message"]["content"]
+            assert c.post("/v1/chat/completions", json={"messages": msgs, "top_logprobs": 2}).status_code == 400
+            assert c.post("/v1/chat/completions", json={"messages": msgs, "stream": True}).status_code == 400
             assert c.post("/generate", content=b"{oops", headers={"content-type": "application/json"}).status_code == 400
             assert c.get("/replicas").json()["replicas"] == sorted(s.url for s in servers)
             assert c.request("DELETE", "/replicas", json={"url": servers[1].url}).json()["replicas"] == [servers[0].url]
