@@ -5,8 +5,10 @@ Trajectories are identified by the body's `trajectory_id` / `group_id` / `turn` 
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -17,11 +19,60 @@ from rollwise.router.replica import HttpReplica, ReplicaError
 from rollwise.router.router import Router
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest as GenerateBody
 from rollwise.serve.server import (chat_logprobs, choice_samples, completion_tops, error, gather_or_cancel,
-                                   install_common, pairs, unless_disconnected)
-from rollwise.types import GenerateRequest, SamplingParams
+                                   install_common, merged, pairs, primed, sse, stream_chat, stream_completion,
+                                   stream_generate, unless_disconnected)
+from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
 
 
 UNTIL_MODEL_LEN = 2**31 - 1  # max_tokens of a chat request that gives none: the replica stops at its model length
+
+
+class _NoText:
+    """A router without a tokenizer: outputs are token ids only."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+class Routed:
+    """The router as the server's response helpers see an engine: a tokenizer, and requests that end
+    as `RequestOutput`s whose text is decoded here and cut at a stop string, as a replica's engine
+    does. `stream` yields the cumulative output after every piece the replica sends."""
+
+    def __init__(self, router: Router) -> None:
+        self.router, self.tokenizer = router, router.tokenizer or _NoText()
+
+    async def generate(self, prompt: list[int], params: SamplingParams, request_id: str, **options) -> RequestOutput:
+        out = await self.router.generate(_request(prompt, params, request_id, **options))
+        return self._grown(RequestOutput(request_id=request_id, prompt_token_ids=prompt), out, params)
+
+    async def stream(self, prompt: list[int], params: SamplingParams, request_id: str,
+                     **options) -> AsyncIterator[RequestOutput]:
+        out = RequestOutput(request_id=request_id, prompt_token_ids=prompt)
+        async for piece in self.router.stream(_request(prompt, params, request_id, **options)):
+            out = self._grown(out, piece, params)
+            yield out
+
+    def _grown(self, out: RequestOutput, piece: GenerateOutput, params: SamplingParams) -> RequestOutput:
+        out = dataclasses.replace(out, token_ids=out.token_ids + piece.token_ids, logprobs=out.logprobs + piece.logprobs,
+                                  top_logprobs=out.top_logprobs + piece.top_logprobs)
+        if piece.finish_reason is not None:
+            out.finished, out.finish_reason, out.num_cached_tokens = True, piece.finish_reason, piece.num_cached_tokens
+            out.policy_version, out.version_segments = piece.policy_version, piece.version_segments
+            out.text = self.tokenizer.decode(out.token_ids, params.skip_special_tokens)
+            hits = [(at, x) for x in params.stop if (at := out.text.find(x)) >= 0]
+            if hits:
+                at, out.stop_reason = min(hits)
+                out.text = out.text[:at + (len(out.stop_reason) if params.include_stop_str_in_output else 0)]
+                out.finish_reason = "stop"
+        return out
+
+
+def _request(prompt: list[int], params: SamplingParams, request_id: str, group_id: str | None = None,
+             session: str | None = None, turn: int = 0, forced_output: list[int] | None = None,
+             policy_version: int | None = None) -> GenerateRequest:
+    return GenerateRequest(prompt_token_ids=prompt, params=params, request_id=request_id, group_id=group_id,
+                           trajectory_id=session, turn=turn, forced_output=forced_output, policy_version=policy_version)
 
 
 class ReplicaBody(BaseModel):
@@ -82,14 +133,15 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         await router.end_trajectory(body.trajectory_id, body.group_id, body.token_ids, body.num_turns)
         return {"status": "ok"}
 
-    def samples(body, request: Request, prompt: list[int], params: SamplingParams, rid: str):
-        """The body's n samples of one prompt through the router (sample j of trajectory t is t/j)."""
+    routed = Routed(router)
+
+    def runs(body, request: Request, prompt: list[int], params: SamplingParams, rid: str) -> list[tuple]:
+        """(prompt, params, request id, group, options) of the body's n samples of one prompt: sample j
+        of trajectory t is trajectory t/j; trajectory and group also from X-Session-Id / X-Group-Id."""
         n, group = body.n, body.group_id or request.headers.get("x-group-id")
         tid = body.trajectory_id or request.headers.get("x-session-id")
-        runs = choice_samples([prompt], params, n, group, rid)
-        return gather_or_cancel(router.generate(GenerateRequest(
-            prompt_token_ids=p, params=sp, request_id=f"{rid}-{j}", group_id=g,
-            trajectory_id=f"{tid}/{j}" if tid and n > 1 else tid, turn=body.turn or 0)) for j, (p, sp, g) in enumerate(runs))
+        return [(p, sp, f"{rid}-{j}", g, {"session": f"{tid}/{j}" if tid and n > 1 else tid, "turn": body.turn or 0})
+                for j, (p, sp, g) in enumerate(choice_samples([prompt], params, n, group, rid))]
 
     @app.post("/generate")
     async def generate(body: GenerateBody, request: Request):
@@ -97,16 +149,14 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
             raise ValueError("the router takes input_ids (token ids), not prompt text")
         if not body.input_ids:
             raise ValueError("input_ids must not be empty")
-        if body.stream:
-            raise ValueError("streaming is not supported by the router yet; send stream=false")
         params = SamplingParams.from_dict(body.sampling_params)
         rid = body.request_id or f"gen-{uuid.uuid4().hex[:16]}"
-        req = GenerateRequest(prompt_token_ids=body.input_ids, params=params, request_id=rid,
-                              trajectory_id=body.trajectory_id or request.headers.get("x-session-id"),
-                              group_id=body.group_id or request.headers.get("x-group-id"),
-                              turn=body.turn or 0, forced_output=body.forced_output,
-                              policy_version=body.policy_version)
-        out = await unless_disconnected(request, router.generate(req))
+        options = {"session": body.trajectory_id or request.headers.get("x-session-id"), "turn": body.turn or 0,
+                   "forced_output": body.forced_output, "policy_version": body.policy_version}
+        group = body.group_id or request.headers.get("x-group-id")
+        if body.stream:
+            return sse(await primed(stream_generate(routed, body.input_ids, params, rid, group, **options)))
+        out = await unless_disconnected(request, router.generate(_request(body.input_ids, params, rid, group, **options)))
         return {"request_id": rid, "token_ids": out.token_ids, "logprobs": out.logprobs, "text": "",
                 "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
                 "prompt_len": len(body.input_ids), "policy_version": out.policy_version,
@@ -115,8 +165,6 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        if body.stream:
-            raise ValueError("streaming is not supported by the router yet; send stream=false")
         prompt = body.prompt
         if isinstance(prompt, str):
             if router.tokenizer is None:
@@ -125,13 +173,17 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         if not prompt or not all(isinstance(t, int) for t in prompt):
             raise ValueError("prompt must be a string or one non-empty list of token ids")
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
-        outs = await unless_disconnected(request, samples(
-            body, request, prompt, body.sampling(body.max_tokens, body.logprobs or 0), rid))
-        dec = router.tokenizer.decode if router.tokenizer is not None else (lambda ids: "")
+        samples = runs(body, request, prompt, body.sampling(body.max_tokens, body.logprobs or 0), rid)
         as_ids = body.return_tokens_as_token_ids or router.tokenizer is None
-        choices = [{"index": j, "text": dec(o.token_ids), "finish_reason": o.finish_reason,
+        if body.stream:
+            return sse(await primed(merged([
+                stream_completion(routed, p, sp, rid, j, body.model, body.logprobs is not None, g, as_ids, **opt)
+                for j, (p, sp, _, g, opt) in enumerate(samples)])))
+        outs = await unless_disconnected(request, gather_or_cancel(
+            routed.generate(p, sp, r, group_id=g, **opt) for p, sp, r, g, opt in samples))
+        choices = [{"index": j, "text": o.text, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
                     "logprobs": {"token_logprobs": o.logprobs, "token_ids": o.token_ids,
-                                 "top_logprobs": completion_tops(router.tokenizer, o.top_logprobs, as_ids)}
+                                 "top_logprobs": completion_tops(routed.tokenizer, o.top_logprobs, as_ids)}
                     if body.logprobs is not None else None} for j, o in enumerate(outs)]
         completion = sum(len(o.token_ids) for o in outs)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model,
@@ -143,8 +195,6 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         """Chat through the router: the router's tokenizer renders the chat template, the turn is
         routed as token ids, and the reply is decoded here (stop strings cut as the replica does)."""
         tok = router.tokenizer
-        if body.stream:
-            raise ValueError("streaming is not supported by the router yet; send stream=false")
         if tok is None:
             raise ValueError("this router has no tokenizer (--tokenizer): chat needs its chat template")
         if body.top_logprobs and not body.logprobs:
@@ -154,18 +204,17 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         # no max_tokens: up to the replica's model length (its engine stops there)
         params = body.sampling(body.max_completion_tokens or body.max_tokens or UNTIL_MODEL_LEN, body.top_logprobs or 0)
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
-        outs = await unless_disconnected(request, samples(body, request, ids, params, rid))
-        choices = []
-        for j, o in enumerate(outs):
-            text, reason, stop = tok.decode(o.token_ids, params.skip_special_tokens), o.finish_reason, None
-            hits = [(at, x) for x in params.stop if (at := text.find(x)) >= 0]
-            if hits:
-                at, stop = min(hits)
-                text, reason = text[:at + (len(stop) if params.include_stop_str_in_output else 0)], "stop"
-            choices.append({"index": j, "message": {"role": "assistant", "content": text},
-                            "finish_reason": reason, "stop_reason": stop,
-                            "logprobs": {"content": chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs)}
-                            if body.logprobs else None})
+        samples = runs(body, request, ids, params, rid)
+        if body.stream:
+            return sse(await primed(merged([
+                stream_chat(routed, p, sp, rid, j, body.model, body.logprobs, g, **opt)
+                for j, (p, sp, _, g, opt) in enumerate(samples)])))
+        outs = await unless_disconnected(request, gather_or_cancel(
+            routed.generate(p, sp, r, group_id=g, **opt) for p, sp, r, g, opt in samples))
+        choices = [{"index": j, "message": {"role": "assistant", "content": o.text},
+                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+                    "logprobs": {"content": chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs)}
+                    if body.logprobs else None} for j, o in enumerate(outs)]
         completion = sum(len(o.token_ids) for o in outs)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": body.model,
                 "choices": choices, "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,

@@ -3,13 +3,15 @@ one (`rollwise serve`'s token-level /generate, load read from its Prometheus /me
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import httpx
 
-from rollwise.types import GenerateOutput, GenerateRequest, WeightsNotHeld
+from rollwise.types import GenerateOutput, GenerateRequest, SamplingParams, WeightsNotHeld
 
 
 @dataclass(slots=True)
@@ -161,8 +163,23 @@ class HttpReplica:
         self._tp = _Throughput()
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        try:
+            r = await self.client.post("/generate", json=self._body(request))
+        except httpx.HTTPError as e:
+            raise ReplicaError(f"{self.name}: {type(e).__name__}: {e}") from e
+        self._check(r.status_code, r.text)
+        return self._output(r.json())
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """The turn as the server streams it: each piece its new tokens, the last with the metadata."""
+        async for c in self._events("/generate", self._body(request) | {"stream": True}):
+            yield self._output(c) if c.get("finished") else GenerateOutput(
+                token_ids=c["token_ids"], logprobs=c["logprobs"], finish_reason=None, request_id=c.get("request_id", ""),
+                top_logprobs=[{t: lp for t, lp in top} for top in c.get("top_logprobs", [])])
+
+    def _body(self, request: GenerateRequest) -> dict:
         p = request.params
-        body = {"input_ids": request.prompt_token_ids, "request_id": request.request_id,
+        return {"input_ids": request.prompt_token_ids, "request_id": request.request_id,
                 "trajectory_id": request.trajectory_id, "group_id": request.group_id, "turn": request.turn,
                 "forced_output": request.forced_output,
                 **({} if request.policy_version is None else {"policy_version": request.policy_version}),
@@ -171,21 +188,42 @@ class HttpReplica:
                                                                   "stop", "stop_token_ids", "ignore_eos")},
                                     **p.penalties(),
                                     **({"logprobs": p.logprobs} if p.logprobs else {})}}
-        try:
-            r = await self.client.post("/generate", json=body)
-        except httpx.HTTPError as e:
-            raise ReplicaError(f"{self.name}: {type(e).__name__}: {e}") from e
-        if r.status_code == 400:
-            err = r.json().get("error", {})
-            raise (WeightsNotHeld if err.get("type") == "weights_not_held" else ValueError)(err.get("message", r.text))
-        if r.status_code != 200:
-            raise ReplicaError(f"{self.name}: HTTP {r.status_code}: {r.text[:200]}")
-        b = r.json()
+
+    @staticmethod
+    def _output(b: dict) -> GenerateOutput:
         return GenerateOutput(token_ids=b["token_ids"], logprobs=b["logprobs"], finish_reason=b["finish_reason"],
                               num_cached_tokens=b["num_cached_tokens"], policy_version=b["policy_version"],
                               request_id=b["request_id"],
                               version_segments=[tuple(x) for x in b.get("version_segments", [])],
                               top_logprobs=[{t: lp for t, lp in top} for top in b.get("top_logprobs", [])])
+
+    def _check(self, status: int, text: str) -> None:
+        """A 400 is the request's fault (ValueError, or WeightsNotHeld: another replica may serve it);
+        any other failure the replica's (ReplicaError: retried elsewhere)."""
+        if status == 400:
+            try:
+                err = json.loads(text).get("error", {})
+            except ValueError:
+                err = {}
+            raise (WeightsNotHeld if err.get("type") == "weights_not_held" else ValueError)(err.get("message", text[:500]))
+        if status != 200:
+            raise ReplicaError(f"{self.name}: HTTP {status}: {text[:200]}")
+
+    async def _events(self, path: str, body: dict) -> AsyncIterator[dict]:
+        """POST a streaming request; its server-sent events as dicts (an error event raises)."""
+        try:
+            async with self.client.stream("POST", path, json=body) as r:
+                if r.status_code != 200:
+                    self._check(r.status_code, (await r.aread()).decode(errors="replace"))
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    c = json.loads(line[6:])
+                    if "error" in c:
+                        self._check(c["error"].get("code", 500), line[6:])
+                    yield c
+        except httpx.HTTPError as e:
+            raise ReplicaError(f"{self.name}: {type(e).__name__}: {e}") from e
 
     async def abort(self, request_id: str) -> None:
         pass  # closing the connection aborts the request on `rollwise serve`
@@ -281,6 +319,27 @@ class OpenAIReplica(HttpReplica):
         self.model = model
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        try:
+            r = await self.client.post("/v1/completions", json=self._body(request))
+        except httpx.HTTPError as e:
+            raise ReplicaError(f"{self.name}: {type(e).__name__}: {e}") from e
+        self._check(r.status_code, r.text)
+        return self._output(r.json(), request.params)
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        body = self._body(request) | {"stream": True, "stream_options": {"include_usage": True}}
+        last = None  # the finishing piece waits for the usage chunk (its cached-token count)
+        async for c in self._events("/v1/completions", body):
+            if c.get("choices"):
+                if last is not None:
+                    yield last
+                last = self._output(c, request.params)
+            elif last is not None and c.get("usage"):
+                last.num_cached_tokens = self._output(c, request.params).num_cached_tokens
+        if last is not None:
+            yield last
+
+    def _body(self, request: GenerateRequest) -> dict:
         p = request.params
         body = {"model": self.model, "prompt": request.prompt_token_ids, "max_tokens": p.max_tokens,
                 "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed, "stop": p.stop or None,
@@ -289,16 +348,12 @@ class OpenAIReplica(HttpReplica):
         if p.top_k > 0:
             body["top_k"] = p.top_k
         body.update(p.penalties())
-        try:
-            r = await self.client.post("/v1/completions", json={k: v for k, v in body.items() if v is not None})
-        except httpx.HTTPError as e:
-            raise ReplicaError(f"{self.name}: {type(e).__name__}: {e}") from e
-        if r.status_code == 400:
-            raise ValueError(r.text[:500])
-        if r.status_code != 200:
-            raise ReplicaError(f"{self.name}: HTTP {r.status_code}: {r.text[:200]}")
-        b = r.json()
-        ch = b["choices"][0]
+        return {k: v for k, v in body.items() if v is not None}
+
+    @staticmethod
+    def _output(b: dict, p: SamplingParams) -> GenerateOutput:
+        """A completion (or one streamed chunk of it) as token ids: vLLM's `token_id:N` pieces."""
+        ch = (b.get("choices") or [{}])[0]
         lp = ch.get("logprobs") or {}
         ids = ch.get("token_ids") or [int(t.split(":", 1)[1]) for t in lp.get("tokens", [])]
         cached = ((b.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0

@@ -17,6 +17,7 @@ import heapq
 import itertools
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from rollwise.router.cost_model import CostModel
@@ -107,43 +108,79 @@ class Router(Upkeep):
 
     # the Generator protocol ------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        w = await self._waiter(request)
+        for _ in range(self.max_retries + 1):
+            name = await self._acquire(w)
+            try:
+                out = await self._replica(name).generate(request)
+            except BaseException as e:
+                if self._failed(name, w, e):
+                    continue
+                raise
+            return self._served(name, w, request, out)
+        raise ReplicaError(f"request failed on {sorted(w.tried)} after {self.max_retries} retries")
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """`generate`, piece by piece as the replica sends it: each piece holds the tokens new since
+        the last (and their logprobs), the last one also the finish reason and the turn's metadata.
+        A turn is retried elsewhere only before its first piece (after it, a client has seen tokens);
+        a replica that cannot stream sends its whole output as one piece."""
+        w = await self._waiter(request)
+        for _ in range(self.max_retries + 1):
+            name = await self._acquire(w)
+            pieces, served = [], False
+            try:
+                async for piece in _pieces(self._replica(name), request):
+                    piece.replica = name
+                    pieces.append(piece)
+                    if piece.finish_reason is not None:  # the turn is recorded before the client hears its end
+                        self._served(name, w, request, joined(pieces))
+                        served = True
+                    yield piece
+                if not served:
+                    raise ReplicaError(f"{name}: the stream ended without a finish reason")
+            except BaseException as e:
+                if not served and self._failed(name, w, e) and not pieces:
+                    continue
+                raise
+            return
+        raise ReplicaError(f"request failed on {sorted(w.tried)} after {self.max_retries} retries")
+
+    async def _waiter(self, request: GenerateRequest) -> _Waiter:
         await self.start()
         tid = request.trajectory_id
         info = RouteInfo(request=request, prompt_len=len(request.prompt_token_ids), arrival=self._now(),
                          sticky=self.sticky.get(tid) if tid else None, turns_done=self.turns.get(tid, 0) if tid else 0,
                          expected_turns=self.expected_turns.get(request.group_id) if request.group_id else None,
                          expected_new_tokens=self.mean_new_tokens)
-        w = _Waiter(info, self.index.hashes(request.prompt_token_ids, tid), 0, None)
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += info.prompt_len
-        for attempt in range(self.max_retries + 1):
-            name = await self._acquire(w)
-            try:
-                replica = self.replicas.get(name)
-                if replica is None:
-                    raise ReplicaError(f"{name} was removed")
-                out = await replica.generate(request)
-            except ReplicaError:
-                self._release(name, w.work)
-                self._mark_down(name)
-                w.tried.add(name)
-                self.stats["retries"] += 1
-                continue
-            except WeightsNotHeld:  # pinned to weights this replica lacks (e.g. restarted): another may hold them
-                self._release(name, w.work)
-                w.tried.add(name)
-                if self.healthy <= w.tried:
-                    raise
-                self.stats["retries"] += 1
-                continue
-            except BaseException:
-                self._release(name, w.work)
-                raise
-            self._release(name, w.work)
-            self._record(name, w, request, out)
-            out.replica = name
-            return out
-        raise ReplicaError(f"request failed on {sorted(w.tried)} after {self.max_retries} retries")
+        return _Waiter(info, self.index.hashes(request.prompt_token_ids, tid), 0, None)
+
+    def _replica(self, name: str):
+        replica = self.replicas.get(name)
+        if replica is None:
+            raise ReplicaError(f"{name} was removed")
+        return replica
+
+    def _failed(self, name: str, w: _Waiter, e: BaseException) -> bool:
+        """A turn failed on `name` (or was cancelled): free its slot; whether to retry elsewhere."""
+        self._release(name, w.work)
+        if isinstance(e, ReplicaError):
+            self._mark_down(name)
+        elif not isinstance(e, WeightsNotHeld):  # e.g. bad input, or the caller gave up
+            return False
+        w.tried.add(name)
+        if isinstance(e, WeightsNotHeld) and self.healthy <= w.tried:  # pinned to weights no one else holds
+            return False
+        self.stats["retries"] += 1
+        return True
+
+    def _served(self, name: str, w: _Waiter, request: GenerateRequest, out: GenerateOutput) -> GenerateOutput:
+        self._release(name, w.work)
+        self._record(name, w, request, out)
+        out.replica = name
+        return out
 
     @staticmethod
     def _now() -> float:
@@ -315,3 +352,20 @@ class Router(Upkeep):
                 "num_replicas": float(len(self.replicas)), "num_healthy": float(len(self.healthy)),
                 "queue_len": float(len(self._queue)),
                 **{f"inflight/{n}": float(v) for n, v in self.inflight.items() if n in self.replicas}}
+
+
+async def _pieces(replica, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    if hasattr(replica, "stream"):
+        async for piece in replica.stream(request):
+            yield piece
+    else:
+        yield await replica.generate(request)
+
+
+def joined(pieces: list[GenerateOutput]) -> GenerateOutput:
+    """A streamed turn's pieces as one output (the last piece carries the turn's metadata)."""
+    last = pieces[-1]
+    return GenerateOutput(token_ids=[t for p in pieces for t in p.token_ids], logprobs=[x for p in pieces for x in p.logprobs],
+                          finish_reason=last.finish_reason, num_cached_tokens=last.num_cached_tokens,
+                          policy_version=last.policy_version, request_id=last.request_id, replica=last.replica,
+                          version_segments=last.version_segments, top_logprobs=[t for p in pieces for t in p.top_logprobs])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import secrets
 import tempfile
@@ -157,7 +158,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         prompt = body.input_ids if body.input_ids is not None else body.prompt
         rid = body.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         if body.stream:
-            return _sse(await _primed(_stream_generate(engine, prompt, params, rid, body.group_id,
+            return sse(await primed(stream_generate(engine, prompt, params, rid, body.group_id,
                                                        policy_version=body.policy_version, session=body.trajectory_id,
                                                        forced_output=body.forced_output)))
         out = await unless_disconnected(request, engine.generate(
@@ -182,8 +183,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         if body.stream:
             if len(prompts) != 1:
                 raise ValueError("streaming takes one prompt")
-            return _sse(await _primed(_merged([
-                _stream_completion(engine, p, sp, rid, k, model_name, body.logprobs is not None, g,
+            return sse(await primed(merged([
+                stream_completion(engine, p, sp, rid, k, model_name, body.logprobs is not None, g,
                                    body.return_tokens_as_token_ids)
                 for k, (p, sp, g) in enumerate(runs)])))
         outs = await unless_disconnected(request, gather_or_cancel(
@@ -206,7 +207,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
         runs = choice_samples([ids], params, body.n, body.group_id, rid)
         if body.stream:
-            return _sse(await _primed(_merged([_stream_chat(engine, p, sp, rid, k, model_name, body.logprobs, g)
+            return sse(await primed(merged([stream_chat(engine, p, sp, rid, k, model_name, body.logprobs, g)
                                                for k, (p, sp, g) in enumerate(runs)])))
         outs = await unless_disconnected(request, gather_or_cancel(
             engine.generate(p, sp, f"{rid}-{k}", group_id=g) for k, (p, sp, g) in enumerate(runs)))
@@ -312,7 +313,7 @@ def chat_logprobs(tok, token_ids: list[int], logprobs: list[float], tops: list[d
     return out
 
 
-async def _primed(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
+async def primed(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
     """Run a stream up to its first chunk, so that bad input raises (HTTP 400) before headers go out."""
     first = await chunks.__anext__()
 
@@ -323,13 +324,15 @@ async def _primed(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
     return chain()
 
 
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def body():
         try:
             async for c in chunks:
                 yield f"data: {json.dumps(c)}\n\n"
         except ValueError as e:
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'invalid_request_error', 'code': 400}})}\n\n"
+        except RuntimeError as e:  # e.g. a router's replica failed mid-stream: say so rather than cut the stream
+            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'unavailable', 'code': 503}})}\n\n"
         yield "data: [DONE]\n\n"
     return StreamingResponse(body(), media_type="text/event-stream")
 
@@ -338,17 +341,20 @@ async def _deltas(engine, prompt, params: SamplingParams, rid: str, group_id: st
     """(new token ids, their logprobs, their top logprobs, new text, final output or None) per engine step."""
     tok = engine.tokenizer
     sent_tokens, sent_text = 0, ""
+    hold = max(map(len, params.stop), default=1) - 1  # text that may begin a stop string waits for the next
     async for out in engine.stream(prompt, params, rid, group_id=group_id, **options):
         text = out.text if out.finished else tok.decode(out.token_ids, params.skip_special_tokens)
-        if not out.finished and text.endswith("\ufffd"):  # half a multi-byte character: wait
-            continue
+        if not out.finished:
+            if text.endswith("\ufffd"):  # half a multi-byte character: wait
+                continue
+            text = text[:max(len(text) - hold, 0)]  # (the final text is cut where a stop string begins)
         new_ids, new_lps, new_tops = (x[sent_tokens:] for x in (out.token_ids, out.logprobs, out.top_logprobs))
         delta = text[len(sent_text):] if text.startswith(sent_text) else ""
         sent_tokens, sent_text = len(out.token_ids), text
         yield new_ids, new_lps, new_tops, delta, out if out.finished else None
 
 
-async def _stream_generate(engine, prompt, params, rid, group_id, **options):
+async def stream_generate(engine, prompt, params, rid, group_id, **options):
     async for ids, lps, tops, delta, final in _deltas(engine, prompt, params, rid, group_id, **options):
         chunk = {"request_id": rid, "token_ids": ids, "logprobs": lps, "text": delta, "finished": final is not None}
         if tops:
@@ -359,7 +365,7 @@ async def _stream_generate(engine, prompt, params, rid, group_id, **options):
         yield chunk
 
 
-async def _merged(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
+async def merged(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
     """The chunks of several streams (a request's n choices) as they come; the first error ends it,
     and closing it closes every stream (which aborts their requests)."""
     if len(streams) == 1:
@@ -392,21 +398,27 @@ async def _merged(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _stream_completion(engine, prompt, params, rid, index: int, model, with_logprobs: bool,
-                             group_id: str | None, as_ids: bool = False):
+async def stream_completion(engine, prompt, params, rid, index: int, model, with_logprobs: bool,
+                             group_id: str | None, as_ids: bool = False, **options):
     tok = engine.tokenizer
-    async for ids, lps, tops, delta, final in _deltas(engine, prompt, params, f"{rid}-{index}", group_id):
+    offset = 0  # of each token's piece in the whole text, as in a completion that is not streamed
+    async for ids, lps, tops, delta, final in _deltas(engine, prompt, params, f"{rid}-{index}", group_id, **options):
+        pieces = [_piece(tok, t, as_ids) for t in ids] if with_logprobs else []
+        offsets = list(itertools.accumulate(map(len, pieces), initial=offset))
+        offset = offsets.pop()
         choice = {"index": index, "text": delta, "finish_reason": final.finish_reason if final else None,
-                  "logprobs": {"token_logprobs": lps, "token_ids": ids, "top_logprobs": completion_tops(tok, tops, as_ids)}
+                  "logprobs": {"tokens": pieces, "token_logprobs": lps, "text_offset": offsets, "token_ids": ids,
+                               "top_logprobs": completion_tops(tok, tops, as_ids)}
                   if with_logprobs else None}
         yield {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
                "choices": [choice]}
 
 
-async def _stream_chat(engine, ids, params, rid, index: int, model, with_logprobs: bool, group_id: str | None):
+async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs: bool, group_id: str | None,
+                       **options):
     tok = engine.tokenizer
     first = True
-    async for new_ids, lps, tops, delta, final in _deltas(engine, ids, params, f"{rid}-{index}", group_id):
+    async for new_ids, lps, tops, delta, final in _deltas(engine, ids, params, f"{rid}-{index}", group_id, **options):
         d = {"role": "assistant", "content": delta} if first else {"content": delta}
         first = False
         choice = {"index": index, "delta": d, "finish_reason": final.finish_reason if final else None,

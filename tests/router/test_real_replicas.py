@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import subprocess
 import sys
 import threading
@@ -165,7 +166,6 @@ def test_route_proxy_over_http(servers, model_dir):
                 assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
             assert got["choices"][0]["finish_reason"] == "stop" and extra["stop"][0] not in got["choices"][0]["message"]["content"]
             assert c.post("/v1/chat/completions", json={"messages": msgs, "top_logprobs": 2}).status_code == 400
-            assert c.post("/v1/chat/completions", json={"messages": msgs, "stream": True}).status_code == 400
             assert c.post("/generate", content=b"{oops", headers={"content-type": "application/json"}).status_code == 400
             assert c.get("/replicas").json()["replicas"] == sorted(s.url for s in servers)
             assert c.request("DELETE", "/replicas", json={"url": servers[1].url}).json()["replicas"] == [servers[0].url]
@@ -173,6 +173,45 @@ def test_route_proxy_over_http(servers, model_dir):
             assert len(c.post("/replicas", json={"url": servers[1].url}).json()["replicas"]) == 2
             assert "rollwise_router:requests" in c.get("/metrics").text
             assert c.get("/health").json()["status"] == "ok"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _events(client, path, body) -> list[dict]:
+    with client.stream("POST", path, json=body | {"stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+
+
+def test_streaming_through_the_route(servers, model_dir):
+    """/generate, completions (n samples) and chat streamed through `rollwise route`: the pieces add
+    up to what the route returns unstreamed, text cut at a stop string included."""
+    proc, url = start_route(servers, model_dir, "rollwise")
+    try:
+        with httpx.Client(base_url=url, timeout=60) as c:
+            gen = {"input_ids": [5, 6, 7, 8], "sampling_params": {"temperature": 0, "max_tokens": 40, "ignore_eos": True,
+                                                                  "logprobs": 2}}
+            whole = c.post("/generate", json=gen).json()
+            chunks = _events(c, "/generate", gen)
+            assert len(chunks) > 1 and [t for ch in chunks for t in ch["token_ids"]] == whole["token_ids"]
+            assert [t for ch in chunks for t in ch.get("top_logprobs", [])] == whole["top_logprobs"]
+            assert chunks[-1]["finished"] and chunks[-1]["finish_reason"] == "length"
+            cmpl = {"prompt": [5, 6, 7], "max_tokens": 30, "seed": 3, "n": 2, "ignore_eos": True, "logprobs": 0}
+            whole = c.post("/v1/completions", json=cmpl).json()["choices"]
+            chunks = _events(c, "/v1/completions", cmpl)
+            for j in range(2):
+                mine = [ch["choices"][0] for ch in chunks if ch["choices"][0]["index"] == j]
+                assert [t for m in mine for t in m["logprobs"]["token_ids"]] == whole[j]["logprobs"]["token_ids"]
+                assert "".join(m["text"] for m in mine) == whole[j]["text"] and mine[-1]["finish_reason"] == "length"
+            msgs = [{"role": "user", "content": "Find the agent"}]
+            chat = {"messages": msgs, "temperature": 0, "max_tokens": 16}
+            reply = c.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+            chat["stop"] = [reply.strip()[3:5]]
+            whole = c.post("/v1/chat/completions", json=chat).json()["choices"][0]
+            chunks = _events(c, "/v1/chat/completions", chat)
+            assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks) == whole["message"]["content"]
+            assert chunks[-1]["choices"][0]["finish_reason"] == whole["finish_reason"] == "stop"
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -223,6 +262,13 @@ def test_openai_replica_speaks_token_ids_through_completions(servers):
         plain = await HttpReplica(servers[0].url).generate(dataclasses.replace(
             pen, params=dataclasses.replace(pen.params, repetition_penalty=1.0, frequency_penalty=0.0)))
         assert pa.token_ids == pb.token_ids != plain.token_ids
+        # streamed: the pieces add up to the whole, through either API
+        for r in (OpenAIReplica(servers[0].url, "m"), HttpReplica(servers[0].url)):
+            pieces = [p async for p in r.stream(req)]
+            assert len(pieces) > 1 and [t for p in pieces for t in p.token_ids] == b.token_ids
+            assert [x for p in pieces for x in p.logprobs] == pytest.approx(b.logprobs, abs=1e-4)
+            assert [t for p in pieces for t in p.top_logprobs] == b.top_logprobs or isinstance(r, OpenAIReplica)
+            assert pieces[-1].finish_reason == "length" and all(p.finish_reason is None for p in pieces[:-1])
         return a, b, load
     a, b, load = asyncio.run(go())
     assert a.token_ids == b.token_ids and len(a.token_ids) == 6 and a.finish_reason == "length"

@@ -231,3 +231,52 @@ def test_a_request_pinned_to_weights_one_replica_lacks_goes_to_one_that_holds_th
     finally:
         for e in engines.values():
             e.shutdown()
+
+
+class StreamingReplica(FakeReplica):
+    """Streams [1, 2, 3, 4] in pieces of two; `die_at` pieces in, the replica fails."""
+
+    def __init__(self, name, die_at=None):
+        super().__init__(name)
+        self.die_at = die_at
+
+    async def stream(self, req: GenerateRequest):
+        self.calls += 1
+        self.active += 1
+        try:
+            for i, ids in enumerate(([1, 2], [3, 4])):
+                if self.die_at == i:
+                    raise ReplicaError(f"{self.name} died")
+                await asyncio.sleep(0.01)
+                yield GenerateOutput(token_ids=ids, logprobs=[-0.5] * 2, finish_reason="length" if i else None,
+                                     num_cached_tokens=7 if i else 0)
+        finally:
+            self.active -= 1
+
+
+def test_streaming_through_the_router_retries_only_before_the_first_piece():
+    async def pieces(router, r):
+        return [p async for p in router.stream(r)]
+
+    async def go():
+        # a replica that fails before sending anything: the turn goes elsewhere, whole
+        router = Router([StreamingReplica("a", die_at=0), StreamingReplica("b")], "round_robin", health_interval_s=60)
+        got = await pieces(router, req(1, traj="t"))
+        assert [p.token_ids for p in got] == [[1, 2], [3, 4]] and {p.replica for p in got} == {"b"}
+        assert got[-1].finish_reason == "length" and got[0].finish_reason is None
+        assert router.metrics()["retries"] == 1 and router.sticky.get("t") == "b" and router.stats["cached_tokens"] == 7
+        # one that fails mid-stream: the error reaches the caller (its client saw tokens), the slot is freed
+        router = Router([StreamingReplica("a", die_at=1)], "round_robin", health_interval_s=60)
+        with pytest.raises(ReplicaError):
+            await pieces(router, req(2))
+        assert router.inflight["a"] == 0 and "a" not in router.healthy
+        # a caller that stops reading frees the slot too; a replica that cannot stream sends one piece
+        router = Router([StreamingReplica("a"), FakeReplica("b")], "round_robin", health_interval_s=60)
+        stream = router.stream(req(3))
+        await stream.__anext__()
+        await stream.aclose()
+        assert router.inflight["a"] == 0
+        got = await pieces(router, req(4))
+        assert [p.token_ids for p in got] == [[7, 8]] and got[0].replica == "b"
+        await router.close()
+    asyncio.run(go())

@@ -196,6 +196,26 @@ def test_a_failed_choice_aborts_its_siblings(client):
     _alive(client)
 
 
+def test_streamed_text_never_passes_a_stop_string(client):
+    """A stop string that spans tokens: the streamed text holds back what may begin it, so the
+    pieces add up to the unstreamed (cut) text, in chat and completions."""
+    msgs = [{"role": "user", "content": "Find the agent"}]
+    reply = client.post("/v1/chat/completions", json={"messages": msgs, "temperature": 0, "max_tokens": 16}).json()
+    text = reply["choices"][0]["message"]["content"]
+    for stop in (text[3:5], text[6:9], "never there"):
+        chat = {"messages": msgs, "temperature": 0, "max_tokens": 16, "stop": [stop]}
+        whole = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+        with client.stream("POST", "/v1/chat/completions", json=chat | {"stream": True}) as r:
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == whole, stop
+        assert (stop in text) == (whole != text)
+        cmpl = {"prompt": [5, 6, 7], "temperature": 0, "max_tokens": 16, "stop": [stop]}
+        whole = client.post("/v1/completions", json=cmpl).json()["choices"][0]["text"]
+        with client.stream("POST", "/v1/completions", json=cmpl | {"stream": True}) as r:
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == whole, stop
+
+
 def test_n_samples_per_prompt(client):
     """OpenAI's n: choice i * n + j is prompt i's sample j, seeded seed + j (the same tokens as a
     request of its own with that seed); each prompt is computed once and counted once in usage."""
