@@ -224,6 +224,14 @@ def test_a_request_pinned_to_weights_one_replica_lacks_goes_to_one_that_holds_th
             with pytest.raises(WeightsNotHeld):
                 await router.generate(GenerateRequest(prompt_token_ids=[5], params=SamplingParams(max_tokens=2),
                                                       policy_version=9))
+            # an in-process engine streams too: pieces that add up to the whole, greedy
+            greedy = GenerateRequest(prompt_token_ids=[5, 6, 7], params=SamplingParams(temperature=0, max_tokens=20,
+                                                                                      ignore_eos=True, logprobs=2))
+            whole = await router.generate(greedy)
+            pieces = [p async for p in router.stream(greedy)]
+            assert len(pieces) > 1 and [t for p in pieces for t in p.token_ids] == whole.token_ids
+            assert [t for p in pieces for t in p.top_logprobs] == whole.top_logprobs
+            assert [p.finish_reason for p in pieces] == [None] * (len(pieces) - 1) + ["length"]
         finally:
             await router.close()
     try:
