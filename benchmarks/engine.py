@@ -23,23 +23,20 @@ import asyncio
 import json
 import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from rollwise.omp import passive_env, passive_unless_chosen, spin_env
+from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
 import torch  # noqa: E402
 
 from rollwise import LLM, SamplingParams  # noqa: E402
 from rollwise.engine.models.loader import load_model  # noqa: E402
-from rollwise.serve.process import ServerProcess, free_port  # noqa: E402
+from rollwise.serve.process import ServerProcess  # noqa: E402
 
-from common import engine_model  # noqa: E402  (benchmarks/common.py)
+from common import engine_model, start_vllm  # noqa: E402  (benchmarks/common.py)
 
-PEERS = Path(os.environ.get("ROLLWISE_PEERS", Path.home() / ".cache" / "rollwise-peers"))
 
 
 def rand_prompts(n: int, length: int, vocab: int, seed: int, shared: int = 0) -> list[list[int]]:
@@ -235,31 +232,6 @@ def bench_http_groups(servers: dict, groups: tuple[int, int, int], new: int, voc
     r = paired({k: (lambda k=k, u=u, m=m: asyncio.run(run(u, m, next(reps[k])))) for k, (u, m) in servers.items()})
     return {k: {"tok_s": tokens / dt, "tokens": tokens, "seconds": dt, "groups": g, "n": n, "prompt_len": plen}
             for k, (tokens, dt) in r.items()}
-
-
-def start_vllm(model: str, max_len: int, spin_count: int | None = None):
-    py = PEERS / "bin" / "python"
-    if not py.exists() or subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode:
-        return None
-    port = free_port()
-    env = dict(passive_env() if spin_count is None else spin_env(spin_count), VLLM_CPU_KVCACHE_SPACE="1",
-               HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="0-1")
-    proc = subprocess.Popen([str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port",
-                             str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", str(max_len),
-                             "--served-model-name", "m"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    import httpx
-    for _ in range(600):
-        if proc.poll() is not None:
-            print("vllm-cpu failed to start:", proc.stderr.read().decode()[-1500:], file=sys.stderr)
-            return None
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc, f"http://127.0.0.1:{port}"
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    return None
 
 
 def main() -> None:
