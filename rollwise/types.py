@@ -39,6 +39,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # [-2, 2]
     frequency_penalty: float = 0.0  # [-2, 2]
     repetition_penalty: float = 1.0  # (0, 10]; 1: off
+    # None: off; k: each prompt token's logprob (and the k most likely at its position), under the
+    # same distribution as the sampled tokens' logprobs (the request's temperature, no penalties)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,6 +54,8 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, lo=1)
         _check_int("min_tokens", self.min_tokens, lo=0)
         _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
         _check_number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _check_number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         _check_number("repetition_penalty", self.repetition_penalty, lo=0.0, hi=10.0, lo_open=True)
@@ -128,6 +133,10 @@ class RequestOutput:
     # (first index in token_ids, version) per weights version, when the weights changed mid-request
     # (partial rollout); empty: every token at policy_version
     version_segments: list[tuple[int, int]] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs: each prompt token's logprob (None for the first) and the
+    # most likely tokens at its position ({token id: logprob}; None for the first, {} with k = 0)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -186,6 +195,8 @@ class GenerateOutput:
     replica: str = ""  # set by a router: which replica served it
     version_segments: list[tuple[int, int]] = field(default_factory=list)  # as in RequestOutput
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # as in RequestOutput
+    prompt_logprobs: list[float | None] | None = None  # as in RequestOutput
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 TRAJECTORY_STATUSES = ("done", "max_turns", "max_context", "timeout", "error")

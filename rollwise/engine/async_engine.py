@@ -52,7 +52,8 @@ class AsyncEngine:
             return GenerateOutput(token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=out.finish_reason,
                                   num_cached_tokens=out.num_cached_tokens, policy_version=out.policy_version,
                                   request_id=out.request_id, version_segments=out.version_segments,
-                                  top_logprobs=out.top_logprobs)
+                                  top_logprobs=out.top_logprobs, prompt_logprobs=out.prompt_logprobs,
+                                  prompt_top_logprobs=out.prompt_top_logprobs)
         out = None
         async for out in self._outputs(prompt, params, request_id, False, options):
             pass

@@ -146,7 +146,9 @@ class LLMEngine:
         shape = None if self._trace is None else [
             [s.num_new_tokens + (len(s.draft) if s.draft is not None else 0), s.num_computed_before,
              (1 + (len(s.draft) if s.draft is not None else 0)) if s.samples else 0] for s in batch]
-        logits, starts = self.runner.run(batch)
+        logits, starts, prompt_lps = self.runner.run(batch)
+        for b, got in prompt_lps.items():
+            batch[b].seq.prompt_logprobs.extend(got)
         appended: dict[str, list[int]] = {}
         for s, (toks, lps, tops) in self._sample(batch, logits, starts).items():
             seq = s.seq
@@ -260,7 +262,10 @@ class LLMEngine:
             text=text, finished=finished,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             num_cached_tokens=max(seq.num_cached_tokens, 0), policy_version=seq.policy_version,
-            version_segments=list(seq.version_segments))
+            version_segments=list(seq.version_segments),
+            **({} if seq.prompt_logprobs is None else {
+                "prompt_logprobs": [x and x[0] for x in seq.prompt_logprobs],
+                "prompt_top_logprobs": [x and x[1] for x in seq.prompt_logprobs]}))
 
     # weights and metrics -------------------------------------------------------------------------
     def update_weights(self, weights, version: int | None = None, partial_rollout: bool = False) -> int:

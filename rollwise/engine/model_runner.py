@@ -15,7 +15,10 @@ from rollwise.engine.attention import VECTOR_HEAD_SIZES, build_metadata
 from rollwise.engine.models.linear import Linear
 from rollwise.engine.models.llama import CausalLM
 from rollwise.engine.models.loader import TORCH_DTYPES, check_weights, load_model, load_state_dict, load_weights
+from rollwise.engine.sampler import prompt_logprobs
 from rollwise.engine.scheduler import ScheduledSeq
+
+PROMPT_LOGITS_ROWS = 512  # prompt logprobs are computed this many positions at a time
 
 
 def set_threads(n: int) -> None:
@@ -47,32 +50,38 @@ class ModelRunner:
                          torch.zeros(shape, dtype=dtype, device=self.device))
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
+    def run(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int], dict[int, list]]:
         """One forward over all scheduled tokens (and draft tokens) per weight version in the batch.
-        Returns logits and, per batch entry, where its rows start in them: the last token's row for
+        Returns logits; per batch entry, where its rows start in them: the last token's row for
         a sampling sequence, the last token's row followed by one row per draft token for a
-        speculating one; -1 if none."""
+        speculating one; -1 if none; and, for entries that want prompt logprobs, those of the prompt
+        tokens this step's positions predict ({entry: [(logprob, top), ...]}, in prompt order)."""
         by_version: dict[int, list[int]] = {}
         for i, s in enumerate(batch):
             by_version.setdefault(s.seq.weights_version, []).append(i)
         if len(by_version) == 1:
             return self._run(self.versions[batch[0].seq.weights_version], batch)
-        parts, starts, offset = [], [-1] * len(batch), 0
+        parts, starts, prompts, offset = [], [-1] * len(batch), {}, 0
         for v, idx in by_version.items():
-            logits, st = self._run(self.versions[v], [batch[i] for i in idx])
+            logits, st, pl = self._run(self.versions[v], [batch[i] for i in idx])
             for i, s0 in zip(idx, st):
                 starts[i] = s0 + offset if s0 >= 0 else -1
+            prompts.update({idx[j]: x for j, x in pl.items()})
             parts.append(logits)
             offset += logits.shape[0]
-        return torch.cat(parts), starts
+        return torch.cat(parts), starts, prompts
 
-    def _run(self, model: CausalLM, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
-        ids, positions, rows, starts, q_lens, trees = [], [], [], [], [], {}
+    def _run(self, model: CausalLM, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int], dict[int, list]]:
+        ids, positions, rows, starts, q_lens, trees, prompt_rows = [], [], [], [], [], {}, {}
         row = 0
         for b, s in enumerate(batch):
             c, n = s.num_computed_before, s.num_new_tokens
             ids.extend(s.seq.token_ids[c:c + n])
             positions.extend(range(c, c + n))
+            if s.seq.needs_prompt_logprobs:  # position p's row predicts prompt token p + 1
+                first, end = max(c, len(s.seq.prompt_logprobs) - 1), min(c + n, s.seq.prompt_len - 1)
+                if first < end:
+                    prompt_rows[b] = (row + first - c, row + end - c, first)
             row += n
             if s.draft is not None and len(s.draft):
                 d = s.draft
@@ -94,7 +103,15 @@ class ModelRunner:
                               self.block_size, self.device, trees, self.native_attention)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         hidden = model(t(ids), t(positions), meta, self.kv_cache)
-        return model.logits(hidden[t(rows)]), starts
+        prompts = {}
+        for b, (lo, hi, first) in prompt_rows.items():  # in pieces: a long prompt's logits at once can be GBs
+            seq, got = batch[b].seq, []
+            for a in range(lo, hi, PROMPT_LOGITS_ROWS):
+                z = min(a + PROMPT_LOGITS_ROWS, hi)
+                got += prompt_logprobs(model.logits(hidden[a:z]), seq.token_ids[first + 1 + a - lo:first + 1 + z - lo],
+                                       seq.params)
+            prompts[b] = got
+        return model.logits(hidden[t(rows)]), starts, prompts
 
     @torch.inference_mode()
     def time_forward(self, num_tokens: int, repeats: int = 2) -> float:

@@ -107,6 +107,17 @@ def penalize(logits: torch.Tensor, params: SamplingParams, tokens: list[int], nu
     return out
 
 
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], params: SamplingParams
+                    ) -> list[tuple[float, dict[int, float]]]:
+    """Prompt positions' logits [R, V] -> per row, (the logprob of the prompt token that follows,
+    its params.prompt_logprobs most likely {token id: logprob}), at the request's temperature."""
+    temp = params.temperature if params.temperature > 0 else 1.0
+    lp = torch.log_softmax(logits.float() / temp, dim=-1)
+    chosen = lp.gather(1, torch.tensor(targets)[:, None]).squeeze(1).tolist()
+    tops = top_logprobs(lp, [params.prompt_logprobs] * len(targets)) if params.prompt_logprobs else [{}] * len(targets)
+    return list(zip(chosen, tops))
+
+
 def top_logprobs(logprobs: torch.Tensor, ks: list[int]) -> list[dict[int, float] | None]:
     """Row i's ks[i] most likely {token id: logprob}, best first; None where ks[i] is 0. One topk
     over the rows that ask."""

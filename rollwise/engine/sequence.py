@@ -22,6 +22,8 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # with params.logprobs > 0
+    # with params.prompt_logprobs: per prompt token so far, (its logprob, the top ones); the first has none
+    prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
@@ -44,6 +46,14 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all known: its prompt must be computed, not taken
+        from the prefix cache (a cached block has no logits)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

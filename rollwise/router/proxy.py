@@ -18,9 +18,9 @@ from rollwise.config import ServerConfig
 from rollwise.router.replica import HttpReplica, ReplicaError
 from rollwise.router.router import Router
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest as GenerateBody
-from rollwise.serve.server import (chat_logprobs, choice_samples, completion_tops, error, gather_or_cancel,
-                                   install_common, merged, pairs, primed, sse, stream_chat, stream_completion,
-                                   stream_generate, unless_disconnected)
+from rollwise.serve.server import (chat_logprobs, choice_samples, completion_choices, completion_params, error,
+                                   gather_or_cancel, install_common, merged, pairs, primed, sse, stream_chat,
+                                   stream_completion, stream_generate, unless_disconnected)
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
 
 
@@ -59,6 +59,7 @@ class Routed:
         if piece.finish_reason is not None:
             out.finished, out.finish_reason, out.num_cached_tokens = True, piece.finish_reason, piece.num_cached_tokens
             out.policy_version, out.version_segments = piece.policy_version, piece.version_segments
+            out.prompt_logprobs, out.prompt_top_logprobs = piece.prompt_logprobs, piece.prompt_top_logprobs
             out.text = self.tokenizer.decode(out.token_ids, params.skip_special_tokens)
             hits = [(at, x) for x in params.stop if (at := out.text.find(x)) >= 0]
             if hits:
@@ -161,7 +162,10 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
                 "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
                 "prompt_len": len(body.input_ids), "policy_version": out.policy_version,
                 "version_segments": out.version_segments, "replica": out.replica,
-                **({"top_logprobs": pairs(out.top_logprobs)} if out.top_logprobs else {})}
+                **({"top_logprobs": pairs(out.top_logprobs)} if out.top_logprobs else {}),
+                **({} if out.prompt_logprobs is None else {
+                    "prompt_logprobs": out.prompt_logprobs,
+                    "prompt_top_logprobs": [None] + pairs(out.prompt_top_logprobs[1:])})}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -173,18 +177,17 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         if not prompt or not all(isinstance(t, int) for t in prompt):
             raise ValueError("prompt must be a string or one non-empty list of token ids")
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
-        samples = runs(body, request, prompt, body.sampling(body.max_tokens, body.logprobs or 0), rid)
+        samples = runs(body, request, prompt, completion_params(body), rid)
         as_ids = body.return_tokens_as_token_ids or router.tokenizer is None
         if body.stream:
+            if body.echo:
+                raise ValueError("echo is not supported with stream")
             return sse(await primed(merged([
                 stream_completion(routed, p, sp, rid, j, body.model, body.logprobs is not None, g, as_ids, **opt)
                 for j, (p, sp, _, g, opt) in enumerate(samples)])))
         outs = await unless_disconnected(request, gather_or_cancel(
             routed.generate(p, sp, r, group_id=g, **opt) for p, sp, r, g, opt in samples))
-        choices = [{"index": j, "text": o.text, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                    "logprobs": {"token_logprobs": o.logprobs, "token_ids": o.token_ids,
-                                 "top_logprobs": completion_tops(routed.tokenizer, o.top_logprobs, as_ids)}
-                    if body.logprobs is not None else None} for j, o in enumerate(outs)]
+        choices = completion_choices(routed.tokenizer, body, [body.prompt], outs, as_ids)
         completion = sum(len(o.token_ids) for o in outs)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model,
                 "choices": choices, "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion,

@@ -85,7 +85,8 @@ class LocalReplica:
                 yield GenerateOutput(token_ids=out.token_ids[sent:], logprobs=out.logprobs[sent:],
                                      finish_reason=out.finish_reason, num_cached_tokens=out.num_cached_tokens,
                                      policy_version=out.policy_version, request_id=out.request_id,
-                                     version_segments=out.version_segments, top_logprobs=out.top_logprobs[sent:])
+                                     version_segments=out.version_segments, top_logprobs=out.top_logprobs[sent:],
+                                     prompt_logprobs=out.prompt_logprobs, prompt_top_logprobs=out.prompt_top_logprobs)
                 sent = len(out.token_ids)
         except ValueError:
             raise
@@ -204,7 +205,8 @@ class HttpReplica:
                                     **{k: getattr(p, k) for k in ("temperature", "top_p", "top_k", "seed", "min_tokens",
                                                                   "stop", "stop_token_ids", "ignore_eos")},
                                     **p.penalties(),
-                                    **({"logprobs": p.logprobs} if p.logprobs else {})}}
+                                    **({"logprobs": p.logprobs} if p.logprobs else {}),
+                                    **({} if p.prompt_logprobs is None else {"prompt_logprobs": p.prompt_logprobs})}}
 
     @staticmethod
     def _output(b: dict) -> GenerateOutput:
@@ -212,7 +214,10 @@ class HttpReplica:
                               num_cached_tokens=b["num_cached_tokens"], policy_version=b["policy_version"],
                               request_id=b["request_id"],
                               version_segments=[tuple(x) for x in b.get("version_segments", [])],
-                              top_logprobs=[{t: lp for t, lp in top} for top in b.get("top_logprobs", [])])
+                              top_logprobs=[{t: lp for t, lp in top} for top in b.get("top_logprobs", [])],
+                              prompt_logprobs=b.get("prompt_logprobs"),
+                              prompt_top_logprobs=None if b.get("prompt_top_logprobs") is None else [
+                                  None if top is None else {t: lp for t, lp in top} for top in b["prompt_top_logprobs"]])
 
     def _check(self, status: int, text: str) -> None:
         """A 400 is the request's fault (ValueError, or WeightsNotHeld: another replica may serve it);
@@ -358,6 +363,9 @@ class OpenAIReplica(HttpReplica):
 
     def _body(self, request: GenerateRequest) -> dict:
         p = request.params
+        if p.prompt_logprobs is not None:
+            raise ValueError("prompt logprobs are not asked of OpenAI-API replicas (their formats differ); "
+                             "use rollwise serve replicas")
         body = {"model": self.model, "prompt": request.prompt_token_ids, "max_tokens": p.max_tokens,
                 "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed, "stop": p.stop or None,
                 "logprobs": p.logprobs, "return_tokens_as_token_ids": True, "ignore_eos": p.ignore_eos,

@@ -49,7 +49,7 @@ class CompletionRequest(_OpenAISampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int = 16
     logprobs: int | None = None  # the sampled token's logprob, and this many top logprobs (0-20)
-    echo: Literal[False] = False
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt tokens' too, the first None)
     return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs.tokens as "token_id:N"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import secrets
@@ -179,20 +180,19 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
             body.prompt[0], int) else [body.prompt]
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
-        runs = choice_samples(prompts, body.sampling(body.max_tokens, body.logprobs or 0), body.n, body.group_id, rid)
+        runs = choice_samples(prompts, completion_params(body), body.n, body.group_id, rid)
         if body.stream:
             if len(prompts) != 1:
                 raise ValueError("streaming takes one prompt")
+            if body.echo:
+                raise ValueError("echo is not supported with stream")
             return sse(await primed(merged([
                 stream_completion(engine, p, sp, rid, k, model_name, body.logprobs is not None, g,
                                    body.return_tokens_as_token_ids)
                 for k, (p, sp, g) in enumerate(runs)])))
         outs = await unless_disconnected(request, gather_or_cancel(
             engine.generate(p, sp, f"{rid}-{k}", group_id=g) for k, (p, sp, g) in enumerate(runs)))
-        choices = [{"index": i, "text": o.text, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                    "logprobs": _completion_logprobs(tok, o, body.return_tokens_as_token_ids)
-                    if body.logprobs is not None else None}
-                   for i, o in enumerate(outs)]
+        choices = completion_choices(tok, body, prompts, outs, body.return_tokens_as_token_ids)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": _usage(outs, body.n)}
 
@@ -250,7 +250,10 @@ def _generate_json(out: RequestOutput) -> dict:
             "text": out.text, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
             "num_cached_tokens": out.num_cached_tokens, "prompt_len": len(out.prompt_token_ids),
             "policy_version": out.policy_version, "version_segments": out.version_segments,
-            **({"top_logprobs": pairs(out.top_logprobs)} if out.top_logprobs else {})}
+            **({"top_logprobs": pairs(out.top_logprobs)} if out.top_logprobs else {}),
+            **({} if out.prompt_logprobs is None else {
+                "prompt_logprobs": out.prompt_logprobs,
+                "prompt_top_logprobs": [None] + pairs(out.prompt_top_logprobs[1:])})}
 
 
 def pairs(tops: list[dict[int, float]]) -> list[list[list]]:
@@ -290,17 +293,37 @@ def _piece(tok, t: int, as_ids: bool = False) -> str:
 
 def completion_tops(tok, tops: list[dict[int, float]], as_ids: bool = False) -> list[dict[str, float]] | None:
     """OpenAI completions' `top_logprobs`: per token {piece: logprob}, best first (None if none asked)."""
-    return [{_piece(tok, t, as_ids): lp for t, lp in top.items()} for top in tops] if tops else None
+    return [None if top is None else {_piece(tok, t, as_ids): lp for t, lp in top.items()} for top in tops] if tops else None
 
 
-def _completion_logprobs(tok, out: RequestOutput, as_ids: bool = False) -> dict:
-    pieces = [_piece(tok, t, as_ids) for t in out.token_ids]
-    offsets, pos = [], 0
-    for p in pieces:
-        offsets.append(pos)
-        pos += len(p)
-    return {"tokens": pieces, "token_logprobs": out.logprobs, "text_offset": offsets, "token_ids": out.token_ids,
-            "top_logprobs": completion_tops(tok, out.top_logprobs, as_ids)}
+def completion_params(body: CompletionRequest) -> SamplingParams:
+    params = body.sampling(body.max_tokens, body.logprobs or 0)
+    if body.echo and body.logprobs is not None:  # e.g. lm-eval's loglikelihood: the prompt tokens' logprobs
+        params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
+    return params
+
+
+def completion_choices(tok, body: CompletionRequest, prompts: list, outs: list[RequestOutput], as_ids: bool) -> list[dict]:
+    """OpenAI's completion choices (choice i * n + j is prompt i's sample j); `echo` puts the prompt
+    (as sent, or decoded from its ids) before each."""
+    echoed = [(p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)) if body.echo else ""
+              for p in prompts]
+    return [{"index": i, "text": echoed[i // body.n] + o.text, "finish_reason": o.finish_reason,
+             "stop_reason": o.stop_reason,
+             "logprobs": _completion_logprobs(tok, o, as_ids, body.echo) if body.logprobs is not None else None}
+            for i, o in enumerate(outs)]
+
+
+def _completion_logprobs(tok, out: RequestOutput, as_ids: bool = False, echo: bool = False) -> dict:
+    """OpenAI's completion logprobs; with `echo`, the prompt's tokens first (the first has none)."""
+    ids, lps, tops = out.token_ids, out.logprobs, out.top_logprobs
+    if echo:
+        ids, lps = out.prompt_token_ids + ids, out.prompt_logprobs + lps
+        tops = out.prompt_top_logprobs + tops if tops else []
+    pieces = [_piece(tok, t, as_ids) for t in ids]
+    offsets = list(itertools.accumulate(map(len, pieces), initial=0))[:-1]
+    return {"tokens": pieces, "token_logprobs": lps, "text_offset": offsets, "token_ids": ids,
+            "top_logprobs": completion_tops(tok, tops, as_ids)}
 
 
 def chat_logprobs(tok, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]]) -> list[dict]:

@@ -202,6 +202,38 @@ def test_penalties_act_on_the_logits_as_vllm_defines_them(llm, pen):
     assert greedy != plain
 
 
+def test_prompt_logprobs_equal_a_direct_forward_and_bypass_the_prefix_cache(model_dir):
+    """`prompt_logprobs=k`: each prompt token's logprob and the k most likely at its position, over a
+    chunked prefill; such a request computes its prompt (cached blocks have no logits), others
+    still hit the cache; speculation does not change them."""
+    import torch
+    from rollwise.engine.attention import build_metadata
+    llm = LLM(model_dir, max_num_batched_tokens=64)
+    p = [t for q in _prompts(4, seed=10) for t in q]
+    assert len(p) > 64  # several prefill chunks
+    params = SamplingParams(temperature=0.7, seed=1, max_tokens=3, prompt_logprobs=2)
+    out = llm.generate([p], params)[0]
+    model, cfg = llm.engine.runner.model, llm.engine.runner.model.config
+    kv = tuple(torch.zeros(cfg.num_layers, 16 * 32, cfg.num_kv_heads, cfg.head_dim) for _ in range(2))
+    with torch.no_grad():
+        h = model(torch.tensor(p), torch.arange(len(p)), build_metadata([len(p)], [0], [list(range(32))], 16, "cpu"), kv)
+        lp = torch.log_softmax(model.logits(h[:-1]) / 0.7, -1)
+    assert len(out.prompt_logprobs) == len(p) and out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] is None
+    want = lp.gather(1, torch.tensor(p[1:])[:, None]).squeeze(1).tolist()
+    assert out.prompt_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert [list(t) for t in out.prompt_top_logprobs[1:]] == lp.topk(2).indices.tolist()
+    again = llm.generate([p], dataclasses.replace(params, prompt_logprobs=0))[0]
+    assert again.num_cached_tokens == 0 and again.prompt_logprobs == pytest.approx(out.prompt_logprobs, abs=1e-5)
+    assert again.prompt_top_logprobs[1:] == [{}] * (len(p) - 1)
+    plain = llm.generate([p], SamplingParams(max_tokens=2))[0]
+    assert plain.num_cached_tokens > 0 and plain.prompt_logprobs is None
+    spec = LLM(model_dir, max_num_batched_tokens=64, speculative="suffix", spec_controller="always")
+    assert spec.generate([p], params)[0].prompt_logprobs == pytest.approx(out.prompt_logprobs, abs=1e-4)
+    for bad in (-1, 21, 1.5):
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            SamplingParams(prompt_logprobs=bad)
+
+
 def test_bad_penalties_are_rejected():
     for field, bad in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
                        ("repetition_penalty", -1.0), ("presence_penalty", "1")):

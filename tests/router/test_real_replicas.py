@@ -148,6 +148,18 @@ def test_route_proxy_over_http(servers, model_dir):
                 "temperature": 0, "max_tokens": 3, "ignore_eos": True, "logprobs": 2}}).json()
             assert [[t for t, _ in x] for x in gen["top_logprobs"]] == \
                 [[int(k.split(":")[1]) for k in t] for t in routed["choices"][0]["logprobs"]["top_logprobs"]]
+            # prompt logprobs and echo come through the router: the replica's own
+            pl = {"input_ids": [5, 6, 7, 8, 9], "sampling_params": {"temperature": 0, "max_tokens": 2, "prompt_logprobs": 1}}
+            direct = httpx.post(servers[0].url + "/generate", json=pl, timeout=60).json()
+            routed = c.post("/generate", json=pl).json()
+            assert routed["prompt_logprobs"] == pytest.approx(direct["prompt_logprobs"], abs=1e-5)
+            assert routed["prompt_top_logprobs"][1:] == [[[t, pytest.approx(v, abs=1e-5)] for t, v in x]
+                                                         for x in direct["prompt_top_logprobs"][1:]]
+            echo = {"prompt": "The agent", "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+            direct = httpx.post(servers[0].url + "/v1/completions", json=echo, timeout=60).json()["choices"][0]
+            routed = c.post("/v1/completions", json=echo).json()["choices"][0]
+            assert routed["text"] == direct["text"] and routed["logprobs"]["tokens"] == direct["logprobs"]["tokens"]
+            assert routed["logprobs"]["token_logprobs"] == pytest.approx(direct["logprobs"]["token_logprobs"], abs=1e-5)
             # chat through the router: the replica's own reply, token for token; n seeded samples; a stop string
             msgs = [{"role": "user", "content": "Find the agent"}]
             greedy = {"temperature": 0, "max_tokens": 12}

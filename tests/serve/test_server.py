@@ -196,6 +196,32 @@ def test_a_failed_choice_aborts_its_siblings(client):
     _alive(client)
 
 
+def test_echo_and_prompt_logprobs(client, model_dir):
+    """completions `echo` + `logprobs` (lm-eval's loglikelihood request): the prompt, then the
+    completion, with the prompt tokens' logprobs first (the first None); /generate's
+    `prompt_logprobs`. Both equal the engine's."""
+    text = "The agent looked up the order"
+    ids = LLM(model_dir).engine.tokenizer.encode(text)
+    ref = LLM(model_dir).generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    body = {"prompt": text, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    ch = client.post("/v1/completions", json=body).json()["choices"][0]
+    lp = ch["logprobs"]
+    assert ch["text"].startswith(text) and len(ch["text"]) > len(text)
+    assert lp["token_ids"] == ids + ref.token_ids and len(lp["tokens"]) == len(ids) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:len(ids)] == pytest.approx(ref.prompt_logprobs[1:], abs=1e-4)
+    assert lp["token_logprobs"][-1] == pytest.approx(ref.logprobs[0], abs=1e-4)
+    assert [len(t) for t in lp["top_logprobs"][1:]] == [1] * len(ids)
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+    plain = client.post("/v1/completions", json=body | {"logprobs": None, "prompt": ids}).json()["choices"][0]
+    assert plain["logprobs"] is None and plain["text"].startswith(text)
+    gen = client.post("/generate", json={"input_ids": ids, "sampling_params": {
+        "temperature": 0, "max_tokens": 1, "prompt_logprobs": 2}}).json()
+    assert gen["prompt_logprobs"][0] is None and gen["prompt_logprobs"][1:] == pytest.approx(ref.prompt_logprobs[1:], abs=1e-4)
+    assert gen["prompt_top_logprobs"][0] is None and all(len(t) == 2 for t in gen["prompt_top_logprobs"][1:])
+    assert client.post("/v1/completions", json=body | {"stream": True}).status_code == 400
+
+
 def test_streamed_text_never_passes_a_stop_string(client):
     """A stop string that spans tokens: the streamed text holds back what may begin it, so the
     pieces add up to the unstreamed (cut) text, in chat and completions."""
