@@ -18,7 +18,7 @@ from rollwise.config import ServerConfig
 from rollwise.router.replica import HttpReplica, ReplicaError
 from rollwise.router.router import Router
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest as GenerateBody
-from rollwise.serve.server import (chat_logprobs, choice_samples, completion_choices, completion_params, error,
+from rollwise.serve.server import (chat_choices, choice_samples, completion_choices, completion_params, error,
                                    gather_or_cancel, install_common, merged, pairs, primed, sse, stream_chat,
                                    stream_completion, stream_generate, unless_disconnected)
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
@@ -214,10 +214,7 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
                 for j, (p, sp, _, g, opt) in enumerate(samples)])))
         outs = await unless_disconnected(request, gather_or_cancel(
             routed.generate(p, sp, r, group_id=g, **opt) for p, sp, r, g, opt in samples))
-        choices = [{"index": j, "message": {"role": "assistant", "content": o.text},
-                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                    "logprobs": {"content": chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs)}
-                    if body.logprobs else None} for j, o in enumerate(outs)]
+        choices = chat_choices(tok, body, outs)
         completion = sum(len(o.token_ids) for o in outs)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": body.model,
                 "choices": choices, "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from rollwise.agent.parsing import HermesParser
 from rollwise.config import ServerConfig
 from rollwise.serve.metrics import prometheus_text
 from rollwise.serve.protocol import (AddSequenceRequest, ChatCompletionRequest, CompletionRequest,
@@ -211,11 +212,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
                                                for k, (p, sp, g) in enumerate(runs)])))
         outs = await unless_disconnected(request, gather_or_cancel(
             engine.generate(p, sp, f"{rid}-{k}", group_id=g) for k, (p, sp, g) in enumerate(runs)))
-        choices = [{"index": k, "message": {"role": "assistant", "content": o.text},
-                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                    "logprobs": {"content": chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs)}
-                    if body.logprobs else None}
-                   for k, o in enumerate(outs)]
+        choices = chat_choices(tok, body, outs)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": _usage(outs, body.n)}
 
@@ -324,6 +321,27 @@ def _completion_logprobs(tok, out: RequestOutput, as_ids: bool = False, echo: bo
     offsets = list(itertools.accumulate(map(len, pieces), initial=0))[:-1]
     return {"tokens": pieces, "token_logprobs": lps, "text_offset": offsets, "token_ids": ids,
             "top_logprobs": completion_tops(tok, tops, as_ids)}
+
+
+def chat_choices(tok, body: ChatCompletionRequest, outs: list[RequestOutput]) -> list[dict]:
+    """OpenAI's chat choices. With tools offered (and tool_choice not "none"), Hermes
+    `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks in a reply become its
+    `tool_calls` (finish_reason "tool_calls") and the rest its content, as vLLM's hermes parser
+    does; a reply with a malformed call stays text."""
+    parse = bool(body.tools) and body.tool_choice != "none"
+    choices = []
+    for k, o in enumerate(outs):
+        message, reason = {"role": "assistant", "content": o.text}, o.finish_reason
+        got = HermesParser().parse(o.text) if parse else None
+        if got is not None and got.calls and not got.errors:
+            message = {"role": "assistant", "content": got.text or None, "tool_calls": [
+                {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in got.calls]}
+            reason = "tool_calls"
+        choices.append({"index": k, "message": message, "finish_reason": reason, "stop_reason": o.stop_reason,
+                        "logprobs": {"content": chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs)}
+                        if body.logprobs else None})
+    return choices
 
 
 def chat_logprobs(tok, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]]) -> list[dict]:

@@ -222,6 +222,47 @@ def test_echo_and_prompt_logprobs(client, model_dir):
     assert client.post("/v1/completions", json=body | {"stream": True}).status_code == 400
 
 
+def test_chat_tool_calls_are_parsed_from_the_reply():
+    """With tools offered, a reply's Hermes <tool_call> blocks become OpenAI tool_calls (the unit;
+    the test model does not write tool calls)."""
+    from rollwise.serve.protocol import ChatCompletionRequest
+    from rollwise.serve.server import chat_choices
+    from rollwise.types import RequestOutput
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+
+    def choice(text, **body):
+        req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **body})
+        out = RequestOutput(request_id="r", prompt_token_ids=[1], text=text, finished=True, finish_reason="stop")
+        return chat_choices(None, req, [out])[0]
+    two = ('Let me check.\n<tool_call>{"name": "lookup", "arguments": {"name": "Ada"}}</tool_call>\n'
+           '<tool_call>{"name": "lookup", "arguments": "{\\"name\\": \\"Bo\\"}"}</tool_call>')
+    ch = choice(two, tools=tools)
+    assert ch["finish_reason"] == "tool_calls" and ch["message"]["content"] == "Let me check."
+    calls = ch["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["lookup"] * 2 and calls[0]["id"] != calls[1]["id"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"name": "Ada"}, {"name": "Bo"}]
+    only = choice('<tool_call>{"name": "lookup", "arguments": {}}</tool_call>', tools=tools)
+    assert only["message"]["content"] is None and len(only["message"]["tool_calls"]) == 1
+    for text, body in ((two, {}), (two, {"tools": tools, "tool_choice": "none"}),
+                       ('<tool_call>{"name": "lookup", "arguments": {</tool_call>', {"tools": tools})):
+        ch = choice(text, **body)  # no tools offered, tools refused, or a malformed call: the text as it is
+        assert ch["message"] == {"role": "assistant", "content": text} and ch["finish_reason"] == "stop"
+
+
+def test_chat_takes_back_its_tool_calls_and_tool_results(client):
+    """The OpenAI round trip: the assistant's tool_calls (arguments as a JSON string) and the tool's
+    result go back in the next request, rendered by the chat template."""
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "Find Ada"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "lookup", "arguments": "{\"name\": \"Ada\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Ada: room 12"}]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "tools": tools, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] > client.post("/v1/chat/completions", json={
+        "messages": msgs[:1], "tools": tools, "max_tokens": 4}).json()["usage"]["prompt_tokens"] + 10
+
+
 def test_streamed_text_never_passes_a_stop_string(client):
     """A stop string that spans tokens: the streamed text holds back what may begin it, so the
     pieces add up to the unstreamed (cut) text, in chat and completions."""
