@@ -42,6 +42,8 @@ class SamplingParams:
     # None: off; k: each prompt token's logprob (and the k most likely at its position), under the
     # same distribution as the sampled tokens' logprobs (the request's temperature, no penalties)
     prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # added to those tokens' logits ([-100, 100]), before penalties
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +61,16 @@ class SamplingParams:
         _check_number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _check_number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         _check_number("repetition_penalty", self.repetition_penalty, lo=0.0, hi=10.0, lo_open=True)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must be a mapping of token id to bias")
+            self.logit_bias = {_token_id("logit_bias", t): v for t, v in self.logit_bias.items()}
+            for v in self.logit_bias.values():
+                _check_number("logit_bias", v, lo=-100.0, hi=100.0)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            self.allowed_token_ids = [_token_id("allowed_token_ids", t) for t in self.allowed_token_ids]
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.seed is not None:
@@ -71,6 +83,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_logit_rules(self) -> bool:
+        """logit_bias or allowed_token_ids: the same change to every position's logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def has_penalties(self) -> bool:
@@ -94,6 +111,15 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling fields {unknown}; valid: {sorted(names)}")
         return cls(**d)
+
+
+def _token_id(name: str, t) -> int:
+    """A token id given as an int or, as OpenAI's JSON keys are, a string of one."""
+    if isinstance(t, str) and t.strip().isdigit():
+        t = int(t)
+    if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+        raise ValueError(f"{name}: token ids must be non-negative integers, got {t!r}")
+    return t
 
 
 def _check_number(name: str, v, *, lo: float, hi: float, lo_open: bool = False) -> None:

@@ -82,6 +82,9 @@ class LLMEngine:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        named = [*(params.logit_bias or ()), *(params.allowed_token_ids or ())]
+        if any(t >= self.vocab_size for t in named):
+            raise ValueError(f"logit_bias and allowed_token_ids take token ids in [0, {self.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              "(the prompt plus at least one generated token must fit)")

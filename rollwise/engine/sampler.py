@@ -42,6 +42,8 @@ class Sampler:
         (`SamplingParams.logprobs` of them; None for a row that asks for none)."""
         logits = logits.float().cpu()
         for i, r in enumerate(rows):
+            if r.params.has_logit_rules:
+                logits[i:i + 1] = logit_rules(logits[i:i + 1], r.params)
             if r.params.has_penalties:
                 logits[i:i + 1] = penalize(logits[i:i + 1], r.params, r.tokens, r.position)
             if r.banned:
@@ -69,6 +71,20 @@ class Sampler:
             if r.params.seed is not None:
                 u[i] = seeded_uniform(r.params.seed, r.position)
         return inverse_cdf(probs, u)
+
+
+def logit_rules(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [R, V] with the request's logit_bias added and tokens outside allowed_token_ids
+    masked (a new tensor): the same for every row, so speculation stays lossless."""
+    out = logits.clone()
+    if params.logit_bias:
+        ids = list(params.logit_bias)
+        out[:, ids] += torch.tensor([params.logit_bias[t] for t in ids], dtype=out.dtype)
+    if params.allowed_token_ids is not None:
+        keep = out[:, params.allowed_token_ids]
+        out.fill_(float("-inf"))
+        out[:, params.allowed_token_ids] = keep
+    return out
 
 
 def penalize(logits: torch.Tensor, params: SamplingParams, tokens: list[int], num_output: int,

@@ -206,7 +206,9 @@ class HttpReplica:
                                                                   "stop", "stop_token_ids", "ignore_eos")},
                                     **p.penalties(),
                                     **({"logprobs": p.logprobs} if p.logprobs else {}),
-                                    **({} if p.prompt_logprobs is None else {"prompt_logprobs": p.prompt_logprobs})}}
+                                    **({} if p.prompt_logprobs is None else {"prompt_logprobs": p.prompt_logprobs}),
+                                    **({"logit_bias": p.logit_bias} if p.logit_bias else {}),
+                                    **({} if p.allowed_token_ids is None else {"allowed_token_ids": p.allowed_token_ids})}}
 
     @staticmethod
     def _output(b: dict) -> GenerateOutput:
@@ -373,6 +375,9 @@ class OpenAIReplica(HttpReplica):
         if p.top_k > 0:
             body["top_k"] = p.top_k
         body.update(p.penalties())
+        if p.logit_bias:
+            body["logit_bias"] = {str(t): b for t, b in p.logit_bias.items()}
+        body["allowed_token_ids"] = p.allowed_token_ids
         return {k: v for k, v in body.items() if v is not None}
 
     @staticmethod

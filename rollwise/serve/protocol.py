@@ -30,6 +30,8 @@ class _OpenAISampling(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM's extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's keys) -> bias
+    allowed_token_ids: list[int] | None = None  # vLLM's extension
     user: str | None = None
     # session metadata for schedulers (trajectory, group, turn)
     trajectory_id: str | None = None
@@ -42,7 +44,8 @@ class _OpenAISampling(_Strict):
                               stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
                               ignore_eos=self.ignore_eos, logprobs=top_logprobs,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              repetition_penalty=self.repetition_penalty)
+                              repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
+                              allowed_token_ids=self.allowed_token_ids)
 
 
 class CompletionRequest(_OpenAISampling):

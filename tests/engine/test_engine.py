@@ -234,6 +234,35 @@ def test_prompt_logprobs_equal_a_direct_forward_and_bypass_the_prefix_cache(mode
             SamplingParams(prompt_logprobs=bad)
 
 
+def test_logit_bias_and_allowed_token_ids(model_dir, llm):
+    """logit_bias shifts the logits it names (the logprobs are taken after it), allowed_token_ids
+    masks the rest; both are the same at every position, so speculation gives the same tokens."""
+    p = _prompts(4, seed=13)
+    greedy = llm.generate(p, GREEDY)
+    forced = llm.generate(p, dataclasses.replace(GREEDY, logit_bias={7: 100.0}))
+    assert all(o.token_ids == [7] * 12 for o in forced) and all(lp > -1e-3 for o in forced for lp in o.logprobs)
+    allowed = [3, 40, 41, 900]
+    for params in (dataclasses.replace(GREEDY, allowed_token_ids=allowed, logprobs=2),
+                   SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed)):
+        outs = llm.generate(p, params)
+        assert all(t in allowed for o in outs for t in o.token_ids)
+        assert all(set(top) <= set(allowed) for o in outs for top in o.top_logprobs)
+    mild = dataclasses.replace(GREEDY, max_tokens=30, logit_bias={t: 1.5 for t in range(20, 400, 7)})
+    ref = llm.generate(p, mild)
+    assert [o.token_ids for o in ref] != [o.token_ids for o in greedy]
+    spec = LLM(model_dir, speculative="suffix", spec_controller="always", spec_tree=True)
+    for _ in range(2):
+        assert [o.token_ids for o in spec.generate(p, mild)] == [o.token_ids for o in ref]
+    assert spec.metrics()["spec_accepted_tokens"] > 0
+    for bad in ({"logit_bias": {1: 101.0}}, {"logit_bias": {-1: 1.0}}, {"logit_bias": [1]},
+                {"allowed_token_ids": []}, {"allowed_token_ids": ["x"]}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    assert SamplingParams(logit_bias={"5": 2}).logit_bias == {5: 2}  # OpenAI's JSON keys are strings
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate(p[:1], SamplingParams(allowed_token_ids=[10**6]))
+
+
 def test_bad_penalties_are_rejected():
     for field, bad in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
                        ("repetition_penalty", -1.0), ("presence_penalty", "1")):

@@ -274,6 +274,12 @@ def test_openai_replica_speaks_token_ids_through_completions(servers):
         plain = await HttpReplica(servers[0].url).generate(dataclasses.replace(
             pen, params=dataclasses.replace(pen.params, repetition_penalty=1.0, frequency_penalty=0.0)))
         assert pa.token_ids == pb.token_ids != plain.token_ids
+        # so are logit_bias and allowed_token_ids
+        biased = dataclasses.replace(req, params=SamplingParams(temperature=0, max_tokens=5, logit_bias={9: 100.0}))
+        allowed = dataclasses.replace(req, params=SamplingParams(max_tokens=8, seed=1, allowed_token_ids=[30, 31]))
+        for r in (OpenAIReplica(servers[0].url, "m"), HttpReplica(servers[0].url)):
+            assert (await r.generate(biased)).token_ids == [9] * 5
+            assert set((await r.generate(allowed)).token_ids) <= {30, 31}
         # streamed: the pieces add up to the whole, through either API
         for r in (OpenAIReplica(servers[0].url, "m"), HttpReplica(servers[0].url)):
             pieces = [p async for p in r.stream(req)]

@@ -154,6 +154,19 @@ def _metric(client, name: str) -> float:
     return float(line[0].split()[-1])
 
 
+def test_logit_bias_and_allowed_token_ids_in_every_api(client):
+    """OpenAI's logit_bias (string keys) and vLLM's allowed_token_ids reach the engine."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "logprobs": 0, "logit_bias": {"11": 100}}
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["token_ids"] == [11] * 6
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "logprobs": True,
+            "allowed_token_ids": [20, 21, 22]}
+    got = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    assert {t["token_id"] for t in got} <= {20, 21, 22}
+    gen = client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {
+        "temperature": 0, "max_tokens": 4, "logit_bias": {"12": 100}}}).json()
+    assert gen["token_ids"] == [12] * 4
+
+
 def test_a_client_that_disconnects_aborts_its_requests(model_dir):
     """A non-streaming request whose client goes away (an episode's deadline, a router's timeout)
     is aborted, all its samples, instead of generating to its end for nobody; the server keeps
@@ -359,6 +372,9 @@ def test_models_and_metrics(client):
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"logprobs": -1}}),
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 0}}),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 200}}),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"999999": 1}}),  # out of vocabulary
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "allowed_token_ids": []}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -3}),
     ("/v1/completions", {"prompt": "x " * 700}),
     ("/v1/completions", {"prompt": "x", "stream": True, "max_tokens": 0}),
