@@ -27,6 +27,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability; 0: disabled
     seed: int | None = None
     max_tokens: int = 16
     min_tokens: int = 0
@@ -53,6 +54,7 @@ class SamplingParams:
         _check_number("temperature", self.temperature, lo=0.0, hi=100.0)
         _check_number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         _check_int("top_k", self.top_k, lo=-1)
+        _check_number("min_p", self.min_p, lo=0.0, hi=1.0)
         _check_int("max_tokens", self.max_tokens, lo=1)
         _check_int("min_tokens", self.min_tokens, lo=0)
         _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)

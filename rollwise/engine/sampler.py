@@ -62,7 +62,8 @@ class Sampler:
         return tokens.tolist(), chosen.tolist(), top_logprobs(logprobs, [r.params.logprobs for r in rows])
 
     def _sample(self, scaled: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        probs = torch.softmax(top_k_top_p(scaled, [r.params.top_k for r in rows], [r.params.top_p for r in rows]), dim=-1)
+        probs = torch.softmax(top_k_top_p(scaled, [r.params.top_k for r in rows], [r.params.top_p for r in rows],
+                                          [r.params.min_p for r in rows]), dim=-1)
         u = torch.empty(len(rows), dtype=torch.float64)
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
         if unseeded:
@@ -167,7 +168,13 @@ def seeded_stream(seed: int, position: int) -> int:
     return hash((seed, position)) & (2**63 - 1)
 
 
-def top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+def top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float],
+                min_p: list[float] | None = None) -> torch.Tensor:
+    """Logits [B, V] with what each row's min-p, then top-k and top-p, leave out set to -inf."""
+    if min_p is not None and any(m > 0 for m in min_p):  # (vLLM's order: min-p first)
+        probs = torch.softmax(logits, dim=-1)
+        floor = torch.tensor(min_p, dtype=probs.dtype)[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     use_k = any(k > 0 for k in top_k)
     use_p = any(p < 1.0 for p in top_p)
     if not (use_k or use_p):

@@ -80,7 +80,8 @@ def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, position:
                 return _verdict(accepted, tokens, lps, logprobs, params)
             accepted.append(nxt)
             node = nxt
-    probs = torch.softmax(top_k_top_p(scaled, [params.top_k] * len(scaled), [params.top_p] * len(scaled)), dim=-1)
+    probs = torch.softmax(top_k_top_p(scaled, [params.top_k] * len(scaled), [params.top_p] * len(scaled),
+                                      [params.min_p] * len(scaled)), dim=-1)
     if params.seed is not None:
         while True:
             row = node + 1

@@ -202,8 +202,8 @@ class HttpReplica:
                 "forced_output": request.forced_output,
                 **({} if request.policy_version is None else {"policy_version": request.policy_version}),
                 "sampling_params": {"max_new_tokens": p.max_tokens,  # SGLang's name; `rollwise serve` takes both
-                                    **{k: getattr(p, k) for k in ("temperature", "top_p", "top_k", "seed", "min_tokens",
-                                                                  "stop", "stop_token_ids", "ignore_eos")},
+                                    **{k: getattr(p, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed",
+                                                                  "min_tokens", "stop", "stop_token_ids", "ignore_eos")},
                                     **p.penalties(),
                                     **({"logprobs": p.logprobs} if p.logprobs else {}),
                                     **({} if p.prompt_logprobs is None else {"prompt_logprobs": p.prompt_logprobs}),
@@ -374,6 +374,8 @@ class OpenAIReplica(HttpReplica):
                 "min_tokens": p.min_tokens, "stop_token_ids": p.stop_token_ids or None}
         if p.top_k > 0:
             body["top_k"] = p.top_k
+        if p.min_p > 0:
+            body["min_p"] = p.min_p
         body.update(p.penalties())
         if p.logit_bias:
             body["logit_bias"] = {str(t): b for t, b in p.logit_bias.items()}

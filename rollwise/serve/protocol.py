@@ -19,6 +19,7 @@ class _OpenAISampling(_Strict):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # vLLM's extension
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -39,7 +40,7 @@ class _OpenAISampling(_Strict):
     turn: int | None = None
 
     def sampling(self, max_tokens: int, top_logprobs: int = 0) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                               seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
                               stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
                               ignore_eos=self.ignore_eos, logprobs=top_logprobs,

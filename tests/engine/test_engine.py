@@ -263,6 +263,21 @@ def test_logit_bias_and_allowed_token_ids(model_dir, llm):
         llm.generate(p[:1], SamplingParams(allowed_token_ids=[10**6]))
 
 
+def test_min_p_keeps_tokens_near_the_most_likely(llm):
+    """min_p = m: every sampled token has at least m times the most likely token's probability
+    (hot sampling without it breaks that)."""
+    import math
+    p = _prompts(8, seed=14)
+    for m, holds in ((0.3, True), (0.0, False)):
+        outs = llm.generate(p, [SamplingParams(temperature=1.5, min_p=m, seed=i, max_tokens=16, ignore_eos=True,
+                                               logprobs=1) for i in range(8)])
+        ok = all(lp >= max(top.values()) + math.log(0.3) - 1e-5 for o in outs
+                 for lp, top in zip(o.logprobs, o.top_logprobs))
+        assert ok == holds, m
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5)
+
+
 def test_bad_penalties_are_rejected():
     for field, bad in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
                        ("repetition_penalty", -1.0), ("presence_penalty", "1")):
