@@ -18,7 +18,7 @@ from rollwise.config import ServerConfig
 from rollwise.router.replica import HttpReplica, ReplicaError
 from rollwise.router.router import Router
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest as GenerateBody
-from rollwise.serve.server import (chat_choices, choice_samples, completion_choices, completion_params, error,
+from rollwise.serve.server import (chat_choices, choice_samples, parses_tools, completion_choices, completion_params, error,
                                    gather_or_cancel, install_common, merged, pairs, primed, sse, stream_chat,
                                    stream_completion, stream_generate, unless_disconnected)
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
@@ -210,7 +210,7 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         samples = runs(body, request, ids, params, rid)
         if body.stream:
             return sse(await primed(merged([
-                stream_chat(routed, p, sp, rid, j, body.model, body.logprobs, g, **opt)
+                stream_chat(routed, p, sp, rid, j, body.model, body.logprobs, g, parses_tools(body), **opt)
                 for j, (p, sp, _, g, opt) in enumerate(samples)])))
         outs = await unless_disconnected(request, gather_or_cancel(
             routed.generate(p, sp, r, group_id=g, **opt) for p, sp, r, g, opt in samples))

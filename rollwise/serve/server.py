@@ -30,7 +30,8 @@ from rollwise.serve.protocol import (AddSequenceRequest, ChatCompletionRequest, 
 from rollwise.types import RequestOutput, SamplingParams, WeightsNotHeld
 
 OPEN_PATHS = {"/health", "/metrics"}
-_WRITE_BYTES = 4 << 20  # a streamed weight update goes to disk in writes of about this size
+_WRITE_BYTES = 4 << 20
+_TOOL_TAG = "<tool_call>"  # a streamed weight update goes to disk in writes of about this size
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -208,7 +209,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
         runs = choice_samples([ids], params, body.n, body.group_id, rid)
         if body.stream:
-            return sse(await primed(merged([stream_chat(engine, p, sp, rid, k, model_name, body.logprobs, g)
+            return sse(await primed(merged([stream_chat(engine, p, sp, rid, k, model_name, body.logprobs, g,
+                                                        parses_tools(body))
                                                for k, (p, sp, g) in enumerate(runs)])))
         outs = await unless_disconnected(request, gather_or_cancel(
             engine.generate(p, sp, f"{rid}-{k}", group_id=g) for k, (p, sp, g) in enumerate(runs)))
@@ -328,20 +330,31 @@ def chat_choices(tok, body: ChatCompletionRequest, outs: list[RequestOutput]) ->
     `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks in a reply become its
     `tool_calls` (finish_reason "tool_calls") and the rest its content, as vLLM's hermes parser
     does; a reply with a malformed call stays text."""
-    parse = bool(body.tools) and body.tool_choice != "none"
+    parse = parses_tools(body)
     choices = []
     for k, o in enumerate(outs):
         message, reason = {"role": "assistant", "content": o.text}, o.finish_reason
-        got = HermesParser().parse(o.text) if parse else None
-        if got is not None and got.calls and not got.errors:
-            message = {"role": "assistant", "content": got.text or None, "tool_calls": [
-                {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in got.calls]}
-            reason = "tool_calls"
+        calls = tool_calls(o.text) if parse else None
+        if calls is not None:
+            message, reason = {"role": "assistant", "content": calls[0] or None, "tool_calls": calls[1]}, "tool_calls"
         choices.append({"index": k, "message": message, "finish_reason": reason, "stop_reason": o.stop_reason,
                         "logprobs": {"content": chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs)}
                         if body.logprobs else None})
     return choices
+
+
+def parses_tools(body: ChatCompletionRequest) -> bool:
+    return bool(body.tools) and body.tool_choice != "none"
+
+
+def tool_calls(text: str) -> tuple[str, list[dict]] | None:
+    """A reply's Hermes tool calls as OpenAI's (and the text around them), or None if it has none or
+    a malformed one."""
+    got = HermesParser().parse(text)
+    if not got.calls or got.errors:
+        return None
+    return got.text, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                       "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in got.calls]
 
 
 def chat_logprobs(tok, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]]) -> list[dict]:
@@ -456,13 +469,31 @@ async def stream_completion(engine, prompt, params, rid, index: int, model, with
 
 
 async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs: bool, group_id: str | None,
-                       **options):
+                       tools: bool = False, **options):
+    """Chat chunks. With `tools`, the content stops before the first `<tool_call>` (and holds back
+    what may begin one); at the end the reply's tool calls come as one delta, finish reason
+    "tool_calls", or, if it has none (or a malformed one), the rest of its text."""
     tok = engine.tokenizer
-    first = True
+    first, text, sent = True, "", 0
     async for new_ids, lps, tops, delta, final in _deltas(engine, ids, params, f"{rid}-{index}", group_id, **options):
-        d = {"role": "assistant", "content": delta} if first else {"content": delta}
+        reason = final.finish_reason if final else None
+        d = {"content": delta}
+        if tools:
+            text = final.text if final else text + delta
+            calls = tool_calls(text) if final else None
+            if calls is not None:  # what was not sent of the text outside the tool-call blocks, and the calls
+                rest = HermesParser.pattern.sub("", text)[sent:]
+                d = {"content": rest if rest.strip() else None,
+                     "tool_calls": [dict(c, index=i) for i, c in enumerate(calls[1])]}
+                reason = "tool_calls"
+            else:
+                at = text.find(_TOOL_TAG)
+                shown = len(text) if final else at if at >= 0 else max(len(text) - len(_TOOL_TAG) + 1, 0)
+                d, sent = {"content": text[sent:max(shown, sent)]}, max(shown, sent)
+        if first:
+            d = {"role": "assistant", **d}
         first = False
-        choice = {"index": index, "delta": d, "finish_reason": final.finish_reason if final else None,
+        choice = {"index": index, "delta": d, "finish_reason": reason,
                   "logprobs": {"content": chat_logprobs(tok, new_ids, lps, tops)} if with_logprobs else None}
         yield {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
                "choices": [choice]}

@@ -262,6 +262,50 @@ def test_chat_tool_calls_are_parsed_from_the_reply():
         assert ch["message"] == {"role": "assistant", "content": text} and ch["finish_reason"] == "stop"
 
 
+def test_streamed_chat_sends_tool_calls_as_a_delta():
+    """Streamed with tools: the content stops before the first <tool_call>, and the calls come in
+    the last delta, as unstreamed; without tools, or with a malformed call, the text as it is.
+    (A fake engine that streams a given reply a few characters at a time.)"""
+    import asyncio
+    from rollwise.serve.server import stream_chat, tool_calls
+    from rollwise.types import RequestOutput
+
+    class Chars:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    class Engine:
+        tokenizer = Chars()
+
+        def __init__(self, text):
+            self.text = text
+
+        async def stream(self, prompt, params, rid, **options):
+            ids = [ord(c) for c in self.text]
+            for n in range(3, len(ids) + 3, 3):
+                done = n >= len(ids)
+                yield RequestOutput(request_id=rid, prompt_token_ids=prompt, token_ids=ids[:n], logprobs=[0.0] * len(ids[:n]),
+                                    text=self.text if done else "", finished=done, finish_reason="stop" if done else None)
+
+    def run(text, tools):
+        async def go():
+            return [c["choices"][0] async for c in stream_chat(Engine(text), [1], SamplingParams(), "r", 0, "m", False,
+                                                                None, tools)]
+        return asyncio.run(go())
+    reply = ('Let me check.\n<tool_call>{"name": "lookup", "arguments": {"name": "Ada"}}</tool_call>\n'
+             '<tool_call>{"name": "lookup", "arguments": {"name": "Bo"}}</tool_call>')
+    chunks = run(reply, True)
+    content = "".join(c["delta"].get("content") or "" for c in chunks)
+    assert content == "Let me check.\n" and chunks[-1]["finish_reason"] == "tool_calls"
+    calls = chunks[-1]["delta"]["tool_calls"]
+    assert [(c["index"], c["function"]) for c in calls] == [(i, c["function"]) for i, c in enumerate(tool_calls(reply)[1])]
+    assert chunks[0]["delta"]["role"] == "assistant" and all("tool_calls" not in c["delta"] for c in chunks[:-1])
+    broken = 'Hi <tool_call>{"name": "lookup", "arguments": {</tool_call>'
+    for text, tools in ((reply, False), (broken, True)):
+        chunks = run(text, tools)
+        assert "".join(c["delta"]["content"] for c in chunks) == text and chunks[-1]["finish_reason"] == "stop"
+
+
 def test_chat_takes_back_its_tool_calls_and_tool_results(client):
     """The OpenAI round trip: the assistant's tool_calls (arguments as a JSON string) and the tool's
     result go back in the next request, rendered by the chat template."""
