@@ -18,9 +18,10 @@ from rollwise.config import ServerConfig
 from rollwise.router.replica import HttpReplica, ReplicaError
 from rollwise.router.router import Router
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest as GenerateBody
-from rollwise.serve.server import (chat_choices, choice_samples, parses_tools, completion_choices, completion_params, error,
-                                   gather_or_cancel, install_common, merged, pairs, primed, sse, stream_chat,
-                                   stream_completion, stream_generate, unless_disconnected)
+from rollwise.serve.responses import (chat_choices, choice_samples, completion_choices, completion_params,
+                                      gather_or_cancel, merged, pairs, parses_tools, primed, sse, stream_chat,
+                                      stream_completion, stream_generate)
+from rollwise.serve.server import error, install_common, unless_disconnected
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
 
 

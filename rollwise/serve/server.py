@@ -8,30 +8,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import itertools
-import json
 import secrets
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from rollwise.agent.parsing import HermesParser
 from rollwise.config import ServerConfig
 from rollwise.serve.metrics import prometheus_text
 from rollwise.serve.protocol import (AddSequenceRequest, ChatCompletionRequest, CompletionRequest,
                                      GenerateRequest, UpdateWeightsRequest)
-from rollwise.types import RequestOutput, SamplingParams, WeightsNotHeld
+from rollwise.serve.responses import (chat_choices, choice_samples, completion_choices, completion_params,
+                                      gather_or_cancel, generate_json, merged, parses_tools, primed, sse,
+                                      stream_chat, stream_completion, stream_generate, usage)
+from rollwise.types import SamplingParams, WeightsNotHeld
 
 OPEN_PATHS = {"/health", "/metrics"}
-_WRITE_BYTES = 4 << 20
-_TOOL_TAG = "<tool_call>"  # a streamed weight update goes to disk in writes of about this size
+_WRITE_BYTES = 4 << 20  # a streamed weight update goes to disk in writes of about this size
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -162,12 +160,12 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         rid = body.request_id or f"gen-{uuid.uuid4().hex[:16]}"
         if body.stream:
             return sse(await primed(stream_generate(engine, prompt, params, rid, body.group_id,
-                                                       policy_version=body.policy_version, session=body.trajectory_id,
-                                                       forced_output=body.forced_output)))
+                                                    policy_version=body.policy_version, session=body.trajectory_id,
+                                                    forced_output=body.forced_output)))
         out = await unless_disconnected(request, engine.generate(
             prompt, params, rid, group_id=body.group_id, forced_output=body.forced_output,
             session=body.trajectory_id, policy_version=body.policy_version))
-        return _generate_json(out)
+        return generate_json(out)
 
     @app.post("/spec/add_sequence")
     async def add_sequence(body: AddSequenceRequest):
@@ -190,13 +188,13 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
                 raise ValueError("echo is not supported with stream")
             return sse(await primed(merged([
                 stream_completion(engine, p, sp, rid, k, model_name, body.logprobs is not None, g,
-                                   body.return_tokens_as_token_ids)
+                                  body.return_tokens_as_token_ids)
                 for k, (p, sp, g) in enumerate(runs)])))
         outs = await unless_disconnected(request, gather_or_cancel(
             engine.generate(p, sp, f"{rid}-{k}", group_id=g) for k, (p, sp, g) in enumerate(runs)))
         choices = completion_choices(tok, body, prompts, outs, body.return_tokens_as_token_ids)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                "choices": choices, "usage": _usage(outs, body.n)}
+                "choices": choices, "usage": usage(outs, body.n)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -211,12 +209,12 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         if body.stream:
             return sse(await primed(merged([stream_chat(engine, p, sp, rid, k, model_name, body.logprobs, g,
                                                         parses_tools(body))
-                                               for k, (p, sp, g) in enumerate(runs)])))
+                                            for k, (p, sp, g) in enumerate(runs)])))
         outs = await unless_disconnected(request, gather_or_cancel(
             engine.generate(p, sp, f"{rid}-{k}", group_id=g) for k, (p, sp, g) in enumerate(runs)))
         choices = chat_choices(tok, body, outs)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                "choices": choices, "usage": _usage(outs, body.n)}
+                "choices": choices, "usage": usage(outs, body.n)}
 
     return app
 
@@ -242,258 +240,3 @@ def _query_update(q) -> tuple[int | None, bool]:
     if partial not in ("true", "false", "1", "0"):
         raise ValueError(f"partial_rollout must be true or false, got {partial!r}")
     return (None if version is None else int(version)), partial in ("true", "1")
-
-
-def _generate_json(out: RequestOutput) -> dict:
-    return {"request_id": out.request_id, "token_ids": out.token_ids, "logprobs": out.logprobs,
-            "text": out.text, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
-            "num_cached_tokens": out.num_cached_tokens, "prompt_len": len(out.prompt_token_ids),
-            "policy_version": out.policy_version, "version_segments": out.version_segments,
-            **({"top_logprobs": pairs(out.top_logprobs)} if out.top_logprobs else {}),
-            **({} if out.prompt_logprobs is None else {
-                "prompt_logprobs": out.prompt_logprobs,
-                "prompt_top_logprobs": [None] + pairs(out.prompt_top_logprobs[1:])})}
-
-
-def pairs(tops: list[dict[int, float]]) -> list[list[list]]:
-    """Top logprobs as JSON keeps token ids: per token, [[id, logprob], ...] best first."""
-    return [[[t, lp] for t, lp in top.items()] for top in tops]
-
-
-async def gather_or_cancel(coros) -> list:
-    """asyncio.gather, but the first error (or the caller's cancellation) cancels the rest, which
-    aborts their requests instead of leaving them to generate for nobody."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-def choice_samples(prompts: list, params: SamplingParams, n: int, group_id: str | None, rid: str) -> list[tuple]:
-    """(prompt, params, group) of each choice, choice i * n + j being prompt i's sample j: seeded
-    seed + j, and one drafting group per prompt when n > 1 (unless the request names one)."""
-    return [(p, params.for_sample(j), group_id or (f"{rid}-p{i}" if n > 1 else None))
-            for i, p in enumerate(prompts) for j in range(n)]
-
-
-def _usage(outs: list[RequestOutput], n: int = 1) -> dict:
-    """OpenAI's usage: each prompt counted once however many samples it has."""
-    p = sum(len(o.prompt_token_ids) for o in outs[::n])
-    c = sum(len(o.token_ids) for o in outs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs[::n])}}
-
-
-def _piece(tok, t: int, as_ids: bool = False) -> str:
-    return f"token_id:{t}" if as_ids else tok.decode([t], skip_special_tokens=False)
-
-
-def completion_tops(tok, tops: list[dict[int, float]], as_ids: bool = False) -> list[dict[str, float]] | None:
-    """OpenAI completions' `top_logprobs`: per token {piece: logprob}, best first (None if none asked)."""
-    return [None if top is None else {_piece(tok, t, as_ids): lp for t, lp in top.items()} for top in tops] if tops else None
-
-
-def completion_params(body: CompletionRequest) -> SamplingParams:
-    params = body.sampling(body.max_tokens, body.logprobs or 0)
-    if body.echo and body.logprobs is not None:  # e.g. lm-eval's loglikelihood: the prompt tokens' logprobs
-        params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
-    return params
-
-
-def completion_choices(tok, body: CompletionRequest, prompts: list, outs: list[RequestOutput], as_ids: bool) -> list[dict]:
-    """OpenAI's completion choices (choice i * n + j is prompt i's sample j); `echo` puts the prompt
-    (as sent, or decoded from its ids) before each."""
-    echoed = [(p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)) if body.echo else ""
-              for p in prompts]
-    return [{"index": i, "text": echoed[i // body.n] + o.text, "finish_reason": o.finish_reason,
-             "stop_reason": o.stop_reason,
-             "logprobs": _completion_logprobs(tok, o, as_ids, body.echo) if body.logprobs is not None else None}
-            for i, o in enumerate(outs)]
-
-
-def _completion_logprobs(tok, out: RequestOutput, as_ids: bool = False, echo: bool = False) -> dict:
-    """OpenAI's completion logprobs; with `echo`, the prompt's tokens first (the first has none)."""
-    ids, lps, tops = out.token_ids, out.logprobs, out.top_logprobs
-    if echo:
-        ids, lps = out.prompt_token_ids + ids, out.prompt_logprobs + lps
-        tops = out.prompt_top_logprobs + tops if tops else []
-    pieces = [_piece(tok, t, as_ids) for t in ids]
-    offsets = list(itertools.accumulate(map(len, pieces), initial=0))[:-1]
-    return {"tokens": pieces, "token_logprobs": lps, "text_offset": offsets, "token_ids": ids,
-            "top_logprobs": completion_tops(tok, tops, as_ids)}
-
-
-def chat_choices(tok, body: ChatCompletionRequest, outs: list[RequestOutput]) -> list[dict]:
-    """OpenAI's chat choices. With tools offered (and tool_choice not "none"), Hermes
-    `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks in a reply become its
-    `tool_calls` (finish_reason "tool_calls") and the rest its content, as vLLM's hermes parser
-    does; a reply with a malformed call stays text."""
-    parse = parses_tools(body)
-    choices = []
-    for k, o in enumerate(outs):
-        message, reason = {"role": "assistant", "content": o.text}, o.finish_reason
-        calls = tool_calls(o.text) if parse else None
-        if calls is not None:
-            message, reason = {"role": "assistant", "content": calls[0] or None, "tool_calls": calls[1]}, "tool_calls"
-        choices.append({"index": k, "message": message, "finish_reason": reason, "stop_reason": o.stop_reason,
-                        "logprobs": {"content": chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs)}
-                        if body.logprobs else None})
-    return choices
-
-
-def parses_tools(body: ChatCompletionRequest) -> bool:
-    return bool(body.tools) and body.tool_choice != "none"
-
-
-def tool_calls(text: str) -> tuple[str, list[dict]] | None:
-    """A reply's Hermes tool calls as OpenAI's (and the text around them), or None if it has none or
-    a malformed one."""
-    got = HermesParser().parse(text)
-    if not got.calls or got.errors:
-        return None
-    return got.text, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                       "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in got.calls]
-
-
-def chat_logprobs(tok, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]]) -> list[dict]:
-    out = []
-    for i, (t, lp) in enumerate(zip(token_ids, logprobs)):
-        piece = _piece(tok, t)
-        top = [{"token": (p := _piece(tok, c)), "logprob": v, "bytes": list(p.encode()), "token_id": c}
-               for c, v in tops[i].items()] if tops else []
-        out.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": top, "token_id": t})
-    return out
-
-
-async def primed(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
-    """Run a stream up to its first chunk, so that bad input raises (HTTP 400) before headers go out."""
-    first = await chunks.__anext__()
-
-    async def chain():
-        yield first
-        async for c in chunks:
-            yield c
-    return chain()
-
-
-def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
-    async def body():
-        try:
-            async for c in chunks:
-                yield f"data: {json.dumps(c)}\n\n"
-        except ValueError as e:
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'invalid_request_error', 'code': 400}})}\n\n"
-        except RuntimeError as e:  # e.g. a router's replica failed mid-stream: say so rather than cut the stream
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'unavailable', 'code': 503}})}\n\n"
-        yield "data: [DONE]\n\n"
-    return StreamingResponse(body(), media_type="text/event-stream")
-
-
-async def _deltas(engine, prompt, params: SamplingParams, rid: str, group_id: str | None = None, **options):
-    """(new token ids, their logprobs, their top logprobs, new text, final output or None) per engine step."""
-    tok = engine.tokenizer
-    sent_tokens, sent_text = 0, ""
-    hold = max(map(len, params.stop), default=1) - 1  # text that may begin a stop string waits for the next
-    async for out in engine.stream(prompt, params, rid, group_id=group_id, **options):
-        text = out.text if out.finished else tok.decode(out.token_ids, params.skip_special_tokens)
-        if not out.finished:
-            if text.endswith("\ufffd"):  # half a multi-byte character: wait
-                continue
-            text = text[:max(len(text) - hold, 0)]  # (the final text is cut where a stop string begins)
-        new_ids, new_lps, new_tops = (x[sent_tokens:] for x in (out.token_ids, out.logprobs, out.top_logprobs))
-        delta = text[len(sent_text):] if text.startswith(sent_text) else ""
-        sent_tokens, sent_text = len(out.token_ids), text
-        yield new_ids, new_lps, new_tops, delta, out if out.finished else None
-
-
-async def stream_generate(engine, prompt, params, rid, group_id, **options):
-    async for ids, lps, tops, delta, final in _deltas(engine, prompt, params, rid, group_id, **options):
-        chunk = {"request_id": rid, "token_ids": ids, "logprobs": lps, "text": delta, "finished": final is not None}
-        if tops:
-            chunk["top_logprobs"] = pairs(tops)
-        if final is not None:
-            chunk |= {k: v for k, v in _generate_json(final).items()
-                      if k not in ("token_ids", "logprobs", "text", "top_logprobs")}
-        yield chunk
-
-
-async def merged(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
-    """The chunks of several streams (a request's n choices) as they come; the first error ends it,
-    and closing it closes every stream (which aborts their requests)."""
-    if len(streams) == 1:
-        async for c in streams[0]:
-            yield c
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(s):
-        try:
-            async for c in s:
-                await queue.put(c)
-            await queue.put(None)
-        except Exception as e:  # noqa: BLE001 - handed to the consumer
-            await queue.put(e)
-    tasks = [asyncio.create_task(pump(s)) for s in streams]
-    try:
-        left = len(tasks)
-        while left:
-            item = await queue.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def stream_completion(engine, prompt, params, rid, index: int, model, with_logprobs: bool,
-                             group_id: str | None, as_ids: bool = False, **options):
-    tok = engine.tokenizer
-    offset = 0  # of each token's piece in the whole text, as in a completion that is not streamed
-    async for ids, lps, tops, delta, final in _deltas(engine, prompt, params, f"{rid}-{index}", group_id, **options):
-        pieces = [_piece(tok, t, as_ids) for t in ids] if with_logprobs else []
-        offsets = list(itertools.accumulate(map(len, pieces), initial=offset))
-        offset = offsets.pop()
-        choice = {"index": index, "text": delta, "finish_reason": final.finish_reason if final else None,
-                  "logprobs": {"tokens": pieces, "token_logprobs": lps, "text_offset": offsets, "token_ids": ids,
-                               "top_logprobs": completion_tops(tok, tops, as_ids)}
-                  if with_logprobs else None}
-        yield {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-               "choices": [choice]}
-
-
-async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs: bool, group_id: str | None,
-                       tools: bool = False, **options):
-    """Chat chunks. With `tools`, the content stops before the first `<tool_call>` (and holds back
-    what may begin one); at the end the reply's tool calls come as one delta, finish reason
-    "tool_calls", or, if it has none (or a malformed one), the rest of its text."""
-    tok = engine.tokenizer
-    first, text, sent = True, "", 0
-    async for new_ids, lps, tops, delta, final in _deltas(engine, ids, params, f"{rid}-{index}", group_id, **options):
-        reason = final.finish_reason if final else None
-        d = {"content": delta}
-        if tools:
-            text = final.text if final else text + delta
-            calls = tool_calls(text) if final else None
-            if calls is not None:  # what was not sent of the text outside the tool-call blocks, and the calls
-                rest = HermesParser.pattern.sub("", text)[sent:]
-                d = {"content": rest if rest.strip() else None,
-                     "tool_calls": [dict(c, index=i) for i, c in enumerate(calls[1])]}
-                reason = "tool_calls"
-            else:
-                at = text.find(_TOOL_TAG)
-                shown = len(text) if final else at if at >= 0 else max(len(text) - len(_TOOL_TAG) + 1, 0)
-                d, sent = {"content": text[sent:max(shown, sent)]}, max(shown, sent)
-        if first:
-            d = {"role": "assistant", **d}
-        first = False
-        choice = {"index": index, "delta": d, "finish_reason": reason,
-                  "logprobs": {"content": chat_logprobs(tok, new_ids, lps, tops)} if with_logprobs else None}
-        yield {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-               "choices": [choice]}

@@ -239,7 +239,7 @@ def test_chat_tool_calls_are_parsed_from_the_reply():
     """With tools offered, a reply's Hermes <tool_call> blocks become OpenAI tool_calls (the unit;
     the test model does not write tool calls)."""
     from rollwise.serve.protocol import ChatCompletionRequest
-    from rollwise.serve.server import chat_choices
+    from rollwise.serve.responses import chat_choices
     from rollwise.types import RequestOutput
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
 
@@ -267,7 +267,7 @@ def test_streamed_chat_sends_tool_calls_as_a_delta():
     the last delta, as unstreamed; without tools, or with a malformed call, the text as it is.
     (A fake engine that streams a given reply a few characters at a time.)"""
     import asyncio
-    from rollwise.serve.server import stream_chat, tool_calls
+    from rollwise.serve.responses import stream_chat, tool_calls
     from rollwise.types import RequestOutput
 
     class Chars:
