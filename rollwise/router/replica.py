@@ -348,7 +348,7 @@ class OpenAIReplica(HttpReplica):
         except httpx.HTTPError as e:
             raise ReplicaError(f"{self.name}: {type(e).__name__}: {e}") from e
         self._check(r.status_code, r.text)
-        return self._output(r.json(), request.params)
+        return self._completion(r.json(), request.params)
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         body = self._body(request) | {"stream": True, "stream_options": {"include_usage": True}}
@@ -357,9 +357,9 @@ class OpenAIReplica(HttpReplica):
             if c.get("choices"):
                 if last is not None:
                     yield last
-                last = self._output(c, request.params)
+                last = self._completion(c, request.params)
             elif last is not None and c.get("usage"):
-                last.num_cached_tokens = self._output(c, request.params).num_cached_tokens
+                last.num_cached_tokens = self._completion(c, request.params).num_cached_tokens
         if last is not None:
             yield last
 
@@ -383,7 +383,7 @@ class OpenAIReplica(HttpReplica):
         return {k: v for k, v in body.items() if v is not None}
 
     @staticmethod
-    def _output(b: dict, p: SamplingParams) -> GenerateOutput:
+    def _completion(b: dict, p: SamplingParams) -> GenerateOutput:
         """A completion (or one streamed chunk of it) as token ids: vLLM's `token_id:N` pieces."""
         ch = (b.get("choices") or [{}])[0]
         lp = ch.get("logprobs") or {}
