@@ -20,7 +20,7 @@ from rollwise.router.router import Router
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest as GenerateBody
 from rollwise.serve.responses import (chat_choices, choice_samples, completion_choices, completion_params,
                                       gather_or_cancel, merged, pairs, parses_tools, primed, sse, stream_chat,
-                                      stream_completion, stream_generate)
+                                      stream_completion, stream_generate, with_usage)
 from rollwise.serve.server import error, install_common, unless_disconnected
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
 
@@ -183,9 +183,12 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         if body.stream:
             if body.echo:
                 raise ValueError("echo is not supported with stream")
-            return sse(await primed(merged([
-                stream_completion(routed, p, sp, rid, j, body.model, body.logprobs is not None, g, as_ids, **opt)
-                for j, (p, sp, _, g, opt) in enumerate(samples)])))
+            finals: list = []
+            return sse(await primed(with_usage(merged([
+                stream_completion(routed, p, sp, rid, j, body.model, body.logprobs is not None, g, as_ids,
+                                  finished=finals, **opt)
+                for j, (p, sp, _, g, opt) in enumerate(samples)]), body, finals,
+                {"id": rid, "object": "text_completion", "model": body.model})))
         outs = await unless_disconnected(request, gather_or_cancel(
             routed.generate(p, sp, r, group_id=g, **opt) for p, sp, r, g, opt in samples))
         choices = completion_choices(routed.tokenizer, body, [body.prompt], outs, as_ids)
@@ -210,9 +213,12 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
         samples = runs(body, request, ids, params, rid)
         if body.stream:
-            return sse(await primed(merged([
-                stream_chat(routed, p, sp, rid, j, body.model, body.logprobs, g, parses_tools(body), **opt)
-                for j, (p, sp, _, g, opt) in enumerate(samples)])))
+            finals = []
+            return sse(await primed(with_usage(merged([
+                stream_chat(routed, p, sp, rid, j, body.model, body.logprobs, g, parses_tools(body), finished=finals,
+                            **opt)
+                for j, (p, sp, _, g, opt) in enumerate(samples)]), body, finals,
+                {"id": rid, "object": "chat.completion.chunk", "model": body.model})))
         outs = await unless_disconnected(request, gather_or_cancel(
             routed.generate(p, sp, r, group_id=g, **opt) for p, sp, r, g, opt in samples))
         choices = chat_choices(tok, body, outs)

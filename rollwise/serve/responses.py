@@ -184,6 +184,19 @@ async def _deltas(engine, prompt, params: SamplingParams, rid: str, group_id: st
         yield new_ids, new_lps, new_tops, delta, out if out.finished else None
 
 
+def with_usage(chunks: AsyncIterator[dict], body, finished: list[RequestOutput], head: dict) -> AsyncIterator[dict]:
+    """OpenAI's `stream_options: {"include_usage": true}`: after the chunks, one with no choices and
+    the usage of the `finished` outputs (which the streams fill in); otherwise the chunks."""
+    if not (body.stream_options or {}).get("include_usage"):
+        return chunks
+
+    async def then_usage():
+        async for c in chunks:
+            yield c
+        yield {**head, "created": int(time.time()), "choices": [], "usage": usage(finished, body.n)}
+    return then_usage()
+
+
 async def stream_generate(engine, prompt, params, rid, group_id, **options):
     async for ids, lps, tops, delta, final in _deltas(engine, prompt, params, rid, group_id, **options):
         chunk = {"request_id": rid, "token_ids": ids, "logprobs": lps, "text": delta, "finished": final is not None}
@@ -229,13 +242,15 @@ async def merged(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
 
 
 async def stream_completion(engine, prompt, params, rid, index: int, model, with_logprobs: bool,
-                            group_id: str | None, as_ids: bool = False, **options):
+                            group_id: str | None, as_ids: bool = False, finished: list | None = None, **options):
     tok = engine.tokenizer
     offset = 0  # of each token's piece in the whole text, as in a completion that is not streamed
     async for ids, lps, tops, delta, final in _deltas(engine, prompt, params, f"{rid}-{index}", group_id, **options):
         pieces = [_piece(tok, t, as_ids) for t in ids] if with_logprobs else []
         offsets = list(itertools.accumulate(map(len, pieces), initial=offset))
         offset = offsets.pop()
+        if final is not None and finished is not None:
+            finished.append(final)
         choice = {"index": index, "text": delta, "finish_reason": final.finish_reason if final else None,
                   "logprobs": {"tokens": pieces, "token_logprobs": lps, "text_offset": offsets, "token_ids": ids,
                                "top_logprobs": completion_tops(tok, tops, as_ids)}
@@ -245,7 +260,7 @@ async def stream_completion(engine, prompt, params, rid, index: int, model, with
 
 
 async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs: bool, group_id: str | None,
-                      tools: bool = False, **options):
+                      tools: bool = False, finished: list | None = None, **options):
     """Chat chunks. With `tools`, the content stops before the first `<tool_call>` (and holds back
     what may begin one); at the end the reply's tool calls come as one delta, finish reason
     "tool_calls", or, if it has none (or a malformed one), the rest of its text."""
@@ -253,6 +268,8 @@ async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs
     first, text, sent = True, "", 0
     async for new_ids, lps, tops, delta, final in _deltas(engine, ids, params, f"{rid}-{index}", group_id, **options):
         reason = final.finish_reason if final else None
+        if final is not None and finished is not None:
+            finished.append(final)
         d = {"content": delta}
         if tools:
             text = final.text if final else text + delta

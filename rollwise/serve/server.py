@@ -25,7 +25,7 @@ from rollwise.serve.protocol import (AddSequenceRequest, ChatCompletionRequest, 
                                      GenerateRequest, UpdateWeightsRequest)
 from rollwise.serve.responses import (chat_choices, choice_samples, completion_choices, completion_params,
                                       gather_or_cancel, generate_json, merged, parses_tools, primed, sse,
-                                      stream_chat, stream_completion, stream_generate, usage)
+                                      stream_chat, stream_completion, stream_generate, usage, with_usage)
 from rollwise.types import SamplingParams, WeightsNotHeld
 
 OPEN_PATHS = {"/health", "/metrics"}
@@ -186,10 +186,12 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
                 raise ValueError("streaming takes one prompt")
             if body.echo:
                 raise ValueError("echo is not supported with stream")
-            return sse(await primed(merged([
+            finals: list = []
+            return sse(await primed(with_usage(merged([
                 stream_completion(engine, p, sp, rid, k, model_name, body.logprobs is not None, g,
-                                  body.return_tokens_as_token_ids)
-                for k, (p, sp, g) in enumerate(runs)])))
+                                  body.return_tokens_as_token_ids, finished=finals)
+                for k, (p, sp, g) in enumerate(runs)]), body, finals,
+                {"id": rid, "object": "text_completion", "model": model_name})))
         outs = await unless_disconnected(request, gather_or_cancel(
             engine.generate(p, sp, f"{rid}-{k}", group_id=g) for k, (p, sp, g) in enumerate(runs)))
         choices = completion_choices(tok, body, prompts, outs, body.return_tokens_as_token_ids)
@@ -207,9 +209,11 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
         runs = choice_samples([ids], params, body.n, body.group_id, rid)
         if body.stream:
-            return sse(await primed(merged([stream_chat(engine, p, sp, rid, k, model_name, body.logprobs, g,
-                                                        parses_tools(body))
-                                            for k, (p, sp, g) in enumerate(runs)])))
+            finals = []
+            return sse(await primed(with_usage(merged([
+                stream_chat(engine, p, sp, rid, k, model_name, body.logprobs, g, parses_tools(body), finished=finals)
+                for k, (p, sp, g) in enumerate(runs)]), body, finals,
+                {"id": rid, "object": "chat.completion.chunk", "model": model_name})))
         outs = await unless_disconnected(request, gather_or_cancel(
             engine.generate(p, sp, f"{rid}-{k}", group_id=g) for k, (p, sp, g) in enumerate(runs)))
         choices = chat_choices(tok, body, outs)

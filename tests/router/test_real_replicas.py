@@ -211,7 +211,9 @@ def test_streaming_through_the_route(servers, model_dir):
             assert chunks[-1]["finished"] and chunks[-1]["finish_reason"] == "length"
             cmpl = {"prompt": [5, 6, 7], "max_tokens": 30, "seed": 3, "n": 2, "ignore_eos": True, "logprobs": 0}
             whole = c.post("/v1/completions", json=cmpl).json()["choices"]
-            chunks = _events(c, "/v1/completions", cmpl)
+            chunks = _events(c, "/v1/completions", cmpl | {"stream_options": {"include_usage": True}})
+            assert chunks[-1]["usage"]["completion_tokens"] == 60 and chunks[-1]["usage"]["prompt_tokens"] == 3
+            chunks = chunks[:-1]
             for j in range(2):
                 mine = [ch["choices"][0] for ch in chunks if ch["choices"][0]["index"] == j]
                 assert [t for m in mine for t in m["logprobs"]["token_ids"]] == whole[j]["logprobs"]["token_ids"]

@@ -209,6 +209,22 @@ def test_a_failed_choice_aborts_its_siblings(client):
     _alive(client)
 
 
+def test_streams_end_with_usage_when_asked(client):
+    """`stream_options: {"include_usage": true}`: a last chunk with no choices and the request's
+    usage, the same as unstreamed (the prompt counted once for n samples); none without it."""
+    for path, body in (("/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 5, "n": 2, "seed": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                                                 "seed": 1})):
+        whole = client.post(path, json=body).json()["usage"]
+        with client.stream("POST", path, json=body | {"stream": True, "stream_options": {"include_usage": True}}) as r:
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole, path
+        assert all(c["choices"] for c in chunks[:-1]) and all("usage" not in c for c in chunks[:-1])
+        with client.stream("POST", path, json=body | {"stream": True}) as r:
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+        assert all(c["choices"] for c in chunks)
+
+
 def test_echo_and_prompt_logprobs(client, model_dir):
     """completions `echo` + `logprobs` (lm-eval's loglikelihood request): the prompt, then the
     completion, with the prompt tokens' logprobs first (the first None); /generate's
