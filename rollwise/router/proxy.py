@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -115,6 +116,19 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
             else:
                 lines.append(f"rollwise_router:{k} {v}")
         return PlainTextResponse("\n".join(lines) + "\n")
+
+    @app.get("/v1/models")
+    async def models():
+        """The models the replicas serve, as a healthy one lists them (OpenAI clients ask first)."""
+        for name in sorted(router.healthy):
+            client = getattr(router.replicas.get(name), "client", None)
+            try:
+                r = await client.get("/v1/models") if client is not None else None
+            except httpx.HTTPError:
+                continue
+            if r is not None and r.status_code == 200:
+                return r.json()
+        return error(503, "no healthy replica listed its models", "unavailable")
 
     @app.get("/replicas")
     async def replicas():

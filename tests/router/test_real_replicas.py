@@ -179,6 +179,7 @@ def test_route_proxy_over_http(servers, model_dir):
             assert got["choices"][0]["finish_reason"] == "stop" and extra["stop"][0] not in got["choices"][0]["message"]["content"]
             assert c.post("/v1/chat/completions", json={"messages": msgs, "top_logprobs": 2}).status_code == 400
             assert c.post("/generate", content=b"{oops", headers={"content-type": "application/json"}).status_code == 400
+            assert c.get("/v1/models").json() == httpx.get(servers[0].url + "/v1/models").json()
             assert c.get("/replicas").json()["replicas"] == sorted(s.url for s in servers)
             assert c.request("DELETE", "/replicas", json={"url": servers[1].url}).json()["replicas"] == [servers[0].url]
             assert c.request("DELETE", "/replicas", json={"url": "http://nowhere"}).status_code == 400
