@@ -200,7 +200,7 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
             finals: list = []
             return sse(await primed(with_usage(merged([
                 stream_completion(routed, p, sp, rid, j, body.model, body.logprobs is not None, g, as_ids,
-                                  finished=finals, **opt)
+                                  finished=finals, return_token_ids=body.return_token_ids, **opt)
                 for j, (p, sp, _, g, opt) in enumerate(samples)]), body, finals,
                 {"id": rid, "object": "text_completion", "model": body.model})))
         outs = await unless_disconnected(request, gather_or_cancel(
@@ -230,7 +230,7 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
             finals = []
             return sse(await primed(with_usage(merged([
                 stream_chat(routed, p, sp, rid, j, body.model, body.logprobs, g, parses_tools(body), finished=finals,
-                            **opt)
+                            return_token_ids=body.return_token_ids, **opt)
                 for j, (p, sp, _, g, opt) in enumerate(samples)]), body, finals,
                 {"id": rid, "object": "chat.completion.chunk", "model": body.model})))
         outs = await unless_disconnected(request, gather_or_cancel(
@@ -239,6 +239,7 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         completion = sum(len(o.token_ids) for o in outs)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": body.model,
                 "choices": choices, "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
-                                              "total_tokens": len(ids) + completion}}
+                                              "total_tokens": len(ids) + completion},
+                **({"prompt_token_ids": ids} if body.return_token_ids else {})}
 
     return app

@@ -34,6 +34,7 @@ class _OpenAISampling(_Strict):
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's keys) -> bias
     allowed_token_ids: list[int] | None = None  # vLLM's extension
     user: str | None = None
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids (token-in-token-out RL)
     # session metadata for schedulers (trajectory, group, turn)
     trajectory_id: str | None = None
     group_id: str | None = None

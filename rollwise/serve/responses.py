@@ -85,7 +85,8 @@ def completion_choices(tok, body: CompletionRequest, prompts: list, outs: list[R
               for p in prompts]
     return [{"index": i, "text": echoed[i // body.n] + o.text, "finish_reason": o.finish_reason,
              "stop_reason": o.stop_reason,
-             "logprobs": _completion_logprobs(tok, o, as_ids, body.echo) if body.logprobs is not None else None}
+             "logprobs": _completion_logprobs(tok, o, as_ids, body.echo) if body.logprobs is not None else None,
+             **({"prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids} if body.return_token_ids else {})}
             for i, o in enumerate(outs)]
 
 
@@ -114,6 +115,7 @@ def chat_choices(tok, body: ChatCompletionRequest, outs: list[RequestOutput]) ->
         if calls is not None:
             message, reason = {"role": "assistant", "content": calls[0] or None, "tool_calls": calls[1]}, "tool_calls"
         choices.append({"index": k, "message": message, "finish_reason": reason, "stop_reason": o.stop_reason,
+                        **({"token_ids": o.token_ids} if body.return_token_ids else {}),
                         "logprobs": {"content": chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs)}
                         if body.logprobs else None})
     return choices
@@ -242,9 +244,13 @@ async def merged(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
 
 
 async def stream_completion(engine, prompt, params, rid, index: int, model, with_logprobs: bool,
-                            group_id: str | None, as_ids: bool = False, finished: list | None = None, **options):
+                            group_id: str | None, as_ids: bool = False, finished: list | None = None,
+                            return_token_ids: bool = False, **options):
+    """Completion chunks; with `return_token_ids`, each choice's new token ids, and in its first
+    chunk the prompt's."""
     tok = engine.tokenizer
     offset = 0  # of each token's piece in the whole text, as in a completion that is not streamed
+    first = return_token_ids
     async for ids, lps, tops, delta, final in _deltas(engine, prompt, params, f"{rid}-{index}", group_id, **options):
         pieces = [_piece(tok, t, as_ids) for t in ids] if with_logprobs else []
         offsets = list(itertools.accumulate(map(len, pieces), initial=offset))
@@ -255,15 +261,21 @@ async def stream_completion(engine, prompt, params, rid, index: int, model, with
                   "logprobs": {"tokens": pieces, "token_logprobs": lps, "text_offset": offsets, "token_ids": ids,
                                "top_logprobs": completion_tops(tok, tops, as_ids)}
                   if with_logprobs else None}
+        if return_token_ids:
+            choice["token_ids"] = ids
+        if first:
+            choice["prompt_token_ids"], first = prompt if isinstance(prompt, list) else tok.encode(prompt), False
         yield {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
                "choices": [choice]}
 
 
 async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs: bool, group_id: str | None,
-                      tools: bool = False, finished: list | None = None, **options):
+                      tools: bool = False, finished: list | None = None, return_token_ids: bool = False,
+                      **options):
     """Chat chunks. With `tools`, the content stops before the first `<tool_call>` (and holds back
     what may begin one); at the end the reply's tool calls come as one delta, finish reason
-    "tool_calls", or, if it has none (or a malformed one), the rest of its text."""
+    "tool_calls", or, if it has none (or a malformed one), the rest of its text. With
+    `return_token_ids`, each chunk's new token ids, and the prompt's in the first chunk."""
     tok = engine.tokenizer
     first, text, sent = True, "", 0
     async for new_ids, lps, tops, delta, final in _deltas(engine, ids, params, f"{rid}-{index}", group_id, **options):
@@ -287,6 +299,7 @@ async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs
             d = {"role": "assistant", **d}
         first = False
         choice = {"index": index, "delta": d, "finish_reason": reason,
-                  "logprobs": {"content": chat_logprobs(tok, new_ids, lps, tops)} if with_logprobs else None}
+                  "logprobs": {"content": chat_logprobs(tok, new_ids, lps, tops)} if with_logprobs else None,
+                  **({"token_ids": new_ids} if return_token_ids else {})}
         yield {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-               "choices": [choice]}
+               "choices": [choice], **({"prompt_token_ids": ids} if return_token_ids and "role" in d else {})}

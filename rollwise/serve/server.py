@@ -189,7 +189,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
             finals: list = []
             return sse(await primed(with_usage(merged([
                 stream_completion(engine, p, sp, rid, k, model_name, body.logprobs is not None, g,
-                                  body.return_tokens_as_token_ids, finished=finals)
+                                  body.return_tokens_as_token_ids, finished=finals, return_token_ids=body.return_token_ids)
                 for k, (p, sp, g) in enumerate(runs)]), body, finals,
                 {"id": rid, "object": "text_completion", "model": model_name})))
         outs = await unless_disconnected(request, gather_or_cancel(
@@ -211,14 +211,15 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         if body.stream:
             finals = []
             return sse(await primed(with_usage(merged([
-                stream_chat(engine, p, sp, rid, k, model_name, body.logprobs, g, parses_tools(body), finished=finals)
+                stream_chat(engine, p, sp, rid, k, model_name, body.logprobs, g, parses_tools(body), finished=finals,
+                            return_token_ids=body.return_token_ids)
                 for k, (p, sp, g) in enumerate(runs)]), body, finals,
                 {"id": rid, "object": "chat.completion.chunk", "model": model_name})))
         outs = await unless_disconnected(request, gather_or_cancel(
             engine.generate(p, sp, f"{rid}-{k}", group_id=g) for k, (p, sp, g) in enumerate(runs)))
         choices = chat_choices(tok, body, outs)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                "choices": choices, "usage": usage(outs, body.n)}
+                "choices": choices, "usage": usage(outs, body.n), **({"prompt_token_ids": ids} if body.return_token_ids else {})}
 
     return app
 

@@ -177,6 +177,11 @@ def test_route_proxy_over_http(servers, model_dir):
                 assert [ch["finish_reason"] for ch in got["choices"]] == [ch["finish_reason"] for ch in want["choices"]]
                 assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
             assert got["choices"][0]["finish_reason"] == "stop" and extra["stop"][0] not in got["choices"][0]["message"]["content"]
+            ids_chat = {"messages": msgs, "temperature": 0, "max_tokens": 6, "return_token_ids": True}
+            want = httpx.post(servers[0].url + "/v1/chat/completions", json=ids_chat, timeout=60).json()
+            got = c.post("/v1/chat/completions", json=ids_chat).json()
+            assert got["prompt_token_ids"] == want["prompt_token_ids"]
+            assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
             assert c.post("/v1/chat/completions", json={"messages": msgs, "top_logprobs": 2}).status_code == 400
             assert c.post("/generate", content=b"{oops", headers={"content-type": "application/json"}).status_code == 400
             assert c.get("/v1/models").json() == httpx.get(servers[0].url + "/v1/models").json()

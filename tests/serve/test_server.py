@@ -225,6 +225,30 @@ def test_streams_end_with_usage_when_asked(client):
         assert all(c["choices"] for c in chunks)
 
 
+def test_return_token_ids(client, model_dir):
+    """vLLM's `return_token_ids`: the prompt's and each choice's token ids, so an OpenAI-API agent
+    keeps an exact token-in-token-out trajectory; streamed, the new ids per chunk and the prompt's first."""
+    msgs = [{"role": "user", "content": "Find the agent"}]
+    ids = LLM(model_dir).engine.tokenizer.encode_chat(msgs)
+    chat = {"messages": msgs, "temperature": 0, "max_tokens": 8, "logprobs": True, "return_token_ids": True}
+    got = client.post("/v1/chat/completions", json=chat).json()
+    assert got["prompt_token_ids"] == ids
+    assert got["choices"][0]["token_ids"] == [t["token_id"] for t in got["choices"][0]["logprobs"]["content"]]
+    with client.stream("POST", "/v1/chat/completions", json=chat | {"stream": True}) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+    assert chunks[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == got["choices"][0]["token_ids"]
+    cmpl = {"prompt": "The agent", "temperature": 0, "max_tokens": 6, "return_token_ids": True}
+    whole = client.post("/v1/completions", json=cmpl).json()["choices"][0]
+    assert whole["prompt_token_ids"] == LLM(model_dir).engine.tokenizer.encode("The agent") and len(whole["token_ids"]) == 6
+    with client.stream("POST", "/v1/completions", json=cmpl | {"stream": True}) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole["token_ids"]
+    plain = client.post("/v1/chat/completions", json=chat | {"return_token_ids": False}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
 def test_echo_and_prompt_logprobs(client, model_dir):
     """completions `echo` + `logprobs` (lm-eval's loglikelihood request): the prompt, then the
     completion, with the prompt tokens' logprobs first (the first None); /generate's
