@@ -20,8 +20,8 @@ from rollwise.router.replica import HttpReplica, ReplicaError
 from rollwise.router.router import Router
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest as GenerateBody
 from rollwise.serve.responses import (chat_choices, choice_samples, completion_choices, completion_params,
-                                      gather_or_cancel, merged, pairs, parses_tools, primed, sse, stream_chat,
-                                      stream_completion, stream_generate, with_usage)
+                                      gather_or_cancel, generate_json, generate_params, merged, parses_tools, primed,
+                                      sglang_fields, sse, stream_chat, stream_completion, stream_generate, with_usage)
 from rollwise.serve.server import error, install_common, unless_disconnected
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
 
@@ -46,16 +46,16 @@ class Routed:
 
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str, **options) -> RequestOutput:
         out = await self.router.generate(_request(prompt, params, request_id, **options))
-        return self._grown(RequestOutput(request_id=request_id, prompt_token_ids=prompt), out, params)
+        return self.grown(RequestOutput(request_id=request_id, prompt_token_ids=prompt), out, params)
 
     async def stream(self, prompt: list[int], params: SamplingParams, request_id: str,
                      **options) -> AsyncIterator[RequestOutput]:
         out = RequestOutput(request_id=request_id, prompt_token_ids=prompt)
         async for piece in self.router.stream(_request(prompt, params, request_id, **options)):
-            out = self._grown(out, piece, params)
+            out = self.grown(out, piece, params)
             yield out
 
-    def _grown(self, out: RequestOutput, piece: GenerateOutput, params: SamplingParams) -> RequestOutput:
+    def grown(self, out: RequestOutput, piece: GenerateOutput, params: SamplingParams) -> RequestOutput:
         out = dataclasses.replace(out, token_ids=out.token_ids + piece.token_ids, logprobs=out.logprobs + piece.logprobs,
                                   top_logprobs=out.top_logprobs + piece.top_logprobs)
         if piece.finish_reason is not None:
@@ -161,26 +161,20 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
 
     @app.post("/generate")
     async def generate(body: GenerateBody, request: Request):
-        if body.input_ids is None or body.prompt is not None:
+        if body.input_ids is None or body.prompt is not None or body.text is not None:
             raise ValueError("the router takes input_ids (token ids), not prompt text")
         if not body.input_ids:
             raise ValueError("input_ids must not be empty")
-        params = SamplingParams.from_dict(body.sampling_params)
-        rid = body.request_id or f"gen-{uuid.uuid4().hex[:16]}"
+        params = generate_params(body)
+        rid = body.request_id or body.rid or f"gen-{uuid.uuid4().hex[:16]}"
         options = {"session": body.trajectory_id or request.headers.get("x-session-id"), "turn": body.turn or 0,
                    "forced_output": body.forced_output, "policy_version": body.policy_version}
         group = body.group_id or request.headers.get("x-group-id")
         if body.stream:
             return sse(await primed(stream_generate(routed, body.input_ids, params, rid, group, **options)))
         out = await unless_disconnected(request, router.generate(_request(body.input_ids, params, rid, group, **options)))
-        return {"request_id": rid, "token_ids": out.token_ids, "logprobs": out.logprobs, "text": "",
-                "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
-                "prompt_len": len(body.input_ids), "policy_version": out.policy_version,
-                "version_segments": out.version_segments, "replica": out.replica,
-                **({"top_logprobs": pairs(out.top_logprobs)} if out.top_logprobs else {}),
-                **({} if out.prompt_logprobs is None else {
-                    "prompt_logprobs": out.prompt_logprobs,
-                    "prompt_top_logprobs": [None] + pairs(out.prompt_top_logprobs[1:])})}
+        whole = routed.grown(RequestOutput(request_id=rid, prompt_token_ids=body.input_ids), out, params)
+        return generate_json(whole) | {"replica": out.replica} | sglang_fields(routed.tokenizer, whole, body)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -87,6 +87,13 @@ class GenerateRequest(_Strict):
     turn: int | None = None
     forced_output: list[int] | None = None  # trace replay: emit these tokens (the forward still runs)
     policy_version: int | None = None  # run under these weights (held by this server); default: the newest
+    # SGLang's names and logprob options (its clients: AReaL, slime, verl's SGLang rollout): the reply
+    # also carries SGLang's `output_ids` and `meta_info`
+    text: str | None = None  # = prompt
+    rid: str | None = None  # = request_id
+    return_logprob: bool = False  # meta_info.output_token_logprobs: [[logprob, id, text or None], ...]
+    top_logprobs_num: int | None = None  # meta_info.output_top_logprobs (and input_top_logprobs)
+    logprob_start_len: int | None = None  # >= 0 with return_logprob: meta_info.input_token_logprobs from there
     # fields SGLang's router adds when it forwards /generate; accepted and ignored
     model: str | None = None
     background: bool | None = None

@@ -24,9 +24,10 @@ from rollwise.serve.metrics import prometheus_text
 from rollwise.serve.protocol import (AddSequenceRequest, ChatCompletionRequest, CompletionRequest,
                                      GenerateRequest, UpdateWeightsRequest)
 from rollwise.serve.responses import (chat_choices, choice_samples, completion_choices, completion_params,
-                                      gather_or_cancel, generate_json, merged, parses_tools, primed, sse,
+                                      gather_or_cancel, generate_json, generate_params, merged, parses_tools,
+                                      primed, sglang_fields, sse,
                                       stream_chat, stream_completion, stream_generate, usage, with_usage)
-from rollwise.types import SamplingParams, WeightsNotHeld
+from rollwise.types import WeightsNotHeld
 
 OPEN_PATHS = {"/health", "/metrics"}
 _WRITE_BYTES = 4 << 20  # a streamed weight update goes to disk in writes of about this size
@@ -148,16 +149,12 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request):
-        if (body.input_ids is None) == (body.prompt is None):
-            raise ValueError("give exactly one of input_ids or prompt")
-        sp = dict(body.sampling_params)
-        if "max_new_tokens" in sp:  # SGLang's name (its router forwards only SGLang's fields)
-            if "max_tokens" in sp and sp["max_tokens"] != sp["max_new_tokens"]:
-                raise ValueError("max_tokens and max_new_tokens (its SGLang name) disagree")
-            sp["max_tokens"] = sp.pop("max_new_tokens")
-        params = SamplingParams.from_dict(sp)
-        prompt = body.input_ids if body.input_ids is not None else body.prompt
-        rid = body.request_id or f"gen-{uuid.uuid4().hex[:16]}"
+        given = [x for x in (body.input_ids, body.prompt, body.text) if x is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of input_ids, prompt or text")
+        params = generate_params(body)
+        prompt = given[0]
+        rid = body.request_id or body.rid or f"gen-{uuid.uuid4().hex[:16]}"
         if body.stream:
             return sse(await primed(stream_generate(engine, prompt, params, rid, body.group_id,
                                                     policy_version=body.policy_version, session=body.trajectory_id,
@@ -165,7 +162,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         out = await unless_disconnected(request, engine.generate(
             prompt, params, rid, group_id=body.group_id, forced_output=body.forced_output,
             session=body.trajectory_id, policy_version=body.policy_version))
-        return generate_json(out)
+        return generate_json(out) | sglang_fields(tok, out, body)
 
     @app.post("/spec/add_sequence")
     async def add_sequence(body: AddSequenceRequest):

@@ -63,6 +63,34 @@ def test_generate_stream(client):
     assert [t for c in chunks for t in c["token_ids"]] == trace
 
 
+def test_generate_speaks_sglang(client, model_dir):
+    """An SGLang client's /generate (AReaL, slime, verl's SGLang rollout): its names in the request
+    (text, rid, max_new_tokens, min_new_tokens, no_stop_trim, return_logprob, top_logprobs_num,
+    logprob_start_len) and `output_ids` + `meta_info` in the reply, equal to the engine's."""
+    ids = [5, 17, 300, 42, 9]
+    ref = LLM(model_dir).generate([ids], SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logprobs=2,
+                                                        prompt_logprobs=2))[0]
+    body = {"input_ids": ids, "rid": "sgl-1", "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 1,
+            "return_text_in_logprobs": True,
+            "sampling_params": {"max_new_tokens": 6, "min_new_tokens": 6, "temperature": 0, "no_stop_trim": True,
+                                "spaces_between_special_tokens": False}}
+    got = client.post("/generate", json=body).json()
+    meta = got["meta_info"]
+    assert got["output_ids"] == ref.token_ids and meta["id"] == "sgl-1"
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (5, 6)
+    lp, tok, text = map(list, zip(*meta["output_token_logprobs"]))
+    assert tok == ref.token_ids and lp == pytest.approx(ref.logprobs, abs=1e-4) and all(isinstance(t, str) for t in text)
+    assert [[t for _, t, _ in top] for top in meta["output_top_logprobs"]] == [list(t) for t in ref.top_logprobs]
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == ids[1:]
+    assert [x for x, _, _ in meta["input_token_logprobs"]] == pytest.approx(ref.prompt_logprobs[1:], abs=1e-4)
+    assert len(meta["input_top_logprobs"]) == 4
+    plain = client.post("/generate", json={"text": "The agent", "sampling_params": {"max_new_tokens": 3}}).json()
+    assert len(plain["output_ids"]) == 3 and "output_token_logprobs" not in plain["meta_info"]
+    bad = client.post("/generate", json={"input_ids": ids, "sampling_params": {"min_new_tokens": 2, "min_tokens": 3}})
+    assert bad.status_code == 400
+
+
 def test_completions(client):
     r = client.post("/v1/completions", json={"model": "x", "prompt": "The agent", "max_tokens": 5, "temperature": 0,
                                              "logprobs": 0})
