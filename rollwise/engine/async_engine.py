@@ -93,6 +93,10 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> bool:
         return await self.call(lambda: self._abort(request_id))
 
+    async def abort_all(self) -> list[str]:
+        """Abort every request in flight; their ids."""
+        return await self.call(lambda: [rid for rid in list(self.engine.seqs) if self._abort(rid)])
+
     async def update_weights(self, weights, version: int | None = None, partial_rollout: bool = False) -> int:
         """New weights between two steps (`LLMEngine.update_weights`); returns the new policy version."""
         return await self.call(lambda: self.engine.update_weights(weights, version, partial_rollout))

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollwise.config import ServerConfig
 from rollwise.router.replica import HttpReplica, ReplicaError
 from rollwise.router.router import Router
-from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest as GenerateBody
+from rollwise.serve.protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest as GenerateBody
 from rollwise.serve.responses import (chat_choices, choice_samples, completion_choices, completion_params,
                                       gather_or_cancel, generate_json, generate_params, merged, parses_tools, primed,
                                       sglang_fields, sse, stream_chat, stream_completion, stream_generate, with_usage)
@@ -143,6 +143,23 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
     async def remove_replica(body: ReplicaBody):
         router.remove_replica(body.url.rstrip("/"))
         return {"replicas": sorted(router.replicas)}
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequest):
+        """Forwarded to every healthy replica (the one running it aborts it; its caller here gets what
+        it has, finish reason "abort")."""
+        if body.abort_all == (body.rid is not None):
+            raise ValueError("give either rid or abort_all: true")
+        aborted = []
+        for name in sorted(router.healthy):
+            client = getattr(router.replicas.get(name), "client", None)
+            try:
+                r = await client.post("/abort_request", json=body.model_dump()) if client is not None else None
+            except httpx.HTTPError:
+                continue
+            if r is not None and r.status_code == 200:
+                aborted += r.json().get("aborted", [])
+        return {"aborted": aborted}
 
     @app.post("/end_trajectory")
     async def end_trajectory(body: EndTrajectoryBody):

@@ -105,6 +105,13 @@ class GenerateRequest(_Strict):
     return_text_in_logprobs: bool | None = None
 
 
+class AbortRequest(_Strict):
+    """SGLang's /abort_request: one request by id, or every one in flight (e.g. an RL step that has
+    its groups stops the rest); each returns what it has, finish reason "abort"."""
+    rid: str | None = None
+    abort_all: bool = False
+
+
 class AddSequenceRequest(_Strict):
     """Drafting material for this replica's suffix cache (e.g. a trajectory finished elsewhere)."""
     token_ids: list[int] = Field(min_length=1)

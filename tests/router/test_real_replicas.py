@@ -264,6 +264,27 @@ def test_a_client_leaving_the_route_aborts_the_replica_request(servers, model_di
         proc.wait(timeout=10)
 
 
+def test_abort_request_through_the_route(servers, model_dir):
+    """/abort_request on the route reaches the replica running the request; the routed caller gets
+    what it has, finish reason "abort"."""
+    import concurrent.futures
+    proc, url = start_route(servers, model_dir, "round_robin")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            call = pool.submit(httpx.post, url + "/generate", timeout=60, json={
+                "input_ids": [5, 6, 7], "rid": "r-abort", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}})
+            for _ in range(200):
+                if sum(_replica_metric(s, "vllm:num_requests_running") for s in servers) >= 1:
+                    break
+                time.sleep(0.02)
+            assert httpx.post(url + "/abort_request", json={"rid": "r-abort"}).json() == {"aborted": ["r-abort"]}
+            got = call.result().json()
+        assert got["finish_reason"] == "abort" and 0 < len(got["token_ids"]) < 2000
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def test_openai_replica_speaks_token_ids_through_completions(servers):
     """The OpenAI-API replica (for vLLM/SGLang) against our own server: same tokens as /generate."""
     from rollwise.router.replica import OpenAIReplica

@@ -195,6 +195,33 @@ def test_logit_bias_and_allowed_token_ids_in_every_api(client):
     assert gen["token_ids"] == [12] * 4
 
 
+def test_abort_request_returns_what_was_generated(model_dir):
+    """SGLang's /abort_request: by rid, or every request in flight; each caller gets its tokens so
+    far with finish reason "abort" (meta_info's type "abort")."""
+    long = {"sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    with ServerProcess(model_dir, "--max-model-len", "4096") as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        def running(n):
+            for _ in range(200):
+                if _metric(c, "vllm:num_requests_running") >= n:
+                    return
+                time.sleep(0.02)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            one = pool.submit(httpx.post, s.url + "/generate", json=long | {"input_ids": [5, 6], "rid": "a-1"}, timeout=60)
+            running(1)
+            assert c.post("/abort_request", json={"rid": "a-1"}).json() == {"aborted": ["a-1"]}
+            got = one.result().json()
+            assert got["finish_reason"] == "abort" and got["meta_info"]["finish_reason"]["type"] == "abort"
+            assert 0 < len(got["token_ids"]) < 4000 and got["output_ids"] == got["token_ids"]
+            two = [pool.submit(httpx.post, s.url + "/generate", json=long | {"input_ids": [5, i]}, timeout=60)
+                   for i in (7, 8)]
+            running(2)
+            assert len(c.post("/abort_request", json={"abort_all": True}).json()["aborted"]) == 2
+            assert [f.result().json()["finish_reason"] for f in two] == ["abort", "abort"]
+        assert c.post("/abort_request", json={"rid": "gone"}).json() == {"aborted": []}
+        assert c.post("/abort_request", json={}).status_code == 400
+        _alive(c)
+
+
 def test_a_client_that_disconnects_aborts_its_requests(model_dir):
     """A non-streaming request whose client goes away (an episode's deadline, a router's timeout)
     is aborted, all its samples, instead of generating to its end for nobody; the server keeps
