@@ -113,6 +113,16 @@ class BlockManager:
                     lru[b] = None
         block_table.clear()
 
+    def evict_cached(self) -> int:
+        """Forget every cached prefix block no sequence holds (they become plain free blocks); how many."""
+        n = len(self._lru)
+        for b in self._lru:
+            del self.cached[self.block_hash[b]]
+            self.block_hash[b] = None
+            self._spare.append(b)
+        self._lru.clear()
+        return n
+
     def truncate(self, block_table: list[int], keep: int) -> None:
         """Release the blocks past the first `keep` (e.g. ones reserved for rejected draft tokens)."""
         if len(block_table) > keep:

@@ -21,12 +21,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from rollwise.config import ServerConfig
 from rollwise.serve.metrics import prometheus_text
-from rollwise.serve.protocol import (AbortRequest, AddSequenceRequest, ChatCompletionRequest, CompletionRequest,
+from rollwise.serve.protocol import (AddSequenceRequest, ChatCompletionRequest, CompletionRequest,
                                      GenerateRequest, UpdateWeightsRequest)
 from rollwise.serve.responses import (chat_choices, choice_samples, completion_choices, completion_params,
                                       gather_or_cancel, generate_json, generate_params, merged, parses_tools,
                                       primed, sglang_fields, sse,
                                       stream_chat, stream_completion, stream_generate, usage, with_usage)
+from rollwise.serve.sglang import install_sglang
 from rollwise.types import WeightsNotHeld
 
 OPEN_PATHS = {"/health", "/metrics"}
@@ -99,6 +100,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     tok = engine.tokenizer
 
     install_common(app, cfg)
+    install_sglang(app, engine)
 
     @app.get("/health")
     async def health():
@@ -163,13 +165,6 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
             prompt, params, rid, group_id=body.group_id, forced_output=body.forced_output,
             session=body.trajectory_id, policy_version=body.policy_version))
         return generate_json(out) | sglang_fields(tok, out, body)
-
-    @app.post("/abort_request")
-    async def abort_request(body: AbortRequest):
-        if body.abort_all == (body.rid is not None):
-            raise ValueError("give either rid or abort_all: true")
-        aborted = await engine.abort_all() if body.abort_all else [body.rid] if await engine.abort(body.rid) else []
-        return {"aborted": aborted}
 
     @app.post("/spec/add_sequence")
     async def add_sequence(body: AddSequenceRequest):

@@ -42,6 +42,21 @@ def test_shared_prefix_is_reused_and_lru_evicted():
     bm.check_integrity([t3])
 
 
+def test_evict_cached_forgets_only_unheld_blocks():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    held, freed = [], []
+    h1, h2 = chain_hashes(list(range(8)), 4), chain_hashes(list(range(100, 108)), 4)
+    for table, h in ((held, h1), (freed, h2)):
+        bm.allocate(table, 2)
+        for b, hh in zip(table, h):
+            bm.register(b, hh)
+    bm.free_table(freed)
+    assert len(bm.match_prefix(h2)) == 2 and bm.num_free_blocks == 4
+    assert bm.evict_cached() == 2
+    assert bm.match_prefix(h2) == [] and bm.match_prefix(h1) == held and bm.num_free_blocks == 4
+    bm.check_integrity([held])
+
+
 def test_can_allocate_counts_revived_blocks():
     bm = BlockManager(num_blocks=2, block_size=4)
     t: list[int] = []

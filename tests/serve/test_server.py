@@ -195,9 +195,10 @@ def test_logit_bias_and_allowed_token_ids_in_every_api(client):
     assert gen["token_ids"] == [12] * 4
 
 
-def test_abort_request_returns_what_was_generated(model_dir):
+def test_sglang_control_endpoints(model_dir):
     """SGLang's /abort_request: by rid, or every request in flight; each caller gets its tokens so
-    far with finish reason "abort" (meta_info's type "abort")."""
+    far with finish reason "abort" (meta_info's type "abort"). Then /get_model_info, /flush_cache
+    and /update_weights_from_disk."""
     long = {"sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
     with ServerProcess(model_dir, "--max-model-len", "4096") as s, httpx.Client(base_url=s.url, timeout=60) as c:
         def running(n):
@@ -219,6 +220,17 @@ def test_abort_request_returns_what_was_generated(model_dir):
             assert [f.result().json()["finish_reason"] for f in two] == ["abort", "abort"]
         assert c.post("/abort_request", json={"rid": "gone"}).json() == {"aborted": []}
         assert c.post("/abort_request", json={}).status_code == 400
+        # SGLang's other control endpoints: model info, flushing the prefix cache, weights from disk
+        assert c.get("/get_model_info").json()["is_generation"] is True
+        again = {"input_ids": list(range(10, 60)), "sampling_params": {"max_new_tokens": 2}}
+        c.post("/generate", json=again)
+        assert c.post("/generate", json=again).json()["num_cached_tokens"] == 48
+        assert c.post("/flush_cache").json()["evicted_blocks"] > 0
+        assert c.post("/generate", json=again).json()["num_cached_tokens"] == 0
+        got = c.post("/update_weights_from_disk", json={"model_path": model_dir, "load_format": "auto"}).json()
+        assert got["success"] is True and got["weight_version"] == "1" and c.get("/health").json()["policy_version"] == 1
+        bad = c.post("/update_weights_from_disk", json={"model_path": "/nonexistent"})
+        assert bad.status_code == 400 and bad.json()["success"] is False
         _alive(c)
 
 

@@ -1,0 +1,50 @@
+"""SGLang's control endpoints, for RL frameworks that drive SGLang servers (AReaL, slime, verl's
+SGLang rollout): abort requests, load new weights from disk, flush the prefix cache, model info.
+Their bodies and replies follow SGLang's; the work is `rollwise serve`'s own."""
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+
+from rollwise.serve.protocol import AbortRequest
+
+
+class UpdateFromDiskRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)  # SGLang's other options (load_format, ...) do not apply
+    model_path: str
+    weight_version: str | None = None  # our policy version when it is an integer; default: the next one
+    abort_all_requests: bool = False  # True: requests in flight end now (finish reason "abort")
+
+
+def install_sglang(app: FastAPI, engine) -> None:
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequest):
+        if body.abort_all == (body.rid is not None):
+            raise ValueError("give either rid or abort_all: true")
+        aborted = await engine.abort_all() if body.abort_all else [body.rid] if await engine.abort(body.rid) else []
+        return {"aborted": aborted}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateFromDiskRequest):
+        """Requests in flight finish under the weights they started with (unless aborted)."""
+        version = int(body.weight_version) if body.weight_version and body.weight_version.isdigit() else None
+        aborted = await engine.abort_all() if body.abort_all_requests else []
+        try:
+            version = await engine.update_weights(body.model_path, version, False)
+        except ValueError as e:
+            return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=400)
+        return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0,
+                "num_aborted_requests": len(aborted), "weight_version": str(version)}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        """Drop every cached prefix block no request holds. (Not needed after a weight update: blocks
+        are keyed by their weights' version, so old ones are never reused.)"""
+        evicted = await engine.call(engine.engine.blocks.evict_cached)
+        return {"success": True, "message": "Cache flushed.", "evicted_blocks": evicted}
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return {"model_path": engine.engine.config.model, "tokenizer_path": engine.engine.config.model,
+                "is_generation": True, "weight_version": str(engine.policy_version)}
