@@ -33,6 +33,7 @@ class AsyncEngine:
         self._wake = threading.Condition()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
+        self.paused = False  # no engine steps (requests wait; commands such as weight updates still run)
         self._thread = threading.Thread(target=self._loop, name="rollwise-engine", daemon=True)
         self._thread.start()
 
@@ -97,6 +98,19 @@ class AsyncEngine:
         """Abort every request in flight; their ids."""
         return await self.call(lambda: [rid for rid in list(self.engine.seqs) if self._abort(rid)])
 
+    async def pause(self, abort: bool = False) -> list[str]:
+        """Stop stepping (e.g. around a weight update) until `resume`; with `abort`, requests in
+        flight end now with what they have (their ids are returned), else they wait, KV kept."""
+        def go() -> list[str]:
+            self.paused = True
+            return [rid for rid in list(self.engine.seqs) if self._abort(rid)] if abort else []
+        return await self.call(go)
+
+    async def resume(self) -> None:
+        def go() -> None:
+            self.paused = False
+        await self.call(go)
+
     async def update_weights(self, weights, version: int | None = None, partial_rollout: bool = False) -> int:
         """New weights between two steps (`LLMEngine.update_weights`); returns the new policy version."""
         return await self.call(lambda: self.engine.update_weights(weights, version, partial_rollout))
@@ -140,7 +154,7 @@ class AsyncEngine:
             set_threads(self.engine.config.num_threads)
         while True:
             with self._wake:
-                while not self._commands and not self.engine.has_unfinished and not self._stopped:
+                while not self._commands and not (self.engine.has_unfinished and not self.paused) and not self._stopped:
                     self._wake.wait()
                 if self._stopped:
                     break
@@ -152,7 +166,7 @@ class AsyncEngine:
                     fut.set_result(fn())
                 except BaseException as e:  # noqa: BLE001 - returned to the caller
                     fut.set_exception(e)
-            if self.engine.has_unfinished:
+            if self.engine.has_unfinished and not self.paused:
                 try:
                     self._deliver(self.engine.step())
                 except Exception as e:  # noqa: BLE001 - fail in-flight requests, keep serving

@@ -23,6 +23,7 @@ from rollwise.serve.responses import (chat_choices, choice_samples, completion_c
                                       gather_or_cancel, generate_json, generate_params, merged, parses_tools, primed,
                                       sglang_fields, sse, stream_chat, stream_completion, stream_generate, with_usage)
 from rollwise.serve.server import error, install_common, unless_disconnected
+from rollwise.serve.sglang import PauseRequest
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
 
 
@@ -144,22 +145,36 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         router.remove_replica(body.url.rstrip("/"))
         return {"replicas": sorted(router.replicas)}
 
+    async def fan_out(path: str, body: dict) -> list[dict]:
+        """POST to every healthy replica; the replies of those that answered 200."""
+        got = []
+        for name in sorted(router.healthy):
+            client = getattr(router.replicas.get(name), "client", None)
+            try:
+                r = await client.post(path, json=body) if client is not None else None
+            except httpx.HTTPError:
+                continue
+            if r is not None and r.status_code == 200:
+                got.append(r.json())
+        return got
+
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest):
         """Forwarded to every healthy replica (the one running it aborts it; its caller here gets what
         it has, finish reason "abort")."""
         if body.abort_all == (body.rid is not None):
             raise ValueError("give either rid or abort_all: true")
-        aborted = []
-        for name in sorted(router.healthy):
-            client = getattr(router.replicas.get(name), "client", None)
-            try:
-                r = await client.post("/abort_request", json=body.model_dump()) if client is not None else None
-            except httpx.HTTPError:
-                continue
-            if r is not None and r.status_code == 200:
-                aborted += r.json().get("aborted", [])
-        return {"aborted": aborted}
+        return {"aborted": [rid for r in await fan_out("/abort_request", body.model_dump()) for rid in r["aborted"]]}
+
+    @app.post("/pause_generation")
+    async def pause_generation(body: PauseRequest | None = None):
+        got = await fan_out("/pause_generation", (body or PauseRequest()).model_dump())
+        return {"success": bool(got), "replicas": len(got), "aborted": [rid for r in got for rid in r["aborted"]]}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        got = await fan_out("/continue_generation", {})
+        return {"success": bool(got), "replicas": len(got)}
 
     @app.post("/end_trajectory")
     async def end_trajectory(body: EndTrajectoryBody):

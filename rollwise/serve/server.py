@@ -104,7 +104,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "policy_version": engine.policy_version,
+        return {"status": "ok", "policy_version": engine.policy_version, "paused": engine.paused,
                 "keep_weight_versions": engine.engine.config.keep_weight_versions}
 
     @app.get("/v1/models")

@@ -1,7 +1,10 @@
 """SGLang's control endpoints, for RL frameworks that drive SGLang servers (AReaL, slime, verl's
-SGLang rollout): abort requests, load new weights from disk, flush the prefix cache, model info.
+SGLang rollout): abort requests, pause and continue generation (around a weight update), load new
+weights from disk, flush the prefix cache, model info.
 Their bodies and replies follow SGLang's; the work is `rollwise serve`'s own."""
 from __future__ import annotations
+
+from typing import Literal
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -17,7 +20,24 @@ class UpdateFromDiskRequest(BaseModel):
     abort_all_requests: bool = False  # True: requests in flight end now (finish reason "abort")
 
 
+class PauseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    # abort: requests in flight end now with what they have (SGLang's default; a client resubmits
+    # them with their tokens); in_place / retract: they wait, and go on after /continue_generation
+    mode: Literal["abort", "in_place", "retract"] = "abort"
+
+
 def install_sglang(app: FastAPI, engine) -> None:
+    @app.post("/pause_generation")
+    async def pause_generation(body: PauseRequest | None = None):
+        aborted = await engine.pause(abort=(body or PauseRequest()).mode == "abort")
+        return {"success": True, "message": "Generation paused.", "aborted": aborted}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        await engine.resume()
+        return {"success": True, "message": "Generation continued."}
+
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest):
         if body.abort_all == (body.rid is not None):

@@ -280,6 +280,11 @@ def test_abort_request_through_the_route(servers, model_dir):
             assert httpx.post(url + "/abort_request", json={"rid": "r-abort"}).json() == {"aborted": ["r-abort"]}
             got = call.result().json()
         assert got["finish_reason"] == "abort" and 0 < len(got["token_ids"]) < 2000
+        # pause and continue reach every replica
+        assert httpx.post(url + "/pause_generation", json={"mode": "in_place"}).json()["replicas"] == 2
+        assert all(httpx.get(s.url + "/health").json()["paused"] for s in servers)
+        assert httpx.post(url + "/continue_generation").json()["replicas"] == 2
+        assert not any(httpx.get(s.url + "/health").json()["paused"] for s in servers)
     finally:
         proc.terminate()
         proc.wait(timeout=10)

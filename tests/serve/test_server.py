@@ -220,6 +220,29 @@ def test_sglang_control_endpoints(model_dir):
             assert [f.result().json()["finish_reason"] for f in two] == ["abort", "abort"]
         assert c.post("/abort_request", json={"rid": "gone"}).json() == {"aborted": []}
         assert c.post("/abort_request", json={}).status_code == 400
+        # pause and continue (around a weight update): in place, the request waits with its KV; by
+        # default (SGLang's "abort") it ends with what it has, and new ones wait for continue
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            one = pool.submit(httpx.post, s.url + "/generate", json=long | {"input_ids": [5, 6], "rid": "p-1"}, timeout=60)
+            running(1)
+            assert c.post("/pause_generation", json={"mode": "in_place"}).json()["aborted"] == []
+            before = _metric(c, "vllm:generation_tokens_total")
+            time.sleep(0.3)
+            assert _metric(c, "vllm:generation_tokens_total") == before and c.get("/health").json()["paused"]
+            c.post("/continue_generation")
+            for _ in range(100):
+                if _metric(c, "vllm:generation_tokens_total") > before:
+                    break
+                time.sleep(0.02)
+            assert _metric(c, "vllm:generation_tokens_total") > before
+            assert c.post("/pause_generation").json()["aborted"] == ["p-1"]
+            assert one.result().json()["finish_reason"] == "abort"
+            late = pool.submit(httpx.post, s.url + "/generate", timeout=60,
+                               json={"input_ids": [5, 9], "sampling_params": {"max_new_tokens": 3}})
+            time.sleep(0.3)
+            assert not late.done()
+            c.post("/continue_generation")
+            assert len(late.result().json()["token_ids"]) == 3 and not c.get("/health").json()["paused"]
         # SGLang's other control endpoints: model info, flushing the prefix cache, weights from disk
         assert c.get("/get_model_info").json()["is_generation"] is True
         again = {"input_ids": list(range(10, 60)), "sampling_params": {"max_new_tokens": 2}}
