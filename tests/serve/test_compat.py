@@ -1,0 +1,321 @@
+"""What clients of other servers send and read, over real HTTP (a `rollwise serve` subprocess):
+vLLM's sampling options and token ids, OpenAI's echo, usage chunks and tool calls, SGLang's
+/generate names and control endpoints."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+import pytest
+
+from rollwise import LLM, SamplingParams
+from rollwise.serve.process import ServerProcess
+
+
+def _alive(client):
+    assert client.get("/health").json()["status"] == "ok"
+
+
+def _metric(client, name: str) -> float:
+    line = [x for x in client.get("/metrics").text.splitlines() if x.startswith(name + "{")]
+    return float(line[0].split()[-1])
+
+
+def test_generate_speaks_sglang(client, model_dir):
+    """An SGLang client's /generate (AReaL, slime, verl's SGLang rollout): its names in the request
+    (text, rid, max_new_tokens, min_new_tokens, no_stop_trim, return_logprob, top_logprobs_num,
+    logprob_start_len) and `output_ids` + `meta_info` in the reply, equal to the engine's."""
+    ids = [5, 17, 300, 42, 9]
+    ref = LLM(model_dir).generate([ids], SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logprobs=2,
+                                                        prompt_logprobs=2))[0]
+    body = {"input_ids": ids, "rid": "sgl-1", "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 1,
+            "return_text_in_logprobs": True,
+            "sampling_params": {"max_new_tokens": 6, "min_new_tokens": 6, "temperature": 0, "no_stop_trim": True,
+                                "spaces_between_special_tokens": False}}
+    got = client.post("/generate", json=body).json()
+    meta = got["meta_info"]
+    assert got["output_ids"] == ref.token_ids and meta["id"] == "sgl-1"
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (5, 6)
+    lp, tok, text = map(list, zip(*meta["output_token_logprobs"]))
+    assert tok == ref.token_ids and lp == pytest.approx(ref.logprobs, abs=1e-4) and all(isinstance(t, str) for t in text)
+    assert [[t for _, t, _ in top] for top in meta["output_top_logprobs"]] == [list(t) for t in ref.top_logprobs]
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == ids[1:]
+    assert [x for x, _, _ in meta["input_token_logprobs"]] == pytest.approx(ref.prompt_logprobs[1:], abs=1e-4)
+    assert len(meta["input_top_logprobs"]) == 4
+    plain = client.post("/generate", json={"text": "The agent", "sampling_params": {"max_new_tokens": 3}}).json()
+    assert len(plain["output_ids"]) == 3 and "output_token_logprobs" not in plain["meta_info"]
+    bad = client.post("/generate", json={"input_ids": ids, "sampling_params": {"min_new_tokens": 2, "min_tokens": 3}})
+    assert bad.status_code == 400
+
+
+def test_penalties_in_every_api(client, model_dir):
+    """presence / frequency / repetition penalties reach the engine from /generate, completions and
+    chat: the same tokens as the engine's with them, other tokens than without them."""
+    ids = [5, 17, 300, 42, 9]
+    pen = {"presence_penalty": 0.5, "frequency_penalty": 0.8, "repetition_penalty": 1.3}
+    llm = LLM(model_dir)
+    ref = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **pen))[0]
+    assert ref.token_ids != llm.generate([ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].token_ids
+    gen = client.post("/generate", json={"input_ids": ids, "sampling_params": {
+        "temperature": 0, "max_tokens": 16, "ignore_eos": True, **pen}}).json()
+    assert gen["token_ids"] == ref.token_ids
+    assert gen["logprobs"] == pytest.approx(ref.logprobs, abs=1e-4)
+    body = {"prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "return_tokens_as_token_ids": True, **pen}
+    lp = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in ref.token_ids]
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = llm.engine.tokenizer.encode_chat(msgs)
+    want = llm.generate([chat], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **pen))[0]
+    got = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 8, "temperature": 0,
+                                                    "ignore_eos": True, "logprobs": True, **pen}).json()
+    assert [c["token_id"] for c in got["choices"][0]["logprobs"]["content"]] == want.token_ids
+
+
+def test_logit_bias_and_allowed_token_ids_in_every_api(client):
+    """OpenAI's logit_bias (string keys) and vLLM's allowed_token_ids reach the engine."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "logprobs": 0, "logit_bias": {"11": 100}}
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["token_ids"] == [11] * 6
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "logprobs": True,
+            "allowed_token_ids": [20, 21, 22]}
+    got = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    assert {t["token_id"] for t in got} <= {20, 21, 22}
+    gen = client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {
+        "temperature": 0, "max_tokens": 4, "logit_bias": {"12": 100}}}).json()
+    assert gen["token_ids"] == [12] * 4
+
+
+def test_sglang_control_endpoints(model_dir):
+    """SGLang's /abort_request: by rid, or every request in flight; each caller gets its tokens so
+    far with finish reason "abort" (meta_info's type "abort"). Then /get_model_info, /flush_cache
+    and /update_weights_from_disk."""
+    long = {"sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    with ServerProcess(model_dir, "--max-model-len", "4096") as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        def running(n):
+            for _ in range(200):
+                if _metric(c, "vllm:num_requests_running") >= n:
+                    return
+                time.sleep(0.02)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            one = pool.submit(httpx.post, s.url + "/generate", json=long | {"input_ids": [5, 6], "rid": "a-1"}, timeout=60)
+            running(1)
+            assert c.post("/abort_request", json={"rid": "a-1"}).json() == {"aborted": ["a-1"]}
+            got = one.result().json()
+            assert got["finish_reason"] == "abort" and got["meta_info"]["finish_reason"]["type"] == "abort"
+            assert 0 < len(got["token_ids"]) < 4000 and got["output_ids"] == got["token_ids"]
+            two = [pool.submit(httpx.post, s.url + "/generate", json=long | {"input_ids": [5, i]}, timeout=60)
+                   for i in (7, 8)]
+            running(2)
+            assert len(c.post("/abort_request", json={"abort_all": True}).json()["aborted"]) == 2
+            assert [f.result().json()["finish_reason"] for f in two] == ["abort", "abort"]
+        assert c.post("/abort_request", json={"rid": "gone"}).json() == {"aborted": []}
+        assert c.post("/abort_request", json={}).status_code == 400
+        # pause and continue (around a weight update): in place, the request waits with its KV; by
+        # default (SGLang's "abort") it ends with what it has, and new ones wait for continue
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            one = pool.submit(httpx.post, s.url + "/generate", json=long | {"input_ids": [5, 6], "rid": "p-1"}, timeout=60)
+            running(1)
+            assert c.post("/pause_generation", json={"mode": "in_place"}).json()["aborted"] == []
+            before = _metric(c, "vllm:generation_tokens_total")
+            time.sleep(0.3)
+            assert _metric(c, "vllm:generation_tokens_total") == before and c.get("/health").json()["paused"]
+            c.post("/continue_generation")
+            for _ in range(100):
+                if _metric(c, "vllm:generation_tokens_total") > before:
+                    break
+                time.sleep(0.02)
+            assert _metric(c, "vllm:generation_tokens_total") > before
+            assert c.post("/pause_generation").json()["aborted"] == ["p-1"]
+            assert one.result().json()["finish_reason"] == "abort"
+            late = pool.submit(httpx.post, s.url + "/generate", timeout=60,
+                               json={"input_ids": [5, 9], "sampling_params": {"max_new_tokens": 3}})
+            time.sleep(0.3)
+            assert not late.done()
+            c.post("/continue_generation")
+            assert len(late.result().json()["token_ids"]) == 3 and not c.get("/health").json()["paused"]
+        # SGLang's other control endpoints: model info, flushing the prefix cache, weights from disk
+        assert c.get("/get_model_info").json()["is_generation"] is True
+        again = {"input_ids": list(range(10, 60)), "sampling_params": {"max_new_tokens": 2}}
+        c.post("/generate", json=again)
+        assert c.post("/generate", json=again).json()["num_cached_tokens"] == 48
+        assert c.post("/flush_cache").json()["evicted_blocks"] > 0
+        assert c.post("/generate", json=again).json()["num_cached_tokens"] == 0
+        got = c.post("/update_weights_from_disk", json={"model_path": model_dir, "load_format": "auto"}).json()
+        assert got["success"] is True and got["weight_version"] == "1" and c.get("/health").json()["policy_version"] == 1
+        bad = c.post("/update_weights_from_disk", json={"model_path": "/nonexistent"})
+        assert bad.status_code == 400 and bad.json()["success"] is False
+        _alive(c)
+
+
+def test_streams_end_with_usage_when_asked(client):
+    """`stream_options: {"include_usage": true}`: a last chunk with no choices and the request's
+    usage, the same as unstreamed (the prompt counted once for n samples); none without it."""
+    for path, body in (("/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 5, "n": 2, "seed": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                                                 "seed": 1})):
+        whole = client.post(path, json=body).json()["usage"]
+        with client.stream("POST", path, json=body | {"stream": True, "stream_options": {"include_usage": True}}) as r:
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole, path
+        assert all(c["choices"] for c in chunks[:-1]) and all("usage" not in c for c in chunks[:-1])
+        with client.stream("POST", path, json=body | {"stream": True}) as r:
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+        assert all(c["choices"] for c in chunks)
+
+
+def test_return_token_ids(client, model_dir):
+    """vLLM's `return_token_ids`: the prompt's and each choice's token ids, so an OpenAI-API agent
+    keeps an exact token-in-token-out trajectory; streamed, the new ids per chunk and the prompt's first."""
+    msgs = [{"role": "user", "content": "Find the agent"}]
+    ids = LLM(model_dir).engine.tokenizer.encode_chat(msgs)
+    chat = {"messages": msgs, "temperature": 0, "max_tokens": 8, "logprobs": True, "return_token_ids": True}
+    got = client.post("/v1/chat/completions", json=chat).json()
+    assert got["prompt_token_ids"] == ids
+    assert got["choices"][0]["token_ids"] == [t["token_id"] for t in got["choices"][0]["logprobs"]["content"]]
+    with client.stream("POST", "/v1/chat/completions", json=chat | {"stream": True}) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+    assert chunks[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == got["choices"][0]["token_ids"]
+    cmpl = {"prompt": "The agent", "temperature": 0, "max_tokens": 6, "return_token_ids": True}
+    whole = client.post("/v1/completions", json=cmpl).json()["choices"][0]
+    assert whole["prompt_token_ids"] == LLM(model_dir).engine.tokenizer.encode("The agent") and len(whole["token_ids"]) == 6
+    with client.stream("POST", "/v1/completions", json=cmpl | {"stream": True}) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole["token_ids"]
+    plain = client.post("/v1/chat/completions", json=chat | {"return_token_ids": False}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
+def test_echo_and_prompt_logprobs(client, model_dir):
+    """completions `echo` + `logprobs` (lm-eval's loglikelihood request): the prompt, then the
+    completion, with the prompt tokens' logprobs first (the first None); /generate's
+    `prompt_logprobs`. Both equal the engine's."""
+    text = "The agent looked up the order"
+    ids = LLM(model_dir).engine.tokenizer.encode(text)
+    ref = LLM(model_dir).generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    body = {"prompt": text, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    ch = client.post("/v1/completions", json=body).json()["choices"][0]
+    lp = ch["logprobs"]
+    assert ch["text"].startswith(text) and len(ch["text"]) > len(text)
+    assert lp["token_ids"] == ids + ref.token_ids and len(lp["tokens"]) == len(ids) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:len(ids)] == pytest.approx(ref.prompt_logprobs[1:], abs=1e-4)
+    assert lp["token_logprobs"][-1] == pytest.approx(ref.logprobs[0], abs=1e-4)
+    assert [len(t) for t in lp["top_logprobs"][1:]] == [1] * len(ids)
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+    plain = client.post("/v1/completions", json=body | {"logprobs": None, "prompt": ids}).json()["choices"][0]
+    assert plain["logprobs"] is None and plain["text"].startswith(text)
+    gen = client.post("/generate", json={"input_ids": ids, "sampling_params": {
+        "temperature": 0, "max_tokens": 1, "prompt_logprobs": 2}}).json()
+    assert gen["prompt_logprobs"][0] is None and gen["prompt_logprobs"][1:] == pytest.approx(ref.prompt_logprobs[1:], abs=1e-4)
+    assert gen["prompt_top_logprobs"][0] is None and all(len(t) == 2 for t in gen["prompt_top_logprobs"][1:])
+    assert client.post("/v1/completions", json=body | {"stream": True}).status_code == 400
+
+
+def test_chat_tool_calls_are_parsed_from_the_reply():
+    """With tools offered, a reply's Hermes <tool_call> blocks become OpenAI tool_calls (the unit;
+    the test model does not write tool calls)."""
+    from rollwise.serve.protocol import ChatCompletionRequest
+    from rollwise.serve.responses import chat_choices
+    from rollwise.types import RequestOutput
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+
+    def choice(text, **body):
+        req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **body})
+        out = RequestOutput(request_id="r", prompt_token_ids=[1], text=text, finished=True, finish_reason="stop")
+        return chat_choices(None, req, [out])[0]
+    two = ('Let me check.\n<tool_call>{"name": "lookup", "arguments": {"name": "Ada"}}</tool_call>\n'
+           '<tool_call>{"name": "lookup", "arguments": "{\\"name\\": \\"Bo\\"}"}</tool_call>')
+    ch = choice(two, tools=tools)
+    assert ch["finish_reason"] == "tool_calls" and ch["message"]["content"] == "Let me check."
+    calls = ch["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["lookup"] * 2 and calls[0]["id"] != calls[1]["id"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"name": "Ada"}, {"name": "Bo"}]
+    only = choice('<tool_call>{"name": "lookup", "arguments": {}}</tool_call>', tools=tools)
+    assert only["message"]["content"] is None and len(only["message"]["tool_calls"]) == 1
+    for text, body in ((two, {}), (two, {"tools": tools, "tool_choice": "none"}),
+                       ('<tool_call>{"name": "lookup", "arguments": {</tool_call>', {"tools": tools})):
+        ch = choice(text, **body)  # no tools offered, tools refused, or a malformed call: the text as it is
+        assert ch["message"] == {"role": "assistant", "content": text} and ch["finish_reason"] == "stop"
+
+
+def test_streamed_chat_sends_tool_calls_as_a_delta():
+    """Streamed with tools: the content stops before the first <tool_call>, and the calls come in
+    the last delta, as unstreamed; without tools, or with a malformed call, the text as it is.
+    (A fake engine that streams a given reply a few characters at a time.)"""
+    import asyncio
+    from rollwise.serve.responses import stream_chat, tool_calls
+    from rollwise.types import RequestOutput
+
+    class Chars:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    class Engine:
+        tokenizer = Chars()
+
+        def __init__(self, text):
+            self.text = text
+
+        async def stream(self, prompt, params, rid, **options):
+            ids = [ord(c) for c in self.text]
+            for n in range(3, len(ids) + 3, 3):
+                done = n >= len(ids)
+                yield RequestOutput(request_id=rid, prompt_token_ids=prompt, token_ids=ids[:n], logprobs=[0.0] * len(ids[:n]),
+                                    text=self.text if done else "", finished=done, finish_reason="stop" if done else None)
+
+    def run(text, tools):
+        async def go():
+            return [c["choices"][0] async for c in stream_chat(Engine(text), [1], SamplingParams(), "r", 0, "m", False,
+                                                                None, tools)]
+        return asyncio.run(go())
+    reply = ('Let me check.\n<tool_call>{"name": "lookup", "arguments": {"name": "Ada"}}</tool_call>\n'
+             '<tool_call>{"name": "lookup", "arguments": {"name": "Bo"}}</tool_call>')
+    chunks = run(reply, True)
+    content = "".join(c["delta"].get("content") or "" for c in chunks)
+    assert content == "Let me check.\n" and chunks[-1]["finish_reason"] == "tool_calls"
+    calls = chunks[-1]["delta"]["tool_calls"]
+    assert [(c["index"], c["function"]) for c in calls] == [(i, c["function"]) for i, c in enumerate(tool_calls(reply)[1])]
+    assert chunks[0]["delta"]["role"] == "assistant" and all("tool_calls" not in c["delta"] for c in chunks[:-1])
+    broken = 'Hi <tool_call>{"name": "lookup", "arguments": {</tool_call>'
+    for text, tools in ((reply, False), (broken, True)):
+        chunks = run(text, tools)
+        assert "".join(c["delta"]["content"] for c in chunks) == text and chunks[-1]["finish_reason"] == "stop"
+
+
+def test_chat_takes_back_its_tool_calls_and_tool_results(client):
+    """The OpenAI round trip: the assistant's tool_calls (arguments as a JSON string) and the tool's
+    result go back in the next request, rendered by the chat template."""
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "Find Ada"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "lookup", "arguments": "{\"name\": \"Ada\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Ada: room 12"}]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "tools": tools, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] > client.post("/v1/chat/completions", json={
+        "messages": msgs[:1], "tools": tools, "max_tokens": 4}).json()["usage"]["prompt_tokens"] + 10
+
+
+def test_streamed_text_never_passes_a_stop_string(client):
+    """A stop string that spans tokens: the streamed text holds back what may begin it, so the
+    pieces add up to the unstreamed (cut) text, in chat and completions."""
+    msgs = [{"role": "user", "content": "Find the agent"}]
+    reply = client.post("/v1/chat/completions", json={"messages": msgs, "temperature": 0, "max_tokens": 16}).json()
+    text = reply["choices"][0]["message"]["content"]
+    for stop in (text[3:5], text[6:9], "never there"):
+        chat = {"messages": msgs, "temperature": 0, "max_tokens": 16, "stop": [stop]}
+        whole = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+        with client.stream("POST", "/v1/chat/completions", json=chat | {"stream": True}) as r:
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == whole, stop
+        assert (stop in text) == (whole != text)
+        cmpl = {"prompt": [5, 6, 7], "temperature": 0, "max_tokens": 16, "stop": [stop]}
+        whole = client.post("/v1/completions", json=cmpl).json()["choices"][0]["text"]
+        with client.stream("POST", "/v1/completions", json=cmpl | {"stream": True}) as r:
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == whole, stop
