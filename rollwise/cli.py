@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -66,7 +67,14 @@ def cmd_make_model(args) -> None:
 def cmd_generate(args) -> None:
     from rollwise import LLM, SamplingParams
     llm = LLM(**dataclasses.asdict(config_from_args(EngineConfig, args)))
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sample_seed)
+    try:
+        extra = json.loads(args.sampling)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--sampling must be a JSON object of SamplingParams fields: {e}") from e
+    if not isinstance(extra, dict):
+        raise ValueError("--sampling must be a JSON object of SamplingParams fields")
+    params = SamplingParams.from_dict({"temperature": args.temperature, "max_tokens": args.max_tokens,
+                                       "seed": args.sample_seed, **extra})
     prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) if args.chat else p for p in args.prompt]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -197,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--sample-seed", type=int, default=None)
+    p.add_argument("--sampling", default="{}", help='more SamplingParams fields as JSON, e.g. '
+                   '\'{"top_p": 0.9, "repetition_penalty": 1.1, "logit_bias": {"7": -100}}\'')
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("serve", help="HTTP server (OpenAI-compatible + /generate + /metrics)")

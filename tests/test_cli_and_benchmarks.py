@@ -50,6 +50,12 @@ def test_make_model_and_generate(tmp_path):
             "--max-tokens", "5", "--chat")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("--- req-") == 2 and "tok/s" in r.stdout
+    r = run("-m", "rollwise.cli", "generate", str(tmp_path / "m"), "--prompt", "hello", "--max-tokens", "5",
+            "--sampling", '{"logit_bias": {"7": 100}, "ignore_eos": true}')
+    assert r.returncode == 0, r.stderr
+    assert "5 tokens, length" in r.stdout
+    bad = run("-m", "rollwise.cli", "generate", str(tmp_path / "m"), "--prompt", "x", "--sampling", '{"top_q": 1}')
+    assert bad.returncode == 2 and "unknown sampling fields ['top_q']" in bad.stderr
     bad = run("-m", "rollwise.cli", "make-model", str(tmp_path / "x"), "--hidden", "30", "--heads", "4")
     assert bad.returncode == 2 and "must divide" in bad.stderr
 
