@@ -87,7 +87,7 @@ class GenerateRequest(_Strict):
     turn: int | None = None
     forced_output: list[int] | None = None  # trace replay: emit these tokens (the forward still runs)
     policy_version: int | None = None  # run under these weights (held by this server); default: the newest
-    # SGLang's names and logprob options (its clients: AReaL, slime, verl's SGLang rollout): the reply
+    # SGLang's names and logprob options (its clients, e.g. AReaL's and slime's): the reply
     # also carries SGLang's `output_ids` and `meta_info`
     text: str | None = None  # = prompt
     rid: str | None = None  # = request_id

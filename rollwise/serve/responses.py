@@ -55,7 +55,7 @@ def generate_params(body) -> SamplingParams:
 def sglang_fields(tok, out: RequestOutput, body) -> dict:
     """SGLang's /generate reply fields, beside ours: `output_ids` and `meta_info` (finish reason as
     {"type", "matched" / "length"}, token counts, and with `return_logprob` the logprobs as
-    [logprob, token id, text or None] triples), as AReaL's, slime's and verl's SGLang clients read them."""
+    [logprob, token id, text or None] triples), as SGLang clients such as AReaL's and slime's read them."""
     piece = (lambda t: _piece(tok, t)) if body.return_text_in_logprobs else (lambda t: None)
     reason = None if out.finish_reason is None else {"type": out.finish_reason, **(
         {"matched": out.stop_reason} if out.finish_reason == "stop" else

@@ -1,6 +1,6 @@
-"""SGLang's control endpoints, for RL frameworks that drive SGLang servers (AReaL, slime, verl's
-SGLang rollout): abort requests, pause and continue generation (around a weight update), load new
-weights from disk, flush the prefix cache, model info.
+"""SGLang's control endpoints, for RL frameworks that drive SGLang servers (e.g. AReaL, slime):
+abort requests, pause and continue generation (around a weight update), load new weights from
+disk, flush the prefix cache, model info.
 Their bodies and replies follow SGLang's; the work is `rollwise serve`'s own."""
 from __future__ import annotations
 
