@@ -11,13 +11,25 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from rollwise.agent.parsing import HermesParser
+from rollwise.config import ServerConfig
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest
 from rollwise.types import RequestOutput, SamplingParams
 
 _TOOL_TAG = "<tool_call>"
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def weights_refused(cfg: ServerConfig) -> JSONResponse | None:
+    """A weight update is refused (403) on a server off loopback started without an API key."""
+    if not cfg.api_key and not cfg.is_loopback:
+        return error(403, "weight updates off loopback need the server started with --api-key", "permission_error")
+    return None
 
 
 def generate_json(out: RequestOutput) -> dict:

@@ -17,14 +17,14 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 
 from rollwise.config import ServerConfig
 from rollwise.serve.metrics import prometheus_text
 from rollwise.serve.protocol import (AddSequenceRequest, ChatCompletionRequest, CompletionRequest,
                                      GenerateRequest, UpdateWeightsRequest)
-from rollwise.serve.responses import (chat_choices, choice_samples, completion_choices, completion_params,
-                                      gather_or_cancel, generate_json, generate_params, merged, parses_tools,
+from rollwise.serve.responses import (chat_choices, choice_samples, completion_choices, completion_params, error,
+                                      gather_or_cancel, generate_json, weights_refused, generate_params, merged, parses_tools,
                                       primed, sglang_fields, sse,
                                       stream_chat, stream_completion, stream_generate, usage, with_usage)
 from rollwise.serve.sglang import install_sglang
@@ -32,10 +32,6 @@ from rollwise.types import WeightsNotHeld
 
 OPEN_PATHS = {"/health", "/metrics"}
 _WRITE_BYTES = 4 << 20  # a streamed weight update goes to disk in writes of about this size
-
-
-def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
 class ClientGone(Exception):
@@ -100,7 +96,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     tok = engine.tokenizer
 
     install_common(app, cfg)
-    install_sglang(app, engine)
+    install_sglang(app, engine, cfg)
 
     @app.get("/health")
     async def health():
@@ -121,9 +117,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         """JSON `{"model_dir", "policy_version", "partial_rollout"}` (a directory this server can
         read), or the weights themselves streamed as a safetensors file (Content-Type
         application/octet-stream; `?policy_version=N&partial_rollout=true|false`)."""
-        if not cfg.api_key and not cfg.is_loopback:
-            return error(403, "weight updates off loopback need the server started with --api-key",
-                         "permission_error")
+        if refused := weights_refused(cfg):
+            return refused
         ctype = request.headers.get("content-type", "").split(";")[0].strip()
         if ctype == "application/octet-stream":
             version, partial = _query_update(request.query_params)

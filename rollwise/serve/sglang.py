@@ -10,7 +10,9 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from rollwise.config import ServerConfig
 from rollwise.serve.protocol import AbortRequest
+from rollwise.serve.responses import weights_refused
 
 
 class UpdateFromDiskRequest(BaseModel):
@@ -27,7 +29,7 @@ class PauseRequest(BaseModel):
     mode: Literal["abort", "in_place", "retract"] = "abort"
 
 
-def install_sglang(app: FastAPI, engine) -> None:
+def install_sglang(app: FastAPI, engine, cfg: ServerConfig) -> None:
     @app.post("/pause_generation")
     async def pause_generation(body: PauseRequest | None = None):
         aborted = await engine.pause(abort=(body or PauseRequest()).mode == "abort")
@@ -48,6 +50,8 @@ def install_sglang(app: FastAPI, engine) -> None:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateFromDiskRequest):
         """Requests in flight finish under the weights they started with (unless aborted)."""
+        if refused := weights_refused(cfg):
+            return refused
         version = int(body.weight_version) if body.weight_version and body.weight_version.isdigit() else None
         aborted = await engine.abort_all() if body.abort_all_requests else []
         try:

@@ -351,7 +351,8 @@ def _generated(url: str, headers: dict) -> float:
 
 
 def test_weight_updates_off_loopback_need_an_api_key(model_dir):
-    """A server bound off loopback without --api-key refuses /update_weights (in-process app)."""
+    """A server bound off loopback without --api-key refuses weight updates, ours and SGLang's
+    (in-process app)."""
     from fastapi.testclient import TestClient
 
     from rollwise.config import ServerConfig
@@ -360,8 +361,10 @@ def test_weight_updates_off_loopback_need_an_api_key(model_dir):
     engine = AsyncEngine(model_dir)
     try:
         open_app = TestClient(build_app(engine, ServerConfig(host="0.0.0.0"), "m"))
-        r = open_app.post("/update_weights", json={"model_dir": model_dir})
-        assert r.status_code == 403 and "api-key" in r.json()["error"]["message"]
+        for path, body in (("/update_weights", {"model_dir": model_dir}), ("/update_weights_from_disk", {"model_path": model_dir})):
+            r = open_app.post(path, json=body)
+            assert r.status_code == 403 and "api-key" in r.json()["error"]["message"], path
+        assert engine.policy_version == 0
         keyed = TestClient(build_app(engine, ServerConfig(host="0.0.0.0", api_key="k"), "m"))
         r = keyed.post("/update_weights", json={"model_dir": model_dir}, headers={"Authorization": "Bearer k"})
         assert r.status_code == 200 and r.json()["policy_version"] == 1
