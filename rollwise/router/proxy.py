@@ -18,12 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollwise.config import ServerConfig
 from rollwise.router.replica import HttpReplica, ReplicaError
 from rollwise.router.router import Router
-from rollwise.serve.protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest as GenerateBody
+from rollwise.serve.protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest,
+                                     GenerateRequest as GenerateBody, UpdateWeightsRequest)
 from rollwise.serve.responses import (chat_choices, choice_samples, completion_choices, completion_params,
                                       gather_or_cancel, generate_json, generate_params, merged, parses_tools, primed,
-                                      sglang_fields, sse, stream_chat, stream_completion, stream_generate, with_usage)
+                                      sglang_fields, sse, stream_chat, stream_completion, stream_generate,
+                                      weights_refused, with_usage)
 from rollwise.serve.server import error, install_common, unless_disconnected
-from rollwise.serve.sglang import PauseRequest
+from rollwise.serve.sglang import PauseRequest, UpdateFromDiskRequest
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
 
 
@@ -175,6 +177,32 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
     async def continue_generation():
         got = await fan_out("/continue_generation", {})
         return {"success": bool(got), "replicas": len(got)}
+
+    @app.post("/update_weights")
+    async def update_weights(body: UpdateWeightsRequest):
+        """A model directory every replica can read, to every replica at once (`Router.update_weights`:
+        one that fails is kept out of routing until it has them)."""
+        if refused := weights_refused(cfg):
+            return refused
+        version = router.policy_version + 1 if body.policy_version is None else body.policy_version
+        got = await router.update_weights(body.model_dir, version, body.partial_rollout)
+        return {"status": "ok", "policy_version": version, "replicas": got}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateFromDiskRequest):
+        """SGLang's form of the same."""
+        if refused := weights_refused(cfg):
+            return refused
+        given = body.weight_version
+        version = int(given) if given and given.isdigit() else router.policy_version + 1
+        if body.abort_all_requests:
+            await fan_out("/abort_request", {"abort_all": True})
+        try:
+            await router.update_weights(body.model_path, version)
+        except (ValueError, ReplicaError) as e:
+            return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=400)
+        return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0,
+                "weight_version": str(version)}
 
     @app.post("/end_trajectory")
     async def end_trajectory(body: EndTrajectoryBody):

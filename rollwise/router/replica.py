@@ -276,6 +276,8 @@ class HttpReplica:
             r = await self.client.post("/update_weights", **request)
         except httpx.HTTPError as e:
             raise ReplicaError(f"{self.name}: {type(e).__name__}: {e}") from e
+        if r.status_code == 400:  # the weights' fault (a bad directory or file), not the replica's
+            raise ValueError(f"{self.name}: weight update refused: {r.text[:300]}")
         if r.status_code != 200:
             raise ReplicaError(f"{self.name}: weight update failed: HTTP {r.status_code}: {r.text[:200]}")
         return int(r.json()["policy_version"])

@@ -51,10 +51,12 @@ class Upkeep:
         """New weights to every member replica at once (requests in flight finish under the old ones,
         or with `partial_rollout` continue under these). One that fails to take them is out of
         routing (stale) until the health loop has given it the latest weights."""
-        self._latest = (weights, version, partial_rollout)
         names = list(self.replicas)
         res = await asyncio.gather(*(self.replicas[n].update_weights(weights, version, partial_rollout) for n in names),
                                    return_exceptions=True)
+        if res and all(isinstance(r, ValueError) for r in res):  # bad weights (every replica refused them):
+            raise ValueError(f"no replica took the new weights: {res[0]}")  # the fleet stays as it was
+        self._latest = (weights, version, partial_rollout)
         out = {}
         for n, r in zip(names, res):
             if isinstance(r, BaseException):

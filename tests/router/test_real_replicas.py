@@ -363,3 +363,25 @@ def test_n_samples_through_the_route_survive_a_replica_dying(model_dir):
         proc.wait(timeout=10)
         a.stop()
         b.stop()
+
+
+def test_weights_through_the_route(model_dir):
+    """/update_weights (and SGLang's /update_weights_from_disk) on the route reach every replica; a
+    directory no replica can read is the request's fault: 400, and the replicas stay in routing."""
+    with ServerProcess(model_dir, *ARGS, threads=1) as a:
+        proc, url = start_route([a], model_dir, "round_robin")
+        try:
+            with httpx.Client(base_url=url, timeout=60) as c:
+                got = c.post("/update_weights", json={"model_dir": model_dir}).json()
+                assert got["policy_version"] == 1 and got["replicas"] == {a.url: 1}
+                assert httpx.get(a.url + "/health").json()["policy_version"] == 1
+                bad = c.post("/update_weights", json={"model_dir": "/nonexistent"})
+                assert bad.status_code == 400 and "refused" in bad.json()["error"]["message"]
+                assert c.get("/replicas").json()["healthy"] == [a.url]
+                assert c.post("/generate", json={"input_ids": [5], "sampling_params": {"max_tokens": 2}}).status_code == 200
+                got = c.post("/update_weights_from_disk", json={"model_path": model_dir}).json()
+                assert got["success"] is True and got["weight_version"] == "2"
+                assert c.post("/update_weights_from_disk", json={"model_path": "/nonexistent"}).json()["success"] is False
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
