@@ -226,6 +226,15 @@ class GenerateOutput:
     prompt_logprobs: list[float | None] | None = None  # as in RequestOutput
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
+    @classmethod
+    def of(cls, out: RequestOutput, start: int = 0) -> GenerateOutput:
+        """An engine's output from its `start`-th token on (a streamed piece: the tokens since the last)."""
+        return cls(token_ids=out.token_ids[start:], logprobs=out.logprobs[start:], finish_reason=out.finish_reason,
+                   num_cached_tokens=out.num_cached_tokens, policy_version=out.policy_version,
+                   request_id=out.request_id, version_segments=out.version_segments,
+                   top_logprobs=out.top_logprobs[start:], prompt_logprobs=out.prompt_logprobs,
+                   prompt_top_logprobs=out.prompt_top_logprobs)
+
 
 TRAJECTORY_STATUSES = ("done", "max_turns", "max_context", "timeout", "error")
 

@@ -50,11 +50,7 @@ class AsyncEngine:
             out = await self.generate(req.prompt_token_ids, req.params, req.request_id, group_id=req.group_id,
                                       forced_output=req.forced_output, session=req.trajectory_id,
                                       policy_version=req.policy_version)
-            return GenerateOutput(token_ids=out.token_ids, logprobs=out.logprobs, finish_reason=out.finish_reason,
-                                  num_cached_tokens=out.num_cached_tokens, policy_version=out.policy_version,
-                                  request_id=out.request_id, version_segments=out.version_segments,
-                                  top_logprobs=out.top_logprobs, prompt_logprobs=out.prompt_logprobs,
-                                  prompt_top_logprobs=out.prompt_top_logprobs)
+            return GenerateOutput.of(out)
         out = None
         async for out in self._outputs(prompt, params, request_id, False, options):
             pass
@@ -96,14 +92,14 @@ class AsyncEngine:
 
     async def abort_all(self) -> list[str]:
         """Abort every request in flight; their ids."""
-        return await self.call(lambda: [rid for rid in list(self.engine.seqs) if self._abort(rid)])
+        return await self.call(self._abort_all)
 
     async def pause(self, abort: bool = False) -> list[str]:
         """Stop stepping (e.g. around a weight update) until `resume`; with `abort`, requests in
         flight end now with what they have (their ids are returned), else they wait, KV kept."""
         def go() -> list[str]:
             self.paused = True
-            return [rid for rid in list(self.engine.seqs) if self._abort(rid)] if abort else []
+            return self._abort_all() if abort else []
         return await self.call(go)
 
     async def resume(self) -> None:
@@ -142,6 +138,9 @@ class AsyncEngine:
             self._commands.append((fn, fut))
             self._wake.notify()
         return await asyncio.wrap_future(fut)
+
+    def _abort_all(self) -> list[str]:
+        return [rid for rid in list(self.engine.seqs) if self._abort(rid)]
 
     def _abort(self, rid: str) -> bool:
         out = self.engine.abort(rid)

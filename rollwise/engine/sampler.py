@@ -42,10 +42,8 @@ class Sampler:
         (`SamplingParams.logprobs` of them; None for a row that asks for none)."""
         logits = logits.float().cpu()
         for i, r in enumerate(rows):
-            if r.params.has_logit_rules:
-                logits[i:i + 1] = logit_rules(logits[i:i + 1], r.params)
-            if r.params.has_penalties:
-                logits[i:i + 1] = penalize(logits[i:i + 1], r.params, r.tokens, r.position)
+            if r.params.has_logit_rules or r.params.has_penalties:
+                logits[i:i + 1] = processed(logits[i:i + 1], r.params, r.tokens, r.position)
             if r.banned:
                 logits[i, list(r.banned)] = float("-inf")
         temps = torch.tensor([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows])
@@ -72,6 +70,17 @@ class Sampler:
             if r.params.seed is not None:
                 u[i] = seeded_uniform(r.params.seed, r.position)
         return inverse_cdf(probs, u)
+
+
+def processed(logits: torch.Tensor, params: SamplingParams, tokens: list[int] | None, num_output: int,
+              paths: list[list[int]] | None = None) -> torch.Tensor:
+    """logits [R, V] of one sequence with what its params change before temperature: logit_bias and
+    allowed_token_ids, then penalties (`penalize`'s arguments)."""
+    if params.has_logit_rules:
+        logits = logit_rules(logits, params)
+    if params.has_penalties:
+        logits = penalize(logits, params, tokens, num_output, paths)
+    return logits
 
 
 def logit_rules(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

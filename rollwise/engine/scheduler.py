@@ -75,9 +75,10 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hashes = seq.full_block_hashes(self.blocks.block_size)
-            hits = [] if seq.needs_prompt_logprobs else self.blocks.match_prefix(hashes)
+            fresh = seq.needs_prompt_logprobs  # its prompt is computed, cached or not (prompt logprobs)
+            hits = [] if fresh else self.blocks.match_prefix(hashes)
             if (len(hits) < len(hashes) and self.blocks.enable_prefix_caching and self.share_computing_prefix
-                    and not seq.needs_prompt_logprobs):
+                    and not fresh):
                 pending = self._computing() if pending is None else pending
                 if hashes[len(hits)] in pending:  # a sibling computes this prefix now: reuse it next step
                     deferred.append(self.waiting.popleft())

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollwise.engine.sampler import inverse_cdf, logit_rules, penalize, seeded_uniform, top_k_top_p, top_logprobs
+from rollwise.engine.sampler import inverse_cdf, processed, seeded_uniform, top_k_top_p, top_logprobs
 from rollwise.types import Draft, SamplingParams
 
 
@@ -58,10 +58,8 @@ def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, position:
            forced: list[int] | None, generator: torch.Generator, tokens: list[int] | None = None) -> Verdict:
     """logits [1 + len(draft), V] (float32, CPU); position: output index of the first new token;
     tokens: the prompt and output so far (needed only for penalties)."""
-    if params.has_logit_rules:
-        logits = logit_rules(logits, params)
-    if params.has_penalties:
-        logits = penalize(logits, params, tokens, position, [[]] + draft_paths(draft))
+    if params.has_logit_rules or params.has_penalties:
+        logits = processed(logits, params, tokens, position, [[]] + draft_paths(draft))
     temp = params.temperature if params.temperature > 0 else 1.0
     scaled = logits / temp
     logprobs = torch.log_softmax(scaled, dim=-1)

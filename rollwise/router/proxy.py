@@ -25,7 +25,7 @@ from rollwise.serve.responses import (chat_choices, choice_samples, completion_c
                                       sglang_fields, sse, stream_chat, stream_completion, stream_generate,
                                       weights_refused, with_usage)
 from rollwise.serve.server import error, install_common, unless_disconnected
-from rollwise.serve.sglang import PauseRequest, UpdateFromDiskRequest
+from rollwise.serve.sglang import PauseRequest, UpdateFromDiskRequest, load_from_disk
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
 
 
@@ -164,8 +164,6 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
     async def abort_request(body: AbortRequest):
         """Forwarded to every healthy replica (the one running it aborts it; its caller here gets what
         it has, finish reason "abort")."""
-        if body.abort_all == (body.rid is not None):
-            raise ValueError("give either rid or abort_all: true")
         return {"aborted": [rid for r in await fan_out("/abort_request", body.model_dump()) for rid in r["aborted"]]}
 
     @app.post("/pause_generation")
@@ -191,18 +189,17 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateFromDiskRequest):
         """SGLang's form of the same."""
-        if refused := weights_refused(cfg):
-            return refused
-        given = body.weight_version
-        version = int(given) if given and given.isdigit() else router.policy_version + 1
-        if body.abort_all_requests:
-            await fan_out("/abort_request", {"abort_all": True})
-        try:
-            await router.update_weights(body.model_path, version)
-        except (ValueError, ReplicaError) as e:
-            return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=400)
-        return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0,
-                "weight_version": str(version)}
+        async def update(path: str, version: int | None) -> int:
+            version = router.policy_version + 1 if version is None else version
+            try:
+                await router.update_weights(path, version)
+            except ReplicaError as e:  # no replica took them: SGLang's failed reply, as for bad weights
+                raise ValueError(str(e)) from e
+            return version
+
+        async def abort_all() -> list[str]:
+            return [rid for r in await fan_out("/abort_request", {"abort_all": True}) for rid in r["aborted"]]
+        return await load_from_disk(body, cfg, update, abort_all)
 
     @app.post("/end_trajectory")
     async def end_trajectory(body: EndTrajectoryBody):

@@ -82,11 +82,7 @@ class LocalReplica:
             async for out in self.engine.stream(request.prompt_token_ids, request.params, request.request_id,
                                                 group_id=request.group_id, forced_output=request.forced_output,
                                                 session=request.trajectory_id, policy_version=request.policy_version):
-                yield GenerateOutput(token_ids=out.token_ids[sent:], logprobs=out.logprobs[sent:],
-                                     finish_reason=out.finish_reason, num_cached_tokens=out.num_cached_tokens,
-                                     policy_version=out.policy_version, request_id=out.request_id,
-                                     version_segments=out.version_segments, top_logprobs=out.top_logprobs[sent:],
-                                     prompt_logprobs=out.prompt_logprobs, prompt_top_logprobs=out.prompt_top_logprobs)
+                yield GenerateOutput.of(out, sent)
                 sent = len(out.token_ids)
         except ValueError:
             raise

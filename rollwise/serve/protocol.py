@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollwise.types import SamplingParams
 
@@ -110,6 +110,12 @@ class AbortRequest(_Strict):
     its groups stops the rest); each returns what it has, finish reason "abort"."""
     rid: str | None = None
     abort_all: bool = False
+
+    @model_validator(mode="after")
+    def _one(self) -> AbortRequest:
+        if self.abort_all == (self.rid is not None):
+            raise ValueError("give either rid or abort_all: true")
+        return self
 
 
 class AddSequenceRequest(_Strict):

@@ -4,6 +4,7 @@ disk, flush the prefix cache, model info.
 Their bodies and replies follow SGLang's; the work is `rollwise serve`'s own."""
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 from fastapi import FastAPI
@@ -29,6 +30,23 @@ class PauseRequest(BaseModel):
     mode: Literal["abort", "in_place", "retract"] = "abort"
 
 
+async def load_from_disk(body: UpdateFromDiskRequest, cfg: ServerConfig,
+                         update: Callable[[str, int | None], Awaitable[int]],
+                         abort_all: Callable[[], Awaitable[list[str]]]):
+    """/update_weights_from_disk, on a server (`update`: its engine's) or a router (every replica):
+    the weight-update rule, the version (SGLang's string; ours when an integer), SGLang's reply."""
+    if refused := weights_refused(cfg):
+        return refused
+    version = int(body.weight_version) if body.weight_version and body.weight_version.isdigit() else None
+    aborted = await abort_all() if body.abort_all_requests else []
+    try:
+        version = await update(body.model_path, version)
+    except ValueError as e:
+        return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=400)
+    return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0,
+            "num_aborted_requests": len(aborted), "weight_version": str(version)}
+
+
 def install_sglang(app: FastAPI, engine, cfg: ServerConfig) -> None:
     @app.post("/pause_generation")
     async def pause_generation(body: PauseRequest | None = None):
@@ -42,24 +60,13 @@ def install_sglang(app: FastAPI, engine, cfg: ServerConfig) -> None:
 
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest):
-        if body.abort_all == (body.rid is not None):
-            raise ValueError("give either rid or abort_all: true")
         aborted = await engine.abort_all() if body.abort_all else [body.rid] if await engine.abort(body.rid) else []
         return {"aborted": aborted}
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateFromDiskRequest):
         """Requests in flight finish under the weights they started with (unless aborted)."""
-        if refused := weights_refused(cfg):
-            return refused
-        version = int(body.weight_version) if body.weight_version and body.weight_version.isdigit() else None
-        aborted = await engine.abort_all() if body.abort_all_requests else []
-        try:
-            version = await engine.update_weights(body.model_path, version, False)
-        except ValueError as e:
-            return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=400)
-        return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0,
-                "num_aborted_requests": len(aborted), "weight_version": str(version)}
+        return await load_from_disk(body, cfg, lambda path, v: engine.update_weights(path, v, False), engine.abort_all)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
