@@ -147,7 +147,8 @@ def cmd_train(args) -> None:
     overrides = dict(kv.split("=", 1) for kv in args.set)
     cfg = TrainConfig.from_toml(args.config, **{k: _parse_value(v) for k, v in overrides.items()})
     report = train(cfg)
-    print(f"sft_success={report['sft_success']:.3f} rl_success={report['rl_success']:.3f}")
+    shown = {k: "none (no evaluation tasks)" if report[k] is None else f"{report[k]:.3f}" for k in ("sft_success", "rl_success")}
+    print(" ".join(f"{k}={v}" for k, v in shown.items()))
 
 
 def cmd_sim(args) -> None:

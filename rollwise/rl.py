@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import json
 import os
 import random
@@ -21,7 +22,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from rollwise.agent.envs import ENVS, make_env
+from rollwise.agent.envs import load_tasks, make_env, resolve_env
 from rollwise.agent.episode import collect, run_episode, stable_seed
 from rollwise.agent.generator import ScriptedGenerator, expert_policy
 from rollwise.agent.tools import Latency
@@ -37,7 +38,14 @@ from rollwise.types import SamplingParams
 class TrainConfig:
     model: str  # model directory (Hugging Face format)
     run_dir: str = "runs/rollwise"
+    # a built-in environment, or a user's: "package.module:Name" / "path/to/file.py:Name" (an Env class
+    # or a function returning one), made with max_turns and tool_latency where it takes them, plus env_options
     env: str = "calculator"
+    env_options: dict = field(default_factory=dict)
+    # tasks from files (JSON lines, or a JSON list of objects) instead of the env's sample_tasks: the
+    # training tasks, cycled in order, and the held-out ones (the first eval_tasks of them)
+    train_tasks_file: str | None = None
+    eval_tasks_file: str | None = None
     seed: int = 0
     # supervised warm start on the environment's expert transcripts (0 steps: none)
     sft_steps: int = 300
@@ -122,8 +130,7 @@ class TrainConfig:
         if "tool_latency" in d:
             d = {**d, "tool_latency": tuple(d["tool_latency"])}
         cfg = TrainConfig(**d)
-        if cfg.env not in ENVS:
-            raise ValueError(f"unknown env {cfg.env!r}; available: {sorted(ENVS)}")
+        resolve_env(cfg.env)  # a ValueError naming the built-ins, or why a user's env does not load
         if cfg.routing_policy not in POLICIES:
             raise ValueError(f"unknown routing_policy {cfg.routing_policy!r}; available: {sorted(POLICIES)}")
         if cfg.deterministic and cfg.partial_rollout:
@@ -143,24 +150,44 @@ class TrainConfig:
 def env_factory(cfg: TrainConfig):
     lo, hi = cfg.tool_latency
     lat = Latency(lo, hi, kind=cfg.tool_latency_kind, cap=4 * hi) if hi > 0 else None
-    return lambda: make_env(cfg.env, max_turns=cfg.max_turns, tool_latency=lat)
+    factory = resolve_env(cfg.env)
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    standard = {k: v for k, v in (("max_turns", cfg.max_turns), ("tool_latency", lat)) if takes_all or k in params}
+    options = {**standard, **cfg.env_options}
+    return lambda: make_env(cfg.env, **options)
 
 
 def task_sets(cfg: TrainConfig, n_train: int) -> tuple[list[dict], list[dict], list[dict]]:
-    """Training, SFT and held-out evaluation tasks (different seeds; any question also in the
-    training or SFT set is dropped from evaluation)."""
+    """Training, SFT and held-out evaluation tasks: from the task files where given, else drawn by the
+    env's `sample_tasks` (different seeds; any question also in the training or SFT set is dropped
+    from evaluation). SFT transcripts are the expert's on the env's own tasks, or on the training
+    file's when the env draws none."""
     env = env_factory(cfg)()
-    train = env.sample_tasks(n_train, seed=cfg.seed)
-    sft = env.sample_tasks(cfg.sft_tasks, seed=cfg.seed + 1)
+    sample = getattr(env, "sample_tasks", None)
+    if cfg.train_tasks_file is None and sample is None:
+        raise ValueError(f"env {cfg.env!r} has no sample_tasks(n, seed): set train_tasks_file")
+    train = load_tasks(cfg.train_tasks_file) if cfg.train_tasks_file else sample(n_train, seed=cfg.seed)
+    sft = sample(cfg.sft_tasks, seed=cfg.seed + 1) if sample and cfg.sft_steps > 0 else train[: cfg.sft_tasks]
+    if cfg.eval_tasks_file:
+        return train, sft, load_tasks(cfg.eval_tasks_file)[: cfg.eval_tasks]
+    if sample is None:
+        return train, sft, []
     seen = {json.dumps({k: v for k, v in t.items() if k != "id"}, sort_keys=True) for t in train + sft}
-    held = [t for t in env.sample_tasks(cfg.eval_tasks * 2, seed=cfg.seed + 2)
+    held = [t for t in sample(cfg.eval_tasks * 2, seed=cfg.seed + 2)
             if json.dumps({k: v for k, v in t.items() if k != "id"}, sort_keys=True) not in seen]
     return train, sft, held[: cfg.eval_tasks]
 
 
 async def evaluate(router, make_env, tasks: list[dict], cfg: TrainConfig, temperature: float | None = None) -> float:
     """Success rate (reward 1) on `tasks`, one episode each, sampled at `temperature` (default: the
-    rollouts' temperature, i.e. the policy being trained; 0 is greedy) with per-task seeds."""
+    rollouts' temperature, i.e. the policy being trained; 0 is greedy) with per-task seeds. None
+    when there are no evaluation tasks."""
+    if not tasks:
+        return None
     t = cfg.temperature if temperature is None else temperature
     params = SamplingParams(temperature=t, max_tokens=cfg.max_tokens, seed=None if t == 0 else cfg.seed + 7)
     wins = n = 0
@@ -168,7 +195,7 @@ async def evaluate(router, make_env, tasks: list[dict], cfg: TrainConfig, temper
                            max_concurrency=128, deadline_s=cfg.episode_deadline_s):
         wins += sum(t.reward >= 1.0 for t in g)
         n += len(g)
-    return wins / max(n, 1)
+    return wins / n
 
 
 async def expert_trajectories(tokenizer, make_env, tasks: list[dict], direct_fraction: float = 0.0,
@@ -281,6 +308,8 @@ async def _train(cfg: TrainConfig) -> dict:
             report["sft"] = {"steps": cfg.sft_steps, "cached": str(cached)}
             status.done(f"SFT warm start: reusing {cached}")
         elif cfg.sft_steps > 0:
+            if not callable(getattr(make_env(), "expert", None)):
+                raise ValueError(f"env {cfg.env!r} has no expert(task) to warm-start from: set sft_steps = 0")
             demos = await expert_trajectories(tokenizer, make_env, sft_tasks, cfg.sft_direct_fraction, cfg.seed)
             t0 = time.perf_counter()
             losses = sft(policy, demos, steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch, seed=cfg.seed,
@@ -318,7 +347,7 @@ async def _train(cfg: TrainConfig) -> dict:
                                      f"--keep-weight-versions {cfg.weight_versions}`")
         # every replica serves the trainer's weights, labelled with the trainer's version (RL steps done)
         await router.update_weights(policy.engine_weights(), trainer.version)
-        if sft_success is None:
+        if sft_success is None and eval_tasks:
             status.line("evaluating the SFT model ...")
             sft_success = await evaluate(router, make_env, eval_tasks, cfg)
             sft_greedy = await evaluate(router, make_env, eval_tasks, cfg, temperature=0.0)
@@ -376,10 +405,12 @@ async def _train(cfg: TrainConfig) -> dict:
             bar.update(m)
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)
-        status.line("evaluating the RL model ...")
-        rl_success = await evaluate(router, make_env, eval_tasks, cfg)
-        report["rl_greedy_success"] = await evaluate(router, make_env, eval_tasks, cfg, temperature=0.0)
-        status.done(f"RL model: success {rl_success:.3f} (greedy {report['rl_greedy_success']:.3f})")
+        rl_success = None
+        if eval_tasks:
+            status.line("evaluating the RL model ...")
+            rl_success = await evaluate(router, make_env, eval_tasks, cfg)
+            report["rl_greedy_success"] = await evaluate(router, make_env, eval_tasks, cfg, temperature=0.0)
+            status.done(f"RL model: success {rl_success:.3f} (greedy {report['rl_greedy_success']:.3f})")
     finally:
         await router.close()
         shutdown(router)

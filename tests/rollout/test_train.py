@@ -17,7 +17,7 @@ import torch
 from rollwise.agent.envs import ENVS
 from rollwise.agent.envs.calculator import CalculatorEnv
 from rollwise.omp import passive_env
-from rollwise.rl import TrainConfig, train
+from rollwise.rl import TrainConfig, env_factory, task_sets, train
 from rollwise.rollout.pipeline import read_log
 from rollwise.serve.process import ServerProcess
 
@@ -149,6 +149,44 @@ def test_example_config_is_the_demo_run(model_dir):
         TrainConfig.from_dict({"model": model_dir, "deterministic": True, "partial_rollout": True})
     with pytest.raises(ValueError, match="trainer_threads"):
         TrainConfig.from_dict({"model": model_dir, "trainer_threads": -1})
+
+
+def test_train_on_a_user_env_and_task_files(model_dir, tmp_path):
+    """examples/train-units.toml: an env class from a file of its own, tasks from JSON lines, SFT on
+    its expert's transcripts of the training tasks, evaluation on the eval file's first tasks."""
+    ex = Path(__file__).parents[2] / "examples"
+    cfg = TrainConfig.from_toml(ex / "train-units.toml", **{
+        **TINY, "env": f"{ex}/units_env.py:UnitsEnv", "train_tasks_file": str(ex / "units-train.jsonl"),
+        "eval_tasks_file": str(ex / "units-eval.jsonl"), "model": model_dir, "run_dir": str(tmp_path / "run"),
+        "steps": 2})
+    assert cfg.env_options == {"tool_timeout": 5.0}
+    train_tasks, sft_tasks, eval_tasks = task_sets(cfg, 64)
+    assert len(train_tasks) == 256 and sft_tasks == train_tasks[:8]
+    assert [t["id"] for t in eval_tasks] == [f"units-eval-{i}" for i in range(4)]
+    env = env_factory(cfg)()
+    assert env.max_turns == 2 and env.tool_timeout == 5.0  # the standard options, then env_options
+    report = train(cfg)
+    assert len(report["steps"]) == 2 and report["eval_tasks"] == 4 and 0 <= report["rl_success"] <= 1
+    logged = read_log(Path(cfg.run_dir) / "groups.jsonl")
+    assert logged and all(g.task["id"] == f"units-train-{g.task_index}" for g in logged)  # the file, in order
+    assert report["sft"]["examples"] == 8
+
+
+def test_user_env_without_sample_tasks_needs_a_task_file(model_dir, tmp_path):
+    (tmp_path / "bare.py").write_text(
+        "from rollwise.agent.envs.calculator import CalculatorEnv\n"
+        "class Bare(CalculatorEnv):\n    sample_tasks = None\n    expert = None\n"
+        "    def __init__(self, max_turns=4):\n        super().__init__(max_turns=max_turns)\n")
+    base = {"model": model_dir, "env": f"{tmp_path}/bare.py:Bare", "sft_steps": 0}
+    with pytest.raises(ValueError, match="no sample_tasks.*train_tasks_file"):
+        task_sets(TrainConfig.from_dict(base), 8)
+    (tmp_path / "t.jsonl").write_text(json.dumps({"question": "1 + 1?", "expression": "1 + 1", "answer": 2}) + "\n")
+    cfg = TrainConfig.from_dict({**base, "train_tasks_file": str(tmp_path / "t.jsonl")})
+    assert env_factory(cfg)().max_turns == cfg.max_turns  # takes max_turns, not tool_latency
+    train_tasks, _, eval_tasks = task_sets(cfg, 8)
+    assert train_tasks == [{"id": "t-0", "question": "1 + 1?", "expression": "1 + 1", "answer": 2}] and eval_tasks == []
+    with pytest.raises(ValueError, match="unknown env.*available"):
+        TrainConfig.from_dict({"model": model_dir, "env": "sqll"})
 
 
 def test_replicas_and_trainer_split_the_cores(monkeypatch):

@@ -1,0 +1,140 @@
+"""The code sandbox: real subprocesses under real limits; the `code` environment's tool through it."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+
+import pytest
+
+from rollwise.agent.envs import make_env
+from rollwise.agent.sandbox import Sandbox
+
+
+def run(code: str, **kw):
+    stdin = kw.pop("stdin", "")
+    return asyncio.run(Sandbox(**kw).run(code, stdin=stdin))
+
+
+def test_output_errors_and_stdin():
+    r = run("import sys\nprint(sum(range(10)))\nprint('warn', file=sys.stderr)\nprint(input()[::-1])", stdin="abc")
+    assert r.ok and r.stdout == "45\ncba\n" and r.stderr == "warn\n" and r.exit_code == 0
+    r = run("def f():\n    return 1 / 0\nf()")
+    assert not r.ok and r.exit_code == 1 and "ZeroDivisionError" in r.stderr
+    assert 'File "main.py", line 2' in r.stderr and "sandbox_child" not in r.stderr  # the program's frames only
+    assert "exit code 1" in r.observation()
+    r = run("def f(:\n  pass")
+    assert r.exit_code == 1 and "SyntaxError" in r.stderr
+    assert run("import sys; sys.exit(3)").exit_code == 3
+    assert run("pass").observation() == "(no output)"
+
+
+def test_deadline_kills_the_program_and_what_it_started(tmp_path):
+    marker = tmp_path / "alive"
+    child = f"import time; time.sleep(3); open({str(marker)!r}, 'w')"
+    code = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child!r}])\n" \
+           "print('started', flush=True)\ntime.sleep(30)"
+    t0 = time.perf_counter()
+    r = run(code, timeout_s=1.0)
+    assert r.timed_out and r.exit_code is None and not r.ok and r.stdout == "started\n"
+    assert time.perf_counter() - t0 < 10 and "timed out" in r.observation()
+    time.sleep(3.5)
+    assert not marker.exists()  # the background child died with it
+
+
+def test_a_program_that_exits_leaves_nothing_running(tmp_path):
+    marker = tmp_path / "alive"
+    child = f"import time; time.sleep(2); open({str(marker)!r}, 'w')"
+    code = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {child!r}])\nprint('bye')"
+    t0 = time.perf_counter()
+    r = run(code)
+    assert r.ok and r.stdout == "bye\n" and time.perf_counter() - t0 < 1.9  # not held by the child's pipes
+    time.sleep(2.5)
+    assert not marker.exists()
+
+
+def test_cpu_memory_file_and_output_limits():
+    r = run("while True: pass", timeout_s=20.0, cpu_s=1)
+    assert not r.ok and not r.timed_out and "CPU time limit" in r.observation() and r.seconds < 10
+    r = run("x = bytearray(1 << 30)\nprint('allocated')", memory_mb=256)
+    assert r.exit_code == 1 and "MemoryError" in r.stderr and not r.stdout
+    r = run("open('big', 'wb').write(b'0' * (2 << 20))", file_mb=1)
+    assert r.exit_code != 0 and ("File too large" in r.stderr or "file size limit" in r.observation())
+    r = run("for i in range(10 ** 6): print('y' * 50)", max_output=1000)
+    assert r.ok and len(r.stdout) == 1000 and r.truncated and "truncated" in r.observation()
+
+
+def test_clean_environment_and_private_directory(monkeypatch):
+    monkeypatch.setenv("ROLLWISE_API_KEY", "secret")
+    r = run("import os\nprint(os.getcwd())\nprint('ROLLWISE_API_KEY' in os.environ)\nopen('f.txt', 'w').write('x')")
+    cwd, leaked = r.stdout.split()
+    assert leaked == "False" and os.path.basename(cwd).startswith("rollwise-sandbox-")
+    assert not os.path.exists(cwd)  # removed with what the program wrote
+
+
+def test_no_network():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    try:
+        code = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')"
+        r = run(code)
+        if r.network_isolated:
+            assert r.exit_code == 1 and "connected" not in r.stdout and "Error" in r.stderr
+        else:  # the kernel allows no namespace here: "deny" refuses to run rather than run connected
+            assert r.stdout == "connected\n"
+            assert run(code, network="deny").exit_code == 125
+        assert run(code, network="allow").stdout == "connected\n"
+    finally:
+        server.close()
+
+
+def test_cancelled_caller_kills_the_program(tmp_path):
+    marker = tmp_path / "done"
+    sandbox = Sandbox(timeout_s=30)
+
+    async def go():
+        task = asyncio.ensure_future(sandbox.run(f"import time\ntime.sleep(2)\nopen({str(marker)!r}, 'w')"))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    asyncio.run(go())
+    time.sleep(2.5)
+    assert not marker.exists()
+
+
+def test_runs_at_once_are_bounded():
+    sandbox = Sandbox(max_concurrent=2)
+    code = "import time\nprint(time.time())\ntime.sleep(0.4)\nprint(time.time())"
+
+    async def go():
+        return await asyncio.gather(*(sandbox.run(code) for _ in range(6)))
+    spans = sorted(tuple(map(float, r.stdout.split())) for r in asyncio.run(go()))
+    at_once = max(sum(1 for a, b in spans if a <= t < b) for t, _ in spans)
+    assert at_once == 2
+
+
+def test_bad_settings_are_value_errors():
+    with pytest.raises(ValueError, match="valid"):
+        Sandbox(network="maybe")
+    with pytest.raises(ValueError):
+        Sandbox(timeout_s=0)
+
+
+def test_code_env_tool_runs_the_model_program():
+    env = make_env("code")
+    task = env.sample_tasks(1, seed=3)[0]
+
+    async def go():
+        await env.reset(task)
+        bad = await env.step('<tool_call>{"name": "python", "arguments": {"code": "print(1/0)"}}</tool_call>')
+        good = await env.step(env.expert(task)[0])
+        final = await env.step(env.expert(task)[1])
+        return bad, good, final
+    (bad_obs, _, bad_done, _), (obs, _, done, _), (_, reward, end, _) = asyncio.run(go())
+    assert not bad_done and "ZeroDivisionError" in bad_obs[0]["content"]
+    assert not done and obs[0]["content"].strip() == str(task["answer"])
+    assert end and reward == 1.0
