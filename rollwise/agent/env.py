@@ -70,7 +70,7 @@ class ToolEnv:
             t.latency = t.latency or self.tool_latency
         self._by_name = {t.name: t for t in self.tools}
         return [{"role": "system", "content": self.system_prompt},
-                {"role": "user", "content": f"{self.prompt(task)}\n{self.answer_hint}"}]
+                {"role": "user", "content": "\n".join(x for x in (self.prompt(task), self.answer_hint) if x)}]
 
     async def step(self, action: str) -> tuple[Observation, float, bool, dict]:
         parsed = self.parser.parse(action)

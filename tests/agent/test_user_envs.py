@@ -60,7 +60,7 @@ def test_env_from_a_module_or_a_factory_function(tmp_path, monkeypatch):
 
 
 def test_bad_env_names_are_value_errors(tmp_path):
-    with pytest.raises(ValueError, match="available: .*'calculator'.*package.module:Name"):
+    with pytest.raises(ValueError, match="available: .*'calculator'.*package.module:name"):
         resolve_env("calculater")
     with pytest.raises(ValueError, match="cannot load .*ModuleNotFoundError"):
         resolve_env("no_such_module_here:Env")
@@ -86,3 +86,46 @@ def test_task_files(tmp_path):
     (tmp_path / "e.jsonl").write_text('[1]\n')
     with pytest.raises(ValueError, match="task 0 is list"):
         load_tasks(tmp_path / "e.jsonl")
+
+
+def test_dataset_env_prompt_reward_and_tools(tmp_path):
+    (tmp_path / "mine.py").write_text(
+        "from rollwise.agent.tools import tool\n"
+        "def score(task, answer):\n    return 0.5 if task['city'] in answer else 0.0\n"
+        "@tool(timeout=2.0)\ndef weather(city: str) -> str:\n    '''Today's weather in a city.'''\n"
+        "    return {'Oslo': 'snow'}.get(city, 'sun')\n")
+    env = make_env("dataset", reward="number", tools=["python", f"{tmp_path}/mine.py:weather"], answer_hint="")
+    task = {"id": "t1", "prompt": "What is 2 ** 10?", "answer": 1024, "solution": "The answer is 1024."}
+
+    async def go(env, task, actions):
+        first = await env.reset(task)
+        return first, [await env.step(a) for a in actions]
+    py = '<tool_call>{"name": "python", "arguments": {"code": "print(2 ** 10)"}}</tool_call>'
+    w = '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    first, steps = asyncio.run(go(env, task, [py, w, "It is 1024."]))
+    assert first[1] == {"role": "user", "content": "What is 2 ** 10?"}  # no hint when it is ""
+    assert [t.name for t in env.tools] == ["python", "weather", "finish"]
+    assert steps[0][0][0]["content"] == "1024" and steps[1][0][0]["content"] == "snow"
+    assert steps[2][1:3] == (1.0, True) and env.expert(task) == ["The answer is 1024."]
+
+    # a user's reward, other field names, and a task given as a conversation
+    env = make_env("dataset", reward=f"{tmp_path}/mine.py:score", prompt_key="question")
+    chat = {"id": "t2", "city": "Lima", "messages": [{"role": "user", "content": "Where?"}]}
+    first, steps = asyncio.run(go(env, chat, ["Lima, I think."]))
+    assert first == [{"role": "system", "content": env.system_prompt}, {"role": "user", "content": "Where?"}]
+    assert steps[0][1:3] == (0.5, True)
+    first, _ = asyncio.run(go(env, {"id": "t3", "question": "Q?", "city": "x"}, []))
+    assert first[1]["content"].startswith("Q?")
+    with pytest.raises(ValueError, match="no 'solution'"):
+        env.expert(chat)
+    with pytest.raises(ValueError, match="has no 'question'"):
+        env.prompt({"id": "t4", "prompt": "?"})
+
+
+def test_dataset_env_bad_options_are_value_errors():
+    with pytest.raises(ValueError, match=r"unknown reward 'exactly'; valid: \['contains', 'exact', 'number'\]"):
+        make_env("dataset", reward="exactly")
+    with pytest.raises(ValueError, match="unknown tool 'bash'; valid: 'python'"):
+        make_env("dataset", tools=["bash"])
+    with pytest.raises(ValueError, match="cannot load tool"):
+        make_env("dataset", tools=["nowhere_module:fn"])

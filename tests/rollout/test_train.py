@@ -172,6 +172,19 @@ def test_train_on_a_user_env_and_task_files(model_dir, tmp_path):
     assert report["sft"]["examples"] == 8
 
 
+def test_train_on_a_task_file_with_the_dataset_env(model_dir, tmp_path):
+    """No env class at all: the dataset env, a built-in reward, a user's tool function, a task file."""
+    ex = Path(__file__).parents[2] / "examples"
+    opts = {"reward": "number", "tools": [f"{ex}/units_env.py:convert"], "prompt_key": "question"}
+    cfg = TrainConfig.from_dict({**TINY, "env": "dataset", "env_options": opts, "sft_steps": 0, "model": model_dir,
+                                 "train_tasks_file": str(ex / "units-train.jsonl"), "eval_tasks": 0,
+                                 "run_dir": str(tmp_path / "run"), "steps": 2})
+    report = train(cfg)
+    assert len(report["steps"]) == 2 and report["sft_success"] is None and report["rl_success"] is None
+    groups = read_log(Path(cfg.run_dir) / "groups.jsonl")
+    assert groups and all(t.status in ("done", "max_turns") for g in groups for t in g.trajectories)
+
+
 def test_user_env_without_sample_tasks_needs_a_task_file(model_dir, tmp_path):
     (tmp_path / "bare.py").write_text(
         "from rollwise.agent.envs.calculator import CalculatorEnv\n"

@@ -3,55 +3,29 @@ user's, named `package.module:Name` or `path/to/file.py:Name`, where Name is an 
 function that returns one (`make_env("my_envs.py:TicketEnv", max_turns=6)`)."""
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 from rollwise.agent.envs.calculator import CalculatorEnv
 from rollwise.agent.envs.code import CodeEnv
 from rollwise.agent.envs.countdown import CountdownEnv
+from rollwise.agent.envs.dataset import DatasetEnv
 from rollwise.agent.envs.frozenlake import FrozenLakeEnv
 from rollwise.agent.envs.phonebook import PhonebookEnv
 from rollwise.agent.envs.sql import SqlEnv
+from rollwise.agent.plugins import FORM, load_object
 
-ENVS = {e.name: e for e in (CalculatorEnv, CodeEnv, CountdownEnv, SqlEnv, FrozenLakeEnv, PhonebookEnv)}
+ENVS = {e.name: e for e in (CalculatorEnv, CodeEnv, CountdownEnv, DatasetEnv, SqlEnv, FrozenLakeEnv, PhonebookEnv)}
 
 
 def resolve_env(name: str):
-    """The class (or function) that makes environment `name`: built-in, or imported from the module
-    or file before the colon. A ValueError names the built-ins and the form of a user's env."""
+    """The class (or function) that makes environment `name`: built-in, or a user's. A ValueError
+    names the built-ins and the form of a user's env."""
     if name in ENVS:
         return ENVS[name]
-    where, sep, attr = name.rpartition(":")
-    if not sep or not where or not attr:
-        raise ValueError(f"unknown environment {name!r}; available: {sorted(ENVS)}, or a user's as "
-                         "'package.module:Name' or 'path/to/file.py:Name'")
-    try:
-        module = _load_file(Path(where)) if where.endswith(".py") else importlib.import_module(where)
-    except (ImportError, OSError, SyntaxError) as e:
-        raise ValueError(f"cannot load environment {name!r}: {type(e).__name__}: {e}") from e
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ValueError(f"environment {name!r}: {where} has no class or function {attr!r}")
-    return factory
-
-
-def _load_file(path: Path):
-    key = f"rollwise_user_env_{abs(hash(str(path.resolve())))}"
-    if key not in sys.modules:  # once per process, so its classes stay the same objects
-        spec = importlib.util.spec_from_file_location(key, path)
-        if spec is None or not path.is_file():
-            raise OSError(f"no such file: {path}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[key]
-            raise
-    return sys.modules[key]
+    if ":" not in name:
+        raise ValueError(f"unknown environment {name!r}; available: {sorted(ENVS)}, or a user's as {FORM}")
+    return load_object(name, "environment")
 
 
 def make_env(name: str, **options):
