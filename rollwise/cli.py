@@ -151,6 +151,17 @@ def cmd_train(args) -> None:
     print(" ".join(f"{k}={v}" for k, v in shown.items()))
 
 
+def cmd_eval(args) -> None:
+    from rollwise.evaluation import evaluate_model
+    from rollwise.rl import TrainConfig
+    overrides = {k: _parse_value(v) for k, v in (kv.split("=", 1) for kv in args.set)}
+    cfg = TrainConfig.from_toml(args.config, **overrides)
+    report = evaluate_model(cfg, samples=args.samples, temperature=args.temperature, out=args.out)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))
+
+
 def cmd_sim(args) -> None:
     """The cluster simulator: the WAR sweep (every configuration at every load) on modeled replicas
     driven by the real router policies and speculation controllers."""
@@ -254,6 +265,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("config")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("eval", help="a model on a config's held-out tasks: success, pass@k, every transcript")
+    p.add_argument("config", help="a `rollwise train` TOML (model, env, eval tasks, fleet); --set model=DIR picks the model")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--samples", type=int, default=1, help="episodes per task (pass@k with k = samples)")
+    p.add_argument("--temperature", type=float, default=None, help="default: the config's rollout temperature; 0: greedy")
+    p.add_argument("--out", help="write every episode (reward, status, transcript) as JSON lines")
+    p.add_argument("--json", help="write the summary")
+    p.set_defaults(fn=cmd_eval)
 
     p = sub.add_parser("sim", help="cluster simulator: the WAR sweep on modeled GPUs with the real policies")
     p.add_argument("--config", help="TOML with rollwise.sim.run.SimConfig's fields (default: WAR's setting)")

@@ -161,6 +161,11 @@ def env_factory(cfg: TrainConfig):
     return lambda: make_env(cfg.env, **options)
 
 
+def n_train_tasks(cfg: TrainConfig) -> int:
+    """Training tasks a run draws from the env (twice what its steps take, at least 64)."""
+    return max(cfg.steps * cfg.groups_per_step * 2, 64)
+
+
 def task_sets(cfg: TrainConfig, n_train: int) -> tuple[list[dict], list[dict], list[dict]]:
     """Training, SFT and held-out evaluation tasks: from the task files where given, else drawn by the
     env's `sample_tasks` (different seeds; any question also in the training or SFT set is dropped
@@ -168,9 +173,10 @@ def task_sets(cfg: TrainConfig, n_train: int) -> tuple[list[dict], list[dict], l
     file's when the env draws none."""
     env = env_factory(cfg)()
     sample = getattr(env, "sample_tasks", None)
-    if cfg.train_tasks_file is None and sample is None:
-        raise ValueError(f"env {cfg.env!r} has no sample_tasks(n, seed): set train_tasks_file")
-    train = load_tasks(cfg.train_tasks_file) if cfg.train_tasks_file else sample(n_train, seed=cfg.seed)
+    if cfg.train_tasks_file:
+        train = load_tasks(cfg.train_tasks_file)
+    else:
+        train = sample(n_train, seed=cfg.seed) if sample else []  # (none: `train` asks for a file)
     sft = sample(cfg.sft_tasks, seed=cfg.seed + 1) if sample and cfg.sft_steps > 0 else train[: cfg.sft_tasks]
     if cfg.eval_tasks_file:
         return train, sft, load_tasks(cfg.eval_tasks_file)[: cfg.eval_tasks]
@@ -292,7 +298,9 @@ async def _train(cfg: TrainConfig) -> dict:
     ckpt_path, log_path = run / "checkpoint.pt", run / "groups.jsonl"
     tokenizer = Tokenizer(cfg.model)
     make_env = env_factory(cfg)
-    train_tasks, sft_tasks, eval_tasks = task_sets(cfg, max(cfg.steps * cfg.groups_per_step * 2, 64))
+    train_tasks, sft_tasks, eval_tasks = task_sets(cfg, n_train_tasks(cfg))
+    if not train_tasks:
+        raise ValueError(f"env {cfg.env!r} has no sample_tasks(n, seed): set train_tasks_file")
     policy = PolicyModel(cfg.model, seed=cfg.seed)
     grpo = GRPOConfig(lr=cfg.lr, clip=cfg.clip, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef, temperature=cfg.temperature,
                       loss_agg=cfg.loss_agg, behaviour="recompute" if cfg.deterministic else "rollout",

@@ -191,8 +191,9 @@ def test_user_env_without_sample_tasks_needs_a_task_file(model_dir, tmp_path):
         "class Bare(CalculatorEnv):\n    sample_tasks = None\n    expert = None\n"
         "    def __init__(self, max_turns=4):\n        super().__init__(max_turns=max_turns)\n")
     base = {"model": model_dir, "env": f"{tmp_path}/bare.py:Bare", "sft_steps": 0}
+    assert task_sets(TrainConfig.from_dict(base), 8) == ([], [], [])
     with pytest.raises(ValueError, match="no sample_tasks.*train_tasks_file"):
-        task_sets(TrainConfig.from_dict(base), 8)
+        train(TrainConfig.from_dict({**base, "run_dir": str(tmp_path / "run")}))
     (tmp_path / "t.jsonl").write_text(json.dumps({"question": "1 + 1?", "expression": "1 + 1", "answer": 2}) + "\n")
     cfg = TrainConfig.from_dict({**base, "train_tasks_file": str(tmp_path / "t.jsonl")})
     assert env_factory(cfg)().max_turns == cfg.max_turns  # takes max_turns, not tool_latency
