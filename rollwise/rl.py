@@ -371,6 +371,8 @@ async def _train(cfg: TrainConfig) -> dict:
         done_tasks = {g.task_index for g in logged}  # never generated twice; the rest run in order
         producer = asyncio.create_task(produce(cfg, queue, router, make_env, train_tasks, 0, done_tasks))
         bar = status.bar(cfg.steps, initial=len(history))
+        steps_log = run / "steps.jsonl"  # one line per step as it happens (`tail -f`); rewritten from the checkpoint
+        steps_log.write_text("".join(json.dumps(h, default=str) + "\n" for h in history))
         t_run = time.perf_counter()
         stream, n_threads = cfg.streamed, threads(cfg)[1]
 
@@ -410,6 +412,10 @@ async def _train(cfg: TrainConfig) -> dict:
             _save_checkpoint(ckpt_path, trainer, consumed, history,
                              {"sft_success": sft_success,
                               "report": {k: v for k, v in report.items() if k in ("sft", "sft_greedy_success")}})
+            with open(steps_log, "a") as f:
+                f.write(json.dumps(m, default=str) + "\n")
+            if len(history) % 10 == 0:  # the curves so far
+                write_report(run / "report", {**report, "steps": history, "sft_success": sft_success})
             bar.update(m)
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)

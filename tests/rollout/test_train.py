@@ -117,6 +117,9 @@ def test_killed_trainer_resumes_without_losing_or_repeating_groups(model_dir, tm
     assert len({g.seq for g in logged}) == len(logged)
     for s in after["history"]:
         assert all(s["step"] - v <= 2 for v in s["group_versions"])
+    steps = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(8))  # the live log: each step once, across the kill
+    assert [s["loss"] for s in steps] == [s["loss"] for s in after["history"]]
 
 
 def test_replica_killed_mid_run_fails_over_without_losing_trajectories(model_dir, tmp_path):
