@@ -111,3 +111,9 @@ def last_number(text: str) -> float | None:
     import re
     nums = re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", ""))
     return float(nums[-1]) if nums else None
+
+
+def number_reward(answer: str, want: float) -> float:
+    """1.0 when the answer's last number is `want` (to a millionth of it, or of 1 when smaller)."""
+    got = last_number(answer)
+    return float(got is not None and abs(got - float(want)) <= 1e-6 * max(1.0, abs(float(want))))

@@ -182,23 +182,10 @@ def test_sql_tool_cannot_modify_the_database(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("env_name", SAMPLED)
-def test_every_expert_solves_200_seeded_tasks(env_name):
-    env = make_env(env_name)
-    tasks = env.sample_tasks(200, seed=0)
+def test_every_expert_solves_200_seeded_tasks(env_name, expert_rewards):
+    tasks = make_env(env_name).sample_tasks(200, seed=0)
     assert len({json.dumps(t, sort_keys=True) for t in tasks}) > 150  # varied tasks
-
-    async def solve(task) -> float:
-        e = make_env(env_name)
-        await e.reset(task)
-        for action in e.expert(task):
-            _, reward, done, _ = await e.step(action)
-            if done:
-                return reward
-        return 0.0
-
-    async def go():
-        return [await solve(t) for t in tasks]
-    assert asyncio.run(go()) == [1.0] * 200
+    assert expert_rewards(lambda: make_env(env_name), tasks) == [1.0] * 200
 
 
 def test_make_env_names_the_valid_options():

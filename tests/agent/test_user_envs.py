@@ -13,24 +13,12 @@ from rollwise.agent.envs import load_tasks, make_env, resolve_env
 EXAMPLE = Path(__file__).parents[2] / "examples" / "units_env.py"
 
 
-def test_env_from_a_file_solves_its_tasks_file():
+def test_env_from_a_file_solves_its_tasks_file(expert_rewards):
     tasks = load_tasks(EXAMPLE.with_name("units-train.jsonl"))
     assert len(tasks) == 256 and tasks[0]["id"] == "units-train-0"
     env_class = resolve_env(f"{EXAMPLE}:UnitsEnv")
     assert resolve_env(f"{EXAMPLE}:UnitsEnv") is env_class  # loaded once
-
-    async def solve(task) -> float:
-        env = make_env(f"{EXAMPLE}:UnitsEnv", max_turns=3)
-        await env.reset(task)
-        for action in env.expert(task):
-            _, reward, done, _ = await env.step(action)
-            if done:
-                return reward
-        return 0.0
-
-    async def go():
-        return [await solve(t) for t in tasks[:40]]
-    assert asyncio.run(go()) == [1.0] * 40
+    assert expert_rewards(lambda: make_env(f"{EXAMPLE}:UnitsEnv", max_turns=3), tasks[:40]) == [1.0] * 40
 
     async def wrong():  # a wrong unit is the model's error, not a crash
         env = make_env(f"{EXAMPLE}:UnitsEnv")

@@ -9,7 +9,7 @@ import functools
 import json
 import random
 
-from rollwise.agent.env import ToolEnv, last_number
+from rollwise.agent.env import ToolEnv, number_reward
 from rollwise.agent.sandbox import Sandbox
 
 COINS = [1, 2, 5, 10, 20, 25, 50]
@@ -89,8 +89,7 @@ class CodeEnv(ToolEnv):
         return task["question"]
 
     def score(self, task, answer):
-        got = last_number(answer)
-        return float(got is not None and got == task["answer"])
+        return number_reward(answer, task["answer"])
 
     def sample_tasks(self, n: int, seed: int) -> list[dict]:
         rng = random.Random(seed)

@@ -15,7 +15,7 @@ or a list of assistant messages) is its expert transcript, for an SFT warm start
 """
 from __future__ import annotations
 
-from rollwise.agent.env import ToolEnv, last_number
+from rollwise.agent.env import ToolEnv, number_reward
 from rollwise.agent.plugins import load_object
 from rollwise.agent.sandbox import Sandbox
 from rollwise.agent.tools import Tool
@@ -26,8 +26,7 @@ def _exact(want, answer: str) -> float:
 
 
 def _number(want, answer: str) -> float:
-    got = last_number(answer)
-    return float(got is not None and abs(got - float(want)) <= 1e-6 * max(1.0, abs(float(want))))
+    return number_reward(answer, want)
 
 
 def _contains(want, answer: str) -> float:
