@@ -6,7 +6,6 @@ Trajectories are identified by the body's `trajectory_id` / `group_id` / `turn` 
 from __future__ import annotations
 
 import dataclasses
-import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -20,11 +19,10 @@ from rollwise.router.replica import HttpReplica, ReplicaError
 from rollwise.router.router import Router
 from rollwise.serve.protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest,
                                      GenerateRequest as GenerateBody, UpdateWeightsRequest)
-from rollwise.serve.responses import (chat_choices, choice_samples, completion_choices, completion_params,
-                                      gather_or_cancel, generate_json, generate_params, merged, parses_tools, primed,
-                                      sglang_fields, sse, stream_chat, stream_completion, stream_generate,
-                                      weights_refused, with_usage)
-from rollwise.serve.server import error, install_common, unless_disconnected
+from rollwise.serve.handlers import chat_reply, completion_reply, unless_disconnected
+from rollwise.serve.responses import (choice_samples, completion_params, error, generate_json, generate_params, primed,
+                                      sglang_fields, sse, stream_generate, weights_refused)
+from rollwise.serve.server import install_common
 from rollwise.serve.sglang import PauseRequest, UpdateFromDiskRequest, load_from_disk
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
 
@@ -244,23 +242,8 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
             raise ValueError("prompt must be a string or one non-empty list of token ids")
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
         samples = runs(body, request, prompt, completion_params(body), rid)
-        as_ids = body.return_tokens_as_token_ids or router.tokenizer is None
-        if body.stream:
-            if body.echo:
-                raise ValueError("echo is not supported with stream")
-            finals: list = []
-            return sse(await primed(with_usage(merged([
-                stream_completion(routed, p, sp, rid, j, body.model, body.logprobs is not None, g, as_ids,
-                                  finished=finals, return_token_ids=body.return_token_ids, **opt)
-                for j, (p, sp, _, g, opt) in enumerate(samples)]), body, finals,
-                {"id": rid, "object": "text_completion", "model": body.model})))
-        outs = await unless_disconnected(request, gather_or_cancel(
-            routed.generate(p, sp, r, group_id=g, **opt) for p, sp, r, g, opt in samples))
-        choices = completion_choices(routed.tokenizer, body, [body.prompt], outs, as_ids)
-        completion = sum(len(o.token_ids) for o in outs)
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model,
-                "choices": choices, "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion,
-                                              "total_tokens": len(prompt) + completion}}
+        return await completion_reply(routed, body, request, samples, rid, body.model, [body.prompt],
+                                      body.return_tokens_as_token_ids or router.tokenizer is None)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -276,21 +259,6 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         # no max_tokens: up to the replica's model length (its engine stops there)
         params = body.sampling(body.max_completion_tokens or body.max_tokens or UNTIL_MODEL_LEN, body.top_logprobs or 0)
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
-        samples = runs(body, request, ids, params, rid)
-        if body.stream:
-            finals = []
-            return sse(await primed(with_usage(merged([
-                stream_chat(routed, p, sp, rid, j, body.model, body.logprobs, g, parses_tools(body), finished=finals,
-                            return_token_ids=body.return_token_ids, **opt)
-                for j, (p, sp, _, g, opt) in enumerate(samples)]), body, finals,
-                {"id": rid, "object": "chat.completion.chunk", "model": body.model})))
-        outs = await unless_disconnected(request, gather_or_cancel(
-            routed.generate(p, sp, r, group_id=g, **opt) for p, sp, r, g, opt in samples))
-        choices = chat_choices(tok, body, outs)
-        completion = sum(len(o.token_ids) for o in outs)
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": body.model,
-                "choices": choices, "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
-                                              "total_tokens": len(ids) + completion},
-                **({"prompt_token_ids": ids} if body.return_token_ids else {})}
+        return await chat_reply(routed, body, request, runs(body, request, ids, params, rid), rid, body.model, ids)
 
     return app

@@ -7,12 +7,9 @@ the server.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import tempfile
-import time
 import uuid
-from collections.abc import Awaitable
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -23,43 +20,14 @@ from rollwise.config import ServerConfig
 from rollwise.serve.metrics import prometheus_text
 from rollwise.serve.protocol import (AddSequenceRequest, ChatCompletionRequest, CompletionRequest,
                                      GenerateRequest, UpdateWeightsRequest)
-from rollwise.serve.responses import (chat_choices, choice_samples, completion_choices, completion_params, error,
-                                      gather_or_cancel, generate_json, weights_refused, generate_params, merged, parses_tools,
-                                      primed, sglang_fields, sse,
-                                      stream_chat, stream_completion, stream_generate, usage, with_usage)
+from rollwise.serve.handlers import ClientGone, chat_reply, completion_reply, unless_disconnected
+from rollwise.serve.responses import (choice_samples, completion_params, error, generate_json, generate_params, primed,
+                                      sglang_fields, sse, stream_generate, weights_refused)
 from rollwise.serve.sglang import install_sglang
 from rollwise.types import WeightsNotHeld
 
 OPEN_PATHS = {"/health", "/metrics"}
 _WRITE_BYTES = 4 << 20  # a streamed weight update goes to disk in writes of about this size
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its response was ready."""
-
-
-async def unless_disconnected(request: Request, work: Awaitable):
-    """Await `work`; if the client disconnects first, cancel it, which aborts its requests (raises
-    ClientGone). A non-streaming request would otherwise generate to its end for nobody, e.g. after
-    an episode's deadline or a router's timeout; a streamed one is cancelled by Starlette itself."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnect(request))
-    try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task  # its requests are aborted before this returns
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
-
-
-async def _disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def install_common(app: FastAPI, cfg: ServerConfig) -> None:
@@ -174,23 +142,10 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
             body.prompt[0], int) else [body.prompt]
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
-        runs = choice_samples(prompts, completion_params(body), body.n, body.group_id, rid)
-        if body.stream:
-            if len(prompts) != 1:
-                raise ValueError("streaming takes one prompt")
-            if body.echo:
-                raise ValueError("echo is not supported with stream")
-            finals: list = []
-            return sse(await primed(with_usage(merged([
-                stream_completion(engine, p, sp, rid, k, model_name, body.logprobs is not None, g,
-                                  body.return_tokens_as_token_ids, finished=finals, return_token_ids=body.return_token_ids)
-                for k, (p, sp, g) in enumerate(runs)]), body, finals,
-                {"id": rid, "object": "text_completion", "model": model_name})))
-        outs = await unless_disconnected(request, gather_or_cancel(
-            engine.generate(p, sp, f"{rid}-{k}", group_id=g) for k, (p, sp, g) in enumerate(runs)))
-        choices = completion_choices(tok, body, prompts, outs, body.return_tokens_as_token_ids)
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                "choices": choices, "usage": usage(outs, body.n)}
+        samples = [(p, sp, f"{rid}-{k}", g, {})
+                   for k, (p, sp, g) in enumerate(choice_samples(prompts, completion_params(body), body.n, body.group_id, rid))]
+        return await completion_reply(engine, body, request, samples, rid, model_name, prompts,
+                                      body.return_tokens_as_token_ids)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -201,19 +156,9 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
             raise ValueError("top_logprobs needs logprobs: true")
         params = body.sampling(body.max_completion_tokens or body.max_tokens or max(room, 1), body.top_logprobs or 0)
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
-        runs = choice_samples([ids], params, body.n, body.group_id, rid)
-        if body.stream:
-            finals = []
-            return sse(await primed(with_usage(merged([
-                stream_chat(engine, p, sp, rid, k, model_name, body.logprobs, g, parses_tools(body), finished=finals,
-                            return_token_ids=body.return_token_ids)
-                for k, (p, sp, g) in enumerate(runs)]), body, finals,
-                {"id": rid, "object": "chat.completion.chunk", "model": model_name})))
-        outs = await unless_disconnected(request, gather_or_cancel(
-            engine.generate(p, sp, f"{rid}-{k}", group_id=g) for k, (p, sp, g) in enumerate(runs)))
-        choices = chat_choices(tok, body, outs)
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                "choices": choices, "usage": usage(outs, body.n), **({"prompt_token_ids": ids} if body.return_token_ids else {})}
+        samples = [(p, sp, f"{rid}-{k}", g, {}) for k, (p, sp, g) in enumerate(choice_samples([ids], params, body.n,
+                                                                                            body.group_id, rid))]
+        return await chat_reply(engine, body, request, samples, rid, model_name, ids)
 
     return app
 
