@@ -55,7 +55,7 @@ class ToolEnv:
     def prompt(self, task: dict) -> str:
         raise NotImplementedError
 
-    def score(self, task: dict, answer: str) -> float:
+    def score(self, task: dict, answer: str) -> float:  # or a coroutine (a verifier that waits on I/O)
         raise NotImplementedError
 
     # the protocol --------------------------------------------------------------------------------
@@ -76,9 +76,10 @@ class ToolEnv:
         parsed = self.parser.parse(action)
         finish = next((c for c in parsed.calls if c.name == "finish"), None)
         if finish is not None:
-            return [], self.score(self.task, str(finish.arguments.get("answer", ""))), True, {"answer": finish.arguments}
+            reward = await maybe_await(self.score(self.task, str(finish.arguments.get("answer", ""))))
+            return [], reward, True, {"answer": finish.arguments}
         if not parsed.calls and not parsed.errors:
-            return [], self.score(self.task, parsed.text), True, {"answer": parsed.text}
+            return [], await maybe_await(self.score(self.task, parsed.text)), True, {"answer": parsed.text}
         t0 = time.perf_counter()
         obs = [{"role": "tool", "content": e} for e in parsed.errors]
         calls = parsed.calls[: self.max_calls_per_turn]

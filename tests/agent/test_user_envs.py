@@ -111,9 +111,39 @@ def test_dataset_env_prompt_reward_and_tools(tmp_path):
 
 
 def test_dataset_env_bad_options_are_value_errors():
-    with pytest.raises(ValueError, match=r"unknown reward 'exactly'; valid: \['contains', 'exact', 'number'\]"):
+    with pytest.raises(ValueError, match=r"unknown reward 'exactly'; valid: \['contains', 'exact', 'number', 'unit_tests'\]"):
         make_env("dataset", reward="exactly")
     with pytest.raises(ValueError, match="unknown tool 'bash'; valid: 'python'"):
         make_env("dataset", tools=["bash"])
     with pytest.raises(ValueError, match="cannot load tool"):
         make_env("dataset", tools=["nowhere_module:fn"])
+
+
+def test_dataset_env_unit_tests_reward_runs_the_answer_in_the_sandbox():
+    env = make_env("dataset", reward="unit_tests", sandbox_timeout_s=2.0)
+    task = {"id": "add", "prompt": "Write add(a, b).", "tests": "assert add(2, 3) == 5\nassert add(-1, 1) == 0"}
+    answers = {"```python\ndef add(a, b):\n    return a + b\n```": 1.0,
+               "First try:\n```python\ndef add(a, b):\n    return a - b\n```\nBetter:\n```py\ndef add(a, b):\n"
+               "    return b + a\n```": 1.0,  # the last block
+               "def add(a, b):\n    return a * b": 0.0,  # no fence: the whole answer, which fails a test
+               "```python\ndef add(a, b):\n    while True:\n        pass\n```": 0.0,  # stopped at the deadline
+               "```python\nimport sys\nsys.exit(0)\n```": 0.0}  # exits before the tests: no pass
+    for answer, want in answers.items():
+        assert asyncio.run(env.score(task, answer)) == want, answer
+
+
+def test_a_slow_user_reward_holds_up_no_other_episode(tmp_path):
+    (tmp_path / "slow.py").write_text(
+        "import time\ndef score(task, answer):\n    t0 = time.monotonic()\n    time.sleep(0.5)\n"
+        "    task['span'] = (t0, time.monotonic())\n    return 1.0\n"
+        "async def judge(task, answer):\n    return 0.25 if 'yes' in answer else 0.0\n")
+    env = make_env("dataset", reward=f"{tmp_path}/slow.py:score")
+    tasks = [{"id": str(i), "prompt": "?"} for i in range(4)]
+
+    async def go():
+        return await asyncio.gather(*(env.score(t, "a") for t in tasks))
+    assert asyncio.run(go()) == [1.0] * 4
+    spans = [t["span"] for t in tasks]
+    assert max(a for a, _ in spans) < min(b for _, b in spans)  # all four ran at once, off the event loop
+    judge = make_env("dataset", reward=f"{tmp_path}/slow.py:judge")
+    assert asyncio.run(judge.score(tasks[0], "yes")) == 0.25

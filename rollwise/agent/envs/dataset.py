@@ -7,15 +7,23 @@ the reward reads; the reward is a built-in rule or a user's function; tools are 
     train_tasks_file = "gsm8k-train.jsonl"        # {"prompt": "...", "answer": 72}
 
 Rewards: `exact` (the answer equals the task's `answer`, case and surrounding space ignored),
-`number` (its last number equals it), `contains` (it appears in the answer), or `module:function` /
-`file.py:function` called as `function(task, answer_text) -> float`. Tools: `python` (the code
-sandbox) or a user's typed function (or `Tool`) by the same naming. A task's `solution` (a string,
-or a list of assistant messages) is its expert transcript, for an SFT warm start. `prompt_key` and
-`answer_key` name other fields (`question`, `ground_truth`).
+`number` (its last number equals it), `contains` (it appears in the answer), `unit_tests` (the
+answer's last fenced code block, then the task's `tests`, run to the end in the code sandbox),
+or `module:function` / `file.py:function` called as `function(task, answer_text) -> float` (a
+coroutine function is awaited; a plain one runs in a worker thread, so a slow verifier holds up
+no other episode). Tools: `python` (the code sandbox) or a user's typed function (or `Tool`) by
+the same naming. A task's `solution` (a string, or a list of assistant messages) is its expert
+transcript, for an SFT warm start. `prompt_key` and `answer_key` name other fields (`question`,
+`ground_truth`).
 """
 from __future__ import annotations
 
-from rollwise.agent.env import ToolEnv, number_reward
+import asyncio
+import inspect
+import re
+import secrets
+
+from rollwise.agent.env import ToolEnv, maybe_await, number_reward
 from rollwise.agent.plugins import load_object
 from rollwise.agent.sandbox import Sandbox
 from rollwise.agent.tools import Tool
@@ -33,7 +41,16 @@ def _contains(want, answer: str) -> float:
     return float(str(want).lower() in answer.lower())
 
 
-REWARDS = {"exact": _exact, "number": _number, "contains": _contains}
+_FENCE = re.compile(r"```[\w+-]*\n(.*?)```", re.S)
+
+
+def program_in(answer: str) -> str:
+    """The answer's last fenced code block (```python ... ```), or the whole answer if it has none."""
+    blocks = _FENCE.findall(answer)
+    return blocks[-1] if blocks else answer
+
+
+REWARDS = {"exact": _exact, "number": _number, "contains": _contains}  # and unit_tests, which runs the sandbox
 
 
 class DatasetEnv(ToolEnv):
@@ -41,16 +58,21 @@ class DatasetEnv(ToolEnv):
 
     def __init__(self, *, reward: str = "exact", tools: list[str] = (), prompt_key: str = "prompt",
                  answer_key: str = "answer", system_prompt: str | None = None, answer_hint: str | None = None,
-                 **kw) -> None:
+                 sandbox_timeout_s: float = 5.0, **kw) -> None:
         super().__init__(**kw)
         self.prompt_key, self.answer_key = prompt_key, answer_key
-        if reward in REWARDS:
+        self.sandbox = Sandbox(timeout_s=sandbox_timeout_s)
+        self._threaded = False  # a user's plain function runs in a worker thread
+        if reward == "unit_tests":
+            self.reward = self._unit_tests
+        elif reward in REWARDS:
             rule = REWARDS[reward]
             self.reward = lambda task, answer: rule(self._field(task, answer_key), answer)
         elif ":" in reward:
             self.reward = load_object(reward, "reward function")
+            self._threaded = not inspect.iscoroutinefunction(self.reward)
         else:
-            raise ValueError(f"unknown reward {reward!r}; valid: {sorted(REWARDS)}, or a user's function as "
+            raise ValueError(f"unknown reward {reward!r}; valid: {sorted([*REWARDS, 'unit_tests'])}, or a user's function as "
                              "'package.module:name' or 'path/to/file.py:name'")
         self._tools = [self._make_tool(spec) for spec in tools]
         if system_prompt is not None:
@@ -58,10 +80,18 @@ class DatasetEnv(ToolEnv):
         if answer_hint is not None:
             self.answer_hint = answer_hint
 
-    @staticmethod
-    def _make_tool(spec: str) -> Tool:
+    async def _unit_tests(self, task: dict, answer: str) -> float:
+        """1.0 when the answer's program, followed by the task's `tests` (asserts), runs to the end
+        in the sandbox: exit code 0 and a line the tests print last, unknown to the program, so one
+        that exits early (`sys.exit(0)`) does not pass (nor one that prints more than the sandbox's
+        `max_output` keeps)."""
+        done = f"tests passed {secrets.token_hex(8)}"
+        result = await self.sandbox.run(f"{program_in(answer)}\n\n{self._field(task, 'tests')}\nprint({done!r})\n")
+        return float(result.ok and done in result.stdout.splitlines())
+
+    def _make_tool(self, spec: str) -> Tool:
         if spec == "python":
-            return Sandbox().tool("python")
+            return self.sandbox.tool("python")
         if ":" not in spec:
             raise ValueError(f"unknown tool {spec!r}; valid: 'python', or a user's function as "
                              "'package.module:name' or 'path/to/file.py:name'")
@@ -88,8 +118,12 @@ class DatasetEnv(ToolEnv):
     def prompt(self, task):
         return self._field(task, self.prompt_key)
 
-    def score(self, task, answer):
-        return float(self.reward(task, answer))
+    async def score(self, task, answer):
+        """The reward; a user's function may be a coroutine, and a plain one runs in a worker
+        thread, so a slow verifier (a judge model, a test suite) holds up no other episode."""
+        if self._threaded:
+            return float(await asyncio.to_thread(self.reward, task, answer))
+        return float(await maybe_await(self.reward(task, answer)))
 
     def expert(self, task) -> list[str]:
         solution = task.get("solution")
