@@ -31,7 +31,7 @@ from rollwise.rollout.pipeline import Group, GroupQueue, read_log
 from rollwise.rollout.report import Status, write_report
 from rollwise.router.policies import POLICIES
 from rollwise.router.replica import WEIGHTS_VIA
-from rollwise.types import SamplingParams
+from rollwise.types import CUT_OFF, SamplingParams
 
 
 @dataclass
@@ -62,9 +62,13 @@ class TrainConfig:
     group_size: int = 8
     lr: float = 1e-4
     clip: float = 0.2
+    clip_high: float | None = None  # upper clip 1 + clip_high (DAPO's clip-higher, e.g. 0.28); None: clip
     tis_cap: float = 2.0
     kl_coef: float = 0.0
     loss_agg: str = "token"  # or "sequence"
+    # episodes cut off by a limit carry no loss (DAPO's overlong filtering): any of "max_turns",
+    # "max_context", "timeout", "error"
+    exclude_statuses: list[str] = field(default_factory=list)
     temperature: float = 1.0
     max_tokens: int = 64  # per turn
     max_turns: int = 4
@@ -142,6 +146,9 @@ class TrainConfig:
             raise ValueError(f"tool_latency_kind must be 'uniform' or 'lognormal', got {cfg.tool_latency_kind!r}")
         if cfg.max_staleness < 0 or cfg.steps < 0 or cfg.groups_per_step < 1 or cfg.group_size < 2:
             raise ValueError("need max_staleness >= 0, steps >= 0, groups_per_step >= 1, group_size >= 2")
+        bad = sorted(set(cfg.exclude_statuses) - set(CUT_OFF))
+        if bad:
+            raise ValueError(f"exclude_statuses {bad}: valid statuses are {list(CUT_OFF)}")
         if cfg.replica_threads < 0 or cfg.trainer_threads < 0:
             raise ValueError("replica_threads and trainer_threads must be >= 0 (0: split the cores)")
         return cfg
@@ -302,9 +309,10 @@ async def _train(cfg: TrainConfig) -> dict:
     if not train_tasks:
         raise ValueError(f"env {cfg.env!r} has no sample_tasks(n, seed): set train_tasks_file")
     policy = PolicyModel(cfg.model, seed=cfg.seed)
-    grpo = GRPOConfig(lr=cfg.lr, clip=cfg.clip, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef, temperature=cfg.temperature,
-                      loss_agg=cfg.loss_agg, behaviour="recompute" if cfg.deterministic else "rollout",
-                      keep_versions=cfg.max_staleness)
+    grpo = GRPOConfig(lr=cfg.lr, clip=cfg.clip, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
+                      temperature=cfg.temperature, loss_agg=cfg.loss_agg,
+                      behaviour="recompute" if cfg.deterministic else "rollout", keep_versions=cfg.max_staleness,
+                      exclude_statuses=tuple(cfg.exclude_statuses))
     report: dict = {"config": dataclasses.asdict(cfg), "steps": []}
     state = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
     status = Status(cfg.progress)

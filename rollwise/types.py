@@ -237,6 +237,7 @@ class GenerateOutput:
 
 
 TRAJECTORY_STATUSES = ("done", "max_turns", "max_context", "timeout", "error")
+CUT_OFF = TRAJECTORY_STATUSES[1:]  # a limit or an error ended the episode, not the policy
 
 
 @dataclass(slots=True, kw_only=True)

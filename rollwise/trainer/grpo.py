@@ -6,7 +6,9 @@ advantages: each group's rewards minus the group mean (divided by the group's st
 loss: token-level clipped policy gradient (decoupled PPO, as in AReaL). The proximal policy is the
 trainer's weights at the start of the step; the rollout logprobs are the behaviour policy. The
 importance weight proximal/behaviour, truncated at `tis_cap`, corrects for stale samples (generated
-by older weights, or partly under newer ones); ratio current/proximal is clipped to 1 +- `clip`.
+by older weights, or partly under newer ones); ratio current/proximal is clipped to
+[1 - `clip`, 1 + `clip_high`] (`clip_high` defaults to `clip`; DAPO's clip-higher raises it).
+Episodes whose status is in `exclude_statuses` (cut off by a limit) carry no loss.
 With `behaviour="recompute"` the trainer computes the behaviour logprobs itself, under the weights
 of the version that generated each turn (it keeps the last `keep_versions` versions' weights):
 fresh tokens get weight exactly 1 and stale ones a weight that does not depend on the replicas'
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from rollwise.trainer.policy import Batch, PolicyModel, micro_batches
-from rollwise.types import Trajectory
+from rollwise.types import CUT_OFF, Trajectory
 
 
 class LogprobMismatch(RuntimeError):
@@ -47,6 +49,7 @@ class GRPOConfig:
     lr: float = 1e-4
     weight_decay: float = 0.0
     clip: float = 0.2
+    clip_high: float | None = None  # the upper clip, 1 + clip_high (DAPO's clip-higher); None: `clip`
     tis_cap: float = 2.0
     kl_coef: float = 0.0
     scale_rewards: bool = True
@@ -58,6 +61,13 @@ class GRPOConfig:
     loss_agg: str = "token"  # "token": mean over all generated tokens; "sequence": per trajectory, then mean
     behaviour: str = "rollout"  # behaviour logprobs: "rollout" (the replicas') or "recompute" (the trainer's)
     keep_versions: int = 0  # "recompute": past versions' weights kept (the staleness bound)
+    # episodes with these statuses (cut off by a limit, not ended by the policy) carry no loss, as in
+    # DAPO's overlong filtering; they still count in their group's advantage baseline
+    exclude_statuses: tuple[str, ...] = ()
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        return 1 - self.clip, 1 + (self.clip if self.clip_high is None else self.clip_high)
 
 
 def advantages(groups: list[list[Trajectory]], scale: bool = True) -> list[float]:
@@ -82,6 +92,9 @@ class GRPOTrainer:
             raise ValueError(f"loss_agg must be 'token' or 'sequence', got {self.cfg.loss_agg!r}")
         if self.cfg.behaviour not in ("rollout", "recompute"):
             raise ValueError(f"behaviour must be 'rollout' or 'recompute', got {self.cfg.behaviour!r}")
+        bad = sorted(set(self.cfg.exclude_statuses) - set(CUT_OFF))
+        if bad:
+            raise ValueError(f"exclude_statuses {bad}: valid statuses are {list(CUT_OFF)}")
         self.kept: dict[int, dict[str, torch.Tensor]] = {}  # version -> its weights ("recompute")
         self.opt = torch.optim.AdamW(policy.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.ref = copy.deepcopy(policy.model).eval() if self.cfg.kl_coef > 0 else None
@@ -92,7 +105,7 @@ class GRPOTrainer:
         """One optimizer step (per epoch) on complete groups; returns metrics."""
         trajs = [t for g in groups for t in g]
         adv = advantages(groups, self.cfg.scale_rewards)
-        useful = [t for t, a in zip(trajs, adv) if abs(a) > 1e-9 and sum(t.loss_mask) > 0]
+        useful = [t for t, a in zip(trajs, adv) if self._trains(t, a)]
         # the batch's totals are known: each micro-batch's loss is normalized as it goes
         self.begin(n_tokens=sum(sum(t.loss_mask) for t in useful), n_trajectories=len(useful))
         self.add(groups)
@@ -108,6 +121,7 @@ class GRPOTrainer:
             self.kept[self.version] = {n: p.detach().clone() for n, p in self.policy.model.named_parameters()}
         self.opt.zero_grad(set_to_none=True)
         self._acc = {"trajs": [], "items": [], "diffs": ([], {}), "stats": torch.zeros(4), "n_tokens": 0, "n_useful": 0,
+                     "entropy": [],
                      "given": n_tokens if cfg.loss_agg == "token" else n_trajectories}
 
     def add(self, groups: list[list[Trajectory]]) -> None:
@@ -115,7 +129,7 @@ class GRPOTrainer:
         cfg, acc = self.cfg, self._begun()
         trajs = [t for g in groups for t in g]
         adv = dict(zip(map(id, trajs), advantages(groups, cfg.scale_rewards)))
-        useful = [t for t in trajs if abs(adv[id(t)]) > 1e-9 and sum(t.loss_mask) > 0]
+        useful = [t for t in trajs if self._trains(t, adv[id(t)])]
         acc["trajs"] += trajs
         acc["n_useful"] += len(useful)
         acc["n_tokens"] += sum(sum(t.loss_mask) for t in useful)
@@ -124,7 +138,7 @@ class GRPOTrainer:
             a = torch.tensor([adv[id(t)] for t in mb], dtype=torch.float32)
             with torch.no_grad():  # behaviour logprobs of stale tokens under the weights that generated them
                 st = self._stale(mb, b) if cfg.behaviour == "recompute" else None
-            lp = self.policy.logprobs(b, cfg.temperature)
+            lp = self.policy.logprobs(b, cfg.temperature, entropy=acc["entropy"])
             # the proximal policy: the weights before this step (no update yet: no separate forward)
             prox = lp.detach()
             self._backward(lp, b, a, st, prox, acc["given"] or 1.0, acc["stats"])
@@ -140,7 +154,8 @@ class GRPOTrainer:
              "trained_trajectories": acc["n_useful"], "trained_tokens": n_tokens,
              "max_staleness": max(staleness, default=0), "stale_trajectories": sum(s > 0 for s in staleness),
              "loss": 0.0, "grad_norm": 0.0, "kl": 0.0, "is_weight_mean": 1.0, "clip_frac": 0.0,
-             "logprob_diff": float("nan")}
+             "logprob_diff": float("nan"),
+             "entropy": sum(acc["entropy"]) / n_tokens if n_tokens else float("nan")}  # per trained token
         div = n_tokens if cfg.loss_agg == "token" else acc["n_useful"]
         try:
             self._check(acc["diffs"], m)  # before any update: a replica on other weights stops the step here
@@ -170,6 +185,10 @@ class GRPOTrainer:
         self._acc = None
         return m
 
+    def _trains(self, t: Trajectory, advantage: float) -> bool:
+        """Whether a trajectory carries loss: a non-zero advantage, generated tokens, a kept status."""
+        return abs(advantage) > 1e-9 and sum(t.loss_mask) > 0 and t.status not in self.cfg.exclude_statuses
+
     def _begun(self) -> dict:
         if self._acc is None:
             raise RuntimeError("no step begun: call begin() before add() and finish()")
@@ -183,7 +202,8 @@ class GRPOTrainer:
         ratio = torch.exp(lp - prox)
         w = torch.exp(prox - lp_behav).clamp(max=cfg.tis_cap)  # truncated IS
         A = a[:, None]
-        pg = -torch.minimum(ratio * A, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * A) * w
+        lo, hi = cfg.clip_range
+        pg = -torch.minimum(ratio * A, ratio.clamp(lo, hi) * A) * w
         if self.ref is not None:
             with torch.no_grad():
                 lp_ref = torch.log_softmax(self.ref(input_ids=b.input_ids, attention_mask=b.attention_mask)
@@ -199,7 +219,8 @@ class GRPOTrainer:
             loss = (pg * b.mask).sum() / div
         loss.backward()
         stats[0] += float(loss.detach())
-        stats[1] += float(((ratio.detach() - 1).abs() > cfg.clip).float().mul(b.mask).sum())
+        r = ratio.detach()
+        stats[1] += float(((r < lo) | (r > hi)).float().mul(b.mask).sum())
         stats[3] += float((w.detach() * b.mask).sum())
 
     def _stale(self, mb: list[Trajectory], b: Batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -54,7 +54,8 @@ class PolicyModel:
         # transformers 5.24 renamed past_key_values to cache
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
-    def logprobs(self, batch: Batch, temperature: float = 1.0, min_shared: int = 32) -> torch.Tensor:
+    def logprobs(self, batch: Batch, temperature: float = 1.0, min_shared: int = 32,
+                 entropy: list | None = None) -> torch.Tensor:
         """[B, L-1] log p(target) under the current weights at `temperature` (as the engine samples),
         at the generated positions (`batch.mask`); 0 elsewhere. The output head and softmax run only
         there: on agent episodes most positions are prompt and tool output, and the head over the
@@ -63,12 +64,13 @@ class PolicyModel:
         Rows that start with the same tokens (a GRPO group's prompt; every episode's system prompt
         and tool schemas) have that prefix run once and its KV shared by the batch: exact (same
         logprobs and gradients, which flow back through the shared KV), and several times cheaper
-        when the prompt dominates."""
+        when the prompt dominates. With `entropy` (a list), the sum over those positions of the
+        sampling distribution's entropy is appended to it (no gradient)."""
         p = batch.shared
         body = self.model.get_decoder()  # the decoder without its output head
         if p < min_shared or batch.input_ids.shape[1] - p < 1:
             h = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state[:, :-1]
-            return self._head(h, batch.targets, batch.mask, temperature)
+            return self._head(h, batch.targets, batch.mask, temperature, entropy)
         from transformers import DynamicCache
         n = batch.input_ids.shape[0]
         cache = DynamicCache(config=self.model.config)
@@ -77,16 +79,21 @@ class PolicyModel:
         rest = body(input_ids=batch.input_ids[:, p:], attention_mask=batch.attention_mask, use_cache=True,
                     **{self._cache_kw: cache}).last_hidden_state  # position p.. -> targets p..
         h = torch.cat([pre[:, -1:].expand(n, 1, -1), rest[:, :-1]], dim=1)  # targets p-1..L-2
-        lp = self._head(h, batch.targets[:, p - 1:], batch.mask[:, p - 1:], temperature)
+        lp = self._head(h, batch.targets[:, p - 1:], batch.mask[:, p - 1:], temperature, entropy)
         return torch.cat([lp.new_zeros(n, p - 1), lp], dim=1)
 
-    def _head(self, h: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    def _head(self, h: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float,
+              entropy: list | None = None) -> torch.Tensor:
         sel = mask > 0
         logits = self.model.get_output_embeddings()(h[sel]).float()
         if temperature != 1.0:
             logits = logits / temperature
+        logp = torch.log_softmax(logits, dim=-1)
         out = torch.zeros(targets.shape, dtype=logits.dtype)
-        out[sel] = torch.log_softmax(logits, dim=-1).gather(-1, targets[sel].unsqueeze(-1)).squeeze(-1)
+        out[sel] = logp.gather(-1, targets[sel].unsqueeze(-1)).squeeze(-1)
+        if entropy is not None:
+            with torch.no_grad():
+                entropy.append(float(-(logp.exp() * logp).sum()))
         return out
 
     def engine_weights(self) -> dict[str, torch.Tensor]:

@@ -211,3 +211,39 @@ def test_a_streamed_step_checks_the_logprobs_before_updating(model_dir):
         trainer.finish()
     assert trainer.version == 0 and all(torch.equal(x, y) for x, y in zip(before, _weights(policy)))
     assert all(p.grad is None for p in policy.parameters())
+
+
+def test_clip_higher_lets_a_rewarded_token_rise_past_the_symmetric_clip(model_dir):
+    """Ratio 1.25 on a token with positive advantage: clipped (no gradient) at clip 0.2, not with
+    DAPO's clip_high 0.28; on the negative side both clip at 1 - 0.2."""
+    trajs = _sampled(model_dir, 2, seed=4)
+    b = Batch.of(trajs)
+    prox = b.behaviour_logprobs.clone()
+    grads = {}
+    for clip_high in (None, 0.28):
+        trainer = GRPOTrainer(PolicyModel(model_dir), GRPOConfig(clip=0.2, clip_high=clip_high))
+        for sign, shift in ((1.0, 1.25), (-1.0, 0.75)):
+            lp = (prox + torch.log(torch.tensor(shift))).requires_grad_()
+            trainer._backward(lp, b, torch.tensor([sign, sign]), None, prox, 1.0, torch.zeros(4))
+            grads[clip_high, sign] = float(lp.grad.abs().sum())
+    assert grads[None, 1.0] == 0.0 and grads[0.28, 1.0] > 0  # clip-higher keeps the gradient
+    assert grads[None, -1.0] == 0.0 and grads[0.28, -1.0] == 0.0  # the lower clip is unchanged
+    assert GRPOConfig(clip=0.2, clip_high=0.28).clip_range == (0.8, 1.28)
+
+
+def test_excluded_statuses_carry_no_loss_and_entropy_is_reported(model_dir):
+    trajs = _sampled(model_dir, 8, seed=5)
+    for t in trajs[:2]:
+        t.status = "max_context"  # cut off by the context limit
+    groups = [trajs[i:i + 2] for i in range(0, 8, 2)]
+    policy = PolicyModel(model_dir)
+    b = Batch.of(trajs[2:])
+    with torch.no_grad():  # the sampling distribution's entropy at the trained tokens, by hand
+        logits = policy.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1)
+        want = float((-(logp.exp() * logp).sum(-1) * b.mask).sum() / b.mask.sum())
+    m = GRPOTrainer(policy, GRPOConfig(exclude_statuses=("max_context", "timeout"))).step(groups)
+    assert m["trained_trajectories"] == 6 and m["trained_tokens"] == int(b.mask.sum())
+    assert m["entropy"] == pytest.approx(want, rel=1e-4)
+    with pytest.raises(ValueError, match=r"valid statuses are \['max_turns', 'max_context', 'timeout', 'error'\]"):
+        GRPOTrainer(policy, GRPOConfig(exclude_statuses=("truncated",)))
