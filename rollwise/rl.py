@@ -73,6 +73,11 @@ class TrainConfig:
     max_tokens: int = 64  # per turn
     max_turns: int = 4
     max_staleness: int = 1  # 0: synchronous (on-policy); k: rollouts up to k versions ahead
+    # DAPO's dynamic sampling: a group whose episodes all got the same reward has zero advantage and
+    # teaches nothing; skip it (logged, not trained on) and take another in its place, at most
+    # max_skipped_groups per step (0: 4 x groups_per_step), after which a step trains on what comes
+    dynamic_sampling: bool = False
+    max_skipped_groups: int = 0
     # turns in flight at a weight update: finish under the old weights (False; replicas hold both
     # versions meanwhile) or are interrupted and continue under the new ones (True: recomputed,
     # tokens and logprobs kept, each token labelled with its version)
@@ -137,6 +142,8 @@ class TrainConfig:
         resolve_env(cfg.env)  # a ValueError naming the built-ins, or why a user's env does not load
         if cfg.routing_policy not in POLICIES:
             raise ValueError(f"unknown routing_policy {cfg.routing_policy!r}; available: {sorted(POLICIES)}")
+        if cfg.deterministic and cfg.dynamic_sampling:
+            raise ValueError("dynamic_sampling cannot be deterministic: a lockstep batch is a fixed set of groups")
         if cfg.deterministic and cfg.partial_rollout:
             raise ValueError("partial_rollout does nothing in a deterministic run (every turn is pinned to its "
                              "group's version); set one of them")
@@ -149,6 +156,8 @@ class TrainConfig:
         bad = sorted(set(cfg.exclude_statuses) - set(CUT_OFF))
         if bad:
             raise ValueError(f"exclude_statuses {bad}: valid statuses are {list(CUT_OFF)}")
+        if cfg.max_skipped_groups < 0:
+            raise ValueError(f"max_skipped_groups must be >= 0 (0: 4 x groups_per_step), got {cfg.max_skipped_groups}")
         if cfg.replica_threads < 0 or cfg.trainer_threads < 0:
             raise ValueError("replica_threads and trainer_threads must be >= 0 (0: split the cores)")
         return cfg
@@ -341,12 +350,13 @@ async def _train(cfg: TrainConfig) -> dict:
                 os.replace(cached.with_suffix(".tmp"), cached)
         trainer = GRPOTrainer(policy, grpo)  # the KL reference (if any) is the warm-started model
         history: list[dict] = []
-        consumed: list[int] = []
+        consumed: list[int] = []  # groups trained on, by seq
+        skipped: list[int] = []  # groups taken and not trained on (dynamic sampling)
         sft_success = None
     else:
         trainer = GRPOTrainer(policy, grpo)
         trainer.load_state(state)
-        history, consumed = state["history"], state["consumed"]
+        history, consumed, skipped = state["history"], state["consumed"], state.get("skipped", [])
         report.update(state.get("report", {}))
         sft_success = state.get("sft_success")
         status.line(f"resumed at policy version {trainer.version} ({len(consumed)} groups trained on)")
@@ -370,11 +380,11 @@ async def _train(cfg: TrainConfig) -> dict:
             report["sft_greedy_success"] = sft_greedy
             status.done(f"SFT model: success {sft_success:.3f} (greedy {sft_greedy:.3f}) on {len(eval_tasks)} held-out tasks")
         logged = read_log(log_path, repair=True)
-        used = set(consumed)
-        left = [g for g in logged if g.seq not in used]  # complete before a crash, not trained on
+        used = set(consumed) | set(skipped)
+        left = [g for g in logged if g.seq not in used]  # complete before a crash, not taken
         queue = GroupQueue(cfg.groups_per_step, cfg.max_staleness, version=trainer.version,
                            admitted=max([g.seq + 1 for g in logged] + [trainer.version * cfg.groups_per_step]),
-                           log_path=log_path, lockstep=cfg.deterministic)
+                           log_path=log_path, lockstep=cfg.deterministic, skipped=len(skipped))
         queue.restore(left)
         done_tasks = {g.task_index for g in logged}  # never generated twice; the rest run in order
         producer = asyncio.create_task(produce(cfg, queue, router, make_env, train_tasks, 0, done_tasks))
@@ -383,23 +393,32 @@ async def _train(cfg: TrainConfig) -> dict:
         steps_log.write_text("".join(json.dumps(h, default=str) + "\n" for h in history))
         t_run = time.perf_counter()
         stream, n_threads = cfg.streamed, threads(cfg)[1]
+        max_skips = cfg.max_skipped_groups or 4 * cfg.groups_per_step
 
         def training(fn, *a):  # the trainer's work, on a worker thread with its own torch threads
             set_threads(n_threads)
             return fn(*a)
         while len(history) < cfg.steps:
-            batch, wait_s, train_s = [], 0.0, 0.0  # trainer idle (waiting for groups), trainer working
+            batch, skips, wait_s, train_s = [], [], 0.0, 0.0  # trainer idle (waiting for groups), trainer working
             if stream:
                 trainer.begin()
             while len(batch) < cfg.groups_per_step:
                 t0 = time.perf_counter()
-                new = [await queue.next_group(len(batch))]
-                while queue.has_next(len(batch) + len(new)):  # every group that arrived meanwhile: one pass
-                    new.append(await queue.next_group(len(batch) + len(new)))
+                new: list = []
+                g = await queue.next_group(len(batch))
+                while True:  # every group that arrived meanwhile: one pass
+                    if cfg.dynamic_sampling and len(skips) < max_skips and len({t.reward for t in g.trajectories}) == 1:
+                        await queue.skip(g)
+                        skips.append(g.seq)
+                    else:
+                        new.append(g)
+                    if not queue.has_next(len(batch) + len(new)):
+                        break
+                    g = await queue.next_group(len(batch) + len(new))
                 batch += new
                 t1 = time.perf_counter()
                 wait_s += t1 - t0
-                if stream:
+                if stream and new:
                     await asyncio.to_thread(training, trainer.add, [g.trajectories for g in new])
                     train_s += time.perf_counter() - t1
             t2 = time.perf_counter()
@@ -412,13 +431,14 @@ async def _train(cfg: TrainConfig) -> dict:
             sync_s = time.perf_counter() - t3  # weights to every replica
             await queue.commit(trainer.version)
             consumed += [g.seq for g in batch]
+            skipped += skips
             lm = fleet_metrics(router)
             m.update(step=len(history), wait_s=wait_s, train_s=train_s, tail_s=tail_s, sync_s=sync_s,
                      wall_s=time.perf_counter() - t_run,
-                     group_versions=[g.version for g in batch], **lm)
+                     group_versions=[g.version for g in batch], skipped_groups=len(skips), **lm)
             history.append(m)
             _save_checkpoint(ckpt_path, trainer, consumed, history,
-                             {"sft_success": sft_success,
+                             {"sft_success": sft_success, "skipped": skipped,
                               "report": {k: v for k, v in report.items() if k in ("sft", "sft_greedy_success")}})
             with open(steps_log, "a") as f:
                 f.write(json.dumps(m, default=str) + "\n")

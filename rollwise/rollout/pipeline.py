@@ -14,7 +14,9 @@ later batch could not absorb within the bound (it waits for them: at most B), an
 with whichever groups complete first (taken as they complete, while the batch still has room for
 every group the bound requires), so stragglers do not stall training until the bound requires
 them. With k = 0 every step waits for exactly the groups admitted under its own weights:
-synchronous, on-policy RL. A group's version is the oldest version of any of its turns.
+synchronous, on-policy RL. A group's version is the oldest version of any of its turns. A group
+the trainer takes and skips (`skip`: DAPO's dynamic sampling drops groups whose rewards are all
+equal) does not count towards its batch and admits one more group in its place.
 
 Lockstep (`lockstep=True`, for reproducible runs): batch T is exactly groups T*B .. (T+1)*B - 1, and
 each group is pinned to version T - k (or the version the run started at, if newer; `admit` returns
@@ -67,10 +69,11 @@ class Group:
 
 class GroupQueue:
     def __init__(self, groups_per_step: int, max_staleness: int, *, version: int = 0, admitted: int | None = None,
-                 log_path: str | Path | None = None, lockstep: bool = False) -> None:
+                 log_path: str | Path | None = None, lockstep: bool = False, skipped: int = 0) -> None:
         if groups_per_step < 1 or max_staleness < 0:
             raise ValueError("groups_per_step must be >= 1 and max_staleness >= 0")
         self.B, self.k, self.version, self.lockstep = groups_per_step, max_staleness, version, lockstep
+        self.skipped = skipped  # groups the trainer took and did not train on: each admits one more
         self.start = version  # the run's (or resumed run's) first version: the oldest weights it has
         self.admitted = version * groups_per_step if admitted is None else admitted  # next admission index
         self.ready: dict[int, Group] = {}  # complete, not consumed: seq -> group
@@ -89,7 +92,7 @@ class GroupQueue:
 
     # producers -----------------------------------------------------------------------------------
     def may_admit(self) -> bool:
-        return self.admitted < (self.version + self.k + 1) * self.B
+        return self.admitted < (self.version + self.k + 1) * self.B + self.skipped
 
     async def admit(self) -> tuple[int, int]:
         """Wait for room under the staleness bound; returns (seq, its version): the version it is
@@ -171,6 +174,17 @@ class GroupQueue:
             self.stats["stale_groups"] += 1
             self.stats["stale_trajectories"] += len(g.trajectories)
         return g
+
+    async def skip(self, group: Group) -> None:
+        """The trainer took `group` (from `next_group`) and will not train on it (dynamic sampling: its
+        episodes all got the same reward): another group is admitted in its place. The bound still
+        holds: each batch absorbs its B groups plus those it skips, so a group admitted at version v
+        is taken by batch v + k at the latest, as without skips."""
+        if self.lockstep:
+            raise ValueError("a lockstep queue's batches are fixed groups: none can be skipped")
+        async with self._cond:
+            self.skipped += 1
+            self._cond.notify_all()
 
     def has_next(self, taken: int) -> bool:
         """Whether `next_group(taken)` would return at once."""

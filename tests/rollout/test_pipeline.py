@@ -19,7 +19,7 @@ def _traj(versions: list[int], tid: str = "t") -> Trajectory:
 
 
 async def _simulate(k: int, B: int, steps: int, seed: int, concurrency: int = 12,
-                    lockstep: bool = False, stream: bool = False) -> tuple[list, GroupQueue]:
+                    lockstep: bool = False, stream: bool = False, skip: float = 0.0) -> tuple[list, GroupQueue]:
     rng = random.Random(seed)
     q = GroupQueue(B, k, lockstep=lockstep)
     current = {"v": 0}  # the version the replicas serve (turns are stamped with it when they start)
@@ -45,10 +45,15 @@ async def _simulate(k: int, B: int, steps: int, seed: int, concurrency: int = 12
     prod = asyncio.create_task(producer())
     try:
         for step in range(steps):
-            if stream:  # a streamed trainer: each group as it may join, training between
+            if stream or skip:  # a streamed trainer: each group as it may join, training between
                 batch = []
-                for i in range(B):
-                    batch.append(await q.next_group(i))
+                while len(batch) < B:
+                    g = await q.next_group(len(batch))
+                    if rng.random() < skip:  # dynamic sampling: not trained on, another admitted instead
+                        await q.skip(g)
+                        q.stats.setdefault("skipped_seqs", []).append(g.seq)
+                        continue
+                    batch.append(g)
                     await asyncio.sleep(rng.uniform(0, 0.002))
             else:
                 batch = await q.get_batch()
@@ -75,6 +80,24 @@ def test_staleness_never_exceeds_the_bound_per_turn(k, seed, stream):
     assert q.stats["max_staleness_seen"] <= k
     if k > 0:  # asynchrony is actually used
         assert q.stats["stale_groups"] > 0
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize("seed", [4, 5])
+def test_skipped_groups_are_replaced_and_the_bound_still_holds(k, seed):
+    """Dynamic sampling: the trainer skips a third of the groups it takes; every batch still gets B
+    groups to train on, each within the bound, and the run never stalls for want of admissions."""
+    used, q = asyncio.run(_simulate(k, B=4, steps=20, seed=seed, skip=0.35))
+    seqs = [s for batch in used for s, *_ in batch]
+    skipped = q.stats["skipped_seqs"]
+    assert len(seqs) == 20 * 4 and len(set(seqs) | set(skipped)) == len(seqs) + len(skipped)  # each once
+    assert q.skipped == len(skipped) > 15
+    for batch in used:
+        for _, trainer_version, _, turn_versions in batch:
+            assert all(trainer_version - v <= k for v in turn_versions), (trainer_version, turn_versions)
+    assert q.stats["max_staleness_seen"] <= k
+    with pytest.raises(ValueError, match="lockstep"):
+        asyncio.run(GroupQueue(2, 1, lockstep=True).skip(Group(0, 0, {}, 0, [])))
 
 
 @pytest.mark.parametrize("stream", [False, True])

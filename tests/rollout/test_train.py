@@ -188,6 +188,30 @@ def test_train_on_a_task_file_with_the_dataset_env(model_dir, tmp_path):
     assert groups and all(t.status in ("done", "max_turns") for g in groups for t in g.trajectories)
 
 
+def test_dynamic_sampling_trains_only_on_groups_with_a_reward_spread(model_dir, tmp_path):
+    """Even tasks reward every episode alike (zero advantage), odd ones by the answer's length: with
+    dynamic sampling every trained group has a spread, the skipped ones have none, each group is
+    taken once, and a killed-and-resumed run would know which were skipped (checkpoint)."""
+    (tmp_path / "r.py").write_text("def score(task, answer):\n"
+                                   "    return 1.0 if task['n'] % 2 == 0 else float(len(answer) % 2)\n")
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}.", "n": i}) + "\n" for i in range(64)))
+    cfg = TrainConfig.from_dict({**TINY, "env": "dataset", "env_options": {"reward": f"{tmp_path}/r.py:score"},
+                                 "train_tasks_file": str(tmp_path / "t.jsonl"), "sft_steps": 0, "eval_tasks": 0,
+                                 "group_size": 4, "steps": 3, "dynamic_sampling": True, "max_skipped_groups": 40,
+                                 "model": model_dir, "run_dir": str(tmp_path / "run")})
+    report = train(cfg)
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    by_seq = {g.seq: g for g in read_log(tmp_path / "run" / "groups.jsonl")}
+    spread = {s: len({t.reward for t in by_seq[s].trajectories}) > 1 for s in by_seq}
+    assert len(state["consumed"]) == 3 * 2 and all(spread[s] for s in state["consumed"])
+    assert state["skipped"] and not any(spread[s] for s in state["skipped"])
+    assert not set(state["consumed"]) & set(state["skipped"])
+    assert sum(s["skipped_groups"] for s in report["steps"]) == len(state["skipped"])
+    assert all(s["trained_trajectories"] > 0 for s in report["steps"])
+    with pytest.raises(ValueError, match="dynamic_sampling cannot be deterministic"):
+        TrainConfig.from_dict({"model": model_dir, "dynamic_sampling": True, "deterministic": True})
+
+
 def test_user_env_without_sample_tasks_needs_a_task_file(model_dir, tmp_path):
     (tmp_path / "bare.py").write_text(
         "from rollwise.agent.envs.calculator import CalculatorEnv\n"
