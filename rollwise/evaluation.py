@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from rollwise.agent.episode import collect
-from rollwise.rl import TrainConfig, env_factory, n_train_tasks, task_sets
+from rollwise.rl_config import TrainConfig, env_factory, n_train_tasks, task_sets
 from rollwise.rollout.fleet import make_router, shutdown
 from rollwise.rollout.report import Status
 from rollwise.types import SamplingParams

@@ -13,198 +13,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import json
 import os
 import random
 import time
-import tomllib
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from rollwise.agent.envs import load_tasks, make_env, resolve_env
 from rollwise.agent.episode import collect, run_episode, stable_seed
 from rollwise.agent.generator import ScriptedGenerator, expert_policy
-from rollwise.agent.tools import Latency
+from rollwise.rl_config import TrainConfig, env_factory, n_train_tasks, task_sets
 from rollwise.rollout.fleet import fleet_metrics, make_router, shutdown, threads
 from rollwise.rollout.pipeline import Group, GroupQueue, read_log
 from rollwise.rollout.report import Status, write_report
-from rollwise.router.policies import POLICIES
-from rollwise.router.replica import WEIGHTS_VIA
-from rollwise.types import CUT_OFF, SamplingParams
+from rollwise.types import SamplingParams
 
 
-@dataclass
-class TrainConfig:
-    model: str  # model directory (Hugging Face format)
-    run_dir: str = "runs/rollwise"
-    # a built-in environment, or a user's: "package.module:Name" / "path/to/file.py:Name" (an Env class
-    # or a function returning one), made with max_turns and tool_latency where it takes them, plus env_options
-    env: str = "calculator"
-    env_options: dict = field(default_factory=dict)
-    # tasks from files (JSON lines, or a JSON list of objects) instead of the env's sample_tasks: the
-    # training tasks, cycled in order, and the held-out ones (the first eval_tasks of them)
-    train_tasks_file: str | None = None
-    eval_tasks_file: str | None = None
-    seed: int = 0
-    # supervised warm start on the environment's expert transcripts (0 steps: none)
-    sft_steps: int = 300
-    sft_tasks: int = 512
-    sft_lr: float = 3e-3
-    sft_batch: int = 16
-    # share of SFT transcripts in which the demonstrator skips the tools and states the (right) answer
-    # at once, as a stronger teacher does: a small model imitating that can only guess
-    sft_direct_fraction: float = 0.0
-    sft_cache: str | None = None  # directory keeping warm-started weights, keyed by the SFT settings
-    # GRPO
-    steps: int = 20
-    groups_per_step: int = 8
-    group_size: int = 8
-    lr: float = 1e-4
-    clip: float = 0.2
-    clip_high: float | None = None  # upper clip 1 + clip_high (DAPO's clip-higher, e.g. 0.28); None: clip
-    tis_cap: float = 2.0
-    kl_coef: float = 0.0
-    loss_agg: str = "token"  # or "sequence"
-    # episodes cut off by a limit carry no loss (DAPO's overlong filtering): any of "max_turns",
-    # "max_context", "timeout", "error"
-    exclude_statuses: list[str] = field(default_factory=list)
-    temperature: float = 1.0
-    max_tokens: int = 64  # per turn
-    max_turns: int = 4
-    max_staleness: int = 1  # 0: synchronous (on-policy); k: rollouts up to k versions ahead
-    # DAPO's dynamic sampling: a group whose episodes all got the same reward has zero advantage and
-    # teaches nothing; skip it (logged, not trained on) and take another in its place, at most
-    # max_skipped_groups per step (0: 4 x groups_per_step), after which a step trains on what comes
-    dynamic_sampling: bool = False
-    max_skipped_groups: int = 0
-    # turns in flight at a weight update: finish under the old weights (False; replicas hold both
-    # versions meanwhile) or are interrupted and continue under the new ones (True: recomputed,
-    # tokens and logprobs kept, each token labelled with its version)
-    partial_rollout: bool = False
-    # reproducible run: each batch generated under one version, its groups pinned to it (lockstep
-    # pipeline; `rollwise serve` replicas then need --keep-weight-versions max_staleness + 1), and
-    # behaviour logprobs recomputed by the trainer (its step is slower)
-    deterministic: bool = False
-    # the trainer takes groups as they complete and runs their forward and backward while the rest of
-    # the batch is generating (the optimizer step still waits for the whole batch); False: the whole
-    # batch at once when it is complete. Deterministic runs train whole batches (streamed micro-batches
-    # would depend on arrival timing).
-    stream_trainer: bool = True
-    max_concurrent_groups: int = 16
-    episode_deadline_s: float = 60.0
-    tool_latency: tuple[float, float] = (0.0, 0.0)  # seconds per tool call (simulated APIs): lo, hi
-    tool_latency_kind: str = "uniform"  # or "lognormal" (median (lo+hi)/2 above lo, heavy tail to 4*hi)
-    # rollout fleet
-    replicas: int = 2  # in-process engines (ignored when replica_urls is set)
-    # torch threads of each in-process replica and of the trainer; 0: the machine's cores split between
-    # them (replicas and trainer run at once: more threads than cores slows both)
-    replica_threads: int = 0
-    trainer_threads: int = 0
-    replica_urls: list[str] = field(default_factory=list)  # `rollwise serve` replicas instead
-    # their bearer key (servers off loopback take weight updates only with one); default: $ROLLWISE_API_KEY
-    replica_api_key: str | None = None
-    # "stream" (safetensors in the request), "file" (shared file system) or "auto" (file on loopback)
-    replica_weights_via: str = "auto"
-    routing_policy: str = "rollwise"
-    speculative: str | None = "suffix"
-    spec_controller: str = "adaptive"
-    max_num_seqs: int = 128
-    # evaluation on held-out tasks (greedy)
-    eval_tasks: int = 200
-    progress: bool = True
-
-    @property
-    def streamed(self) -> bool:
-        """Whether the trainer takes groups as they complete (see `stream_trainer`)."""
-        return self.stream_trainer and not self.deterministic
-
-    @property
-    def weight_versions(self) -> int:
-        """Weight versions a replica must hold at once: a lockstep run pins groups to versions up to
-        `max_staleness` old; otherwise turns in flight at an update finish under the old weights."""
-        return self.max_staleness + 1 if self.deterministic else 1
-
-    @staticmethod
-    def from_toml(path: str | Path, **overrides) -> TrainConfig:
-        data = tomllib.loads(Path(path).read_text())
-        return TrainConfig.from_dict({**data, **overrides})
-
-    @staticmethod
-    def from_dict(d: dict) -> TrainConfig:
-        names = {f.name for f in fields(TrainConfig)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown config keys {unknown}; valid: {sorted(names)}")
-        if "tool_latency" in d:
-            d = {**d, "tool_latency": tuple(d["tool_latency"])}
-        cfg = TrainConfig(**d)
-        resolve_env(cfg.env)  # a ValueError naming the built-ins, or why a user's env does not load
-        if cfg.routing_policy not in POLICIES:
-            raise ValueError(f"unknown routing_policy {cfg.routing_policy!r}; available: {sorted(POLICIES)}")
-        if cfg.deterministic and cfg.dynamic_sampling:
-            raise ValueError("dynamic_sampling cannot be deterministic: a lockstep batch is a fixed set of groups")
-        if cfg.deterministic and cfg.partial_rollout:
-            raise ValueError("partial_rollout does nothing in a deterministic run (every turn is pinned to its "
-                             "group's version); set one of them")
-        if cfg.replica_weights_via not in WEIGHTS_VIA:
-            raise ValueError(f"replica_weights_via must be one of {WEIGHTS_VIA}, got {cfg.replica_weights_via!r}")
-        if cfg.tool_latency_kind not in ("uniform", "lognormal"):
-            raise ValueError(f"tool_latency_kind must be 'uniform' or 'lognormal', got {cfg.tool_latency_kind!r}")
-        if cfg.max_staleness < 0 or cfg.steps < 0 or cfg.groups_per_step < 1 or cfg.group_size < 2:
-            raise ValueError("need max_staleness >= 0, steps >= 0, groups_per_step >= 1, group_size >= 2")
-        bad = sorted(set(cfg.exclude_statuses) - set(CUT_OFF))
-        if bad:
-            raise ValueError(f"exclude_statuses {bad}: valid statuses are {list(CUT_OFF)}")
-        if cfg.max_skipped_groups < 0:
-            raise ValueError(f"max_skipped_groups must be >= 0 (0: 4 x groups_per_step), got {cfg.max_skipped_groups}")
-        if cfg.replica_threads < 0 or cfg.trainer_threads < 0:
-            raise ValueError("replica_threads and trainer_threads must be >= 0 (0: split the cores)")
-        return cfg
-
-
-def env_factory(cfg: TrainConfig):
-    lo, hi = cfg.tool_latency
-    lat = Latency(lo, hi, kind=cfg.tool_latency_kind, cap=4 * hi) if hi > 0 else None
-    factory = resolve_env(cfg.env)
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        params = {}
-    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    standard = {k: v for k, v in (("max_turns", cfg.max_turns), ("tool_latency", lat)) if takes_all or k in params}
-    options = {**standard, **cfg.env_options}
-    return lambda: make_env(cfg.env, **options)
-
-
-def n_train_tasks(cfg: TrainConfig) -> int:
-    """Training tasks a run draws from the env (twice what its steps take, at least 64)."""
-    return max(cfg.steps * cfg.groups_per_step * 2, 64)
-
-
-def task_sets(cfg: TrainConfig, n_train: int) -> tuple[list[dict], list[dict], list[dict]]:
-    """Training, SFT and held-out evaluation tasks: from the task files where given, else drawn by the
-    env's `sample_tasks` (different seeds; any question also in the training or SFT set is dropped
-    from evaluation). SFT transcripts are the expert's on the env's own tasks, or on the training
-    file's when the env draws none."""
-    env = env_factory(cfg)()
-    sample = getattr(env, "sample_tasks", None)
-    if cfg.train_tasks_file:
-        train = load_tasks(cfg.train_tasks_file)
-    else:
-        train = sample(n_train, seed=cfg.seed) if sample else []  # (none: `train` asks for a file)
-    sft = sample(cfg.sft_tasks, seed=cfg.seed + 1) if sample and cfg.sft_steps > 0 else train[: cfg.sft_tasks]
-    if cfg.eval_tasks_file:
-        return train, sft, load_tasks(cfg.eval_tasks_file)[: cfg.eval_tasks]
-    if sample is None:
-        return train, sft, []
-    seen = {json.dumps({k: v for k, v in t.items() if k != "id"}, sort_keys=True) for t in train + sft}
-    held = [t for t in sample(cfg.eval_tasks * 2, seed=cfg.seed + 2)
-            if json.dumps({k: v for k, v in t.items() if k != "id"}, sort_keys=True) not in seen]
-    return train, sft, held[: cfg.eval_tasks]
-
-
-async def evaluate(router, make_env, tasks: list[dict], cfg: TrainConfig, temperature: float | None = None) -> float:
+async def evaluate(router, make_env, tasks: list[dict], cfg: TrainConfig, temperature: float | None = None) -> float | None:
     """Success rate (reward 1) on `tasks`, one episode each, sampled at `temperature` (default: the
     rollouts' temperature, i.e. the policy being trained; 0 is greedy) with per-task seeds. None
     when there are no evaluation tasks."""

@@ -9,7 +9,7 @@ from rollwise.router.replica import HttpReplica, LocalReplica
 from rollwise.router.router import Router
 
 if TYPE_CHECKING:
-    from rollwise.rl import TrainConfig
+    from rollwise.rl_config import TrainConfig
 
 
 def threads(cfg: TrainConfig) -> tuple[int, int]:

@@ -17,7 +17,8 @@ import torch
 from rollwise.agent.envs import ENVS
 from rollwise.agent.envs.calculator import CalculatorEnv
 from rollwise.omp import passive_env
-from rollwise.rl import TrainConfig, env_factory, task_sets, train
+from rollwise.rl import TrainConfig, train
+from rollwise.rl_config import env_factory, task_sets
 from rollwise.rollout.pipeline import read_log
 from rollwise.serve.process import ServerProcess
 
