@@ -84,20 +84,33 @@ class Sandbox:
         per_loop = _SLOTS.setdefault(asyncio.get_running_loop(), {})
         return per_loop.setdefault(self.max_concurrent, asyncio.Semaphore(self.max_concurrent))
 
-    async def run(self, code: str, stdin: str = "") -> RunResult:
-        async with self._slot():
-            work = Path(tempfile.mkdtemp(prefix="rollwise-sandbox-"))
-            try:
-                return await self._run(code, stdin, work)
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
+    async def run(self, code: str, stdin: str = "", *, cwd: str | Path | None = None) -> RunResult:
+        """Run a Python program, in `cwd` (a workspace that outlives the run) or else in a fresh
+        temporary directory removed afterwards."""
+        return await self._exec({"python": code}, stdin, cwd)
 
-    async def _run(self, code: str, stdin: str, work: Path) -> RunResult:
-        (work / "main.py").write_text(code, encoding="utf-8")
+    async def shell(self, command: str, stdin: str = "", *, cwd: str | Path | None = None) -> RunResult:
+        """Run a shell command line (`/bin/sh -c`) under the same limits, in `cwd` or a fresh directory."""
+        return await self._exec({"shell": command}, stdin, cwd)
+
+    async def _exec(self, what: dict, stdin: str, cwd: str | Path | None) -> RunResult:
+        async with self._slot():
+            private = Path(tempfile.mkdtemp(prefix="rollwise-sandbox-"))  # HOME, TMPDIR and the program file
+            try:
+                if "python" in what:
+                    (private / "main.py").write_text(what.pop("python"), encoding="utf-8")
+                    what["program"] = str(private / "main.py")
+                return await self._run(what, stdin, Path(cwd) if cwd is not None else private, private)
+            finally:
+                shutil.rmtree(private, ignore_errors=True)
+
+    async def _run(self, what: dict, stdin: str, work: Path, private: Path) -> RunResult:
         limits = {"cpu_s": self.cpu_s, "memory_mb": self.memory_mb, "file_mb": self.file_mb,
-                  "open_files": self.open_files, "network": self.network}
-        env = {"PATH": os.defpath, "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+                  "open_files": self.open_files, "network": self.network, **what}
+        path = os.pathsep.join([os.path.dirname(self.python), os.defpath])  # `python` is the sandbox's Python
+        env = {"PATH": path, "HOME": str(private), "TMPDIR": str(private), "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg",
+               "PYTHONDONTWRITEBYTECODE": "1"}  # no stale .pyc when a file is edited within the second
         status_r, status_w = os.pipe()
         try:
             return await self._spawn(work, limits, env, stdin, status_r, status_w)

@@ -1,7 +1,8 @@
 """The sandbox's child process (run as a script by `rollwise.agent.sandbox`, never imported): it applies
 the resource limits and, unless told otherwise, leaves the network namespace, reports what it got on
-the status pipe, then runs `main.py` from its working directory as `__main__`. Its own frame is cut
-from tracebacks, so the model sees its program's error alone. Standard library only: it starts fast."""
+the status pipe, then runs the program as `__main__` in its working directory (or becomes `/bin/sh -c`
+for a shell command). Its own frame is cut from tracebacks, so the model sees its program's error
+alone. Standard library only: it starts fast."""
 import ctypes
 import json
 import os
@@ -37,9 +38,12 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (lim["file_mb"] * mb, lim["file_mb"] * mb))
     resource.setrlimit(resource.RLIMIT_NOFILE, (lim["open_files"], lim["open_files"]))
     resource.setrlimit(resource.RLIMIT_AS, (lim["memory_mb"] * mb, lim["memory_mb"] * mb))
+    if "shell" in lim:
+        os.execv("/bin/sh", ["sh", "-c", lim["shell"]])
+    sys.dont_write_bytecode = True
     sys.argv = ["main.py"]
     sys.path.insert(0, os.getcwd())
-    with open("main.py", encoding="utf-8") as f:
+    with open(lim["program"], encoding="utf-8") as f:
         source = f.read()
     scope = {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__}
     try:

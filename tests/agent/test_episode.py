@@ -183,9 +183,10 @@ def test_sql_tool_cannot_modify_the_database(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("env_name", SAMPLED)
 def test_every_expert_solves_200_seeded_tasks(env_name, expert_rewards):
-    tasks = make_env(env_name).sample_tasks(200, seed=0)
-    assert len({json.dumps(t, sort_keys=True) for t in tasks}) > 150  # varied tasks
-    assert expert_rewards(lambda: make_env(env_name), tasks) == [1.0] * 200
+    n = 40 if env_name == "bugfix" else 200  # (three sandboxed runs an episode)
+    tasks = make_env(env_name).sample_tasks(n, seed=0)
+    assert len({json.dumps(t, sort_keys=True) for t in tasks}) > 0.75 * n  # varied tasks
+    assert expert_rewards(lambda: make_env(env_name), tasks) == [1.0] * n
 
 
 def test_make_env_names_the_valid_options():
