@@ -1,11 +1,13 @@
-"""Running model-written code: every run is a fresh Python subprocess in a temporary directory of its
-own, with a wall-clock deadline, CPU-time, memory, file-size and open-file limits, no network (its
-own network namespace, where the kernel allows one), a clean environment, output capped, and its
-whole process group killed when it ends, times out or its caller is cancelled (an episode's
-deadline), so nothing it started outlives it.
+"""Running model-written code: every run is a fresh subprocess (a Python program, or a shell command
+line) in a temporary directory of its own or a given workspace, with a wall-clock deadline,
+CPU-time, memory, file-size and open-file limits, no network (its own network namespace, where the
+kernel allows one), a clean environment, output capped, and its whole process group killed when it
+ends, times out or its caller is cancelled (an episode's deadline), so nothing it started outlives
+it.
 
     sandbox = Sandbox(timeout_s=5, memory_mb=512)
-    result = await sandbox.run("print(sum(range(10)))")   # result.stdout == "45\\n", result.ok
+    result = await sandbox.run("print(sum(range(10)))")   # result.stdout == "45\n", result.ok
+    result = await sandbox.shell("python test_calc.py", cwd=workspace_dir)
     tool = sandbox.tool()                                   # a `python(code)` tool for an environment
 
 The limits are per process (rlimits), not a container: enough for an RL model's own mistakes
