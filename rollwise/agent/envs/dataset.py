@@ -24,7 +24,7 @@ import re
 import secrets
 
 from rollwise.agent.env import ToolEnv, maybe_await, number_reward
-from rollwise.agent.plugins import load_object
+from rollwise.agent.plugins import FORM, load_object
 from rollwise.agent.sandbox import Sandbox
 from rollwise.agent.tools import Tool
 
@@ -72,8 +72,8 @@ class DatasetEnv(ToolEnv):
             self.reward = load_object(reward, "reward function")
             self._threaded = not inspect.iscoroutinefunction(self.reward)
         else:
-            raise ValueError(f"unknown reward {reward!r}; valid: {sorted([*REWARDS, 'unit_tests'])}, or a user's function as "
-                             "'package.module:name' or 'path/to/file.py:name'")
+            raise ValueError(f"unknown reward {reward!r}; valid: {sorted([*REWARDS, 'unit_tests'])}, or a user's "
+                             f"function as {FORM}")
         self._tools = [self._make_tool(spec) for spec in tools]
         if system_prompt is not None:
             self.system_prompt = system_prompt
@@ -93,8 +93,7 @@ class DatasetEnv(ToolEnv):
         if spec == "python":
             return self.sandbox.tool("python")
         if ":" not in spec:
-            raise ValueError(f"unknown tool {spec!r}; valid: 'python', or a user's function as "
-                             "'package.module:name' or 'path/to/file.py:name'")
+            raise ValueError(f"unknown tool {spec!r}; valid: 'python', or a user's function as {FORM}")
         obj = load_object(spec, "tool", accept=lambda o: callable(o) or isinstance(o, Tool))
         return obj if isinstance(obj, Tool) else Tool(obj)
 
