@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollwise.agent.envs import ENVS
+from rollwise.agent.envs import ENVS, make_env
 from rollwise.agent.envs.calculator import CalculatorEnv
 from rollwise.omp import passive_env
 from rollwise.rl import TrainConfig, train
@@ -147,6 +147,8 @@ def test_example_config_is_the_demo_run(model_dir):
     from rollwise.cli import DEMO_FULL
     cfg = TrainConfig.from_toml(Path(__file__).parents[2] / "examples" / "train-phonebook.toml", model=model_dir)
     assert cfg.env == "phonebook" and {k: getattr(cfg, k) for k in DEMO_FULL} == DEMO_FULL
+    bugfix = TrainConfig.from_toml(Path(__file__).parents[2] / "examples" / "train-bugfix.toml", model=model_dir)
+    assert bugfix.env == "bugfix" and bugfix.max_turns >= len(make_env("bugfix").expert({"module": "m", "buggy": "gcd"}))
     with pytest.raises(ValueError, match="replica_weights_via"):
         TrainConfig.from_dict({"model": model_dir, "replica_weights_via": "nfs"})
     with pytest.raises(ValueError, match="partial_rollout does nothing"):
