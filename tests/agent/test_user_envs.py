@@ -117,6 +117,8 @@ def test_dataset_env_bad_options_are_value_errors():
         make_env("dataset", tools=["bash"])
     with pytest.raises(ValueError, match="cannot load tool"):
         make_env("dataset", tools=["nowhere_module:fn"])
+    with pytest.raises(ValueError, match="environment 'dataset'.*rewrd"):
+        make_env("dataset", rewrd="number")  # a typo in env_options
 
 
 def test_dataset_env_unit_tests_reward_runs_the_answer_in_the_sandbox():

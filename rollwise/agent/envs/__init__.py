@@ -30,7 +30,12 @@ def resolve_env(name: str):
 
 
 def make_env(name: str, **options):
-    env = resolve_env(name)(**options)
+    try:
+        env = resolve_env(name)(**options)
+    except TypeError as e:  # an option it does not take (a typo in env_options): the caller's error
+        if "keyword argument" not in str(e):
+            raise
+        raise ValueError(f"environment {name!r}: {e}") from e
     missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
     if missing:
         raise ValueError(f"environment {name!r} made a {type(env).__name__} without {missing} (see rollwise.agent.env.Env)")
