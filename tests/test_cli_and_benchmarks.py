@@ -136,6 +136,14 @@ def test_agent_benchmark_smoke(tmp_path):
         assert all(v["solved"] == 1.0 and v["episodes"] > 0 for v in res[side].values())
 
 
+def test_sandbox_benchmark_smoke(tmp_path):
+    out = tmp_path / "sandbox.json"
+    r = run("benchmarks/sandbox.py", "--smoke", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert len(res["cases"]) >= 2 and all(v["sandbox_ms"] > 0 and v["bare_ms"] > 0 for v in res["cases"].values())
+
+
 def test_router_benchmark_smoke(tmp_path):
     out = tmp_path / "router.json"
     r = run("benchmarks/router.py", "--smoke", "--policies", "verl,rollwise", "--json", str(out))

@@ -122,8 +122,10 @@ class Sandbox:
     async def _spawn(self, work: Path, limits: dict, env: dict, stdin: str, status_r: int, status_w: int) -> RunResult:
         t0 = time.perf_counter()
         try:
+            # a shell command's launcher needs no site-packages: -S starts it faster
+            flags = ["-I", "-S"] if "shell" in limits else ["-I"]
             proc = await asyncio.create_subprocess_exec(
-                self.python, "-I", str(_CHILD), json.dumps(limits), str(status_w), cwd=work, env=env,
+                self.python, *flags, str(_CHILD), json.dumps(limits), str(status_w), cwd=work, env=env,
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 pass_fds=(status_w,), start_new_session=True)
         finally:
