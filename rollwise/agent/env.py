@@ -66,7 +66,8 @@ class ToolEnv:
         self.task, self._ended = task, None
         self.tools = self.make_tools(task) + [_finish_tool()]
         for t in self.tools:
-            t.timeout = min(t.timeout, self.tool_timeout)
+            if t.timeout is not None:  # (None: a tool that keeps its own deadline)
+                t.timeout = min(t.timeout, self.tool_timeout)
             t.latency = t.latency or self.tool_latency
         self._by_name = {t.name: t for t in self.tools}
         return [{"role": "system", "content": self.system_prompt},

@@ -151,12 +151,14 @@ class Sandbox:
                          bool(status.get("network_isolated")))
 
     def tool(self, name: str = "python") -> Tool:
-        """A tool that runs the model's program here and returns `RunResult.observation()`; its
-        deadline is the sandbox's plus a margin (the sandbox reports its own timeout)."""
+        """A tool that runs the model's program here and returns `RunResult.observation()`. Its only
+        deadline is the sandbox's, which starts when the program does: a call that waits for a free
+        slot (many episodes, few cores) is not timed out for it, which would punish the policy for
+        the machine's load. The episode's deadline still bounds the wait."""
         async def python(code: str) -> str:
             """Run a Python 3 program and return what it prints (stdout, then any error). Use print() to show results."""
             return (await self.run(code)).observation()
-        return Tool(python, name=name, timeout=self.timeout_s + 5.0)
+        return Tool(python, name=name, timeout=None)
 
 
 async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bool]:

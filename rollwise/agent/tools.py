@@ -54,7 +54,7 @@ class ToolArgumentError(ValueError):
 
 class Tool:
     def __init__(self, fn: Callable, *, name: str | None = None, description: str | None = None,
-                 parameters: dict | None = None, timeout: float = 10.0, latency: Latency | None = None) -> None:
+                 parameters: dict | None = None, timeout: float | None = 10.0, latency: Latency | None = None) -> None:
         self.fn = fn
         self.name = name or fn.__name__
         self.description = description or (inspect.getdoc(fn) or "").split("\n\n")[0]
@@ -76,8 +76,8 @@ class Tool:
         except ToolArgumentError as e:
             return fail(e)
         limit = timeout or self.timeout
-        try:
-            result = await asyncio.wait_for(self._run(args), limit)
+        try:  # (no limit: the tool keeps its own deadline, e.g. the sandbox's, which excludes queueing)
+            result = await (self._run(args) if limit is None else asyncio.wait_for(self._run(args), limit))
         except asyncio.TimeoutError:
             return fail(f"tool {self.name!r} timed out after {limit:g}s")
         except Exception as e:  # noqa: BLE001 - the tool's own failure goes back to the model

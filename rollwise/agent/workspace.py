@@ -64,7 +64,7 @@ class Workspace:
         def edit_file(path: str, old: str, new: str) -> str:
             """Replace the one occurrence of `old` in the file at `path` with `new`."""
             return self.edit(path, old, new)
-        return [Tool(bash, timeout=self.sandbox.timeout_s + 5.0), Tool(edit_file)]
+        return [Tool(bash, timeout=None), Tool(edit_file)]  # (bash: the sandbox's deadline, as Sandbox.tool)
 
     def close(self) -> None:
         self._cleanup()

@@ -4,11 +4,17 @@ under Hugging Face names for the inference replicas."""
 from __future__ import annotations
 
 import inspect
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from rollwise.types import Trajectory
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "tokenizer.model")
 
 
 @dataclass
@@ -48,6 +54,7 @@ class PolicyModel:
         torch.manual_seed(seed)
         if threads:
             torch.set_num_threads(threads)
+        self.model_dir = model_dir
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.config.use_cache = False
         self.model.train()
@@ -101,7 +108,12 @@ class PolicyModel:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def save(self, path: str) -> None:
+        """The weights in Hugging Face format, with the source model's tokenizer files beside them, so
+        the directory serves, evaluates and trains as the model it came from did."""
         self.model.save_pretrained(path, safe_serialization=True)
+        for name in TOKENIZER_FILES:
+            if (Path(self.model_dir) / name).is_file():
+                shutil.copyfile(Path(self.model_dir) / name, Path(path) / name)
 
     def parameters(self):
         return self.model.parameters()

@@ -138,3 +138,18 @@ def test_code_env_tool_runs_the_model_program():
     assert not bad_done and "ZeroDivisionError" in bad_obs[0]["content"]
     assert not done and obs[0]["content"].strip() == str(task["answer"])
     assert end and reward == 1.0
+
+
+def test_waiting_for_a_free_slot_is_not_a_timeout():
+    """Eight calls queued behind one slot wait 2.1 s in all, past the sandbox's 1.5 s deadline and
+    the env's 1 s tool timeout: none times out, since each run's deadline starts with the run."""
+    env = make_env("code", tool_timeout=1.0, sandbox=Sandbox(timeout_s=1.5, max_concurrent=1))
+    asyncio.run(env.reset(env.sample_tasks(1, seed=0)[0]))
+    tool = env._by_name["python"]
+    assert tool.timeout is None  # not capped by the env's tool timeout
+
+    async def go():
+        return await asyncio.gather(*(tool.call({"code": "import time\ntime.sleep(0.3)\nprint('ok')"}) for _ in range(8)))
+    t0 = time.perf_counter()
+    results = asyncio.run(go())
+    assert [r.content for r in results] == ["ok"] * 8 and time.perf_counter() - t0 > 2.0

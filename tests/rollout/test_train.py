@@ -40,6 +40,8 @@ def test_train_end_to_end_with_in_process_replicas(model_dir, tmp_path, partial_
     assert (out / "report" / "curves.png").stat().st_size > 1000
     assert json.loads((out / "report" / "metrics.json").read_text())["rl_success"] == report["rl_success"]
     assert (out / "final-model" / "config.json").exists()
+    from rollwise.engine.tokenizer import Tokenizer  # the final model is whole: it has its tokenizer
+    assert Tokenizer(str(out / "final-model")).encode("a b") == Tokenizer(model_dir).encode("a b")
     for g in read_log(out / "groups.jsonl"):  # every token's version, oldest first, none from the future
         for t in g.trajectories:
             for tr in t.turns:

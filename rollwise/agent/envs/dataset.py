@@ -59,7 +59,7 @@ class DatasetEnv(ToolEnv):
     def __init__(self, *, reward: str = "exact", tools: list[str] = (), prompt_key: str = "prompt",
                  answer_key: str = "answer", system_prompt: str | None = None, answer_hint: str | None = None,
                  sandbox_timeout_s: float = 5.0, tool_timeout: float = 10.0, **kw) -> None:
-        super().__init__(tool_timeout=tool_timeout, **kw)  # (a tool's deadline: the sandbox reports its own first)
+        super().__init__(tool_timeout=tool_timeout, **kw)  # (for a user's tools; the sandbox keeps its own)
         self.prompt_key, self.answer_key = prompt_key, answer_key
         self.sandbox = Sandbox(timeout_s=sandbox_timeout_s)
         self._threaded = False  # a user's plain function runs in a worker thread
