@@ -109,6 +109,8 @@ class Sandbox:
     async def _run(self, what: dict, stdin: str, work: Path, private: Path) -> RunResult:
         limits = {"cpu_s": self.cpu_s, "memory_mb": self.memory_mb, "file_mb": self.file_mb,
                   "open_files": self.open_files, "network": self.network, **what}
+        if "program" in what and self.python == sys.executable:  # (another interpreter runs its own `site`)
+            limits["path"] = [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")]
         path = os.pathsep.join([os.path.dirname(self.python), os.defpath])  # `python` is the sandbox's Python
         env = {"PATH": path, "HOME": str(private), "TMPDIR": str(private), "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg",
@@ -122,8 +124,10 @@ class Sandbox:
     async def _spawn(self, work: Path, limits: dict, env: dict, stdin: str, status_r: int, status_w: int) -> RunResult:
         t0 = time.perf_counter()
         try:
-            # a shell command's launcher needs no site-packages: -S starts it faster
-            flags = ["-I", "-S"] if "shell" in limits else ["-I"]
+            # without `site` Python starts several times faster (most of a start is .pth processing): a
+            # shell command's launcher needs no packages, and a program under this same interpreter
+            # gets its site-packages directories on sys.path directly
+            flags = ["-I", "-S"] if "shell" in limits or "path" in limits else ["-I"]
             proc = await asyncio.create_subprocess_exec(
                 self.python, *flags, str(_CHILD), json.dumps(limits), str(status_w), cwd=work, env=env,
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,

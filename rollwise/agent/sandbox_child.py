@@ -42,7 +42,8 @@ def main() -> None:
         os.execv("/bin/sh", ["sh", "-c", lim["shell"]])
     sys.dont_write_bytecode = True
     sys.argv = ["main.py"]
-    sys.path.insert(0, os.getcwd())
+    sys.path[:0] = [os.getcwd()]
+    sys.path.extend(p for p in lim.get("path", []) if p not in sys.path)  # (started without `site`)
     with open(lim["program"], encoding="utf-8") as f:
         source = f.read()
     scope = {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__}
