@@ -144,8 +144,7 @@ def cmd_demo(args) -> None:
 
 def cmd_train(args) -> None:
     from rollwise.rl import TrainConfig, train
-    overrides = dict(kv.split("=", 1) for kv in args.set)
-    cfg = TrainConfig.from_toml(args.config, **{k: _parse_value(v) for k, v in overrides.items()})
+    cfg = TrainConfig.from_toml(args.config, **_overrides(args.set))
     report = train(cfg)
     shown = {k: "none (no evaluation tasks)" if report[k] is None else f"{report[k]:.3f}" for k in ("sft_success", "rl_success")}
     print(" ".join(f"{k}={v}" for k, v in shown.items()))
@@ -154,8 +153,7 @@ def cmd_train(args) -> None:
 def cmd_eval(args) -> None:
     from rollwise.evaluation import evaluate_model
     from rollwise.rl import TrainConfig
-    overrides = {k: _parse_value(v) for k, v in (kv.split("=", 1) for kv in args.set)}
-    cfg = TrainConfig.from_toml(args.config, **overrides)
+    cfg = TrainConfig.from_toml(args.config, **_overrides(args.set))
     report = evaluate_model(cfg, samples=args.samples, temperature=args.temperature, out=args.out)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
@@ -167,7 +165,7 @@ def cmd_sim(args) -> None:
     driven by the real router policies and speculation controllers."""
     from rollwise.sim import sweep
     from rollwise.sim.run import SimConfig
-    overrides = {k: _parse_value(v) for k, v in (kv.split("=", 1) for kv in args.set)}
+    overrides = _overrides(args.set)
     if args.config:
         cfg = SimConfig.from_toml(args.config, overrides)
     else:
@@ -178,6 +176,11 @@ def cmd_sim(args) -> None:
     sp = sweep.speedups(result)
     if "rollwise" in sp:
         print("rollwise speedup per load: " + " ".join(f"{p}:{v:.2f}" for p, v in sorted(sp["rollwise"].items())))
+
+
+def _overrides(pairs: list[str]) -> dict:
+    """`--set KEY=VALUE` options as config keys, each value read as TOML (else as a string)."""
+    return {k: _parse_value(v) for k, v in (kv.split("=", 1) for kv in pairs)}
 
 
 def _parse_value(v: str):

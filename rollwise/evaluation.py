@@ -1,20 +1,20 @@
 """`rollwise eval CONFIG.toml`: a model (the config's `model`, e.g. a run's `final-model`) on the held-out
 tasks `rollwise train` evaluates with the same config (`eval_tasks_file`, or the env's own draw),
 `samples` episodes per task on the config's fleet. Reports success (reward 1) per episode, which is
-pass@1, and pass@samples (a task counts if any of its samples succeeds), mean reward, episode statuses and the work done; writes every
-transcript as JSON lines when asked."""
+pass@1, and pass@samples (a task counts if any of its samples succeeds), mean reward, episode
+statuses and the work done; writes every transcript as JSON lines when asked."""
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
-from rollwise.agent.episode import collect
+from rollwise.rl import eval_episodes
 from rollwise.rl_config import TrainConfig, env_factory, n_train_tasks, task_sets
 from rollwise.rollout.fleet import make_router, shutdown
 from rollwise.rollout.report import Status
-from rollwise.types import SamplingParams
 
 
 def evaluate_model(cfg: TrainConfig, samples: int = 1, temperature: float | None = None,
@@ -30,33 +30,25 @@ def evaluate_model(cfg: TrainConfig, samples: int = 1, temperature: float | None
 async def _evaluate(cfg: TrainConfig, tasks: list[dict], samples: int, temperature: float, out) -> dict:
     from rollwise.engine.tokenizer import Tokenizer
     router = make_router(cfg, Tokenizer(cfg.model))
-    params = SamplingParams(temperature=temperature, max_tokens=cfg.max_tokens,
-                            seed=None if temperature == 0 else cfg.seed + 7)
     status = Status(cfg.progress)
-    rows, right, statuses, turns, tokens = [], [], {}, 0, 0
+    rows, right = [], []  # every episode; right episodes per task
     t0 = time.perf_counter()
     try:
-        async for group in collect(router, env_factory(cfg), tasks, params, group_size=samples,
-                                   max_concurrency=cfg.max_concurrent_groups * 8, deadline_s=cfg.episode_deadline_s):
+        async for group in eval_episodes(router, env_factory(cfg), tasks, cfg, temperature, samples):
             right.append(sum(t.reward >= 1.0 for t in group))
-            for k, t in enumerate(group):
-                statuses[t.status] = statuses.get(t.status, 0) + 1
-                turns += len(t.turns)
-                tokens += t.num_generated
-                rows.append({"task_id": t.task.get("id"), "sample": k, "reward": t.reward, "status": t.status,
-                             "error": t.error, "turns": len(t.turns), "generated_tokens": t.num_generated,
-                             "messages": t.messages})
-            rewards = [r["reward"] for r in rows]
-            status.line(f"eval: {len(right)}/{len(tasks)} tasks, success {sum(right) / len(rows):.3f}, "
-                        f"mean reward {sum(rewards) / len(rows):.3f}")
+            rows += [{"task_id": t.task.get("id"), "sample": k, "reward": t.reward, "status": t.status,
+                      "error": t.error, "turns": len(t.turns), "generated_tokens": t.num_generated,
+                      "messages": t.messages} for k, t in enumerate(group)]
+            status.line(f"eval: {len(right)}/{len(tasks)} tasks, success {sum(right) / len(rows):.3f}")
     finally:
         await router.close()
         shutdown(router)
     seconds = time.perf_counter() - t0
-    n = len(rows)
+    n, turns, tokens = len(rows), sum(r["turns"] for r in rows), sum(r["generated_tokens"] for r in rows)
     report = {"model": cfg.model, "env": cfg.env, "tasks": len(tasks), "samples": samples, "temperature": temperature,
               "success": sum(right) / n, f"pass@{samples}": sum(c > 0 for c in right) / len(right),
-              "mean_reward": sum(r["reward"] for r in rows) / n, "statuses": statuses, "turns": turns,
+              "mean_reward": sum(r["reward"] for r in rows) / n,
+              "statuses": dict(Counter(r["status"] for r in rows)), "turns": turns,
               "generated_tokens": tokens, "seconds": seconds}
     status.done(f"eval: success {report['success']:.3f}, pass@{samples} {report[f'pass@{samples}']:.3f} on "
                 f"{len(tasks)} tasks x {samples} ({turns} turns, {tokens} tokens generated, {seconds:.0f}s)")

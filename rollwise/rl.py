@@ -28,17 +28,24 @@ from rollwise.rollout.report import Status, write_report
 from rollwise.types import SamplingParams
 
 
-async def evaluate(router, make_env, tasks: list[dict], cfg: TrainConfig, temperature: float | None = None) -> float | None:
-    """Success rate (reward 1) on `tasks`, one episode each, sampled at `temperature` (default: the
-    rollouts' temperature, i.e. the policy being trained; 0 is greedy) with per-task seeds. None
-    when there are no evaluation tasks."""
-    if not tasks:
-        return None
+def eval_episodes(router, make_env, tasks: list[dict], cfg: TrainConfig, temperature: float | None = None,
+                  samples: int = 1, prefix: str = ""):
+    """`samples` episodes per task (groups, as they complete), sampled at `temperature` (default: the
+    rollouts' temperature, i.e. the policy being trained; 0 is greedy) with per-task seeds; task
+    ids get `prefix`, which keeps their trajectories apart from training's on the router."""
     t = cfg.temperature if temperature is None else temperature
     params = SamplingParams(temperature=t, max_tokens=cfg.max_tokens, seed=None if t == 0 else cfg.seed + 7)
+    return collect(router, make_env, [dict(x, id=f"{prefix}{x['id']}") for x in tasks], params, group_size=samples,
+                   max_concurrency=128, deadline_s=cfg.episode_deadline_s)
+
+
+async def evaluate(router, make_env, tasks: list[dict], cfg: TrainConfig, temperature: float | None = None) -> float | None:
+    """Success rate (reward 1) on `tasks`, one episode each (`eval_episodes`). None when there are
+    no evaluation tasks."""
+    if not tasks:
+        return None
     wins = n = 0
-    async for g in collect(router, make_env, [dict(t, id=f"eval-{t['id']}") for t in tasks], params, group_size=1,
-                           max_concurrency=128, deadline_s=cfg.episode_deadline_s):
+    async for g in eval_episodes(router, make_env, tasks, cfg, temperature, prefix="eval-"):
         wins += sum(t.reward >= 1.0 for t in g)
         n += len(g)
     return wins / n

@@ -211,8 +211,8 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         of trajectory t is trajectory t/j; trajectory and group also from X-Session-Id / X-Group-Id."""
         n, group = body.n, body.group_id or request.headers.get("x-group-id")
         tid = body.trajectory_id or request.headers.get("x-session-id")
-        return [(p, sp, f"{rid}-{j}", g, {"session": f"{tid}/{j}" if tid and n > 1 else tid, "turn": body.turn or 0})
-                for j, (p, sp, g) in enumerate(choice_samples([prompt], params, n, group, rid))]
+        return choice_samples([prompt], params, n, group, rid,
+                              lambda j: {"session": f"{tid}/{j}" if tid and n > 1 else tid, "turn": body.turn or 0})
 
     @app.post("/generate")
     async def generate(body: GenerateBody, request: Request):

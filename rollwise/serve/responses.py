@@ -105,10 +105,12 @@ async def gather_or_cancel(coros) -> list:
             t.cancel()
 
 
-def choice_samples(prompts: list, params: SamplingParams, n: int, group_id: str | None, rid: str) -> list[tuple]:
-    """(prompt, params, group) of each choice, choice i * n + j being prompt i's sample j: seeded
-    seed + j, and one drafting group per prompt when n > 1 (unless the request names one)."""
-    return [(p, params.for_sample(j), group_id or (f"{rid}-p{i}" if n > 1 else None))
+def choice_samples(prompts: list, params: SamplingParams, n: int, group_id: str | None, rid: str,
+                   options=lambda j: {}) -> list[tuple]:
+    """(prompt, params, request id, group, options) of each choice, choice i * n + j being prompt i's
+    sample j: request id `rid-(i * n + j)`, seeded seed + j, one drafting group per prompt when n > 1
+    (unless the request names one), and `options(j)` for the engine or router."""
+    return [(p, params.for_sample(j), f"{rid}-{i * n + j}", group_id or (f"{rid}-p{i}" if n > 1 else None), options(j))
             for i, p in enumerate(prompts) for j in range(n)]
 
 

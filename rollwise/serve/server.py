@@ -142,8 +142,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
             body.prompt[0], int) else [body.prompt]
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
-        samples = [(p, sp, f"{rid}-{k}", g, {})
-                   for k, (p, sp, g) in enumerate(choice_samples(prompts, completion_params(body), body.n, body.group_id, rid))]
+        samples = choice_samples(prompts, completion_params(body), body.n, body.group_id, rid)
         return await completion_reply(engine, body, request, samples, rid, model_name, prompts,
                                       body.return_tokens_as_token_ids)
 
@@ -156,9 +155,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
             raise ValueError("top_logprobs needs logprobs: true")
         params = body.sampling(body.max_completion_tokens or body.max_tokens or max(room, 1), body.top_logprobs or 0)
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
-        samples = [(p, sp, f"{rid}-{k}", g, {}) for k, (p, sp, g) in enumerate(choice_samples([ids], params, body.n,
-                                                                                            body.group_id, rid))]
-        return await chat_reply(engine, body, request, samples, rid, model_name, ids)
+        return await chat_reply(engine, body, request, choice_samples([ids], params, body.n, body.group_id, rid), rid,
+                                model_name, ids)
 
     return app
 
