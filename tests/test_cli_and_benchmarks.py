@@ -136,6 +136,17 @@ def test_agent_benchmark_smoke(tmp_path):
         assert all(v["solved"] == 1.0 and v["episodes"] > 0 for v in res[side].values())
 
 
+def test_agent_gateway_benchmark_smoke(tmp_path):
+    out = tmp_path / "agent_gateway.json"
+    r = run("benchmarks/agent_gateway.py", "--smoke", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    for gen in ("instant", "engine"):
+        for r in res[gen].values():
+            assert r["same_token_ids"] and r["env"]["solved"] == r["agent"]["solved"] == 1.0
+            assert r["agent"]["turns"] == r["env"]["turns"] > 0
+
+
 def test_sandbox_benchmark_smoke(tmp_path):
     out = tmp_path / "sandbox.json"
     r = run("benchmarks/sandbox.py", "--smoke", "--json", str(out))

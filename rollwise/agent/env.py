@@ -26,6 +26,10 @@ class Env(Protocol):
 
     def expert(self, task: dict) -> list[str]: ...  # assistant messages of a scripted solution
 
+    # optional: turn_params(params) -> params gives a turn's sampling params from the run's (e.g. a
+    # request's stop strings); observe(request, output) sees each turn's generation before step;
+    # close() (may be a coroutine) runs when the episode ends, however it ends
+
 
 async def maybe_await(x):
     return await x if inspect.isawaitable(x) else x

@@ -75,6 +75,10 @@ async def run_episode(generator: Generator, env: Env, task: dict, params: Sampli
         raise  # the generator failed (not the policy, not the environment): the caller decides
     except Exception as e:  # noqa: BLE001 - an environment bug ends this episode, not the run
         traj.status, traj.error = "error", f"{type(e).__name__}: {e}"
+    finally:
+        close = getattr(env, "close", None)  # optional: e.g. an agent's session ends with its episode
+        if close is not None:
+            await maybe_await(close())
     traj.total_s = time.perf_counter() - t0
     end = getattr(generator, "end_trajectory", None)  # e.g. a router: stickiness, turn stats, shared drafts
     if end is not None:
@@ -86,6 +90,8 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
                 policy_version: int | None) -> None:
     messages = await maybe_await(env.reset(task))
     schemas = [t.schema for t in getattr(env, "tools", [])] or None
+    observe = getattr(env, "observe", None)  # optional: sees each turn's request and output before step
+    turn_params = getattr(env, "turn_params", None)  # optional: this turn's sampling params from the run's
     traj.messages = list(messages)
     _extend(traj, renderer.prompt_ids(messages, schemas), None)
     eos_ids = {renderer.tok.eos_token_id}
@@ -96,28 +102,34 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
             return
         seed = None if params.seed is None else hash((params.seed, turn)) & (2**63 - 1)
         p = dataclasses.replace(params, max_tokens=min(params.max_tokens, room), seed=seed)
+        if turn_params is not None:
+            p = turn_params(p)
         g0 = time.perf_counter()
+        request = GenerateRequest(prompt_token_ids=list(traj.token_ids), params=p, trajectory_id=traj.trajectory_id,
+                                  group_id=traj.group_id, turn=turn, policy_version=policy_version)
         try:
-            out = await generator.generate(GenerateRequest(prompt_token_ids=list(traj.token_ids), params=p,
-                                                           trajectory_id=traj.trajectory_id, group_id=traj.group_id,
-                                                           turn=turn, policy_version=policy_version))
+            out = await generator.generate(request)
         except Exception as e:
             raise GenerationError(str(e)) from e
         gen_s = time.perf_counter() - g0
+        if observe is not None:
+            observe(request, out)
         start = len(traj.token_ids)
         _extend(traj, out.token_ids, out.logprobs)
         text = renderer.tok.decode(out.token_ids)
         traj.messages.append({"role": "assistant", "content": text})
-        s0 = time.perf_counter()
-        obs, reward, done, _ = await maybe_await(env.step(text))
-        tool_s = time.perf_counter() - s0
         traj.generation_s += gen_s
-        traj.tool_s += tool_s
         record = TurnRecord(start=start, num_generated=len(out.token_ids), num_observation=0,
                             finish_reason=out.finish_reason, policy_version=out.policy_version,
-                            num_cached_tokens=out.num_cached_tokens, generation_s=gen_s, tool_s=tool_s,
+                            num_cached_tokens=out.num_cached_tokens, generation_s=gen_s, tool_s=0.0,
                             replica=out.replica, version_segments=list(out.version_segments))
-        traj.turns.append(record)
+        traj.turns.append(record)  # (before the step: a step that raises or times out keeps its turn's record)
+        s0 = time.perf_counter()
+        try:
+            obs, reward, done, _ = await maybe_await(env.step(text))
+        finally:
+            record.tool_s = time.perf_counter() - s0
+            traj.tool_s += record.tool_s
         if done:
             traj.reward, traj.status = float(reward), "done"
             return

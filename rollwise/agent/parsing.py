@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -53,3 +54,13 @@ class HermesParser:
                     continue
             calls.append(ToolCall(obj["name"], args))
         return Parsed(calls, errors, self.pattern.sub("", text).strip())
+
+
+def openai_tool_calls(text: str) -> tuple[str, list[dict]] | None:
+    """A reply's Hermes tool calls as OpenAI's `tool_calls` (and the text around them), as vLLM's
+    hermes parser gives them; None if it has none or a malformed one (the reply stays text)."""
+    got = HermesParser().parse(text)
+    if not got.calls or got.errors:
+        return None
+    return got.text, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                       "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in got.calls]

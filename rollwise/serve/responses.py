@@ -8,12 +8,12 @@ import dataclasses
 import itertools
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from rollwise.agent.parsing import HermesParser
+from rollwise.agent.parsing import openai_tool_calls as tool_calls
 from rollwise.config import ServerConfig
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest
 from rollwise.types import RequestOutput, SamplingParams
@@ -183,16 +183,6 @@ def chat_choices(tok, body: ChatCompletionRequest, outs: list[RequestOutput]) ->
 
 def parses_tools(body: ChatCompletionRequest) -> bool:
     return bool(body.tools) and body.tool_choice != "none"
-
-
-def tool_calls(text: str) -> tuple[str, list[dict]] | None:
-    """A reply's Hermes tool calls as OpenAI's (and the text around them), or None if it has none or
-    a malformed one."""
-    got = HermesParser().parse(text)
-    if not got.calls or got.errors:
-        return None
-    return got.text, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                       "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in got.calls]
 
 
 def chat_logprobs(tok, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]]) -> list[dict]:

@@ -180,6 +180,24 @@ def test_train_on_a_user_env_and_task_files(model_dir, tmp_path):
     assert report["sft"]["examples"] == 8
 
 
+def test_train_an_agent_written_against_the_openai_api(model_dir, tmp_path):
+    """examples/train-phonebook-agent.toml: the demo's run with the task as an openai-SDK agent
+    (its settings are the demo config's but for the env), trained through the agent gateway."""
+    ex = Path(__file__).parents[2] / "examples"
+    demo = TrainConfig.from_toml(ex / "train-phonebook.toml", model=model_dir)
+    cfg = TrainConfig.from_toml(ex / "train-phonebook-agent.toml", model=model_dir)
+    differ = {f for f in TrainConfig.__dataclass_fields__ if getattr(cfg, f) != getattr(demo, f)}
+    assert differ == {"env", "env_options", "run_dir"} and cfg.env == "agent"
+    cfg = TrainConfig.from_toml(ex / "train-phonebook-agent.toml", **{
+        **TINY, "env": "agent", "max_tokens": 24, "model": model_dir, "run_dir": str(tmp_path / "run"), "steps": 2})
+    report = train(cfg)
+    assert len(report["steps"]) == 2 and report["sft"]["examples"] == 8 and 0 <= report["rl_success"] <= 1
+    trajs = [t for g in read_log(Path(cfg.run_dir) / "groups.jsonl") for t in g.trajectories]
+    assert trajs and all(t.status in ("done", "max_turns", "max_context", "error") for t in trajs)
+    assert all(t.messages[0]["content"].startswith("You answer questions about the staff") for t in trajs)
+    assert all(sum(t.loss_mask) == sum(r.num_generated for r in t.turns) > 0 for t in trajs)
+
+
 def test_train_on_a_task_file_with_the_dataset_env(model_dir, tmp_path):
     """No env class at all: the dataset env, a built-in reward, a user's tool function, a task file."""
     ex = Path(__file__).parents[2] / "examples"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rollwise.agent.envs.agent import AgentEnv
 from rollwise.agent.envs.bugfix import BugfixEnv
 from rollwise.agent.envs.calculator import CalculatorEnv
 from rollwise.agent.envs.code import CodeEnv
@@ -16,7 +17,7 @@ from rollwise.agent.envs.phonebook import PhonebookEnv
 from rollwise.agent.envs.sql import SqlEnv
 from rollwise.agent.plugins import FORM, load_object
 
-ENVS = {e.name: e for e in (BugfixEnv, CalculatorEnv, CodeEnv, CountdownEnv, DatasetEnv, SqlEnv, FrozenLakeEnv, PhonebookEnv)}
+ENVS = {e.name: e for e in (AgentEnv, BugfixEnv, CalculatorEnv, CodeEnv, CountdownEnv, DatasetEnv, SqlEnv, FrozenLakeEnv, PhonebookEnv)}
 
 
 def resolve_env(name: str):

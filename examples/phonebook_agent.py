@@ -1,0 +1,67 @@
+"""The demo's phonebook task as an ordinary agent on the OpenAI API: it keeps its own message list,
+calls `client.chat.completions.create` with its tools, runs the tool calls itself and returns a
+reward. rollwise trains it unchanged (`env = "agent"`, examples/train-phonebook-agent.toml);
+outside training the same `run` works against any OpenAI-compatible server:
+
+    client = openai.AsyncOpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")
+    print(await PhonebookAgent().run(client, task))
+
+Its prompts and tool schemas are the built-in `phonebook` env's, so with the same replies both
+give the same token ids (tests/agent/test_agent_env.py).
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from rollwise.agent.envs.phonebook import FIELDS, PhonebookEnv
+
+SYSTEM = "You answer questions about the staff of a company. Use the lookup tool to find their details."
+HINT = "When you are done, reply with the answer alone, without a tool call."
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "lookup", "description": "Find a staff member by full name; returns their details as JSON.",
+        "parameters": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}},
+    {"type": "function", "function": {
+        "name": "finish", "description": "Give the final answer and end the episode.",
+        "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}},
+]
+
+
+class PhonebookAgent:
+    def __init__(self, max_turns: int = 8) -> None:
+        self.max_turns = max_turns
+
+    async def run(self, client, task: dict) -> float:
+        messages = [{"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": f"What is the {FIELDS[task['field']]} of {task['name']}?\n{HINT}"}]
+        for _ in range(self.max_turns):
+            reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+            message = reply.choices[0].message
+            messages.append(message)
+            if not message.tool_calls:
+                return score(task, message.content or "")
+            for call in message.tool_calls:
+                args = json.loads(call.function.arguments)
+                if call.function.name == "finish":
+                    return score(task, str(args.get("answer", "")))
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": lookup(task, args)})
+        return 0.0
+
+    # training tasks and the SFT warm start's transcripts: the built-in env's
+    def sample_tasks(self, n: int, seed: int) -> list[dict]:
+        return PhonebookEnv().sample_tasks(n, seed)
+
+    def expert(self, task: dict) -> list[str]:
+        return PhonebookEnv().expert(task)
+
+
+def lookup(task: dict, args: dict) -> str:
+    name = " ".join(str(args.get("name", "")).split())
+    entry = task["directory"].get(name)
+    return json.dumps(entry) if entry is not None else f"error: no staff member named {name!r}"
+
+
+def score(task: dict, answer: str) -> float:
+    nums = re.findall(r"-?\d+(?:\.\d+)?", answer.replace(",", ""))
+    return float(bool(nums) and float(nums[-1]) == task["answer"])

@@ -1,0 +1,258 @@
+"""agent: an episode is a run of the user's agent, written against the OpenAI API.
+
+    async def run(client, task) -> float    # client: openai.AsyncOpenAI on the policy
+
+The agent asks for chat completions, runs its own tools and returns the episode's reward. Each of
+its requests is one turn of `run_episode`, so the trajectory stays token-in-token-out: the first
+request's messages are rendered once by the policy's chat template, each reply is the generated
+ids verbatim (Hermes tool calls parsed into OpenAI `tool_calls`), and each later request must send
+the conversation so far unchanged (the reply message appended, as the openai SDK's `message` or its
+dict) followed by new messages (tool results, user turns): only those are rendered, as the
+observation delta. A request that rewrites earlier messages or changes the tools ends the episode
+with status `error`: its tokens would not be what the model saw.
+
+Sampling is the run's (temperature, seed: the request's are ignored), so the logprobs are those
+the trainer expects; a request's `stop` strings and a lower `max_tokens` apply to its turn. A plain (not async) `run` gets an
+`openai.OpenAI` client and runs in a thread of its own. Given a class, `agent_options` make an
+instance; its `run` is the agent, and its `sample_tasks(n, seed)` and `expert(task)` (if any) give
+training tasks and the SFT warm start's transcripts.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import importlib.util
+import inspect
+import json
+import threading
+
+from rollwise.agent.gateway import Gateway, GatewayError, Session, completion
+from rollwise.agent.parsing import openai_tool_calls
+from rollwise.agent.plugins import load_object
+
+
+class AgentEnv:
+    name = "agent"
+
+    def __init__(self, agent, *, max_turns: int = 8, agent_options: dict | None = None, model: str = "policy",
+                 transport: str = "asgi") -> None:
+        if transport not in ("asgi", "http"):
+            raise ValueError(f"transport {transport!r}: valid are 'asgi' (coroutine agents call the gateway's app "
+                             "on the loop) and 'http' (through its socket, as plain-function agents do)")
+        if importlib.util.find_spec("openai") is None:
+            raise ValueError("env 'agent' gives the agent an openai client: pip install openai")
+        obj = load_object(agent, "agent") if isinstance(agent, str) else agent
+        if inspect.isclass(obj):
+            obj = obj(**(agent_options or {}))
+        elif agent_options:
+            raise ValueError(f"agent_options {sorted(agent_options)} need an agent class to pass them to")
+        self.run_agent = getattr(obj, "run", obj)
+        if not callable(self.run_agent):
+            raise ValueError(f"agent {agent!r} is not a function or a class with a run(client, task) method")
+        for m in ("sample_tasks", "expert"):
+            if callable(getattr(obj, m, None)):
+                setattr(self, m, getattr(obj, m))
+        self.max_turns, self.model, self.transport = max_turns, model, transport
+        self.tools: list[_Schema] = []
+        self._session: Session | None = None
+        self._gateway = self._key = self._runner = self._output = None
+        self._known: list[tuple] = []
+        self._body: dict = {}
+        self._tool_defs = self._parse = self._why = None
+
+    async def reset(self, task: dict) -> list[dict]:
+        await self.close()
+        self._why = None
+        self._gateway = gateway = await Gateway.running()
+        self._session = Session()
+        self._key = gateway.register(self._session)
+        self._runner = asyncio.create_task(self._run(gateway, self._key, task))
+        kind, body = await self._session.events.get()
+        if kind != "request":
+            raise RuntimeError(f"the agent ended without asking the model anything ({_ending(kind, body)})")
+        self._body = body
+        messages = self._messages(body)
+        self._known = [_norm(m) for m in messages]
+        self._tool_defs = body.get("tools") or None
+        self._parse = bool(self._tool_defs) and body.get("tool_choice") != "none"
+        self.tools = [_Schema(t) for t in self._tool_defs or []]
+        return messages
+
+    def turn_params(self, params):
+        """The run's sampling, with the request's stop strings and a lower max_tokens if it asks for
+        one (neither changes the distribution a token is sampled from)."""
+        limit = self._body.get("max_completion_tokens") or self._body.get("max_tokens") or params.max_tokens
+        return dataclasses.replace(params, max_tokens=min(params.max_tokens, limit),
+                                   stop=list(params.stop) + self._stops())
+
+    def _stops(self) -> list[str]:
+        stop = self._body.get("stop") or []
+        return [stop] if isinstance(stop, str) else list(stop)
+
+    def observe(self, request, output) -> None:
+        """The turn's generate request and output (finish reason, token counts for `usage`)."""
+        self._output = (len(request.prompt_token_ids), output)
+
+    async def step(self, action: str) -> tuple[list[dict], float, bool, dict]:
+        cut = min((i for i in (action.find(s) for s in self._stops()) if i >= 0), default=-1)
+        if cut >= 0:  # OpenAI's content ends before the stop string (the trajectory keeps its tokens)
+            action = action[:cut]
+        message, reason = {"role": "assistant", "content": action}, "stop"
+        calls = openai_tool_calls(action) if self._parse else None
+        if calls is not None:
+            message, reason = {"role": "assistant", "content": calls[0] or None, "tool_calls": calls[1]}, "tool_calls"
+        usage = None
+        if self._output is not None:
+            n_prompt, out = self._output
+            reason = "length" if out.finish_reason == "length" and calls is None else reason
+            usage = {"prompt_tokens": n_prompt, "completion_tokens": len(out.token_ids),
+                     "total_tokens": n_prompt + len(out.token_ids),
+                     "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+        self._session.answer(completion(message, reason, self.model, usage))
+        self._known.append(_norm(message))
+        kind, body = await self._session.events.get()
+        if kind != "request":
+            if kind == "fail":
+                raise RuntimeError(f"the agent raised {_ending(kind, body)}")
+            return [], float(body), True, {}
+        if (body.get("tools") or None) != self._tool_defs:
+            raise self._refuse("the agent changed its tools mid-episode (they are rendered once, in the first prompt)")
+        self._body = body
+        messages = self._messages(body)
+        old = [_norm(m) for m in messages[: len(self._known)]]
+        if old != self._known or len(messages) == len(self._known):
+            i = next((i for i, (a, b) in enumerate(zip(old, self._known)) if a != b), len(old))
+            raise self._refuse("the agent's request does not continue the conversation: "
+                               + (f"message {i} ({self._known[i][0]}) differs from what the model saw"
+                                  if i < len(self._known) else "no new message after the reply"))
+        new = messages[len(self._known):]
+        self._known.extend(_norm(m) for m in new)
+        return new, 0.0, False, {}
+
+    def _messages(self, body: dict) -> list[dict]:
+        try:
+            return [_render(m) for m in body["messages"]]
+        except GatewayError as e:
+            raise self._refuse(e.message) from None
+        except (KeyError, TypeError, AttributeError) as e:  # e.g. a tool call without its function
+            raise self._refuse(f"a malformed message ({type(e).__name__}: {e})") from None
+
+    def _refuse(self, why: str) -> ValueError:
+        self._why = why
+        return ValueError(why)
+
+    async def close(self) -> None:
+        """Ends the episode's session: a request in wait gets an error, the key stops working, the
+        agent is cancelled (a plain function's thread hears the error, and its next request fails)."""
+        if self._session is not None:
+            self._session.end(self._why or "the episode is over (a turn or context limit, or its deadline)")
+            self._gateway.unregister(self._key)
+        runner, self._runner, self._session = self._runner, None, None
+        if runner is not None and not runner.done():
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+
+    async def _run(self, gateway: Gateway, key: str, task: dict) -> None:
+        import openai
+        session = self._session
+        try:
+            if inspect.iscoroutinefunction(self.run_agent) or inspect.iscoroutinefunction(
+                    getattr(self.run_agent, "__call__", None)):
+                client = openai.AsyncOpenAI(base_url=gateway.url, api_key=key, max_retries=0,
+                                            http_client=gateway.http(via_socket=self.transport == "http"))
+                reward = await self.run_agent(client, task)
+            else:
+                reward = await _in_thread(self._run_sync, gateway.url, key, task)
+            session.events.put_nowait(("end", _reward(reward)))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - the agent's failure ends its episode, not the run
+            session.events.put_nowait(("fail", e))
+
+    def _run_sync(self, url: str, key: str, task: dict):
+        import openai
+        return self.run_agent(openai.OpenAI(base_url=url, api_key=key, max_retries=0, http_client=_sync_http()), task)
+
+
+_SYNC_HTTP: list = []
+
+
+def _sync_http():
+    """The connection pool plain-function agents' clients share (see Gateway.http)."""
+    if not _SYNC_HTTP:
+        import httpx
+        _SYNC_HTTP.append(httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+                                       timeout=None))
+    return _SYNC_HTTP[0]
+
+
+class _Schema:
+    def __init__(self, schema: dict) -> None:
+        self.schema = schema
+
+
+def _reward(x) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"the agent must return its reward as a number, got {type(x).__name__}")
+    return float(x)
+
+
+def _ending(kind: str, value) -> str:
+    return f"{type(value).__name__}: {value}" if kind == "fail" else f"returned {value}"
+
+
+def _text(content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise GatewayError(400, "message content must be a string or a list of text parts")
+
+
+def _render(m: dict) -> dict:
+    """A request message as the chat template takes it: text content, `developer` as `system`, tool
+    calls' arguments as objects."""
+    out = {k: v for k, v in m.items() if v is not None and k not in ("refusal", "annotations", "audio", "function_call")}
+    out["role"] = "system" if m["role"] == "developer" else m["role"]
+    out["content"] = _text(m.get("content"))
+    if m.get("tool_calls"):
+        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _args(c["function"].get("arguments"))}}
+                             for c in m["tool_calls"]]
+    return out
+
+
+def _args(a):
+    if isinstance(a, str):
+        try:
+            return json.loads(a)
+        except json.JSONDecodeError:
+            return a
+    return a
+
+
+def _norm(m: dict) -> tuple:
+    """What of a message the model saw: role, text, tool calls (name and arguments, not their ids)."""
+    calls = tuple((c["function"]["name"], json.dumps(_args(c["function"].get("arguments")), sort_keys=True))
+                  for c in m.get("tool_calls") or [])
+    return m["role"], _text(m.get("content")).strip() if calls else _text(m.get("content")), calls
+
+
+async def _in_thread(fn, *args):
+    """`fn(*args)` in a thread of its own (not the default pool's few: every episode holds one)."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(how, value) -> None:
+        with contextlib.suppress(RuntimeError):  # (the loop has closed: nobody waits any more)
+            loop.call_soon_threadsafe(lambda: done.done() or how(value))
+
+    def target():
+        try:
+            result = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            settle(done.set_exception, e)
+        else:
+            settle(done.set_result, result)
+    threading.Thread(target=target, daemon=True, name="rollwise-agent").start()
+    return await done

@@ -1,0 +1,243 @@
+"""Agents written against the OpenAI API (the real openai SDK over real HTTP to the gateway):
+the same token ids as the built-in env, plain-function agents, histories that are not extended,
+agents that fail, episodes cut off under a request in wait, the endpoint's errors and streaming."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from rollwise.agent.envs import make_env
+from rollwise.agent.episode import collect, run_episode
+from rollwise.agent.gateway import Gateway
+from rollwise.agent.generator import ForcedGenerator, RecordingGenerator, ScriptedGenerator, expert_policy
+from rollwise.engine.async_engine import AsyncEngine
+from rollwise.engine.tokenizer import Tokenizer
+from rollwise.types import SamplingParams
+
+AGENT = "examples/phonebook_agent.py:PhonebookAgent"
+P = SamplingParams(temperature=1.0, max_tokens=64)
+
+
+def phonebook():
+    return make_env("phonebook")
+
+
+def agent_env(agent=AGENT, **kw):
+    return make_env("agent", agent=agent, **kw)
+
+
+def _scripted(tok, turns):
+    return ScriptedGenerator(tok, lambda req: turns[min(req.turn, len(turns) - 1)])
+
+
+def test_an_openai_sdk_agent_gives_the_builtin_envs_token_ids_on_the_engine(model_dir):
+    """The example agent (its own messages, tools and scoring, over the openai SDK) and the built-in
+    phonebook env, teacher-forced to the same expert replies on a real engine: identical trajectories."""
+    tasks = phonebook().sample_tasks(3, seed=4)
+    engine = AsyncEngine(model_dir, max_num_seqs=8)
+    try:
+        gen = ForcedGenerator(engine, expert_policy(phonebook, tasks))
+
+        async def go(make):
+            return [await run_episode(gen, make(), t, P, trajectory_id=f"{t['id']}/0", group_id=str(t["id"]))
+                    for t in tasks]
+        native, agent = asyncio.run(go(phonebook)), asyncio.run(go(agent_env))
+    finally:
+        engine.shutdown()
+    for a, b in zip(native, agent):
+        assert b.status == "done" and b.reward == a.reward == 1.0 and len(b.turns) == len(a.turns) == 2
+        assert b.token_ids == a.token_ids and b.loss_mask == a.loss_mask
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5) and b.num_generated > 0
+        assert [m["role"] for m in b.messages] == [m["role"] for m in a.messages]
+
+
+def test_a_plain_function_agent_runs_in_a_thread_with_a_sync_client(model_dir):
+    tok = Tokenizer(model_dir)
+    seen = []
+
+    def agent(client, task):  # a blocking agent: openai.OpenAI
+        assert isinstance(client, openai.OpenAI)
+        messages = [{"role": "user", "content": task["q"]}]
+        for _ in range(3):
+            reply = client.chat.completions.create(model="anything", messages=messages)
+            seen.append((reply.choices[0].finish_reason, reply.usage.completion_tokens))
+            messages += [reply.choices[0].message.model_dump(), {"role": "user", "content": "again"}]
+        return len(messages)
+
+    traj = asyncio.run(run_episode(_scripted(tok, ["one", "two", "three"]), agent_env(agent), {"q": "count"}, P))
+    assert traj.status == "done" and traj.reward == 7.0 and len(traj.turns) == 3
+    assert [m["content"] for m in traj.messages if m["role"] == "assistant"] == ["one", "two", "three"]
+    assert seen == [("stop", len(tok.encode(w, add_special_tokens=False)) + 1) for w in ("one", "two", "three")]
+
+
+def test_a_rewritten_history_ends_the_episode_with_an_error_and_the_agent_hears_why(model_dir):
+    tok = Tokenizer(model_dir)
+    errors = []
+
+    def agent(client, task):  # (a plain function: it hears the refusal; a coroutine is cancelled)
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+        reply = client.chat.completions.create(model="p", messages=messages)
+        summary = [{"role": "user", "content": "summary: " + reply.choices[0].message.content}]  # drops history
+        try:
+            client.chat.completions.create(model="p", messages=summary)
+        except openai.BadRequestError as e:
+            errors.append(e.body["message"])
+        return 1.0
+
+    traj = asyncio.run(run_episode(_scripted(tok, ["hello"]), agent_env(agent), {}, P))
+    assert traj.status == "error" and "does not continue the conversation" in traj.error
+    assert "message 0 (system) differs" in traj.error
+    assert traj.reward == 0.0 and len(traj.turns) == 1
+    for _ in range(200):
+        if errors:
+            break
+        time.sleep(0.01)
+    assert errors and "this episode has ended: the agent's request does not continue" in errors[0]
+
+
+@pytest.mark.parametrize("case", ["raises", "not a number", "never asks"])
+def test_an_agent_that_fails_ends_its_episode_not_the_run(model_dir, case):
+    tok = Tokenizer(model_dir)
+
+    async def agent(client, task):
+        if case != "never asks":
+            await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
+        if case == "raises":
+            raise KeyError("tool broke")
+        return "yes" if case == "not a number" else 1.0
+
+    traj = asyncio.run(run_episode(_scripted(tok, ["a"]), agent_env(agent), {}, P))
+    assert traj.status == "error"
+    want = {"raises": "KeyError: 'tool broke'", "not a number": "reward as a number, got str",
+            "never asks": "ended without asking the model"}[case]
+    assert want in traj.error
+    ok = asyncio.run(run_episode(_scripted(tok, ["a"]), agent_env(), phonebook().sample_tasks(1, 0)[0], P))
+    assert ok.status == "done"  # the gateway goes on serving
+
+
+def test_turn_limit_and_deadline_end_the_agent_and_its_key(model_dir):
+    tok = Tokenizer(model_dir)
+    state = {}
+
+    async def chatty(client, task):
+        state["key"] = client.api_key
+        messages = [{"role": "user", "content": "go"}]
+        try:
+            while True:
+                reply = await client.chat.completions.create(model="p", messages=messages)
+                messages += [reply.choices[0].message, {"role": "user", "content": "more"}]
+        except asyncio.CancelledError:
+            state["cancelled"] = True
+            raise
+
+    async def then_knock():
+        traj = await run_episode(_scripted(tok, ["m"]), agent_env(chatty, max_turns=3), {}, P)
+        async with httpx.AsyncClient() as h:  # the episode's key, once it has ended
+            r = await h.post((await Gateway.running()).url + "/chat/completions", json={"messages": [
+                {"role": "user", "content": "x"}]}, headers={"Authorization": f"Bearer {state['key']}"})
+        return traj, r
+    traj, r = asyncio.run(then_knock())
+    assert traj.status == "max_turns" and len(traj.turns) == 3 and state["cancelled"]
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+    async def slow_tool(client, task):
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "go"}])
+        await asyncio.sleep(60)
+
+    traj = asyncio.run(run_episode(_scripted(tok, ["m"]), agent_env(slow_tool), {}, P, deadline_s=0.5))
+    assert traj.status == "timeout" and traj.total_s < 5
+
+
+def test_the_endpoint_rejects_bad_requests_with_json_errors_and_streams(model_dir):
+    tok = Tokenizer(model_dir)
+    got = {}
+
+    async def agent(client, task):
+        url, auth = str(client.base_url).rstrip("/"), {"Authorization": f"Bearer {client.api_key}"}
+        async with httpx.AsyncClient() as h:
+            for name, body in [("n", {"messages": [{"role": "user", "content": "x"}], "n": 2}),
+                               ("role", {"messages": [{"role": "robot", "content": "x"}]}),
+                               ("empty", {"messages": []}), ("json", None)]:
+                r = await (h.post(url + "/chat/completions", headers=auth, content=b"{not json") if body is None
+                           else h.post(url + "/chat/completions", headers=auth, json=body))
+                got[name] = (r.status_code, r.json()["error"]["message"])
+            got["models"] = (await h.get(url + "/models")).json()["data"][0]["id"]
+        tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+        stream = await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}],
+                                                      tools=tools, stream=True, stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        got["calls"] = [(d.function.name, d.function.arguments) for c in chunks if c.choices
+                        for d in c.choices[0].delta.tool_calls or []]
+        got["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        got["usage"] = chunks[-1].usage.completion_tokens
+        return 0.5
+
+    call = '<tool_call>{"name": "lookup", "arguments": {"name": "Ana Berg"}}</tool_call>'
+    traj = asyncio.run(run_episode(_scripted(tok, [call]), agent_env(agent), {}, P))
+    assert traj.status == "done" and traj.reward == 0.5
+    assert got["n"][0] == got["role"][0] == got["empty"][0] == got["json"][0] == 400
+    assert "n must be 1" in got["n"][1] and "unknown message roles ['robot']" in got["role"][1]
+    assert "non-empty list" in got["empty"][1] and "not JSON" in got["json"][1]
+    assert got["models"] == "policy"
+    assert got["calls"] == [("lookup", json.dumps({"name": "Ana Berg"}))] and got["finish"] == ["tool_calls"]
+    assert got["usage"] == len(tok.encode(call, add_special_tokens=False)) + 1
+
+
+def test_collect_runs_a_group_of_agents_concurrently(model_dir):
+    tok = Tokenizer(model_dir)
+    tasks = phonebook().sample_tasks(3, seed=9)
+    gen = ScriptedGenerator(tok, expert_policy(phonebook, tasks), delay=0.02)
+
+    async def go():
+        return [g async for g in collect(gen, agent_env, tasks, P, group_size=8, max_concurrency=24)]
+    groups = asyncio.run(go())
+    assert sorted(g[0].group_id for g in groups) == sorted(str(t["id"]) for t in tasks)
+    for g in groups:
+        assert [t.status for t in g] == ["done"] * 8 and all(t.reward == 1.0 for t in g)
+        assert len({t.trajectory_id for t in g}) == 8 and len({tuple(t.token_ids) for t in g}) == 1
+    assert gen.max_in_flight > 8  # episodes of different groups generated at once
+
+
+def test_agent_env_names_its_problems():
+    with pytest.raises(ValueError, match="is not of the form"):
+        agent_env("no_colon")
+    with pytest.raises(ValueError, match="need an agent class"):
+        agent_env(lambda client, task: 1.0, agent_options={"x": 1})
+    env = agent_env(agent_options={"max_turns": 3})
+    assert env.sample_tasks(2, 0) == phonebook().sample_tasks(2, 0)
+    assert env.expert(env.sample_tasks(1, 0)[0]) == phonebook().expert(phonebook().sample_tasks(1, 0)[0])
+
+
+def test_a_react_agents_stop_strings_and_max_tokens_reach_the_generator(model_dir):
+    """A text agent (no tools) that stops the model at "Observation:" and lowers max_tokens: both
+    reach the generate request (on top of the run's sampling), and the reply's content ends before
+    the stop string, as OpenAI's does, while the trajectory keeps every generated token."""
+    tok = Tokenizer(model_dir)
+    replies = []
+
+    async def react(client, task):
+        messages = [{"role": "user", "content": "Find Ana's room."}]
+        for limit in (None, 3):
+            reply = await client.chat.completions.create(model="p", messages=messages, stop="Observation:",
+                                                         max_tokens=limit, temperature=0.0)
+            replies.append((reply.choices[0].message.content, reply.choices[0].finish_reason))
+            messages += [reply.choices[0].message, {"role": "user", "content": "Observation: room 12"}]
+        return 1.0
+
+    gen = RecordingGenerator(_scripted(tok, ["Action: lookup[Ana]\nObservation: made up"]))
+    traj = asyncio.run(run_episode(gen, agent_env(react), {}, SamplingParams(temperature=0.7, max_tokens=64,
+                                                                             stop=["<end>"])))
+    assert traj.status == "done" and len(traj.turns) == 2
+    (r1, _), (r2, _) = gen.calls
+    assert r1.params.stop == r2.params.stop == ["<end>", "Observation:"]
+    assert (r1.params.max_tokens, r2.params.max_tokens) == (64, 3)
+    assert r1.params.temperature == r2.params.temperature == 0.7  # the run's, not the request's
+    assert replies[0] == ("Action: lookup[Ana]\n", "stop") and replies[1][1] == "length"
+    first = traj.turns[0]
+    assert "made up" in tok.decode(traj.token_ids[first.start:first.start + first.num_generated])
+    assert traj.turns[1].num_generated == 3
