@@ -12,8 +12,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from rollwise.agent.parsing import HermesParser
-from rollwise.agent.parsing import openai_tool_calls as tool_calls
+from rollwise.agent.parsing import HermesParser, openai_tool_calls as tool_calls
 from rollwise.config import ServerConfig
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest
 from rollwise.types import RequestOutput, SamplingParams

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -19,7 +20,7 @@ from rollwise.engine.async_engine import AsyncEngine
 from rollwise.engine.tokenizer import Tokenizer
 from rollwise.types import SamplingParams
 
-AGENT = "examples/phonebook_agent.py:PhonebookAgent"
+AGENT = f"{Path(__file__).parents[2] / 'examples' / 'phonebook_agent.py'}:PhonebookAgent"
 P = SamplingParams(temperature=1.0, max_tokens=64)
 
 
@@ -188,13 +189,16 @@ def test_the_endpoint_rejects_bad_requests_with_json_errors_and_streams(model_di
     assert got["usage"] == len(tok.encode(call, add_special_tokens=False)) + 1
 
 
-def test_collect_runs_a_group_of_agents_concurrently(model_dir):
+@pytest.mark.parametrize("transport", ["asgi", "http"])
+def test_collect_runs_a_group_of_agents_concurrently(model_dir, transport):
+    """Coroutine agents call the gateway's app on the loop (asgi) or go through its socket (http)."""
     tok = Tokenizer(model_dir)
     tasks = phonebook().sample_tasks(3, seed=9)
     gen = ScriptedGenerator(tok, expert_policy(phonebook, tasks), delay=0.02)
 
     async def go():
-        return [g async for g in collect(gen, agent_env, tasks, P, group_size=8, max_concurrency=24)]
+        return [g async for g in collect(gen, lambda: agent_env(transport=transport), tasks, P, group_size=8,
+                                         max_concurrency=24)]
     groups = asyncio.run(go())
     assert sorted(g[0].group_id for g in groups) == sorted(str(t["id"]) for t in tasks)
     for g in groups:
@@ -206,6 +210,8 @@ def test_collect_runs_a_group_of_agents_concurrently(model_dir):
 def test_agent_env_names_its_problems():
     with pytest.raises(ValueError, match="is not of the form"):
         agent_env("no_colon")
+    with pytest.raises(ValueError, match="valid are 'asgi'"):
+        agent_env(transport="grpc")
     with pytest.raises(ValueError, match="need an agent class"):
         agent_env(lambda client, task: 1.0, agent_options={"x": 1})
     env = agent_env(agent_options={"max_turns": 3})

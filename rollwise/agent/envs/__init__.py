@@ -1,6 +1,7 @@
 """Environments by name: a built-in one (`make_env("sql", tool_latency=Latency(0.05, 0.5))`) or a
 user's, named `package.module:Name` or `path/to/file.py:Name`, where Name is an `Env` class or a
-function that returns one (`make_env("my_envs.py:TicketEnv", max_turns=6)`)."""
+function that returns one (`make_env("my_envs.py:TicketEnv", max_turns=6)`). `agent` runs an agent
+written against the OpenAI API (`make_env("agent", agent="my_agent.py:run")`)."""
 from __future__ import annotations
 
 import json
