@@ -29,9 +29,13 @@ CHAT_TEMPLATE = (
     "{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response>"
     "<|im_end|>{{ '\\n' }}"
     "{% else %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
-    "{% for tc in m.tool_calls or [] %}{{ '\\n' }}<tool_call>\n"
+    # a call starts a line of its own after text or another call; arguments the client sends as a
+    # JSON string (OpenAI's form) go in as they are, an object as JSON, so a reply the model wrote
+    # renders back to the very text it generated
+    "{% for tc in m.tool_calls or [] %}{% if m.content or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{% set args = tc.function.arguments if tc.function is defined else tc.arguments %}<tool_call>\n"
     "{\"name\": \"{{ tc.function.name if tc.function is defined else tc.name }}\", \"arguments\": "
-    "{{ (tc.function.arguments if tc.function is defined else tc.arguments) | tojson }}}\n</tool_call>"
+    "{{ args if args is string else args | tojson }}}\n</tool_call>"
     "{% endfor %}<|im_end|>{{ '\\n' }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

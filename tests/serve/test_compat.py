@@ -243,6 +243,23 @@ def test_chat_tool_calls_are_parsed_from_the_reply():
         assert ch["message"] == {"role": "assistant", "content": text} and ch["finish_reason"] == "stop"
 
 
+def test_a_parsed_reply_sent_back_renders_as_the_text_the_model_wrote(model_dir):
+    """An agent on the chat API appends the reply (tool calls with JSON-string arguments, OpenAI's
+    form) and sends it back: the chat template renders it to the very text generated, so a
+    served model sees its own tokens, not arguments encoded twice."""
+    from rollwise.agent.parsing import openai_tool_calls
+    from rollwise.engine.tokenizer import Tokenizer
+    tok = Tokenizer(model_dir)
+    call = lambda name, args: f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'  # noqa: E731
+    for text in (call("lookup", {"name": "Ana Berg"}), "Let me check.\n" + call("lookup", {"name": "Bo"}),
+                 call("lookup", {"name": "Ada"}) + "\n" + call("finish", {"answer": "5", "n": [1, 2]})):
+        content, calls = openai_tool_calls(text)
+        reply = {"role": "assistant", "content": content or None, "tool_calls": calls}
+        user = [{"role": "user", "content": "q"}]
+        rendered = tok.apply_chat_template(user + [reply], add_generation_prompt=False)
+        assert rendered == tok.apply_chat_template(user, add_generation_prompt=True) + text + "<|im_end|>\n"
+
+
 def test_streamed_chat_sends_tool_calls_as_a_delta():
     """Streamed with tools: the content stops before the first <tool_call>, and the calls come in
     the last delta, as unstreamed; without tools, or with a malformed call, the text as it is.
