@@ -63,7 +63,7 @@ class AgentEnv:
 
     async def reset(self, task: dict) -> list[dict]:
         await self.close()
-        self._why = None
+        self._why = self._output = None
         self._gateway = gateway = await Gateway.running()
         self._session = Session()
         self._key = gateway.register(self._session)
@@ -109,7 +109,7 @@ class AgentEnv:
             usage = {"prompt_tokens": n_prompt, "completion_tokens": len(out.token_ids),
                      "total_tokens": n_prompt + len(out.token_ids),
                      "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
-        self._session.answer(completion(message, reason, self.model, usage))
+        self._session.answer(completion(message, reason, self._body.get("model") or self.model, usage))
         self._known.append(_norm(message))
         kind, body = await self._session.events.get()
         if kind != "request":
