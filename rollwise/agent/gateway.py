@@ -120,8 +120,7 @@ class Gateway:
         import httpx
         if via_socket:
             if self._socket_http is None:
-                limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-                self._socket_http = httpx.AsyncClient(limits=limits, timeout=None)
+                self._socket_http = pooled(httpx.AsyncClient)
             return self._socket_http
         if self._http is None:
             self._http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), timeout=None)
@@ -175,11 +174,13 @@ class Gateway:
 
     def _app(self):
         from starlette.applications import Starlette
-        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.responses import JSONResponse
         from starlette.routing import Route
 
+        from rollwise.serve.responses import error as json_error, sse
+
         def error(e: GatewayError) -> JSONResponse:
-            return JSONResponse({"error": {"message": e.message, "type": e.kind, "code": e.status}}, e.status)
+            return json_error(e.status, e.message, e.kind)
 
         async def chat(request):
             auth = request.headers.get("authorization", "")
@@ -197,7 +198,7 @@ class Gateway:
                 return error(e)
             if isinstance(body, dict) and body.get("stream"):
                 usage = (body.get("stream_options") or {}).get("include_usage", False)
-                return StreamingResponse(sse(reply, usage), media_type="text/event-stream")
+                return sse(stream_chunks(reply, usage))
             return JSONResponse(reply)
 
         async def models(request):
@@ -207,14 +208,21 @@ class Gateway:
                                  Route("/v1/models", models, methods=["GET"])])
 
 
+def pooled(client_class):
+    """An httpx client (`httpx.Client` or `httpx.AsyncClient`) for many episodes' requests to the
+    gateway's socket: connections unbounded, kept alive, no timeout of its own (the SDK's applies)."""
+    import httpx
+    return client_class(limits=httpx.Limits(max_connections=None, max_keepalive_connections=512), timeout=None)
+
+
 def completion(message: dict, finish_reason: str, model: str, usage: dict | None) -> dict:
     return {"id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
                                          "logprobs": None}], "usage": usage}
 
 
-def sse(reply: dict, with_usage: bool):
-    """A whole reply as OpenAI's stream: one delta with the message, then the finish reason."""
+async def stream_chunks(reply: dict, with_usage: bool):
+    """A whole reply as OpenAI's stream chunks: one delta with the message, then the finish reason."""
     head = {k: reply[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
     choice = reply["choices"][0]
     delta = {k: v for k, v in choice["message"].items() if k != "tool_calls"}
@@ -225,5 +233,4 @@ def sse(reply: dict, with_usage: bool):
     if with_usage:
         chunks.append(head | {"choices": [], "usage": reply["usage"]})
     for c in chunks:
-        yield f"data: {json.dumps(c)}\n\n"
-    yield "data: [DONE]\n\n"
+        yield c

@@ -27,7 +27,7 @@ import inspect
 import json
 import threading
 
-from rollwise.agent.gateway import Gateway, GatewayError, Session, completion
+from rollwise.agent.gateway import Gateway, GatewayError, Session, completion, pooled
 from rollwise.agent.parsing import openai_tool_calls
 from rollwise.agent.plugins import load_object
 
@@ -182,8 +182,7 @@ def _sync_http():
     """The connection pool plain-function agents' clients share (see Gateway.http)."""
     if not _SYNC_HTTP:
         import httpx
-        _SYNC_HTTP.append(httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
-                                       timeout=None))
+        _SYNC_HTTP.append(pooled(httpx.Client))
     return _SYNC_HTTP[0]
 
 
