@@ -7,7 +7,10 @@ outside training the same `run` works against any OpenAI-compatible server:
     print(await PhonebookAgent().run(client, task))
 
 Its prompts and tool schemas are the built-in `phonebook` env's, so with the same replies both
-give the same token ids (tests/agent/test_agent_env.py).
+give the same token ids (tests/agent/test_agent_env.py). With `memory = "notes"` it manages its own
+context, as agents with long tasks do: instead of the whole history, each request sends the question
+and notes of what the tools returned so far, so every turn after a tool call starts a new context
+(rollwise trains each context's tokens with the episode's advantage).
 """
 from __future__ import annotations
 
@@ -29,13 +32,19 @@ TOOLS = [
 
 
 class PhonebookAgent:
-    def __init__(self, max_turns: int = 8) -> None:
-        self.max_turns = max_turns
+    def __init__(self, max_turns: int = 8, memory: str = "history") -> None:
+        if memory not in ("history", "notes"):
+            raise ValueError(f"memory {memory!r}: valid are 'history' and 'notes'")
+        self.max_turns, self.memory = max_turns, memory
 
     async def run(self, client, task: dict) -> float:
-        messages = [{"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": f"What is the {FIELDS[task['field']]} of {task['name']}?\n{HINT}"}]
+        question = f"What is the {FIELDS[task['field']]} of {task['name']}?"
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{question}\n{HINT}"}]
+        notes: list[str] = []
         for _ in range(self.max_turns):
+            if self.memory == "notes" and notes:  # a fresh context: the question and what was found
+                found = "\n".join(notes)
+                messages = [messages[0], {"role": "user", "content": f"{question}\nFound so far:\n{found}\n{HINT}"}]
             reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
             message = reply.choices[0].message
             messages.append(message)
@@ -45,7 +54,9 @@ class PhonebookAgent:
                 args = json.loads(call.function.arguments)
                 if call.function.name == "finish":
                     return score(task, str(args.get("answer", "")))
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": lookup(task, args)})
+                result = lookup(task, args)
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+                notes.append(f"lookup({args.get('name', '')!r}): {result}")
         return 0.0
 
     # training tasks and the SFT warm start's transcripts: the built-in env's

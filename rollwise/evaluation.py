@@ -37,7 +37,7 @@ async def _evaluate(cfg: TrainConfig, tasks: list[dict], samples: int, temperatu
         async for group in eval_episodes(router, env_factory(cfg), tasks, cfg, temperature, samples):
             right.append(sum(t.reward >= 1.0 for t in group))
             rows += [{"task_id": t.task.get("id"), "sample": k, "reward": t.reward, "status": t.status,
-                      "error": t.error, "turns": len(t.turns), "generated_tokens": t.num_generated,
+                      "error": t.error, "turns": t.num_turns, "generated_tokens": t.num_generated,
                       "messages": t.messages} for k, t in enumerate(group)]
             status.line(f"eval: {len(right)}/{len(tasks)} tasks, success {sum(right) / len(rows):.3f}")
     finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -115,8 +116,14 @@ def _sft_cache_path(cfg: TrainConfig) -> Path | None:
     if not cfg.sft_cache or cfg.sft_steps <= 0:
         return None
     # "v2": transcripts in task order (before, in completion order: warm starts were not reproducible)
-    key = stable_seed("v2", str(Path(cfg.model).resolve()), cfg.env, cfg.max_turns, cfg.sft_steps, cfg.sft_tasks,
-                      cfg.sft_lr, cfg.sft_batch, cfg.sft_direct_fraction, cfg.seed)
+    parts = ["v2", str(Path(cfg.model).resolve()), cfg.env, cfg.max_turns, cfg.sft_steps, cfg.sft_tasks,
+             cfg.sft_lr, cfg.sft_batch, cfg.sft_direct_fraction, cfg.seed]
+    # what else makes the transcripts (runs without these keep their keys: caches made before stay valid)
+    if cfg.env_options:
+        parts.append(json.dumps(cfg.env_options, sort_keys=True, default=str))
+    if cfg.train_tasks_file:
+        parts.append(hashlib.sha256(Path(cfg.train_tasks_file).read_bytes()).hexdigest())
+    key = stable_seed(*parts)
     return Path(cfg.sft_cache) / f"sft-{key:016x}.pt"
 
 
@@ -172,7 +179,8 @@ async def _train(cfg: TrainConfig) -> dict:
                          progress=lambda s, loss: status.line(f"SFT step {s + 1}/{cfg.sft_steps} loss {loss:.3f}"))
             report["sft"] = {"steps": cfg.sft_steps, "loss_first": losses[0], "loss_last": losses[-1],
                              "seconds": time.perf_counter() - t0, "examples": len(demos),
-                             "direct_answers": sum(len(t.turns) == 1 for t in demos)}
+                             "direct_answers": sum(t.num_turns == 1 for t in demos),
+                             "contexts": sum(len(t.sequences()) for t in demos)}
             status.done(f"SFT: {cfg.sft_steps} steps on {len(demos)} transcripts in {report['sft']['seconds']:.0f}s, "
                         f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
             if cached is not None:

@@ -267,7 +267,12 @@ class TurnRecord:
 class Trajectory:
     """One episode, token-in-token-out: token_ids is exactly the first prompt, then per turn the
     generated ids and the tokenized observation delta; loss_mask is 1 on generated ids only and
-    logprobs holds their sampling logprobs (0 elsewhere)."""
+    logprobs holds their sampling logprobs (0 elsewhere).
+
+    An episode whose environment started a new context (an agent that summarised or trimmed its
+    history: `NewContext`) is several token sequences: `earlier` holds the closed ones, each a
+    Trajectory of its own tokens, turns and messages; the fields here are the last. `sequences()`
+    lists them all: the trainer trains each with the episode's advantage."""
 
     trajectory_id: str
     group_id: str | None
@@ -283,11 +288,26 @@ class Trajectory:
     generation_s: float = 0.0
     tool_s: float = 0.0
     total_s: float = 0.0
+    earlier: list[Trajectory] = field(default_factory=list)  # closed contexts, oldest first
+
+    def sequences(self) -> list[Trajectory]:
+        """The episode's token sequences, one per context, in order (just this one, usually)."""
+        return [*self.earlier, self]
 
     @property
     def num_generated(self) -> int:
-        return sum(self.loss_mask)
+        return sum(sum(s.loss_mask) for s in self.sequences())
+
+    @property
+    def num_turns(self) -> int:
+        return sum(len(s.turns) for s in self.sequences())
 
     @property
     def policy_versions(self) -> list[int]:
-        return [t.policy_version for t in self.turns]
+        return [t.policy_version for s in self.sequences() for t in s.turns]
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Trajectory:
+        """The inverse of dataclasses.asdict (a rollout log's line)."""
+        return cls(**{**d, "turns": [TurnRecord(**r) for r in d["turns"]],
+                      "earlier": [cls.from_dict(e) for e in d.get("earlier", [])]})

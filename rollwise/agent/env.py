@@ -14,6 +14,14 @@ from rollwise.agent.tools import Latency, Tool
 Observation = list[dict]  # new chat messages (role "tool" or "user") for the model
 
 
+class NewContext(list):
+    """What `step` returns instead of new messages to go on in a fresh context: the whole
+    conversation the model sees next (e.g. the task and a summary of the work so far), rendered
+    afresh with the env's tools as they are then. The episode's tokens so far become a closed
+    sequence (`Trajectory.earlier`), trained with the same advantage; `max_turns` counts the
+    episode's turns, `max_context` each context's tokens."""
+
+
 class Env(Protocol):
     max_turns: int
     tools: list[Tool]
@@ -26,6 +34,7 @@ class Env(Protocol):
 
     def expert(self, task: dict) -> list[str]: ...  # assistant messages of a scripted solution
 
+    # step may return a NewContext (a list of messages) in place of the observation.
     # optional: turn_params(params) -> params gives a turn's sampling params from the run's (e.g. a
     # request's stop strings); observe(request, output) sees each turn's generation before step;
     # close() (may be a coroutine) runs when the episode ends, however it ends

@@ -3,7 +3,9 @@
 History is never re-rendered and re-tokenized: the first prompt is rendered once, then each turn
 appends exactly the ids the generator returned and the ids of the rendered *observation delta*
 (the chat template's text for the new messages plus the next generation prompt). So the trainer
-sees the very ids the model saw and produced.
+sees the very ids the model saw and produced. An environment that starts a new context (`NewContext`:
+an agent that summarised or trimmed its history) closes the tokens so far as one sequence of the
+episode and renders the new context's messages as the next one's prompt.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from rollwise.agent.env import Env, maybe_await
+from rollwise.agent.env import Env, NewContext, maybe_await
 from rollwise.types import GenerateOutput, GenerateRequest, SamplingParams, Trajectory, TurnRecord
 
 
@@ -82,7 +84,7 @@ async def run_episode(generator: Generator, env: Env, task: dict, params: Sampli
     traj.total_s = time.perf_counter() - t0
     end = getattr(generator, "end_trajectory", None)  # e.g. a router: stickiness, turn stats, shared drafts
     if end is not None:
-        await end(traj.trajectory_id, traj.group_id, traj.token_ids, len(traj.turns))
+        await end(traj.trajectory_id, traj.group_id, traj.token_ids, traj.num_turns)
     return traj
 
 
@@ -133,6 +135,9 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
         if done:
             traj.reward, traj.status = float(reward), "done"
             return
+        if isinstance(obs, NewContext):  # the tokens so far close; the next turn reads a fresh prompt
+            _new_context(traj, list(obs), renderer.prompt_ids(list(obs), [t.schema for t in env.tools] or None))
+            continue
         ended = bool(out.token_ids) and out.token_ids[-1] in eos_ids
         delta = renderer.delta_ids(obs, ended)
         if len(traj.token_ids) + len(delta) >= max_context:
@@ -142,6 +147,16 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
         record.num_observation = len(delta)
         traj.messages.extend(obs)
     traj.status = "max_turns"
+
+
+def _new_context(traj: Trajectory, messages: list[dict], prompt_ids: list[int]) -> None:
+    closed = Trajectory(trajectory_id=traj.trajectory_id, group_id=traj.group_id, task=traj.task)
+    for f in ("token_ids", "loss_mask", "logprobs", "turns", "messages"):
+        setattr(closed, f, getattr(traj, f))
+        setattr(traj, f, [])
+    traj.earlier.append(closed)
+    traj.messages = list(messages)
+    _extend(traj, prompt_ids, None)
 
 
 def _extend(traj: Trajectory, ids: list[int], logprobs: list[float] | None) -> None:

@@ -36,7 +36,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollwise.types import Trajectory, TurnRecord
+from rollwise.types import Trajectory
 
 
 @dataclass
@@ -60,10 +60,7 @@ class Group:
     @staticmethod
     def from_json(line: str) -> Group:
         d = json.loads(line)
-        trajs = []
-        for t in d["trajectories"]:
-            t["turns"] = [TurnRecord(**r) for r in t["turns"]]
-            trajs.append(Trajectory(**t))
+        trajs = [Trajectory.from_dict(t) for t in d["trajectories"]]
         return Group(d["seq"], d["task_index"], d["task"], d["admitted_version"], trajs)
 
 

@@ -1,7 +1,8 @@
 """GRPO, read top to bottom.
 
 advantages: each group's rewards minus the group mean (divided by the group's std unless
-`scale_rewards=False`, as in Dr. GRPO), the same for every generated token of a trajectory.
+`scale_rewards=False`, as in Dr. GRPO), the same for every generated token of a trajectory (of
+each of its token sequences, when the episode ran in several contexts: `Trajectory.earlier`).
 
 loss: token-level clipped policy gradient (decoupled PPO, as in AReaL). The proximal policy is the
 trainer's weights at the start of the step; the rollout logprobs are the behaviour policy. The
@@ -107,7 +108,7 @@ class GRPOTrainer:
         adv = advantages(groups, self.cfg.scale_rewards)
         useful = [t for t, a in zip(trajs, adv) if self._trains(t, a)]
         # the batch's totals are known: each micro-batch's loss is normalized as it goes
-        self.begin(n_tokens=sum(sum(t.loss_mask) for t in useful), n_trajectories=len(useful))
+        self.begin(n_tokens=sum(t.num_generated for t in useful), n_trajectories=len(useful))
         self.add(groups)
         return self.finish()
 
@@ -132,18 +133,22 @@ class GRPOTrainer:
         useful = [t for t in trajs if self._trains(t, adv[id(t)])]
         acc["trajs"] += trajs
         acc["n_useful"] += len(useful)
-        acc["n_tokens"] += sum(sum(t.loss_mask) for t in useful)
-        for mb in micro_batches(useful, cfg.micro_batch_tokens):
+        acc["n_tokens"] += sum(t.num_generated for t in useful)
+        # a row per token sequence: an episode of several contexts gives several, with its advantage
+        # and (for loss_agg="sequence") its generated tokens, over which its rows are averaged
+        row = {id(s): (adv[id(t)], t.num_generated) for t in useful for s in t.sequences()}
+        for mb in micro_batches([s for t in useful for s in t.sequences()], cfg.micro_batch_tokens):
             b = Batch.of(mb)
-            a = torch.tensor([adv[id(t)] for t in mb], dtype=torch.float32)
+            a = torch.tensor([row[id(s)][0] for s in mb], dtype=torch.float32)
+            n = torch.tensor([row[id(s)][1] for s in mb], dtype=torch.float32)
             with torch.no_grad():  # behaviour logprobs of stale tokens under the weights that generated them
                 st = self._stale(mb, b) if cfg.behaviour == "recompute" else None
             lp = self.policy.logprobs(b, cfg.temperature, entropy=acc["entropy"])
             # the proximal policy: the weights before this step (no update yet: no separate forward)
             prox = lp.detach()
-            self._backward(lp, b, a, st, prox, acc["given"] or 1.0, acc["stats"])
+            self._backward(lp, b, a, st, prox, acc["given"] or 1.0, acc["stats"], n)
             self._compare(mb, b, prox, acc["diffs"])
-            acc["items"].append((b, a, st, prox))
+            acc["items"].append((b, a, st, prox, n))
 
     def finish(self) -> dict[str, float]:
         """Check the fresh samples' logprobs, then the optimizer step (and any further epochs)."""
@@ -152,6 +157,7 @@ class GRPOTrainer:
         staleness = [self.version - oldest_version(t) for t in trajs]
         m = {"reward": sum(t.reward for t in trajs) / max(len(trajs), 1), "trajectories": len(trajs),
              "trained_trajectories": acc["n_useful"], "trained_tokens": n_tokens,
+             "contexts": sum(len(t.earlier) + 1 for t in trajs) / max(len(trajs), 1),  # token sequences per episode
              "max_staleness": max(staleness, default=0), "stale_trajectories": sum(s > 0 for s in staleness),
              "loss": 0.0, "grad_norm": 0.0, "kl": 0.0, "is_weight_mean": 1.0, "clip_frac": 0.0,
              "logprob_diff": float("nan"),
@@ -168,8 +174,8 @@ class GRPOTrainer:
             stats = acc["stats"]
             if epoch > 0:
                 stats = torch.zeros(4)
-                for b, a, st, prox in acc["items"]:
-                    self._backward(self.policy.logprobs(b, cfg.temperature), b, a, st, prox, div, stats)
+                for b, a, st, prox, n in acc["items"]:
+                    self._backward(self.policy.logprobs(b, cfg.temperature), b, a, st, prox, div, stats, n)
             elif not acc["given"]:  # streamed: the sums' gradients, normalized now that the batch is known
                 for p in self.policy.parameters():
                     if p.grad is not None:
@@ -187,16 +193,17 @@ class GRPOTrainer:
 
     def _trains(self, t: Trajectory, advantage: float) -> bool:
         """Whether a trajectory carries loss: a non-zero advantage, generated tokens, a kept status."""
-        return abs(advantage) > 1e-9 and sum(t.loss_mask) > 0 and t.status not in self.cfg.exclude_statuses
+        return abs(advantage) > 1e-9 and t.num_generated > 0 and t.status not in self.cfg.exclude_statuses
 
     def _begun(self) -> dict:
         if self._acc is None:
             raise RuntimeError("no step begun: call begin() before add() and finish()")
         return self._acc
 
-    def _backward(self, lp, b: Batch, a, st, prox, div: float, stats: torch.Tensor) -> None:
+    def _backward(self, lp, b: Batch, a, st, prox, div: float, stats: torch.Tensor, n=None) -> None:
         """The clipped, importance-weighted policy-gradient loss of one micro-batch (plus KL), divided
-        by `div`, backpropagated; adds loss, clipped tokens, KL and IS weight sums to `stats`."""
+        by `div`, backpropagated; adds loss, clipped tokens, KL and IS weight sums to `stats`. `a`: each
+        row's advantage; `n`: its episode's generated tokens (default: the row's own)."""
         cfg = self.cfg
         lp_behav = b.behaviour_logprobs if st is None else torch.where(st[0] == self.version, prox, st[1])
         ratio = torch.exp(lp - prox)
@@ -214,7 +221,8 @@ class GRPOTrainer:
             pg = pg + cfg.kl_coef * kl
             stats[2] += float((kl.detach() * b.mask).sum())
         if cfg.loss_agg == "sequence":
-            loss = ((pg * b.mask).sum(1) / b.mask.sum(1).clamp(min=1)).sum() / div
+            n = b.mask.sum(1) if n is None else n
+            loss = ((pg * b.mask).sum(1) / n.clamp(min=1)).sum() / div  # each episode's mean
         else:
             loss = (pg * b.mask).sum() / div
         loss.backward()
@@ -294,13 +302,14 @@ def sft(policy: PolicyModel, trajs: list[Trajectory], *, steps: int, lr: float =
     AdamW with warm-up and cosine decay. Returns the loss per step."""
     if not trajs:
         raise ValueError("sft needs at least one trajectory")
+    seqs = [s for t in trajs for s in t.sequences()]  # an episode of several contexts: each sequence
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0))))
     losses = []
     for s in range(steps):
-        idx = torch.randint(len(trajs), (batch_size,), generator=g).tolist()
-        b = Batch.of([trajs[i] for i in idx])
+        idx = torch.randint(len(seqs), (batch_size,), generator=g).tolist()
+        b = Batch.of([seqs[i] for i in idx])
         lp = policy.logprobs(b)
         loss = -(lp * b.mask).sum() / b.mask.sum()
         loss.backward()

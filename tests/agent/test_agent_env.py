@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from rollwise.agent.envs import make_env
-from rollwise.agent.episode import collect, run_episode
+from rollwise.agent.episode import ChatRenderer, collect, run_episode
 from rollwise.agent.gateway import Gateway
 from rollwise.agent.generator import ForcedGenerator, RecordingGenerator, ScriptedGenerator, expert_policy
 from rollwise.engine.async_engine import AsyncEngine
@@ -76,7 +76,58 @@ def test_a_plain_function_agent_runs_in_a_thread_with_a_sync_client(model_dir):
     assert seen == [("stop", len(tok.encode(w, add_special_tokens=False)) + 1) for w in ("one", "two", "three")]
 
 
-def test_a_rewritten_history_ends_the_episode_with_an_error_and_the_agent_hears_why(model_dir):
+def test_a_rewritten_history_starts_a_new_context_with_exactly_what_the_model_sees(model_dir):
+    """An agent that summarises (drops its history) and then changes its tools: each request that
+    does not continue the conversation is the first prompt of a new token sequence."""
+    tok = Tokenizer(model_dir)
+    r = ChatRenderer(tok)
+    tools = [{"type": "function", "function": {"name": "look", "description": "Look.",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    first = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    summary = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "so far: hello"}]
+
+    async def agent(client, task):
+        reply = await client.chat.completions.create(model="p", messages=first)
+        again = summary + [{"role": "user", "content": "go on"}]
+        reply2 = await client.chat.completions.create(model="p", messages=again)  # rewritten: context 2
+        follow = again + [reply2.choices[0].message, {"role": "user", "content": "and?"}]  # extends it
+        await client.chat.completions.create(model="p", messages=follow)
+        reply4 = await client.chat.completions.create(model="p", messages=follow[:1], tools=tools)  # new tools
+        return float(reply.choices[0].message.content == "hello" and reply4.choices[0].message.content == "d")
+
+    gen = RecordingGenerator(_scripted(tok, ["hello", "b", "c", "d"]))
+    traj = asyncio.run(run_episode(gen, agent_env(agent), {}, P, trajectory_id="e"))
+    assert traj.status == "done" and traj.reward == 1.0 and traj.num_turns == 4 and len(traj.earlier) == 2
+    prompts = [req.prompt_token_ids for req, _ in gen.calls]
+    c1, c2, c3 = traj.sequences()
+    assert prompts[0] == r.prompt_ids(first, None) and c1.token_ids == prompts[0] + gen.calls[0][1].token_ids
+    assert prompts[1] == r.prompt_ids(summary + [{"role": "user", "content": "go on"}], None)
+    assert prompts[2][:len(prompts[1])] == prompts[1] and c2.token_ids == prompts[2] + gen.calls[2][1].token_ids
+    assert [len(c.turns) for c in (c1, c2, c3)] == [1, 2, 1]
+    assert prompts[3] == r.prompt_ids(first[:1], tools) and c3.token_ids == prompts[3] + gen.calls[3][1].token_ids
+
+
+def test_notes_agent_runs_each_turn_after_a_tool_call_in_a_fresh_context(model_dir):
+    """The example agent with memory="notes": the question and what the tools returned, instead of
+    the history; its first context is the built-in env's first prompt and reply, token for token."""
+    tok = Tokenizer(model_dir)
+    tasks = phonebook().sample_tasks(4, seed=6)
+    gen = ScriptedGenerator(tok, expert_policy(phonebook, tasks))
+
+    async def go(make):
+        return [await run_episode(gen, make(), t, P, trajectory_id=f"{t['id']}/0", group_id=str(t["id"]))
+                for t in tasks]
+    native = asyncio.run(go(phonebook))
+    notes = asyncio.run(go(lambda: agent_env(agent_options={"memory": "notes"})))
+    for t, a, b in zip(tasks, native, notes):
+        assert b.status == "done" and b.reward == a.reward == 1.0 and len(b.earlier) == 1 and b.num_turns == 2
+        first = b.earlier[0]
+        assert first.token_ids == a.token_ids[:a.turns[0].start + a.turns[0].num_generated]
+        found = f"Found so far:\nlookup({t['name']!r}): {json.dumps(t['directory'][t['name']])}\n"
+        assert found in b.messages[1]["content"] and b.messages[0] == a.messages[0]
+
+
+def test_a_rewritten_history_ends_the_episode_with_on_rewrite_error_and_the_agent_hears_why(model_dir):
     tok = Tokenizer(model_dir)
     errors = []
 
@@ -90,7 +141,7 @@ def test_a_rewritten_history_ends_the_episode_with_an_error_and_the_agent_hears_
             errors.append(e.body["message"])
         return 1.0
 
-    traj = asyncio.run(run_episode(_scripted(tok, ["hello"]), agent_env(agent), {}, P))
+    traj = asyncio.run(run_episode(_scripted(tok, ["hello"]), agent_env(agent, on_rewrite="error"), {}, P))
     assert traj.status == "error" and "does not continue the conversation" in traj.error
     assert "message 0 (system) differs" in traj.error
     assert traj.reward == 0.0 and len(traj.turns) == 1

@@ -6,14 +6,15 @@ import json
 
 import pytest
 
-from rollwise.agent.env import ToolEnv
+from rollwise.agent.env import NewContext, ToolEnv
 from rollwise.agent.envs import ENVS, make_env
 from rollwise.agent.episode import ChatRenderer, collect, run_episode
 from rollwise.agent.generator import ForcedGenerator, RecordingGenerator, ScriptedGenerator, expert_policy
 from rollwise.agent.tools import Tool
 from rollwise.engine.async_engine import AsyncEngine
 from rollwise.engine.tokenizer import Tokenizer
-from rollwise.types import SamplingParams
+from rollwise.rollout.pipeline import Group
+from rollwise.types import SamplingParams, TurnRecord
 
 
 SAMPLED = sorted(n for n, e in ENVS.items() if hasattr(e, "sample_tasks"))  # (dataset reads its tasks from files)
@@ -142,6 +143,50 @@ def test_statuses_max_turns_max_context_timeout_error(model_dir):
             raise KeyError("env bug")
     t = asyncio.run(run_episode(_scripted(tok, ["x"]), Broken(), {}, p))
     assert t.status == "error" and "env bug" in t.error
+
+
+class Summarizing:
+    """Each step starts a new context: the question and a running summary (the turn count)."""
+    tools: list = []
+
+    def __init__(self, max_turns=8, end_after=3):
+        self.max_turns, self.end_after, self.n = max_turns, end_after, 0
+
+    def reset(self, task):
+        return [{"role": "system", "content": "sum up"}, {"role": "user", "content": "q"}]
+
+    def step(self, action):
+        self.n += 1
+        if self.n == self.end_after:
+            return [], 1.0, True, {}
+        return NewContext([{"role": "user", "content": f"q; summary after {self.n} turns: {action}"}]), 0.0, False, {}
+
+
+def test_a_new_context_closes_the_tokens_so_far_and_renders_a_fresh_prompt(model_dir, tmp_path):
+    tok = Tokenizer(model_dir)
+    r = ChatRenderer(tok)
+    gen = RecordingGenerator(_scripted(tok, ["first", "second", "third"]))
+    traj = asyncio.run(run_episode(gen, Summarizing(), {}, SamplingParams(max_tokens=64), trajectory_id="e"))
+    assert traj.status == "done" and traj.reward == 1.0 and traj.num_turns == 3 and len(traj.earlier) == 2
+    seqs = traj.sequences()
+    prompts = [r.prompt_ids(Summarizing().reset({}), None),
+               r.prompt_ids([{"role": "user", "content": "q; summary after 1 turns: first"}], None),
+               r.prompt_ids([{"role": "user", "content": "q; summary after 2 turns: second"}], None)]
+    for s, prompt, call, word in zip(seqs, prompts, gen.calls, ["first", "second", "third"]):
+        req, out = call
+        assert req.prompt_token_ids == prompt and s.token_ids == prompt + out.token_ids  # what the model saw
+        assert s.loss_mask == [0] * len(prompt) + [1] * len(out.token_ids)
+        assert s.logprobs[len(prompt):] == out.logprobs and len(s.turns) == 1 and s.turns[0].start == len(prompt)
+        assert s.messages[-1] == {"role": "assistant", "content": word} and s.trajectory_id == "e"
+    assert [req.turn for req, _ in gen.calls] == [0, 1, 2]
+    assert traj.num_generated == sum(len(out.token_ids) for _, out in gen.calls)
+    # max_turns counts the episode's turns, whatever the context
+    t = asyncio.run(run_episode(_scripted(tok, ["x"]), Summarizing(max_turns=2), {}, SamplingParams(max_tokens=8)))
+    assert t.status == "max_turns" and t.num_turns == 2 and len(t.earlier) == 2 and not t.turns
+    # a rollout log keeps the contexts
+    g = Group(seq=0, task_index=0, task={}, admitted_version=0, trajectories=[traj])
+    back = Group.from_json(g.to_json()).trajectories[0]
+    assert back == traj and isinstance(back.earlier[0].turns[0], TurnRecord)
 
 
 def test_collect_returns_complete_groups_with_bounded_concurrency(model_dir):

@@ -17,7 +17,7 @@ import torch
 from rollwise.agent.envs import ENVS, make_env
 from rollwise.agent.envs.calculator import CalculatorEnv
 from rollwise.omp import passive_env
-from rollwise.rl import TrainConfig, train
+from rollwise.rl import TrainConfig, _sft_cache_path, train
 from rollwise.rl_config import env_factory, task_sets
 from rollwise.rollout.pipeline import read_log
 from rollwise.serve.process import ServerProcess
@@ -180,22 +180,52 @@ def test_train_on_a_user_env_and_task_files(model_dir, tmp_path):
     assert report["sft"]["examples"] == 8
 
 
-def test_train_an_agent_written_against_the_openai_api(model_dir, tmp_path):
+@pytest.mark.parametrize("memory", ["history", "notes"])
+def test_train_an_agent_written_against_the_openai_api(model_dir, tmp_path, memory):
     """examples/train-phonebook-agent.toml: the demo's run with the task as an openai-SDK agent
-    (its settings are the demo config's but for the env), trained through the agent gateway."""
+    (its settings are the demo config's but for the env), trained through the agent gateway; with
+    memory="notes" the agent starts a new context after each tool call."""
     ex = Path(__file__).parents[2] / "examples"
     demo = TrainConfig.from_toml(ex / "train-phonebook.toml", model=model_dir)
     cfg = TrainConfig.from_toml(ex / "train-phonebook-agent.toml", model=model_dir)
     differ = {f for f in TrainConfig.__dataclass_fields__ if getattr(cfg, f) != getattr(demo, f)}
     assert differ == {"env", "env_options", "run_dir"} and cfg.env == "agent"
     cfg = TrainConfig.from_toml(ex / "train-phonebook-agent.toml", **{
-        **TINY, "env": "agent", "max_tokens": 24, "model": model_dir, "run_dir": str(tmp_path / "run"), "steps": 2})
+        **TINY, "env": "agent", "max_tokens": 24, "model": model_dir, "run_dir": str(tmp_path / "run"), "steps": 2,
+        "sft_cache": str(tmp_path / "sft")})
+    cfg.env_options["agent_options"] = {"memory": memory}
     report = train(cfg)
     assert len(report["steps"]) == 2 and report["sft"]["examples"] == 8 and 0 <= report["rl_success"] <= 1
+    assert all(m["contexts"] >= 1.0 for m in report["steps"])
+    sft = report["sft"]  # the expert's transcripts: with notes, a second context after its tool call
+    assert sft["contexts"] == sft["examples"] + (memory == "notes") * (sft["examples"] - sft["direct_answers"])
+    assert sft["direct_answers"] < sft["examples"]
     trajs = [t for g in read_log(Path(cfg.run_dir) / "groups.jsonl") for t in g.trajectories]
     assert trajs and all(t.status in ("done", "max_turns", "max_context", "error") for t in trajs)
-    assert all(t.messages[0]["content"].startswith("You answer questions about the staff") for t in trajs)
-    assert all(sum(t.loss_mask) == sum(r.num_generated for r in t.turns) > 0 for t in trajs)
+    seqs = [s for t in trajs for s in t.sequences()]
+    assert all(s.messages[0]["content"].startswith("You answer questions about the staff") for s in seqs)
+    assert all(sum(s.loss_mask) == sum(r.num_generated for r in s.turns) > 0 for s in seqs)
+    if memory == "history":
+        assert not any(t.earlier for t in trajs)
+    else:  # every context after the first comes after a tool call, and starts with the notes
+        assert all("Found so far:" in s.messages[1]["content"] for t in trajs for s in t.sequences()[1:])
+
+
+def test_the_sft_cache_is_keyed_by_what_makes_the_transcripts(model_dir, tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"question": "1 + 1", "answer": 2}\n')
+    base = {**TINY, "model": model_dir, "sft_cache": str(tmp_path / "sft")}
+
+    def path(**kw):
+        return _sft_cache_path(TrainConfig.from_dict({**base, **kw}))
+    agent = {"agent": "examples/phonebook_agent.py:PhonebookAgent"}
+    keys = {path(), path(seed=1), path(sft_steps=4), path(env="agent", env_options=agent),
+            path(env="agent", env_options={**agent, "agent_options": {"memory": "notes"}}),
+            path(env="dataset", train_tasks_file=str(tasks))}
+    assert len(keys) == 6 and path() == path() and path(steps=9, lr=1.0) == path()  # (RL settings: same warm start)
+    tasks.write_text('{"question": "2 + 2", "answer": 4}\n')
+    assert path(env="dataset", train_tasks_file=str(tasks)) not in keys
+    assert path(sft_steps=0) is None and path(sft_cache=None) is None
 
 
 def test_train_on_a_task_file_with_the_dataset_env(model_dir, tmp_path):

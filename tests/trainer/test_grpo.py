@@ -247,3 +247,49 @@ def test_excluded_statuses_carry_no_loss_and_entropy_is_reported(model_dir):
     assert m["entropy"] == pytest.approx(want, rel=1e-4)
     with pytest.raises(ValueError, match=r"valid statuses are \['max_turns', 'max_context', 'timeout', 'error'\]"):
         GRPOTrainer(policy, GRPOConfig(exclude_statuses=("truncated",)))
+
+
+def _episode(*contexts: Trajectory, reward: float) -> Trajectory:
+    """An episode that ran in several contexts (the last one's fields, the others `earlier`)."""
+    last = contexts[-1]
+    return Trajectory(trajectory_id=last.trajectory_id, group_id="g", task={}, token_ids=last.token_ids,
+                      loss_mask=last.loss_mask, logprobs=last.logprobs, turns=last.turns, reward=reward,
+                      earlier=list(contexts[:-1]))
+
+
+def test_each_context_of_an_episode_is_trained_with_the_episodes_advantage(model_dir):
+    """token loss: an episode of two contexts has the gradient its two sequences would have, each
+    with the episode's advantage; sequence loss: its contexts are averaged as one episode (not as two)."""
+    s1, s2, f, _ = _sampled(model_dir, 4, seed=9)
+    empty = Trajectory(trajectory_id="z", group_id="g", task={}, reward=0.0)  # no tokens: no loss
+
+    def grads(cfg: GRPOConfig, groups, **totals) -> list[torch.Tensor]:
+        policy = PolicyModel(model_dir)
+        trainer = GRPOTrainer(policy, cfg)
+        trainer.begin(**totals)
+        trainer.add(groups)
+        return [p.grad.clone() for p in policy.parameters()]
+
+    def same(a, b):
+        return all(torch.allclose(x, y, rtol=1e-4, atol=1e-7) for x, y in zip(a, b))
+
+    token = GRPOConfig()
+    one = grads(token, [[_episode(s1, s2, reward=1.0), _episode(f, reward=0.0)]], n_tokens=24)
+    two = grads(token, [[_episode(s1, reward=1.0), _episode(f, reward=0.0)], [_episode(s2, reward=1.0), empty]],
+                n_tokens=24)
+    assert same(one, two) and max(float(g.abs().max()) for g in one) > 1e-3
+    # sequence loss of [E (16 tokens), F (8)] = token loss of [E, F twice (16)]: (sum_E + 2 sum_F) / 32
+    seq = grads(GRPOConfig(loss_agg="sequence"), [[_episode(s1, s2, reward=1.0), _episode(f, reward=0.0)]],
+                n_trajectories=2)
+    tok = grads(token, [[_episode(s1, s2, reward=1.0), _episode(f, f, reward=0.0)]], n_tokens=32)
+    assert same(seq, tok) and not same(seq, one)
+    m = GRPOTrainer(PolicyModel(model_dir), token).step([[_episode(s1, s2, reward=1.0), _episode(f, reward=0.0)]])
+    assert m["trained_tokens"] == 24 and m["trained_trajectories"] == 2 and m["contexts"] == 1.5
+
+
+def test_sft_trains_every_context_of_an_expert_episode(model_dir):
+    s1, s2 = _sampled(model_dir, 2, seed=3)
+    policy = PolicyModel(model_dir)
+    losses = sft(policy, [_episode(s1, s2, reward=1.0)], steps=30, lr=1e-2, batch_size=2, warmup=1)
+    lp = policy.logprobs(Batch.of([s1, s2])).detach()
+    assert losses[-1] < 0.5 * losses[0] and (lp * Batch.of([s1, s2]).mask).sum(1).max() > -4.0  # both learnt

@@ -8,8 +8,11 @@ request's messages are rendered once by the policy's chat template, each reply i
 ids verbatim (Hermes tool calls parsed into OpenAI `tool_calls`), and each later request must send
 the conversation so far unchanged (the reply message appended, as the openai SDK's `message` or its
 dict) followed by new messages (tool results, user turns): only those are rendered, as the
-observation delta. A request that rewrites earlier messages or changes the tools ends the episode
-with status `error`: its tokens would not be what the model saw.
+observation delta. A request that does not continue the conversation (an agent that summarises,
+trims old tool results or changes its tools) starts a new context (`on_rewrite = "new_context"`):
+its messages are rendered afresh as the prompt of the episode's next token sequence, which the
+trainer trains with the same advantage as the first; `on_rewrite = "error"` ends such an episode
+with status `error` instead.
 
 Sampling is the run's (temperature, seed: the request's are ignored), so the logprobs are those
 the trainer expects; a request's `stop` strings and a lower `max_tokens` apply to its turn. A plain (not async) `run` gets an
@@ -27,6 +30,7 @@ import inspect
 import json
 import threading
 
+from rollwise.agent.env import NewContext
 from rollwise.agent.gateway import Gateway, GatewayError, Session, completion, pooled
 from rollwise.agent.parsing import openai_tool_calls
 from rollwise.agent.plugins import load_object
@@ -36,7 +40,10 @@ class AgentEnv:
     name = "agent"
 
     def __init__(self, agent, *, max_turns: int = 8, agent_options: dict | None = None, model: str = "policy",
-                 transport: str = "asgi") -> None:
+                 transport: str = "asgi", on_rewrite: str = "new_context") -> None:
+        if on_rewrite not in ("new_context", "error"):
+            raise ValueError(f"on_rewrite {on_rewrite!r}: valid are 'new_context' (a request that does not continue "
+                             "the conversation starts a new token sequence) and 'error' (it ends the episode)")
         if transport not in ("asgi", "http"):
             raise ValueError(f"transport {transport!r}: valid are 'asgi' (coroutine agents call the gateway's app "
                              "on the loop) and 'http' (through its socket, as plain-function agents do)")
@@ -53,7 +60,7 @@ class AgentEnv:
         for m in ("sample_tasks", "expert"):
             if callable(getattr(obj, m, None)):
                 setattr(self, m, getattr(obj, m))
-        self.max_turns, self.model, self.transport = max_turns, model, transport
+        self.max_turns, self.model, self.transport, self.on_rewrite = max_turns, model, transport, on_rewrite
         self.tools: list[_Schema] = []
         self._session: Session | None = None
         self._gateway = self._key = self._runner = self._output = None
@@ -71,6 +78,10 @@ class AgentEnv:
         kind, body = await self._session.events.get()
         if kind != "request":
             raise RuntimeError(f"the agent ended without asking the model anything ({_ending(kind, body)})")
+        return self._context(body)
+
+    def _context(self, body: dict) -> list[dict]:
+        """The messages of a request that starts a context; its tools are the context's."""
         self._body = body
         messages = self._messages(body)
         self._known = [_norm(m) for m in messages]
@@ -116,19 +127,28 @@ class AgentEnv:
             if kind == "fail":
                 raise RuntimeError(f"the agent raised {_ending(kind, body)}")
             return [], float(body), True, {}
-        if (body.get("tools") or None) != self._tool_defs:
-            raise self._refuse("the agent changed its tools mid-episode (they are rendered once, in the first prompt)")
-        self._body = body
         messages = self._messages(body)
-        old = [_norm(m) for m in messages[: len(self._known)]]
-        if old != self._known or len(messages) == len(self._known):
-            i = next((i for i, (a, b) in enumerate(zip(old, self._known)) if a != b), len(old))
-            raise self._refuse("the agent's request does not continue the conversation: "
-                               + (f"message {i} ({self._known[i][0]}) differs from what the model saw"
-                                  if i < len(self._known) else "no new message after the reply"))
+        why = self._rewrite(body, messages)
+        if why is not None:
+            if self.on_rewrite == "error":
+                raise self._refuse(why)
+            return NewContext(self._context(body)), 0.0, False, {}
+        self._body = body
         new = messages[len(self._known):]
         self._known.extend(_norm(m) for m in new)
         return new, 0.0, False, {}
+
+    def _rewrite(self, body: dict, messages: list[dict]) -> str | None:
+        """Why a request does not continue the conversation the model saw (None: it does)."""
+        if (body.get("tools") or None) != self._tool_defs:
+            return "the agent changed its tools (they are rendered once, in a context's first prompt)"
+        old = [_norm(m) for m in messages[: len(self._known)]]
+        if old == self._known and len(messages) > len(self._known):
+            return None
+        i = next((i for i, (a, b) in enumerate(zip(old, self._known)) if a != b), len(old))
+        return "the agent's request does not continue the conversation: " + (
+            f"message {i} ({self._known[i][0]}) differs from what the model saw" if i < len(self._known)
+            else "no new message after the reply")
 
     def _messages(self, body: dict) -> list[dict]:
         try:
