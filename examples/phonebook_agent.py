@@ -10,7 +10,8 @@ Its prompts and tool schemas are the built-in `phonebook` env's, so with the sam
 give the same token ids (tests/agent/test_agent_env.py). With `memory = "notes"` it manages its own
 context, as agents with long tasks do: instead of the whole history, each request sends the question
 and notes of what the tools returned so far, so every turn after a tool call starts a new context
-(rollwise trains each context's tokens with the episode's advantage).
+(rollwise trains each context's tokens with the episode's advantage). With `api = "responses"` it
+speaks OpenAI's Responses API (`client.responses.create`, the OpenAI Agents SDK's) instead.
 """
 from __future__ import annotations
 
@@ -32,12 +33,16 @@ TOOLS = [
 
 
 class PhonebookAgent:
-    def __init__(self, max_turns: int = 8, memory: str = "history") -> None:
+    def __init__(self, max_turns: int = 8, memory: str = "history", api: str = "chat") -> None:
         if memory not in ("history", "notes"):
             raise ValueError(f"memory {memory!r}: valid are 'history' and 'notes'")
-        self.max_turns, self.memory = max_turns, memory
+        if api not in ("chat", "responses"):
+            raise ValueError(f"api {api!r}: valid are 'chat' and 'responses'")
+        self.max_turns, self.memory, self.api = max_turns, memory, api
 
     async def run(self, client, task: dict) -> float:
+        if self.api == "responses":
+            return await self.run_responses(client, task)
         question = f"What is the {FIELDS[task['field']]} of {task['name']}?"
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{question}\n{HINT}"}]
         notes: list[str] = []
@@ -57,6 +62,23 @@ class PhonebookAgent:
                 result = lookup(task, args)
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
                 notes.append(f"lookup({args.get('name', '')!r}): {result}")
+        return 0.0
+
+    async def run_responses(self, client, task: dict) -> float:
+        """The same agent on the Responses API (its whole history each time)."""
+        tools = [{"type": "function", **t["function"]} for t in TOOLS]
+        items: list = [{"role": "user", "content": f"What is the {FIELDS[task['field']]} of {task['name']}?\n{HINT}"}]
+        for _ in range(self.max_turns):
+            response = await client.responses.create(model="policy", instructions=SYSTEM, input=items, tools=tools)
+            items += response.output
+            calls = [item for item in response.output if item.type == "function_call"]
+            if not calls:
+                return score(task, response.output_text)
+            for call in calls:
+                args = json.loads(call.arguments)
+                if call.name == "finish":
+                    return score(task, str(args.get("answer", "")))
+                items.append({"type": "function_call_output", "call_id": call.call_id, "output": lookup(task, args)})
         return 0.0
 
     # training tasks and the SFT warm start's transcripts: the built-in env's

@@ -1,5 +1,6 @@
-"""An OpenAI chat-completions endpoint through which an agent written against the OpenAI API (the
-openai SDK, LangChain, LiteLLM, plain HTTP) runs its episodes on the policy: `AgentEnv`
+"""An OpenAI endpoint (chat completions, and the Responses API: rollwise.agent.responses_api) through
+which an agent written against the OpenAI API (the openai SDK, the OpenAI Agents SDK, LangChain,
+LiteLLM, plain HTTP) runs its episodes on the policy: `AgentEnv`
 (rollwise.agent.envs.agent) holds one `Session` per episode, and each request on the session's
 bearer key waits for the episode loop to generate the reply.
 
@@ -36,6 +37,7 @@ class Session:
         self.events: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         self.pending: asyncio.Future | None = None
         self.ended: str | None = None
+        self.conversations: dict[str, list[dict]] = {}  # Responses API: response id -> its messages
 
     async def request(self, body: dict) -> dict:
         if self.ended is not None:
@@ -177,34 +179,50 @@ class Gateway:
         from starlette.responses import JSONResponse
         from starlette.routing import Route
 
+        from rollwise.agent.responses_api import chat_body, events, response
         from rollwise.serve.responses import error as json_error, sse
 
         def error(e: GatewayError) -> JSONResponse:
             return json_error(e.status, e.message, e.kind)
 
-        async def chat(request):
+        async def opened(request) -> tuple[Session, object]:
             auth = request.headers.get("authorization", "")
             session = self.sessions.get(auth.removeprefix("Bearer ").strip())
             if session is None:
-                return error(GatewayError(401, "unknown or expired API key: each episode's client has a key of "
-                                               "its own, valid until the episode ends", "authentication_error"))
+                raise GatewayError(401, "unknown or expired API key: each episode's client has a key of its own, "
+                                        "valid until the episode ends", "authentication_error")
             try:
-                body = json.loads(await request.body())
+                return session, json.loads(await request.body())
             except ValueError:
-                return error(GatewayError(400, "the body is not JSON"))
+                raise GatewayError(400, "the body is not JSON") from None
+
+        async def chat(request):
             try:
+                session, body = await opened(request)
                 reply = await session.request(body)
             except GatewayError as e:
                 return error(e)
-            if isinstance(body, dict) and body.get("stream"):
+            if body.get("stream"):
                 usage = (body.get("stream_options") or {}).get("include_usage", False)
                 return sse(stream_chunks(reply, usage))
             return JSONResponse(reply)
+
+        async def responses(request):  # OpenAI's Responses API, as a chat request (rollwise.agent.responses_api)
+            try:
+                session, body = await opened(request)
+                chat, messages = chat_body(body, session.conversations)
+                reply = await session.request(chat)
+            except GatewayError as e:
+                return error(e)
+            resp = response(reply, body)
+            session.conversations[resp["id"]] = messages + [reply["choices"][0]["message"]]
+            return sse(events(resp)) if body.get("stream") else JSONResponse(resp)
 
         async def models(request):
             return JSONResponse({"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "rollwise"}]})
 
         return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                                 Route("/v1/responses", responses, methods=["POST"]),
                                  Route("/v1/models", models, methods=["GET"])])
 
 

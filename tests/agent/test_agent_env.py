@@ -36,9 +36,11 @@ def _scripted(tok, turns):
     return ScriptedGenerator(tok, lambda req: turns[min(req.turn, len(turns) - 1)])
 
 
-def test_an_openai_sdk_agent_gives_the_builtin_envs_token_ids_on_the_engine(model_dir):
-    """The example agent (its own messages, tools and scoring, over the openai SDK) and the built-in
-    phonebook env, teacher-forced to the same expert replies on a real engine: identical trajectories."""
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_an_openai_sdk_agent_gives_the_builtin_envs_token_ids_on_the_engine(model_dir, api):
+    """The example agent (its own messages, tools and scoring, over the openai SDK's chat completions
+    or Responses API) and the built-in phonebook env, teacher-forced to the same expert replies on a
+    real engine: identical trajectories."""
     tasks = phonebook().sample_tasks(3, seed=4)
     engine = AsyncEngine(model_dir, max_num_seqs=8)
     try:
@@ -47,7 +49,7 @@ def test_an_openai_sdk_agent_gives_the_builtin_envs_token_ids_on_the_engine(mode
         async def go(make):
             return [await run_episode(gen, make(), t, P, trajectory_id=f"{t['id']}/0", group_id=str(t["id"]))
                     for t in tasks]
-        native, agent = asyncio.run(go(phonebook)), asyncio.run(go(agent_env))
+        native, agent = asyncio.run(go(phonebook)), asyncio.run(go(lambda: agent_env(agent_options={"api": api})))
     finally:
         engine.shutdown()
     for a, b in zip(native, agent):
@@ -238,6 +240,73 @@ def test_the_endpoint_rejects_bad_requests_with_json_errors_and_streams(model_di
     assert got["models"] == "policy"
     assert got["calls"] == [("lookup", json.dumps({"name": "Ana Berg"}))] and got["finish"] == ["tool_calls"]
     assert got["usage"] == len(tok.encode(call, add_special_tokens=False)) + 1
+
+
+def test_responses_api_continues_a_response_by_id_streams_and_rejects_what_it_cannot_serve(model_dir):
+    """previous_response_id: only the new items are sent, and the tokens are those of sending the
+    whole history; a streamed response carries the same output; unsupported input gets a 400."""
+    tok = Tokenizer(model_dir)
+    call = '<tool_call>{"name": "lookup", "arguments": {"name": "Ana Berg"}}</tool_call>'
+    tools = [{"type": "function", "name": "lookup", "description": "Find someone.",
+              "parameters": {"type": "object", "properties": {"name": {"type": "string"}}}}]
+    got = {}
+
+    async def by_id(client, task):
+        r1 = await client.responses.create(model="p", instructions="be brief", input="who is Ana?", tools=tools)
+        fc = r1.output[0]
+        got["first"] = (fc.type, fc.name, json.loads(fc.arguments), r1.status, r1.usage.output_tokens)
+        out = {"type": "function_call_output", "call_id": fc.call_id, "output": '{"room": 7}'}
+        stream = await client.responses.create(model="p", instructions="be brief", previous_response_id=r1.id,
+                                               input=[out], tools=tools, stream=True)
+        events = [e async for e in stream]
+        done = events[-1].response
+        got["stream"] = ([e.type for e in events][:2], done.status, done.output_text,
+                         "".join(e.delta for e in events if e.type == "response.output_text.delta"))
+        r3 = await client.responses.create(model="p", instructions="be brief", tools=tools, previous_response_id=done.id,
+                                           input=[{"role": "user", "content": [{"type": "input_text", "text": "and?"}]}],
+                                           max_output_tokens=2)
+        got["cut"] = (r3.status, r3.incomplete_details.reason, r3.usage.output_tokens)
+        return 1.0
+
+    async def whole(client, task):  # the same conversation, sent whole each time
+        items = [{"role": "user", "content": "who is Ana?"}]
+        r1 = await client.responses.create(model="p", instructions="be brief", input=items, tools=tools)
+        items += r1.output + [{"type": "function_call_output", "call_id": r1.output[0].call_id, "output": '{"room": 7}'}]
+        r2 = await client.responses.create(model="p", instructions="be brief", input=items, tools=tools)
+        items += r2.output + [{"role": "user", "content": "and?"}]
+        await client.responses.create(model="p", instructions="be brief", input=items, tools=tools, max_output_tokens=2)
+        return 1.0
+
+    replies = [call, "Room 7.", "one two three four"]
+    a = asyncio.run(run_episode(_scripted(tok, replies), agent_env(by_id), {}, P))
+    b = asyncio.run(run_episode(_scripted(tok, replies), agent_env(whole), {}, P))
+    assert a.status == b.status == "done" and a.num_turns == b.num_turns == 3 and not a.earlier and not b.earlier
+    assert a.token_ids == b.token_ids and a.loss_mask == b.loss_mask
+    assert a.messages[0] == {"role": "system", "content": "be brief"}
+    assert got["first"] == ("function_call", "lookup", {"name": "Ana Berg"}, "completed",
+                            len(tok.encode(call, add_special_tokens=False)) + 1)
+    assert got["stream"] == (["response.created", "response.in_progress"], "completed", "Room 7.", "Room 7.")
+    assert got["cut"] == ("incomplete", "max_output_tokens", 2)
+
+    bad = {}
+
+    async def wrong(client, task):
+        url, auth = str(client.base_url).rstrip("/") + "/responses", {"Authorization": f"Bearer {client.api_key}"}
+        async with httpx.AsyncClient() as h:
+            for name, body in [("tool", {"input": "x", "tools": [{"type": "web_search"}]}),
+                               ("item", {"input": [{"type": "reasoning", "summary": []}]}),
+                               ("previous", {"input": "x", "previous_response_id": "resp_nope"}),
+                               ("image", {"input": [{"role": "user", "content": [{"type": "input_image"}]}]})]:
+                r = await h.post(url, headers=auth, json=body)
+                bad[name] = (r.status_code, r.json()["error"]["message"])
+        r = await client.responses.create(model="p", input="x")  # the gateway goes on serving
+        return float(r.output_text == "ok")
+
+    t = asyncio.run(run_episode(_scripted(tok, ["ok"]), agent_env(wrong), {}, P))
+    assert t.status == "done" and t.reward == 1.0
+    assert {v[0] for v in bad.values()} == {400} and "only function tools" in bad["tool"][1]
+    assert "'reasoning' is not supported" in bad["item"][1] and "not a response of this episode" in bad["previous"][1]
+    assert "text parts" in bad["image"][1]
 
 
 @pytest.mark.parametrize("transport", ["asgi", "http"])

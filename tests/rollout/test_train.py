@@ -180,11 +180,12 @@ def test_train_on_a_user_env_and_task_files(model_dir, tmp_path):
     assert report["sft"]["examples"] == 8
 
 
-@pytest.mark.parametrize("memory", ["history", "notes"])
-def test_train_an_agent_written_against_the_openai_api(model_dir, tmp_path, memory):
+@pytest.mark.parametrize("memory,api", [("history", "chat"), ("notes", "chat"), ("history", "responses")])
+def test_train_an_agent_written_against_the_openai_api(model_dir, tmp_path, memory, api):
     """examples/train-phonebook-agent.toml: the demo's run with the task as an openai-SDK agent
     (its settings are the demo config's but for the env), trained through the agent gateway; with
-    memory="notes" the agent starts a new context after each tool call."""
+    memory="notes" the agent starts a new context after each tool call; api="responses": the
+    agent speaks the Responses API."""
     ex = Path(__file__).parents[2] / "examples"
     demo = TrainConfig.from_toml(ex / "train-phonebook.toml", model=model_dir)
     cfg = TrainConfig.from_toml(ex / "train-phonebook-agent.toml", model=model_dir)
@@ -193,7 +194,7 @@ def test_train_an_agent_written_against_the_openai_api(model_dir, tmp_path, memo
     cfg = TrainConfig.from_toml(ex / "train-phonebook-agent.toml", **{
         **TINY, "env": "agent", "max_tokens": 24, "model": model_dir, "run_dir": str(tmp_path / "run"), "steps": 2,
         "sft_cache": str(tmp_path / "sft")})
-    cfg.env_options["agent_options"] = {"memory": memory}
+    cfg.env_options["agent_options"] = {"memory": memory, "api": api}
     report = train(cfg)
     assert len(report["steps"]) == 2 and report["sft"]["examples"] == 8 and 0 <= report["rl_success"] <= 1
     assert all(m["contexts"] >= 1.0 for m in report["steps"])

@@ -2,6 +2,8 @@
 
     async def run(client, task) -> float    # client: openai.AsyncOpenAI on the policy
 
+(chat completions here; the Responses API's requests are turned into the same: rollwise.agent.responses_api)
+
 The agent asks for chat completions, runs its own tools and returns the episode's reward. Each of
 its requests is one turn of `run_episode`, so the trajectory stays token-in-token-out: the first
 request's messages are rendered once by the policy's chat template, each reply is the generated
