@@ -1,6 +1,6 @@
 """What an agent on the OpenAI API costs against a built-in env: the demo's phonebook task as the
-built-in `phonebook` env and as examples/phonebook_agent.py (the openai SDK over HTTP to rollwise's
-agent gateway), the same episodes in one run, taking turns.
+built-in `phonebook` env and as examples/phonebook_agent.py (the openai SDK to rollwise's agent
+gateway, on chat completions and on the Responses API), the same episodes in one run, taking turns.
 
     python benchmarks/agent_gateway.py [--quick | --smoke] [--json PATH]
 
@@ -30,7 +30,8 @@ from rollwise.types import SamplingParams  # noqa: E402
 from common import cached_model  # noqa: E402  (benchmarks/common.py)
 
 AGENT = str(Path(__file__).resolve().parent.parent / "examples" / "phonebook_agent.py") + ":PhonebookAgent"
-SIDES = {"env": lambda: make_env("phonebook"), "agent": lambda: make_env("agent", agent=AGENT)}
+SIDES = {"env": lambda: make_env("phonebook"), "agent": lambda: make_env("agent", agent=AGENT),
+         "responses": lambda: make_env("agent", agent=AGENT, agent_options={"api": "responses"})}
 
 
 async def measure(gen, side: str, tasks: list[dict], concurrency: int) -> tuple[dict, list]:
@@ -47,7 +48,7 @@ async def measure(gen, side: str, tasks: list[dict], concurrency: int) -> tuple[
 
 
 async def compare(gen, tasks: list[dict], concurrency: int, repeats: int) -> dict:
-    runs: dict[str, list] = {"env": [], "agent": []}
+    runs: dict[str, list] = {side: [] for side in SIDES}
     ids = {}
     for _ in range(repeats):  # taking turns, so drifting machine load falls on both
         for side in runs:
@@ -55,7 +56,8 @@ async def compare(gen, tasks: list[dict], concurrency: int, repeats: int) -> dic
             runs[side].append(m)
     best = {side: min(r, key=lambda m: m["seconds"]) for side, r in runs.items()}
     return {**best, "agent_over_env_time": best["agent"]["seconds"] / best["env"]["seconds"],
-            "same_token_ids": ids["env"] == ids["agent"]}
+            "responses_over_env_time": best["responses"]["seconds"] / best["env"]["seconds"],
+            "same_token_ids": ids["env"] == ids["agent"] == ids["responses"]}
 
 
 def main() -> None:
@@ -85,13 +87,14 @@ def main() -> None:
             rows.append(("engine", c, r))
     finally:
         engine.shutdown()
-    print("| generator | concurrency | built-in env ep/s | OpenAI-SDK agent ep/s | agent / env time | "
-          "ms per turn (env / agent) | turns / tokens | same token ids |")
+    print("| generator | concurrency | built-in env ep/s | OpenAI-SDK agent ep/s, chat / Responses | agent / env time, "
+          "chat / Responses | ms per turn (env / chat / Responses) | turns / tokens | same token ids |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for gen, c, r in rows:
-        e, a = r["env"], r["agent"]
-        print(f"| {gen} | {c} | {e['episodes_per_s']:.1f} | {a['episodes_per_s']:.1f} | "
-              f"{r['agent_over_env_time']:.2f}x | {e['ms_per_turn']:.2f} / {a['ms_per_turn']:.2f} | "
+        e, a, q = r["env"], r["agent"], r["responses"]
+        print(f"| {gen} | {c} | {e['episodes_per_s']:.1f} | {a['episodes_per_s']:.1f} / {q['episodes_per_s']:.1f} | "
+              f"{r['agent_over_env_time']:.2f}x / {r['responses_over_env_time']:.2f}x | "
+              f"{e['ms_per_turn']:.2f} / {a['ms_per_turn']:.2f} / {q['ms_per_turn']:.2f} | "
               f"{a['turns']} / {a['generated_tokens']} | {r['same_token_ids']} |")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -143,8 +143,8 @@ def test_agent_gateway_benchmark_smoke(tmp_path):
     res = json.loads(out.read_text())
     for gen in ("instant", "engine"):
         for r in res[gen].values():
-            assert r["same_token_ids"] and r["env"]["solved"] == r["agent"]["solved"] == 1.0
-            assert r["agent"]["turns"] == r["env"]["turns"] > 0
+            assert r["same_token_ids"] and r["env"]["solved"] == r["agent"]["solved"] == r["responses"]["solved"] == 1.0
+            assert r["agent"]["turns"] == r["responses"]["turns"] == r["env"]["turns"] > 0
 
 
 def test_sandbox_benchmark_smoke(tmp_path):

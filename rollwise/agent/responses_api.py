@@ -96,7 +96,7 @@ def _tool(t) -> dict:
     if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
         raise GatewayError(400, "only function tools ({'type': 'function', 'name', 'parameters'}): the model "
                                 "has no built-in tools")
-    fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
+    fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
     return {"type": "function", "function": fn}
 
 

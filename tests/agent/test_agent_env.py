@@ -309,6 +309,45 @@ def test_responses_api_continues_a_response_by_id_streams_and_rejects_what_it_ca
     assert "text parts" in bad["image"][1]
 
 
+def test_an_openai_agents_sdk_agent_trains_through_the_gateway_on_either_api(model_dir):
+    """The OpenAI Agents SDK (Agent, function_tool, Runner) as a user writes it, on its Responses
+    model and on its chat-completions model: one context per episode (the SDK sends the history as
+    the model saw it), the same token ids both ways, the tool run by the SDK."""
+    import agents
+    agents.set_tracing_disabled(True)  # (traces would go to OpenAI's servers)
+    tok = Tokenizer(model_dir)
+    tasks = phonebook().sample_tasks(2, seed=8)
+    looked_up = []
+
+    def make(model_class):
+        async def run(client, task):
+            @agents.function_tool
+            def lookup(name: str) -> str:
+                """Find a staff member by full name; returns their details as JSON."""
+                looked_up.append(name)
+                entry = task["directory"].get(name)
+                return json.dumps(entry) if entry else "no such person"
+            agent = agents.Agent(name="phonebook", instructions="Use the lookup tool.", tools=[lookup],
+                                 model=model_class(model="policy", openai_client=client))
+            result = await agents.Runner.run(agent, f"What is the {task['field']} of {task['name']}?", max_turns=4)
+            return float(str(task["answer"]) in str(result.final_output))
+        return run
+
+    gen = ScriptedGenerator(tok, expert_policy(phonebook, tasks))
+
+    async def go(model_class):
+        return [await run_episode(gen, agent_env(make(model_class)), t, P, trajectory_id=f"{t['id']}/0",
+                                  group_id=str(t["id"])) for t in tasks]
+    via_responses, via_chat = asyncio.run(go(agents.OpenAIResponsesModel)), asyncio.run(go(agents.OpenAIChatCompletionsModel))
+    for t, a, b in zip(tasks, via_responses, via_chat):
+        assert a.status == b.status == "done" and a.reward == b.reward == 1.0, (a.error, b.error)
+        assert a.num_turns == b.num_turns == 2 and not a.earlier and not b.earlier
+        assert a.token_ids == b.token_ids and a.loss_mask == b.loss_mask
+        assert a.messages[0] == {"role": "system", "content": "Use the lookup tool."}
+        assert a.messages[3]["role"] == "tool" and str(t["answer"]) in a.messages[3]["content"]
+    assert looked_up == [t["name"] for t in tasks] * 2
+
+
 @pytest.mark.parametrize("transport", ["asgi", "http"])
 def test_collect_runs_a_group_of_agents_concurrently(model_dir, transport):
     """Coroutine agents call the gateway's app on the loop (asgi) or go through its socket (http)."""
