@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -348,6 +350,52 @@ def test_an_openai_agents_sdk_agent_trains_through_the_gateway_on_either_api(mod
     assert looked_up == [t["name"] for t in tasks] * 2
 
 
+def test_an_agent_program_runs_per_episode_with_the_gateway_in_its_environment(model_dir):
+    """examples/phonebook_agent_cli.py, a program that knows nothing of rollwise (OPENAI_BASE_URL and
+    OPENAI_API_KEY, the task on stdin, the reward on stdout): the same token ids as the in-process agent."""
+    tok = Tokenizer(model_dir)
+    tasks = phonebook().sample_tasks(3, seed=11)
+    gen = ScriptedGenerator(tok, expert_policy(phonebook, tasks))
+    command = [sys.executable, str(Path(AGENT.split(":")[0]).with_name("phonebook_agent_cli.py"))]
+
+    async def go(make):
+        return [g[0] async for g in collect(gen, make, tasks, P, group_size=1)]
+    program = asyncio.run(go(lambda: agent_env(None, command=command)))
+    inproc = asyncio.run(go(agent_env))
+    key = lambda t: t.group_id  # noqa: E731
+    for a, b in zip(sorted(program, key=key), sorted(inproc, key=key)):
+        assert a.status == "done" and a.reward == b.reward == 1.0, a.error
+        assert a.token_ids == b.token_ids and a.num_turns == b.num_turns == 2
+
+
+@pytest.mark.parametrize("case", ["exits 3", "prints no number", "hangs", "leaves a child"])
+def test_an_agent_program_that_fails_or_hangs_ends_its_episode_and_is_killed(model_dir, tmp_path, case):
+    tok = Tokenizer(model_dir)
+    pid_file = tmp_path / "pid"
+    body = {"exits 3": "sys.exit(3)", "prints no number": "print('done!')",
+            "hangs": "import subprocess; subprocess.Popen(['sleep', '60']); time.sleep(60)",
+            "leaves a child": "import subprocess; subprocess.Popen(['sleep', '60']); print(1.0)"}[case]
+    script = (f"import os, sys, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+              f"print('to stderr', file=sys.stderr)\n{body}\n")
+    env = agent_env(None, command=[sys.executable, "-c", script])
+    t = asyncio.run(run_episode(_scripted(tok, ["x"]), env, {}, P, deadline_s=3.0))
+    want = {"exits 3": "exited with status 3: to stderr", "prints no number": "print its reward (a number)",
+            "hangs": None, "leaves a child": "ended without asking the model anything (returned 1.0)"}[case]
+    if want is None:
+        assert t.status == "timeout"
+    else:
+        assert t.status == "error" and want in t.error
+    pid = int(pid_file.read_text())
+    for _ in range(100):  # the program's process group is gone (killed, or it had ended)
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.02)
+    else:
+        raise AssertionError("the agent program's processes outlived its episode")
+
+
 @pytest.mark.parametrize("transport", ["asgi", "http"])
 def test_collect_runs_a_group_of_agents_concurrently(model_dir, transport):
     """Coroutine agents call the gateway's app on the loop (asgi) or go through its socket (http)."""
@@ -367,6 +415,14 @@ def test_collect_runs_a_group_of_agents_concurrently(model_dir, transport):
 
 
 def test_agent_env_names_its_problems():
+    with pytest.raises(ValueError, match="needs agent .* or command"):
+        agent_env(None)
+    with pytest.raises(ValueError, match="one of them"):
+        agent_env(command=["python"])
+    with pytest.raises(ValueError, match="not an executable on PATH"):
+        agent_env(None, command=["no-such-program-here"])
+    with pytest.raises(ValueError, match="non-empty list of strings"):
+        agent_env(None, command="python agent.py")
     with pytest.raises(ValueError, match="is not of the form"):
         agent_env("no_colon")
     with pytest.raises(ValueError, match="valid are 'asgi'"):

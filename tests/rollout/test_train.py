@@ -229,6 +229,21 @@ def test_the_sft_cache_is_keyed_by_what_makes_the_transcripts(model_dir, tmp_pat
     assert path(sft_steps=0) is None and path(sft_cache=None) is None
 
 
+def test_train_an_agent_program_on_a_task_file(model_dir, tmp_path):
+    """env_options.command: a program per episode (examples/phonebook_agent_cli.py), tasks from a file."""
+    ex = Path(__file__).parents[2] / "examples"
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(t) + "\n" for t in make_env("phonebook").sample_tasks(6, seed=1)))
+    cfg = TrainConfig.from_dict({**TINY, "env": "agent", "env_options": {"command": [sys.executable, str(ex / "phonebook_agent_cli.py")]},
+                                 "sft_steps": 0, "train_tasks_file": str(tasks), "eval_tasks": 0, "max_tokens": 24,
+                                 "model": model_dir, "run_dir": str(tmp_path / "run"), "steps": 2})
+    report = train(cfg)
+    assert len(report["steps"]) == 2 and report["steps"][-1]["trajectories"] == 4
+    trajs = [t for g in read_log(Path(cfg.run_dir) / "groups.jsonl") for t in g.trajectories]
+    assert trajs and all(t.status in ("done", "max_turns", "max_context") for t in trajs), [t.error for t in trajs]
+    assert all(t.messages[0]["content"].startswith("You answer questions about the staff") for t in trajs)
+
+
 def test_train_on_a_task_file_with_the_dataset_env(model_dir, tmp_path):
     """No env class at all: the dataset env, a built-in reward, a user's tool function, a task file."""
     ex = Path(__file__).parents[2] / "examples"

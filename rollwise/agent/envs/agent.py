@@ -4,6 +4,10 @@
 
 (chat completions here; the Responses API's requests are turned into the same: rollwise.agent.responses_api)
 
+or a program in any language (`command = ["node", "agent.js"]`), run once per episode with
+OPENAI_BASE_URL and OPENAI_API_KEY set to the gateway and the episode's key (what the OpenAI SDKs
+read), the task as one line of JSON on stdin; the last line it prints is the reward.
+
 The agent asks for chat completions, runs its own tools and returns the episode's reward. Each of
 its requests is one turn of `run_episode`, so the trajectory stays token-in-token-out: the first
 request's messages are rendered once by the policy's chat template, each reply is the generated
@@ -30,6 +34,10 @@ import dataclasses
 import importlib.util
 import inspect
 import json
+import os
+import shutil
+import signal
+import tempfile
 import threading
 
 from rollwise.agent.env import NewContext
@@ -41,14 +49,35 @@ from rollwise.agent.plugins import load_object
 class AgentEnv:
     name = "agent"
 
-    def __init__(self, agent, *, max_turns: int = 8, agent_options: dict | None = None, model: str = "policy",
-                 transport: str = "asgi", on_rewrite: str = "new_context") -> None:
+    def __init__(self, agent=None, *, command: list[str] | None = None, max_turns: int = 8,
+                 agent_options: dict | None = None, model: str = "policy", transport: str = "asgi",
+                 on_rewrite: str = "new_context") -> None:
         if on_rewrite not in ("new_context", "error"):
             raise ValueError(f"on_rewrite {on_rewrite!r}: valid are 'new_context' (a request that does not continue "
                              "the conversation starts a new token sequence) and 'error' (it ends the episode)")
         if transport not in ("asgi", "http"):
             raise ValueError(f"transport {transport!r}: valid are 'asgi' (coroutine agents call the gateway's app "
                              "on the loop) and 'http' (through its socket, as plain-function agents do)")
+        self.max_turns, self.model, self.transport, self.on_rewrite = max_turns, model, transport, on_rewrite
+        self.command = command
+        self.tools: list[_Schema] = []
+        self._session: Session | None = None
+        self._gateway = self._key = self._runner = self._output = None
+        self._known: list[tuple] = []
+        self._body: dict = {}
+        self._tool_defs = self._parse = self._why = None
+        if (agent is None) == (command is None):
+            raise ValueError("env 'agent' needs agent (a function or class: 'file.py:name') or command (a program "
+                             "and its arguments, e.g. ['node', 'agent.js']), one of them")
+        if command is not None:
+            if not isinstance(command, list) or not command or not all(isinstance(c, str) for c in command):
+                raise ValueError(f"command must be a non-empty list of strings (the program and its arguments), got {command!r}")
+            if shutil.which(command[0]) is None:
+                raise ValueError(f"command {command[0]!r} is not an executable on PATH or a path to one")
+            if agent_options:
+                raise ValueError(f"agent_options {sorted(agent_options)} need an agent class to pass them to")
+            self.run_agent = None
+            return
         if importlib.util.find_spec("openai") is None:
             raise ValueError("env 'agent' gives the agent an openai client: pip install openai")
         obj = load_object(agent, "agent") if isinstance(agent, str) else agent
@@ -62,13 +91,6 @@ class AgentEnv:
         for m in ("sample_tasks", "expert"):
             if callable(getattr(obj, m, None)):
                 setattr(self, m, getattr(obj, m))
-        self.max_turns, self.model, self.transport, self.on_rewrite = max_turns, model, transport, on_rewrite
-        self.tools: list[_Schema] = []
-        self._session: Session | None = None
-        self._gateway = self._key = self._runner = self._output = None
-        self._known: list[tuple] = []
-        self._body: dict = {}
-        self._tool_defs = self._parse = self._why = None
 
     async def reset(self, task: dict) -> list[dict]:
         await self.close()
@@ -176,11 +198,13 @@ class AgentEnv:
             await asyncio.gather(runner, return_exceptions=True)
 
     async def _run(self, gateway: Gateway, key: str, task: dict) -> None:
-        import openai
         session = self._session
         try:
-            if inspect.iscoroutinefunction(self.run_agent) or inspect.iscoroutinefunction(
+            if self.command is not None:
+                reward = await _run_command(self.command, gateway.url, key, task)
+            elif inspect.iscoroutinefunction(self.run_agent) or inspect.iscoroutinefunction(
                     getattr(self.run_agent, "__call__", None)):
+                import openai
                 client = openai.AsyncOpenAI(base_url=gateway.url, api_key=key, max_retries=0,
                                             http_client=gateway.http(via_socket=self.transport == "http"))
                 reward = await self.run_agent(client, task)
@@ -195,6 +219,35 @@ class AgentEnv:
     def _run_sync(self, url: str, key: str, task: dict):
         import openai
         return self.run_agent(openai.OpenAI(base_url=url, api_key=key, max_retries=0, http_client=_sync_http()), task)
+
+
+async def _run_command(command: list[str], url: str, key: str, task: dict) -> float:
+    """The agent as a program: its own process (group), the gateway and key in the environment
+    variables the OpenAI SDKs read, the task on stdin; killed with its children if the episode ends
+    first. Its last line of output is the reward; a non-zero exit is the agent's failure. (Output
+    goes to files: a child it leaves running cannot hold a pipe open past its end.)"""
+    env = {**os.environ, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": key}
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = await asyncio.create_subprocess_exec(*command, stdin=asyncio.subprocess.PIPE, stdout=out, stderr=err,
+                                                    env=env, start_new_session=True)
+        try:
+            await proc.communicate(json.dumps(task).encode() + b"\n")
+        finally:  # what it left running (or all of it, if a limit or the deadline ended the episode first)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            if proc.returncode is None:
+                await proc.wait()
+        out.seek(0)
+        err.seek(0)
+        lines, tail = out.read().decode(errors="replace").strip().splitlines(), err.read()[-800:]
+    if proc.returncode != 0:
+        raise RuntimeError(f"the agent command {command[0]!r} exited with status {proc.returncode}: "
+                           f"{tail.decode(errors='replace').strip()}")
+    try:
+        return float(lines[-1])
+    except (IndexError, ValueError):
+        raise TypeError("the agent command must print its reward (a number) as its last line, got "
+                        f"{(lines or [''])[-1][:200]!r}") from None
 
 
 _SYNC_HTTP: list = []
