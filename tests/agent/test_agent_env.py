@@ -350,6 +350,33 @@ def test_an_openai_agents_sdk_agent_trains_through_the_gateway_on_either_api(mod
     assert looked_up == [t["name"] for t in tasks] * 2
 
 
+def test_an_agents_sdk_sub_agent_runs_in_a_context_of_its_own(model_dir):
+    """Agents as tools (a sub-agent with a conversation of its own): each switch between the two
+    conversations starts a context, and each context's tokens are what the model saw then; back in
+    the main conversation, its earlier tokens are re-rendered exactly as generated."""
+    import agents
+    agents.set_tracing_disabled(True)
+    tok = Tokenizer(model_dir)
+    call = '<tool_call>\n{"name": "ask_directory", "arguments": {"input": "the room of Ana Berg"}}\n</tool_call>'
+
+    async def run(client, task):
+        model = agents.OpenAIResponsesModel(model="policy", openai_client=client)
+        sub = agents.Agent(name="directory", instructions="You know the staff directory.", model=model)
+        main = agents.Agent(name="main", instructions="Answer with the directory's help.", model=model,
+                            tools=[sub.as_tool(tool_name="ask_directory", tool_description="Ask the directory.")])
+        result = await agents.Runner.run(main, "Which room is Ana Berg in?", max_turns=4)
+        return float("7" in str(result.final_output))
+
+    gen = RecordingGenerator(_scripted(tok, [call, "Room 7.", "Ana Berg is in room 7."]))
+    traj = asyncio.run(run_episode(gen, agent_env(run), {}, P))
+    assert traj.status == "done" and traj.reward == 1.0 and traj.num_turns == 3, traj.error
+    main1, sub, main2 = traj.sequences()
+    assert [req.prompt_token_ids for req, _ in gen.calls] == [s.token_ids[:s.turns[0].start] for s in (main1, sub, main2)]
+    assert sub.messages[0]["content"] == "You know the staff directory." and "the room of Ana Berg" in sub.messages[1]["content"]
+    assert main2.token_ids[:len(main1.token_ids)] == main1.token_ids  # the call, rendered back as generated
+    assert main2.messages[-2]["role"] == "tool" and main2.messages[-2]["content"] == "Room 7."
+
+
 def test_an_agent_program_runs_per_episode_with_the_gateway_in_its_environment(model_dir):
     """examples/phonebook_agent_cli.py, a program that knows nothing of rollwise (OPENAI_BASE_URL and
     OPENAI_API_KEY, the task on stdin, the reward on stdout): the same token ids as the in-process agent."""
