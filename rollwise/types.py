@@ -270,9 +270,9 @@ class Trajectory:
     logprobs holds their sampling logprobs (0 elsewhere).
 
     An episode whose environment started a new context (an agent that summarised or trimmed its
-    history: `NewContext`) is several token sequences: `earlier` holds the closed ones, each a
-    Trajectory of its own tokens, turns and messages; the fields here are the last. `sequences()`
-    lists them all: the trainer trains each with the episode's advantage."""
+    history, or ran a sub-agent: `NewContext`) is several token sequences: `earlier` holds the others,
+    each a Trajectory of its own tokens, turns and messages; the fields here are the one read last.
+    `sequences()` lists them all: the trainer trains each with the episode's advantage."""
 
     trajectory_id: str
     group_id: str | None
@@ -288,7 +288,7 @@ class Trajectory:
     generation_s: float = 0.0
     tool_s: float = 0.0
     total_s: float = 0.0
-    earlier: list[Trajectory] = field(default_factory=list)  # closed contexts, oldest first
+    earlier: list[Trajectory] = field(default_factory=list)  # the other contexts, in the order they were left
 
     def sequences(self) -> list[Trajectory]:
         """The episode's token sequences, one per context, in order (just this one, usually)."""

@@ -4,8 +4,10 @@ History is never re-rendered and re-tokenized: the first prompt is rendered once
 appends exactly the ids the generator returned and the ids of the rendered *observation delta*
 (the chat template's text for the new messages plus the next generation prompt). So the trainer
 sees the very ids the model saw and produced. An environment that starts a new context (`NewContext`:
-an agent that summarised or trimmed its history) closes the tokens so far as one sequence of the
-episode and renders the new context's messages as the next one's prompt.
+an agent that summarised or trimmed its history, or a sub-agent's conversation) closes the tokens
+so far as one sequence of the episode and renders the new context's messages as the next one's
+prompt; if those tokens extend an earlier context's (the main conversation taken up again), that
+context goes on with the rest as an observation instead.
 """
 from __future__ import annotations
 
@@ -135,8 +137,8 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
         if done:
             traj.reward, traj.status = float(reward), "done"
             return
-        if isinstance(obs, NewContext):  # the tokens so far close; the next turn reads a fresh prompt
-            _new_context(traj, list(obs), renderer.prompt_ids(list(obs), [t.schema for t in env.tools] or None))
+        if isinstance(obs, NewContext):  # the next turn reads a fresh prompt (or continues a context it extends)
+            _switch_context(traj, list(obs), renderer.prompt_ids(list(obs), [t.schema for t in env.tools] or None))
             continue
         ended = bool(out.token_ids) and out.token_ids[-1] in eos_ids
         delta = renderer.delta_ids(obs, ended)
@@ -149,14 +151,24 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
     traj.status = "max_turns"
 
 
-def _new_context(traj: Trajectory, messages: list[dict], prompt_ids: list[int]) -> None:
-    closed = Trajectory(trajectory_id=traj.trajectory_id, group_id=traj.group_id, task=traj.task)
-    for f in ("token_ids", "loss_mask", "logprobs", "turns", "messages"):
-        setattr(closed, f, getattr(traj, f))
-        setattr(traj, f, [])
-    traj.earlier.append(closed)
+def _switch_context(traj: Trajectory, messages: list[dict], prompt_ids: list[int]) -> None:
+    """Make the context the next turn reads the current one (traj's own fields; the others are
+    `traj.earlier`): the one whose tokens `prompt_ids` extends, with the rest of them appended as an
+    observation (a conversation taken up again, e.g. an agent's after its sub-agent's), else a new one."""
+    fields = ("token_ids", "loss_mask", "logprobs", "turns", "messages")
+    resumed = next((c for c in reversed(traj.sequences())
+                    if len(prompt_ids) > len(c.token_ids) and prompt_ids[:len(c.token_ids)] == c.token_ids), None)
+    if resumed is not traj:
+        closed = Trajectory(trajectory_id=traj.trajectory_id, group_id=traj.group_id, task=traj.task)
+        for f in fields:
+            setattr(closed, f, getattr(traj, f))
+            setattr(traj, f, [] if resumed is None else getattr(resumed, f))
+        traj.earlier = [c for c in traj.earlier if c is not resumed] + [closed]
+    start = len(traj.token_ids)
+    if traj.turns:  # the delta belongs to the context's last turn, as an observation does
+        traj.turns[-1].num_observation += len(prompt_ids) - start
+    _extend(traj, prompt_ids[start:], None)
     traj.messages = list(messages)
-    _extend(traj, prompt_ids, None)
 
 
 def _extend(traj: Trajectory, ids: list[int], logprobs: list[float] | None) -> None:

@@ -351,9 +351,9 @@ def test_an_openai_agents_sdk_agent_trains_through_the_gateway_on_either_api(mod
 
 
 def test_an_agents_sdk_sub_agent_runs_in_a_context_of_its_own(model_dir):
-    """Agents as tools (a sub-agent with a conversation of its own): each switch between the two
-    conversations starts a context, and each context's tokens are what the model saw then; back in
-    the main conversation, its earlier tokens are re-rendered exactly as generated."""
+    """Agents as tools (a sub-agent with a conversation of its own): the sub-agent's turn reads a
+    context of its own; back in the main conversation, whose earlier tokens render again exactly
+    as generated, the main context goes on (one sequence per conversation, not one per switch)."""
     import agents
     agents.set_tracing_disabled(True)
     tok = Tokenizer(model_dir)
@@ -370,11 +370,16 @@ def test_an_agents_sdk_sub_agent_runs_in_a_context_of_its_own(model_dir):
     gen = RecordingGenerator(_scripted(tok, [call, "Room 7.", "Ana Berg is in room 7."]))
     traj = asyncio.run(run_episode(gen, agent_env(run), {}, P))
     assert traj.status == "done" and traj.reward == 1.0 and traj.num_turns == 3, traj.error
-    main1, sub, main2 = traj.sequences()
-    assert [req.prompt_token_ids for req, _ in gen.calls] == [s.token_ids[:s.turns[0].start] for s in (main1, sub, main2)]
+    sub, main = traj.sequences()
+    assert [len(sub.turns), len(main.turns)] == [1, 2]
+    prompts = [req.prompt_token_ids for req, _ in gen.calls]
+    assert prompts == [main.token_ids[:main.turns[0].start], sub.token_ids[:sub.turns[0].start],
+                       main.token_ids[:main.turns[1].start]]
+    assert prompts[2][:len(prompts[0])] == prompts[0]  # the main conversation, taken up again
+    assert main.turns[0].num_observation == main.turns[1].start - main.turns[0].start - main.turns[0].num_generated > 0
+    assert main.loss_mask.count(1) == main.turns[0].num_generated + main.turns[1].num_generated
     assert sub.messages[0]["content"] == "You know the staff directory." and "the room of Ana Berg" in sub.messages[1]["content"]
-    assert main2.token_ids[:len(main1.token_ids)] == main1.token_ids  # the call, rendered back as generated
-    assert main2.messages[-2]["role"] == "tool" and main2.messages[-2]["content"] == "Room 7."
+    assert main.messages[-2]["role"] == "tool" and main.messages[-2]["content"] == "Room 7."
 
 
 def test_an_agent_program_runs_per_episode_with_the_gateway_in_its_environment(model_dir):

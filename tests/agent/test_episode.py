@@ -189,6 +189,35 @@ def test_a_new_context_closes_the_tokens_so_far_and_renders_a_fresh_prompt(model
     assert back == traj and isinstance(back.earlier[0].turns[0], TurnRecord)
 
 
+class Returning(Summarizing):
+    """Turn 2 reads a side conversation; turn 3 takes the first one up again, extended."""
+
+    def step(self, action):
+        self.n += 1
+        if self.n == 1:
+            self.first = action
+            return NewContext([{"role": "user", "content": "side question"}]), 0.0, False, {}
+        if self.n == 2:
+            return NewContext(self.reset({}) + [{"role": "assistant", "content": self.first},
+                                                {"role": "user", "content": f"the side said {action}"}]), 0.0, False, {}
+        return [], 1.0, True, {}
+
+
+def test_a_context_whose_tokens_a_new_prompt_extends_is_taken_up_again(model_dir):
+    tok = Tokenizer(model_dir)
+    gen = RecordingGenerator(_scripted(tok, ["first", "aside", "last"]))
+    traj = asyncio.run(run_episode(gen, Returning(), {}, SamplingParams(max_tokens=64)))
+    assert traj.status == "done" and traj.num_turns == 3 and len(traj.earlier) == 1
+    side, main = traj.sequences()
+    (r0, o0), (r1, o1), (r2, o2) = gen.calls
+    assert side.token_ids == r1.prompt_token_ids + o1.token_ids and len(side.turns) == 1
+    assert main.token_ids == r2.prompt_token_ids + o2.token_ids and r2.prompt_token_ids[:len(r0.prompt_token_ids)] == r0.prompt_token_ids
+    assert [t.start for t in main.turns] == [len(r0.prompt_token_ids), len(r2.prompt_token_ids)]
+    assert main.loss_mask == [0] * len(r0.prompt_token_ids) + [1] * len(o0.token_ids) + \
+        [0] * (len(r2.prompt_token_ids) - len(r0.prompt_token_ids) - len(o0.token_ids)) + [1] * len(o2.token_ids)
+    assert main.messages[-2] == {"role": "user", "content": "the side said aside"}
+
+
 def test_collect_returns_complete_groups_with_bounded_concurrency(model_dir):
     tok = Tokenizer(model_dir)
     env_name = "sql"
