@@ -16,8 +16,9 @@ the conversation so far unchanged (the reply message appended, as the openai SDK
 dict) followed by new messages (tool results, user turns): only those are rendered, as the
 observation delta. A request that does not continue the conversation (an agent that summarises,
 trims old tool results or changes its tools) starts a new context (`on_rewrite = "new_context"`):
-its messages are rendered afresh as the prompt of the episode's next token sequence, which the
-trainer trains with the same advantage as the first; `on_rewrite = "error"` ends such an episode
+its messages are rendered afresh as the prompt of the episode's next token sequence (or continue
+an earlier one whose tokens they extend: a sub-agent's turn, then the main agent's again), which
+the trainer trains with the same advantage as the first; `on_rewrite = "error"` ends such an episode
 with status `error` instead.
 
 Sampling is the run's (temperature, seed: the request's are ignored), so the logprobs are those
