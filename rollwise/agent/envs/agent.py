@@ -103,12 +103,11 @@ class AgentEnv:
         kind, body = await self._session.events.get()
         if kind != "request":
             raise RuntimeError(f"the agent ended without asking the model anything ({_ending(kind, body)})")
-        return self._context(body)
+        return self._context(body, self._messages(body))
 
-    def _context(self, body: dict) -> list[dict]:
+    def _context(self, body: dict, messages: list[dict]) -> list[dict]:
         """The messages of a request that starts a context; its tools are the context's."""
         self._body = body
-        messages = self._messages(body)
         self._known = [_norm(m) for m in messages]
         self._tool_defs = body.get("tools") or None
         self._parse = bool(self._tool_defs) and body.get("tool_choice") != "none"
@@ -157,7 +156,7 @@ class AgentEnv:
         if why is not None:
             if self.on_rewrite == "error":
                 raise self._refuse(why)
-            return NewContext(self._context(body)), 0.0, False, {}
+            return NewContext(self._context(body, messages)), 0.0, False, {}
         self._body = body
         new = messages[len(self._known):]
         self._known.extend(_norm(m) for m in new)
