@@ -40,7 +40,7 @@ async def measure(gen, side: str, tasks: list[dict], concurrency: int) -> tuple[
     trajs = [t async for g in collect(gen, SIDES[side], tasks, params, group_size=1, max_concurrency=concurrency)
              for t in g]
     dt = time.perf_counter() - t0
-    turns = sum(len(t.turns) for t in trajs)
+    turns = sum(t.num_turns for t in trajs)
     return ({"episodes": len(trajs), "turns": turns, "seconds": dt, "episodes_per_s": len(trajs) / dt,
              "ms_per_turn": 1e3 * dt / turns, "generated_tokens": sum(t.num_generated for t in trajs),
              "solved": sum(t.reward == 1.0 for t in trajs) / len(trajs)},

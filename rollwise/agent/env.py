@@ -17,9 +17,10 @@ Observation = list[dict]  # new chat messages (role "tool" or "user") for the mo
 class NewContext(list):
     """What `step` returns instead of new messages to go on in a fresh context: the whole
     conversation the model sees next (e.g. the task and a summary of the work so far), rendered
-    afresh with the env's tools as they are then. The episode's tokens so far become a closed
-    sequence (`Trajectory.earlier`), trained with the same advantage; `max_turns` counts the
-    episode's turns, `max_context` each context's tokens."""
+    afresh with the env's tools as they are then. The episode's tokens so far become a sequence of
+    their own (`Trajectory.earlier`), trained with the same advantage; if the new prompt's tokens
+    extend an earlier context's, that context goes on instead. `max_turns` counts the episode's
+    turns, `max_context` each context's tokens."""
 
 
 class Env(Protocol):

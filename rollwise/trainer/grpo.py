@@ -157,7 +157,7 @@ class GRPOTrainer:
         staleness = [self.version - oldest_version(t) for t in trajs]
         m = {"reward": sum(t.reward for t in trajs) / max(len(trajs), 1), "trajectories": len(trajs),
              "trained_trajectories": acc["n_useful"], "trained_tokens": n_tokens,
-             "contexts": sum(len(t.earlier) + 1 for t in trajs) / max(len(trajs), 1),  # token sequences per episode
+             "contexts": sum(len(t.sequences()) for t in trajs) / max(len(trajs), 1),  # token sequences per episode
              "max_staleness": max(staleness, default=0), "stale_trajectories": sum(s > 0 for s in staleness),
              "loss": 0.0, "grad_norm": 0.0, "kl": 0.0, "is_weight_mean": 1.0, "clip_frac": 0.0,
              "logprob_diff": float("nan"),
