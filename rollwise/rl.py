@@ -20,7 +20,7 @@ import random
 import time
 from pathlib import Path
 
-from rollwise.agent.episode import collect, run_episode, stable_seed
+from rollwise.agent.episode import collect, run_attempts, stable_seed
 from rollwise.agent.generator import ScriptedGenerator, expert_policy
 from rollwise.rl_config import TrainConfig, env_factory, n_train_tasks, task_sets
 from rollwise.rollout.fleet import fleet_metrics, make_router, shutdown, threads
@@ -37,7 +37,8 @@ def eval_episodes(router, make_env, tasks: list[dict], cfg: TrainConfig, tempera
     t = cfg.temperature if temperature is None else temperature
     params = SamplingParams(temperature=t, max_tokens=cfg.max_tokens, seed=None if t == 0 else cfg.seed + 7)
     return collect(router, make_env, [dict(x, id=f"{prefix}{x['id']}") for x in tasks], params, group_size=samples,
-                   max_concurrency=128, deadline_s=cfg.episode_deadline_s)
+                   max_concurrency=128, deadline_s=cfg.episode_deadline_s, retries=cfg.episode_retries,
+                   retry_on=tuple(cfg.retry_statuses))
 
 
 async def evaluate(router, make_env, tasks: list[dict], cfg: TrainConfig, temperature: float | None = None) -> float | None:
@@ -83,11 +84,12 @@ async def produce(cfg: TrainConfig, queue, router, make_env, tasks: list[dict], 
         gid = f"s{seq}"
         try:
             trajs = await asyncio.gather(*(
-                run_episode(router, make_env(), task,
-                            SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                           seed=stable_seed(cfg.seed, idx, k)),
-                            trajectory_id=f"{gid}/{k}", group_id=gid, deadline_s=cfg.episode_deadline_s,
-                            policy_version=version if cfg.deterministic else None)
+                run_attempts(router, make_env, task,
+                             SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                                            seed=stable_seed(cfg.seed, idx, k)),
+                             retries=cfg.episode_retries, retry_on=tuple(cfg.retry_statuses),
+                             trajectory_id=f"{gid}/{k}", group_id=gid, deadline_s=cfg.episode_deadline_s,
+                             policy_version=version if cfg.deterministic else None)
                 for k in range(cfg.group_size)))
             await queue.put(Group(seq, idx, task, version, list(trajs)))
         except Exception as e:  # noqa: BLE001 - surfaces in the trainer instead of hanging it

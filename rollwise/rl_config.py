@@ -50,6 +50,12 @@ class TrainConfig:
     # episodes cut off by a limit carry no loss (DAPO's overlong filtering): any of "max_turns",
     # "max_context", "timeout", "error"
     exclude_statuses: list[str] = field(default_factory=list)
+    # an episode that ends with one of these statuses (default: an environment or agent that raised), or
+    # whose turn no replica could serve, is run again from the start (a fresh env, another seed), at
+    # most episode_retries times; the last attempt stands. An error says nothing about the policy, so
+    # training it with reward 0 would teach the group's others to beat a crash
+    episode_retries: int = 2
+    retry_statuses: list[str] = field(default_factory=lambda: ["error"])
     temperature: float = 1.0
     max_tokens: int = 64  # per turn
     max_turns: int = 4
@@ -137,6 +143,11 @@ class TrainConfig:
         bad = sorted(set(cfg.exclude_statuses) - set(CUT_OFF))
         if bad:
             raise ValueError(f"exclude_statuses {bad}: valid statuses are {list(CUT_OFF)}")
+        bad = sorted(set(cfg.retry_statuses) - set(CUT_OFF))
+        if bad:
+            raise ValueError(f"retry_statuses {bad}: valid statuses are {list(CUT_OFF)}")
+        if cfg.episode_retries < 0:
+            raise ValueError(f"episode_retries must be >= 0, got {cfg.episode_retries}")
         if cfg.max_skipped_groups < 0:
             raise ValueError(f"max_skipped_groups must be >= 0 (0: 4 x groups_per_step), got {cfg.max_skipped_groups}")
         if cfg.replica_threads < 0 or cfg.trainer_threads < 0:

@@ -289,6 +289,7 @@ class Trajectory:
     tool_s: float = 0.0
     total_s: float = 0.0
     earlier: list[Trajectory] = field(default_factory=list)  # the other contexts, in the order they were left
+    retried: list[str] = field(default_factory=list)  # why each earlier attempt was dropped (`run_attempts`)
 
     def sequences(self) -> list[Trajectory]:
         """The episode's token sequences, one per context, in order (just this one, usually)."""

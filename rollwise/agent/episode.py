@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from rollwise.agent.env import Env, NewContext, maybe_await
-from rollwise.types import GenerateOutput, GenerateRequest, SamplingParams, Trajectory, TurnRecord
+from rollwise.types import CUT_OFF, GenerateOutput, GenerateRequest, SamplingParams, Trajectory, TurnRecord
 
 
 class Generator(Protocol):
@@ -177,15 +177,48 @@ def _extend(traj: Trajectory, ids: list[int], logprobs: list[float] | None) -> N
     traj.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
 
 
+async def run_attempts(generator: Generator, env_factory: Callable[[], Env], task: dict, params: SamplingParams, *,
+                       retries: int = 0, retry_on: tuple[str, ...] = ("error",), backoff_s: float = 1.0,
+                       **episode_options) -> Trajectory:
+    """`run_episode` on a fresh env, run again from the start when it ends with a status in `retry_on`
+    (an environment or agent that raised, by default) or the generator fails (`GenerationError`, after
+    the router's own failover; a wait of `backoff_s`, doubling, lets a replica come back), at most
+    `retries` more times. The last attempt stands (a generator failure then raises), with why each
+    earlier one was dropped in `Trajectory.retried`. Attempt j > 0 samples with seed
+    stable_seed(seed, j), so retried runs stay reproducible and attempt 0 is the plain episode."""
+    bad = sorted(set(retry_on) - set(CUT_OFF))
+    if bad:
+        raise ValueError(f"retry_on {bad}: valid statuses are {list(CUT_OFF)}")
+    dropped: list[str] = []
+    for attempt in range(retries + 1):
+        p = params if attempt == 0 or params.seed is None else dataclasses.replace(
+            params, seed=stable_seed(params.seed, attempt))
+        try:
+            traj = await run_episode(generator, env_factory(), task, p, **episode_options)
+        except GenerationError as e:
+            if attempt == retries:
+                raise
+            dropped.append(f"generation: {e}")
+            await asyncio.sleep(backoff_s * 2**attempt)
+            continue
+        if traj.status not in retry_on or attempt == retries:
+            traj.retried = dropped
+            return traj
+        dropped.append(f"{traj.status}: {traj.error}" if traj.error else traj.status)
+    raise AssertionError("unreachable")
+
+
 def stable_seed(*parts) -> int:
     """A seed from parts that is the same in every process (str hashes are salted per process)."""
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 2
 
 
 async def collect(generator: Generator, env_factory: Callable[[], Env], tasks: list[dict], params: SamplingParams,
-                  *, group_size: int = 8, max_concurrency: int = 256, **episode_options) -> AsyncIterator[list[Trajectory]]:
+                  *, group_size: int = 8, max_concurrency: int = 256, retries: int = 0,
+                  retry_on: tuple[str, ...] = ("error",), **episode_options) -> AsyncIterator[list[Trajectory]]:
     """Run `group_size` episodes per task (a GRPO group), at most `max_concurrency` at once (a new
-    episode starts as soon as one ends), and yield each group as soon as all its episodes are done."""
+    episode starts as soon as one ends), and yield each group as soon as all its episodes are done.
+    An episode that errs is run again up to `retries` times (`run_attempts`)."""
     renderer = episode_options.pop("renderer", None) or ChatRenderer(generator.tokenizer)
     slots = asyncio.Semaphore(max_concurrency)
     done: asyncio.Queue = asyncio.Queue()
@@ -193,8 +226,8 @@ async def collect(generator: Generator, env_factory: Callable[[], Env], tasks: l
     async def episode(task: dict, gid: str, k: int) -> Trajectory:
         async with slots:
             p = params if params.seed is None else dataclasses.replace(params, seed=stable_seed(params.seed, gid, k))
-            return await run_episode(generator, env_factory(), task, p, trajectory_id=f"{gid}/{k}", group_id=gid,
-                                     renderer=renderer, **episode_options)
+            return await run_attempts(generator, env_factory, task, p, retries=retries, retry_on=retry_on,
+                                      trajectory_id=f"{gid}/{k}", group_id=gid, renderer=renderer, **episode_options)
 
     async def group(i: int, task: dict) -> None:
         gid = str(task.get("id", i))

@@ -158,6 +158,7 @@ class GRPOTrainer:
         m = {"reward": sum(t.reward for t in trajs) / max(len(trajs), 1), "trajectories": len(trajs),
              "trained_trajectories": acc["n_useful"], "trained_tokens": n_tokens,
              "contexts": sum(len(t.sequences()) for t in trajs) / max(len(trajs), 1),  # token sequences per episode
+             "retried": sum(len(t.retried) for t in trajs),  # attempts dropped and run again (an env that raised)
              "max_staleness": max(staleness, default=0), "stale_trajectories": sum(s > 0 for s in staleness),
              "loss": 0.0, "grad_norm": 0.0, "kl": 0.0, "is_weight_mean": 1.0, "clip_frac": 0.0,
              "logprob_diff": float("nan"),

@@ -281,6 +281,29 @@ def test_dynamic_sampling_trains_only_on_groups_with_a_reward_spread(model_dir, 
         TrainConfig.from_dict({"model": model_dir, "dynamic_sampling": True, "deterministic": True})
 
 
+def test_episodes_whose_env_raised_are_run_again_not_trained_as_failures(model_dir, tmp_path):
+    """The first env made for each task raises in reset (a flaky environment): that episode runs again
+    and the run trains on its second attempt; the log and the step metrics say so."""
+    (tmp_path / "flaky.py").write_text(
+        "from rollwise.agent.envs.calculator import CalculatorEnv\n"
+        "SEEN = set()\n"
+        "class Flaky(CalculatorEnv):\n"
+        "    def reset(self, task):\n"
+        "        if task['id'] not in SEEN:\n"
+        "            SEEN.add(task['id'])\n"
+        "            raise ConnectionError('sandbox went away')\n"
+        "        return super().reset(task)\n")
+    cfg = TrainConfig.from_dict({**TINY, "env": f"{tmp_path}/flaky.py:Flaky", "model": model_dir, "sft_steps": 0,
+                                 "run_dir": str(tmp_path / "run"), "steps": 2, "eval_tasks": 0})
+    report = train(cfg)
+    trajs = [t for g in read_log(Path(cfg.run_dir) / "groups.jsonl") for t in g.trajectories]
+    assert trajs and all(t.status != "error" for t in trajs)
+    assert [sum(len(t.retried) for t in g.trajectories) for g in read_log(Path(cfg.run_dir) / "groups.jsonl")] == \
+        [1] * len(read_log(Path(cfg.run_dir) / "groups.jsonl"))  # one per task: its first env
+    assert all("sandbox went away" in r for t in trajs for r in t.retried)
+    assert sum(s["retried"] for s in report["steps"]) == 4  # 2 steps x 2 groups
+
+
 def test_user_env_without_sample_tasks_needs_a_task_file(model_dir, tmp_path):
     (tmp_path / "bare.py").write_text(
         "from rollwise.agent.envs.calculator import CalculatorEnv\n"
