@@ -11,6 +11,7 @@ from pathlib import Path
 from rollwise.agent.envs import load_tasks, make_env, resolve_env
 from rollwise.agent.tools import Latency
 from rollwise.router.policies import POLICIES
+from rollwise.trainer.grpo import ADVANTAGES
 from rollwise.router.replica import WEIGHTS_VIA
 from rollwise.types import CUT_OFF
 
@@ -47,6 +48,8 @@ class TrainConfig:
     tis_cap: float = 2.0
     kl_coef: float = 0.0
     loss_agg: str = "token"  # or "sequence"
+    # "grpo" (group mean and std), "dr_grpo" (group mean only) or "rloo" (the mean of the group's others)
+    advantage: str = "grpo"
     # episodes cut off by a limit carry no loss (DAPO's overlong filtering): any of "max_turns",
     # "max_context", "timeout", "error"
     exclude_statuses: list[str] = field(default_factory=list)
@@ -127,6 +130,8 @@ class TrainConfig:
             d = {**d, "tool_latency": tuple(d["tool_latency"])}
         cfg = TrainConfig(**d)
         resolve_env(cfg.env)  # a ValueError naming the built-ins, or why a user's env does not load
+        if cfg.advantage not in ADVANTAGES:
+            raise ValueError(f"unknown advantage {cfg.advantage!r}; valid: {list(ADVANTAGES)}")
         if cfg.routing_policy not in POLICIES:
             raise ValueError(f"unknown routing_policy {cfg.routing_policy!r}; available: {sorted(POLICIES)}")
         if cfg.deterministic and cfg.dynamic_sampling:

@@ -1,8 +1,10 @@
 """GRPO, read top to bottom.
 
-advantages: each group's rewards minus the group mean (divided by the group's std unless
-`scale_rewards=False`, as in Dr. GRPO), the same for every generated token of a trajectory (of
-each of its token sequences, when the episode ran in several contexts: `Trajectory.earlier`).
+advantages (`advantage`): "grpo", each group's rewards minus the group mean, divided by the group's
+std; "dr_grpo", not divided (Dr. GRPO: the std favours groups that are nearly all right or all wrong);
+"rloo", each reward minus the mean of the group's others (REINFORCE leave-one-out, an unbiased
+baseline: n / (n - 1) times dr_grpo's). The same for every generated token of a trajectory (of each
+of its token sequences, when the episode ran in several contexts: `Trajectory.earlier`).
 
 loss: token-level clipped policy gradient (decoupled PPO, as in AReaL). The proximal policy is the
 trainer's weights at the start of the step; the rollout logprobs are the behaviour policy. The
@@ -53,7 +55,7 @@ class GRPOConfig:
     clip_high: float | None = None  # the upper clip, 1 + clip_high (DAPO's clip-higher); None: `clip`
     tis_cap: float = 2.0
     kl_coef: float = 0.0
-    scale_rewards: bool = True
+    advantage: str = "grpo"  # or "dr_grpo", "rloo" (`ADVANTAGES`)
     max_grad_norm: float = 1.0
     temperature: float = 1.0  # the rollouts' sampling temperature
     micro_batch_tokens: int = 8192
@@ -71,13 +73,21 @@ class GRPOConfig:
         return 1 - self.clip, 1 + (self.clip if self.clip_high is None else self.clip_high)
 
 
-def advantages(groups: list[list[Trajectory]], scale: bool = True) -> list[float]:
+ADVANTAGES = ("grpo", "dr_grpo", "rloo")
+
+
+def advantages(groups: list[list[Trajectory]], estimator: str = "grpo") -> list[float]:
+    """Each trajectory's advantage, groups in order (see the module's docstring)."""
+    if estimator not in ADVANTAGES:
+        raise ValueError(f"unknown advantage {estimator!r}; valid: {list(ADVANTAGES)}")
     out = []
     for g in groups:
         r = torch.tensor([t.reward for t in g], dtype=torch.float64)
         a = r - r.mean()
-        if scale and len(g) > 1:
+        if len(g) > 1 and estimator == "grpo":
             a = a / (r.std() + 1e-6)
+        elif len(g) > 1 and estimator == "rloo":
+            a = a * len(g) / (len(g) - 1)
         out.extend(a.tolist())
     return out
 
@@ -91,6 +101,8 @@ class GRPOTrainer:
         self.policy, self.cfg = policy, config or GRPOConfig()
         if self.cfg.loss_agg not in ("token", "sequence"):
             raise ValueError(f"loss_agg must be 'token' or 'sequence', got {self.cfg.loss_agg!r}")
+        if self.cfg.advantage not in ADVANTAGES:
+            raise ValueError(f"unknown advantage {self.cfg.advantage!r}; valid: {list(ADVANTAGES)}")
         if self.cfg.behaviour not in ("rollout", "recompute"):
             raise ValueError(f"behaviour must be 'rollout' or 'recompute', got {self.cfg.behaviour!r}")
         bad = sorted(set(self.cfg.exclude_statuses) - set(CUT_OFF))
@@ -105,7 +117,7 @@ class GRPOTrainer:
     def step(self, groups: list[list[Trajectory]]) -> dict[str, float]:
         """One optimizer step (per epoch) on complete groups; returns metrics."""
         trajs = [t for g in groups for t in g]
-        adv = advantages(groups, self.cfg.scale_rewards)
+        adv = advantages(groups, self.cfg.advantage)
         useful = [t for t, a in zip(trajs, adv) if self._trains(t, a)]
         # the batch's totals are known: each micro-batch's loss is normalized as it goes
         self.begin(n_tokens=sum(t.num_generated for t in useful), n_trajectories=len(useful))
@@ -129,7 +141,7 @@ class GRPOTrainer:
         """Complete groups of the current step: advantages, then forward and backward (first epoch)."""
         cfg, acc = self.cfg, self._begun()
         trajs = [t for g in groups for t in g]
-        adv = dict(zip(map(id, trajs), advantages(groups, cfg.scale_rewards)))
+        adv = dict(zip(map(id, trajs), advantages(groups, cfg.advantage)))
         useful = [t for t in trajs if self._trains(t, adv[id(t)])]
         acc["trajs"] += trajs
         acc["n_useful"] += len(useful)

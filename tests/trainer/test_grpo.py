@@ -10,6 +10,7 @@ from rollwise import LLM, SamplingParams
 from rollwise.agent.envs import make_env
 from rollwise.rl import expert_trajectories
 from rollwise.engine.tokenizer import Tokenizer
+from rollwise.rl_config import TrainConfig
 from rollwise.trainer.grpo import GRPOConfig, GRPOTrainer, LogprobMismatch, advantages, sft
 from rollwise.trainer.policy import Batch, PolicyModel
 from rollwise.types import Trajectory, TurnRecord
@@ -39,7 +40,14 @@ def test_advantages_are_group_relative():
         return Trajectory(trajectory_id="x", group_id="g", task={}, reward=r)
     a = advantages([[t(1), t(0), t(0), t(1)], [t(1), t(1)]])
     assert a[:4] == pytest.approx([0.866, -0.866, -0.866, 0.866], abs=1e-3) and a[4:] == [0.0, 0.0]
-    assert advantages([[t(2), t(0)]], scale=False) == [1.0, -1.0]
+    assert advantages([[t(2), t(0)]], "dr_grpo") == [1.0, -1.0]
+    rewards = [0.5, 0.0, 1.0, 0.25, 1.0]  # RLOO: each reward minus the mean of the others
+    loo = [r - (sum(rewards) - r) / (len(rewards) - 1) for r in rewards]
+    assert advantages([[t(r) for r in rewards], [t(3)]], "rloo") == pytest.approx(loo + [0.0])
+    with pytest.raises(ValueError, match="valid.*grpo.*dr_grpo.*rloo"):
+        advantages([[t(1)]], "ppo")
+    with pytest.raises(ValueError, match="unknown advantage"):
+        TrainConfig.from_dict({"model": "m", "advantage": "gae"})
 
 
 def test_trainer_logprobs_match_the_engine(model_dir):
