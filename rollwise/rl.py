@@ -189,12 +189,16 @@ async def _train(cfg: TrainConfig) -> dict:
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(policy.model.state_dict(), cached.with_suffix(".tmp"))
                 os.replace(cached.with_suffix(".tmp"), cached)
+        if cfg.lora_rank and cfg.sft_steps > 0:  # the weights the adapter is trained on
+            policy.save(str(run / "warm-start-model"))
+        _add_lora(cfg, policy)
         trainer = GRPOTrainer(policy, grpo)  # the KL reference (if any) is the warm-started model
         history: list[dict] = []
         consumed: list[int] = []  # groups trained on, by seq
         skipped: list[int] = []  # groups taken and not trained on (dynamic sampling)
         sft_success = None
     else:
+        _add_lora(cfg, policy)
         trainer = GRPOTrainer(policy, grpo)
         trainer.load_state(state)
         history, consumed, skipped = state["history"], state["consumed"], state.get("skipped", [])
@@ -268,13 +272,15 @@ async def _train(cfg: TrainConfig) -> dict:
             t3 = time.perf_counter()
             train_s += t3 - t2
             tail_s = t3 - t1  # from the batch's last group to new weights: training not hidden by rollouts
-            await router.update_weights(policy.engine_weights(), trainer.version, cfg.partial_rollout)
+            weights = policy.engine_weights(changed_only=True)  # (with LoRA: the merged linears alone)
+            await router.update_weights(weights, trainer.version, cfg.partial_rollout)
             sync_s = time.perf_counter() - t3  # weights to every replica
             await queue.commit(trainer.version)
             consumed += [g.seq for g in batch]
             skipped += skips
             lm = fleet_metrics(router)
             m.update(step=len(history), wait_s=wait_s, train_s=train_s, tail_s=tail_s, sync_s=sync_s,
+                     sync_mb=sum(w.nbytes for w in weights.values()) / 2**20,
                      wall_s=time.perf_counter() - t_run,
                      group_versions=[g.version for g in batch], skipped_groups=len(skips), **lm)
             history.append(m)
@@ -301,4 +307,12 @@ async def _train(cfg: TrainConfig) -> dict:
                   queue=queue.stats, policy_version=trainer.version)
     write_report(run / "report", report)
     policy.save(str(run / "final-model"))
+    if policy.lora is not None:
+        base = run / "warm-start-model" if cfg.sft_steps > 0 else Path(cfg.model).resolve()
+        policy.save_adapter(str(run / "final-adapter"), str(base))
     return report
+
+
+def _add_lora(cfg: TrainConfig, policy) -> None:
+    if cfg.lora_rank:
+        policy.add_lora(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)

@@ -47,6 +47,13 @@ class TrainConfig:
     clip_high: float | None = None  # upper clip 1 + clip_high (DAPO's clip-higher, e.g. 0.28); None: clip
     tis_cap: float = 2.0
     kl_coef: float = 0.0
+    # LoRA (peft's layers): 0 trains every weight; r > 0 freezes them after the warm start and trains
+    # rank-r adapters on `lora_targets` ("all-linear": every linear but the output head, or a list of
+    # module names such as ["q_proj", "v_proj"]), scaled by lora_alpha / r. The replicas get the merged
+    # linears alone; the run saves the merged model and the adapter (peft's format). Needs a higher lr
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: str | list[str] = "all-linear"
     loss_agg: str = "token"  # or "sequence"
     # "grpo" (group mean and std), "dr_grpo" (group mean only) or "rloo" (the mean of the group's others)
     advantage: str = "grpo"
@@ -155,6 +162,8 @@ class TrainConfig:
             raise ValueError(f"episode_retries must be >= 0, got {cfg.episode_retries}")
         if cfg.max_skipped_groups < 0:
             raise ValueError(f"max_skipped_groups must be >= 0 (0: 4 x groups_per_step), got {cfg.max_skipped_groups}")
+        if cfg.lora_rank < 0 or cfg.lora_alpha <= 0:
+            raise ValueError(f"need lora_rank >= 0 (0: no LoRA) and lora_alpha > 0, got {cfg.lora_rank}, {cfg.lora_alpha}")
         if cfg.replica_threads < 0 or cfg.trainer_threads < 0:
             raise ValueError("replica_threads and trainer_threads must be >= 0 (0: split the cores)")
         return cfg

@@ -56,6 +56,8 @@ class Upkeep:
                                    return_exceptions=True)
         if res and all(isinstance(r, ValueError) for r in res):  # bad weights (every replica refused them):
             raise ValueError(f"no replica took the new weights: {res[0]}")  # the fleet stays as it was
+        if isinstance(weights, dict) and self._latest is not None and isinstance(self._latest[0], dict):
+            weights = {**self._latest[0], **weights}  # a subset (LoRA's linears): a stale replica needs all
         self._latest = (weights, version, partial_rollout)
         out = {}
         for n, r in zip(names, res):

@@ -131,7 +131,8 @@ class GRPOTrainer:
         (or trajectories, for `loss_agg="sequence"`) at `finish`, unless the totals are given here."""
         cfg = self.cfg
         if cfg.behaviour == "recompute" and cfg.keep_versions > 0:  # this version's weights, for later steps
-            self.kept[self.version] = {n: p.detach().clone() for n, p in self.policy.model.named_parameters()}
+            self.kept[self.version] = {n: p.detach().clone() for n, p in self.policy.model.named_parameters()
+                                       if p.requires_grad}  # (with LoRA, the adapters: the rest is frozen)
         self.opt.zero_grad(set_to_none=True)
         self._acc = {"trajs": [], "items": [], "diffs": ([], {}), "stats": torch.zeros(4), "n_tokens": 0, "n_useful": 0,
                      "entropy": [],

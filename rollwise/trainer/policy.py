@@ -1,9 +1,11 @@
 """The trainable policy: the model directory loaded with transformers (made for training: autograd,
 attention masks), token log-probabilities of trajectories in padded micro-batches, and its weights
-under Hugging Face names for the inference replicas."""
+under Hugging Face names for the inference replicas. Optionally LoRA (`add_lora`, peft's layers):
+the weights frozen, low-rank adapters trained, the replicas sent the merged linears."""
 from __future__ import annotations
 
 import inspect
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +60,7 @@ class PolicyModel:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.config.use_cache = False
         self.model.train()
+        self.lora = None  # peft's LoraConfig once `add_lora` has run
         # transformers 5.24 renamed past_key_values to cache
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
@@ -103,20 +106,72 @@ class PolicyModel:
                 entropy.append(float(-(logp.exp() * logp).sum()))
         return out
 
-    def engine_weights(self) -> dict[str, torch.Tensor]:
-        """Detached copies under Hugging Face names (what `update_weights` of a replica takes)."""
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+    def add_lora(self, rank: int, alpha: float, targets: str | list[str] = "all-linear", dropout: float = 0.0) -> None:
+        """Train low-rank adapters instead of the weights (LoRA, peft's layers put into the model in
+        place): every weight is frozen and each targeted linear computes W x + (alpha / rank) B A x,
+        with B zero at first, so the model is unchanged until it trains. `targets`: module names, or
+        "all-linear" (every linear but the output head). The optimizer holds the adapters alone."""
+        from peft import LoraConfig, inject_adapter_in_model
+        if self.lora is not None:
+            raise ValueError("the model already has LoRA adapters")
+        if rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=dropout)
+        inject_adapter_in_model(config, self.model)  # (targets that match nothing: peft's ValueError)
+        self.lora = config
+        for name, p in self.model.named_parameters():
+            p.requires_grad_("lora_" in name)
+
+    def _lora_layers(self) -> list[tuple[str, torch.nn.Module]]:
+        from peft.tuners.lora import LoraLayer
+        return [(n, m) for n, m in self.model.named_modules() if isinstance(m, LoraLayer)]
+
+    @torch.no_grad()
+    def engine_weights(self, changed_only: bool = False) -> dict[str, torch.Tensor]:
+        """Detached copies under Hugging Face names (what `update_weights` of a replica takes). With
+        LoRA each targeted linear's weight is merged (W + its adapter's delta); `changed_only`: those
+        alone (the rest is frozen, so a replica that has it needs only these)."""
+        if self.lora is None:
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        merged = {f"{n}.weight": m.get_base_layer().weight + m.get_delta_weight("default") for n, m in self._lora_layers()}
+        if changed_only:
+            return merged
+        return {k: merged.get(k, v.detach().clone()) for k, v in self._base_state().items()}
+
+    def _base_state(self) -> dict[str, torch.Tensor]:
+        """The state dict under the model's own names: peft's adapters left out, its base layers renamed."""
+        return {k.replace(".base_layer.", "."): v for k, v in self.model.state_dict().items() if "lora_" not in k}
 
     def save(self, path: str) -> None:
-        """The weights in Hugging Face format, with the source model's tokenizer files beside them, so
-        the directory serves, evaluates and trains as the model it came from did."""
-        self.model.save_pretrained(path, safe_serialization=True)
+        """The weights in Hugging Face format (LoRA merged in), with the source model's tokenizer files
+        beside them, so the directory serves, evaluates and trains as the model it came from did."""
+        state = None
+        if self.lora is not None:
+            state = {**self._base_state(), **self.engine_weights(changed_only=True)}
+        self.model.save_pretrained(path, safe_serialization=True, state_dict=state)
         for name in TOKENIZER_FILES:
             if (Path(self.model_dir) / name).is_file():
                 shutil.copyfile(Path(self.model_dir) / name, Path(path) / name)
 
+    def save_adapter(self, path: str, base_model: str) -> None:
+        """The LoRA adapter as peft saves one (`adapter_config.json`, `adapter_model.safetensors`):
+        `peft.PeftModel.from_pretrained(base, path)`, or a server that takes LoRA adapters, on
+        `base_model` (the weights the adapter was trained on: the warm start, if any)."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+        Path(path).mkdir(parents=True, exist_ok=True)
+        state = get_peft_model_state_dict(self.model)
+        save_file({f"base_model.model.{k}": v.detach().contiguous() for k, v in state.items()},
+                  str(Path(path) / "adapter_model.safetensors"))
+        config = self.lora.to_dict()
+        config.update(base_model_name_or_path=str(base_model), task_type="CAUSAL_LM",
+                      target_modules=sorted(config["target_modules"]) if isinstance(config["target_modules"], set)
+                      else config["target_modules"])
+        (Path(path) / "adapter_config.json").write_text(json.dumps(config, indent=2, default=list))
+
     def parameters(self):
-        return self.model.parameters()
+        """The trainable parameters (the adapters alone, with LoRA)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
 
 def micro_batches(trajs: list[Trajectory], max_tokens: int) -> list[list[Trajectory]]:

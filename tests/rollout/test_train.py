@@ -304,6 +304,37 @@ def test_episodes_whose_env_raised_are_run_again_not_trained_as_failures(model_d
     assert sum(s["retried"] for s in report["steps"]) == 4  # 2 steps x 2 groups
 
 
+def test_lora_trains_adapters_and_the_replicas_serve_the_merged_weights(model_dir, tmp_path, monkeypatch):
+    """LoRA after the warm start: each step sends the replicas the merged linears alone, and the
+    trainer's check of fresh samples' logprobs (on-policy: every sample checked) passes, so the
+    replicas serve exactly the merged weights; the final model is the warm start with the adapter
+    merged (every other tensor unchanged) and the adapter loads with peft."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    monkeypatch.setitem(ENVS, "calculator", _ParityReward)
+    cfg = TrainConfig.from_dict({**TINY, "model": model_dir, "run_dir": str(tmp_path / "run"), "steps": 2,
+                                 "group_size": 4, "max_staleness": 0, "lora_rank": 4, "lora_alpha": 8, "lr": 1e-2})
+    report = train(cfg)
+    run = Path(cfg.run_dir)
+    warm = load_file(str(run / "warm-start-model" / "model.safetensors"))
+    linears = sum(t.nbytes for k, t in warm.items() if k.endswith("proj.weight")) / 2**20  # what "all-linear" adapts
+    assert all(s["sync_mb"] == pytest.approx(linears) for s in report["steps"])
+    assert linears < sum(t.nbytes for t in warm.values()) / 2**20
+    checked = [s["logprob_diff"] for s in report["steps"] if s["trained_tokens"] > 0]
+    assert checked and all(0 <= d < 0.02 for d in checked)
+    final = load_file(str(run / "final-model" / "model.safetensors"))
+    assert warm.keys() == final.keys()
+    moved = {k for k in warm if not torch.equal(warm[k], final[k])}
+    assert moved and all(k.endswith("proj.weight") for k in moved)  # the adapted linears, nothing else
+    base = AutoModelForCausalLM.from_pretrained(str(run / "warm-start-model"), dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(run / "final-adapter")).merge_and_unload().state_dict()
+    assert all(torch.allclose(merged[k], final[k], atol=1e-6) for k in moved)
+    # resumed: the checkpoint holds the adapters; one more step trains them on
+    again = train(TrainConfig.from_dict({**cfg.__dict__, "steps": 3}))
+    assert len(again["steps"]) == 3 and again["policy_version"] == 3
+
+
 def test_user_env_without_sample_tasks_needs_a_task_file(model_dir, tmp_path):
     (tmp_path / "bare.py").write_text(
         "from rollwise.agent.envs.calculator import CalculatorEnv\n"

@@ -60,6 +60,36 @@ def test_failover_loses_nothing_and_the_replica_rejoins():
     asyncio.run(go())
 
 
+def test_a_replica_that_missed_updates_of_a_subset_gets_every_tensor_sent_since():
+    """LoRA sends the adapted linears alone after the first full update: a replica that missed
+    some gets the full state with every later tensor on top, not just the last subset."""
+    class Weights(FakeReplica):
+        def __init__(self, name):
+            super().__init__(name)
+            self.held, self.down_for_updates = {}, False
+
+        async def update_weights(self, weights, version, partial_rollout=False):
+            if self.down_for_updates:
+                raise ReplicaError(f"{self.name} is down")
+            self.held.update(weights)
+            return version
+
+    async def go():
+        a, b = Weights("a"), Weights("b")
+        router = Router([a, b], "round_robin", health_interval_s=0.05)
+        await router.start()
+        await router.update_weights({"embed": 0, "q": 0, "v": 0}, 0)
+        b.down_for_updates = True
+        await router.update_weights({"q": 1}, 1)
+        await router.update_weights({"v": 2}, 2)
+        assert "b" in router.stale and b.held == {"embed": 0, "q": 0, "v": 0}
+        b.down_for_updates = False
+        await asyncio.sleep(0.2)
+        assert "b" not in router.stale and b.held == a.held == {"embed": 0, "q": 1, "v": 2}
+        await router.close()
+    asyncio.run(go())
+
+
 def test_all_replicas_down_is_an_error_not_a_hang():
     async def go():
         router = Router([FakeReplica("a", fail_after=0)], "least_load", max_retries=2, queue_timeout_s=0.3)

@@ -301,3 +301,33 @@ def test_sft_trains_every_context_of_an_expert_episode(model_dir):
     losses = sft(policy, [_episode(s1, s2, reward=1.0)], steps=30, lr=1e-2, batch_size=2, warmup=1)
     lp = policy.logprobs(Batch.of([s1, s2])).detach()
     assert losses[-1] < 0.5 * losses[0] and (lp * Batch.of([s1, s2]).mask).sum(1).max() > -4.0  # both learnt
+
+
+def test_lora_starts_as_the_model_trains_adapters_alone_and_merges_exactly(model_dir, tmp_path):
+    trajs = _sampled(model_dir, 2, seed=3)
+    b = Batch.of(trajs)
+    policy = PolicyModel(model_dir)
+    before = policy.logprobs(b).detach()
+    weights = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    policy.add_lora(4, 8, ["q_proj", "v_proj"])
+    assert torch.equal(policy.logprobs(b).detach(), before)  # B = 0: the model as it was
+    names = {n for n, p in policy.model.named_parameters() if p.requires_grad}
+    assert names and all("lora_" in n and ("q_proj" in n or "v_proj" in n) for n in names)
+    trainer = GRPOTrainer(policy, GRPOConfig(lr=1e-2))
+    for t in trajs:
+        t.reward = float(t.trajectory_id.endswith("0"))
+    trainer.step([trajs])
+    after = policy.logprobs(b).detach()
+    assert not torch.equal(after, before)
+    changed = policy.engine_weights(changed_only=True)
+    assert sorted({k.split(".")[-2] for k in changed}) == ["q_proj", "v_proj"]
+    full = policy.engine_weights()
+    assert full.keys() == weights.keys()
+    assert all(torch.equal(full[k], weights[k]) for k in full if k not in changed)
+    fresh = PolicyModel(model_dir)
+    fresh.model.load_state_dict(full)  # what a replica serves: the same logprobs
+    assert torch.allclose(fresh.logprobs(b).detach(), after, atol=1e-5)
+    with pytest.raises(ValueError, match="already"):
+        policy.add_lora(4, 8)
+    with pytest.raises(ValueError, match="nope.*not found"):
+        PolicyModel(model_dir).add_lora(4, 8, ["nope"])
