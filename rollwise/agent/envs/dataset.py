@@ -9,7 +9,8 @@ the reward reads; the reward is a built-in rule or a user's function; tools are 
 Rewards: `exact` (the answer equals the task's `answer`, case and surrounding space ignored),
 `number` (its last number equals it), `contains` (it appears in the answer), `unit_tests` (the
 answer's last fenced code block, then the task's `tests`, run to the end in the code sandbox),
-or `module:function` / `file.py:function` called as `function(task, answer_text) -> float` (a
+`judge` (an LLM grades it against the task and its reference answer, if any: `judge = { url,
+model, ... }`, `rollwise.agent.judge`), or `module:function` / `file.py:function` called as `function(task, answer_text) -> float` (a
 coroutine function is awaited; a plain one runs in a worker thread, so a slow verifier holds up
 no other episode). Tools: `python` (the code sandbox) or a user's typed function (or `Tool`) by
 the same naming. A task's `solution` (a string, or a list of assistant messages) is its expert
@@ -24,6 +25,7 @@ import re
 import secrets
 
 from rollwise.agent.env import ToolEnv, maybe_await, number_reward
+from rollwise.agent.judge import Judge, JudgeConfig
 from rollwise.agent.plugins import FORM, load_object
 from rollwise.agent.sandbox import Sandbox
 from rollwise.agent.tools import Tool
@@ -58,13 +60,19 @@ class DatasetEnv(ToolEnv):
 
     def __init__(self, *, reward: str = "exact", tools: list[str] = (), prompt_key: str = "prompt",
                  answer_key: str = "answer", system_prompt: str | None = None, answer_hint: str | None = None,
-                 sandbox_timeout_s: float = 5.0, tool_timeout: float = 10.0, **kw) -> None:
+                 sandbox_timeout_s: float = 5.0, tool_timeout: float = 10.0, judge: dict | None = None,
+                 **kw) -> None:
         super().__init__(tool_timeout=tool_timeout, **kw)  # (for a user's tools; the sandbox keeps its own)
         self.prompt_key, self.answer_key = prompt_key, answer_key
         self.sandbox = Sandbox(timeout_s=sandbox_timeout_s)
         self._threaded = False  # a user's plain function runs in a worker thread
+        if (reward == "judge") != (judge is not None):
+            raise ValueError("reward = 'judge' needs judge = { url = ..., ... } (and judge options need it)")
+        self.judge = JudgeConfig.from_dict(judge) if judge is not None else None
         if reward == "unit_tests":
             self.reward = self._unit_tests
+        elif reward == "judge":
+            self.reward = self._judge
         elif reward in REWARDS:
             rule = REWARDS[reward]
             self.reward = lambda task, answer: rule(self._field(task, answer_key), answer)
@@ -72,7 +80,7 @@ class DatasetEnv(ToolEnv):
             self.reward = load_object(reward, "reward function")
             self._threaded = not inspect.iscoroutinefunction(self.reward)
         else:
-            raise ValueError(f"unknown reward {reward!r}; valid: {sorted([*REWARDS, 'unit_tests'])}, or a user's "
+            raise ValueError(f"unknown reward {reward!r}; valid: {sorted([*REWARDS, 'judge', 'unit_tests'])}, or a user's "
                              f"function as {FORM}")
         self._tools = [self._make_tool(spec) for spec in tools]
         if system_prompt is not None:
@@ -88,6 +96,15 @@ class DatasetEnv(ToolEnv):
         done = f"tests passed {secrets.token_hex(8)}"
         result = await self.sandbox.run(f"{program_in(answer)}\n\n{self._field(task, 'tests')}\nprint({done!r})\n")
         return float(result.ok and done in result.stdout.splitlines())
+
+    async def _judge(self, task: dict, answer: str) -> float:
+        """The judge's grade of the answer: the task's question (its prompt, or its last user
+        message) and its reference answer (`answer_key`, if the task has one)."""
+        if "messages" in task:
+            question = next((m.get("content") or "" for m in reversed(task["messages"]) if m.get("role") == "user"), "")
+        else:
+            question = self._field(task, self.prompt_key)
+        return await Judge.shared(self.judge).grade(question, answer, task.get(self.answer_key))
 
     def _make_tool(self, spec: str) -> Tool:
         if spec == "python":

@@ -1,0 +1,149 @@
+"""An LLM judge as the reward (`reward = "judge"`): requests to a real HTTP server on 127.0.0.1,
+the grade read from its reply, retries, the bound on requests in flight, and a judge that fails."""
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from rollwise.agent.envs import make_env
+from rollwise.agent.episode import run_attempts, run_episode
+from rollwise.agent.generator import ScriptedGenerator
+from rollwise.agent.judge import JudgeConfig, JudgeError, parse_score
+from rollwise.engine.tokenizer import Tokenizer
+from rollwise.serve.process import free_port
+from rollwise.types import SamplingParams
+
+
+class JudgeServer:
+    """A chat-completions server that grades as a judge model would be asked to: 10 when the
+    reference is in the answer, else 2; it fails its first `fail` requests (HTTP 500)."""
+
+    def __init__(self, fail: int = 0, delay: float = 0.0, reply: str | None = None) -> None:
+        self.fail, self.delay, self.reply = fail, delay, reply
+        self.requests, self.in_flight, self.max_in_flight = [], 0, 0
+        app = FastAPI()
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": "grader", "object": "model"}]}
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            body = await request.json()
+            self.requests.append((request.headers.get("authorization"), body))
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            try:
+                await asyncio.sleep(self.delay)
+            finally:
+                self.in_flight -= 1
+            if self.fail > 0:
+                self.fail -= 1
+                return JSONResponse({"error": {"message": "overloaded"}}, status_code=500)
+            text = body["messages"][0]["content"]
+            answer = re.search(r"<answer>\n(.*)\n</answer>", text, re.S).group(1)
+            reference = re.search(r"Reference answer: (.*)\n", text).group(1)
+            grade = 10 if reference in answer else 2
+            content = self.reply if self.reply is not None else f"Reasoning.\nSCORE: {grade}"
+            return {"choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                                 "finish_reason": "stop"}]}
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> JudgeServer:
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+
+def _answering(tok, text):
+    return ScriptedGenerator(tok, lambda req: text)
+
+
+TASK = {"id": "q1", "prompt": "What is the capital of France?", "answer": "Paris"}
+
+
+def test_the_judge_grades_each_answer_against_the_reference(model_dir, monkeypatch):
+    tok = Tokenizer(model_dir)
+    monkeypatch.setenv("JUDGE_KEY", "sk-judge")
+    with JudgeServer() as server:
+        opts = {"reward": "judge", "judge": {"url": server.url, "api_key_env": "JUDGE_KEY"}}
+
+        async def go(text):
+            return await run_episode(_answering(tok, text), make_env("dataset", **opts), TASK, SamplingParams())
+        right, wrong = asyncio.run(go("It is Paris.")), asyncio.run(go("Lyon, I think."))
+    assert right.status == wrong.status == "done" and right.reward == 1.0 and wrong.reward == pytest.approx(0.2)
+    key, body = server.requests[0]
+    assert key == "Bearer sk-judge" and body["model"] == "grader" and body["temperature"] == 0.0
+    prompt = body["messages"][0]["content"]
+    assert "What is the capital of France?" in prompt and "Reference answer: Paris" in prompt
+    assert "<answer>\nIt is Paris.\n</answer>" in prompt and "SCORE: N" in prompt
+
+
+def test_a_failing_judge_is_retried_then_the_episode_errs_and_is_rerun(model_dir):
+    tok = Tokenizer(model_dir)
+    with JudgeServer(fail=2) as server:  # two 500s, then grades: within retries = 2
+        env = make_env("dataset", reward="judge", judge={"url": server.url, "model": "grader", "backoff_s": 0.01})
+        t = asyncio.run(run_episode(_answering(tok, "Paris"), env, TASK, SamplingParams()))
+        assert t.status == "done" and t.reward == 1.0 and len(server.requests) == 3
+    with JudgeServer(fail=3) as server:  # one more than the judge retries: the episode errs, then reruns
+        opts = {"reward": "judge", "judge": {"url": server.url, "model": "grader", "retries": 2, "backoff_s": 0.01}}
+        t = asyncio.run(run_episode(_answering(tok, "Paris"), make_env("dataset", **opts), TASK, SamplingParams()))
+        assert t.status == "error" and "JudgeError" in t.error and "failed 3 times" in t.error
+        server.fail = 3
+        t = asyncio.run(run_attempts(_answering(tok, "Paris"), lambda: make_env("dataset", **opts), TASK,
+                                     SamplingParams(), retries=1))
+        assert t.status == "done" and t.reward == 1.0 and len(t.retried) == 1
+    with JudgeServer(reply="I cannot grade this.") as server:  # no score: the judge failed, not the policy
+        env = make_env("dataset", reward="judge", judge={"url": server.url, "retries": 0})
+        t = asyncio.run(run_episode(_answering(tok, "Paris"), env, TASK, SamplingParams()))
+        assert t.status == "error" and "no 'SCORE: N' line" in t.error
+
+
+def test_requests_in_flight_stay_under_the_judges_bound(model_dir):
+    tok = Tokenizer(model_dir)
+    with JudgeServer(delay=0.05) as server:
+        opts = {"reward": "judge", "judge": {"url": server.url, "model": "grader", "max_concurrency": 3}}
+
+        async def go():
+            return await asyncio.gather(*(run_episode(_answering(tok, "Paris"), make_env("dataset", **opts),
+                                                      dict(TASK, id=i), SamplingParams()) for i in range(12)))
+        trajs = asyncio.run(go())
+    assert all(t.reward == 1.0 for t in trajs) and server.max_in_flight == 3
+
+
+def test_judge_scores_and_options_are_checked():
+    assert parse_score("good\nSCORE: 7", 10) == pytest.approx(0.7)
+    assert parse_score("SCORE: 3 at first... on reflection\n**SCORE:** 9", 10) == pytest.approx(0.9)
+    assert parse_score("SCORE: 12", 10) == 1.0 and parse_score("score: 1", 4) == 0.25
+    with pytest.raises(JudgeError):
+        parse_score("a fine answer", 10)
+    with pytest.raises(ValueError, match="url missing"):
+        JudgeConfig.from_dict({"model": "m"})
+    with pytest.raises(ValueError, match="unknown.*'temp'"):
+        JudgeConfig.from_dict({"url": "http://x/v1", "temp": 0})
+    with pytest.raises(ValueError, match="other than question"):
+        JudgeConfig.from_dict({"url": "http://x/v1", "prompt": "{task} {answer}"})
+    with pytest.raises(ValueError, match="needs judge"):
+        make_env("dataset", reward="judge")
+    with pytest.raises(ValueError, match="api_key_env 'NO_SUCH_KEY_VAR' is not set"):
+        env = make_env("dataset", reward="judge", judge={"url": "http://127.0.0.1:9/v1", "api_key_env": "NO_SUCH_KEY_VAR"})
+        asyncio.run(env.score(TASK, "Paris"))
