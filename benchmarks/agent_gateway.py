@@ -3,6 +3,11 @@ built-in `phonebook` env and as examples/phonebook_agent.py (the openai SDK to r
 gateway, on chat completions and on the Responses API), the same episodes in one run, taking turns.
 
     python benchmarks/agent_gateway.py [--quick | --smoke] [--json PATH]
+    python benchmarks/agent_gateway.py --sides env,agent,program,server --episodes 64   # agent programs
+
+Sides: `env` (built-in), `agent` (the openai-SDK agent in process, chat), `responses` (the same on
+the Responses API), `program` (examples/phonebook_agent_cli.py, a process per episode) and `server`
+(the same program, one long-lived process serving every episode: `serve = true`).
 
 Both replay each task's scripted expert (a lookup, then the answer): on an instant generator (the
 loops' own cost per turn) and on the real engine teacher-forced to the expert (real forwards and
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -30,8 +36,11 @@ from rollwise.types import SamplingParams  # noqa: E402
 from common import cached_model  # noqa: E402  (benchmarks/common.py)
 
 AGENT = str(Path(__file__).resolve().parent.parent / "examples" / "phonebook_agent.py") + ":PhonebookAgent"
+CLI = [sys.executable, str(Path(AGENT.split(":")[0]).with_name("phonebook_agent_cli.py"))]
 SIDES = {"env": lambda: make_env("phonebook"), "agent": lambda: make_env("agent", agent=AGENT),
-         "responses": lambda: make_env("agent", agent=AGENT, agent_options={"api": "responses"})}
+         "responses": lambda: make_env("agent", agent=AGENT, agent_options={"api": "responses"}),
+         "program": lambda: make_env("agent", command=CLI),
+         "server": lambda: make_env("agent", command=CLI + ["--serve"], serve=True)}
 
 
 async def measure(gen, side: str, tasks: list[dict], concurrency: int) -> tuple[dict, list]:
@@ -47,17 +56,16 @@ async def measure(gen, side: str, tasks: list[dict], concurrency: int) -> tuple[
             sorted((t.trajectory_id, tuple(t.token_ids)) for t in trajs))
 
 
-async def compare(gen, tasks: list[dict], concurrency: int, repeats: int) -> dict:
-    runs: dict[str, list] = {side: [] for side in SIDES}
+async def compare(gen, tasks: list[dict], concurrency: int, repeats: int, sides: list[str]) -> dict:
+    runs: dict[str, list] = {side: [] for side in sides}
     ids = {}
-    for _ in range(repeats):  # taking turns, so drifting machine load falls on both
+    for _ in range(repeats):  # taking turns, so drifting machine load falls on every side
         for side in runs:
             m, ids[side] = await measure(gen, side, tasks, concurrency)
             runs[side].append(m)
     best = {side: min(r, key=lambda m: m["seconds"]) for side, r in runs.items()}
-    return {**best, "agent_over_env_time": best["agent"]["seconds"] / best["env"]["seconds"],
-            "responses_over_env_time": best["responses"]["seconds"] / best["env"]["seconds"],
-            "same_token_ids": ids["env"] == ids["agent"] == ids["responses"]}
+    return {**best, **{f"{s}_over_env_time": best[s]["seconds"] / best["env"]["seconds"] for s in sides if s != "env"},
+            "same_token_ids": all(ids[s] == ids["env"] for s in sides)}
 
 
 def main() -> None:
@@ -65,37 +73,44 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--sides", default="env,agent,responses", help=f"comma-separated, env first; of {list(SIDES)}")
+    ap.add_argument("--episodes", type=int, help="episodes per run (default 256; --quick 64, --smoke 8)")
     args = ap.parse_args()
+    sides = args.sides.split(",")
+    if sides[0] != "env" or not set(sides) <= set(SIDES):
+        ap.error(f"--sides: env first, then any of {list(SIDES)}")
     model = cached_model("agent-bench-model", family="qwen3", layers=2, hidden=128, heads=4, kv_heads=2,
                          vocab=4096, seed=0)
-    n = 8 if args.smoke else 64 if args.quick else 256
+    n = args.episodes or (8 if args.smoke else 64 if args.quick else 256)
     conc = [1, 8] if args.smoke else [1, 16, 64]
     repeats = 1 if args.smoke else 3
     tasks = make_env("phonebook").sample_tasks(n, seed=0)
     policy = expert_policy(SIDES["env"], tasks)
-    out: dict = {"episodes": n, "repeats": repeats, "instant": {}, "engine": {}}
+    out: dict = {"episodes": n, "repeats": repeats, "sides": sides, "instant": {}, "engine": {}}
     rows = []
     instant = ScriptedGenerator(Tokenizer(model), policy)
     for c in conc:
-        out["instant"][c] = r = asyncio.run(compare(instant, tasks, c, repeats))
+        out["instant"][c] = r = asyncio.run(compare(instant, tasks, c, repeats, sides))
         rows.append(("instant", c, r))
     engine = AsyncEngine(model, max_num_seqs=64)
     try:
         forced = ForcedGenerator(engine, policy)
         for c in conc:
-            out["engine"][c] = r = asyncio.run(compare(forced, tasks, c, repeats))
+            out["engine"][c] = r = asyncio.run(compare(forced, tasks, c, repeats, sides))
             rows.append(("engine", c, r))
     finally:
         engine.shutdown()
-    print("| generator | concurrency | built-in env ep/s | OpenAI-SDK agent ep/s, chat / Responses | agent / env time, "
-          "chat / Responses | ms per turn (env / chat / Responses) | turns / tokens | same token ids |")
+    others = sides[1:]
+    print(f"| generator | concurrency | built-in env ep/s | {' / '.join(others)} ep/s | {' / '.join(others)} time "
+          f"over env | ms per turn ({' / '.join(sides)}) | turns / tokens | same token ids |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for gen, c, r in rows:
-        e, a, q = r["env"], r["agent"], r["responses"]
-        print(f"| {gen} | {c} | {e['episodes_per_s']:.1f} | {a['episodes_per_s']:.1f} / {q['episodes_per_s']:.1f} | "
-              f"{r['agent_over_env_time']:.2f}x / {r['responses_over_env_time']:.2f}x | "
-              f"{e['ms_per_turn']:.2f} / {a['ms_per_turn']:.2f} / {q['ms_per_turn']:.2f} | "
-              f"{a['turns']} / {a['generated_tokens']} | {r['same_token_ids']} |")
+        e = r["env"]
+        rate = " / ".join(f"{r[s]['episodes_per_s']:.1f}" for s in others)
+        over = " / ".join(f"{r[s + '_over_env_time']:.2f}x" for s in others)
+        ms = " / ".join(f"{r[s]['ms_per_turn']:.2f}" for s in sides)
+        print(f"| {gen} | {c} | {e['episodes_per_s']:.1f} | {rate} | {over} | {ms} | "
+              f"{e['turns']} / {e['generated_tokens']} | {r['same_token_ids']} |")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     if not all(r["same_token_ids"] for _, _, r in rows):

@@ -138,13 +138,14 @@ def test_agent_benchmark_smoke(tmp_path):
 
 def test_agent_gateway_benchmark_smoke(tmp_path):
     out = tmp_path / "agent_gateway.json"
-    r = run("benchmarks/agent_gateway.py", "--smoke", "--json", str(out))
+    r = run("benchmarks/agent_gateway.py", "--smoke", "--sides", "env,agent,responses,server", "--json", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     for gen in ("instant", "engine"):
         for r in res[gen].values():
-            assert r["same_token_ids"] and r["env"]["solved"] == r["agent"]["solved"] == r["responses"]["solved"] == 1.0
-            assert r["agent"]["turns"] == r["responses"]["turns"] == r["env"]["turns"] > 0
+            assert r["same_token_ids"] and r["server_over_env_time"] > 0
+            assert r["env"]["solved"] == r["agent"]["solved"] == r["responses"]["solved"] == r["server"]["solved"] == 1.0
+            assert r["agent"]["turns"] == r["responses"]["turns"] == r["server"]["turns"] == r["env"]["turns"] > 0
 
 
 def test_sandbox_benchmark_smoke(tmp_path):

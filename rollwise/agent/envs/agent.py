@@ -6,7 +6,9 @@
 
 or a program in any language (`command = ["node", "agent.js"]`), run once per episode with
 OPENAI_BASE_URL and OPENAI_API_KEY set to the gateway and the episode's key (what the OpenAI SDKs
-read), the task as one line of JSON on stdin; the last line it prints is the reward.
+read), the task as one line of JSON on stdin; the last line it prints is the reward. With
+`serve = true` the program instead stays up and takes every episode as a JSON line
+(`rollwise.agent.agent_server`: `processes` of them, started once).
 
 The agent asks for chat completions, runs its own tools and returns the episode's reward. Each of
 its requests is one turn of `run_episode`, so the trajectory stays token-in-token-out: the first
@@ -41,6 +43,7 @@ import signal
 import tempfile
 import threading
 
+from rollwise.agent.agent_server import AgentServer
 from rollwise.agent.env import NewContext
 from rollwise.agent.gateway import Gateway, GatewayError, Session, completion, pooled
 from rollwise.agent.parsing import openai_tool_calls
@@ -50,7 +53,8 @@ from rollwise.agent.plugins import load_object
 class AgentEnv:
     name = "agent"
 
-    def __init__(self, agent=None, *, command: list[str] | None = None, max_turns: int = 8,
+    def __init__(self, agent=None, *, command: list[str] | None = None, serve: bool = False, processes: int = 1,
+                 max_turns: int = 8,
                  agent_options: dict | None = None, model: str = "policy", transport: str = "asgi",
                  on_rewrite: str = "new_context") -> None:
         if on_rewrite not in ("new_context", "error"):
@@ -60,7 +64,7 @@ class AgentEnv:
             raise ValueError(f"transport {transport!r}: valid are 'asgi' (coroutine agents call the gateway's app "
                              "on the loop) and 'http' (through its socket, as plain-function agents do)")
         self.max_turns, self.model, self.transport, self.on_rewrite = max_turns, model, transport, on_rewrite
-        self.command = command
+        self.command, self.serve, self.processes = command, serve, processes
         self.tools: list[_Schema] = []
         self._session: Session | None = None
         self._gateway = self._key = self._runner = self._output = None
@@ -77,8 +81,12 @@ class AgentEnv:
                 raise ValueError(f"command {command[0]!r} is not an executable on PATH or a path to one")
             if agent_options:
                 raise ValueError(f"agent_options {sorted(agent_options)} need an agent class to pass them to")
+            if processes < 1:
+                raise ValueError(f"processes must be >= 1, got {processes}")
             self.run_agent = None
             return
+        if serve:
+            raise ValueError("serve = true runs a command as a long-lived agent server: set command")
         if importlib.util.find_spec("openai") is None:
             raise ValueError("env 'agent' gives the agent an openai client: pip install openai")
         obj = load_object(agent, "agent") if isinstance(agent, str) else agent
@@ -200,7 +208,9 @@ class AgentEnv:
     async def _run(self, gateway: Gateway, key: str, task: dict) -> None:
         session = self._session
         try:
-            if self.command is not None:
+            if self.command is not None and self.serve:
+                reward = await AgentServer.shared(self.command, self.processes).run(gateway.url, key, task)
+            elif self.command is not None:
                 reward = await _run_command(self.command, gateway.url, key, task)
             elif inspect.iscoroutinefunction(self.run_agent) or inspect.iscoroutinefunction(
                     getattr(self.run_agent, "__call__", None)):
