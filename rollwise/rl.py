@@ -278,6 +278,10 @@ async def _train(cfg: TrainConfig) -> dict:
             await queue.commit(trainer.version)
             consumed += [g.seq for g in batch]
             skipped += skips
+            if cfg.eval_every and eval_tasks and (len(history) + 1) % cfg.eval_every == 0:
+                t4 = time.perf_counter()  # the weights just synced, on the held-out tasks (rollouts go on meanwhile)
+                m.update(eval_success=await evaluate(router, make_env, eval_tasks, cfg),
+                         eval_s=time.perf_counter() - t4)
             lm = fleet_metrics(router)
             m.update(step=len(history), wait_s=wait_s, train_s=train_s, tail_s=tail_s, sync_s=sync_s,
                      sync_mb=sum(w.nbytes for w in weights.values()) / 2**20,

@@ -107,8 +107,10 @@ class TrainConfig:
     speculative: str | None = "suffix"
     spec_controller: str = "adaptive"
     max_num_seqs: int = 128
-    # evaluation on held-out tasks (greedy)
+    # evaluation on held-out tasks, before and after RL (sampled at `temperature`, and greedy)
     eval_tasks: int = 200
+    # and every eval_every steps during it (sampled; metric eval_success, drawn on the curves). 0: not
+    eval_every: int = 0
     progress: bool = True
 
     @property
@@ -162,6 +164,8 @@ class TrainConfig:
             raise ValueError(f"episode_retries must be >= 0, got {cfg.episode_retries}")
         if cfg.max_skipped_groups < 0:
             raise ValueError(f"max_skipped_groups must be >= 0 (0: 4 x groups_per_step), got {cfg.max_skipped_groups}")
+        if cfg.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0 (0: evaluate before and after RL only), got {cfg.eval_every}")
         if cfg.lora_rank < 0 or cfg.lora_alpha <= 0:
             raise ValueError(f"need lora_rank >= 0 (0: no LoRA) and lora_alpha > 0, got {cfg.lora_rank}, {cfg.lora_alpha}")
         if cfg.replica_threads < 0 or cfg.trainer_threads < 0:

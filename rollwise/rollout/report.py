@@ -22,6 +22,9 @@ def write_report(out: Path, report: dict) -> None:
     ax[0, 0].plot(x, [s["reward"] for s in steps])
     ax[0, 0].axhline(report.get("sft_success") or 0, ls="--", c="gray", label="SFT eval success")
     ax[0, 0].axhline(report.get("rl_success") or 0, ls=":", c="green", label="RL eval success")
+    evals = [(s["step"], s["eval_success"]) for s in steps if s.get("eval_success") is not None]
+    if evals:
+        ax[0, 0].plot(*zip(*evals), "o-", c="purple", label="eval success (every eval_every steps)")
     ax[0, 0].set(title="training reward (mean per step)", xlabel="step")
     ax[0, 0].legend()
     acc = _diff([s.get("spec_accepted", 0) for s in steps])
@@ -94,6 +97,8 @@ class _Bar:
         self.bar.set_postfix_str(f"reward {m['reward']:.2f} | accepted/step {acc / max(steps, 1):.2f} | spec "
                                  f"{'on' if spec else 'off'} {spec / max(steps, 1):.0%} | hit {m.get('prefix_hit_rate', 0):.2f} | "
                                  f"stale {m['max_staleness']} | trainer idle {m['wait_s']:.1f}s", refresh=False)
+        if m.get("eval_success") is not None:  # a line of its own, kept above the bar
+            self.bar.write(f"step {m['step']}: eval success {m['eval_success']:.3f}")
         self.bar.update(1)
         if self.bar.n >= self.bar.total:
             self.bar.close()

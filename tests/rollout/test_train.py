@@ -29,9 +29,12 @@ TINY = dict(env="calculator", sft_steps=3, sft_tasks=8, groups_per_step=2, group
 @pytest.mark.parametrize("partial_rollout,stream", [(False, True), (True, True), (False, False)])
 def test_train_end_to_end_with_in_process_replicas(model_dir, tmp_path, partial_rollout, stream):
     cfg = TrainConfig.from_dict({**TINY, "model": model_dir, "run_dir": str(tmp_path / "run"), "steps": 3,
-                                 "max_staleness": 1, "partial_rollout": partial_rollout, "stream_trainer": stream})
+                                 "max_staleness": 1, "partial_rollout": partial_rollout, "stream_trainer": stream,
+                                 "eval_every": 2})
     report = train(cfg)
     assert len(report["steps"]) == 3 and report["policy_version"] == 3
+    assert [s.get("eval_success") is not None for s in report["steps"]] == [False, True, False]  # after step 2
+    assert 0.0 <= report["steps"][1]["eval_success"] <= 1.0 and report["steps"][1]["eval_s"] > 0
     assert 0.0 <= report["sft_success"] <= 1.0 and 0.0 <= report["rl_success"] <= 1.0
     for s in report["steps"]:
         assert s["trajectories"] == 4 and s["max_staleness"] <= 1 and s["sync_s"] > 0 and s["tail_s"] > 0
