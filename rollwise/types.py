@@ -4,6 +4,8 @@ Imports no torch: the control plane (router, rollout, spec) uses these types too
 """
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass, field, fields, replace
 
 MAX_LOGPROBS = 20  # top logprobs per output token at most (vLLM's default max_logprobs)
@@ -45,6 +47,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None  # added to those tokens' logits ([-100, 100]), before penalties
     allowed_token_ids: list[int] | None = None  # only these may be sampled
+    # the output held to one of: {"json": schema}, {"json_object": true}, {"regex": r}, {"choice": [s, ...]},
+    # {"grammar": lark} (vLLM's names; rollwise.engine.grammar); no speculation for such a request
+    structured_outputs: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,6 +78,8 @@ class SamplingParams:
             if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must be a non-empty list of token ids")
             self.allowed_token_ids = [_token_id("allowed_token_ids", t) for t in self.allowed_token_ids]
+        if self.structured_outputs is not None:
+            self.structured_outputs = check_structured(self.structured_outputs)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.seed is not None:
@@ -113,6 +120,34 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling fields {unknown}; valid: {sorted(names)}")
         return cls(**d)
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_EXPECTED = {"json": "a JSON schema (an object, or a string of one)", "json_object": "true", "regex": "a string",
+             "grammar": "a Lark grammar (a string)", "choice": "a non-empty list of strings"}
+
+
+def check_structured(spec) -> dict:
+    """`structured_outputs` checked: exactly one of STRUCTURED_KINDS, with a value of its type (a
+    schema given as a string is parsed); ValueError naming the valid ones otherwise."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"structured_outputs must be an object with one of {list(STRUCTURED_KINDS)}")
+    given = [k for k in STRUCTURED_KINDS if spec.get(k) not in (None, False)]
+    unknown = sorted(set(spec) - set(STRUCTURED_KINDS))
+    if unknown or len(given) != 1:
+        raise ValueError(f"structured_outputs takes exactly one of {list(STRUCTURED_KINDS)}, got {sorted(spec)}")
+    kind, value = given[0], spec[given[0]]
+    if kind == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.json: not a JSON schema: {e}") from None
+    ok = {"json": isinstance(value, dict), "json_object": value is True, "regex": isinstance(value, str),
+          "grammar": isinstance(value, str),
+          "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) for c in value)}[kind]
+    if not ok:
+        raise ValueError(f"structured_outputs.{kind}: expected {_EXPECTED[kind]}")
+    return {kind: value}
 
 
 def _token_id(name: str, t) -> int:

@@ -15,6 +15,7 @@ from pathlib import Path
 from rollwise.config import EngineConfig
 from rollwise.engine.block_manager import BlockManager
 from rollwise.engine.model_runner import ModelRunner
+from rollwise.engine import grammar
 from rollwise.engine.sampler import Sampler, SampleRow
 from rollwise.engine.scheduler import Scheduler
 from rollwise.engine.sequence import Sequence
@@ -32,6 +33,7 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, self.max_model_len)
         self.vocab_size = self.runner.model.config.vocab_size
         self.eos_token_ids = self._eos_ids(cfg.model)
+        self.grammars = grammar.Grammars(cfg.model, self.vocab_size, self.eos_token_ids)  # (built when first used)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.sampler = Sampler(cfg.seed)
@@ -101,6 +103,10 @@ class LLMEngine:
         if rid in self.seqs:
             raise ValueError(f"request_id {rid!r} is already in flight")
         seq = Sequence(rid, list(ids), params, forced=list(forced_output) if forced_output else None)
+        if params.structured_outputs is not None:
+            if forced_output is not None:
+                raise ValueError("structured_outputs and forced_output cannot go together")
+            seq.grammar = self.grammars.matcher(params.structured_outputs)
         v = self.policy_version if policy_version is None else policy_version
         if v not in self._roots:
             raise WeightsNotHeld(f"weights of policy version {v} are not held (held: {self._loaded}); keep more "
@@ -161,6 +167,9 @@ class LLMEngine:
                 seq.logprobs.append(lp)
                 if top is not None:
                     seq.top_logprobs.append(top)
+                if seq.grammar is not None and not seq.grammar.consume_token(tok):  # (only a forced token could)
+                    seq.finish_reason, seq.stop_reason = "stop", "structured output rejected the token"
+                    break
                 self._check_stop(seq, tok)
                 if seq.finish_reason is not None:
                     break
@@ -215,7 +224,9 @@ class LLMEngine:
 
     def _row(self, seq: Sequence) -> SampleRow:
         n = seq.num_output_tokens
-        return SampleRow(seq.params, n, self._banned(seq), seq.forced[n] if seq.forced else None, seq.token_ids)
+        allowed = grammar.allowed(seq.grammar, self.vocab_size) if seq.grammar is not None else None
+        return SampleRow(seq.params, n, self._banned(seq), seq.forced[n] if seq.forced else None, seq.token_ids,
+                         allowed)
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)

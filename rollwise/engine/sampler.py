@@ -23,6 +23,7 @@ class SampleRow:
     banned: tuple[int, ...] = ()  # e.g. EOS before min_tokens
     forced: int | None = None  # trace replay: emit this token (its logprob is still the model's)
     tokens: list[int] | None = None  # prompt + output so far: needed only for penalties
+    allowed: torch.Tensor | None = None  # [V] bool: the tokens a structured output may take next
 
 
 class Sampler:
@@ -46,6 +47,8 @@ class Sampler:
                 logits[i:i + 1] = processed(logits[i:i + 1], r.params, r.tokens, r.position)
             if r.banned:
                 logits[i, list(r.banned)] = float("-inf")
+            if r.allowed is not None:
+                logits[i, ~r.allowed] = float("-inf")
         temps = torch.tensor([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows])
         scaled = logits / temps[:, None]
         logprobs = torch.log_softmax(scaled, dim=-1)

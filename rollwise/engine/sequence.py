@@ -36,6 +36,7 @@ class Sequence:
     stop_reason: str | int | None = None
     text: str | None = None  # set when a stop string truncates the output
     forced: list[int] | None = None  # trace replay: the output tokens to emit
+    grammar: object | None = None  # structured outputs: its llguidance matcher (rollwise.engine.grammar)
     policy_version: int = 0  # weights version of its first token (the oldest)
     weights_version: int = 0  # the weights it runs under now
     pinned: bool = False  # the caller chose weights_version: a partial-rollout update leaves it there

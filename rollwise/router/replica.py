@@ -204,7 +204,8 @@ class HttpReplica:
                                     **({"logprobs": p.logprobs} if p.logprobs else {}),
                                     **({} if p.prompt_logprobs is None else {"prompt_logprobs": p.prompt_logprobs}),
                                     **({"logit_bias": p.logit_bias} if p.logit_bias else {}),
-                                    **({} if p.allowed_token_ids is None else {"allowed_token_ids": p.allowed_token_ids})}}
+                                    **({} if p.allowed_token_ids is None else {"allowed_token_ids": p.allowed_token_ids}),
+                                    **({} if p.structured_outputs is None else {"structured_outputs": p.structured_outputs})}}
 
     @staticmethod
     def _output(b: dict) -> GenerateOutput:
@@ -378,6 +379,7 @@ class OpenAIReplica(HttpReplica):
         if p.logit_bias:
             body["logit_bias"] = {str(t): b for t, b in p.logit_bias.items()}
         body["allowed_token_ids"] = p.allowed_token_ids
+        body["structured_outputs"] = p.structured_outputs  # (vLLM's name)
         return {k: v for k, v in body.items() if v is not None}
 
     @staticmethod

@@ -33,6 +33,15 @@ class _OpenAISampling(_Strict):
     repetition_penalty: float = 1.0  # vLLM's extension
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's keys) -> bias
     allowed_token_ids: list[int] | None = None  # vLLM's extension
+    # structured outputs: OpenAI's response_format ({"type": "json_object"}, {"type": "json_schema",
+    # "json_schema": {"schema": ...}}), vLLM's structured_outputs ({"json" | "regex" | "choice" |
+    # "grammar" | "json_object": ...}) or its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids (token-in-token-out RL)
     # session metadata for schedulers (trajectory, group, turn)
@@ -47,7 +56,31 @@ class _OpenAISampling(_Strict):
                               ignore_eos=self.ignore_eos, logprobs=top_logprobs,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
-                              allowed_token_ids=self.allowed_token_ids)
+                              allowed_token_ids=self.allowed_token_ids, structured_outputs=self.structured())
+
+    def structured(self) -> dict | None:
+        """The request's structured-output spec, from whichever of its fields names one (one at most)."""
+        given = {k: v for k, v in (("structured_outputs", self.structured_outputs), ("guided_json", self.guided_json),
+                                   ("guided_regex", self.guided_regex), ("guided_choice", self.guided_choice),
+                                   ("guided_grammar", self.guided_grammar)) if v is not None}
+        rf = self.response_format
+        if rf is not None and rf.get("type") != "text":
+            kind = rf.get("type")
+            if kind == "json_object":
+                given["response_format"] = {"json_object": True}
+            elif kind == "json_schema":
+                schema = (rf.get("json_schema") or {}).get("schema")
+                if not isinstance(schema, dict):
+                    raise ValueError("response_format json_schema needs json_schema.schema (an object)")
+                given["response_format"] = {"json": schema}
+            else:
+                raise ValueError(f"response_format type {kind!r}: valid are 'text', 'json_object', 'json_schema'")
+        if len(given) > 1:
+            raise ValueError(f"give one way of structuring the output, got {sorted(given)}")
+        if not given:
+            return None
+        (name, v), = given.items()
+        return v if name in ("structured_outputs", "response_format") else {name.removeprefix("guided_"): v}
 
 
 class CompletionRequest(_OpenAISampling):

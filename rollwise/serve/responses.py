@@ -56,6 +56,14 @@ def generate_params(body) -> SamplingParams:
             if new in sp and sp[new] != sp[old]:
                 raise ValueError(f"{new} and {old} (its SGLang name) disagree")
             sp[new] = sp.pop(old)
+    sglang = {k: sp.pop(k) for k in ("json_schema", "regex", "ebnf") if k in sp}  # SGLang's structured outputs
+    if sglang:
+        if len(sglang) > 1 or "structured_outputs" in sp:
+            raise ValueError("give one of json_schema, regex, ebnf (SGLang's) or structured_outputs")
+        (k, v), = sglang.items()
+        if k == "ebnf":
+            raise ValueError("ebnf grammars are not taken; give structured_outputs.grammar (Lark) instead")
+        sp["structured_outputs"] = {"json" if k == "json_schema" else k: v}
     if body.top_logprobs_num:
         sp.setdefault("logprobs", body.top_logprobs_num)
     if body.return_logprob and body.logprob_start_len is not None and body.logprob_start_len >= 0:

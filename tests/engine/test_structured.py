@@ -1,0 +1,82 @@
+"""Structured outputs on the engine: a random model's outputs held to a JSON schema, a regex, a
+choice or a Lark grammar; the masked distribution's logprobs; speculation on for the rest of the batch."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from rollwise import LLM, SamplingParams
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def llms(model_dir):
+    return LLM(model_dir, seed=0), LLM(model_dir, seed=0, speculative="suffix", spec_controller="always")
+
+
+def _p(spec, seed=0, **kw):
+    return SamplingParams(**{"temperature": 1.0, "max_tokens": 120, "seed": seed, "structured_outputs": spec, **kw})
+
+
+def test_a_random_models_samples_follow_the_schema_with_or_without_speculation(llms):
+    plain, spec = llms
+    prompts = [f"person {i}:" for i in range(6)]
+    outs = [plain.generate(prompts, [_p({"json": SCHEMA}, seed=i) for i in range(6)]),
+            spec.generate(prompts, [_p({"json": SCHEMA}, seed=i) for i in range(6)])]
+    for o in outs[0]:
+        assert o.finish_reason == "stop", o.text
+        v = json.loads(o.text)
+        assert set(v) == {"name", "age", "tags"} and isinstance(v["name"], str) and len(v["name"]) <= 6
+        assert isinstance(v["age"], int) and 0 <= v["age"] <= 120 and set(v["tags"]) <= {"a", "b"} and len(v["tags"]) <= 3
+    assert len({o.text for o in outs[0]}) > 1  # sampled, not one fixed answer
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]  # a grammar request is never drafted
+
+
+def test_regex_choice_grammar_and_any_json_object(llms):
+    plain, _ = llms
+    regex = r"[A-Z][a-z]{2,5}-\d{3}"
+    for o in plain.generate(["code:"] * 4, [_p({"regex": regex}, seed=i) for i in range(4)]):
+        assert re.fullmatch(regex, o.text), o.text
+    choices = ["red", "green", "blue"]
+    got = {o.text for o in plain.generate(["colour:"] * 12, [_p({"choice": choices}, seed=i) for i in range(12)])}
+    assert got <= set(choices) and len(got) > 1
+    lark = 'start: "x=" NUM ("+" NUM)*\nNUM: /[1-9]/'
+    for o in plain.generate(["sum:"] * 3, [_p({"grammar": lark}, seed=i, max_tokens=20) for i in range(3)]):
+        assert re.fullmatch(r"x=[1-9](\+[1-9])*", o.text), o.text
+    for o in plain.generate(["obj:"] * 3, [_p({"json_object": True}, seed=i, max_tokens=200) for i in range(3)]):
+        assert o.finish_reason != "stop" or isinstance(json.loads(o.text), dict)
+
+
+def test_logprobs_are_the_masked_distributions(llms):
+    plain, _ = llms
+    forced = plain.generate(["say:"], _p({"choice": ["yes"]}, logprobs=3))[0]
+    *word, end = forced.token_ids
+    assert forced.text == "yes" and end in plain.engine.eos_token_ids
+    # one token allowed at each position of the word (logprob 0, the rest -inf); then any of the EOS ids
+    assert forced.logprobs[:len(word)] == [0.0] * len(word)
+    assert all(sorted(top.values())[-2] == float("-inf") for top in forced.top_logprobs[:len(word)])
+    assert {t for t, lp in forced.top_logprobs[-1].items() if lp > float("-inf")} <= plain.engine.eos_token_ids
+
+
+def test_speculation_stays_lossless_beside_a_structured_request(llms, model_dir):
+    _, spec = llms
+    alone = spec.generate(["the cat sat on the mat. the cat sat on the"],
+                          SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    both = spec.generate(["the cat sat on the mat. the cat sat on the", "x"],
+                         [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), _p({"json": SCHEMA})])
+    assert both[0].token_ids == alone.token_ids and json.loads(both[1].text)["tags"] is not None
+
+
+@pytest.mark.parametrize("spec,why", [({"json": {"type": "nonsense"}}, "nonsense"), ({"regex": "(("}, "unclosed"),
+                                      ({"grammar": "start: foo"}, "unknown name"), ({"json": 3}, "JSON schema"),
+                                      ({"choice": []}, "non-empty list"), ({"json": {}, "regex": "a"}, "exactly one"),
+                                      ({"xml": "a"}, "exactly one")])
+def test_bad_specs_are_value_errors(llms, spec, why):
+    with pytest.raises(ValueError, match=why):
+        llms[0].generate(["x"], SamplingParams(structured_outputs=spec))
