@@ -8,6 +8,8 @@ token sampled. The logprobs are those of the masked distribution (as with logit_
 with a grammar is not speculated on (drafts are proposed for the others in the batch). JSON is
 compact (no whitespace between tokens: a small model given the choice can spend its tokens on
 blanks); a schema's `"x-guidance": {"whitespace_flexible": true}` allows it, as llguidance reads it.
+llguidance takes every added token as a special token, which a Lark grammar names in angle
+brackets (`<tool_call>`, `<|im_end|>`), not as a string literal.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class Grammars:
     def __init__(self, tokenizer_dir: str | Path, vocab_size: int, eos_token_ids: set[int]) -> None:
         self.tokenizer_dir, self.vocab_size, self.eos_token_ids = Path(tokenizer_dir), vocab_size, sorted(eos_token_ids)
         self._tokenizer = None
+        self._special: list[int] | None = None
 
     @property
     def tokenizer(self):
@@ -44,6 +47,14 @@ class Grammars:
             self._tokenizer = llguidance.LLTokenizer((self.tokenizer_dir / "tokenizer.json").read_text(),
                                                      n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
         return self._tokenizer
+
+    @property
+    def special(self) -> list[int]:
+        """The ids llguidance takes as special tokens (every added token)."""
+        if self._special is None:
+            tok = self.tokenizer
+            self._special = [t for t in range(min(self.vocab_size, tok.vocab_size)) if tok.is_special_token(t)]
+        return self._special
 
     def matcher(self, spec: dict):
         """A fresh matcher for a request; ValueError if the grammar does not compile."""
@@ -58,17 +69,16 @@ class Grammars:
         return m
 
 
-def allowed(matcher, vocab: int) -> torch.Tensor:
-    """[vocab] bool: the tokens the matcher allows next (EOS once the output is complete)."""
+def allowed(matcher, vocab: int, special: list[int] = ()) -> torch.Tensor:
+    """[vocab] bool: the tokens the matcher allows next (EOS once the output is complete). The mask
+    can let through a special token whose text fits (Qwen's <tool_call> inside a JSON string) that
+    the matcher would then refuse: `special` ones it lets through are checked one by one."""
     import llguidance.torch as lt
     bits = lt.allocate_token_bitmask(1, vocab)
     lt.fill_next_token_bitmask(matcher, bits, 0)
     words = bits[0].to(torch.int64) & 0xFFFFFFFF  # int32 words, low bit first
-    mask = ((words[:, None] >> torch.arange(32)) & 1).bool().flatten()
-    return mask[:vocab]
-
-
-def advance(matcher, token: int) -> None:
-    """The matcher after `token`; a token it did not allow (it cannot happen unless forced) is an error."""
-    if not matcher.consume_token(token):
-        raise RuntimeError(f"structured output: token {token} rejected: {matcher.get_error()}")
+    mask = ((words[:, None] >> torch.arange(32)) & 1).bool().flatten()[:vocab]
+    for t in special:
+        if mask[t] and not matcher.validate_tokens([t]):
+            mask[t] = False
+    return mask

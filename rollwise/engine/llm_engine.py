@@ -168,7 +168,8 @@ class LLMEngine:
                 if top is not None:
                     seq.top_logprobs.append(top)
                 if seq.grammar is not None and not seq.grammar.consume_token(tok):  # (only a forced token could)
-                    seq.finish_reason, seq.stop_reason = "stop", "structured output rejected the token"
+                    seq.finish_reason = "stop"
+                    seq.stop_reason = seq.stop_reason or "structured output rejected the token"
                     break
                 self._check_stop(seq, tok)
                 if seq.finish_reason is not None:
@@ -224,7 +225,10 @@ class LLMEngine:
 
     def _row(self, seq: Sequence) -> SampleRow:
         n = seq.num_output_tokens
-        allowed = grammar.allowed(seq.grammar, self.vocab_size) if seq.grammar is not None else None
+        allowed = None if seq.grammar is None else grammar.allowed(seq.grammar, self.vocab_size, self.grammars.special)
+        if allowed is not None and not allowed.any():  # a grammar this tokenizer cannot spell: the output ends
+            allowed[sorted(self.eos_token_ids)] = True
+            seq.stop_reason = "structured output: no token can continue it"
         return SampleRow(seq.params, n, self._banned(seq), seq.forced[n] if seq.forced else None, seq.token_ids,
                          allowed)
 

@@ -37,6 +37,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def added_token_id(self, token: str) -> int | None:
+        """The id of `token` if the tokenizer adds it to its vocabulary (special tokens, and tags such
+        as Qwen's <tool_call>), else None."""
+        return next((i for i, t in self._tok.get_added_tokens_decoder().items() if t.content == token), None)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, **kwargs) -> str:
         if not self.chat_template:

@@ -257,7 +257,8 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         ids = tok.encode_chat([m.model_dump(exclude_none=True) for m in body.messages], tools=body.tools,
                               **(body.chat_template_kwargs or {}))
         # no max_tokens: up to the replica's model length (its engine stops there)
-        params = body.sampling(body.max_completion_tokens or body.max_tokens or UNTIL_MODEL_LEN, body.top_logprobs or 0)
+        params = body.sampling(body.max_completion_tokens or body.max_tokens or UNTIL_MODEL_LEN, body.top_logprobs or 0,
+                               tok)
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
         return await chat_reply(routed, body, request, runs(body, request, ids, params, rid), rid, body.model, ids)
 

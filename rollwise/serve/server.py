@@ -153,7 +153,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         room = engine.engine.max_model_len - len(ids)
         if body.top_logprobs and not body.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        params = body.sampling(body.max_completion_tokens or body.max_tokens or max(room, 1), body.top_logprobs or 0)
+        params = body.sampling(body.max_completion_tokens or body.max_tokens or max(room, 1), body.top_logprobs or 0, tok)
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
         return await chat_reply(engine, body, request, choice_samples([ids], params, body.n, body.group_id, rid), rid,
                                 model_name, ids)

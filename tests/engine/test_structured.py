@@ -80,3 +80,22 @@ def test_speculation_stays_lossless_beside_a_structured_request(llms, model_dir)
 def test_bad_specs_are_value_errors(llms, spec, why):
     with pytest.raises(ValueError, match=why):
         llms[0].generate(["x"], SamplingParams(structured_outputs=spec))
+
+
+def test_forced_tool_calls_parse_as_hermes_calls_with_or_without_the_tag_tokens(llms):
+    from rollwise.agent.parsing import HermesParser, forced_tool_calls
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string", "maxLength": 5}}, "required": ["q"],
+        "additionalProperties": False}}}]
+    tag = llms[0].engine.tokenizer.added_token_id("<tool_call>")
+    spec = forced_tool_calls(tools, {"type": "function", "function": {"name": "lookup"}}, tag_tokens=True)
+    outs = llms[0].generate(["call:"] * 4, [_p(spec, seed=i, max_tokens=60) for i in range(4)])
+    for o in outs:
+        parsed = HermesParser().parse(o.text)
+        assert o.finish_reason == "stop" and not parsed.errors and len(parsed.calls) == 1, o.text
+        assert parsed.calls[0].name == "lookup" and len(parsed.calls[0].arguments["q"]) <= 5
+        assert o.token_ids[0] == tag  # the tokenizer's own <tool_call>, as the model writes it
+    # spelled out as text, the call cannot be written with this tokenizer (llguidance takes its
+    # <tool_call> as a special token): the output ends at once rather than the engine failing
+    [o] = llms[0].generate(["call:"], _p(forced_tool_calls(tools, "required", tag_tokens=False)))
+    assert o.finish_reason == "stop" and o.text == "" and "no token can continue" in o.stop_reason

@@ -51,3 +51,32 @@ def test_bad_structured_requests_are_400s_and_the_server_keeps_serving(client):
     r = client.post("/generate", json={"text": "x", "sampling_params": {"ebnf": "root ::= \"a\""}})
     assert r.status_code == 400 and "Lark" in r.text
     assert _chat(client).status_code == 200
+
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
+            "type": "object", "properties": {"name": {"type": "string", "maxLength": 10}}, "required": ["name"],
+            "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                              "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+             "required": ["a", "b"], "additionalProperties": False}}}]
+
+
+def test_tool_choice_required_or_named_gives_tool_calls_of_the_offered_functions(client):
+    r = _chat(client, n=4, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}}, max_tokens=60)
+    assert r.status_code == 200, r.text
+    for c in r.json()["choices"]:
+        assert c["finish_reason"] == "tool_calls", c
+        [call] = c["message"]["tool_calls"]
+        assert call["function"]["name"] == "add" and set(json.loads(call["function"]["arguments"])) == {"a", "b"}
+    r = _chat(client, n=4, tools=TOOLS, tool_choice="required", max_tokens=120)
+    for c in r.json()["choices"]:
+        if c["finish_reason"] == "length":  # (a random model may go on calling)
+            continue
+        calls = c["message"]["tool_calls"]
+        assert calls and all(x["function"]["name"] in ("lookup", "add") for x in calls)
+    for extra, why in [({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among"),
+                       ({"tool_choice": "required"}, "no tools are offered"),
+                       ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "already structures")]:
+        r = _chat(client, **extra)
+        assert r.status_code == 400 and why in r.json()["error"]["message"], (extra, r.text)
