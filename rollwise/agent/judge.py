@@ -13,6 +13,8 @@ N / max_score. Greedy by default, so the same answer gets the same grade. A requ
 episode ends with status `error` (the judge failed, not the policy), which the training run
 reruns (`episode_retries`). At most `max_concurrency` requests are in flight per judge, whatever
 the number of episodes. The key is `api_key`, or the environment variable `api_key_env` names.
+With `structured = true` the request also asks a vLLM or `rollwise serve` judge to hold its reply
+to a line of reasons and the score line (`structured_outputs`), so even a weak judge always grades.
 
 The score is read from the judge's reply only, the last `SCORE:` line of it; the answer is fenced
 in the prompt as data. A policy can still learn to persuade a judge (reward hacking): watch the
@@ -64,6 +66,9 @@ class JudgeConfig:
     retries: int = 2
     backoff_s: float = 1.0
     max_concurrency: int = 16
+    # the judge server holds its reply to the format (brief reasons, then the SCORE line) with a
+    # regex: vLLM's and rollwise serve's `structured_outputs` (OpenAI's API has no such field)
+    structured: bool = False
 
     @staticmethod
     def from_dict(d: dict) -> JudgeConfig:
@@ -106,6 +111,10 @@ class Judge:
         self.slots = asyncio.Semaphore(cfg.max_concurrency)
         self.model = cfg.model
         self.stats = {"requests": 0, "failures": 0}
+        # a line of reasons (at most max_tokens / 3 characters, so at most that many tokens), then the score line
+        scores = "|".join(str(n) for n in range(cfg.max_score, -1, -1))
+        self._format = {"structured_outputs": {"regex": f"[^\\n]{{0,{cfg.max_tokens // 3}}}\\nSCORE: ({scores})"}} \
+            if cfg.structured else {}
 
     @classmethod
     def shared(cls, cfg: JudgeConfig) -> Judge:
@@ -136,7 +145,7 @@ class Judge:
                     self.stats["requests"] += 1
                     r = await self.client.post("/chat/completions", json={
                         "model": await self._model(), "messages": [{"role": "user", "content": content}],
-                        "max_tokens": cfg.max_tokens, "temperature": cfg.temperature})
+                        "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, **self._format})
                 r.raise_for_status()
                 return parse_score(r.json()["choices"][0]["message"]["content"] or "", cfg.max_score)
             except (httpx.HTTPError, JudgeError, KeyError, IndexError, ValueError) as e:

@@ -147,3 +147,22 @@ def test_judge_scores_and_options_are_checked():
     with pytest.raises(ValueError, match="api_key_env 'NO_SUCH_KEY_VAR' is not set"):
         env = make_env("dataset", reward="judge", judge={"url": "http://127.0.0.1:9/v1", "api_key_env": "NO_SUCH_KEY_VAR"})
         asyncio.run(env.score(TASK, "Paris"))
+
+
+def test_a_model_on_rollwise_serve_judges_its_reply_held_to_the_format(model_dir):
+    """A real judge server: `rollwise serve` on the test model (random weights). Asked with
+    `structured = true`, its every reply is a line of reasons and a score line, so it always grades."""
+    from rollwise.serve.process import ServerProcess
+    tok = Tokenizer(model_dir)
+    with ServerProcess(model_dir, "--max-num-seqs", "8") as server:
+        opts = {"reward": "judge", "judge": {"url": f"{server.url}/v1", "structured": True, "max_tokens": 48,
+                                             "retries": 0}}
+
+        async def go():
+            return await asyncio.gather(*(run_episode(_answering(tok, f"It is {city}."), make_env("dataset", **opts),
+                                                      dict(TASK, id=city), SamplingParams())
+                                          for city in ("Paris", "Lyon", "Nice", "Rome")))
+        trajs = asyncio.run(go())
+    for t in trajs:
+        assert t.status == "done", t.error
+        assert 0.0 <= t.reward <= 1.0 and round(t.reward * 10, 6).is_integer()
