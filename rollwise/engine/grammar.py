@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+
 def to_grammar(spec: dict) -> str:
     """The llguidance grammar of a spec `rollwise.types.check_structured` has checked."""
     import llguidance
@@ -63,7 +64,7 @@ class Grammars:
             grammar = to_grammar(spec)
         except Exception as e:  # noqa: BLE001 - llguidance's own error types: the request's fault
             raise ValueError(f"structured_outputs: {e}") from None
-        m = llguidance.LLMatcher(self.tokenizer, grammar)
+        m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)  # (errors: get_error, stop reasons)
         if m.is_error():
             raise ValueError(f"structured_outputs: {m.get_error()}")
         return m

@@ -134,6 +134,13 @@ def test_route_proxy_over_http(servers, model_dir):
             assert group["usage"]["completion_tokens"] == 9 == group["usage"]["total_tokens"] - text["usage"]["prompt_tokens"]
             alone = c.post("/v1/completions", json=body | {"seed": 3}).json()["choices"][0]
             assert alone["logprobs"]["token_ids"] == group["choices"][1]["logprobs"]["token_ids"]
+            tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+                "type": "object", "properties": {"q": {"type": "string", "maxLength": 4}}, "required": ["q"],
+                "additionalProperties": False}}}]
+            chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                                                        "tool_choice": "required", "max_tokens": 40, "seed": 4}).json()
+            assert chat["choices"][0]["finish_reason"] == "tool_calls", chat  # held to a call, through the route
+            assert chat["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "lookup"
             for bad in ({"input_ids": "x"}, {"input_ids": []}, {"input_ids": [1], "sampling_params": {"max_tokens": -1}},
                         {"input_ids": [1], "bogus": 1}, {"prompt": "text"}, {"input_ids": [10**9]}):
                 r = c.post("/generate", json=bad)
@@ -290,7 +297,7 @@ def test_abort_request_through_the_route(servers, model_dir):
         proc.wait(timeout=10)
 
 
-def test_openai_replica_speaks_token_ids_through_completions(servers):
+def test_openai_replica_speaks_token_ids_through_completions(servers, model_dir):
     """The OpenAI-API replica (for vLLM/SGLang) against our own server: same tokens as /generate."""
     from rollwise.router.replica import OpenAIReplica
     from rollwise.types import GenerateRequest
@@ -314,6 +321,12 @@ def test_openai_replica_speaks_token_ids_through_completions(servers):
         for r in (OpenAIReplica(servers[0].url, "m"), HttpReplica(servers[0].url)):
             assert (await r.generate(biased)).token_ids == [9] * 5
             assert set((await r.generate(allowed)).token_ids) <= {30, 31}
+        # and structured outputs (vLLM's `structured_outputs` field; /generate's sampling_params)
+        choice = dataclasses.replace(req, params=SamplingParams(max_tokens=8, seed=1,
+                                                                structured_outputs={"choice": ["yes", "no"]}))
+        got = [await r.generate(choice) for r in (OpenAIReplica(servers[0].url, "m"), HttpReplica(servers[0].url))]
+        assert got[0].token_ids == got[1].token_ids and got[0].finish_reason == "stop"
+        assert Tokenizer(model_dir).decode(got[0].token_ids) in ("yes", "no")
         # streamed: the pieces add up to the whole, through either API
         for r in (OpenAIReplica(servers[0].url, "m"), HttpReplica(servers[0].url)):
             pieces = [p async for p in r.stream(req)]
