@@ -286,6 +286,7 @@ class TurnRecord:
     generation_s: float
     tool_s: float
     replica: str = ""  # which replica served the turn (set when a router placed it)
+    reward: float = 0.0  # what the env's step gave for this turn (the episode's reward is their sum)
     # (first generated token's offset in the turn, version) when the weights changed mid-turn
     # (partial rollout); empty: all at policy_version
     version_segments: list[tuple[int, int]] = field(default_factory=list)

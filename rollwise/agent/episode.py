@@ -65,6 +65,8 @@ async def run_episode(generator: Generator, env: Env, task: dict, params: Sampli
                       policy_version: int | None = None) -> Trajectory:
     """One episode. Ends with status done, max_turns, max_context, timeout (the per-episode
     deadline) or error (the environment raised); the trajectory holds what was done until then.
+    Its reward is the sum of its steps' rewards (each turn's in `TurnRecord.reward`), as a return
+    in Gymnasium's sense: most envs reward only the last step.
     A generator failure raises `GenerationError` (such an episode says nothing about the policy).
     `policy_version`: every turn runs under that version's weights (the replicas must hold it)."""
     renderer = renderer or ChatRenderer(generator.tokenizer)
@@ -134,8 +136,10 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
         finally:
             record.tool_s = time.perf_counter() - s0
             traj.tool_s += record.tool_s
+        record.reward = float(reward or 0.0)
+        traj.reward += record.reward  # the return: every step's reward (an env may reward steps on the way)
         if done:
-            traj.reward, traj.status = float(reward), "done"
+            traj.status = "done"
             return
         if isinstance(obs, NewContext):  # the next turn reads a fresh prompt (or continues a context it extends)
             _switch_context(traj, list(obs), renderer.prompt_ids(list(obs), [t.schema for t in env.tools] or None))

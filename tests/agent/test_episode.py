@@ -266,3 +266,30 @@ def test_every_expert_solves_200_seeded_tasks(env_name, expert_rewards):
 def test_make_env_names_the_valid_options():
     with pytest.raises(ValueError, match="calculator"):
         make_env("chess")
+
+
+class Shaped:
+    """A gym-style env that rewards every step on the way (0.25 each), and 1 at the end."""
+    tools: list = []
+
+    def __init__(self, max_turns=3):
+        self.max_turns, self.n = max_turns, 0
+
+    def reset(self, task):
+        return [{"role": "user", "content": "walk"}]
+
+    def step(self, action):
+        self.n += 1
+        if action.strip() == "stop":
+            return [], 1.0, True, {}
+        return [{"role": "user", "content": "go on"}], 0.25, False, {}
+
+
+def test_the_episode_reward_is_the_sum_of_its_steps_rewards(model_dir):
+    tok = Tokenizer(model_dir)
+    t = asyncio.run(run_episode(_scripted(tok, ["step", "step", "stop"]), Shaped(), {}, SamplingParams(max_tokens=8)))
+    assert t.status == "done" and t.reward == 1.5 and [r.reward for r in t.turns] == [0.25, 0.25, 1.0]
+    t = asyncio.run(run_episode(_scripted(tok, ["step"]), Shaped(max_turns=2), {}, SamplingParams(max_tokens=8)))
+    assert t.status == "max_turns" and t.reward == 0.5  # what it earned before the limit
+    back = Group.from_json(Group(0, 0, {}, 0, [t]).to_json()).trajectories[0]
+    assert [r.reward for r in back.turns] == [0.25, 0.25]
