@@ -339,6 +339,14 @@ def test_api_key_and_update_weights(model_dir):
         # tensors through a temporary directory (a shared file system), back to the flipped weights
         assert asyncio.run(HttpReplica(s.url, api_key="sekret", weights_via="file").update_weights(flipped, 8)) == 8
         assert httpx.post(s.url + "/generate", json=req, headers=h).json()["token_ids"] == after["token_ids"]
+        # a subset of the tensors (LoRA's merged linears) updates those alone, either way
+        norm = "model.norm.weight"
+        plain = {norm: -flipped[norm]}
+        assert asyncio.run(HttpReplica(s.url, api_key="sekret", weights_via="stream").update_weights(plain, 9)) == 9
+        assert httpx.post(s.url + "/generate", json=req, headers=h).json()["token_ids"] == before["token_ids"]
+        assert asyncio.run(HttpReplica(s.url, api_key="sekret", weights_via="file").update_weights(
+            {norm: flipped[norm]}, 10)) == 10
+        assert httpx.post(s.url + "/generate", json=req, headers=h).json()["token_ids"] == after["token_ids"]
     with pytest.raises(ValueError, match="weights_via must be one of"):
         HttpReplica("http://127.0.0.1:1", weights_via="nfs")
     assert HttpReplica("http://127.0.0.1:1").weights_via == "file"
