@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rollwise.agent.parsing import PARSERS
+
 DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE = (None, "suffix")
 SPEC_CONTROLLERS = ("off", "always", "threshold", "adaptive")
@@ -74,8 +76,12 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     model_name: str | None = None  # served model id; default: the model directory's name
+    # the format of the model's tool calls in chat replies (vLLM's --tool-call-parser names)
+    tool_call_parser: str = field(default="hermes", metadata={"choices": sorted(PARSERS)})
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}, got {self.tool_call_parser!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
 

@@ -8,7 +8,7 @@ import inspect
 import time
 from typing import Any, Protocol
 
-from rollwise.agent.parsing import HermesParser, ToolCallParser
+from rollwise.agent.parsing import HermesParser, ToolCallParser, make_parser
 from rollwise.agent.tools import Latency, Tool
 
 Observation = list[dict]  # new chat messages (role "tool" or "user") for the model
@@ -54,10 +54,11 @@ class ToolEnv:
     answer_hint = "When you are done, reply with the answer alone, without a tool call."
 
     def __init__(self, *, max_turns: int = 8, tool_timeout: float = 5.0, tool_latency: Latency | None = None,
-                 parser: ToolCallParser | None = None, max_calls_per_turn: int = 8) -> None:
+                 parser: ToolCallParser | str | None = None, max_calls_per_turn: int = 8) -> None:
         self.max_turns, self.tool_timeout = max_turns, tool_timeout
         self.tool_latency, self.max_calls_per_turn = tool_latency, max_calls_per_turn
-        self.parser = parser or HermesParser()
+        # the model's tool-call format: a parser, or its name (`env_options = { parser = "llama3_json" }`)
+        self.parser = make_parser(parser) if isinstance(parser, str) else parser or HermesParser()
         self.task: dict | None = None
         self._ended: float | None = None
         self.tools: list[Tool] = []

@@ -1,6 +1,9 @@
-"""Tool-call parsing from model text. The default is the Hermes/Qwen format
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; another format is another class with
-the same `parse` method."""
+"""Tool-call parsing from model text, by the format the model was trained on (`PARSERS`, vLLM's
+names): `hermes` (Qwen, Hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
+in the text) and `llama3_json` (Llama 3.1+: the reply is the call, `{"name": ..., "parameters":
+{...}}`, several joined by "; ", optionally after `<|python_tag|>`). Each parser also says how much
+of a reply being streamed can be shown as content (`content_end`) and writes the grammar that holds
+a reply to calls of given functions (`grammar`, for tool_choice "required" or a named one)."""
 from __future__ import annotations
 
 import json
@@ -26,9 +29,16 @@ class Parsed:
 class ToolCallParser(Protocol):
     def parse(self, text: str) -> Parsed: ...
 
+    def content(self, text: str) -> str: ...  # the text outside the calls (unstripped)
+
+    def content_end(self, text: str) -> int: ...  # streaming: the prefix of the text so far that is content
+
+    def grammar(self, fns: list[dict], single: bool, tag_tokens: bool) -> str: ...  # Lark: calls of these
+
 
 class HermesParser:
     pattern = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+    tag = "<tool_call>"
 
     def parse(self, text: str) -> Parsed:
         calls, errors = [], []
@@ -53,26 +63,115 @@ class HermesParser:
                     errors.append(f"malformed tool call {obj['name']!r}: arguments are not JSON")
                     continue
             calls.append(ToolCall(obj["name"], args))
-        return Parsed(calls, errors, self.pattern.sub("", text).strip())
+        return Parsed(calls, errors, self.content(text).strip())
+
+    def content(self, text: str) -> str:
+        return self.pattern.sub("", text)
+
+    def content_end(self, text: str) -> int:
+        """Content stops before the first `<tool_call>`, and holds back what may begin one."""
+        at = text.find(self.tag)
+        return at if at >= 0 else max(len(text) - len(self.tag) + 1, 0)
+
+    def grammar(self, fns: list[dict], single: bool, tag_tokens: bool) -> str:
+        """`<tool_call>` newline {"name", "arguments"} newline `</tool_call>`, one or more joined by
+        newlines; `tag_tokens`: the tokenizer's own tag tokens (named as tokens, not spelled)."""
+        schema = _one_of([_call_schema(f, "arguments") for f in fns])
+        tag = (lambda t: t) if tag_tokens else (lambda t: f'"{t}"')  # a token by name, or the text
+        nl = '"\\n"'  # a newline, as a Lark string literal
+        call = f'{tag("<tool_call>")} {nl} %json {json.dumps(schema)} {nl} {tag("</tool_call>")}'
+        more = "" if single else f" ({nl} call)*"
+        return f"start: call{more}\ncall: {call}\n"
 
 
-def openai_tool_calls(text: str) -> tuple[str, list[dict]] | None:
+class Llama3JsonParser:
+    """Llama 3.1+'s JSON tool calls (vLLM's `llama3_json`): a reply that is one or more
+    `{"name": ..., "parameters": {...}}` objects ("arguments" is taken too), joined by ";", maybe
+    after `<|python_tag|>`. A reply that does not start with one is text."""
+    python_tag = "<|python_tag|>"
+
+    def parse(self, text: str) -> Parsed:
+        s = text.strip()
+        if s.startswith(self.python_tag):
+            s = s[len(self.python_tag):].lstrip()
+        if not s.startswith("{"):
+            return Parsed([], [], text.strip())
+        calls, errors, dec, i = [], [], json.JSONDecoder(), 0
+        while i < len(s):
+            try:
+                obj, i = dec.raw_decode(s, i)
+            except json.JSONDecodeError as e:
+                errors.append(f"malformed tool call: invalid JSON ({e.msg} at char {e.pos})")
+                break
+            args = obj.get("parameters", obj.get("arguments", {})) if isinstance(obj, dict) else None
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except json.JSONDecodeError:
+                    args = None
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+                errors.append('malformed tool call: expected {"name": <string>, "parameters": <object>}')
+                break
+            calls.append(ToolCall(obj["name"], args))
+            while i < len(s) and s[i] in "; \n\t":
+                i += 1
+        return Parsed(calls, errors, "")
+
+    def content(self, text: str) -> str:
+        return "" if self.content_end(text) == 0 and text.strip() else text
+
+    def content_end(self, text: str) -> int:
+        """A reply that is (or may become) a call shows nothing; one that is text shows all of it."""
+        s = text.lstrip()
+        maybe_call = s.startswith(("{", self.python_tag)) or self.python_tag.startswith(s)
+        return 0 if maybe_call else len(text)
+
+    def grammar(self, fns: list[dict], single: bool, tag_tokens: bool) -> str:
+        """{"name", "parameters"} objects, one or more joined by "; "."""
+        schema = _one_of([_call_schema(f, "parameters") for f in fns])
+        more = "" if single else ' ("; " call)*'
+        return f"start: call{more}\ncall: %json {json.dumps(schema)}\n"
+
+
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+
+def make_parser(name: str) -> ToolCallParser:
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; valid: {sorted(PARSERS)}")
+    return PARSERS[name]()
+
+
+def _call_schema(fn: dict, args_key: str) -> dict:
+    return {"type": "object", "properties": {"name": {"const": fn["name"]},
+                                             args_key: fn.get("parameters") or {"type": "object"}},
+            "required": ["name", args_key], "additionalProperties": False}
+
+
+def _one_of(schemas: list[dict]) -> dict:
+    schema = {"anyOf": schemas} if len(schemas) > 1 else dict(schemas[0])
+    return {**schema, "x-guidance": {"whitespace_flexible": False}}
+
+
+def openai_tool_calls(text: str, parser: ToolCallParser | None = None) -> tuple[str, list[dict]] | None:
     """A reply's Hermes tool calls as OpenAI's `tool_calls` (and the text around them), as vLLM's
     hermes parser gives them; None if it has none or a malformed one (the reply stays text)."""
-    got = HermesParser().parse(text)
+    got = (parser or HermesParser()).parse(text)
     if not got.calls or got.errors:
         return None
     return got.text, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                        "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in got.calls]
 
 
-def forced_tool_calls(tools: list[dict], tool_choice, tag_tokens: bool = False) -> dict | None:
-    """The structured output (a Lark grammar, `structured_outputs`) that makes a reply Hermes tool
-    calls, for OpenAI's tool_choice "required" (one or more calls, each of an offered function with
-    its parameters' schema) or {"type": "function", "function": {"name": N}} (exactly one call of N),
-    as vLLM enforces them; None for "auto", "none" or no choice. ValueError for a name not offered.
-    `tag_tokens`: the tokenizer has `<tool_call>` and `</tool_call>` as tokens of their own (Qwen's),
-    which the grammar then names as tokens, so the reply is tokenized as the model writes it."""
+def forced_tool_calls(tools: list[dict], tool_choice, tag_tokens: bool = False,
+                      parser: ToolCallParser | None = None) -> dict | None:
+    """The structured output (a Lark grammar, `structured_outputs`) that makes a reply tool calls in
+    the parser's format (default Hermes), for OpenAI's tool_choice "required" (one or more calls,
+    each of an offered function with its parameters' schema) or {"type": "function", "function":
+    {"name": N}} (exactly one call of N), as vLLM enforces them; None for "auto", "none" or no
+    choice. ValueError for a name not offered. `tag_tokens`: the tokenizer has `<tool_call>` and
+    `</tool_call>` as tokens of their own (Qwen's): the grammar names them as tokens, so the reply
+    is tokenized as the model writes it."""
     if tool_choice in (None, "auto", "none"):
         return None
     fns = [t.get("function") or {} for t in tools if t.get("type", "function") == "function"]
@@ -85,15 +184,7 @@ def forced_tool_calls(tools: list[dict], tool_choice, tag_tokens: bool = False) 
             raise ValueError(f"tool_choice names function {name!r}, which is not among the tools offered")
     else:
         raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
-    calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                "arguments": f.get("parameters") or {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False} for f in fns if f.get("name")]
-    if not calls:
+    fns = [f for f in fns if f.get("name")]
+    if not fns:
         raise ValueError("tool_choice asks for a tool call, but no function is offered")
-    schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
-    schema["x-guidance"] = {"whitespace_flexible": False}
-    nl = '"\\n"'  # a newline, as a Lark string literal
-    tag = (lambda t: t) if tag_tokens else (lambda t: f'"{t}"')  # a token by name, or the text
-    call = f'{tag("<tool_call>")} {nl} %json {json.dumps(schema)} {nl} {tag("</tool_call>")}'
-    more = "" if name else f" ({nl} call)*"
-    return {"grammar": f"start: call{more}\ncall: {call}\n"}
+    return {"grammar": (parser or HermesParser()).grammar(fns, name is not None, tag_tokens)}

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollwise.agent.parsing import make_parser
 from rollwise.config import ServerConfig
 from rollwise.router.replica import HttpReplica, ReplicaError
 from rollwise.router.router import Router
@@ -94,6 +95,7 @@ class EndTrajectoryBody(BaseModel):
 
 def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="rollwise router", docs_url=None, redoc_url=None)
+    parser = make_parser(cfg.tool_call_parser)
 
     install_common(app, cfg)
 
@@ -258,8 +260,9 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
                               **(body.chat_template_kwargs or {}))
         # no max_tokens: up to the replica's model length (its engine stops there)
         params = body.sampling(body.max_completion_tokens or body.max_tokens or UNTIL_MODEL_LEN, body.top_logprobs or 0,
-                               tok)
+                               tok, parser)
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
-        return await chat_reply(routed, body, request, runs(body, request, ids, params, rid), rid, body.model, ids)
+        return await chat_reply(routed, body, request, runs(body, request, ids, params, rid), rid, body.model, ids,
+                                parser)
 
     return app

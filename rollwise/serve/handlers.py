@@ -10,6 +10,7 @@ from collections.abc import Awaitable
 
 from fastapi import Request
 
+from rollwise.agent.parsing import HermesParser
 from rollwise.serve.responses import (chat_choices, completion_choices, gather_or_cancel, merged, parses_tools, primed,
                                       sse, stream_chat, stream_completion, usage, with_usage)
 
@@ -67,16 +68,20 @@ async def completion_reply(gen, body, request: Request, samples: list[tuple], ri
             "choices": completion_choices(gen.tokenizer, body, prompts, outs, as_ids), "usage": usage(outs, body.n)}
 
 
-async def chat_reply(gen, body, request: Request, samples: list[tuple], rid: str, model: str, prompt_ids: list[int]):
-    """/v1/chat/completions over `gen`, the chat already rendered to `prompt_ids`."""
+async def chat_reply(gen, body, request: Request, samples: list[tuple], rid: str, model: str, prompt_ids: list[int],
+                     parser=None):
+    """/v1/chat/completions over `gen`, the chat already rendered to `prompt_ids`; tool calls in the
+    `parser`'s format (default Hermes)."""
+    parser = parser or HermesParser()
     if body.stream:
         finals: list = []
         return sse(await primed(with_usage(merged([
-            stream_chat(gen, p, sp, rid, j, model, body.logprobs, g, parses_tools(body), finished=finals,
+            stream_chat(gen, p, sp, rid, j, model, body.logprobs, g, parser if parses_tools(body) else None,
+                        finished=finals,
                         return_token_ids=body.return_token_ids, **opt)
             for j, (p, sp, _, g, opt) in enumerate(samples)]), body, finals,
             {"id": rid, "object": "chat.completion.chunk", "model": model})))
     outs = await _outputs(gen, request, samples)
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": chat_choices(gen.tokenizer, body, outs), "usage": usage(outs, body.n),
+            "choices": chat_choices(gen.tokenizer, body, outs, parser), "usage": usage(outs, body.n),
             **({"prompt_token_ids": prompt_ids} if body.return_token_ids else {})}

@@ -49,16 +49,16 @@ class _OpenAISampling(_Strict):
     group_id: str | None = None
     turn: int | None = None
 
-    def sampling(self, max_tokens: int, top_logprobs: int = 0, tokenizer=None) -> SamplingParams:
+    def sampling(self, max_tokens: int, top_logprobs: int = 0, tokenizer=None, parser=None) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                               seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
                               stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
                               ignore_eos=self.ignore_eos, logprobs=top_logprobs,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
-                              allowed_token_ids=self.allowed_token_ids, structured_outputs=self.structured(tokenizer))
+                              allowed_token_ids=self.allowed_token_ids, structured_outputs=self.structured(tokenizer, parser))
 
-    def structured(self, tokenizer=None) -> dict | None:
+    def structured(self, tokenizer=None, parser=None) -> dict | None:
         """The request's structured-output spec, from whichever of its fields names one (one at most)."""
         given = {k: v for k, v in (("structured_outputs", self.structured_outputs), ("guided_json", self.guided_json),
                                    ("guided_regex", self.guided_regex), ("guided_choice", self.guided_choice),
@@ -107,15 +107,16 @@ class ChatCompletionRequest(_OpenAISampling):
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def structured(self, tokenizer=None) -> dict | None:
-        """tool_choice "required" or a named function holds the reply to Hermes tool calls of the
-        offered functions (their parameters' schemas), as vLLM does; else the request's own spec.
-        `tokenizer`: the model's, whose own `<tool_call>` token the grammar then uses."""
+    def structured(self, tokenizer=None, parser=None) -> dict | None:
+        """tool_choice "required" or a named function holds the reply to tool calls of the offered
+        functions (their parameters' schemas) in the `parser`'s format (default Hermes), as vLLM
+        does; else the request's own spec. `tokenizer`: the model's, whose own `<tool_call>` token
+        the grammar then uses."""
         from rollwise.agent.parsing import forced_tool_calls
         spec = super().structured()
         tags = tokenizer is not None and None not in (tokenizer.added_token_id("<tool_call>"),
                                                        tokenizer.added_token_id("</tool_call>"))
-        forced = forced_tool_calls(self.tools or [], self.tool_choice, tags) if self.tools else None
+        forced = forced_tool_calls(self.tools or [], self.tool_choice, tags, parser) if self.tools else None
         if forced is not None and spec is not None:
             raise ValueError("tool_choice 'required' or a named function already structures the reply; "
                              "drop response_format / structured_outputs")

@@ -12,12 +12,10 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from rollwise.agent.parsing import HermesParser, openai_tool_calls as tool_calls
+from rollwise.agent.parsing import HermesParser, ToolCallParser, openai_tool_calls as tool_calls
 from rollwise.config import ServerConfig
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest
 from rollwise.types import RequestOutput, SamplingParams
-
-_TOOL_TAG = "<tool_call>"
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -169,16 +167,17 @@ def _completion_logprobs(tok, out: RequestOutput, as_ids: bool = False, echo: bo
             "top_logprobs": completion_tops(tok, tops, as_ids)}
 
 
-def chat_choices(tok, body: ChatCompletionRequest, outs: list[RequestOutput]) -> list[dict]:
-    """OpenAI's chat choices. With tools offered (and tool_choice not "none"), Hermes
-    `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks in a reply become its
-    `tool_calls` (finish_reason "tool_calls") and the rest its content, as vLLM's hermes parser
-    does; a reply with a malformed call stays text."""
-    parse = parses_tools(body)
+def chat_choices(tok, body: ChatCompletionRequest, outs: list[RequestOutput],
+                 parser: ToolCallParser | None = None) -> list[dict]:
+    """OpenAI's chat choices. With tools offered (and tool_choice not "none"), the tool calls in a
+    reply (the parser's format; Hermes `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
+    blocks by default) become its `tool_calls` (finish_reason "tool_calls") and the rest its
+    content, as vLLM's parsers do; a reply with a malformed call stays text."""
+    parse, parser = parses_tools(body), parser or HermesParser()
     choices = []
     for k, o in enumerate(outs):
         message, reason = {"role": "assistant", "content": o.text}, o.finish_reason
-        calls = tool_calls(o.text) if parse else None
+        calls = tool_calls(o.text, parser) if parse else None
         if calls is not None:
             message, reason = {"role": "assistant", "content": calls[0] or None, "tool_calls": calls[1]}, "tool_calls"
         choices.append({"index": k, "message": message, "finish_reason": reason, "stop_reason": o.stop_reason,
@@ -327,12 +326,13 @@ async def stream_completion(engine, prompt, params, rid, index: int, model, with
 
 
 async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs: bool, group_id: str | None,
-                      tools: bool = False, finished: list | None = None, return_token_ids: bool = False,
-                      **options):
-    """Chat chunks. With `tools`, the content stops before the first `<tool_call>` (and holds back
-    what may begin one); at the end the reply's tool calls come as one delta, finish reason
-    "tool_calls", or, if it has none (or a malformed one), the rest of its text. With
-    `return_token_ids`, each chunk's new token ids, and the prompt's in the first chunk."""
+                      tools: ToolCallParser | None = None, finished: list | None = None,
+                      return_token_ids: bool = False, **options):
+    """Chat chunks. With `tools` (the parser of the model's tool calls), the content stops where a
+    call may begin (Hermes: before the first `<tool_call>`, holding back what may begin one); at the
+    end the reply's tool calls come as one delta, finish reason "tool_calls", or, if it has none (or
+    a malformed one), the rest of its text. With `return_token_ids`, each chunk's new token ids, and
+    the prompt's in the first chunk."""
     tok = engine.tokenizer
     first, text, sent = True, "", 0
     async for new_ids, lps, tops, delta, final in _deltas(engine, ids, params, f"{rid}-{index}", group_id, **options):
@@ -342,15 +342,14 @@ async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs
         d = {"content": delta}
         if tools:
             text = final.text if final else text + delta
-            calls = tool_calls(text) if final else None
+            calls = tool_calls(text, tools) if final else None
             if calls is not None:  # what was not sent of the text outside the tool-call blocks, and the calls
-                rest = HermesParser.pattern.sub("", text)[sent:]
+                rest = tools.content(text)[sent:]
                 d = {"content": rest if rest.strip() else None,
                      "tool_calls": [dict(c, index=i) for i, c in enumerate(calls[1])]}
                 reason = "tool_calls"
             else:
-                at = text.find(_TOOL_TAG)
-                shown = len(text) if final else at if at >= 0 else max(len(text) - len(_TOOL_TAG) + 1, 0)
+                shown = len(text) if final else tools.content_end(text)
                 d, sent = {"content": text[sent:max(shown, sent)]}, max(shown, sent)
         if first:
             d = {"role": "assistant", **d}

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 
+from rollwise.agent.parsing import make_parser
 from rollwise.config import ServerConfig
 from rollwise.serve.metrics import prometheus_text
 from rollwise.serve.protocol import (AddSequenceRequest, ChatCompletionRequest, CompletionRequest,
@@ -62,6 +63,7 @@ def install_common(app: FastAPI, cfg: ServerConfig) -> None:
 def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     app = FastAPI(title="rollwise", docs_url=None, redoc_url=None)
     tok = engine.tokenizer
+    parser = make_parser(cfg.tool_call_parser)
 
     install_common(app, cfg)
     install_sglang(app, engine, cfg)
@@ -153,10 +155,11 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         room = engine.engine.max_model_len - len(ids)
         if body.top_logprobs and not body.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        params = body.sampling(body.max_completion_tokens or body.max_tokens or max(room, 1), body.top_logprobs or 0, tok)
+        params = body.sampling(body.max_completion_tokens or body.max_tokens or max(room, 1), body.top_logprobs or 0,
+                               tok, parser)
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
         return await chat_reply(engine, body, request, choice_samples([ids], params, body.n, body.group_id, rid), rid,
-                                model_name, ids)
+                                model_name, ids, parser)
 
     return app
 

@@ -13,10 +13,10 @@ read), the task as one line of JSON on stdin; the last line it prints is the rew
 The agent asks for chat completions, runs its own tools and returns the episode's reward. Each of
 its requests is one turn of `run_episode`, so the trajectory stays token-in-token-out: the first
 request's messages are rendered once by the policy's chat template, each reply is the generated
-ids verbatim (Hermes tool calls parsed into OpenAI `tool_calls`), and each later request must send
-the conversation so far unchanged (the reply message appended, as the openai SDK's `message` or its
-dict) followed by new messages (tool results, user turns): only those are rendered, as the
-observation delta. A request that does not continue the conversation (an agent that summarises,
+ids verbatim (tool calls in the policy's format, `parser`, Hermes by default, as OpenAI
+`tool_calls`), and each later request must send the conversation so far unchanged (the reply
+message appended, as the openai SDK's `message` or its dict) followed by new messages (tool
+results, user turns): only those are rendered, as the observation delta. A request that does not continue the conversation (an agent that summarises,
 trims old tool results or changes its tools) starts a new context (`on_rewrite = "new_context"`):
 its messages are rendered afresh as the prompt of the episode's next token sequence (or continue
 an earlier one whose tokens they extend: a sub-agent's turn, then the main agent's again), which
@@ -46,7 +46,7 @@ import threading
 from rollwise.agent.agent_server import AgentServer
 from rollwise.agent.env import NewContext
 from rollwise.agent.gateway import Gateway, GatewayError, Session, completion, pooled
-from rollwise.agent.parsing import openai_tool_calls
+from rollwise.agent.parsing import make_parser, openai_tool_calls
 from rollwise.agent.plugins import load_object
 
 
@@ -56,7 +56,7 @@ class AgentEnv:
     def __init__(self, agent=None, *, command: list[str] | None = None, serve: bool = False, processes: int = 1,
                  max_turns: int = 8,
                  agent_options: dict | None = None, model: str = "policy", transport: str = "asgi",
-                 on_rewrite: str = "new_context") -> None:
+                 on_rewrite: str = "new_context", parser: str = "hermes") -> None:
         if on_rewrite not in ("new_context", "error"):
             raise ValueError(f"on_rewrite {on_rewrite!r}: valid are 'new_context' (a request that does not continue "
                              "the conversation starts a new token sequence) and 'error' (it ends the episode)")
@@ -65,6 +65,7 @@ class AgentEnv:
                              "on the loop) and 'http' (through its socket, as plain-function agents do)")
         self.max_turns, self.model, self.transport, self.on_rewrite = max_turns, model, transport, on_rewrite
         self.command, self.serve, self.processes = command, serve, processes
+        self.parser = make_parser(parser)  # the policy's tool-call format, read into the replies' tool_calls
         self.tools: list[_Schema] = []
         self._session: Session | None = None
         self._gateway = self._key = self._runner = self._output = None
@@ -142,7 +143,7 @@ class AgentEnv:
         if cut >= 0:  # OpenAI's content ends before the stop string (the trajectory keeps its tokens)
             action = action[:cut]
         message, reason = {"role": "assistant", "content": action}, "stop"
-        calls = openai_tool_calls(action) if self._parse else None
+        calls = openai_tool_calls(action, self.parser) if self._parse else None
         if calls is not None:
             message, reason = {"role": "assistant", "content": calls[0] or None, "tool_calls": calls[1]}, "tool_calls"
         usage = None
