@@ -11,7 +11,7 @@ from pathlib import Path
 from rollwise.agent.envs import load_tasks, make_env, resolve_env
 from rollwise.agent.tools import Latency
 from rollwise.router.policies import POLICIES
-from rollwise.trainer.grpo import ADVANTAGES
+from rollwise.trainer.grpo import ADVANTAGES, POLICY_LOSSES
 from rollwise.router.replica import WEIGHTS_VIA
 from rollwise.types import CUT_OFF
 
@@ -57,6 +57,9 @@ class TrainConfig:
     loss_agg: str = "token"  # or "sequence"
     # "grpo" (group mean and std), "dr_grpo" (group mean only) or "rloo" (the mean of the group's others)
     advantage: str = "grpo"
+    # "ppo" (token ratios, clipped), "gspo" (sequence ratios: set clip = 3e-4, clip_high = 4e-4,
+    # loss_agg = "sequence") or "cispo" (clipped, stopped ratios as weights: clip_high large)
+    policy_loss: str = "ppo"
     # episodes cut off by a limit carry no loss (DAPO's overlong filtering): any of "max_turns",
     # "max_context", "timeout", "error"
     exclude_statuses: list[str] = field(default_factory=list)
@@ -139,6 +142,8 @@ class TrainConfig:
             d = {**d, "tool_latency": tuple(d["tool_latency"])}
         cfg = TrainConfig(**d)
         resolve_env(cfg.env)  # a ValueError naming the built-ins, or why a user's env does not load
+        if cfg.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"unknown policy_loss {cfg.policy_loss!r}; valid: {list(POLICY_LOSSES)}")
         if cfg.advantage not in ADVANTAGES:
             raise ValueError(f"unknown advantage {cfg.advantage!r}; valid: {list(ADVANTAGES)}")
         if cfg.routing_policy not in POLICIES:

@@ -6,7 +6,12 @@ std; "dr_grpo", not divided (Dr. GRPO: the std favours groups that are nearly al
 baseline: n / (n - 1) times dr_grpo's). The same for every generated token of a trajectory (of each
 of its token sequences, when the episode ran in several contexts: `Trajectory.earlier`).
 
-loss: token-level clipped policy gradient (decoupled PPO, as in AReaL). The proximal policy is the
+loss (`policy_loss`): "ppo", token-level clipped policy gradient (decoupled PPO, as in AReaL);
+"gspo", GSPO's sequence-level ratio (the geometric mean of its tokens' ratios, clipped per sequence:
+use a tight range, e.g. clip = 3e-4, clip_high = 4e-4, and loss_agg = "sequence"), in its
+token form, so each token's gradient is the sequence ratio times its own; "cispo", CISPO's
+REINFORCE with the ratio clipped and stopped (every token keeps a gradient, the weight is capped:
+clip_high large, e.g. 5). The three agree at ratio 1 (a first epoch on fresh samples). The proximal policy is the
 trainer's weights at the start of the step; the rollout logprobs are the behaviour policy. The
 importance weight proximal/behaviour, truncated at `tis_cap`, corrects for stale samples (generated
 by older weights, or partly under newer ones); ratio current/proximal is clipped to
@@ -62,6 +67,7 @@ class GRPOConfig:
     epochs: int = 1  # optimizer steps over each batch (PPO epochs)
     logprob_tolerance: float = 0.02  # mean |trainer - rollout| logprob allowed on fresh samples
     loss_agg: str = "token"  # "token": mean over all generated tokens; "sequence": per trajectory, then mean
+    policy_loss: str = "ppo"  # or "gspo", "cispo" (`POLICY_LOSSES`)
     behaviour: str = "rollout"  # behaviour logprobs: "rollout" (the replicas') or "recompute" (the trainer's)
     keep_versions: int = 0  # "recompute": past versions' weights kept (the staleness bound)
     # episodes with these statuses (cut off by a limit, not ended by the policy) carry no loss, as in
@@ -74,6 +80,7 @@ class GRPOConfig:
 
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
 
 
 def advantages(groups: list[list[Trajectory]], estimator: str = "grpo") -> list[float]:
@@ -101,6 +108,8 @@ class GRPOTrainer:
         self.policy, self.cfg = policy, config or GRPOConfig()
         if self.cfg.loss_agg not in ("token", "sequence"):
             raise ValueError(f"loss_agg must be 'token' or 'sequence', got {self.cfg.loss_agg!r}")
+        if self.cfg.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"unknown policy_loss {self.cfg.policy_loss!r}; valid: {list(POLICY_LOSSES)}")
         if self.cfg.advantage not in ADVANTAGES:
             raise ValueError(f"unknown advantage {self.cfg.advantage!r}; valid: {list(ADVANTAGES)}")
         if self.cfg.behaviour not in ("rollout", "recompute"):
@@ -220,11 +229,18 @@ class GRPOTrainer:
         row's advantage; `n`: its episode's generated tokens (default: the row's own)."""
         cfg = self.cfg
         lp_behav = b.behaviour_logprobs if st is None else torch.where(st[0] == self.version, prox, st[1])
-        ratio = torch.exp(lp - prox)
         w = torch.exp(prox - lp_behav).clamp(max=cfg.tis_cap)  # truncated IS
         A = a[:, None]
         lo, hi = cfg.clip_range
-        pg = -torch.minimum(ratio * A, ratio.clamp(lo, hi) * A) * w
+        if cfg.policy_loss == "gspo":  # each row's sequence ratio, carried by every token with its own gradient
+            seq = torch.exp(((lp - prox) * b.mask).sum(1, keepdim=True) / b.mask.sum(1, keepdim=True).clamp(min=1))
+            ratio = seq.detach() * torch.exp(lp - lp.detach())
+        else:
+            ratio = torch.exp(lp - prox)
+        if cfg.policy_loss == "cispo":
+            pg = -ratio.detach().clamp(lo, hi) * A * lp * w
+        else:
+            pg = -torch.minimum(ratio * A, ratio.clamp(lo, hi) * A) * w
         if self.ref is not None:
             with torch.no_grad():
                 lp_ref = torch.log_softmax(self.ref(input_ids=b.input_ids, attention_mask=b.attention_mask)

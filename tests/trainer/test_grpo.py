@@ -331,3 +331,41 @@ def test_lora_starts_as_the_model_trains_adapters_alone_and_merges_exactly(model
         policy.add_lora(4, 8)
     with pytest.raises(ValueError, match="nope.*not found"):
         PolicyModel(model_dir).add_lora(4, 8, ["nope"])
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo", "cispo"])
+def test_policy_losses_against_their_formulas(model_dir, policy_loss):
+    """Each loss on made-up logprobs, its value and gradient against the formula written out:
+    PPO clips each token's ratio, GSPO the sequence's geometric mean (each token's gradient the
+    sequence ratio times its own), CISPO weights each token's logprob by its clipped, stopped ratio."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[0.0, 1, 1, 1], [0, 0, 1, 1]])
+    prox = -torch.rand(2, 4) * 2
+    lp0 = prox + torch.tensor([[0.0, 0.3, -0.2, 0.05], [0, 0, 0.01, -0.4]])  # as after an update
+    behav = prox - 0.1 * torch.rand(2, 4)
+    b = Batch(input_ids=torch.zeros(2, 5, dtype=torch.long), attention_mask=torch.ones(2, 5, dtype=torch.long),
+              targets=torch.zeros(2, 4, dtype=torch.long), mask=mask, behaviour_logprobs=behav)
+    a = torch.tensor([1.5, -0.5])
+    cfg = GRPOConfig(policy_loss=policy_loss, clip=0.1, clip_high=0.15, tis_cap=2.0)
+    trainer = GRPOTrainer(PolicyModel(model_dir), cfg)
+    lp = lp0.clone().requires_grad_()
+    stats = torch.zeros(4)
+    trainer._backward(lp, b, a, None, prox, div=5.0, stats=stats)
+
+    w = torch.exp(prox - behav).clamp(max=2.0)
+    A = a[:, None]
+    if policy_loss == "gspo":  # one ratio per sequence
+        r = torch.exp(((lp0 - prox) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True)).expand(2, 4)
+    else:
+        r = torch.exp(lp0 - prox)
+    c = r.clamp(0.9, 1.15)
+    if policy_loss == "cispo":  # -sg(clip(r)) A w logp
+        grad, value = -c * A * w, -c * A * w * lp0
+    else:  # -min(r A, clip(r) A) w: the gradient flows where the unclipped term is the min
+        grad, value = -(r * A) * (r * A <= c * A).float() * w, -torch.minimum(r * A, c * A) * w
+    assert torch.allclose(lp.grad, grad * mask / 5.0, atol=1e-6)
+    assert float(stats[0]) == pytest.approx(float((value * mask).sum() / 5.0), abs=1e-6)
+    if policy_loss != "cispo":  # row 1 moved outside the range against its advantage: clipped, no gradient
+        assert (lp.grad[1] == 0).all() == (policy_loss == "gspo") and (lp.grad[0] != 0).any()
+    with pytest.raises(ValueError, match="valid: \\['ppo', 'gspo', 'cispo'\\]"):
+        GRPOTrainer(PolicyModel(model_dir), GRPOConfig(policy_loss="dpo"))
