@@ -23,7 +23,7 @@ from rollwise.serve.protocol import (AbortRequest, ChatCompletionRequest, Comple
 from rollwise.serve.handlers import chat_reply, completion_reply, unless_disconnected
 from rollwise.serve.responses import (choice_samples, completion_params, error, generate_json, generate_params, primed,
                                       sglang_fields, sse, stream_generate, weights_refused)
-from rollwise.serve.server import install_common
+from rollwise.serve.server import install_common, install_responses
 from rollwise.serve.sglang import PauseRequest, UpdateFromDiskRequest, load_from_disk
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
 
@@ -265,4 +265,5 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         return await chat_reply(routed, body, request, runs(body, request, ids, params, rid), rid, body.model, ids,
                                 parser)
 
+    install_responses(app, chat)  # the Responses API, as chat through the router
     return app

@@ -7,6 +7,7 @@ the server.
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import tempfile
 import uuid
@@ -161,7 +162,52 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         return await chat_reply(engine, body, request, choice_samples([ids], params, body.n, body.group_id, rid), rid,
                                 model_name, ids, parser)
 
+    install_responses(app, chat)
     return app
+
+
+RESPONSE_PASSED = ("temperature", "top_p", "seed", "user")  # sampling fields a Responses request hands to chat
+STORED_RESPONSES = 4096  # the conversations previous_response_id can continue, newest kept
+
+
+def install_responses(app: FastAPI, chat) -> None:
+    """POST /v1/responses: OpenAI's Responses API (what the OpenAI Agents SDK calls by default) as a
+    chat request (`rollwise.agent.responses_api`: input items to messages, the reply to output
+    items), `text.format` json_schema as structured outputs, and `previous_response_id` over the
+    last STORED_RESPONSES responses (`store: false` keeps one out). Streamed as the Responses API's
+    events once the reply is complete (not token by token)."""
+    from collections import OrderedDict
+
+    from rollwise.agent.gateway import GatewayError
+    from rollwise.agent.responses_api import chat_body, events, response
+    conversations: OrderedDict[str, list[dict]] = OrderedDict()
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return error(400, "the body is not JSON")
+        try:
+            body_chat, messages = chat_body(body, conversations)
+        except GatewayError as e:
+            return error(e.status, e.message, e.kind)
+        fmt = (body.get("text") or {}).get("format") or {"type": "text"}
+        if fmt.get("type") == "json_schema":
+            body_chat["response_format"] = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
+        elif fmt.get("type") != "text":
+            body_chat["response_format"] = fmt
+        body_chat["messages"] = [{**m, "role": "system" if m["role"] == "developer" else m["role"]}
+                                 for m in body_chat["messages"]]
+        extra = {k: body[k] for k in RESPONSE_PASSED if body.get(k) is not None}
+        reply = await chat(ChatCompletionRequest(**{k: v for k, v in body_chat.items() if v is not None}, **extra),
+                           request)
+        resp = response(reply, body)
+        if body.get("store", True):
+            conversations[resp["id"]] = messages + [reply["choices"][0]["message"]]
+            while len(conversations) > STORED_RESPONSES:
+                conversations.popitem(last=False)
+        return sse(events(resp)) if body.get("stream") else resp
 
 
 def _safetensors(path: Path) -> dict:

@@ -141,6 +141,8 @@ def test_route_proxy_over_http(servers, model_dir):
                                                         "tool_choice": "required", "max_tokens": 40, "seed": 4}).json()
             assert chat["choices"][0]["finish_reason"] == "tool_calls", chat  # held to a call, through the route
             assert chat["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "lookup"
+            resp = c.post("/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 5}).json()
+            assert resp["object"] == "response" and resp["usage"]["output_tokens"] <= 5  # the Responses API too
             for bad in ({"input_ids": "x"}, {"input_ids": []}, {"input_ids": [1], "sampling_params": {"max_tokens": -1}},
                         {"input_ids": [1], "bogus": 1}, {"prompt": "text"}, {"input_ids": [10**9]}):
                 r = c.post("/generate", json=bad)

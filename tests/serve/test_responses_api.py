@@ -1,0 +1,72 @@
+"""OpenAI's Responses API on `rollwise serve` (a subprocess, real HTTP), through the openai SDK:
+text, structured output by text.format, function calls and their outputs continued by
+previous_response_id, streaming events, errors; the OpenAI Agents SDK's default model on it."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from rollwise.serve.process import ServerProcess
+
+TOOLS = [{"type": "function", "name": "lookup", "description": "Looks a name up.", "strict": True,
+          "parameters": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}},
+                         "required": ["name"], "additionalProperties": False}}]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with ServerProcess(model_dir, "--max-num-seqs", "8", "--max-model-len", "1024") as s:
+        yield s
+
+
+def test_text_structured_and_streamed_responses(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0)
+    r = client.responses.create(model="m", input="Hello there", max_output_tokens=12, temperature=0)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens" and r.usage.output_tokens == 12
+    again = client.responses.create(model="m", input="Hello there", max_output_tokens=12, temperature=0)
+    assert again.output_text == r.output_text  # greedy: the same text
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+              "required": ["city"], "additionalProperties": False}
+    s = client.responses.create(model="m", input="A city?", max_output_tokens=40, temperature=1.0,
+                                text={"format": {"type": "json_schema", "name": "c", "schema": schema}})
+    assert set(json.loads(s.output_text)) == {"city"}
+    events = list(client.responses.create(model="m", input="Hello there", max_output_tokens=12, temperature=0,
+                                          stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+
+
+def test_function_calls_continue_by_previous_response_id(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0)
+    first = client.responses.create(model="m", input="Where is Ana?", tools=TOOLS, max_output_tokens=60,
+                                    tool_choice="required", instructions="Use the tools.")
+    [call] = [o for o in first.output if o.type == "function_call"]
+    assert call.name == "lookup" and set(json.loads(call.arguments)) == {"name"}
+    second = client.responses.create(model="m", previous_response_id=first.id, tools=TOOLS, max_output_tokens=8,
+                                     input=[{"type": "function_call_output", "call_id": call.call_id, "output": "room 7"}])
+    assert second.previous_response_id == first.id and second.usage.input_tokens > first.usage.input_tokens
+    r = httpx.post(f"{server.url}/v1/responses", json={"model": "m", "input": "x", "previous_response_id": "resp_nope"})
+    assert r.status_code == 400 and "previous_response_id" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/responses", json={"model": "m", "input": [{"type": "web_search_call"}]})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_the_openai_agents_sdk_runs_on_rollwise_serve(server):
+    """An Agents SDK agent on its default (Responses) model with a structured output type: the
+    SDK's schema becomes the request's text.format, so even the random test model answers in it."""
+    import agents
+    import pydantic
+    from agents import Agent, OpenAIResponsesModel, Runner
+
+    class Answer(pydantic.BaseModel):
+        room: int = pydantic.Field(ge=0, le=99)
+
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0)
+    agent = Agent(name="a", instructions="Answer.", output_type=Answer,
+                  model=OpenAIResponsesModel(model="m", openai_client=client),
+                  model_settings=agents.ModelSettings(max_tokens=24, temperature=1.0))
+    result = Runner.run_sync(agent, "Which room is Ana in?", max_turns=2)
+    assert isinstance(result.final_output, Answer) and 0 <= result.final_output.room <= 99
