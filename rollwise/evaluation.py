@@ -2,7 +2,8 @@
 tasks `rollwise train` evaluates with the same config (`eval_tasks_file`, or the env's own draw),
 `samples` episodes per task on the config's fleet. Reports success (reward 1) per episode, which is
 pass@1, and pass@samples (a task counts if any of its samples succeeds), mean reward, episode
-statuses and the work done; writes every transcript as JSON lines when asked."""
+statuses and the work done (and success per env when tasks name theirs: a mix); writes every
+transcript as JSON lines when asked."""
 from __future__ import annotations
 
 import asyncio
@@ -36,7 +37,8 @@ async def _evaluate(cfg: TrainConfig, tasks: list[dict], samples: int, temperatu
     try:
         async for group in eval_episodes(router, env_factory(cfg), tasks, cfg, temperature, samples):
             right.append(sum(t.reward >= 1.0 for t in group))
-            rows += [{"task_id": t.task.get("id"), "sample": k, "reward": t.reward, "status": t.status,
+            rows += [{"task_id": t.task.get("id"), "env": t.task.get("env"), "sample": k, "reward": t.reward,
+                      "status": t.status,
                       "error": t.error, "turns": t.num_turns, "generated_tokens": t.num_generated,
                       "messages": t.messages} for k, t in enumerate(group)]
             status.line(f"eval: {len(right)}/{len(tasks)} tasks, success {sum(right) / len(rows):.3f}")
@@ -50,6 +52,10 @@ async def _evaluate(cfg: TrainConfig, tasks: list[dict], samples: int, temperatu
               "mean_reward": sum(r["reward"] for r in rows) / n,
               "statuses": dict(Counter(r["status"] for r in rows)), "turns": turns,
               "generated_tokens": tokens, "seconds": seconds}
+    kinds = sorted({r["env"] for r in rows if r["env"] is not None})
+    if kinds:  # tasks of several envs (a mix): success per env
+        report["success_by_env"] = {e: sum(r["reward"] >= 1.0 for r in rows if r["env"] == e) /
+                                    sum(r["env"] == e for r in rows) for e in kinds}
     status.done(f"eval: success {report['success']:.3f}, pass@{samples} {report[f'pass@{samples}']:.3f} on "
                 f"{len(tasks)} tasks x {samples} ({turns} turns, {tokens} tokens generated, {seconds:.0f}s)")
     if out is not None:
