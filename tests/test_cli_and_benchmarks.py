@@ -259,3 +259,11 @@ def test_weight_sync_benchmark_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert set(res["ms"]) == {"in_process", "http_file", "http_stream"} and all(v > 0 for v in res["ms"].values())
+
+
+def test_structured_benchmark_smoke(tmp_path):
+    out = tmp_path / "structured.json"
+    r = run("benchmarks/structured.py", "--smoke", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["batches"]
+    assert all(row["plain"]["tokens"] == row["json_schema"]["tokens"] > 0 and row["ratio"] > 0 for row in rows.values())
