@@ -52,7 +52,8 @@ async def measure(gen, side: str, tasks: list[dict], concurrency: int) -> tuple[
     turns = sum(t.num_turns for t in trajs)
     failed = [t for t in trajs if t.status != "done"]
     if failed:
-        raise SystemExit(f"{side}: {len(failed)} of {len(trajs)} episodes failed, e.g. {failed[0].status}: {failed[0].error}")
+        raise SystemExit(f"{side}: {len(failed)} of {len(trajs)} episodes failed, "
+                         f"e.g. {failed[0].status}: {failed[0].error}")
     return ({"episodes": len(trajs), "turns": turns, "seconds": dt, "episodes_per_s": len(trajs) / dt,
              "ms_per_turn": 1e3 * dt / turns, "generated_tokens": sum(t.num_generated for t in trajs),
              "solved": sum(t.reward == 1.0 for t in trajs) / len(trajs)},

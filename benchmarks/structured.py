@@ -42,7 +42,8 @@ def main() -> None:
     sides = {"plain": {}, "json_schema": {"structured_outputs": {"json": SCHEMA}}}
 
     def params(side: str, b: int) -> list[SamplingParams]:
-        return [SamplingParams(temperature=1.0, seed=i, max_tokens=new, ignore_eos=True, **sides[side]) for i in range(b)]
+        return [SamplingParams(temperature=1.0, seed=i, max_tokens=new, ignore_eos=True, **sides[side])
+                for i in range(b)]
     llm.generate(bench.rand_prompts(2, 32, vocab, 99), params("json_schema", 2))  # warm up (the grammar engine too)
     out: dict = {"model": model, "new_tokens": new, "batches": {}}
     print("| batch | plain tok/s | JSON schema tok/s | schema / plain | tokens each side |")

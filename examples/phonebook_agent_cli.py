@@ -24,7 +24,7 @@ from phonebook_agent import PhonebookAgent  # (this file's directory is on the p
 
 async def serve() -> None:
     agent, running = PhonebookAgent(), {}
-    http = openai.DefaultAsyncHttpxClient()  # one connection pool for every episode (a client of its own: ~16 ms to make)
+    http = openai.DefaultAsyncHttpxClient()  # one pool for every episode (a client of its own: ~16 ms to make)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 24)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)

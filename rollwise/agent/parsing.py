@@ -183,7 +183,8 @@ def forced_tool_calls(tools: list[dict], tool_choice, tag_tokens: bool = False,
         if not fns:
             raise ValueError(f"tool_choice names function {name!r}, which is not among the tools offered")
     else:
-        raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+        raise ValueError('tool_choice must be "none", "auto", "required" or '
+                         '{"type": "function", "function": {"name": ...}}')
     fns = [f for f in fns if f.get("name")]
     if not fns:
         raise ValueError("tool_choice asks for a tool call, but no function is offered")

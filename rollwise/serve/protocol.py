@@ -56,7 +56,8 @@ class _OpenAISampling(_Strict):
                               ignore_eos=self.ignore_eos, logprobs=top_logprobs,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
-                              allowed_token_ids=self.allowed_token_ids, structured_outputs=self.structured(tokenizer, parser))
+                              allowed_token_ids=self.allowed_token_ids,
+                              structured_outputs=self.structured(tokenizer, parser))
 
     def structured(self, tokenizer=None, parser=None) -> dict | None:
         """The request's structured-output spec, from whichever of its fields names one (one at most)."""

@@ -12,16 +12,16 @@ read), the task as one line of JSON on stdin; the last line it prints is the rew
 
 The agent asks for chat completions, runs its own tools and returns the episode's reward. Each of
 its requests is one turn of `run_episode`, so the trajectory stays token-in-token-out: the first
-request's messages are rendered once by the policy's chat template, each reply is the generated
-ids verbatim (tool calls in the policy's format, `parser`, Hermes by default, as OpenAI
-`tool_calls`), and each later request must send the conversation so far unchanged (the reply
-message appended, as the openai SDK's `message` or its dict) followed by new messages (tool
-results, user turns): only those are rendered, as the observation delta. A request that does not continue the conversation (an agent that summarises,
-trims old tool results or changes its tools) starts a new context (`on_rewrite = "new_context"`):
-its messages are rendered afresh as the prompt of the episode's next token sequence (or continue
-an earlier one whose tokens they extend: a sub-agent's turn, then the main agent's again), which
-the trainer trains with the same advantage as the first; `on_rewrite = "error"` ends such an episode
-with status `error` instead.
+request's messages are rendered once by the policy's chat template, each reply is the generated ids
+verbatim (tool calls in the policy's format, `parser`, Hermes by default, as OpenAI `tool_calls`),
+and each later request must send the conversation so far unchanged (the reply message appended, as
+the openai SDK's `message` or its dict) followed by new messages (tool results, user turns): only
+those are rendered, as the observation delta. A request that does not continue the conversation (an
+agent that summarises, trims old tool results or changes its tools) starts a new context
+(`on_rewrite = "new_context"`): its messages are rendered afresh as the prompt of the episode's next
+token sequence (or continue an earlier one whose tokens they extend: a sub-agent's turn, then the
+main agent's again), which the trainer trains with the same advantage as the first; `on_rewrite =
+"error"` ends such an episode with status `error` instead.
 
 Sampling is the run's (temperature, seed: the request's are ignored), so the logprobs are those
 the trainer expects; a request's `stop` strings and a lower `max_tokens` apply to its turn. A plain (not async) `run` gets an

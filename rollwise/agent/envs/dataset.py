@@ -9,13 +9,13 @@ the reward reads; the reward is a built-in rule or a user's function; tools are 
 Rewards: `exact` (the answer equals the task's `answer`, case and surrounding space ignored),
 `number` (its last number equals it), `contains` (it appears in the answer), `unit_tests` (the
 answer's last fenced code block, then the task's `tests`, run to the end in the code sandbox),
-`judge` (an LLM grades it against the task and its reference answer, if any: `judge = { url,
-model, ... }`, `rollwise.agent.judge`), or `module:function` / `file.py:function` called as `function(task, answer_text) -> float` (a
-coroutine function is awaited; a plain one runs in a worker thread, so a slow verifier holds up
-no other episode). Tools: `python` (the code sandbox) or a user's typed function (or `Tool`) by
-the same naming. A task's `solution` (a string, or a list of assistant messages) is its expert
-transcript, for an SFT warm start. `prompt_key` and `answer_key` name other fields (`question`,
-`ground_truth`).
+`judge` (an LLM grades it against the task and its reference answer, if any: `judge = { url, model,
+... }`, `rollwise.agent.judge`), or `module:function` / `file.py:function` called as `function(task,
+answer_text) -> float` (a coroutine function is awaited; a plain one runs in a worker thread, so a
+slow verifier holds up no other episode). Tools: `python` (the code sandbox) or a user's typed
+function (or `Tool`) by the same naming. A task's `solution` (a string, or a list of assistant
+messages) is its expert transcript, for an SFT warm start. `prompt_key` and `answer_key` name other
+fields (`question`, `ground_truth`).
 """
 from __future__ import annotations
 
@@ -80,7 +80,8 @@ class DatasetEnv(ToolEnv):
             self.reward = load_object(reward, "reward function")
             self._threaded = not inspect.iscoroutinefunction(self.reward)
         else:
-            raise ValueError(f"unknown reward {reward!r}; valid: {sorted([*REWARDS, 'judge', 'unit_tests'])}, or a user's "
+            raise ValueError(f"unknown reward {reward!r}; valid: {sorted([*REWARDS, 'judge', 'unit_tests'])}, "
+                             f"or a user's "
                              f"function as {FORM}")
         self._tools = [self._make_tool(spec) for spec in tools]
         if system_prompt is not None:

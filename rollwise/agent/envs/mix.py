@@ -25,7 +25,8 @@ class MixEnv:
                  tool_latency=None) -> None:
         from rollwise.agent.envs import resolve_env
         if not isinstance(envs, dict) or not envs or not all(isinstance(o, dict) for o in envs.values()):
-            raise ValueError("mix needs envs = { name = { options }, ... }: at least one env, each with a table of options")
+            raise ValueError("mix needs envs = { name = { options }, ... }: at least one env, each with a table "
+                             "of options")
         if "mix" in envs:
             raise ValueError("mix cannot contain mix")
         weights = dict(weights or {})
