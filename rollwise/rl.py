@@ -18,6 +18,7 @@ import json
 import os
 import random
 import time
+from collections import Counter
 from pathlib import Path
 
 from rollwise.agent.episode import collect, run_attempts, stable_seed
@@ -41,16 +42,22 @@ def eval_episodes(router, make_env, tasks: list[dict], cfg: TrainConfig, tempera
                    retry_on=tuple(cfg.retry_statuses))
 
 
-async def evaluate(router, make_env, tasks: list[dict], cfg: TrainConfig, temperature: float | None = None) -> float | None:
+async def evaluate(router, make_env, tasks: list[dict], cfg: TrainConfig, temperature: float | None = None,
+                   by_env: dict | None = None) -> float | None:
     """Success rate (reward 1) on `tasks`, one episode each (`eval_episodes`). None when there are
-    no evaluation tasks."""
+    no evaluation tasks. `by_env` (a dict): filled with the success per env of tasks that name
+    theirs (a mix)."""
     if not tasks:
         return None
-    wins = n = 0
+    wins: Counter = Counter()
+    seen: Counter = Counter()
     async for g in eval_episodes(router, make_env, tasks, cfg, temperature, prefix="eval-"):
-        wins += sum(t.reward >= 1.0 for t in g)
-        n += len(g)
-    return wins / n
+        for t in g:
+            wins[t.task.get("env")] += t.reward >= 1.0
+            seen[t.task.get("env")] += 1
+    if by_env is not None:
+        by_env.update({e: wins[e] / seen[e] for e in sorted(k for k in seen if k is not None)})
+    return sum(wins.values()) / sum(seen.values())
 
 
 async def expert_trajectories(tokenizer, make_env, tasks: list[dict], direct_fraction: float = 0.0,
@@ -221,7 +228,8 @@ async def _train(cfg: TrainConfig) -> dict:
         await router.update_weights(policy.engine_weights(), trainer.version)
         if sft_success is None and eval_tasks:
             status.line("evaluating the SFT model ...")
-            sft_success = await evaluate(router, make_env, eval_tasks, cfg)
+            report["sft_success_by_env"] = {}
+            sft_success = await evaluate(router, make_env, eval_tasks, cfg, by_env=report["sft_success_by_env"])
             sft_greedy = await evaluate(router, make_env, eval_tasks, cfg, temperature=0.0)
             report["sft_greedy_success"] = sft_greedy
             status.done(f"SFT model: success {sft_success:.3f} (greedy {sft_greedy:.3f}) on {len(eval_tasks)} held-out tasks")
@@ -291,7 +299,7 @@ async def _train(cfg: TrainConfig) -> dict:
             history.append(m)
             _save_checkpoint(ckpt_path, trainer, consumed, history,
                              {"sft_success": sft_success, "skipped": skipped,
-                              "report": {k: v for k, v in report.items() if k in ("sft", "sft_greedy_success")}})
+                              "report": {k: v for k, v in report.items() if k in ("sft", "sft_greedy_success", "sft_success_by_env")}})
             with open(steps_log, "a") as f:
                 f.write(json.dumps(m, default=str) + "\n")
             if len(history) % 10 == 0:  # the curves so far
@@ -302,7 +310,8 @@ async def _train(cfg: TrainConfig) -> dict:
         rl_success = None
         if eval_tasks:
             status.line("evaluating the RL model ...")
-            rl_success = await evaluate(router, make_env, eval_tasks, cfg)
+            report["rl_success_by_env"] = {}
+            rl_success = await evaluate(router, make_env, eval_tasks, cfg, by_env=report["rl_success_by_env"])
             report["rl_greedy_success"] = await evaluate(router, make_env, eval_tasks, cfg, temperature=0.0)
             status.done(f"RL model: success {rl_success:.3f} (greedy {report['rl_greedy_success']:.3f})")
     finally:

@@ -60,6 +60,9 @@ def test_train_and_evaluate_a_mix(model_dir, tmp_path):
                                  "max_tokens": 16, "max_turns": 2, "eval_tasks": 6, "progress": False})
     report = train(cfg)
     assert len(report["steps"]) == 2 and report["eval_tasks"] == 6
+    for key in ("sft_success_by_env", "rl_success_by_env"):  # success per env, before and after RL
+        assert set(report[key]) <= {"phonebook", "calculator"} and report[key]
+        assert all(0.0 <= v <= 1.0 for v in report[key].values())
     assert {t["env"] for t in make_env("mix", envs=ENVS).sample_tasks(8, seed=1)} == {"phonebook", "calculator"}
     example = TrainConfig.from_toml(Path(__file__).parents[2] / "examples" / "train-mix.toml", model=model_dir)
     assert example.env == "mix" and make_env("mix", **example.env_options).weights == {"phonebook": 2.0, "calculator": 1.0}
