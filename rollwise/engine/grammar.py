@@ -39,7 +39,7 @@ class Grammars:
     def __init__(self, tokenizer_dir: str | Path, vocab_size: int, eos_token_ids: set[int]) -> None:
         self.tokenizer_dir, self.vocab_size, self.eos_token_ids = Path(tokenizer_dir), vocab_size, sorted(eos_token_ids)
         self._tokenizer = None
-        self._special: list[int] | None = None
+        self._special: torch.Tensor | None = None
 
     @property
     def tokenizer(self):
@@ -50,11 +50,12 @@ class Grammars:
         return self._tokenizer
 
     @property
-    def special(self) -> list[int]:
-        """The ids llguidance takes as special tokens (every added token)."""
+    def special(self) -> torch.Tensor:
+        """The ids llguidance takes as special tokens (every added token, and ids past the tokenizer's)."""
         if self._special is None:
             tok = self.tokenizer
-            self._special = [t for t in range(min(self.vocab_size, tok.vocab_size)) if tok.is_special_token(t)]
+            self._special = torch.tensor([t for t in range(self.vocab_size) if t >= tok.vocab_size
+                                          or tok.is_special_token(t)], dtype=torch.long)
         return self._special
 
     def matcher(self, spec: dict):
@@ -70,16 +71,25 @@ class Grammars:
         return m
 
 
-def allowed(matcher, vocab: int, special: list[int] = ()) -> torch.Tensor:
-    """[vocab] bool: the tokens the matcher allows next (EOS once the output is complete). The mask
+def allowed(matchers: list, vocab: int, special: torch.Tensor | None = None) -> torch.Tensor:
+    """[len(matchers), vocab] bool: the tokens each matcher allows next (EOS once its output is
+    complete), computed for the batch at once (llguidance's executor, without the GIL). The mask
     can let through a special token whose text fits (Qwen's <tool_call> inside a JSON string) that
     the matcher would then refuse: `special` ones it lets through are checked one by one."""
     import llguidance.torch as lt
-    bits = lt.allocate_token_bitmask(1, vocab)
-    lt.fill_next_token_bitmask(matcher, bits, 0)
-    words = bits[0].to(torch.int64) & 0xFFFFFFFF  # int32 words, low bit first
-    mask = ((words[:, None] >> torch.arange(32)) & 1).bool().flatten()[:vocab]
-    for t in special:
-        if mask[t] and not matcher.validate_tokens([t]):
-            mask[t] = False
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        import llguidance
+        _EXECUTOR = llguidance.LLExecutor()
+    bits = lt.allocate_token_bitmask(len(matchers), vocab)
+    lt.fill_next_token_bitmask_par(_EXECUTOR, [(m, i) for i, m in enumerate(matchers)], bits)
+    words = bits.to(torch.int64) & 0xFFFFFFFF  # int32 words, low bit first
+    mask = ((words[:, :, None] >> torch.arange(32)) & 1).bool().flatten(1)[:, :vocab]
+    if special is not None:
+        for row, col in mask[:, special].nonzero().tolist():  # (usually none or a few)
+            if not matchers[row].validate_tokens([int(special[col])]):
+                mask[row, special[col]] = False
     return mask
+
+
+_EXECUTOR = None

@@ -214,6 +214,7 @@ class LLMEngine:
         plain = [b for b, s in enumerate(batch) if s.samples and s.draft is None]
         if plain:
             rows = [self._row(batch[b].seq) for b in plain]
+            self._constrain(rows, [batch[b].seq for b in plain])
             toks, lps, tops = self.sampler(logits[[starts[b] for b in plain]], rows)
             emitted = {batch[b]: ([t], [lp], [top]) for b, t, lp, top in zip(plain, toks, lps, tops)}
         for b, s in enumerate(batch):
@@ -223,14 +224,21 @@ class LLMEngine:
                 emitted[s] = (v.tokens, v.logprobs, v.top)
         return emitted
 
+    def _constrain(self, rows: list[SampleRow], seqs: list[Sequence]) -> None:
+        """Structured outputs: each constrained row's allowed tokens (the batch's masks at once)."""
+        held = [(r, s) for r, s in zip(rows, seqs) if s.grammar is not None]
+        if not held:
+            return
+        for (r, seq), m in zip(held, grammar.allowed([s.grammar for _, s in held], self.vocab_size,
+                                                     self.grammars.special)):
+            if not m.any():  # a grammar this tokenizer cannot spell: the output ends
+                m[sorted(self.eos_token_ids)] = True
+                seq.stop_reason = "structured output: no token can continue it"
+            r.allowed = m
+
     def _row(self, seq: Sequence) -> SampleRow:
         n = seq.num_output_tokens
-        allowed = None if seq.grammar is None else grammar.allowed(seq.grammar, self.vocab_size, self.grammars.special)
-        if allowed is not None and not allowed.any():  # a grammar this tokenizer cannot spell: the output ends
-            allowed[sorted(self.eos_token_ids)] = True
-            seq.stop_reason = "structured output: no token can continue it"
-        return SampleRow(seq.params, n, self._banned(seq), seq.forced[n] if seq.forced else None, seq.token_ids,
-                         allowed)
+        return SampleRow(seq.params, n, self._banned(seq), seq.forced[n] if seq.forced else None, seq.token_ids)
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)

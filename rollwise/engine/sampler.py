@@ -47,8 +47,9 @@ class Sampler:
                 logits[i:i + 1] = processed(logits[i:i + 1], r.params, r.tokens, r.position)
             if r.banned:
                 logits[i, list(r.banned)] = float("-inf")
-            if r.allowed is not None:
-                logits[i, ~r.allowed] = float("-inf")
+        held = [i for i, r in enumerate(rows) if r.allowed is not None]  # structured outputs, masked at once
+        if held:
+            logits[held] = logits[held].masked_fill(~torch.stack([rows[i].allowed for i in held]), float("-inf"))
         temps = torch.tensor([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows])
         scaled = logits / temps[:, None]
         logprobs = torch.log_softmax(scaled, dim=-1)
