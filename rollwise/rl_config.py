@@ -11,8 +11,8 @@ from pathlib import Path
 from rollwise.agent.envs import load_tasks, make_env, resolve_env
 from rollwise.agent.tools import Latency
 from rollwise.router.policies import POLICIES
-from rollwise.trainer.grpo import ADVANTAGES, POLICY_LOSSES
 from rollwise.router.replica import WEIGHTS_VIA
+from rollwise.trainer.grpo import ADVANTAGES, POLICY_LOSSES
 from rollwise.types import CUT_OFF
 
 

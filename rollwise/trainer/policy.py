@@ -163,11 +163,9 @@ class PolicyModel:
         state = get_peft_model_state_dict(self.model)
         save_file({f"base_model.model.{k}": v.detach().contiguous() for k, v in state.items()},
                   str(Path(path) / "adapter_model.safetensors"))
-        config = self.lora.to_dict()
-        config.update(base_model_name_or_path=str(base_model), task_type="CAUSAL_LM",
-                      target_modules=sorted(config["target_modules"]) if isinstance(config["target_modules"], set)
-                      else config["target_modules"])
-        (Path(path) / "adapter_config.json").write_text(json.dumps(config, indent=2, default=list))
+        config = {**self.lora.to_dict(), "base_model_name_or_path": str(base_model), "task_type": "CAUSAL_LM"}
+        (Path(path) / "adapter_config.json").write_text(
+            json.dumps(config, indent=2, default=lambda x: sorted(x) if isinstance(x, (set, frozenset)) else str(x)))
 
     def parameters(self):
         """The trainable parameters (the adapters alone, with LoRA)."""
