@@ -8,23 +8,23 @@ of its token sequences, when the episode ran in several contexts: `Trajectory.ea
 
 loss (`policy_loss`): "ppo", token-level clipped policy gradient (decoupled PPO, as in AReaL);
 "gspo", GSPO's sequence-level ratio (the geometric mean of its tokens' ratios, clipped per sequence:
-use a tight range, e.g. clip = 3e-4, clip_high = 4e-4, and loss_agg = "sequence"), in its
-token form, so each token's gradient is the sequence ratio times its own; "cispo", CISPO's
-REINFORCE with the ratio clipped and stopped (every token keeps a gradient, the weight is capped:
-clip_high large, e.g. 5). The three agree at ratio 1 (a first epoch on fresh samples). The proximal policy is the
+use a tight range, e.g. clip = 3e-4, clip_high = 4e-4, and loss_agg = "sequence"), in its token
+form, so each token's gradient is the sequence ratio times its own; "cispo", CISPO's REINFORCE with
+the ratio clipped and stopped (every token keeps a gradient, the weight is capped: clip_high large,
+e.g. 5). The three agree at ratio 1 (a first epoch on fresh samples). The proximal policy is the
 trainer's weights at the start of the step; the rollout logprobs are the behaviour policy. The
 importance weight proximal/behaviour, truncated at `tis_cap`, corrects for stale samples (generated
-by older weights, or partly under newer ones); ratio current/proximal is clipped to
-[1 - `clip`, 1 + `clip_high`] (`clip_high` defaults to `clip`; DAPO's clip-higher raises it).
-Episodes whose status is in `exclude_statuses` (cut off by a limit) carry no loss.
-With `behaviour="recompute"` the trainer computes the behaviour logprobs itself, under the weights
-of the version that generated each turn (it keeps the last `keep_versions` versions' weights):
-fresh tokens get weight exactly 1 and stale ones a weight that does not depend on the replicas'
-numerics (batch shapes, speculation), so a run is reproducible bit for bit. It needs every turn to
-have run under one version (the lockstep pipeline). Optional KL to a reference model (k3
-estimator). Token losses are averaged over all generated tokens of the batch; AdamW, gradient
-clipping, micro-batches under a token budget. The proximal logprobs are those of the first epoch's
-training forward (no update has happened yet), so a step runs no separate forward for them.
+by older weights, or partly under newer ones); ratio current/proximal is clipped to [1 - `clip`, 1 +
+`clip_high`] (`clip_high` defaults to `clip`; DAPO's clip-higher raises it). Episodes whose status
+is in `exclude_statuses` (cut off by a limit) carry no loss. With `behaviour="recompute"` the
+trainer computes the behaviour logprobs itself, under the weights of the version that generated each
+turn (it keeps the last `keep_versions` versions' weights): fresh tokens get weight exactly 1 and
+stale ones a weight that does not depend on the replicas' numerics (batch shapes, speculation), so a
+run is reproducible bit for bit. It needs every turn to have run under one version (the lockstep
+pipeline). Optional KL to a reference model (k3 estimator). Token losses are averaged over all
+generated tokens of the batch; AdamW, gradient clipping, micro-batches under a token budget. The
+proximal logprobs are those of the first epoch's training forward (no update has happened yet), so a
+step runs no separate forward for them.
 
 streamed steps: `begin`, then `add` each group as it completes (its forward and backward run while
 the rest of the batch is still generating), then `finish` (the optimizer step). The gradients are
