@@ -119,7 +119,9 @@ class GRPOTrainer:
             raise ValueError(f"exclude_statuses {bad}: valid statuses are {list(CUT_OFF)}")
         self.kept: dict[int, dict[str, torch.Tensor]] = {}  # version -> its weights ("recompute")
         self.opt = torch.optim.AdamW(policy.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
-        self.ref = copy.deepcopy(policy.model).eval() if self.cfg.kl_coef > 0 else None
+        # the KL reference: the weights as they are now; with LoRA, the policy with its adapters off
+        # (its frozen weights are the reference: no copy)
+        self.ref = copy.deepcopy(policy.model).eval() if self.cfg.kl_coef > 0 and policy.lora is None else None
         self.version = 0  # optimizer steps taken = the policy version the replicas should serve
         self._acc: dict | None = None  # the step begun and not finished (`begin`, `add`, `finish`)
 
@@ -241,9 +243,10 @@ class GRPOTrainer:
             pg = -ratio.detach().clamp(lo, hi) * A * lp * w
         else:
             pg = -torch.minimum(ratio * A, ratio.clamp(lo, hi) * A) * w
-        if self.ref is not None:
-            with torch.no_grad():
-                lp_ref = torch.log_softmax(self.ref(input_ids=b.input_ids, attention_mask=b.attention_mask)
+        if cfg.kl_coef > 0:
+            with torch.no_grad(), self.policy.adapters_off():
+                ref = self.ref if self.ref is not None else self.policy.model
+                lp_ref = torch.log_softmax(ref(input_ids=b.input_ids, attention_mask=b.attention_mask)
                                            .logits[:, :-1] / cfg.temperature, -1).gather(
                     -1, b.targets.unsqueeze(-1)).squeeze(-1)
             d = lp_ref - lp

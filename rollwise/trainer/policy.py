@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import json
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +122,19 @@ class PolicyModel:
         self.lora = config
         for name, p in self.model.named_parameters():
             p.requires_grad_("lora_" in name)
+
+    @contextmanager
+    def adapters_off(self):
+        """The model without its LoRA adapters while inside (the weights they were trained on); no-op
+        without LoRA."""
+        layers = [m for _, m in self._lora_layers()] if self.lora is not None else []
+        for m in layers:
+            m.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for m in layers:
+                m.enable_adapters(True)
 
     def _lora_layers(self) -> list[tuple[str, torch.nn.Module]]:
         from peft.tuners.lora import LoraLayer

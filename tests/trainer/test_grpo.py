@@ -313,10 +313,14 @@ def test_lora_starts_as_the_model_trains_adapters_alone_and_merges_exactly(model
     assert torch.equal(policy.logprobs(b).detach(), before)  # B = 0: the model as it was
     names = {n for n, p in policy.model.named_parameters() if p.requires_grad}
     assert names and all("lora_" in n and ("q_proj" in n or "v_proj" in n) for n in names)
-    trainer = GRPOTrainer(policy, GRPOConfig(lr=1e-2))
+    trainer = GRPOTrainer(policy, GRPOConfig(lr=1e-2, kl_coef=0.1))
+    assert trainer.ref is None  # the KL reference is the policy with its adapters off: no copy
     for t in trajs:
         t.reward = float(t.trajectory_id.endswith("0"))
-    trainer.step([trajs])
+    assert trainer.step([trajs])["kl"] == pytest.approx(0.0, abs=1e-9)  # the adapters start at zero
+    assert trainer.step([trajs])["kl"] > 0 and all(m.merged is False for _, m in policy._lora_layers())
+    with policy.adapters_off():
+        assert torch.allclose(policy.logprobs(b).detach(), before, atol=1e-6)  # off: the warm start again
     after = policy.logprobs(b).detach()
     assert not torch.equal(after, before)
     changed = policy.engine_weights(changed_only=True)
