@@ -265,6 +265,7 @@ def test_streamed_chat_sends_tool_calls_as_a_delta():
     the last delta, as unstreamed; without tools, or with a malformed call, the text as it is.
     (A fake engine that streams a given reply a few characters at a time.)"""
     import asyncio
+    from rollwise.agent.parsing import HermesParser
     from rollwise.serve.responses import stream_chat, tool_calls
     from rollwise.types import RequestOutput
 
@@ -288,7 +289,7 @@ def test_streamed_chat_sends_tool_calls_as_a_delta():
     def run(text, tools):
         async def go():
             return [c["choices"][0] async for c in stream_chat(Engine(text), [1], SamplingParams(), "r", 0, "m", False,
-                                                                None, tools)]
+                                                                None, HermesParser() if tools else None)]
         return asyncio.run(go())
     reply = ('Let me check.\n<tool_call>{"name": "lookup", "arguments": {"name": "Ada"}}</tool_call>\n'
              '<tool_call>{"name": "lookup", "arguments": {"name": "Bo"}}</tool_call>')
