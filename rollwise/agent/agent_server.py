@@ -30,6 +30,8 @@ import os
 import secrets
 import signal
 
+from rollwise.agent.env import loop_shared
+
 _GROUPS: set[int] = set()  # process groups to kill at exit (a loop that never ended cleanly)
 
 
@@ -51,8 +53,6 @@ class _Process:
 class AgentServer:
     """The processes that serve one command's episodes on one event loop (`shared`)."""
 
-    _by_loop: dict = {}
-
     def __init__(self, command: list[str], processes: int = 1) -> None:
         if processes < 1:
             raise ValueError(f"processes must be >= 1, got {processes}")
@@ -64,13 +64,7 @@ class AgentServer:
 
     @classmethod
     def shared(cls, command: list[str], processes: int = 1) -> AgentServer:
-        loop = asyncio.get_running_loop()
-        for old in [k for k in cls._by_loop if k[0].is_closed()]:
-            del cls._by_loop[old]
-        key = (loop, tuple(command), processes)
-        if key not in cls._by_loop:
-            cls._by_loop[key] = cls(command, processes)
-        return cls._by_loop[key]
+        return loop_shared(("agent_server", tuple(command), processes), lambda: cls(command, processes))
 
     async def run(self, base_url: str, api_key: str, task: dict) -> float:
         """One episode's agent: its line to the least busy process; its reward when it answers."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
+import weakref
 from typing import Any, Protocol
 
 from rollwise.agent.parsing import HermesParser, ToolCallParser, make_parser
@@ -43,6 +44,18 @@ class Env(Protocol):
 
 async def maybe_await(x):
     return await x if inspect.isawaitable(x) else x
+
+
+_PER_LOOP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> {key: object}
+
+
+def loop_shared(key, make):
+    """The one object per running event loop and `key`, made by `make()` on first use (a judge's
+    client, an agent server's processes: what every episode of a run shares); it goes with its loop."""
+    objects = _PER_LOOP.setdefault(asyncio.get_running_loop(), {})
+    if key not in objects:
+        objects[key] = make()
+    return objects[key]
 
 
 class ToolEnv:

@@ -25,10 +25,11 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import weakref
 from dataclasses import dataclass, fields
 
 import httpx
+
+from rollwise.agent.env import loop_shared
 
 PROMPT = """You are grading an answer to a task. Judge whether the answer is correct, complete and \
 helpful; use the reference answer if one is given. The answer is between the <answer> tags; \
@@ -99,8 +100,6 @@ class Judge:
     """Grades answers through one HTTP client; `Judge.shared(config)` gives the one judge per
     config and event loop that every episode's env uses (its concurrency bound is then global)."""
 
-    _shared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> {config key: Judge}
-
     def __init__(self, cfg: JudgeConfig) -> None:
         self.cfg = cfg
         key = cfg.api_key or (os.environ.get(cfg.api_key_env) if cfg.api_key_env else None)
@@ -118,11 +117,7 @@ class Judge:
 
     @classmethod
     def shared(cls, cfg: JudgeConfig) -> Judge:
-        per_loop = cls._shared.setdefault(asyncio.get_running_loop(), {})
-        key = repr(cfg)
-        if key not in per_loop:
-            per_loop[key] = cls(cfg)
-        return per_loop[key]
+        return loop_shared(("judge", repr(cfg)), lambda: cls(cfg))
 
     async def _model(self) -> str:
         if self.model is None:

@@ -44,11 +44,12 @@ def test_one_long_lived_program_runs_every_episode_with_the_in_process_agents_to
     command = [sys.executable, str(EXAMPLES / "phonebook_agent_cli.py"), "--serve"]
     servers = []
 
-    async def go(make):
+    async def go(make, served=False):
         out = [t for g in [g async for g in collect(gen, make, tasks, P, group_size=3)] for t in g]
-        servers.append(AgentServer._by_loop.get((asyncio.get_running_loop(), tuple(command), 1)))
+        if served:
+            servers.append(AgentServer.shared(command))  # (this loop's: the one the episodes used)
         return out
-    served = asyncio.run(go(lambda: make_env("agent", command=command, serve=True)))
+    served = asyncio.run(go(lambda: make_env("agent", command=command, serve=True), served=True))
     inproc = asyncio.run(go(lambda: make_env("agent", agent=f"{EXAMPLES / 'phonebook_agent.py'}:PhonebookAgent")))
     key = lambda t: t.trajectory_id  # noqa: E731
     assert len(served) == 12
@@ -97,7 +98,7 @@ def test_a_program_that_errs_dies_or_hangs_fails_only_those_episodes(model_dir, 
         died = await one("die")
         again = await one("ok")  # a new process
         retried = await run_attempts(gen, make, {"kind": "die"}, P, retries=1)
-        return ok, err, hung, died, again, retried, AgentServer._by_loop[(asyncio.get_running_loop(), tuple(command), 1)]
+        return ok, err, hung, died, again, retried, AgentServer.shared(command)
     ok, err, hung, died, again, retried, server = asyncio.run(go())
     assert ok.status == "error" and "ended without asking the model anything (returned 0.5)" in ok.error
     assert err.status == "error" and "reported an error: no such user" in err.error
