@@ -58,6 +58,11 @@ def loop_shared(key, make):
     return objects[key]
 
 
+def loop_forget(key) -> None:
+    """This loop's `key` has ended (a server that stopped): the next `loop_shared` makes another."""
+    _PER_LOOP.get(asyncio.get_running_loop(), {}).pop(key, None)
+
+
 class ToolEnv:
     """Subclasses set `name`, `system_prompt`, implement `make_tools`, `prompt`, `score`,
     `sample_tasks` and `expert`; a tool may end the episode by calling `self.end(reward)`."""

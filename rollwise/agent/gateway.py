@@ -18,6 +18,8 @@ import secrets
 import time
 import uuid
 
+from rollwise.agent.env import loop_forget, loop_shared
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -90,8 +92,6 @@ class Gateway:
     (.../v1): a real server on 127.0.0.1 for agents in threads or other processes; coroutine agents
     on the loop reach the same app through `http()`."""
 
-    _by_loop: dict[asyncio.AbstractEventLoop, Gateway] = {}
-
     def __init__(self, host: str = "127.0.0.1") -> None:
         import uvicorn
 
@@ -130,12 +130,8 @@ class Gateway:
 
     @classmethod
     async def running(cls) -> Gateway:
-        loop = asyncio.get_running_loop()
-        for old in [k for k in cls._by_loop if k.is_closed()]:  # (loops that have ended)
-            del cls._by_loop[old]
-        gateway = cls._by_loop.get(loop)
-        if gateway is None:
-            gateway = cls._by_loop[loop] = cls()
+        gateway = loop_shared("gateway", cls)
+        if gateway.task is None:
             gateway.task = asyncio.create_task(gateway._serve())
         await asyncio.shield(gateway.started)
         return gateway
@@ -164,7 +160,7 @@ class Gateway:
                 self.started.set_exception(e)
             raise
         finally:
-            type(self)._by_loop.pop(asyncio.get_running_loop(), None)
+            loop_forget("gateway")  # (the next episode on this loop starts another)
 
     def register(self, session: Session) -> str:
         key = f"rw-{secrets.token_urlsafe(24)}"
