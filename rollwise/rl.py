@@ -167,7 +167,7 @@ async def _train(cfg: TrainConfig) -> dict:
     policy = PolicyModel(cfg.model, seed=cfg.seed)
     grpo = GRPOConfig(lr=cfg.lr, clip=cfg.clip, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
                       temperature=cfg.temperature, loss_agg=cfg.loss_agg, advantage=cfg.advantage,
-                      policy_loss=cfg.policy_loss,
+                      policy_loss=cfg.policy_loss, epochs=cfg.epochs,
                       behaviour="recompute" if cfg.deterministic else "rollout", keep_versions=cfg.max_staleness,
                       exclude_statuses=tuple(cfg.exclude_statuses))
     report: dict = {"config": dataclasses.asdict(cfg), "steps": []}

@@ -60,6 +60,7 @@ class TrainConfig:
     # "ppo" (token ratios, clipped), "gspo" (sequence ratios: set clip = 3e-4, clip_high = 4e-4,
     # loss_agg = "sequence") or "cispo" (clipped, stopped ratios as weights: clip_high large)
     policy_loss: str = "ppo"
+    epochs: int = 1  # optimizer steps over each batch (PPO epochs; from the second, ratios move off 1)
     # episodes cut off by a limit carry no loss (DAPO's overlong filtering): any of "max_turns",
     # "max_context", "timeout", "error"
     exclude_statuses: list[str] = field(default_factory=list)
@@ -169,6 +170,8 @@ class TrainConfig:
             raise ValueError(f"episode_retries must be >= 0, got {cfg.episode_retries}")
         if cfg.max_skipped_groups < 0:
             raise ValueError(f"max_skipped_groups must be >= 0 (0: 4 x groups_per_step), got {cfg.max_skipped_groups}")
+        if cfg.epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {cfg.epochs}")
         if cfg.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0 (0: evaluate before and after RL only), got {cfg.eval_every}")
         if cfg.lora_rank < 0 or cfg.lora_alpha <= 0:

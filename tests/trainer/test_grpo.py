@@ -178,7 +178,9 @@ def test_recomputed_behaviour_of_stale_samples_uses_the_weights_that_generated_t
 
 
 @pytest.mark.parametrize("cfg", [dict(), dict(loss_agg="sequence"), dict(epochs=2, kl_coef=0.1, micro_batch_tokens=30),
-                                 dict(behaviour="recompute", keep_versions=1)])
+                                 dict(behaviour="recompute", keep_versions=1),
+                                 dict(epochs=2, policy_loss="gspo", loss_agg="sequence", clip=3e-4, clip_high=4e-4),
+                                 dict(epochs=2, policy_loss="cispo", clip_high=5.0)])
 def test_a_streamed_step_equals_the_whole_batch_step(model_dir, cfg):
     """Groups added as they arrive (in any order, any number at a time) give the step the whole
     batch gives: the same metrics, and the same weights up to float summation order (AdamW's
