@@ -2,13 +2,12 @@
 when read), the environment it makes and the task sets it draws (training, SFT, held-out)."""
 from __future__ import annotations
 
-import inspect
 import json
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from rollwise.agent.envs import load_tasks, make_env, resolve_env
+from rollwise.agent.envs import load_tasks, make_env, resolve_env, taken_options
 from rollwise.agent.tools import Latency
 from rollwise.router.policies import POLICIES
 from rollwise.router.replica import WEIGHTS_VIA
@@ -184,13 +183,7 @@ class TrainConfig:
 def env_factory(cfg: TrainConfig):
     lo, hi = cfg.tool_latency
     lat = Latency(lo, hi, kind=cfg.tool_latency_kind, cap=4 * hi) if hi > 0 else None
-    factory = resolve_env(cfg.env)
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        params = {}
-    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    standard = {k: v for k, v in (("max_turns", cfg.max_turns), ("tool_latency", lat)) if takes_all or k in params}
+    standard = taken_options(resolve_env(cfg.env), {"max_turns": cfg.max_turns, "tool_latency": lat})
     options = {**standard, **cfg.env_options}
     return lambda: make_env(cfg.env, **options)
 

@@ -4,6 +4,7 @@ function that returns one (`make_env("my_envs.py:TicketEnv", max_turns=6)`). `ag
 written against the OpenAI API (`make_env("agent", agent="my_agent.py:run")`)."""
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -31,6 +32,17 @@ def resolve_env(name: str):
     if ":" not in name:
         raise ValueError(f"unknown environment {name!r}; available: {sorted(ENVS)}, or a user's as {FORM}")
     return load_object(name, "environment")
+
+
+def taken_options(factory, options: dict) -> dict:
+    """Those of `options` that `factory` (an env class or function) takes by name; all of them if it
+    takes **kwargs (a run's standard options, such as max_turns, go to the envs that have them)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return {k: v for k, v in options.items() if takes_all or k in params}
 
 
 def make_env(name: str, **options):

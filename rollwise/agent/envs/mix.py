@@ -12,7 +12,6 @@ start covers every env. Any env may be a user's (`"my_envs.py:TicketEnv" = {...}
 """
 from __future__ import annotations
 
-import inspect
 import random
 
 from rollwise.agent.env import maybe_await
@@ -23,7 +22,7 @@ class MixEnv:
 
     def __init__(self, envs: dict[str, dict], weights: dict[str, float] | None = None, max_turns: int | None = None,
                  tool_latency=None) -> None:
-        from rollwise.agent.envs import resolve_env
+        from rollwise.agent.envs import resolve_env, taken_options
         if not isinstance(envs, dict) or not envs or not all(isinstance(o, dict) for o in envs.values()):
             raise ValueError("mix needs envs = { name = { options }, ... }: at least one env, each with a table "
                              "of options")
@@ -37,16 +36,9 @@ class MixEnv:
         if sum(self.weights.values()) <= 0:
             raise ValueError("mix weights must not all be 0")
         self.options: dict[str, dict] = {}
-        for name, opts in envs.items():
-            factory = resolve_env(name)  # (a ValueError naming the built-ins for an unknown one)
-            try:
-                params = inspect.signature(factory).parameters
-            except (TypeError, ValueError):
-                params = {}
-            takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
-            run = {k: v for k, v in (("max_turns", max_turns), ("tool_latency", tool_latency))
-                   if v is not None and (takes_all or k in params)}
-            self.options[name] = {**run, **opts}
+        run = {k: v for k, v in (("max_turns", max_turns), ("tool_latency", tool_latency)) if v is not None}
+        for name, opts in envs.items():  # (resolve_env: a ValueError naming the built-ins for an unknown one)
+            self.options[name] = {**taken_options(resolve_env(name), run), **opts}
         self.inner = None
         self.max_turns = max(self._make(n).max_turns for n in envs)  # (the episode's own env's, once reset)
 
