@@ -12,7 +12,7 @@ from rollwise.agent.tools import Latency
 from rollwise.router.policies import POLICIES
 from rollwise.router.replica import WEIGHTS_VIA
 from rollwise.trainer.grpo import ADVANTAGES, POLICY_LOSSES
-from rollwise.types import CUT_OFF
+from rollwise.types import check_cut_off
 
 
 @dataclass
@@ -159,12 +159,8 @@ class TrainConfig:
             raise ValueError(f"tool_latency_kind must be 'uniform' or 'lognormal', got {cfg.tool_latency_kind!r}")
         if cfg.max_staleness < 0 or cfg.steps < 0 or cfg.groups_per_step < 1 or cfg.group_size < 2:
             raise ValueError("need max_staleness >= 0, steps >= 0, groups_per_step >= 1, group_size >= 2")
-        bad = sorted(set(cfg.exclude_statuses) - set(CUT_OFF))
-        if bad:
-            raise ValueError(f"exclude_statuses {bad}: valid statuses are {list(CUT_OFF)}")
-        bad = sorted(set(cfg.retry_statuses) - set(CUT_OFF))
-        if bad:
-            raise ValueError(f"retry_statuses {bad}: valid statuses are {list(CUT_OFF)}")
+        check_cut_off("exclude_statuses", cfg.exclude_statuses)
+        check_cut_off("retry_statuses", cfg.retry_statuses)
         if cfg.episode_retries < 0:
             raise ValueError(f"episode_retries must be >= 0, got {cfg.episode_retries}")
         if cfg.max_skipped_groups < 0:

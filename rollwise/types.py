@@ -275,6 +275,14 @@ TRAJECTORY_STATUSES = ("done", "max_turns", "max_context", "timeout", "error")
 CUT_OFF = TRAJECTORY_STATUSES[1:]  # a limit or an error ended the episode, not the policy
 
 
+def check_cut_off(name: str, statuses) -> None:
+    """A ValueError naming the valid ones if `statuses` (an option called `name`) holds any that is not
+    a cut-off status."""
+    bad = sorted(set(statuses) - set(CUT_OFF))
+    if bad:
+        raise ValueError(f"{name} {bad}: valid statuses are {list(CUT_OFF)}")
+
+
 @dataclass(slots=True, kw_only=True)
 class TurnRecord:
     start: int  # index in Trajectory.token_ids where this turn's generated tokens begin

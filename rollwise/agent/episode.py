@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from rollwise.agent.env import Env, NewContext, maybe_await
-from rollwise.types import CUT_OFF, GenerateOutput, GenerateRequest, SamplingParams, Trajectory, TurnRecord
+from rollwise.types import (GenerateOutput, GenerateRequest, SamplingParams, Trajectory, TurnRecord,
+                            check_cut_off)
 
 
 class Generator(Protocol):
@@ -190,9 +191,7 @@ async def run_attempts(generator: Generator, env_factory: Callable[[], Env], tas
     `retries` more times. The last attempt stands (a generator failure then raises), with why each
     earlier one was dropped in `Trajectory.retried`. Attempt j > 0 samples with seed
     stable_seed(seed, j), so retried runs stay reproducible and attempt 0 is the plain episode."""
-    bad = sorted(set(retry_on) - set(CUT_OFF))
-    if bad:
-        raise ValueError(f"retry_on {bad}: valid statuses are {list(CUT_OFF)}")
+    check_cut_off("retry_on", retry_on)
     dropped: list[str] = []
     for attempt in range(retries + 1):
         p = params if attempt == 0 or params.seed is None else dataclasses.replace(

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from rollwise.trainer.policy import Batch, PolicyModel, micro_batches
-from rollwise.types import CUT_OFF, Trajectory
+from rollwise.types import Trajectory, check_cut_off
 
 
 class LogprobMismatch(RuntimeError):
@@ -114,9 +114,7 @@ class GRPOTrainer:
             raise ValueError(f"unknown advantage {self.cfg.advantage!r}; valid: {list(ADVANTAGES)}")
         if self.cfg.behaviour not in ("rollout", "recompute"):
             raise ValueError(f"behaviour must be 'rollout' or 'recompute', got {self.cfg.behaviour!r}")
-        bad = sorted(set(self.cfg.exclude_statuses) - set(CUT_OFF))
-        if bad:
-            raise ValueError(f"exclude_statuses {bad}: valid statuses are {list(CUT_OFF)}")
+        check_cut_off("exclude_statuses", self.cfg.exclude_statuses)
         self.kept: dict[int, dict[str, torch.Tensor]] = {}  # version -> its weights ("recompute")
         self.opt = torch.optim.AdamW(policy.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         # the KL reference: the weights as they are now; with LoRA, the policy with its adapters off
