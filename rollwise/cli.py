@@ -60,7 +60,8 @@ def cmd_make_model(args) -> None:
     out = make_model(args.out_dir, family=args.family, layers=args.layers, hidden=args.hidden, heads=args.heads,
                      kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab,
                      max_positions=args.max_positions, tie=args.tie, seed=args.seed, std=args.init_std,
-                     dtype=args.dtype)
+                     dtype=args.dtype, experts=args.experts, experts_per_token=args.experts_per_token,
+                     moe_intermediate=args.moe_intermediate)
     print(f"wrote {args.family} model to {out}")
 
 
@@ -202,11 +203,12 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("make-model", help="create a random-initialised model + local tokenizer")
     p.add_argument("out_dir")
-    p.add_argument("--family", choices=["llama", "qwen2", "qwen3"], default="llama")
+    p.add_argument("--family", choices=["llama", "qwen2", "qwen3", "qwen3_moe"], default="llama")
     for name, default in (("layers", 2), ("hidden", 128), ("heads", 4), ("kv-heads", 2), ("vocab", 2048),
-                          ("max-positions", 4096), ("seed", 0)):
+                          ("max-positions", 4096), ("seed", 0), ("experts", 8), ("experts-per-token", 2)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--intermediate", type=int, default=None)
+    p.add_argument("--moe-intermediate", type=int, default=None, help="qwen3_moe: each expert's (default hidden / 2)")
     p.add_argument("--init-std", type=float, default=0.02)
     p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")

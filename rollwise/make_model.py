@@ -1,4 +1,4 @@
-"""Create a random-initialised Llama/Qwen2/Qwen3 model directory with a tokenizer trained here.
+"""Create a random-initialised Llama/Qwen2/Qwen3/Qwen3-MoE model directory with a tokenizer trained here.
 
 Nothing is downloaded: the byte-level BPE is trained with `tokenizers` on text that ships with the
 package plus deterministic synthetic text (numbers, tool calls, SQL), and the weights are random.
@@ -72,7 +72,8 @@ def train_tokenizer(vocab_size: int, seed: int = 0):
 
 
 def hf_config(family: str, *, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
-              intermediate: int, head_dim: int, max_positions: int, tie: bool, eos_id: int, bos_id: int) -> dict:
+              intermediate: int, head_dim: int, max_positions: int, tie: bool, eos_id: int, bos_id: int,
+              experts: int = 8, experts_per_token: int = 2, moe_intermediate: int | None = None) -> dict:
     cfg = {
         "model_type": family, "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": intermediate,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
@@ -86,13 +87,20 @@ def hf_config(family: str, *, vocab: int, hidden: int, layers: int, heads: int, 
         cfg |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": layers}
     else:
         cfg |= {"attention_bias": False, "use_sliding_window": False, "sliding_window": None}
+    if family == "qwen3_moe":
+        if not 1 <= experts_per_token <= experts:
+            raise ValueError(f"experts_per_token must be in 1..experts ({experts}), got {experts_per_token}")
+        cfg |= {"num_experts": experts, "num_experts_per_tok": experts_per_token, "norm_topk_prob": True,
+                "moe_intermediate_size": moe_intermediate or hidden // 2, "decoder_sparse_step": 1,
+                "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "output_router_logits": False}
     return cfg
 
 
 def make_model(out_dir: str | Path, *, family: str = "llama", layers: int = 2, hidden: int = 128,
                heads: int = 4, kv_heads: int = 2, intermediate: int | None = None, vocab: int = 2048,
                head_dim: int | None = None, max_positions: int = 4096, tie: bool = False, seed: int = 0,
-               std: float = 0.02, dtype: str = "float32") -> Path:
+               std: float = 0.02, dtype: str = "float32", experts: int = 8, experts_per_token: int = 2,
+               moe_intermediate: int | None = None) -> Path:
     from rollwise.engine.models.llama import FAMILIES, CausalLM, ModelConfig
     from rollwise.engine.models.loader import save_model
 
@@ -108,7 +116,8 @@ def make_model(out_dir: str | Path, *, family: str = "llama", layers: int = 2, h
     eos_id, bos_id = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     cfg = hf_config(family, vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
                     intermediate=intermediate or _ffn(hidden), head_dim=head_dim or hidden // heads,
-                    max_positions=max_positions, tie=tie, eos_id=eos_id, bos_id=bos_id)
+                    max_positions=max_positions, tie=tie, eos_id=eos_id, bos_id=bos_id, experts=experts,
+                    experts_per_token=experts_per_token, moe_intermediate=moe_intermediate)
     model = CausalLM(ModelConfig.from_hf(cfg), max_positions=8)
     model.init_weights(seed, std)
     save_model(model, cfg, out, dtype=None if dtype == "float32" else dtype)

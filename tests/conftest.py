@@ -13,6 +13,8 @@ FAMILIES = {
     "qwen2": dict(family="qwen2", layers=2, hidden=64, heads=4, kv_heads=1, vocab=1024, std=0.1, seed=1),
     "qwen3": dict(family="qwen3", layers=2, hidden=64, heads=4, kv_heads=2, vocab=1024, std=0.1, seed=2,
                   tie=True, head_dim=32),
+    "qwen3_moe": dict(family="qwen3_moe", layers=2, hidden=64, heads=4, kv_heads=2, vocab=1024, std=0.1, seed=3,
+                      experts=8, experts_per_token=2, moe_intermediate=48),
 }
 
 

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 PROMPTS = ["The agent reads the task", "SELECT name FROM products", "What is 12 * 7?", "a"]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_greedy_and_logits_match_transformers(model_dirs, family):
     d = model_dirs[family]
     hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
@@ -29,7 +29,7 @@ def test_greedy_and_logits_match_transformers(model_dirs, family):
         assert torch.allclose(torch.tensor(out.logprobs), ref_lp.squeeze(1), atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
 def test_full_logits_match_transformers(model_dirs, family):
     """Logits of every position of a prefill, through the paged-attention path."""
     from rollwise.engine.attention import build_metadata

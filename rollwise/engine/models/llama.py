@@ -1,8 +1,8 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3) over a flat batch of tokens with paged attention.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Qwen3-MoE) over a flat batch of tokens with paged attention.
 
 Parameter names follow Hugging Face's, so `state_dict()` loads from and saves to their safetensors
 files unchanged. Differences between the families are flags: Qwen2 has q/k/v biases, Qwen3 has
-per-head RMSNorm on q and k.
+per-head RMSNorm on q and k, Qwen3-MoE is Qwen3 with sparse experts in place of the MLP (`moe.py`).
 """
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from torch import nn
 from rollwise.engine import native
 from rollwise.engine.attention import AttentionMetadata, paged_attention
 from rollwise.engine.models.linear import Linear
+from rollwise.engine.models.moe import SparseMoE
 
-FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +41,11 @@ class ModelConfig:
     qk_norm: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    num_experts: int = 0  # Qwen3-MoE: experts per sparse layer, each token's top `experts_per_token`
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()  # the layers with experts; the others have the dense MLP
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
@@ -52,12 +59,15 @@ class ModelConfig:
         rope_theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         if rope is not None and rope.get("rope_type", rope.get("type")) not in ("default", "llama3", "linear"):
             raise ValueError(f"unsupported rope_scaling {rope}; supported types: default, linear, llama3")
+        experts = cfg.get("num_experts", cfg.get("num_local_experts", 0)) if family == "qwen3_moe" else 0
+        step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+        layers = cfg["num_hidden_layers"]
         return cls(
             family=family,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
@@ -67,9 +77,14 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", family == "qwen2"),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
+            num_experts=experts,
+            experts_per_token=cfg.get("num_experts_per_tok", 0) if experts else 0,
+            moe_intermediate_size=cfg.get("moe_intermediate_size", 0) if experts else 0,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            moe_layers=tuple(i for i in range(layers) if experts and i not in dense and (i + 1) % step == 0),
         )
 
 
@@ -191,7 +206,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        if layer_idx in cfg.moe_layers:
+            self.mlp = SparseMoE(cfg.num_experts, cfg.experts_per_token, cfg.hidden_size,
+                                 cfg.moe_intermediate_size, cfg.norm_topk_prob)
+        else:
+            self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -245,6 +264,9 @@ class CausalLM(nn.Module):
                   "gate_up_proj": (("gate_proj", "up_proj"), [c.intermediate_size, c.intermediate_size])}
         out = {}
         for name, p in self.named_parameters():  # shared (tied) parameters are listed once
+            if ".experts." in name:  # [E, ...]: each expert's linears under its checkpoint names
+                out.update(expert_views(name, p))
+                continue
             fused = next((f for f in splits if f".{f}." in name), None)
             if fused is None:
                 out[name] = p
@@ -253,6 +275,9 @@ class CausalLM(nn.Module):
             for part, view in zip(parts, p.split(sizes, dim=0)):
                 out[name.replace(fused, part)] = view
         return out
+
+    def moe_layers(self) -> list[SparseMoE]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         """normal(0, std) for matrices and biases (non-zero, so tests exercise them), ones for norms."""
@@ -263,3 +288,13 @@ class CausalLM(nn.Module):
                     p.fill_(1.0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def expert_views(name: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`...experts.gate_up_proj` [E, 2I, H] or `...experts.down_proj` [E, H, I] (transformers' layout
+    in memory) as the checkpoint's per-expert weights: `...experts.{e}.gate_proj.weight` etc."""
+    prefix, kind = name.rsplit(".", 1)
+    if kind == "down_proj":
+        return {f"{prefix}.{e}.down_proj.weight": p[e] for e in range(p.shape[0])}
+    gate, up = p.chunk(2, dim=1)
+    return {f"{prefix}.{e}.{part}_proj.weight": t[e] for e in range(p.shape[0]) for part, t in (("gate", gate), ("up", up))}

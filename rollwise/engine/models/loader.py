@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from rollwise.engine.models.llama import FAMILIES, CausalLM, ModelConfig, RotaryEmbedding
+from rollwise.engine.models.llama import FAMILIES, CausalLM, ModelConfig, RotaryEmbedding, expert_views
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,8 +55,10 @@ def load_weights(model: CausalLM, state: dict[str, torch.Tensor], partial: bool 
 
 def check_weights(model: CausalLM, state: dict[str, torch.Tensor], partial: bool = False) -> dict[str, torch.Tensor]:
     """The entries of `state` the model takes; ValueError naming the first unknown, missing or
-    misshapen weights (nothing is changed)."""
+    misshapen weights (nothing is changed). Experts in transformers' in-memory layout (a trainer's
+    `experts.gate_up_proj` [E, 2I, H]) are taken as the checkpoint's per-expert weights."""
     targets = model.hf_tensors()
+    state = checkpoint_names(state)
     unknown = sorted(set(state) - set(targets) - {"lm_head.weight"})
     if unknown:
         raise ValueError(f"unexpected weights {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
@@ -68,6 +70,20 @@ def check_weights(model: CausalLM, state: dict[str, torch.Tensor], partial: bool
         if tuple(targets[name].shape) != tuple(t.shape):
             raise ValueError(f"weight {name}: shape {tuple(t.shape)} != model's {tuple(targets[name].shape)}")
     return todo
+
+
+def checkpoint_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fused expert tensors ([E, ...], named `...experts.gate_up_proj` / `...experts.down_proj`) split
+    into the per-expert names the checkpoint and `hf_tensors` use; other entries as they are."""
+    if not any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in state):
+        return state
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")) and v.dim() == 3:
+            out.update(expert_views(k, v))
+        else:
+            out[k] = v
+    return out
 
 
 def save_model(model: CausalLM, hf_config: dict, out_dir: str | Path, dtype: str | None = None) -> None:

@@ -1,0 +1,78 @@
+"""Sparse mixture-of-experts feed-forward, as Qwen3-MoE defines it: a linear router scores every
+expert per token, softmax in fp32, the top-k are kept (renormalised to sum to 1 if the config says
+so) and the token's output is their SwiGLU experts' outputs weighted by those probabilities.
+
+The experts' weights lie as transformers holds them in memory (`experts.gate_up_proj` [E, 2I, H],
+`experts.down_proj` [E, H, I]), so a trainer's tensors load as they are; checkpoints name each
+expert's linears (`experts.{e}.gate_proj.weight`, ...), which `CausalLM.hf_tensors` lists as views.
+
+`routing` is each forward's chosen experts per token ([T, k] int, this layer's) when asked for
+(`record = True`), and `replay` forces given experts on the next forward instead of the router's
+choice: Rollout Routing Replay, so training takes the paths the rollout took.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollwise.engine import native
+from rollwise.engine.models.linear import Linear
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; experts, weights [T, k]: sum over j of weights[t, j] * expert experts[t, j](x[t])."""
+        k = experts.shape[1]
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        token = order // k
+        w = weights.reshape(-1)[order].unsqueeze(1)
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            rows = token[start:start + n]
+            gate_up = F.linear(x[rows], self.gate_up_proj[e])
+            if native.takes(gate_up):
+                h = native.silu_and_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                h = F.silu(gate) * up
+            out.index_add_(0, rows, F.linear(h, self.down_proj[e]) * w[start:start + n])
+            start += n
+        return out
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.gate = Linear(hidden, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden, intermediate)
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.record = False
+        self.routing: torch.Tensor | None = None  # the last forward's experts, [T, k], when recording
+        self.replay: torch.Tensor | None = None  # experts to use on the next forward, [T, k]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        if self.replay is not None:
+            if self.replay.shape != (x.shape[0], self.top_k):
+                raise ValueError(f"replayed routing has shape {tuple(self.replay.shape)}, "
+                                 f"this forward needs ({x.shape[0]}, {self.top_k})")
+            experts, self.replay = self.replay.to(x.device, torch.long), None
+            top = probs.gather(1, experts)
+        else:
+            top, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        if self.record:
+            self.routing = experts
+        return self.experts(x, experts, top.to(x.dtype))

@@ -1,0 +1,103 @@
+"""Qwen3-MoE: the engine's sparse experts against transformers', weights from a trainer, which layers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollwise import LLM, SamplingParams
+from rollwise.engine.models.llama import ModelConfig
+from rollwise.engine.models.loader import load_model
+from rollwise.make_model import hf_config
+
+
+def _cfg(**kw) -> dict:
+    cfg = hf_config("qwen3_moe", vocab=64, hidden=32, layers=4, heads=4, kv_heads=2, intermediate=64, head_dim=8,
+                    max_positions=128, tie=False, eos_id=1, bos_id=0, experts=6, experts_per_token=2)
+    return cfg | kw
+
+
+def test_which_layers_have_experts():
+    assert ModelConfig.from_hf(_cfg()).moe_layers == (0, 1, 2, 3)
+    assert ModelConfig.from_hf(_cfg(mlp_only_layers=[0, 2])).moe_layers == (1, 3)
+    assert ModelConfig.from_hf(_cfg(decoder_sparse_step=2)).moe_layers == (1, 3)
+    legacy = _cfg()
+    legacy["num_local_experts"] = legacy.pop("num_experts")  # as transformers 5 writes config.json
+    c = ModelConfig.from_hf(legacy)
+    assert (c.num_experts, c.experts_per_token, c.qk_norm) == (6, 2, True)
+    with pytest.raises(ValueError, match="experts_per_token"):
+        hf_config("qwen3_moe", vocab=64, hidden=32, layers=1, heads=4, kv_heads=2, intermediate=64, head_dim=8,
+                  max_positions=128, tie=False, eos_id=1, bos_id=0, experts=2, experts_per_token=3)
+
+
+def test_checkpoint_lists_each_expert_and_a_layer_without_experts_is_dense(tmp_path):
+    from rollwise.engine.models.llama import CausalLM
+    from rollwise.engine.models.moe import SparseMoE
+    model = CausalLM(ModelConfig.from_hf(_cfg(mlp_only_layers=[1])), max_positions=8)
+    names = model.hf_tensors()
+    assert "model.layers.0.mlp.experts.5.up_proj.weight" in names and "model.layers.0.mlp.gate.weight" in names
+    assert "model.layers.1.mlp.gate_proj.weight" in names and not any("layers.1.mlp.experts" in n for n in names)
+    assert [isinstance(layer.mlp, SparseMoE) for layer in model.model.layers] == [True, False, True, True]
+    # a view writes its expert's slice of the fused parameter
+    names["model.layers.0.mlp.experts.3.up_proj.weight"].data.fill_(7.0)
+    up = model.model.layers[0].mlp.experts.gate_up_proj[3, 16:]
+    assert bool((up == 7.0).all()) and not bool((model.model.layers[0].mlp.experts.gate_up_proj[3, :16] == 7).any())
+
+
+def test_trainer_weights_in_transformers_layout_update_the_engine(model_dirs):
+    """A trainer holds experts fused ([E, 2I, H]); the engine takes them as they are, and its samples'
+    logprobs are the trainer's under the new weights."""
+    from rollwise.trainer.policy import Batch, PolicyModel
+    d = model_dirs["qwen3_moe"]
+    policy = PolicyModel(d)
+    w = policy.engine_weights()
+    assert any(k.endswith("mlp.experts.gate_up_proj") and v.dim() == 3 for k, v in w.items())
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(0.03 * torch.randn(p.shape, generator=g))
+    llm = LLM(d, seed=1)
+    llm.engine.update_weights(policy.engine_weights(), 1)
+    prompts = [[5 + i, 17, 300 + i, 42] for i in range(4)]
+    outs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=1))
+    from rollwise.types import Trajectory
+    trajs = [Trajectory(trajectory_id=str(i), group_id="g", task={}, token_ids=p + o.token_ids,
+                        loss_mask=[0] * len(p) + [1] * len(o.token_ids), logprobs=[0.0] * len(p) + o.logprobs)
+             for i, (p, o) in enumerate(zip(prompts, outs))]
+    b = Batch.of(trajs)
+    lp = policy.logprobs(b).detach()
+    assert (lp - b.behaviour_logprobs).mul(b.mask).abs().max() < 1e-3
+    # and a wrongly shaped expert tensor is refused whole
+    bad = {k: v[:, :-1] for k, v in w.items() if k.endswith("experts.gate_up_proj")}
+    with pytest.raises(ValueError, match="shape"):
+        llm.engine.update_weights(bad, 2)
+
+
+def test_moe_forward_same_with_and_without_native_ops(model_dirs, monkeypatch):
+    from rollwise.engine import native
+    from rollwise.engine.attention import build_metadata
+    model = load_model(model_dirs["qwen3_moe"])
+    mc = model.config
+    ids = torch.arange(3, 40) % mc.vocab_size
+    logits = {}
+    for on in (False, True):
+        monkeypatch.setattr(native, "ENABLED", on)
+        kv = [torch.zeros(mc.num_layers, 4 * 16, mc.num_kv_heads, mc.head_dim) for _ in range(2)]
+        with torch.inference_mode():
+            meta = build_metadata([len(ids)], [0], [[0, 1, 2]], 16, torch.device("cpu"), use_native=True)
+            logits[on] = model.logits(model(ids, torch.arange(len(ids)), meta, kv))
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
+
+
+def test_speculation_is_lossless_on_experts(model_dirs):
+    """Drafted tokens are routed one by one like any other row: greedy outputs and logprobs equal
+    decoding without speculation."""
+    d = model_dirs["qwen3_moe"]
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10, 11, 9]]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(d).generate(prompts, sp)
+    llm = LLM(d, speculative="suffix", spec_controller="always", spec_tree=True)
+    for _ in range(2):  # the second round drafts from the first's outputs too
+        for a, b in zip(plain, llm.generate(prompts, sp)):
+            assert a.token_ids == b.token_ids
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert llm.metrics()["spec_accepted_tokens"] > 0
