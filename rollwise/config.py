@@ -34,6 +34,9 @@ class EngineConfig:
     # weight versions kept for requests pinned to one (an older version is otherwise kept only while
     # requests admitted under it run); each is a full copy of the weights
     keep_weight_versions: int = 1
+    # MoE models: keep every computed token's experts (layer by layer, beside its KV) so a request
+    # with `return_routed_experts` gets them (Rollout Routing Replay); SGLang's and vLLM's flag
+    enable_return_routed_experts: bool = False
     # speculation (SuffixDecoding): drafts from suffix trees, verified in the same forward
     speculative: str | None = field(default=None, metadata={"choices": SPECULATIVE[1:]})
     spec_controller: str = field(default="adaptive", metadata={"choices": SPEC_CONTROLLERS})

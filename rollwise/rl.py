@@ -93,7 +93,8 @@ async def produce(cfg: TrainConfig, queue, router, make_env, tasks: list[dict], 
             trajs = await asyncio.gather(*(
                 run_attempts(router, make_env, task,
                              SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                            seed=stable_seed(cfg.seed, idx, k)),
+                                            seed=stable_seed(cfg.seed, idx, k),
+                                            return_routed_experts=cfg.routing_replay != "off"),
                              retries=cfg.episode_retries, retry_on=tuple(cfg.retry_statuses),
                              trajectory_id=f"{gid}/{k}", group_id=gid, deadline_s=cfg.episode_deadline_s,
                              policy_version=version if cfg.deterministic else None)
@@ -165,11 +166,15 @@ async def _train(cfg: TrainConfig) -> dict:
     if not train_tasks:
         raise ValueError(f"env {cfg.env!r} has no sample_tasks(n, seed): set train_tasks_file")
     policy = PolicyModel(cfg.model, seed=cfg.seed)
+    policy.routing = cfg.routing_replay
+    if cfg.routing_replay != "off" and not getattr(policy.model.config, "num_experts", 0):
+        raise ValueError(f"routing_replay = {cfg.routing_replay!r} needs a model with experts (qwen3_moe); "
+                         f"{cfg.model} is {policy.model.config.model_type}")
     grpo = GRPOConfig(lr=cfg.lr, clip=cfg.clip, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
                       temperature=cfg.temperature, loss_agg=cfg.loss_agg, advantage=cfg.advantage,
                       policy_loss=cfg.policy_loss, epochs=cfg.epochs,
                       behaviour="recompute" if cfg.deterministic else "rollout", keep_versions=cfg.max_staleness,
-                      exclude_statuses=tuple(cfg.exclude_statuses))
+                      exclude_statuses=tuple(cfg.exclude_statuses), logprob_tolerance=cfg.logprob_tolerance)
     report: dict = {"config": dataclasses.asdict(cfg), "steps": []}
     state = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
     status = Status(cfg.progress)

@@ -12,6 +12,7 @@ from rollwise.agent.tools import Latency
 from rollwise.router.policies import POLICIES
 from rollwise.router.replica import WEIGHTS_VIA
 from rollwise.trainer.grpo import ADVANTAGES, POLICY_LOSSES
+from rollwise.trainer.policy import ROUTING_MODES
 from rollwise.types import check_cut_off
 
 
@@ -54,6 +55,11 @@ class TrainConfig:
     lora_alpha: float = 16.0
     lora_targets: str | list[str] = "all-linear"
     loss_agg: str = "token"  # or "sequence"
+    # MoE models (qwen3_moe): "replay" takes each token through the experts the rollout routed it to
+    # (Rollout Routing Replay: replicas return every token's experts, the trainer's routers use them,
+    # weighted by their own probabilities); "record" only reports how often the trainer's routers choose
+    # otherwise (step metric routing_mismatch); "off". HTTP replicas need --enable-return-routed-experts
+    routing_replay: str = "off"
     # "grpo" (group mean and std), "dr_grpo" (group mean only) or "rloo" (the mean of the group's others)
     advantage: str = "grpo"
     # "ppo" (token ratios, clipped), "gspo" (sequence ratios: set clip = 3e-4, clip_high = 4e-4,
@@ -101,6 +107,10 @@ class TrainConfig:
     # them (replicas and trainer run at once: more threads than cores slows both)
     replica_threads: int = 0
     trainer_threads: int = 0
+    replica_dtype: str = "float32"  # in-process replicas' weights: "bfloat16" as most RL rollouts run
+    # mean |trainer - rollout| logprob allowed on fresh samples (a replica on other weights stops the
+    # step); bf16 replicas against the fp32 trainer need more
+    logprob_tolerance: float = 0.02
     replica_urls: list[str] = field(default_factory=list)  # `rollwise serve` replicas instead
     # their bearer key (servers off loopback take weight updates only with one); default: $ROLLWISE_API_KEY
     replica_api_key: str | None = None
@@ -171,6 +181,10 @@ class TrainConfig:
             raise ValueError(f"eval_every must be >= 0 (0: evaluate before and after RL only), got {cfg.eval_every}")
         if cfg.lora_rank < 0 or cfg.lora_alpha <= 0:
             raise ValueError(f"need lora_rank >= 0 (0: no LoRA) and lora_alpha > 0, got {cfg.lora_rank}, {cfg.lora_alpha}")
+        if cfg.routing_replay not in ROUTING_MODES:
+            raise ValueError(f"unknown routing_replay {cfg.routing_replay!r}; valid: {list(ROUTING_MODES)}")
+        if cfg.replica_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"replica_dtype must be 'float32' or 'bfloat16', got {cfg.replica_dtype!r}")
         if cfg.replica_threads < 0 or cfg.trainer_threads < 0:
             raise ValueError("replica_threads and trainer_threads must be >= 0 (0: split the cores)")
         return cfg

@@ -4,6 +4,7 @@ Imports no torch: the control plane (router, rollout, spec) uses these types too
 """
 from __future__ import annotations
 
+import base64
 import json
 
 from dataclasses import dataclass, field, fields, replace
@@ -50,6 +51,9 @@ class SamplingParams:
     # the output held to one of: {"json": schema}, {"json_object": true}, {"regex": r}, {"choice": [s, ...]},
     # {"grammar": lark} (vLLM's names; rollwise.engine.grammar); no speculation for such a request
     structured_outputs: dict | None = None
+    # MoE: the experts each token of the request was routed to (RequestOutput.routed_experts); needs
+    # an engine with `enable_return_routed_experts`
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +61,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check_number("temperature", self.temperature, lo=0.0, hi=100.0)
+        if not isinstance(self.return_routed_experts, bool):
+            raise ValueError(f"return_routed_experts must be true or false, got {self.return_routed_experts!r}")
         _check_number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         _check_int("top_k", self.top_k, lo=-1)
         _check_number("min_p", self.min_p, lo=0.0, hi=1.0)
@@ -200,6 +206,10 @@ class RequestOutput:
     # most likely tokens at its position ({token id: logprob}; None for the first, {} with k = 0)
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    # with SamplingParams.return_routed_experts, once finished: int32 numpy [num_tokens - 1, layers, k],
+    # the experts each token of prompt + output but the last was routed to in each decoder layer
+    # (-1 in a layer without experts), as SGLang and vLLM return them
+    routed_experts: object | None = None
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -260,6 +270,7 @@ class GenerateOutput:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # as in RequestOutput
     prompt_logprobs: list[float | None] | None = None  # as in RequestOutput
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    routed_experts: object | None = None  # as in RequestOutput (numpy [num_tokens - 1, layers, k])
 
     @classmethod
     def of(cls, out: RequestOutput, start: int = 0) -> GenerateOutput:
@@ -268,7 +279,19 @@ class GenerateOutput:
                    num_cached_tokens=out.num_cached_tokens, policy_version=out.policy_version,
                    request_id=out.request_id, version_segments=out.version_segments,
                    top_logprobs=out.top_logprobs[start:], prompt_logprobs=out.prompt_logprobs,
-                   prompt_top_logprobs=out.prompt_top_logprobs)
+                   prompt_top_logprobs=out.prompt_top_logprobs, routed_experts=out.routed_experts)
+
+
+def encode_routing(experts) -> str:
+    """Routed experts (int numpy [n, layers, k]) as SGLang sends them: base64 of int32, flattened."""
+    import numpy as np
+    return base64.b64encode(np.ascontiguousarray(experts, dtype="<i4").tobytes()).decode()
+
+
+def decode_routing(data: str, shape) -> object:
+    """The inverse of `encode_routing`: int32 numpy of `shape` ([n, layers, k]; n may be -1)."""
+    import numpy as np
+    return np.frombuffer(base64.b64decode(data), dtype="<i4").reshape(shape).copy()
 
 
 TRAJECTORY_STATUSES = ("done", "max_turns", "max_context", "timeout", "error")
@@ -334,6 +357,9 @@ class Trajectory:
     total_s: float = 0.0
     earlier: list[Trajectory] = field(default_factory=list)  # the other contexts, in the order they were left
     retried: list[str] = field(default_factory=list)  # why each earlier attempt was dropped (`run_attempts`)
+    # MoE rollouts asked for routing (Rollout Routing Replay): the experts of token_ids[:n] per layer,
+    # {"shape": [n, layers, k], "data": encode_routing(...)}, from the last turn that returned them
+    routed_experts: dict | None = None
 
     def sequences(self) -> list[Trajectory]:
         """The episode's token sequences, one per context, in order (just this one, usually)."""
@@ -350,6 +376,11 @@ class Trajectory:
     @property
     def policy_versions(self) -> list[int]:
         return [t.policy_version for s in self.sequences() for t in s.turns]
+
+    def routing(self):
+        """`routed_experts` as int32 numpy [n, layers, k], or None."""
+        r = self.routed_experts
+        return None if r is None else decode_routing(r["data"], r["shape"])
 
     @classmethod
     def from_dict(cls, d: dict) -> Trajectory:

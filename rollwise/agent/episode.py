@@ -20,7 +20,7 @@ from typing import Protocol
 
 from rollwise.agent.env import Env, NewContext, maybe_await
 from rollwise.types import (GenerateOutput, GenerateRequest, SamplingParams, Trajectory, TurnRecord,
-                            check_cut_off)
+                            check_cut_off, encode_routing)
 
 
 class Generator(Protocol):
@@ -123,6 +123,8 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
             observe(request, out)
         start = len(traj.token_ids)
         _extend(traj, out.token_ids, out.logprobs)
+        if out.routed_experts is not None:  # the turn's prompt and output: the context so far
+            traj.routed_experts = {"shape": list(out.routed_experts.shape), "data": encode_routing(out.routed_experts)}
         text = renderer.tok.decode(out.token_ids)
         traj.messages.append({"role": "assistant", "content": text})
         traj.generation_s += gen_s
@@ -160,14 +162,14 @@ def _switch_context(traj: Trajectory, messages: list[dict], prompt_ids: list[int
     """Make the context the next turn reads the current one (traj's own fields; the others are
     `traj.earlier`): the one whose tokens `prompt_ids` extends, with the rest of them appended as an
     observation (a conversation taken up again, e.g. an agent's after its sub-agent's), else a new one."""
-    fields = ("token_ids", "loss_mask", "logprobs", "turns", "messages")
+    fields = ("token_ids", "loss_mask", "logprobs", "turns", "messages", "routed_experts")
     resumed = next((c for c in reversed(traj.sequences())
                     if len(prompt_ids) > len(c.token_ids) and prompt_ids[:len(c.token_ids)] == c.token_ids), None)
     if resumed is not traj:
         closed = Trajectory(trajectory_id=traj.trajectory_id, group_id=traj.group_id, task=traj.task)
         for f in fields:
             setattr(closed, f, getattr(traj, f))
-            setattr(traj, f, [] if resumed is None else getattr(resumed, f))
+            setattr(traj, f, getattr(resumed, f) if resumed is not None else None if f == "routed_experts" else [])
         traj.earlier = [c for c in traj.earlier if c is not resumed] + [closed]
     start = len(traj.token_ids)
     if traj.turns:  # the delta belongs to the context's last turn, as an observation does

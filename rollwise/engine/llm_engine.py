@@ -87,6 +87,9 @@ class LLMEngine:
         named = [*(params.logit_bias or ()), *(params.allowed_token_ids or ())]
         if any(t >= self.vocab_size for t in named):
             raise ValueError(f"logit_bias and allowed_token_ids take token ids in [0, {self.vocab_size})")
+        if params.return_routed_experts and self.runner.routing is None:
+            raise ValueError("return_routed_experts needs a model with experts (qwen3_moe) served with "
+                             "enable_return_routed_experts (--enable-return-routed-experts)")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              "(the prompt plus at least one generated token must fit)")
@@ -127,6 +130,7 @@ class LLMEngine:
         self.streaming.discard(request_id)
         if seq is None:
             return None
+        self._read_routing(seq)
         self.scheduler.finish(seq)
         if self.spec is not None:
             self.spec.stop(request_id)
@@ -241,12 +245,18 @@ class LLMEngine:
         return SampleRow(seq.params, n, self._banned(seq), seq.forced[n] if seq.forced else None, seq.token_ids)
 
     def _finish(self, seq: Sequence) -> None:
+        self._read_routing(seq)
         self.scheduler.finish(seq)
         del self.seqs[seq.request_id]
         self.streaming.discard(seq.request_id)
         if self.spec is not None:
             self.spec.stop(seq.request_id)
         self.stats["num_finished"] += 1
+
+    def _read_routing(self, seq: Sequence) -> None:
+        """Its tokens' experts, from their KV slots, before the blocks are released."""
+        if seq.params.return_routed_experts:
+            seq.routed_experts = self.runner.routed_experts(seq.block_table, seq.num_computed_tokens, seq.num_tokens)
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:
         p = seq.params
@@ -288,7 +298,7 @@ class LLMEngine:
             text=text, finished=finished,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             num_cached_tokens=max(seq.num_cached_tokens, 0), policy_version=seq.policy_version,
-            version_segments=list(seq.version_segments),
+            version_segments=list(seq.version_segments), routed_experts=seq.routed_experts,
             **({} if seq.prompt_logprobs is None else {
                 "prompt_logprobs": [x and x[0] for x in seq.prompt_logprobs],
                 "prompt_top_logprobs": [x and x[1] for x in seq.prompt_logprobs]}))

@@ -48,6 +48,17 @@ class ModelRunner:
         shape = (mc.num_layers, self.num_blocks * cfg.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_cache = (torch.zeros(shape, dtype=dtype, device=self.device),
                          torch.zeros(shape, dtype=dtype, device=self.device))
+        # Rollout Routing Replay: each KV slot's experts per layer ([layers, slots, k], -1: none),
+        # written by every forward, so cached prefixes carry the routing that made their KV
+        self.routing: torch.Tensor | None = None
+        if cfg.enable_return_routed_experts:
+            if not mc.moe_layers:
+                raise ValueError(f"enable_return_routed_experts needs a model with experts (qwen3_moe); "
+                                 f"{cfg.model} is {mc.family} without any")
+            self.routing = torch.full((mc.num_layers, shape[1], mc.experts_per_token), -1, dtype=torch.int16,
+                                      device=self.device)
+            for m in self.model.moe_layers():
+                m.record = True
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int], dict[int, list]]:
@@ -103,6 +114,9 @@ class ModelRunner:
                               self.block_size, self.device, trees, self.native_attention)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         hidden = model(t(ids), t(positions), meta, self.kv_cache)
+        if self.routing is not None:
+            for i in model.config.moe_layers:
+                self.routing[i].index_copy_(0, meta.slot_mapping, model.model.layers[i].mlp.routing.to(torch.int16))
         prompts = {}
         for b, (lo, hi, first) in prompt_rows.items():  # in pieces: a long prompt's logits at once can be GBs
             seq, got = batch[b].seq, []
@@ -140,6 +154,21 @@ class ModelRunner:
         d = torch.tensor([slot(p) for p in dst], device=self.device)
         for cache in self.kv_cache:
             cache.index_copy_(1, d, cache.index_select(1, s))
+        if self.routing is not None:
+            self.routing.index_copy_(1, d, self.routing.index_select(1, s))
+
+    def routed_experts(self, block_table: list[int], num_computed: int, num_tokens: int):
+        """int32 numpy [num_tokens - 1, layers, k]: the experts of the sequence's first positions, read
+        from their KV slots (computed ones; -1 for the rest and in layers without experts)."""
+        import numpy as np
+        bs = self.block_size
+        n = min(num_computed, num_tokens - 1, len(block_table) * bs)
+        out = np.full((max(num_tokens - 1, 0), self.routing.shape[0], self.routing.shape[2]), -1, dtype=np.int32)
+        if n > 0:
+            pos = torch.arange(n)
+            slots = torch.tensor(block_table, dtype=torch.long)[pos // bs] * bs + pos % bs
+            out[:n] = self.routing[:, slots.to(self.routing.device)].permute(1, 0, 2).cpu().numpy()
+        return out
 
     def prepare_weights(self, weights: dict[str, torch.Tensor] | str) -> dict[str, torch.Tensor]:
         """New weights (tensors under Hugging Face names, or a model directory), read and checked

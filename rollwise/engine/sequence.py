@@ -43,6 +43,7 @@ class Sequence:
     # (first output index, version) for each weights version its tokens came from, once the weights
     # changed under it (partial rollout); empty: every token at policy_version
     version_segments: list[tuple[int, int]] = field(default_factory=list)
+    routed_experts: object | None = None  # with params.return_routed_experts, read when it finishes
 
     def __post_init__(self) -> None:
         if not self.token_ids:

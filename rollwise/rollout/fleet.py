@@ -33,7 +33,8 @@ def make_router(cfg: TrainConfig, tokenizer):
         replicas = [LocalReplica(f"replica{i}", AsyncEngine(
             cfg.model, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed + i, speculative=cfg.speculative,
             spec_controller=cfg.spec_controller, keep_weight_versions=cfg.weight_versions,
-            num_threads=threads(cfg)[0]))
+            num_threads=threads(cfg)[0], dtype=cfg.replica_dtype,
+            enable_return_routed_experts=cfg.routing_replay != "off"))
             for i in range(cfg.replicas)]
     return Router(replicas, cfg.routing_policy, tokenizer=tokenizer, max_inflight_per_replica=cfg.max_num_seqs)
 

@@ -64,6 +64,7 @@ class Routed:
             out.finished, out.finish_reason, out.num_cached_tokens = True, piece.finish_reason, piece.num_cached_tokens
             out.policy_version, out.version_segments = piece.policy_version, piece.version_segments
             out.prompt_logprobs, out.prompt_top_logprobs = piece.prompt_logprobs, piece.prompt_top_logprobs
+            out.routed_experts = piece.routed_experts
             out.text = self.tokenizer.decode(out.token_ids, params.skip_special_tokens)
             hits = [(at, x) for x in params.stop if (at := out.text.find(x)) >= 0]
             if hits:

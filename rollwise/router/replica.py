@@ -11,7 +11,7 @@ from typing import Protocol
 
 import httpx
 
-from rollwise.types import GenerateOutput, GenerateRequest, SamplingParams, WeightsNotHeld
+from rollwise.types import GenerateOutput, GenerateRequest, SamplingParams, WeightsNotHeld, decode_routing
 
 
 @dataclass(slots=True)
@@ -205,7 +205,8 @@ class HttpReplica:
                                     **({} if p.prompt_logprobs is None else {"prompt_logprobs": p.prompt_logprobs}),
                                     **({"logit_bias": p.logit_bias} if p.logit_bias else {}),
                                     **({} if p.allowed_token_ids is None else {"allowed_token_ids": p.allowed_token_ids}),
-                                    **({} if p.structured_outputs is None else {"structured_outputs": p.structured_outputs})}}
+                                    **({} if p.structured_outputs is None else {"structured_outputs": p.structured_outputs}),
+                                    **({"return_routed_experts": True} if p.return_routed_experts else {})}}
 
     @staticmethod
     def _output(b: dict) -> GenerateOutput:
@@ -215,6 +216,8 @@ class HttpReplica:
                               version_segments=[tuple(x) for x in b.get("version_segments", [])],
                               top_logprobs=[{t: lp for t, lp in top} for top in b.get("top_logprobs", [])],
                               prompt_logprobs=b.get("prompt_logprobs"),
+                              routed_experts=None if b.get("routed_experts") is None else decode_routing(
+                                  b["routed_experts"], b["routed_experts_shape"]),
                               prompt_top_logprobs=None if b.get("prompt_top_logprobs") is None else [
                                   None if top is None else {t: lp for t, lp in top} for top in b["prompt_top_logprobs"]])
 

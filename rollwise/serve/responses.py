@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from rollwise.agent.parsing import HermesParser, ToolCallParser, openai_tool_calls as tool_calls
 from rollwise.config import ServerConfig
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest
-from rollwise.types import RequestOutput, SamplingParams
+from rollwise.types import RequestOutput, SamplingParams, encode_routing
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -35,6 +35,9 @@ def generate_json(out: RequestOutput) -> dict:
             "num_cached_tokens": out.num_cached_tokens, "prompt_len": len(out.prompt_token_ids),
             "policy_version": out.policy_version, "version_segments": out.version_segments,
             **({"top_logprobs": pairs(out.top_logprobs)} if out.top_logprobs else {}),
+            **({} if out.routed_experts is None else {  # SGLang's encoding (base64 int32) and the shape
+                "routed_experts": encode_routing(out.routed_experts),
+                "routed_experts_shape": list(out.routed_experts.shape)}),
             **({} if out.prompt_logprobs is None else {
                 "prompt_logprobs": out.prompt_logprobs,
                 "prompt_top_logprobs": [None] + pairs(out.prompt_top_logprobs[1:])})}
@@ -64,6 +67,8 @@ def generate_params(body) -> SamplingParams:
         sp["structured_outputs"] = {"json" if k == "json_schema" else k: v}
     if body.top_logprobs_num:
         sp.setdefault("logprobs", body.top_logprobs_num)
+    if body.return_routed_experts:
+        sp["return_routed_experts"] = True
     if body.return_logprob and body.logprob_start_len is not None and body.logprob_start_len >= 0:
         sp.setdefault("prompt_logprobs", body.top_logprobs_num or 0)
     return SamplingParams.from_dict(sp)
@@ -91,6 +96,8 @@ def sglang_fields(tok, out: RequestOutput, body) -> dict:
             if body.top_logprobs_num:
                 meta["input_top_logprobs"] = [None if top is None else [[v, t, piece(t)] for t, v in top.items()]
                                               for top in out.prompt_top_logprobs][start:]
+    if body.return_routed_experts and out.routed_experts is not None:  # (asked the SGLang way: where it puts them)
+        meta["routed_experts"] = encode_routing(out.routed_experts)
     return {"output_ids": out.token_ids, "meta_info": meta}
 
 

@@ -143,6 +143,7 @@ class GRPOTrainer:
             self.kept[self.version] = {n: p.detach().clone() for n, p in self.policy.model.named_parameters()
                                        if p.requires_grad}  # (with LoRA, the adapters: the rest is frozen)
         self.opt.zero_grad(set_to_none=True)
+        self.policy.routing_stats.zero_()
         self._acc = {"trajs": [], "items": [], "diffs": ([], {}), "stats": torch.zeros(4), "n_tokens": 0, "n_useful": 0,
                      "entropy": [],
                      "given": n_tokens if cfg.loss_agg == "token" else n_trajectories}
@@ -209,6 +210,9 @@ class GRPOTrainer:
             self.opt.zero_grad(set_to_none=True)
             m.update(loss=float(stats[0]), grad_norm=float(gn), clip_frac=float(stats[1]) / n_tokens,
                      kl=float(stats[2]) / n_tokens, is_weight_mean=float(stats[3]) / n_tokens)
+        moved, seen = self.policy.routing_stats.tolist()
+        if seen:  # MoE rollouts that returned their routing: token-layers the trainer routes otherwise
+            m["routing_mismatch"] = moved / seen
         self.version += 1
         self.kept = {v: w for v, w in self.kept.items() if v >= self.version - cfg.keep_versions}
         self._acc = None

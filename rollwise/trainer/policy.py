@@ -1,14 +1,17 @@
 """The trainable policy: the model directory loaded with transformers (made for training: autograd,
 attention masks), token log-probabilities of trajectories in padded micro-batches, and its weights
 under Hugging Face names for the inference replicas. Optionally LoRA (`add_lora`, peft's layers):
-the weights frozen, low-rank adapters trained, the replicas sent the merged linears."""
+the weights frozen, low-rank adapters trained, the replicas sent the merged linears. MoE models may
+replay the rollout's routing (`routing = "replay"`: each token through the experts it was generated
+with, Rollout Routing Replay) or only count where their own router differs (`"record"`)."""
 from __future__ import annotations
 
 import inspect
 import json
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,6 +32,7 @@ class Batch:
     mask: torch.Tensor  # [B, L-1] float: 1 on generated tokens (the loss mask, shifted)
     behaviour_logprobs: torch.Tensor  # [B, L-1] the rollout's sampling logprobs (0 off the mask)
     shared: int = 0  # leading tokens every row has in common, none of them generated
+    routing: torch.Tensor | None = None  # [B, L, layers, k] the rollout's experts per token (-1: unknown)
 
     @staticmethod
     def of(trajs: list[Trajectory]) -> Batch:
@@ -48,7 +52,22 @@ class Batch:
         if len(trajs) > 1:
             same = (ids[:, :first] == ids[:1, :first]).all(0)
             shared = int(same.long().cumprod(0).sum())
-        return Batch(ids, att, ids[:, 1:], mask[:, 1:], lp[:, 1:], shared)
+        return Batch(ids, att, ids[:, 1:], mask[:, 1:], lp[:, 1:], shared, _routing(trajs, n))
+
+
+def _routing(trajs: list[Trajectory], n: int) -> torch.Tensor | None:
+    got = [t.routing() for t in trajs]
+    known = [r for r in got if r is not None]
+    if not known:
+        return None
+    out = torch.full((len(trajs), n, *known[0].shape[1:]), -1, dtype=torch.long)
+    for i, r in enumerate(got):
+        if r is not None:
+            out[i, :min(len(r), n)] = torch.from_numpy(r[:n])
+    return out
+
+
+ROUTING_MODES = ("off", "record", "replay")
 
 
 class PolicyModel:
@@ -62,6 +81,9 @@ class PolicyModel:
         self.model.config.use_cache = False
         self.model.train()
         self.lora = None  # peft's LoraConfig once `add_lora` has run
+        self.routing = "off"  # MoE: what to do with a batch's rollout routing (ROUTING_MODES)
+        # (token-layers whose own top-k experts differ from the rollout's, token-layers compared)
+        self.routing_stats = torch.zeros(2)
         # transformers 5.24 renamed past_key_values to cache
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
@@ -79,19 +101,49 @@ class PolicyModel:
         sampling distribution's entropy is appended to it (no gradient)."""
         p = batch.shared
         body = self.model.get_decoder()  # the decoder without its output head
+        r = batch.routing if self.routing != "off" else None
         if p < min_shared or batch.input_ids.shape[1] - p < 1:
-            h = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state[:, :-1]
+            with self._routed(r):
+                h = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state[:, :-1]
             return self._head(h, batch.targets, batch.mask, temperature, entropy)
         from transformers import DynamicCache
         n = batch.input_ids.shape[0]
         cache = DynamicCache(config=self.model.config)
-        pre = body(input_ids=batch.input_ids[:1, :p], use_cache=True, **{self._cache_kw: cache}).last_hidden_state
+        with self._routed(None if r is None else r[:1, :p]):
+            pre = body(input_ids=batch.input_ids[:1, :p], use_cache=True, **{self._cache_kw: cache}).last_hidden_state
         cache.batch_repeat_interleave(n)
-        rest = body(input_ids=batch.input_ids[:, p:], attention_mask=batch.attention_mask, use_cache=True,
-                    **{self._cache_kw: cache}).last_hidden_state  # position p.. -> targets p..
+        with self._routed(None if r is None else r[:, p:]):
+            rest = body(input_ids=batch.input_ids[:, p:], attention_mask=batch.attention_mask, use_cache=True,
+                        **{self._cache_kw: cache}).last_hidden_state  # position p.. -> targets p..
         h = torch.cat([pre[:, -1:].expand(n, 1, -1), rest[:, :-1]], dim=1)  # targets p-1..L-2
         lp = self._head(h, batch.targets[:, p - 1:], batch.mask[:, p - 1:], temperature, entropy)
         return torch.cat([lp.new_zeros(n, p - 1), lp], dim=1)
+
+    def _routed(self, routing: torch.Tensor | None):
+        """While inside, each MoE router of the model sees the rollout's experts of the forward's tokens
+        (routing [B, T, layers, k], -1 unknown): replayed, or compared only (`self.routing`)."""
+        if routing is None:
+            return nullcontext()
+        flat = routing.reshape(-1, *routing.shape[2:])
+        layers = self.model.get_decoder().layers
+        gates = [(i, layer.mlp.gate) for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")]
+        return _hooks([gate.register_forward_hook(partial(self._route, flat[:, i])) for i, gate in gates])
+
+    def _route(self, rollout: torch.Tensor, module, args, output):
+        """A router's forward hook: (logits, weights, experts) with the rollout's experts where known,
+        each weighted by the router's own probability of it (renormalised as the model does), so
+        the router still learns through them."""
+        logits, weights, experts = output
+        known = (rollout >= 0).all(-1)
+        moved = (rollout.sort(-1).values != experts.sort(-1).values).any(-1) & known
+        self.routing_stats += torch.tensor([float(moved.sum()), float(known.sum())])
+        if self.routing != "replay" or not bool(moved.any()):
+            return output
+        experts = torch.where(known[:, None], rollout, experts)
+        top = torch.softmax(logits.float(), dim=-1).gather(1, experts)
+        if getattr(module, "norm_topk_prob", False):
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top.to(weights.dtype), experts
 
     def _head(self, h: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float,
               entropy: list | None = None) -> torch.Tensor:
@@ -184,6 +236,15 @@ class PolicyModel:
     def parameters(self):
         """The trainable parameters (the adapters alone, with LoRA)."""
         return [p for p in self.model.parameters() if p.requires_grad]
+
+
+@contextmanager
+def _hooks(handles):
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def micro_batches(trajs: list[Trajectory], max_tokens: int) -> list[list[Trajectory]]:

@@ -101,3 +101,85 @@ def test_speculation_is_lossless_on_experts(model_dirs):
             assert a.token_ids == b.token_ids
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     assert llm.metrics()["spec_accepted_tokens"] > 0
+
+
+def _hf_routing(d: str, ids: list[int]):
+    """transformers' own choice of experts for each position of `ids`: [len, layers, k]."""
+    import numpy as np
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    got = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: got.append(o[2])) for layer in hf.model.layers]
+    with torch.no_grad():
+        hf(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    return np.stack([g.numpy() for g in got], axis=1)
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_routed_experts_are_the_routing_of_every_token(model_dirs, spec):
+    """Each token's experts as transformers routes them, prompt tokens taken from the prefix cache
+    included (their routing is kept beside their KV), with or without tree drafts."""
+    d = model_dirs["qwen3_moe"]
+    kw = dict(speculative="suffix", spec_controller="always", spec_tree=True) if spec else {}
+    llm = LLM(d, enable_return_routed_experts=True, **kw)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, return_routed_experts=True)
+    shared = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 9, 10, 11, 12]  # > one 16-token block
+    first = llm.generate([shared + [13]], sp)[0]
+    again = llm.generate([shared + [14, 15]], sp)[0]
+    assert again.num_cached_tokens >= 16
+    for out in (first, again):
+        ids = out.prompt_token_ids + out.token_ids
+        r = out.routed_experts
+        assert r.shape == (len(ids) - 1, 2, 2) and r.dtype.name == "int32"
+        assert (r == _hf_routing(d, ids[:-1])).all()
+    if spec:
+        assert llm.metrics()["spec_accepted_tokens"] > 0
+    plain = llm.generate([shared], SamplingParams(max_tokens=4))[0]
+    assert plain.routed_experts is None  # only for requests that ask
+
+
+def test_routed_experts_need_the_engine_flag_and_a_model_with_experts(model_dirs):
+    with pytest.raises(ValueError, match="enable_return_routed_experts"):
+        LLM(model_dirs["qwen3_moe"]).generate([[5, 6]], SamplingParams(max_tokens=2, return_routed_experts=True))
+    with pytest.raises(ValueError, match="needs a model with experts"):
+        LLM(model_dirs["qwen3"], enable_return_routed_experts=True)
+
+
+def test_routed_experts_over_http_through_the_router_into_an_episode(model_dirs):
+    """`rollwise serve --enable-return-routed-experts`: SGLang's request flag gets meta_info.routed_experts;
+    an episode through the router on that replica keeps its context's routing, as transformers routes it."""
+    import asyncio
+    import httpx
+    from rollwise.agent.envs import make_env
+    from rollwise.agent.episode import collect
+    from rollwise.engine.tokenizer import Tokenizer
+    from rollwise.router.replica import HttpReplica
+    from rollwise.router.router import Router
+    from rollwise.serve.process import ServerProcess
+    from rollwise.types import decode_routing
+    d = model_dirs["qwen3_moe"]
+    with ServerProcess(d, "--enable-return-routed-experts", "--max-model-len", "1024", threads=1) as s:
+        r = httpx.post(f"{s.url}/generate", json={"input_ids": [5, 6, 7, 8], "return_routed_experts": True,
+                                                   "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
+        got = decode_routing(r["meta_info"]["routed_experts"], (-1, 2, 2))
+        assert r["routed_experts_shape"] == [9, 2, 2] and (got == _hf_routing(d, [5, 6, 7, 8] + r["token_ids"][:-1])).all()
+        bad = httpx.post(f"{s.url}/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 2,
+                                                                                         "return_routed_experts": 1}})
+        assert bad.status_code == 400
+
+        async def episodes():
+            router = Router([HttpReplica(s.url)], "verl", tokenizer=Tokenizer(d))
+            tasks = make_env("calculator").sample_tasks(2, seed=0)
+            try:
+                return [t async for g in collect(router, lambda: make_env("calculator"), tasks,
+                                                 SamplingParams(max_tokens=24, return_routed_experts=True), group_size=1)
+                        for t in g]
+            finally:
+                await router.close()
+        for t in asyncio.run(episodes()):
+            routing = t.routing()
+            n = routing.shape[0]
+            assert routing.shape[1:] == (2, 2) and n >= len(t.token_ids) - 1 - t.turns[-1].num_observation - 1
+            assert (routing == _hf_routing(d, t.token_ids[:n])).all()
