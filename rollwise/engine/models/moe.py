@@ -7,8 +7,8 @@ The experts' weights lie as transformers holds them in memory (`experts.gate_up_
 expert's linears (`experts.{e}.gate_proj.weight`, ...), which `CausalLM.hf_tensors` lists as views.
 
 `routing` is each forward's chosen experts per token ([T, k] int, this layer's) when asked for
-(`record = True`), and `replay` forces given experts on the next forward instead of the router's
-choice: Rollout Routing Replay, so training takes the paths the rollout took.
+(`record = True`): the model runner keeps them beside the tokens' KV for Rollout Routing Replay
+(the trainer then takes each token through the experts the rollout routed it to).
 """
 from __future__ import annotations
 
@@ -59,18 +59,9 @@ class SparseMoE(nn.Module):
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.record = False
         self.routing: torch.Tensor | None = None  # the last forward's experts, [T, k], when recording
-        self.replay: torch.Tensor | None = None  # experts to use on the next forward, [T, k]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        if self.replay is not None:
-            if self.replay.shape != (x.shape[0], self.top_k):
-                raise ValueError(f"replayed routing has shape {tuple(self.replay.shape)}, "
-                                 f"this forward needs ({x.shape[0]}, {self.top_k})")
-            experts, self.replay = self.replay.to(x.device, torch.long), None
-            top = probs.gather(1, experts)
-        else:
-            top, experts = probs.topk(self.top_k, dim=-1)
+        top, experts = torch.softmax(self.gate(x).float(), dim=-1).topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
         if self.record:
