@@ -58,6 +58,16 @@ def test_make_model_and_generate(tmp_path):
     assert bad.returncode == 2 and "unknown sampling fields ['top_q']" in bad.stderr
     bad = run("-m", "rollwise.cli", "make-model", str(tmp_path / "x"), "--hidden", "30", "--heads", "4")
     assert bad.returncode == 2 and "must divide" in bad.stderr
+    r = run("-m", "rollwise.cli", "make-model", str(tmp_path / "moe"), "--family", "qwen3_moe", "--layers", "1",
+            "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--vocab", "600", "--experts", "4",
+            "--experts-per-token", "2", "--moe-intermediate", "16")
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((tmp_path / "moe" / "config.json").read_text())
+    assert (cfg["model_type"], cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (
+        "qwen3_moe", 4, 2, 16)
+    r = run("-m", "rollwise.cli", "generate", str(tmp_path / "moe"), "--prompt", "hello", "--max-tokens", "5",
+            "--enable-return-routed-experts", "--sampling", '{"return_routed_experts": true, "ignore_eos": true}')
+    assert r.returncode == 0 and "5 tokens, length" in r.stdout, r.stderr
 
 
 def test_engine_benchmark_smoke(tmp_path):
@@ -154,6 +164,17 @@ def test_sandbox_benchmark_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert len(res["cases"]) >= 2 and all(v["sandbox_ms"] > 0 and v["bare_ms"] > 0 for v in res["cases"].values())
+
+
+def test_routing_replay_benchmark_smoke(tmp_path):
+    out = tmp_path / "r3.json"
+    r = run("benchmarks/routing_replay.py", "--smoke", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    fp32, bf16 = res["dtypes"]["float32"], res["dtypes"]["bfloat16"]
+    assert fp32["replay"]["routing_mismatch"] == 0 and fp32["off"]["mean_abs_logprob_diff"] < 1e-3
+    assert bf16["off"]["tokens"] > 0 and 0 <= bf16["replay"]["routing_mismatch"] < 0.5
+    assert res["cost"]["ratio"] > 0
 
 
 def test_router_benchmark_smoke(tmp_path):
