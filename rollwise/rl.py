@@ -27,6 +27,7 @@ from rollwise.rl_config import TrainConfig, env_factory, n_train_tasks, task_set
 from rollwise.rollout.fleet import fleet_metrics, make_router, shutdown, threads
 from rollwise.rollout.pipeline import Group, GroupQueue, read_log
 from rollwise.rollout.report import Status, write_report
+from rollwise.rollout.trackers import Trackers
 from rollwise.types import SamplingParams
 
 
@@ -220,6 +221,7 @@ async def _train(cfg: TrainConfig) -> dict:
         status.line(f"resumed at policy version {trainer.version} ({len(consumed)} groups trained on)")
         status.done()
 
+    trackers = Trackers(cfg.loggers, run, dataclasses.asdict(cfg), cfg.tracker_project)
     router = make_router(cfg, tokenizer)
     try:
         if cfg.deterministic and cfg.replica_urls:  # groups are pinned to versions up to k old
@@ -237,6 +239,7 @@ async def _train(cfg: TrainConfig) -> dict:
             sft_success = await evaluate(router, make_env, eval_tasks, cfg, by_env=report["sft_success_by_env"])
             sft_greedy = await evaluate(router, make_env, eval_tasks, cfg, temperature=0.0)
             report["sft_greedy_success"] = sft_greedy
+            trackers.log({"eval_success": sft_success, "eval_greedy_success": sft_greedy}, 0)
             status.done(f"SFT model: success {sft_success:.3f} (greedy {sft_greedy:.3f}) on {len(eval_tasks)} held-out tasks")
         logged = read_log(log_path, repair=True)
         used = set(consumed) | set(skipped)
@@ -307,6 +310,7 @@ async def _train(cfg: TrainConfig) -> dict:
                               "report": {k: v for k, v in report.items() if k in ("sft", "sft_greedy_success", "sft_success_by_env")}})
             with open(steps_log, "a") as f:
                 f.write(json.dumps(m, default=str) + "\n")
+            trackers.log(m, len(history))  # (step n's metrics under n + 1: the SFT model's evaluation is 0)
             if len(history) % 10 == 0:  # the curves so far
                 write_report(run / "report", {**report, "steps": history, "sft_success": sft_success})
             bar.update(m)
@@ -319,7 +323,11 @@ async def _train(cfg: TrainConfig) -> dict:
             rl_success = await evaluate(router, make_env, eval_tasks, cfg, by_env=report["rl_success_by_env"])
             report["rl_greedy_success"] = await evaluate(router, make_env, eval_tasks, cfg, temperature=0.0)
             status.done(f"RL model: success {rl_success:.3f} (greedy {report['rl_greedy_success']:.3f})")
+        if rl_success is not None:
+            trackers.log({"eval_success": rl_success, "eval_greedy_success": report["rl_greedy_success"]},
+                         len(history))
     finally:
+        trackers.close()
         await router.close()
         shutdown(router)
     report.update(steps=history, sft_success=sft_success, rl_success=rl_success, eval_tasks=len(eval_tasks),

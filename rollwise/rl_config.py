@@ -10,6 +10,7 @@ from pathlib import Path
 from rollwise.agent.envs import load_tasks, make_env, resolve_env, taken_options
 from rollwise.agent.tools import Latency
 from rollwise.router.policies import POLICIES
+from rollwise.rollout.trackers import check_trackers
 from rollwise.router.replica import WEIGHTS_VIA
 from rollwise.trainer.grpo import ADVANTAGES, POLICY_LOSSES
 from rollwise.trainer.policy import ROUTING_MODES
@@ -125,6 +126,10 @@ class TrainConfig:
     # and every eval_every steps during it (sampled; metric eval_success, drawn on the curves). 0: not
     eval_every: int = 0
     progress: bool = True
+    # experiment trackers for the step metrics, beside steps.jsonl: "tensorboard" (RUN_DIR/tensorboard)
+    # and / or "wandb", each its own package (pip install tensorboard / wandb)
+    loggers: list[str] = field(default_factory=list)
+    tracker_project: str = "rollwise"  # the W&B project; the run is named after run_dir
 
     @property
     def streamed(self) -> bool:
@@ -181,6 +186,7 @@ class TrainConfig:
             raise ValueError(f"eval_every must be >= 0 (0: evaluate before and after RL only), got {cfg.eval_every}")
         if cfg.lora_rank < 0 or cfg.lora_alpha <= 0:
             raise ValueError(f"need lora_rank >= 0 (0: no LoRA) and lora_alpha > 0, got {cfg.lora_rank}, {cfg.lora_alpha}")
+        check_trackers(cfg.loggers)
         if cfg.routing_replay not in ROUTING_MODES:
             raise ValueError(f"unknown routing_replay {cfg.routing_replay!r}; valid: {list(ROUTING_MODES)}")
         if cfg.replica_dtype not in ("float32", "bfloat16"):

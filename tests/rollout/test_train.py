@@ -30,7 +30,7 @@ TINY = dict(env="calculator", sft_steps=3, sft_tasks=8, groups_per_step=2, group
 def test_train_end_to_end_with_in_process_replicas(model_dir, tmp_path, partial_rollout, stream):
     cfg = TrainConfig.from_dict({**TINY, "model": model_dir, "run_dir": str(tmp_path / "run"), "steps": 3,
                                  "max_staleness": 1, "partial_rollout": partial_rollout, "stream_trainer": stream,
-                                 "eval_every": 2})
+                                 "eval_every": 2, "loggers": ["tensorboard"]})
     report = train(cfg)
     assert len(report["steps"]) == 3 and report["policy_version"] == 3
     assert [s.get("eval_success") is not None for s in report["steps"]] == [False, True, False]  # after step 2
@@ -43,6 +43,11 @@ def test_train_end_to_end_with_in_process_replicas(model_dir, tmp_path, partial_
     assert (out / "report" / "curves.png").stat().st_size > 1000
     assert json.loads((out / "report" / "metrics.json").read_text())["rl_success"] == report["rl_success"]
     assert (out / "final-model" / "config.json").exists()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(out / "tensorboard"))  # the SFT model's evaluation at 0, step n's metrics at n + 1
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("reward")] == [1, 2, 3]
+    assert [e.step for e in acc.Scalars("eval_success")] == [0, 2, 3]
     from rollwise.engine.tokenizer import Tokenizer  # the final model is whole: it has its tokenizer
     assert Tokenizer(str(out / "final-model")).encode("a b") == Tokenizer(model_dir).encode("a b")
     for g in read_log(out / "groups.jsonl"):  # every token's version, oldest first, none from the future
