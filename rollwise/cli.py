@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import os
@@ -91,10 +92,20 @@ def cmd_serve(args) -> None:
     import uvicorn
 
     from rollwise.engine.async_engine import AsyncEngine
+    from rollwise.serve.lora import parse_modules
     from rollwise.serve.server import build_app
     ecfg = config_from_args(EngineConfig, args)
     scfg = config_from_args(ServerConfig, args)
+    modules = parse_modules(args.lora_modules)
+    if modules and not ecfg.enable_lora:
+        raise SystemExit("--lora-modules needs --enable-lora")
     engine = AsyncEngine(**dataclasses.asdict(ecfg))
+    for lora_name, path in modules.items():  # before serving: a bad adapter stops the server at start
+        try:
+            asyncio.run(engine.call(lambda n=lora_name, p=path: engine.engine.add_lora(n, p)))
+        except ValueError as e:
+            engine.shutdown()
+            raise SystemExit(f"--lora-modules {lora_name}={path}: {e}") from None
     name = scfg.model_name or Path(ecfg.model).name
     if not scfg.is_loopback and not scfg.api_key:
         print("warning: serving off loopback without --api-key; /update_weights is refused", file=sys.stderr)
@@ -230,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("model")
     add_config_args(p, EngineConfig, skip=("model",))
     add_config_args(p, ServerConfig)
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (peft directories) to serve from the start, each by its name (with --enable-lora)")
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("route", help="one HTTP endpoint in front of several `rollwise serve` replicas")

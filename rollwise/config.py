@@ -37,6 +37,10 @@ class EngineConfig:
     # MoE models: keep every computed token's experts (layer by layer, beside its KV) so a request
     # with `return_routed_experts` gets them (Rollout Routing Replay); SGLang's and vLLM's flag
     enable_return_routed_experts: bool = False
+    # LoRA adapters served beside the base weights (vLLM's flags): requests name one (SamplingParams.lora)
+    enable_lora: bool = False
+    max_loras: int = 8  # adapters loaded at once
+    max_lora_rank: int = 64
     # speculation (SuffixDecoding): drafts from suffix trees, verified in the same forward
     speculative: str | None = field(default=None, metadata={"choices": SPECULATIVE[1:]})
     spec_controller: str = field(default="adaptive", metadata={"choices": SPEC_CONTROLLERS})

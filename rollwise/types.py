@@ -54,6 +54,9 @@ class SamplingParams:
     # MoE: the experts each token of the request was routed to (RequestOutput.routed_experts); needs
     # an engine with `enable_return_routed_experts`
     return_routed_experts: bool = False
+    # the LoRA adapter to sample with (a name loaded into the engine: `LLMEngine.add_lora`, `rollwise
+    # serve --lora-modules`); None: the base weights. (vLLM passes a LoRARequest beside the params.)
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -47,6 +47,8 @@ class LLMEngine:
         self.weight_updates = 0
         self._loaded = [0]  # weight versions held, oldest first (the last is the newest)
         self._roots = {0: 0}  # version -> salt of its KV block hashes
+        self.loras: dict[str, object] = {}  # LoRA adapters by name (rollwise.engine.lora.Adapter)
+        self._lora_uids = itertools.count(1)
         self._ids = itertools.count()
         self.stats = dict.fromkeys(("num_steps", "prompt_tokens", "prefill_tokens", "decode_tokens", "generated_tokens",
                                     "step_time_s", "num_finished", "num_aborted", "num_interrupted"), 0)
@@ -115,7 +117,11 @@ class LLMEngine:
             raise WeightsNotHeld(f"weights of policy version {v} are not held (held: {self._loaded}); keep more "
                                  "with keep_weight_versions")
         seq.policy_version = seq.weights_version = v
-        seq.pinned, seq.hash_root = policy_version is not None, self._roots[v]
+        if params.lora is not None:
+            if params.lora not in self.loras:
+                raise ValueError(f"unknown LoRA adapter {params.lora!r}; loaded: {sorted(self.loras)}")
+            seq.adapter = self.loras[params.lora]
+        seq.pinned, seq.hash_root = policy_version is not None, self._root(seq, v)
         self.seqs[rid] = seq
         if self.spec is not None:
             self.spec.start(rid, seq.prompt_token_ids, group_id, session)
@@ -345,8 +351,33 @@ class LLMEngine:
             seq.policy_version, seq.version_segments = v, []
         else:
             seq.version_segments = (seq.version_segments or [(0, seq.weights_version)]) + [(n, v)]
-        seq.weights_version, seq.hash_root = v, self._roots[v]
+        seq.weights_version, seq.hash_root = v, self._root(seq, v)
         seq.block_hashes.clear()
+
+    def _root(self, seq: Sequence, v: int) -> int:
+        """The salt of a sequence's KV block hashes: its weights version's, and its adapter's (KV differs by both)."""
+        return self._roots[v] if seq.adapter is None else hash((self._roots[v], seq.adapter.uid)) & (2**63 - 1)
+
+    # LoRA adapters -------------------------------------------------------------------------------
+    def add_lora(self, name: str, adapter) -> None:
+        """Serve a LoRA adapter (peft's directory, or its (config, tensors)) as `name`; one loaded
+        again replaces it for requests admitted from now on. ValueError for one that cannot be served."""
+        from rollwise.engine import lora
+        if not self.config.enable_lora:
+            raise ValueError("LoRA adapters need an engine started with enable_lora (--enable-lora)")
+        if not isinstance(name, str) or not name:
+            raise ValueError("a LoRA adapter needs a non-empty name")
+        if name not in self.loras and len(self.loras) >= self.config.max_loras:
+            raise ValueError(f"{len(self.loras)} LoRA adapters are loaded, max_loras is {self.config.max_loras}; "
+                             "unload one first")
+        config, state = lora.read_adapter(adapter) if isinstance(adapter, (str, Path)) else adapter
+        self.loras[name] = lora.build(self.runner.model, name, config, state, next(self._lora_uids),
+                                      self.config.max_lora_rank)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving an adapter (requests already running on it finish with it)."""
+        if self.loras.pop(name, None) is None:
+            raise ValueError(f"unknown LoRA adapter {name!r}; loaded: {sorted(self.loras)}")
 
     def _drop_unused(self) -> None:
         """Drop weight versions no request runs on, beyond the newest `keep_weight_versions`."""

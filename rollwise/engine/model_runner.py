@@ -11,6 +11,7 @@ import time
 import torch
 
 from rollwise.config import EngineConfig
+from rollwise.engine import lora
 from rollwise.engine.attention import VECTOR_HEAD_SIZES, build_metadata
 from rollwise.engine.models.linear import Linear
 from rollwise.engine.models.llama import CausalLM
@@ -84,9 +85,12 @@ class ModelRunner:
 
     def _run(self, model: CausalLM, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int], dict[int, list]]:
         ids, positions, rows, starts, q_lens, trees, prompt_rows = [], [], [], [], [], {}, {}
+        adapted: dict[object, list[int]] = {}  # LoRA adapter -> its requests' rows
         row = 0
         for b, s in enumerate(batch):
             c, n = s.num_computed_before, s.num_new_tokens
+            if s.seq.adapter is not None:
+                adapted.setdefault(s.seq.adapter, []).extend(range(row, row + n + (len(s.draft) if s.draft else 0)))
             ids.extend(s.seq.token_ids[c:c + n])
             positions.extend(range(c, c + n))
             if s.seq.needs_prompt_logprobs:  # position p's row predicts prompt token p + 1
@@ -113,7 +117,11 @@ class ModelRunner:
         meta = build_metadata(q_lens, [s.num_computed_before for s in batch], [s.seq.block_table for s in batch],
                               self.block_size, self.device, trees, self.native_attention)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        hidden = model(t(ids), t(positions), meta, self.kv_cache)
+        lora.set_plan([(t(r), a) for a, r in adapted.items()] or None)
+        try:
+            hidden = model(t(ids), t(positions), meta, self.kv_cache)
+        finally:
+            lora.set_plan(None)
         if self.routing is not None:
             for i in model.config.moe_layers:
                 self.routing[i].index_copy_(0, meta.slot_mapping, model.model.layers[i].mlp.routing.to(torch.int16))

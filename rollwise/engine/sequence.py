@@ -44,6 +44,7 @@ class Sequence:
     # changed under it (partial rollout); empty: every token at policy_version
     version_segments: list[tuple[int, int]] = field(default_factory=list)
     routed_experts: object | None = None  # with params.return_routed_experts, read when it finishes
+    adapter: object | None = None  # params.lora's adapter as loaded when it was admitted (rollwise.engine.lora)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

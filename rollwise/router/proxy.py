@@ -24,6 +24,7 @@ from rollwise.serve.handlers import chat_reply, completion_reply, unless_disconn
 from rollwise.serve.responses import (choice_samples, completion_params, error, generate_json, generate_params, primed,
                                       sglang_fields, sse, stream_generate, weights_refused)
 from rollwise.serve.server import install_common, install_responses
+from rollwise.serve.lora import LoadLoraRequest, UnloadLoraRequest
 from rollwise.serve.sglang import PauseRequest, UpdateFromDiskRequest, load_from_disk
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
 
@@ -140,7 +141,13 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
 
     @app.post("/replicas")
     async def add_replica(body: ReplicaBody):
-        router.add_replica(HttpReplica(body.url, replica_api_key))
+        replica = HttpReplica(body.url, replica_api_key)
+        for name, path in adapters.items():  # the adapters loaded through the route, before it takes requests
+            r = await replica.client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+            if r.status_code != 200:
+                await replica.close()
+                raise ValueError(f"{body.url} did not load LoRA adapter {name!r} ({path}): {r.text[:300]}")
+        router.add_replica(replica)
         return {"replicas": sorted(router.replicas)}
 
     @app.delete("/replicas")
@@ -176,6 +183,32 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
     async def continue_generation():
         got = await fan_out("/continue_generation", {})
         return {"success": bool(got), "replicas": len(got)}
+
+    adapters: dict[str, str] = {}  # LoRA adapters loaded through the route: name -> path every replica reads
+
+    @app.post("/v1/load_lora_adapter")
+    @app.post("/load_lora_adapter")
+    async def load_lora(body: LoadLoraRequest):
+        """To every healthy replica; the adapter's name then picks it by `model` here too."""
+        if refused := weights_refused(cfg):
+            return refused
+        got = await fan_out("/v1/load_lora_adapter", body.model_dump())
+        if len(got) < len(router.healthy) or not got:
+            raise ValueError(f"{len(got)} of {len(router.healthy)} replicas loaded LoRA adapter {body.lora_name!r}")
+        adapters[body.lora_name] = body.lora_path
+        return {"status": "ok", "lora_name": body.lora_name, "replicas": len(got)}
+
+    @app.post("/v1/unload_lora_adapter")
+    @app.post("/unload_lora_adapter")
+    async def unload_lora(body: UnloadLoraRequest):
+        if refused := weights_refused(cfg):
+            return refused
+        adapters.pop(body.lora_name, None)
+        got = await fan_out("/v1/unload_lora_adapter", body.model_dump())
+        return {"status": "ok", "lora_name": body.lora_name, "replicas": len(got)}
+
+    def adapted(params, model: str | None):
+        return dataclasses.replace(params, lora=model) if model in adapters and params.lora is None else params
 
     @app.post("/update_weights")
     async def update_weights(body: UpdateWeightsRequest):
@@ -224,6 +257,8 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         if not body.input_ids:
             raise ValueError("input_ids must not be empty")
         params = generate_params(body)
+        if body.lora_path is not None:  # SGLang's: a loaded adapter's name
+            params = dataclasses.replace(params, lora=body.lora_path)
         rid = body.request_id or body.rid or f"gen-{uuid.uuid4().hex[:16]}"
         options = {"session": body.trajectory_id or request.headers.get("x-session-id"), "turn": body.turn or 0,
                    "forced_output": body.forced_output, "policy_version": body.policy_version}
@@ -244,7 +279,7 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         if not prompt or not all(isinstance(t, int) for t in prompt):
             raise ValueError("prompt must be a string or one non-empty list of token ids")
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
-        samples = runs(body, request, prompt, completion_params(body), rid)
+        samples = runs(body, request, prompt, adapted(completion_params(body), body.model), rid)
         return await completion_reply(routed, body, request, samples, rid, body.model, [body.prompt],
                                       body.return_tokens_as_token_ids or router.tokenizer is None)
 
@@ -260,8 +295,8 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         ids = tok.encode_chat([m.model_dump(exclude_none=True) for m in body.messages], tools=body.tools,
                               **(body.chat_template_kwargs or {}))
         # no max_tokens: up to the replica's model length (its engine stops there)
-        params = body.sampling(body.max_completion_tokens or body.max_tokens or UNTIL_MODEL_LEN, body.top_logprobs or 0,
-                               tok, parser)
+        params = adapted(body.sampling(body.max_completion_tokens or body.max_tokens or UNTIL_MODEL_LEN,
+                                       body.top_logprobs or 0, tok, parser), body.model)
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
         return await chat_reply(routed, body, request, runs(body, request, ids, params, rid), rid, body.model, ids,
                                 parser)

@@ -206,7 +206,8 @@ class HttpReplica:
                                     **({"logit_bias": p.logit_bias} if p.logit_bias else {}),
                                     **({} if p.allowed_token_ids is None else {"allowed_token_ids": p.allowed_token_ids}),
                                     **({} if p.structured_outputs is None else {"structured_outputs": p.structured_outputs}),
-                                    **({"return_routed_experts": True} if p.return_routed_experts else {})}}
+                                    **({"return_routed_experts": True} if p.return_routed_experts else {}),
+                                    **({} if p.lora is None else {"lora": p.lora})}}
 
     @staticmethod
     def _output(b: dict) -> GenerateOutput:

@@ -146,6 +146,7 @@ class GenerateRequest(_Strict):
     top_logprobs_num: int | None = None  # meta_info.output_top_logprobs (and input_top_logprobs)
     logprob_start_len: int | None = None  # >= 0 with return_logprob: meta_info.input_token_logprobs from there
     return_routed_experts: bool = False  # MoE: meta_info.routed_experts (base64 int32 [tokens - 1, layers, k])
+    lora_path: str | None = None  # SGLang's: the loaded LoRA adapter to use (by name)
     # fields SGLang's router adds when it forwards /generate; accepted and ignored
     model: str | None = None
     background: bool | None = None

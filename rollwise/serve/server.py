@@ -7,6 +7,7 @@ the server.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import tempfile
@@ -25,6 +26,7 @@ from rollwise.serve.protocol import (AddSequenceRequest, ChatCompletionRequest, 
 from rollwise.serve.handlers import ClientGone, chat_reply, completion_reply, unless_disconnected
 from rollwise.serve.responses import (choice_samples, completion_params, error, generate_json, generate_params, primed,
                                       sglang_fields, sse, stream_generate, weights_refused)
+from rollwise.serve.lora import install_lora, with_adapter
 from rollwise.serve.sglang import install_sglang
 from rollwise.types import WeightsNotHeld
 
@@ -68,6 +70,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
 
     install_common(app, cfg)
     install_sglang(app, engine, cfg)
+    install_lora(app, engine, cfg)
 
     @app.get("/health")
     async def health():
@@ -76,8 +79,9 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "rollwise",
-                                            "max_model_len": engine.engine.max_model_len}]}
+        base = {"object": "model", "owned_by": "rollwise", "max_model_len": engine.engine.max_model_len}
+        return {"object": "list", "data": [{"id": model_name, **base}] + [
+            {"id": name, **base, "parent": model_name} for name in sorted(engine.engine.loras)]}
 
     @app.get("/metrics")
     async def metrics():
@@ -121,6 +125,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         if len(given) != 1:
             raise ValueError("give exactly one of input_ids, prompt or text")
         params = generate_params(body)
+        if body.lora_path is not None:  # SGLang's: the name of a loaded adapter
+            params = dataclasses.replace(params, lora=body.lora_path)
         prompt = given[0]
         rid = body.request_id or body.rid or f"gen-{uuid.uuid4().hex[:16]}"
         if body.stream:
@@ -145,7 +151,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
             body.prompt[0], int) else [body.prompt]
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
-        samples = choice_samples(prompts, completion_params(body), body.n, body.group_id, rid)
+        samples = choice_samples(prompts, with_adapter(engine, completion_params(body), body.model), body.n,
+                                 body.group_id, rid)
         return await completion_reply(engine, body, request, samples, rid, model_name, prompts,
                                       body.return_tokens_as_token_ids)
 
@@ -156,8 +163,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         room = engine.engine.max_model_len - len(ids)
         if body.top_logprobs and not body.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        params = body.sampling(body.max_completion_tokens or body.max_tokens or max(room, 1), body.top_logprobs or 0,
-                               tok, parser)
+        params = with_adapter(engine, body.sampling(body.max_completion_tokens or body.max_tokens or max(room, 1),
+                                                    body.top_logprobs or 0, tok, parser), body.model)
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
         return await chat_reply(engine, body, request, choice_samples([ids], params, body.n, body.group_id, rid), rid,
                                 model_name, ids, parser)

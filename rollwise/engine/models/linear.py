@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollwise.engine import lora
+
 MIN_ROWS = 4  # below this the default GEMV path is faster
 
 
@@ -33,6 +35,7 @@ ONEDNN = torch.backends.mkldnn.is_available() and _onednn_ok()
 
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None
+    lora_key: str = ""  # its module name, under which LoRA adapters keep their deltas for it
 
     def repack(self) -> None:
         self.packed = None
@@ -44,7 +47,8 @@ class Linear(nn.Linear):
         if self.packed is not None and x.dim() == 2 and x.shape[0] >= MIN_ROWS and not torch.is_grad_enabled():
             m = x.shape[0]
             mp = bucket_rows(m)
-            if mp != m:
-                x = F.pad(x, (0, 0, 0, mp - m))
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:m]
-        return F.linear(x, self.weight, self.bias)
+            y = torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, mp - m)) if mp != m else x, self.packed,
+                                                   self.bias, "none", [], "")[:m]
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return lora.add_deltas(self.lora_key, x, y) if lora.plan() else y

@@ -238,6 +238,9 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
+        for name, m in self.named_modules():  # where LoRA adapters keep each linear's deltas
+            if isinstance(m, Linear):
+                m.lora_key = name
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)

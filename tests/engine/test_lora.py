@@ -1,0 +1,165 @@
+"""Multi-LoRA serving: peft adapters beside the base weights, mixed in one batch, against the
+merged model transformers / peft would give."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollwise import LLM, SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30, 31, 32], [40, 41, 42, 43], [50]]
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dirs, tmp_path_factory):
+    """Two peft adapters (rank 8 on every linear; rank 4 on q and v, rsLoRA) trained to nothing in
+    particular (random B), and each merged into the weights as a model of its own."""
+    from rollwise.trainer.policy import PolicyModel
+    d, root = model_dirs["qwen3"], tmp_path_factory.mktemp("lora")
+    out = {}
+    for name, (rank, alpha, targets, rs) in {"all": (8, 16, "all-linear", False), "qv": (4, 8, ["q_proj", "v_proj"], True)}.items():
+        policy = PolicyModel(d)
+        policy.add_lora(rank, alpha, targets)
+        if rs:
+            policy.lora.use_rslora = True
+            for _, m in policy._lora_layers():
+                m.scaling["default"] = alpha / rank ** 0.5
+        g = torch.Generator().manual_seed(rank)
+        with torch.no_grad():
+            for n, p in policy.model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(0.05 * torch.randn(p.shape, generator=g))
+        policy.save_adapter(str(root / name), d)
+        policy.save(str(root / f"{name}-merged"))
+        out[name] = (str(root / name), str(root / f"{name}-merged"))
+    return out
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_a_batch_mixes_adapters_and_the_base(model_dirs, adapters, spec):
+    d = model_dirs["qwen3"]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kw = dict(speculative="suffix", spec_controller="always") if spec else {}
+    llm = LLM(d, enable_lora=True, **kw)
+    for name, (path, _) in adapters.items():
+        llm.engine.add_lora(name, path)
+    names = ["all", None, "qv", "all"]
+    refs = {None: LLM(d).generate(PROMPTS, greedy)}
+    for name, (_, merged) in adapters.items():
+        refs[name] = LLM(merged).generate(PROMPTS, greedy)
+    assert refs["all"][0].token_ids != refs[None][0].token_ids  # the adapters change the model
+    for _ in range(2):  # the second round hits the prefix cache (and drafts from the first, with spec)
+        outs = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, lora=n) for n in names])
+        for i, (o, n) in enumerate(zip(outs, names)):
+            assert o.token_ids == refs[n][i].token_ids, (i, n)
+            assert o.logprobs == pytest.approx(refs[n][i].logprobs, abs=1e-3)
+
+
+def test_prefix_cache_keeps_adapters_apart_and_bad_adapters_are_refused(model_dirs, adapters, tmp_path):
+    d = model_dirs["qwen3"]
+    llm = LLM(d, enable_lora=True, max_loras=2, max_lora_rank=4)
+    with pytest.raises(ValueError, match="rank 8 is outside 1..max_lora_rank \\(4\\)"):
+        llm.engine.add_lora("all", adapters["all"][0])
+    llm.engine.add_lora("qv", adapters["qv"][0])
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate([PROMPTS[0]], sp)
+    a = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=2, lora="qv"))[0]
+    assert a.num_cached_tokens == 0  # the base model's KV is not the adapter's
+    assert llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=2, lora="qv"))[0].num_cached_tokens >= 16
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'; loaded: \\['qv'\\]"):
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, lora="nope"))
+    with pytest.raises(ValueError, match="not a LoRA adapter"):
+        llm.engine.add_lora("x", str(tmp_path))
+    llm.engine.add_lora("qv2", adapters["qv"][0])
+    with pytest.raises(ValueError, match="max_loras is 2"):
+        llm.engine.add_lora("qv3", adapters["qv"][0])
+    llm.engine.remove_lora("qv2")
+    with pytest.raises(ValueError, match="enable_lora"):
+        LLM(d).engine.add_lora("qv", adapters["qv"][0])
+
+
+def test_adapters_over_http(model_dirs, adapters):
+    """`rollwise serve --enable-lora --lora-modules`: chat and completions pick an adapter by `model`,
+    /generate by SGLang's `lora_path`; adapters load and unload while serving, and list in /v1/models."""
+    import asyncio
+
+    import httpx
+
+    from rollwise.router.replica import HttpReplica
+    from rollwise.serve.process import ServerProcess
+    from rollwise.types import GenerateRequest
+    d = model_dirs["qwen3"]
+    want = {n: LLM(m).generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
+            for n, (_, m) in adapters.items()}
+    base = LLM(d).generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
+    with ServerProcess(d, "--enable-lora", "--lora-modules", f"all={adapters['all'][0]}", threads=1) as s, \
+            httpx.Client(base_url=s.url, timeout=60) as c:
+        def completion(model):
+            r = c.post("/v1/completions", json={"model": model, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0,
+                                               "ignore_eos": True, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+        assert completion("all") == want["all"] and completion("whatever") == base
+
+        async def via_replica():  # the router's HTTP client passes the adapter on
+            r = HttpReplica(s.url)
+            try:
+                return (await r.generate(GenerateRequest(prompt_token_ids=PROMPTS[1], params=SamplingParams(
+                    temperature=0, max_tokens=8, ignore_eos=True, lora="all")))).token_ids
+            finally:
+                await r.close()
+        assert asyncio.run(via_replica()) == want["all"]
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]][1:] == ["all"]
+        assert c.post("/v1/load_lora_adapter", json={"lora_name": "qv", "lora_path": adapters["qv"][0]}).status_code == 200
+        g = c.post("/generate", json={"input_ids": PROMPTS[1], "lora_path": "qv",
+                                      "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
+        assert g.json()["token_ids"] == want["qv"]
+        chat = c.post("/v1/chat/completions", json={"model": "qv", "messages": [{"role": "user", "content": "hi"}],
+                                                    "max_tokens": 4})
+        assert chat.status_code == 200
+        assert c.post("/unload_lora_adapter", json={"lora_name": "qv"}).status_code == 200
+        bad = c.post("/generate", json={"input_ids": PROMPTS[1], "lora_path": "qv"})
+        assert bad.status_code == 400 and "unknown LoRA adapter 'qv'" in bad.json()["error"]["message"]
+        bad = c.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nonexistent"})
+        assert bad.status_code == 400 and "not a LoRA adapter" in bad.json()["error"]["message"]
+
+
+def test_adapters_through_the_route(model_dirs, adapters):
+    """`rollwise route`: an adapter loaded through it goes to every replica (and to one added later),
+    and its name picks it in chat and completions there too."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from rollwise.serve.process import ServerProcess, free_port
+    d = model_dirs["qwen3"]
+    want = LLM(adapters["qv"][1]).generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    with ServerProcess(d, "--enable-lora", threads=1) as a, ServerProcess(d, "--enable-lora", threads=1) as b:
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "rollwise.cli", "route", "--port", str(port), "--tokenizer", d,
+                                 "--replica", a.url], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            for _ in range(100):
+                try:
+                    if httpx.get(url + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.2)
+            with httpx.Client(base_url=url, timeout=60) as c:
+                r = c.post("/v1/load_lora_adapter", json={"lora_name": "qv", "lora_path": adapters["qv"][0]})
+                assert r.status_code == 200 and r.json()["replicas"] == 1, r.text
+                assert c.post("/replicas", json={"url": b.url}).status_code == 200
+                assert "qv" in [m["id"] for m in httpx.get(b.url + "/v1/models").json()["data"]]  # loaded on joining
+                out = c.post("/v1/completions", json={"model": "qv", "prompt": PROMPTS[1], "max_tokens": 8,
+                                                      "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+                assert out.json()["choices"][0]["token_ids"] == want[0].token_ids, out.text
+                chat = c.post("/v1/chat/completions", json={"model": "qv", "max_tokens": 3,
+                                                            "messages": [{"role": "user", "content": "hi"}]})
+                assert chat.status_code == 200, chat.text
+                assert c.post("/v1/unload_lora_adapter", json={"lora_name": "qv"}).json()["replicas"] == 2
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
