@@ -8,6 +8,10 @@ machines) against the baseline of a temporary directory the server reads (same h
 file system). Each update is timed from the trainer's tensors to the replica answering; the new
 weights serve the next request (checked: the replica reports the version). Reports milliseconds
 per update (median) and the weights' megabytes next to it.
+
+Then a LoRA run's update (`--lora-rank`, adapters on every linear): the merged linears
+(`lora_sync = "merged"`) against the adapter alone (`lora_sync = "adapter"`), in process and
+streamed over HTTP to a `rollwise serve --enable-lora`.
 """
 from __future__ import annotations
 
@@ -24,12 +28,12 @@ passive_unless_chosen()  # before torch loads
 from rollwise.engine.async_engine import AsyncEngine  # noqa: E402
 from rollwise.router.replica import HttpReplica, LocalReplica  # noqa: E402
 from rollwise.serve.process import ServerProcess  # noqa: E402
-from rollwise.types import GenerateRequest, SamplingParams  # noqa: E402
+from rollwise.types import AdapterWeights, GenerateRequest, SamplingParams  # noqa: E402
 
 from common import engine_model  # noqa: E402  (benchmarks/common.py)
 
 
-async def time_updates(replica, weights: dict, repeats: int) -> list[float]:
+async def time_updates(replica, weights: dict | AdapterWeights, repeats: int) -> list[float]:
     out = []
     for v in range(1, repeats + 1):
         t0 = time.perf_counter()
@@ -46,6 +50,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json")
     ap.add_argument("--model", help="default: the engine benchmark's model (32M parameters), built once")
+    ap.add_argument("--lora-rank", type=int, default=16)
     args = ap.parse_args()
     model = engine_model("smoke" if args.smoke else "bench", args.model)
     engine = AsyncEngine(model)
@@ -71,8 +76,40 @@ def main() -> None:
     for k, ms in out["ms"].items():
         print(f"{k:<12}{ms:>9.1f} ms{mb / ms * 1000:>10.0f} MB/s")
     print(f"streamed vs temporary directory: {out['ms']['http_file'] / out['ms']['http_stream']:.2f}x")
+    out["lora"] = lora_updates(model, args.lora_rank, args.repeats)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+def lora_updates(model: str, rank: int, repeats: int) -> dict:
+    """A LoRA run's per-step update: the merged linears against the adapter alone."""
+    from rollwise.trainer.policy import PolicyModel
+    policy = PolicyModel(model)
+    policy.add_lora(rank, 2 * rank)
+    sides = {"merged": policy.engine_weights(changed_only=True), "adapter": policy.adapter_weights()}
+    size = {"merged": sum(t.nbytes for t in sides["merged"].values()) / 2**20, "adapter": sides["adapter"].nbytes / 2**20}
+    ms: dict[str, float] = {}
+    engine = AsyncEngine(model, enable_lora=True, max_lora_rank=rank)
+    try:
+        for side, w in sides.items():
+            ms[f"in_process_{side}"] = 1000 * statistics.median(asyncio.run(
+                time_updates(LocalReplica("local", engine), w, repeats)))
+    finally:
+        engine.shutdown()
+    with ServerProcess(model, "--enable-lora", "--max-lora-rank", str(rank)) as server:
+        for side, w in sides.items():
+            async def go(w=w):
+                replica = HttpReplica(server.url, weights_via="stream")
+                try:
+                    return await time_updates(replica, w, repeats)
+                finally:
+                    await replica.client.aclose()
+            ms[f"http_stream_{side}"] = 1000 * statistics.median(asyncio.run(go()))
+    print(f"\nLoRA rank {rank} on every linear: merged linears {size['merged']:.1f} MB, adapter {size['adapter']:.2f} MB")
+    for where in ("in_process", "http_stream"):
+        m, a = ms[f"{where}_merged"], ms[f"{where}_adapter"]
+        print(f"{where:<12} merged {m:8.1f} ms   adapter {a:8.1f} ms   {m / a:.1f}x")
+    return {"rank": rank, "mb": size, "ms": ms}
 
 
 if __name__ == "__main__":

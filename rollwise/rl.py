@@ -28,7 +28,7 @@ from rollwise.rollout.fleet import fleet_metrics, make_router, shutdown, threads
 from rollwise.rollout.pipeline import Group, GroupQueue, read_log
 from rollwise.rollout.report import Status, write_report
 from rollwise.rollout.trackers import Trackers
-from rollwise.types import SamplingParams
+from rollwise.types import AdapterWeights, SamplingParams
 
 
 def eval_episodes(router, make_env, tasks: list[dict], cfg: TrainConfig, temperature: float | None = None,
@@ -232,7 +232,11 @@ async def _train(cfg: TrainConfig) -> dict:
                                      f"max_staleness={cfg.max_staleness} needs `rollwise serve ... "
                                      f"--keep-weight-versions {cfg.weight_versions}`")
         # every replica serves the trainer's weights, labelled with the trainer's version (RL steps done)
-        await router.update_weights(policy.engine_weights(), trainer.version)
+        if cfg.lora_sync == "adapter":  # the weights the adapter trains on, then the adapter on them
+            await router.update_weights(policy.base_weights(), trainer.version)
+            await router.update_weights(policy.adapter_weights(), trainer.version)
+        else:
+            await router.update_weights(policy.engine_weights(), trainer.version)
         if sft_success is None and eval_tasks:
             status.line("evaluating the SFT model ...")
             report["sft_success_by_env"] = {}
@@ -289,7 +293,8 @@ async def _train(cfg: TrainConfig) -> dict:
             t3 = time.perf_counter()
             train_s += t3 - t2
             tail_s = t3 - t1  # from the batch's last group to new weights: training not hidden by rollouts
-            weights = policy.engine_weights(changed_only=True)  # (with LoRA: the merged linears alone)
+            # (with LoRA: the merged linears alone, or the adapter alone)
+            weights = policy.adapter_weights() if cfg.lora_sync == "adapter" else policy.engine_weights(changed_only=True)
             await router.update_weights(weights, trainer.version, cfg.partial_rollout)
             sync_s = time.perf_counter() - t3  # weights to every replica
             await queue.commit(trainer.version)
@@ -301,7 +306,8 @@ async def _train(cfg: TrainConfig) -> dict:
                          eval_s=time.perf_counter() - t4)
             lm = fleet_metrics(router)
             m.update(step=len(history), wait_s=wait_s, train_s=train_s, tail_s=tail_s, sync_s=sync_s,
-                     sync_mb=sum(w.nbytes for w in weights.values()) / 2**20,
+                     sync_mb=(weights.nbytes if isinstance(weights, AdapterWeights) else
+                              sum(w.nbytes for w in weights.values())) / 2**20,
                      wall_s=time.perf_counter() - t_run,
                      group_versions=[g.version for g in batch], skipped_groups=len(skips), **lm)
             history.append(m)

@@ -51,10 +51,14 @@ class TrainConfig:
     # LoRA (peft's layers): 0 trains every weight; r > 0 freezes them after the warm start and trains
     # rank-r adapters on `lora_targets` ("all-linear": every linear but the output head, or a list of
     # module names such as ["q_proj", "v_proj"]), scaled by lora_alpha / r. The replicas get the merged
-    # linears alone; the run saves the merged model and the adapter (peft's format). Needs a higher lr
+    # linears alone (or the adapter: lora_sync); the run saves the merged model and the adapter (peft's format). Needs a higher lr
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: str | list[str] = "all-linear"
+    # what the replicas get each step with LoRA: "merged" (the adapted linears with their adapters merged
+    # in) or "adapter" (the adapter alone, served on the warm-start weights they hold: vLLM's way for
+    # LoRA RL; `rollwise serve` replicas need --enable-lora and a --max-lora-rank of at least lora_rank)
+    lora_sync: str = "merged"
     loss_agg: str = "token"  # or "sequence"
     # MoE models (qwen3_moe): "replay" takes each token through the experts the rollout routed it to
     # (Rollout Routing Replay: replicas return every token's experts, the trainer's routers use them,
@@ -187,6 +191,10 @@ class TrainConfig:
         if cfg.lora_rank < 0 or cfg.lora_alpha <= 0:
             raise ValueError(f"need lora_rank >= 0 (0: no LoRA) and lora_alpha > 0, got {cfg.lora_rank}, {cfg.lora_alpha}")
         check_trackers(cfg.loggers)
+        if cfg.lora_sync not in ("merged", "adapter"):
+            raise ValueError(f"lora_sync must be 'merged' or 'adapter', got {cfg.lora_sync!r}")
+        if cfg.lora_sync == "adapter" and not cfg.lora_rank:
+            raise ValueError("lora_sync = 'adapter' needs LoRA: set lora_rank")
         if cfg.routing_replay not in ROUTING_MODES:
             raise ValueError(f"unknown routing_replay {cfg.routing_replay!r}; valid: {list(ROUTING_MODES)}")
         if cfg.replica_dtype not in ("float32", "bfloat16"):

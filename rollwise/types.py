@@ -285,6 +285,19 @@ class GenerateOutput:
                    prompt_top_logprobs=out.prompt_top_logprobs, routed_experts=out.routed_experts)
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterWeights:
+    """A policy's weights as a LoRA adapter on the base weights a replica holds (peft's
+    `adapter_config.json` as a dict, and its tensors under peft's names): what a LoRA run sends
+    each step instead of merged weights (`lora_sync = "adapter"`)."""
+    config: dict
+    tensors: dict
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
 def encode_routing(experts) -> str:
     """Routed experts (int numpy [n, layers, k]) as SGLang sends them: base64 of int32, flattened."""
     import numpy as np

@@ -27,3 +27,12 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def model_dir(model_dirs) -> str:
     return model_dirs["qwen3"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_engines():
+    """Engines a module's tests made (each holds its KV pool, 1 GB by default) freed before the next
+    module's, reference cycles included: the suite runs in one process."""
+    yield
+    import gc
+    gc.collect()

@@ -20,7 +20,7 @@ from rollwise.engine.sampler import Sampler, SampleRow
 from rollwise.engine.scheduler import Scheduler
 from rollwise.engine.sequence import Sequence
 from rollwise.engine.tokenizer import Tokenizer
-from rollwise.types import RequestOutput, SamplingParams, WeightsNotHeld
+from rollwise.types import AdapterWeights, RequestOutput, SamplingParams, WeightsNotHeld
 
 
 class LLMEngine:
@@ -48,6 +48,7 @@ class LLMEngine:
         self._loaded = [0]  # weight versions held, oldest first (the last is the newest)
         self._roots = {0: 0}  # version -> salt of its KV block hashes
         self.loras: dict[str, object] = {}  # LoRA adapters by name (rollwise.engine.lora.Adapter)
+        self._adapters: dict[int, object] = {}  # versions that are the weights plus a LoRA adapter: theirs
         self._lora_uids = itertools.count(1)
         self._ids = itertools.count()
         self.stats = dict.fromkeys(("num_steps", "prompt_tokens", "prefill_tokens", "decode_tokens", "generated_tokens",
@@ -121,6 +122,8 @@ class LLMEngine:
             if params.lora not in self.loras:
                 raise ValueError(f"unknown LoRA adapter {params.lora!r}; loaded: {sorted(self.loras)}")
             seq.adapter = self.loras[params.lora]
+        else:
+            seq.adapter = self._adapters.get(v)  # the version's own adapter, if it is one
         seq.pinned, seq.hash_root = policy_version is not None, self._root(seq, v)
         self.seqs[rid] = seq
         if self.spec is not None:
@@ -319,7 +322,14 @@ class LLMEngine:
         so far (kept, with their logprobs; recomputed), starting a new version segment. Requests
         pinned to a version stay on it. The last `keep_weight_versions` versions stay held for
         pinned requests. KV cached under other weights is never matched. The version becomes
-        `version` (the trainer's count) or the next one. Returns it."""
+        `version` (the trainer's count) or the next one. Returns it.
+
+        `weights` may instead be a LoRA adapter (AdapterWeights, or a peft directory): the new version
+        is then the newest weights plus that adapter, held without a copy of the weights (a LoRA run's
+        update: a few MB of adapter, not the model)."""
+        adapter = self._policy_adapter(weights)
+        if adapter is not None:
+            return self._new_version(self.policy_version + 1 if version is None else version, partial_rollout, adapter)
         state = self.runner.prepare_weights(weights)
         v = self.policy_version + 1 if version is None else version
         # a version nothing will need is overwritten in place (the newest if it can be: then nothing
@@ -327,13 +337,24 @@ class LLMEngine:
         keep = self.config.keep_weight_versions
         used = {s.weights_version for s in self.seqs.values()}
         used |= set(self._loaded[max(0, len(self._loaded) - keep + 1):])  # the newest keep - 1 stay beside v
-        free = [u for u in self._loaded if u not in used] if v not in self._roots else []  # (v held: overwritten)
+        free = [u for u in self._loaded if u not in used and not self.runner.shared(u)] if v not in self._roots else []
         reuse = (self._loaded[-1] if self._loaded[-1] in free else free[0]) if free else None
         self.runner.add_weights(v, state, reuse)
-        self.weight_updates += 1
         self._roots.pop(reuse, None)
+        self._adapters.pop(reuse, None)
+        self._loaded = [u for u in self._loaded if u != reuse]
+        return self._new_version(v, partial_rollout)
+
+    def _new_version(self, v: int, partial_rollout: bool, adapter=None) -> int:
+        """Version v (its weights in the runner, or with `adapter` the newest weights plus it) becomes the newest."""
+        if adapter is not None:
+            self.runner.alias(v)
+            self._adapters[v] = adapter
+        else:
+            self._adapters.pop(v, None)
+        self.weight_updates += 1
         self._roots[v] = self.weight_updates  # salt: KV of earlier weights never matches
-        self._loaded = [u for u in self._loaded if u not in (v, reuse)] + [v]
+        self._loaded = [u for u in self._loaded if u != v] + [v]
         self.policy_version = v
         if partial_rollout:
             moving = lambda seq: not seq.pinned and seq.weights_version != v  # noqa: E731
@@ -344,6 +365,20 @@ class LLMEngine:
         self._drop_unused()
         return v
 
+    def _policy_adapter(self, weights):
+        """The adapter when `weights` are a LoRA adapter on the held weights (AdapterWeights, or a peft
+        directory), built and checked; None for weights."""
+        from rollwise.engine import lora
+        if isinstance(weights, AdapterWeights):
+            config, state = weights.config, weights.tensors
+        elif isinstance(weights, (str, Path)) and (Path(weights) / "adapter_config.json").is_file():
+            config, state = lora.read_adapter(weights)
+        else:
+            return None
+        if not self.config.enable_lora:
+            raise ValueError("weights as a LoRA adapter need an engine started with enable_lora (--enable-lora)")
+        return lora.build(self.runner.model, "policy", config, state, next(self._lora_uids), self.config.max_lora_rank)
+
     def _switch(self, seq: Sequence, v: int) -> None:
         """Move a sequence without KV onto version v's weights: its next tokens are v's."""
         n = seq.num_output_tokens
@@ -351,6 +386,8 @@ class LLMEngine:
             seq.policy_version, seq.version_segments = v, []
         else:
             seq.version_segments = (seq.version_segments or [(0, seq.weights_version)]) + [(n, v)]
+        if seq.params.lora is None:
+            seq.adapter = self._adapters.get(v)
         seq.weights_version, seq.hash_root = v, self._root(seq, v)
         seq.block_hashes.clear()
 
@@ -389,6 +426,7 @@ class LLMEngine:
             self.runner.drop_weights(u)
             self._loaded.remove(u)
             del self._roots[u]
+            self._adapters.pop(u, None)
 
     def metrics(self) -> dict[str, float]:
         s, sch = self.stats, self.scheduler

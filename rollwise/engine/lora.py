@@ -61,6 +61,10 @@ def build(model, name: str, config: dict, state: dict[str, torch.Tensor], uid: i
     slots = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, q + kv), "v_proj": ("qkv_proj", q + kv, q + 2 * kv),
              "o_proj": ("o_proj", 0, c.hidden_size), "gate_proj": ("gate_up_proj", 0, inter),
              "up_proj": ("gate_up_proj", inter, 2 * inter), "down_proj": ("down_proj", 0, c.hidden_size)}
+    other = sorted(k for k in state if ".lora_A." not in k and ".lora_B." not in k)
+    if other or config.get("modules_to_save"):
+        raise ValueError(f"adapter {name!r}: only lora_A / lora_B weights are served, not "
+                         f"{other[:3] or config.get('modules_to_save')}")
     linears = dict(model.named_modules())
     parts: dict[str, list] = {}
     for key, a in state.items():

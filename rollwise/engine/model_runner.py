@@ -188,8 +188,13 @@ class ModelRunner:
     def add_weights(self, version: int, state: dict[str, torch.Tensor], reuse: int | None = None) -> None:
         """Hold `state` (checked by `prepare_weights`; a subset updates the newest weights) as
         `version`, now the newest: in place of version `reuse` (one nothing needs any more), else
-        in a new copy of the model. A version already held is overwritten in place."""
+        in a new copy of the model. A version already held is overwritten in place (unless its model
+        is another version's too: then it gets a copy of its own)."""
         model = self.versions.get(version)
+        if model is not None and self.shared(version):
+            self.versions.pop(version)
+            model = None
+        assert reuse is None or not self.shared(reuse), "a model another version runs on is not overwritten"
         if model is None:
             model = self.versions.pop(reuse) if reuse is not None else None
             if model is None:
@@ -201,11 +206,25 @@ class ModelRunner:
         model.prepack()
         self.versions[version] = self.model = model
 
+    def alias(self, version: int) -> None:
+        """Hold `version` as the newest weights as they are (a version that differs from them by a
+        LoRA adapter alone: no copy)."""
+        old = self.versions.get(version)
+        self.versions[version] = self.model
+        if old is not None and old is not self.model and not any(m is old for m in self.versions.values()):
+            self._spare[:] = self._spare or [old]
+
     def drop_weights(self, version: int) -> None:
         model = self.versions.pop(version)
-        assert model is not self.model, "the newest weights are always held"
-        if not self._spare:  # one kept for the next update made while requests run on old weights
-            self._spare.append(model)
+        assert model is not self.model or any(m is model for m in self.versions.values()), \
+            "the newest weights are always held"
+        if not self._spare and not any(m is model for m in self.versions.values()):
+            self._spare.append(model)  # one kept for the next update made while requests run on old weights
+
+    def shared(self, version: int) -> bool:
+        """Whether version's model is another held version's too (`alias`)."""
+        m = self.versions.get(version)
+        return m is not None and any(u != version and x is m for u, x in self.versions.items())
 
 
 def _clone(model: CausalLM) -> CausalLM:

@@ -34,7 +34,8 @@ def make_router(cfg: TrainConfig, tokenizer):
             cfg.model, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed + i, speculative=cfg.speculative,
             spec_controller=cfg.spec_controller, keep_weight_versions=cfg.weight_versions,
             num_threads=threads(cfg)[0], dtype=cfg.replica_dtype,
-            enable_return_routed_experts=cfg.routing_replay != "off"))
+            enable_return_routed_experts=cfg.routing_replay != "off",
+            enable_lora=cfg.lora_sync == "adapter", max_lora_rank=max(cfg.lora_rank, 1)))
             for i in range(cfg.replicas)]
     return Router(replicas, cfg.routing_policy, tokenizer=tokenizer, max_inflight_per_replica=cfg.max_num_seqs)
 

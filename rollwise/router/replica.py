@@ -7,11 +7,13 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import httpx
 
-from rollwise.types import GenerateOutput, GenerateRequest, SamplingParams, WeightsNotHeld, decode_routing
+from rollwise.types import (AdapterWeights, GenerateOutput, GenerateRequest, SamplingParams, WeightsNotHeld,
+                            decode_routing)
 
 
 @dataclass(slots=True)
@@ -258,16 +260,23 @@ class HttpReplica:
         """POST /update_weights: a model directory (str) by name; tensors streamed as safetensors
         bytes, or with weights_via="file" through a temporary directory the server must see."""
         import tempfile
+        adapter = weights if isinstance(weights, AdapterWeights) else None
+        if adapter is not None:
+            weights = adapter.tensors
         if not isinstance(weights, str) and self.weights_via == "stream":
             size, body = safetensors_stream(weights)
             params = {"partial_rollout": str(partial_rollout).lower(),
-                      **({} if version is None else {"policy_version": version})}
+                      **({} if version is None else {"policy_version": version}),
+                      **({} if adapter is None else {"lora_config": json.dumps(adapter.config)})}
             return await self._post_weights(content=body, params=params, headers={
                 "content-type": "application/octet-stream", "content-length": str(size)})
         with tempfile.TemporaryDirectory(prefix="rollwise-weights-") as tmp:  # (kept until the server has read it)
             if not isinstance(weights, str):
                 from safetensors.torch import save_file
-                save_file({k: v.contiguous() for k, v in weights.items()}, f"{tmp}/model.safetensors")
+                name = "model" if adapter is None else "adapter_model"  # (an adapter: peft's directory)
+                save_file({k: v.contiguous() for k, v in weights.items()}, f"{tmp}/{name}.safetensors")
+                if adapter is not None:
+                    Path(tmp, "adapter_config.json").write_text(json.dumps(adapter.config))
                 weights = tmp
             return await self._post_weights(json={"model_dir": weights, "policy_version": version,
                                                   "partial_rollout": partial_rollout})

@@ -56,6 +56,7 @@ class Router(Upkeep):
         self.policy_version = 0  # of the weights every healthy replica serves
         self.stale: set[str] = set()  # replicas that missed a weight update (kept out of routing)
         self._latest: tuple | None = None  # (weights, version) of the last update
+        self._latest_adapter: tuple | None = None  # (adapter, version) sent on those weights since, if any
         self._sharing: set[asyncio.Future] = set()
         self._drafters: list | None = None  # members that draft from shared tokens (found again on membership changes)
         self._parked: dict[str, deque[_Waiter]] = {}  # replica -> requests waiting for a slot there

@@ -8,6 +8,7 @@ import asyncio
 
 from rollwise.router.policies import Candidate
 from rollwise.router.replica import ReplicaError, gather_loads
+from rollwise.types import AdapterWeights
 
 
 class Upkeep:
@@ -56,9 +57,12 @@ class Upkeep:
                                    return_exceptions=True)
         if res and all(isinstance(r, ValueError) for r in res):  # bad weights (every replica refused them):
             raise ValueError(f"no replica took the new weights: {res[0]}")  # the fleet stays as it was
-        if isinstance(weights, dict) and self._latest is not None and isinstance(self._latest[0], dict):
-            weights = {**self._latest[0], **weights}  # a subset (LoRA's linears): a stale replica needs all
-        self._latest = (weights, version, partial_rollout)
+        if isinstance(weights, AdapterWeights):  # on the weights last sent: a stale replica needs both
+            self._latest_adapter = (weights, version, partial_rollout)
+        else:
+            if isinstance(weights, dict) and self._latest is not None and isinstance(self._latest[0], dict):
+                weights = {**self._latest[0], **weights}  # a subset (LoRA's linears): a stale replica needs all
+            self._latest, self._latest_adapter = (weights, version, partial_rollout), None
         out = {}
         for n, r in zip(names, res):
             if isinstance(r, BaseException):
@@ -91,6 +95,8 @@ class Upkeep:
                 if ok and name in self.stale and self._latest is not None:
                     try:
                         await r.update_weights(*self._latest)
+                        if self._latest_adapter is not None:
+                            await r.update_weights(*self._latest_adapter)
                         self.stale.discard(name)
                     except (ReplicaError, OSError, ValueError):
                         continue

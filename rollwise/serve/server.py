@@ -28,7 +28,7 @@ from rollwise.serve.responses import (choice_samples, completion_params, error, 
                                       sglang_fields, sse, stream_generate, weights_refused)
 from rollwise.serve.lora import install_lora, with_adapter
 from rollwise.serve.sglang import install_sglang
-from rollwise.types import WeightsNotHeld
+from rollwise.types import AdapterWeights, WeightsNotHeld
 
 OPEN_PATHS = {"/health", "/metrics"}
 _WRITE_BYTES = 4 << 20  # a streamed weight update goes to disk in writes of about this size
@@ -90,13 +90,14 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     @app.post("/update_weights")
     async def update_weights(request: Request):
         """JSON `{"model_dir", "policy_version", "partial_rollout"}` (a directory this server can
-        read), or the weights themselves streamed as a safetensors file (Content-Type
-        application/octet-stream; `?policy_version=N&partial_rollout=true|false`)."""
+        read: a model's, or a peft adapter's to serve on the weights held), or the weights themselves
+        streamed as a safetensors file (Content-Type application/octet-stream;
+        `?policy_version=N&partial_rollout=true|false`, and `lora_config=JSON` for a LoRA adapter)."""
         if refused := weights_refused(cfg):
             return refused
         ctype = request.headers.get("content-type", "").split(";")[0].strip()
         if ctype == "application/octet-stream":
-            version, partial = _query_update(request.query_params)
+            version, partial, lora_config = _query_update(request.query_params)
             with tempfile.TemporaryDirectory(prefix="rollwise-weights-") as tmp:
                 # the body goes to disk as it arrives and is read back once: one copy of the weights
                 # in memory, not the body's bytes beside the tensors made from them
@@ -110,6 +111,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
                             buf.clear()
                     await asyncio.to_thread(f.write, buf)
                 weights = await asyncio.to_thread(_safetensors, path)
+            if lora_config is not None:  # a LoRA adapter on the weights held (a LoRA run's update)
+                weights = AdapterWeights(lora_config, weights)
         elif ctype in ("application/json", ""):
             body = UpdateWeightsRequest.model_validate_json(await request.body())  # ValueError -> 400
             weights, version, partial = body.model_dir, body.policy_version, body.partial_rollout
@@ -227,14 +230,22 @@ def _safetensors(path: Path) -> dict:
         raise ValueError(f"body is not a safetensors file: {e}") from e
 
 
-def _query_update(q) -> tuple[int | None, bool]:
-    unknown = sorted(set(q) - {"policy_version", "partial_rollout"})
+def _query_update(q) -> tuple[int | None, bool, dict | None]:
+    unknown = sorted(set(q) - {"policy_version", "partial_rollout", "lora_config"})
     if unknown:
-        raise ValueError(f"unknown query parameters {unknown}; valid: ['partial_rollout', 'policy_version']")
+        raise ValueError(f"unknown query parameters {unknown}; valid: ['lora_config', 'partial_rollout', 'policy_version']")
+    lora_config = None
+    if "lora_config" in q:
+        try:
+            lora_config = json.loads(q["lora_config"])
+        except ValueError:
+            raise ValueError("lora_config must be the adapter's adapter_config.json as JSON") from None
+        if not isinstance(lora_config, dict):
+            raise ValueError("lora_config must be a JSON object (the adapter's adapter_config.json)")
     version = q.get("policy_version")
     if version is not None and not version.lstrip("-").isdigit():
         raise ValueError(f"policy_version must be an integer, got {version!r}")
     partial = q.get("partial_rollout", "false").lower()
     if partial not in ("true", "false", "1", "0"):
         raise ValueError(f"partial_rollout must be true or false, got {partial!r}")
-    return (None if version is None else int(version)), partial in ("true", "1")
+    return (None if version is None else int(version)), partial in ("true", "1"), lora_config

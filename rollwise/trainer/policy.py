@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from rollwise.types import Trajectory
+from rollwise.types import AdapterWeights, Trajectory
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -223,15 +223,26 @@ class PolicyModel:
         """The LoRA adapter as peft saves one (`adapter_config.json`, `adapter_model.safetensors`):
         `peft.PeftModel.from_pretrained(base, path)`, or a server that takes LoRA adapters, on
         `base_model` (the weights the adapter was trained on: the warm start, if any)."""
-        from peft import get_peft_model_state_dict
         from safetensors.torch import save_file
         Path(path).mkdir(parents=True, exist_ok=True)
+        adapter = self.adapter_weights(base_model)
+        save_file(adapter.tensors, str(Path(path) / "adapter_model.safetensors"))
+        (Path(path) / "adapter_config.json").write_text(json.dumps(adapter.config, indent=2))
+
+    @torch.no_grad()
+    def adapter_weights(self, base_model: str = "") -> AdapterWeights:
+        """The LoRA adapter as peft saves it: its config (JSON-ready) and tensors under peft's names
+        (copies), what a replica serves on the base weights (`lora_sync = "adapter"`)."""
+        from peft import get_peft_model_state_dict
         state = get_peft_model_state_dict(self.model)
-        save_file({f"base_model.model.{k}": v.detach().contiguous() for k, v in state.items()},
-                  str(Path(path) / "adapter_model.safetensors"))
-        config = {**self.lora.to_dict(), "base_model_name_or_path": str(base_model), "task_type": "CAUSAL_LM"}
-        (Path(path) / "adapter_config.json").write_text(
-            json.dumps(config, indent=2, default=lambda x: sorted(x) if isinstance(x, (set, frozenset)) else str(x)))
+        config = json.loads(json.dumps({**self.lora.to_dict(), "base_model_name_or_path": str(base_model),
+                                        "task_type": "CAUSAL_LM"},
+                                       default=lambda x: sorted(x) if isinstance(x, (set, frozenset)) else str(x)))
+        return AdapterWeights(config, {f"base_model.model.{k}": v.detach().clone().contiguous() for k, v in state.items()})
+
+    def base_weights(self) -> dict[str, torch.Tensor]:
+        """The weights without the LoRA adapters (what they train on), under Hugging Face names."""
+        return {k: v.detach().clone() for k, v in self._base_state().items()}
 
     def parameters(self):
         """The trainable parameters (the adapters alone, with LoRA)."""

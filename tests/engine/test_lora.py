@@ -40,13 +40,13 @@ def test_a_batch_mixes_adapters_and_the_base(model_dirs, adapters, spec):
     d = model_dirs["qwen3"]
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     kw = dict(speculative="suffix", spec_controller="always") if spec else {}
-    llm = LLM(d, enable_lora=True, **kw)
+    llm = LLM(d, enable_lora=True, **kw, kv_cache_gb=0.05)
     for name, (path, _) in adapters.items():
         llm.engine.add_lora(name, path)
     names = ["all", None, "qv", "all"]
-    refs = {None: LLM(d).generate(PROMPTS, greedy)}
+    refs = {None: LLM(d, kv_cache_gb=0.05).generate(PROMPTS, greedy)}
     for name, (_, merged) in adapters.items():
-        refs[name] = LLM(merged).generate(PROMPTS, greedy)
+        refs[name] = LLM(merged, kv_cache_gb=0.05).generate(PROMPTS, greedy)
     assert refs["all"][0].token_ids != refs[None][0].token_ids  # the adapters change the model
     for _ in range(2):  # the second round hits the prefix cache (and drafts from the first, with spec)
         outs = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, lora=n) for n in names])
@@ -57,7 +57,7 @@ def test_a_batch_mixes_adapters_and_the_base(model_dirs, adapters, spec):
 
 def test_prefix_cache_keeps_adapters_apart_and_bad_adapters_are_refused(model_dirs, adapters, tmp_path):
     d = model_dirs["qwen3"]
-    llm = LLM(d, enable_lora=True, max_loras=2, max_lora_rank=4)
+    llm = LLM(d, enable_lora=True, max_loras=2, max_lora_rank=4, kv_cache_gb=0.05)
     with pytest.raises(ValueError, match="rank 8 is outside 1..max_lora_rank \\(4\\)"):
         llm.engine.add_lora("all", adapters["all"][0])
     llm.engine.add_lora("qv", adapters["qv"][0])
@@ -75,7 +75,7 @@ def test_prefix_cache_keeps_adapters_apart_and_bad_adapters_are_refused(model_di
         llm.engine.add_lora("qv3", adapters["qv"][0])
     llm.engine.remove_lora("qv2")
     with pytest.raises(ValueError, match="enable_lora"):
-        LLM(d).engine.add_lora("qv", adapters["qv"][0])
+        LLM(d, kv_cache_gb=0.05).engine.add_lora("qv", adapters["qv"][0])
 
 
 def test_adapters_over_http(model_dirs, adapters):
@@ -89,9 +89,9 @@ def test_adapters_over_http(model_dirs, adapters):
     from rollwise.serve.process import ServerProcess
     from rollwise.types import GenerateRequest
     d = model_dirs["qwen3"]
-    want = {n: LLM(m).generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
+    want = {n: LLM(m, kv_cache_gb=0.05).generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
             for n, (_, m) in adapters.items()}
-    base = LLM(d).generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
+    base = LLM(d, kv_cache_gb=0.05).generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
     with ServerProcess(d, "--enable-lora", "--lora-modules", f"all={adapters['all'][0]}", threads=1) as s, \
             httpx.Client(base_url=s.url, timeout=60) as c:
         def completion(model):
@@ -135,7 +135,7 @@ def test_adapters_through_the_route(model_dirs, adapters):
 
     from rollwise.serve.process import ServerProcess, free_port
     d = model_dirs["qwen3"]
-    want = LLM(adapters["qv"][1]).generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    want = LLM(adapters["qv"][1], kv_cache_gb=0.05).generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     with ServerProcess(d, "--enable-lora", threads=1) as a, ServerProcess(d, "--enable-lora", threads=1) as b:
         port = free_port()
         proc = subprocess.Popen([sys.executable, "-m", "rollwise.cli", "route", "--port", str(port), "--tokenizer", d,
@@ -163,3 +163,65 @@ def test_adapters_through_the_route(model_dirs, adapters):
         finally:
             proc.terminate()
             proc.wait(timeout=10)
+
+
+def _adapter_weights(path: str):
+    from rollwise.engine.lora import read_adapter
+    from rollwise.types import AdapterWeights
+    return AdapterWeights(*read_adapter(path))
+
+
+def test_an_adapter_as_a_weights_version(model_dirs, adapters):
+    """update_weights with an adapter: a new policy version that is the held weights plus the adapter,
+    without a copy of the weights; requests pinned to each held version get that version's adapter
+    (or none), and a full update afterwards is a version of its own again."""
+    d = model_dirs["qwen3"]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = {n: LLM(m, kv_cache_gb=0.05).generate([PROMPTS[2]], greedy)[0].token_ids for n, (_, m) in adapters.items()}
+    base = LLM(d, kv_cache_gb=0.05).generate([PROMPTS[2]], greedy)[0].token_ids
+    llm = LLM(d, enable_lora=True, keep_weight_versions=3, kv_cache_gb=0.05)
+    eng = llm.engine
+    assert eng.update_weights(_adapter_weights(adapters["all"][0]), 1) == 1
+    assert eng.update_weights(adapters["qv"][0], 2) == 2  # (a peft directory works too)
+    assert len({id(m) for m in eng.runner.versions.values()}) == 1  # three versions, one copy of the weights
+
+    def at(v):
+        rid = eng.add_request(PROMPTS[2], greedy, policy_version=v)
+        while eng.has_unfinished:
+            for o in eng.step():
+                if o.request_id == rid:
+                    return o
+    assert at(0).token_ids == base and at(1).token_ids == want["all"] and at(2).token_ids == want["qv"]
+    assert at(1).policy_version == 1
+    state = {k: v.clone() for k, v in eng.runner.model.hf_tensors().items()}
+    eng.update_weights(state, 3)  # full weights (the same values): a copy of its own, no adapter
+    assert at(3).token_ids == base and at(2).token_ids == want["qv"]
+    assert eng.runner.versions[3] is not eng.runner.versions[2]
+    with pytest.raises(ValueError, match="enable_lora"):
+        LLM(d, kv_cache_gb=0.05).engine.update_weights(adapters["qv"][0], 1)
+
+
+def test_adapter_updates_over_http(model_dirs, adapters):
+    """An HTTP replica takes a LoRA run's adapter update streamed (safetensors + lora_config) and
+    through a shared directory (peft's layout)."""
+    import asyncio
+
+    from rollwise.router.replica import HttpReplica
+    from rollwise.serve.process import ServerProcess
+    from rollwise.types import GenerateRequest
+    d = model_dirs["qwen3"]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = {n: LLM(m, kv_cache_gb=0.05).generate([PROMPTS[1]], greedy)[0].token_ids for n, (_, m) in adapters.items()}
+    with ServerProcess(d, "--enable-lora", threads=1) as s:
+        async def go():
+            got = []
+            for via, name, v in (("stream", "all", 1), ("file", "qv", 2)):
+                r = HttpReplica(s.url, weights_via=via)
+                try:
+                    assert await r.update_weights(_adapter_weights(adapters[name][0]), v) == v
+                    out = await r.generate(GenerateRequest(prompt_token_ids=PROMPTS[1], params=greedy))
+                    got.append((out.token_ids, out.policy_version))
+                finally:
+                    await r.close()
+            return got
+        assert asyncio.run(go()) == [(want["all"], 1), (want["qv"], 2)]

@@ -6,7 +6,6 @@ import torch
 
 from rollwise import LLM, SamplingParams
 from rollwise.engine.models.llama import ModelConfig
-from rollwise.engine.models.loader import load_model
 from rollwise.make_model import hf_config
 
 
@@ -55,7 +54,7 @@ def test_trainer_weights_in_transformers_layout_update_the_engine(model_dirs):
     with torch.no_grad():
         for p in policy.model.parameters():
             p.add_(0.03 * torch.randn(p.shape, generator=g))
-    llm = LLM(d, seed=1)
+    llm = LLM(d, seed=1, kv_cache_gb=0.05)
     llm.engine.update_weights(policy.engine_weights(), 1)
     prompts = [[5 + i, 17, 300 + i, 42] for i in range(4)]
     outs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=1))
@@ -72,30 +71,14 @@ def test_trainer_weights_in_transformers_layout_update_the_engine(model_dirs):
         llm.engine.update_weights(bad, 2)
 
 
-def test_moe_forward_same_with_and_without_native_ops(model_dirs, monkeypatch):
-    from rollwise.engine import native
-    from rollwise.engine.attention import build_metadata
-    model = load_model(model_dirs["qwen3_moe"])
-    mc = model.config
-    ids = torch.arange(3, 40) % mc.vocab_size
-    logits = {}
-    for on in (False, True):
-        monkeypatch.setattr(native, "ENABLED", on)
-        kv = [torch.zeros(mc.num_layers, 4 * 16, mc.num_kv_heads, mc.head_dim) for _ in range(2)]
-        with torch.inference_mode():
-            meta = build_metadata([len(ids)], [0], [[0, 1, 2]], 16, torch.device("cpu"), use_native=True)
-            logits[on] = model.logits(model(ids, torch.arange(len(ids)), meta, kv))
-    torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
-
-
 def test_speculation_is_lossless_on_experts(model_dirs):
     """Drafted tokens are routed one by one like any other row: greedy outputs and logprobs equal
     decoding without speculation."""
     d = model_dirs["qwen3_moe"]
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10, 11, 9]]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(d).generate(prompts, sp)
-    llm = LLM(d, speculative="suffix", spec_controller="always", spec_tree=True)
+    plain = LLM(d, kv_cache_gb=0.05).generate(prompts, sp)
+    llm = LLM(d, speculative="suffix", spec_controller="always", spec_tree=True, kv_cache_gb=0.05)
     for _ in range(2):  # the second round drafts from the first's outputs too
         for a, b in zip(plain, llm.generate(prompts, sp)):
             assert a.token_ids == b.token_ids
@@ -123,7 +106,7 @@ def test_routed_experts_are_the_routing_of_every_token(model_dirs, spec):
     included (their routing is kept beside their KV), with or without tree drafts."""
     d = model_dirs["qwen3_moe"]
     kw = dict(speculative="suffix", spec_controller="always", spec_tree=True) if spec else {}
-    llm = LLM(d, enable_return_routed_experts=True, **kw)
+    llm = LLM(d, enable_return_routed_experts=True, **kw, kv_cache_gb=0.05)
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, return_routed_experts=True)
     shared = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 9, 10, 11, 12]  # > one 16-token block
     first = llm.generate([shared + [13]], sp)[0]
@@ -142,9 +125,9 @@ def test_routed_experts_are_the_routing_of_every_token(model_dirs, spec):
 
 def test_routed_experts_need_the_engine_flag_and_a_model_with_experts(model_dirs):
     with pytest.raises(ValueError, match="enable_return_routed_experts"):
-        LLM(model_dirs["qwen3_moe"]).generate([[5, 6]], SamplingParams(max_tokens=2, return_routed_experts=True))
+        LLM(model_dirs["qwen3_moe"], kv_cache_gb=0.05).generate([[5, 6]], SamplingParams(max_tokens=2, return_routed_experts=True))
     with pytest.raises(ValueError, match="needs a model with experts"):
-        LLM(model_dirs["qwen3"], enable_return_routed_experts=True)
+        LLM(model_dirs["qwen3"], enable_return_routed_experts=True, kv_cache_gb=0.05)
 
 
 def test_routed_experts_over_http_through_the_router_into_an_episode(model_dirs):

@@ -113,10 +113,11 @@ def test_takes_only_inference_fp32_cpu_contiguous(monkeypatch):
 
 def test_model_forward_same_with_and_without_native_ops(model_dirs, monkeypatch):
     """A whole forward of each family (Qwen3's q/k norms are strided views: the torch twin takes
-    them) gives the same logits either way, within float rounding."""
+    them; Qwen3-MoE's experts take SiLU-and-multiply per expert) gives the same logits either way,
+    within float rounding."""
     from rollwise.engine.attention import build_metadata
     from rollwise.engine.models.loader import load_model
-    for family in ("llama", "qwen3"):
+    for family in ("llama", "qwen3", "qwen3_moe"):
         model = load_model(model_dirs[family])
         mc = model.config
         ids = torch.arange(3, 40) % mc.vocab_size

@@ -312,23 +312,29 @@ def test_episodes_whose_env_raised_are_run_again_not_trained_as_failures(model_d
     assert sum(s["retried"] for s in report["steps"]) == 4  # 2 steps x 2 groups
 
 
-def test_lora_trains_adapters_and_the_replicas_serve_the_merged_weights(model_dir, tmp_path, monkeypatch):
-    """LoRA after the warm start: each step sends the replicas the merged linears alone, and the
-    trainer's check of fresh samples' logprobs (on-policy: every sample checked) passes, so the
-    replicas serve exactly the merged weights; the final model is the warm start with the adapter
-    merged (every other tensor unchanged) and the adapter loads with peft."""
+@pytest.mark.parametrize("sync,deterministic", [("merged", False), ("adapter", False), ("adapter", True)])
+def test_lora_trains_adapters_and_the_replicas_serve_the_merged_weights(model_dir, tmp_path, monkeypatch, sync,
+                                                                        deterministic):
+    """LoRA after the warm start: each step sends the replicas the merged linears alone (or the
+    adapter alone, served on the warm start they hold), and the trainer's check of fresh samples'
+    logprobs (on-policy: every sample checked) passes, so the replicas serve exactly the merged
+    weights; the final model is the warm start with the adapter merged (every other tensor
+    unchanged) and the adapter loads with peft."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
     monkeypatch.setitem(ENVS, "calculator", _ParityReward)
     cfg = TrainConfig.from_dict({**TINY, "model": model_dir, "run_dir": str(tmp_path / "run"), "steps": 2,
-                                 "group_size": 4, "max_staleness": 0, "lora_rank": 4, "lora_alpha": 8, "lr": 1e-2})
+                                 "group_size": 4, "max_staleness": 0, "lora_rank": 4, "lora_alpha": 8, "lr": 1e-2,
+                                 "lora_sync": sync, "deterministic": deterministic})
     report = train(cfg)
     run = Path(cfg.run_dir)
     warm = load_file(str(run / "warm-start-model" / "model.safetensors"))
     linears = sum(t.nbytes for k, t in warm.items() if k.endswith("proj.weight")) / 2**20  # what "all-linear" adapts
-    assert all(s["sync_mb"] == pytest.approx(linears) for s in report["steps"])
-    assert linears < sum(t.nbytes for t in warm.values()) / 2**20
+    adapter = sum(t.nbytes for t in load_file(str(run / "final-adapter" / "adapter_model.safetensors")).values())
+    sent = linears if sync == "merged" else adapter / 2**20
+    assert all(s["sync_mb"] == pytest.approx(sent) for s in report["steps"])
+    assert linears < sum(t.nbytes for t in warm.values()) / 2**20 and adapter / 2**20 < linears / 4
     checked = [s["logprob_diff"] for s in report["steps"] if s["trained_tokens"] > 0]
     assert checked and all(0 <= d < 0.02 for d in checked)
     final = load_file(str(run / "final-model" / "model.safetensors"))

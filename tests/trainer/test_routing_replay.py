@@ -13,7 +13,7 @@ from rollwise.types import Trajectory, encode_routing
 
 
 def _rollouts(model_dir: str, weights: dict | None = None, n: int = 6) -> list[Trajectory]:
-    llm = LLM(model_dir, seed=3, enable_return_routed_experts=True)
+    llm = LLM(model_dir, seed=3, enable_return_routed_experts=True, kv_cache_gb=0.05)
     if weights is not None:
         llm.engine.update_weights(weights, 1)
     prompts = [[5 + i, 17, 300 + i, 42, 7, 9] for i in range(n)]
