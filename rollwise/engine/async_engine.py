@@ -119,10 +119,14 @@ class AsyncEngine:
         return self.engine.policy_version
 
     def shutdown(self) -> None:
+        """Stop the engine thread and free the KV pool and weights at once (not when the last reference
+        goes: a stopped engine serves nothing)."""
         with self._wake:
             self._stopped = True
             self._wake.notify()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.engine.runner.release()
 
     # engine thread -------------------------------------------------------------------------------
     @property

@@ -152,6 +152,12 @@ class ModelRunner:
             best = min(best, time.perf_counter() - t0)
         return best
 
+    def release(self) -> None:
+        """Drop the KV pool, the routing pool and every weights version (the engine is done)."""
+        self.kv_cache, self.routing = (), None
+        self.versions.clear()
+        self._spare.clear()
+
     @torch.inference_mode()
     def move_kv(self, block_table: list[int], src: list[int], dst: list[int]) -> None:
         """Copy the KV of token positions src to positions dst of one sequence (accepted tree nodes
