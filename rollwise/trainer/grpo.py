@@ -144,6 +144,7 @@ class GRPOTrainer:
                                        if p.requires_grad}  # (with LoRA, the adapters: the rest is frozen)
         self.opt.zero_grad(set_to_none=True)
         self.policy.routing_stats.zero_()
+        self.policy.expert_load.clear()
         self._acc = {"trajs": [], "items": [], "diffs": ([], {}), "stats": torch.zeros(4), "n_tokens": 0, "n_useful": 0,
                      "entropy": [],
                      "given": n_tokens if cfg.loss_agg == "token" else n_trajectories}
@@ -213,6 +214,8 @@ class GRPOTrainer:
         moved, seen = self.policy.routing_stats.tolist()
         if seen:  # MoE rollouts that returned their routing: token-layers the trainer routes otherwise
             m["routing_mismatch"] = moved / seen
+            # the busiest expert's share against an even one (1: balanced; E / k: every token on the same k)
+            m["expert_load_max"] = max(float(c.max() / c.float().mean()) for c in self.policy.expert_load.values())
         self.version += 1
         self.kept = {v: w for v, w in self.kept.items() if v >= self.version - cfg.keep_versions}
         self._acc = None

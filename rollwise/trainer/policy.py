@@ -84,6 +84,7 @@ class PolicyModel:
         self.routing = "off"  # MoE: what to do with a batch's rollout routing (ROUTING_MODES)
         # (token-layers whose own top-k experts differ from the rollout's, token-layers compared)
         self.routing_stats = torch.zeros(2)
+        self.expert_load: dict[int, torch.Tensor] = {}  # layer -> tokens the rollout routed to each expert
         # transformers 5.24 renamed past_key_values to cache
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
@@ -127,9 +128,9 @@ class PolicyModel:
         flat = routing.reshape(-1, *routing.shape[2:])
         layers = self.model.get_decoder().layers
         gates = [(i, layer.mlp.gate) for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")]
-        return _hooks([gate.register_forward_hook(partial(self._route, flat[:, i])) for i, gate in gates])
+        return _hooks([gate.register_forward_hook(partial(self._route, flat[:, i], i)) for i, gate in gates])
 
-    def _route(self, rollout: torch.Tensor, module, args, output):
+    def _route(self, rollout: torch.Tensor, layer: int, module, args, output):
         """A router's forward hook: (logits, weights, experts) with the rollout's experts where known,
         each weighted by the router's own probability of it (renormalised as the model does), so
         the router still learns through them."""
@@ -137,6 +138,8 @@ class PolicyModel:
         known = (rollout >= 0).all(-1)
         moved = (rollout.sort(-1).values != experts.sort(-1).values).any(-1) & known
         self.routing_stats += torch.tensor([float(moved.sum()), float(known.sum())])
+        load = torch.bincount(rollout[known].reshape(-1), minlength=logits.shape[-1])
+        self.expert_load[layer] = self.expert_load.get(layer, 0) + load
         if self.routing != "replay" or not bool(moved.any()):
             return output
         experts = torch.where(known[:, None], rollout, experts)

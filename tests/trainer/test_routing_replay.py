@@ -43,6 +43,8 @@ def test_same_weights_route_alike_and_replay_changes_nothing(model_dirs):
     assert off < 1e-4 and replay < 1e-4
     moved, seen = policy.routing_stats.tolist()
     assert moved == 0 and seen > 0
+    load = policy.expert_load[0]  # every known token-layer counted k times, once per expert it went to
+    assert load.shape == (8,) and int(load.sum()) == 2 * int((b.routing[:, :, 0] >= 0).all(-1).sum())
 
 
 def test_replay_takes_the_rollouts_experts_when_the_routers_disagree(model_dirs):
@@ -94,6 +96,7 @@ def test_a_run_on_an_moe_model_replays_its_rollouts_routing(model_dirs, tmp_path
     assert len(report["steps"]) == 2
     for s in report["steps"]:
         assert s["trained_trajectories"] > 0 and s["routing_mismatch"] == 0.0 and s["logprob_diff"] < 1e-3
+        assert 1.0 <= s["expert_load_max"] <= 8 / 2  # 8 experts, top 2
     for g in read_log(tmp_path / "run" / "groups.jsonl"):
         for t in g.trajectories:
             r = t.routing()
