@@ -28,27 +28,28 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; experts, weights [T, k]: sum over j of weights[t, j] * expert experts[t, j](x[t])."""
-        k = experts.shape[1]
+        t, k = experts.shape
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        token = order // k
-        w = weights.reshape(-1)[order].unsqueeze(1)
-        out = torch.zeros_like(x)
+        rows = x[order // k]
+        ys = torch.empty_like(rows)
         start = 0
         for e, n in enumerate(counts):
             if not n:
                 continue
-            rows = token[start:start + n]
-            gate_up = F.linear(x[rows], self.gate_up_proj[e])
+            gate_up = F.linear(rows[start:start + n], self.gate_up_proj[e])
             if native.takes(gate_up):
                 h = native.silu_and_mul(gate_up)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 h = F.silu(gate) * up
-            out.index_add_(0, rows, F.linear(h, self.down_proj[e]) * w[start:start + n])
+            ys[start:start + n] = F.linear(h, self.down_proj[e])
             start += n
-        return out
+        ys *= weights.reshape(-1)[order].unsqueeze(1)
+        out = torch.empty_like(ys)
+        out[order] = ys  # back to (token, slot) order: a copy (index_add here cost more than the experts)
+        return out.view(t, k, -1).sum(1)
 
 
 class SparseMoE(nn.Module):
