@@ -64,6 +64,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check_number("temperature", self.temperature, lo=0.0, hi=100.0)
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise ValueError(f"lora must be the name of a loaded LoRA adapter, got {self.lora!r}")
         if not isinstance(self.return_routed_experts, bool):
             raise ValueError(f"return_routed_experts must be true or false, got {self.return_routed_experts!r}")
         _check_number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
@@ -375,7 +377,8 @@ class Trajectory:
     retried: list[str] = field(default_factory=list)  # why each earlier attempt was dropped (`run_attempts`)
     # MoE rollouts asked for routing (Rollout Routing Replay): the experts of token_ids[:n] per layer,
     # {"shape": [n, layers, k], "data": encode_routing(...)}, from the last turn that returned them
-    routed_experts: dict | None = None
+    # (the turn's numpy array while the episode runs)
+    routed_experts: dict | object | None = None
 
     def sequences(self) -> list[Trajectory]:
         """The episode's token sequences, one per context, in order (just this one, usually)."""

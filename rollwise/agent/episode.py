@@ -87,6 +87,10 @@ async def run_episode(generator: Generator, env: Env, task: dict, params: Sampli
         if close is not None:
             await maybe_await(close())
     traj.total_s = time.perf_counter() - t0
+    for seq in traj.sequences():  # each context's last routing, encoded once (the log's JSON form)
+        r = seq.routed_experts
+        if r is not None and not isinstance(r, dict):
+            seq.routed_experts = {"shape": list(r.shape), "data": encode_routing(r)}
     end = getattr(generator, "end_trajectory", None)  # e.g. a router: stickiness, turn stats, shared drafts
     if end is not None:
         await end(traj.trajectory_id, traj.group_id, traj.token_ids, traj.num_turns)
@@ -123,8 +127,8 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
             observe(request, out)
         start = len(traj.token_ids)
         _extend(traj, out.token_ids, out.logprobs)
-        if out.routed_experts is not None:  # the turn's prompt and output: the context so far
-            traj.routed_experts = {"shape": list(out.routed_experts.shape), "data": encode_routing(out.routed_experts)}
+        if out.routed_experts is not None:  # the turn's prompt and output: the context so far (encoded at the end)
+            traj.routed_experts = out.routed_experts
         text = renderer.tok.decode(out.token_ids)
         traj.messages.append({"role": "assistant", "content": text})
         traj.generation_s += gen_s

@@ -70,6 +70,8 @@ def test_prefix_cache_keeps_adapters_apart_and_bad_adapters_are_refused(model_di
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, lora="nope"))
     with pytest.raises(ValueError, match="not a LoRA adapter"):
         llm.engine.add_lora("x", str(tmp_path))
+    with pytest.raises(ValueError, match="lora must be the name"):
+        SamplingParams(lora=7)
     llm.engine.add_lora("qv2", adapters["qv"][0])
     with pytest.raises(ValueError, match="max_loras is 2"):
         llm.engine.add_lora("qv3", adapters["qv"][0])
