@@ -222,7 +222,11 @@ async def _train(cfg: TrainConfig) -> dict:
         status.done()
 
     trackers = Trackers(cfg.loggers, run, dataclasses.asdict(cfg), cfg.tracker_project)
-    router = make_router(cfg, tokenizer)
+    try:
+        router = make_router(cfg, tokenizer)
+    except BaseException:
+        trackers.close()
+        raise
     try:
         if cfg.deterministic and cfg.replica_urls:  # groups are pinned to versions up to k old
             for r in router.replicas.values():

@@ -162,3 +162,57 @@ async def events(resp: dict):
         yield {"type": "response.output_item.done", "sequence_number": next(n), "output_index": i, "item": item}
     yield {"type": "response.completed" if resp["status"] == "completed" else "response.incomplete",
            "sequence_number": next(n), "response": resp}
+
+
+async def streamed_events(chunks, body: dict, done=None):
+    """The Responses API's stream events as a chat-completions stream arrives (its chunks as dicts):
+    each text delta as it comes, function calls (whole in the chat stream's last delta) and the
+    completed Response at the end; `done(resp, reply)` then gets the Response and the chat reply."""
+    n = iter(range(1 << 30))
+    text, calls, finish, usage, model = [], [], None, None, body.get("model")
+    msg_id = f"msg_{uuid.uuid4().hex[:24]}"
+    head = {**response({"choices": [{"message": {}, "finish_reason": None}], "model": model}, body),
+            "status": "in_progress", "usage": None, "completed_at": None}
+    yield {"type": "response.created", "sequence_number": next(n), "response": head}
+    yield {"type": "response.in_progress", "sequence_number": next(n), "response": head}
+    at = {"output_index": 0, "item_id": msg_id, "content_index": 0}
+    async for c in chunks:
+        model, usage = c.get("model", model), c.get("usage") or usage
+        for choice in c.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                if not text:
+                    yield {"type": "response.output_item.added", "sequence_number": next(n), "output_index": 0,
+                           "item": {"type": "message", "id": msg_id, "status": "in_progress", "role": "assistant",
+                                    "content": []}}
+                    yield {"type": "response.content_part.added", "sequence_number": next(n), **at,
+                           "part": {"type": "output_text", "text": "", "annotations": []}}
+                text.append(delta["content"])
+                yield {"type": "response.output_text.delta", "sequence_number": next(n), **at,
+                       "delta": delta["content"], "logprobs": []}
+            calls += [{"id": t["id"], "type": "function", "function": t["function"]} for t in delta.get("tool_calls") or []]
+            finish = choice.get("finish_reason") or finish
+    reply = {"model": model, "usage": usage, "choices": [{"finish_reason": finish, "message": {
+        "role": "assistant", "content": "".join(text) or None, **({"tool_calls": calls} if calls else {})}}]}
+    resp = {**response(reply, body), "id": head["id"], "created_at": head["created_at"]}
+    if text:
+        resp["output"][0]["id"] = msg_id
+    for i, item in enumerate(resp["output"]):
+        if item["type"] == "message":
+            part = item["content"][0]
+            yield {"type": "response.output_text.done", "sequence_number": next(n), **at, "text": part["text"],
+                   "logprobs": []}
+            yield {"type": "response.content_part.done", "sequence_number": next(n), **at, "part": part}
+        else:
+            yield {"type": "response.output_item.added", "sequence_number": next(n), "output_index": i,
+                   "item": {**item, "status": "in_progress", "arguments": ""}}
+            ids = {"output_index": i, "item_id": item["id"]}
+            yield {"type": "response.function_call_arguments.delta", "sequence_number": next(n), **ids,
+                   "delta": item["arguments"]}
+            yield {"type": "response.function_call_arguments.done", "sequence_number": next(n), **ids,
+                   "name": item["name"], "arguments": item["arguments"]}
+        yield {"type": "response.output_item.done", "sequence_number": next(n), "output_index": i, "item": item}
+    if done is not None:
+        done(resp, reply)
+    yield {"type": "response.completed" if resp["status"] == "completed" else "response.incomplete",
+           "sequence_number": next(n), "response": resp}

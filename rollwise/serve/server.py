@@ -184,12 +184,13 @@ def install_responses(app: FastAPI, chat) -> None:
     """POST /v1/responses: OpenAI's Responses API (what the OpenAI Agents SDK calls by default) as a
     chat request (`rollwise.agent.responses_api`: input items to messages, the reply to output
     items), `text.format` json_schema as structured outputs, and `previous_response_id` over the
-    last STORED_RESPONSES responses (`store: false` keeps one out). Streamed as the Responses API's
-    events once the reply is complete (not token by token)."""
+    last STORED_RESPONSES responses (`store: false` keeps one out). Streamed token by token as the
+    Responses API's events (from the chat stream; function calls whole at the end, as the chat
+    stream gives them)."""
     from collections import OrderedDict
 
     from rollwise.agent.gateway import GatewayError
-    from rollwise.agent.responses_api import chat_body, events, response
+    from rollwise.agent.responses_api import chat_body, response, streamed_events
     conversations: OrderedDict[str, list[dict]] = OrderedDict()
 
     @app.post("/v1/responses")
@@ -210,14 +211,37 @@ def install_responses(app: FastAPI, chat) -> None:
         body_chat["messages"] = [{**m, "role": "system" if m["role"] == "developer" else m["role"]}
                                  for m in body_chat["messages"]]
         extra = {k: body[k] for k in RESPONSE_PASSED if body.get(k) is not None}
-        reply = await chat(ChatCompletionRequest(**{k: v for k, v in body_chat.items() if v is not None}, **extra),
-                           request)
+
+        def store(resp: dict, reply: dict) -> None:
+            if body.get("store", True):
+                conversations[resp["id"]] = messages + [reply["choices"][0]["message"]]
+                while len(conversations) > STORED_RESPONSES:
+                    conversations.popitem(last=False)
+        fields = {k: v for k, v in body_chat.items() if v is not None}
+        if body.get("stream"):  # token by token: the chat stream's chunks as they come, as Responses events
+            streamed = await chat(ChatCompletionRequest(**fields, **extra, stream=True,
+                                                        stream_options={"include_usage": True}), request)
+            return sse(streamed_events(_sse_chunks(streamed), body, store))
+        reply = await chat(ChatCompletionRequest(**fields, **extra), request)
         resp = response(reply, body)
-        if body.get("store", True):
-            conversations[resp["id"]] = messages + [reply["choices"][0]["message"]]
-            while len(conversations) > STORED_RESPONSES:
-                conversations.popitem(last=False)
-        return sse(events(resp)) if body.get("stream") else resp
+        store(resp, reply)
+        return resp
+
+
+async def _sse_chunks(streamed):
+    """The chunks (dicts) of one of our SSE responses, read back from its body; an error chunk raises."""
+    buf = ""
+    async for piece in streamed.body_iterator:
+        buf += piece if isinstance(piece, str) else piece.decode()
+        while "\n\n" in buf:
+            event, buf = buf.split("\n\n", 1)
+            data = event.removeprefix("data: ")
+            if data == "[DONE]":
+                return
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"].get("message", "the stream failed"))
+            yield chunk
 
 
 def _safetensors(path: Path) -> dict:

@@ -36,7 +36,19 @@ def test_text_structured_and_streamed_responses(server):
     events = list(client.responses.create(model="m", input="Hello there", max_output_tokens=12, temperature=0,
                                           stream=True))
     assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
-    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == r.output_text and len(deltas) > 1  # token by token, not the reply at once
+    assert events[-1].response.output_text == r.output_text and events[-1].response.usage.output_tokens == 12
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    called = list(client.responses.create(model="m", input="Where is Ana?", tools=TOOLS, max_output_tokens=60,
+                                          tool_choice="required", stream=True, temperature=0))
+    [call] = [o for o in called[-1].response.output if o.type == "function_call"]
+    done = [e for e in called if e.type == "response.function_call_arguments.done"]
+    assert call.name == "lookup" and [d.arguments for d in done] == [call.arguments]
+    follow = client.responses.create(model="m", previous_response_id=called[-1].response.id, tools=TOOLS,
+                                     max_output_tokens=4, temperature=0, input=[{"type": "function_call_output",
+                                                                  "call_id": call.call_id, "output": "room 7"}])
+    assert follow.previous_response_id == called[-1].response.id  # a streamed response is stored too
 
 
 def test_function_calls_continue_by_previous_response_id(server):
