@@ -19,11 +19,12 @@ from rollwise.engine import grammar
 from rollwise.engine.sampler import Sampler, SampleRow
 from rollwise.engine.scheduler import Scheduler
 from rollwise.engine.sequence import Sequence
+from rollwise.engine.weights import WeightVersions
 from rollwise.engine.tokenizer import Tokenizer
-from rollwise.types import AdapterWeights, RequestOutput, SamplingParams, WeightsNotHeld
+from rollwise.types import RequestOutput, SamplingParams, WeightsNotHeld
 
 
-class LLMEngine:
+class LLMEngine(WeightVersions):
     def __init__(self, cfg: EngineConfig) -> None:
         self.config = cfg
         self.tokenizer = Tokenizer(cfg.model)
@@ -312,122 +313,7 @@ class LLMEngine:
                 "prompt_logprobs": [x and x[0] for x in seq.prompt_logprobs],
                 "prompt_top_logprobs": [x and x[1] for x in seq.prompt_logprobs]}))
 
-    # weights and metrics -------------------------------------------------------------------------
-    def update_weights(self, weights, version: int | None = None, partial_rollout: bool = False) -> int:
-        """New weights (a state dict or a model directory), checked first (ValueError, nothing
-        changes); they serve every request admitted from now on. Requests in flight finish under
-        the weights they started with (both versions run in the same steps, one forward each; the
-        old weights are dropped when their last request ends), or with `partial_rollout` they are
-        interrupted: their KV is dropped and they continue under the new weights from their tokens
-        so far (kept, with their logprobs; recomputed), starting a new version segment. Requests
-        pinned to a version stay on it. The last `keep_weight_versions` versions stay held for
-        pinned requests. KV cached under other weights is never matched. The version becomes
-        `version` (the trainer's count) or the next one. Returns it.
-
-        `weights` may instead be a LoRA adapter (AdapterWeights, or a peft directory): the new version
-        is then the newest weights plus that adapter, held without a copy of the weights (a LoRA run's
-        update: a few MB of adapter, not the model)."""
-        adapter = self._policy_adapter(weights)
-        if adapter is not None:
-            return self._new_version(self.policy_version + 1 if version is None else version, partial_rollout, adapter)
-        state = self.runner.prepare_weights(weights)
-        v = self.policy_version + 1 if version is None else version
-        # a version nothing will need is overwritten in place (the newest if it can be: then nothing
-        # is copied twice); with nothing in flight and one version kept, that is every update
-        keep = self.config.keep_weight_versions
-        used = {s.weights_version for s in self.seqs.values()}
-        used |= set(self._loaded[max(0, len(self._loaded) - keep + 1):])  # the newest keep - 1 stay beside v
-        free = [u for u in self._loaded if u not in used and not self.runner.shared(u)] if v not in self._roots else []
-        reuse = (self._loaded[-1] if self._loaded[-1] in free else free[0]) if free else None
-        self.runner.add_weights(v, state, reuse)
-        self._roots.pop(reuse, None)
-        self._adapters.pop(reuse, None)
-        self._loaded = [u for u in self._loaded if u != reuse]
-        return self._new_version(v, partial_rollout)
-
-    def _new_version(self, v: int, partial_rollout: bool, adapter=None) -> int:
-        """Version v (its weights in the runner, or with `adapter` the newest weights plus it) becomes the newest."""
-        if adapter is not None:
-            self.runner.alias(v)
-            self._adapters[v] = adapter
-        else:
-            self._adapters.pop(v, None)
-        self.weight_updates += 1
-        self._roots[v] = self.weight_updates  # salt: KV of earlier weights never matches
-        self._loaded = [u for u in self._loaded if u != v] + [v]
-        self.policy_version = v
-        if partial_rollout:
-            moving = lambda seq: not seq.pinned and seq.weights_version != v  # noqa: E731
-            self.stats["num_interrupted"] += self.scheduler.requeue_running(moving)
-            for seq in self.seqs.values():
-                if moving(seq):
-                    self._switch(seq, v)
-        self._drop_unused()
-        return v
-
-    def _policy_adapter(self, weights):
-        """The adapter when `weights` are a LoRA adapter on the held weights (AdapterWeights, or a peft
-        directory), built and checked; None for weights."""
-        from rollwise.engine import lora
-        if isinstance(weights, AdapterWeights):
-            config, state = weights.config, weights.tensors
-        elif isinstance(weights, (str, Path)) and (Path(weights) / "adapter_config.json").is_file():
-            config, state = lora.read_adapter(weights)
-        else:
-            return None
-        if not self.config.enable_lora:
-            raise ValueError("weights as a LoRA adapter need an engine started with enable_lora (--enable-lora)")
-        return lora.build(self.runner.model, "policy", config, state, next(self._lora_uids), self.config.max_lora_rank)
-
-    def _switch(self, seq: Sequence, v: int) -> None:
-        """Move a sequence without KV onto version v's weights: its next tokens are v's."""
-        n = seq.num_output_tokens
-        if n == 0:  # nothing sampled yet: all of it runs under the new weights
-            seq.policy_version, seq.version_segments = v, []
-        else:
-            seq.version_segments = (seq.version_segments or [(0, seq.weights_version)]) + [(n, v)]
-        if seq.params.lora is None:
-            seq.adapter = self._adapters.get(v)
-        seq.weights_version, seq.hash_root = v, self._root(seq, v)
-        seq.block_hashes.clear()
-
-    def _root(self, seq: Sequence, v: int) -> int:
-        """The salt of a sequence's KV block hashes: its weights version's, and its adapter's (KV differs by both)."""
-        return self._roots[v] if seq.adapter is None else hash((self._roots[v], seq.adapter.uid)) & (2**63 - 1)
-
-    # LoRA adapters -------------------------------------------------------------------------------
-    def add_lora(self, name: str, adapter) -> None:
-        """Serve a LoRA adapter (peft's directory, or its (config, tensors)) as `name`; one loaded
-        again replaces it for requests admitted from now on. ValueError for one that cannot be served."""
-        from rollwise.engine import lora
-        if not self.config.enable_lora:
-            raise ValueError("LoRA adapters need an engine started with enable_lora (--enable-lora)")
-        if not isinstance(name, str) or not name:
-            raise ValueError("a LoRA adapter needs a non-empty name")
-        if name not in self.loras and len(self.loras) >= self.config.max_loras:
-            raise ValueError(f"{len(self.loras)} LoRA adapters are loaded, max_loras is {self.config.max_loras}; "
-                             "unload one first")
-        config, state = lora.read_adapter(adapter) if isinstance(adapter, (str, Path)) else adapter
-        self.loras[name] = lora.build(self.runner.model, name, config, state, next(self._lora_uids),
-                                      self.config.max_lora_rank)
-
-    def remove_lora(self, name: str) -> None:
-        """Stop serving an adapter (requests already running on it finish with it)."""
-        if self.loras.pop(name, None) is None:
-            raise ValueError(f"unknown LoRA adapter {name!r}; loaded: {sorted(self.loras)}")
-
-    def _drop_unused(self) -> None:
-        """Drop weight versions no request runs on, beyond the newest `keep_weight_versions`."""
-        if len(self._loaded) <= self.config.keep_weight_versions:
-            return
-        used = {s.weights_version for s in self.seqs.values()}
-        keep = set(self._loaded[-self.config.keep_weight_versions:]) | used
-        for u in [u for u in self._loaded if u not in keep]:
-            self.runner.drop_weights(u)
-            self._loaded.remove(u)
-            del self._roots[u]
-            self._adapters.pop(u, None)
-
+    # metrics -------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         s, sch = self.stats, self.scheduler
         return {
