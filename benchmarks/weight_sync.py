@@ -28,7 +28,8 @@ passive_unless_chosen()  # before torch loads
 from rollwise.engine.async_engine import AsyncEngine  # noqa: E402
 from rollwise.router.replica import HttpReplica, LocalReplica  # noqa: E402
 from rollwise.serve.process import ServerProcess  # noqa: E402
-from rollwise.types import AdapterWeights, GenerateRequest, SamplingParams  # noqa: E402
+from rollwise.types import GenerateRequest, SamplingParams  # noqa: E402
+from rollwise.wire import AdapterWeights  # noqa: E402
 
 from common import engine_model  # noqa: E402  (benchmarks/common.py)
 

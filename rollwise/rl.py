@@ -28,7 +28,8 @@ from rollwise.rollout.fleet import fleet_metrics, make_router, shutdown, threads
 from rollwise.rollout.pipeline import Group, GroupQueue, read_log
 from rollwise.rollout.report import Status, write_report
 from rollwise.rollout.trackers import Trackers
-from rollwise.types import AdapterWeights, SamplingParams
+from rollwise.types import SamplingParams
+from rollwise.wire import AdapterWeights
 
 
 def eval_episodes(router, make_env, tasks: list[dict], cfg: TrainConfig, temperature: float | None = None,

@@ -4,10 +4,11 @@ Imports no torch: the control plane (router, rollout, spec) uses these types too
 """
 from __future__ import annotations
 
-import base64
 import json
 
 from dataclasses import dataclass, field, fields, replace
+
+from rollwise.wire import decode_routing
 
 MAX_LOGPROBS = 20  # top logprobs per output token at most (vLLM's default max_logprobs)
 PENALTIES_OFF = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
@@ -287,31 +288,6 @@ class GenerateOutput:
                    prompt_top_logprobs=out.prompt_top_logprobs, routed_experts=out.routed_experts)
 
 
-@dataclass(frozen=True, slots=True)
-class AdapterWeights:
-    """A policy's weights as a LoRA adapter on the base weights a replica holds (peft's
-    `adapter_config.json` as a dict, and its tensors under peft's names): what a LoRA run sends
-    each step instead of merged weights (`lora_sync = "adapter"`)."""
-    config: dict
-    tensors: dict
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
-
-
-def encode_routing(experts) -> str:
-    """Routed experts (int numpy [n, layers, k]) as SGLang sends them: base64 of int32, flattened."""
-    import numpy as np
-    return base64.b64encode(np.ascontiguousarray(experts, dtype="<i4").tobytes()).decode()
-
-
-def decode_routing(data: str, shape) -> object:
-    """The inverse of `encode_routing`: int32 numpy of `shape` ([n, layers, k]; n may be -1)."""
-    import numpy as np
-    return np.frombuffer(base64.b64decode(data), dtype="<i4").reshape(shape).copy()
-
-
 TRAJECTORY_STATUSES = ("done", "max_turns", "max_context", "timeout", "error")
 CUT_OFF = TRAJECTORY_STATUSES[1:]  # a limit or an error ended the episode, not the policy
 
@@ -376,7 +352,7 @@ class Trajectory:
     earlier: list[Trajectory] = field(default_factory=list)  # the other contexts, in the order they were left
     retried: list[str] = field(default_factory=list)  # why each earlier attempt was dropped (`run_attempts`)
     # MoE rollouts asked for routing (Rollout Routing Replay): the experts of token_ids[:n] per layer,
-    # {"shape": [n, layers, k], "data": encode_routing(...)}, from the last turn that returned them
+    # {"shape": [n, layers, k], "data": rollwise.wire.encode_routing(...)}, from the last turn that returned them
     # (the turn's numpy array while the episode runs)
     routed_experts: dict | object | None = None
 

@@ -20,7 +20,8 @@ from typing import Protocol
 
 from rollwise.agent.env import Env, NewContext, maybe_await
 from rollwise.types import (GenerateOutput, GenerateRequest, SamplingParams, Trajectory, TurnRecord,
-                            check_cut_off, encode_routing)
+                            check_cut_off)
+from rollwise.wire import encode_routing
 
 
 class Generator(Protocol):

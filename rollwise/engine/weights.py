@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rollwise.engine.sequence import Sequence
-from rollwise.types import AdapterWeights
+from rollwise.wire import AdapterWeights
 
 
 class WeightVersions:

@@ -12,8 +12,8 @@ from typing import Protocol
 
 import httpx
 
-from rollwise.types import (AdapterWeights, GenerateOutput, GenerateRequest, SamplingParams, WeightsNotHeld,
-                            decode_routing)
+from rollwise.types import GenerateOutput, GenerateRequest, SamplingParams, WeightsNotHeld
+from rollwise.wire import AdapterWeights, decode_routing
 
 
 @dataclass(slots=True)

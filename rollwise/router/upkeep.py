@@ -8,7 +8,7 @@ import asyncio
 
 from rollwise.router.policies import Candidate
 from rollwise.router.replica import ReplicaError, gather_loads
-from rollwise.types import AdapterWeights
+from rollwise.wire import AdapterWeights
 
 
 class Upkeep:

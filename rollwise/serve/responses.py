@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from rollwise.agent.parsing import HermesParser, ToolCallParser, openai_tool_calls as tool_calls
 from rollwise.config import ServerConfig
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest
-from rollwise.types import RequestOutput, SamplingParams, encode_routing
+from rollwise.types import RequestOutput, SamplingParams
+from rollwise.wire import encode_routing
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:

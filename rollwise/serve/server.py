@@ -28,7 +28,8 @@ from rollwise.serve.responses import (choice_samples, completion_params, error, 
                                       sglang_fields, sse, stream_generate, weights_refused)
 from rollwise.serve.lora import install_lora, with_adapter
 from rollwise.serve.sglang import install_sglang
-from rollwise.types import AdapterWeights, WeightsNotHeld
+from rollwise.types import WeightsNotHeld
+from rollwise.wire import AdapterWeights
 
 OPEN_PATHS = {"/health", "/metrics"}
 _WRITE_BYTES = 4 << 20  # a streamed weight update goes to disk in writes of about this size

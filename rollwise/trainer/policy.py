@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from rollwise.types import AdapterWeights, Trajectory
+from rollwise.types import Trajectory
+from rollwise.wire import AdapterWeights
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

@@ -169,7 +169,7 @@ def test_adapters_through_the_route(model_dirs, adapters):
 
 def _adapter_weights(path: str):
     from rollwise.engine.lora import read_adapter
-    from rollwise.types import AdapterWeights
+    from rollwise.wire import AdapterWeights
     return AdapterWeights(*read_adapter(path))
 
 

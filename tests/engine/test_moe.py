@@ -141,7 +141,7 @@ def test_routed_experts_over_http_through_the_router_into_an_episode(model_dirs)
     from rollwise.router.replica import HttpReplica
     from rollwise.router.router import Router
     from rollwise.serve.process import ServerProcess
-    from rollwise.types import decode_routing
+    from rollwise.wire import decode_routing
     d = model_dirs["qwen3_moe"]
     with ServerProcess(d, "--enable-return-routed-experts", "--max-model-len", "1024", threads=1) as s:
         r = httpx.post(f"{s.url}/generate", json={"input_ids": [5, 6, 7, 8], "return_routed_experts": True,

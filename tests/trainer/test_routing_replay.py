@@ -9,7 +9,8 @@ from rollwise import LLM, SamplingParams
 from rollwise.agent.envs import ENVS
 from rollwise.agent.envs.calculator import CalculatorEnv
 from rollwise.trainer.policy import Batch, PolicyModel
-from rollwise.types import Trajectory, encode_routing
+from rollwise.types import Trajectory
+from rollwise.wire import encode_routing
 
 
 def _rollouts(model_dir: str, weights: dict | None = None, n: int = 6) -> list[Trajectory]:
