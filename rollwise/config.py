@@ -31,6 +31,11 @@ class EngineConfig:
     # loop kernel is slower at long contexts (0.23-0.37x at head size 32 before the vector kernel
     # took it); True: always; False: SDPA
     native_attention: bool | None = None
+    # batch invariance (vLLM's VLLM_BATCH_INVARIANT, SGLang's --enable-deterministic-inference): a
+    # request's logits, hence its logprobs and seeded tokens, are the same bits whatever shares its
+    # batch, however its prompt is chunked or cached and with speculation or without (fp32 on the
+    # CPU: every linear through oneDNN's packed GEMM, attention in the native kernel)
+    batch_invariant: bool = False
     # weight versions kept for requests pinned to one (an older version is otherwise kept only while
     # requests admitted under it run); each is a full copy of the weights
     keep_weight_versions: int = 1

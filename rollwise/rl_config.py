@@ -113,6 +113,10 @@ class TrainConfig:
     replica_threads: int = 0
     trainer_threads: int = 0
     replica_dtype: str = "float32"  # in-process replicas' weights: "bfloat16" as most RL rollouts run
+    # in-process replicas batch-invariant (EngineConfig.batch_invariant): a turn's tokens and logprobs
+    # do not depend on what it was batched with, so a deterministic run repeats bit for bit however
+    # it is timed, with any number of replicas (fp32 replicas only)
+    replica_batch_invariant: bool = False
     # mean |trainer - rollout| logprob allowed on fresh samples (a replica on other weights stops the
     # step); bf16 replicas against the fp32 trainer need more
     logprob_tolerance: float = 0.02
@@ -199,6 +203,8 @@ class TrainConfig:
             raise ValueError(f"unknown routing_replay {cfg.routing_replay!r}; valid: {list(ROUTING_MODES)}")
         if cfg.replica_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"replica_dtype must be 'float32' or 'bfloat16', got {cfg.replica_dtype!r}")
+        if cfg.replica_batch_invariant and cfg.replica_dtype != "float32":
+            raise ValueError("replica_batch_invariant needs replica_dtype = 'float32'")
         if cfg.replica_threads < 0 or cfg.trainer_threads < 0:
             raise ValueError("replica_threads and trainer_threads must be >= 0 (0: split the cores)")
         return cfg

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from rollwise.engine.models import linear  # (linear imports this module: names looked up at call time)
+
 _local = threading.local()  # this thread's forward: [(rows, adapter)], set by the model runner
 
 
@@ -26,7 +28,8 @@ def set_plan(p: list | None) -> None:
 
 
 class Adapter:
-    """One loaded adapter: per linear of ours (its module name), [(out_lo, out_hi, A [r, in], B [out, r] scaled)]."""
+    """One loaded adapter: per linear of ours (its module name), [(out_lo, out_hi, A [r, in], B [out, r] scaled,
+    (A, B) packed for the batch-invariant path or None)]."""
 
     def __init__(self, name: str, parts: dict[str, list], rank: int, uid: int) -> None:
         self.name, self.parts, self.rank, self.uid = name, parts, rank, uid
@@ -82,8 +85,9 @@ def build(model, name: str, config: dict, state: dict[str, torch.Tensor], uid: i
             raise ValueError(f"adapter {name!r}: {module} has A {tuple(a.shape)}, B {tuple(b.shape)}; the model "
                              f"needs ({r}, {target.in_features}) and ({hi - lo}, {r})")
         w = target.weight
-        parts.setdefault(f"{parent}.{fused}", []).append(
-            (lo, hi, a.to(w.device, w.dtype).contiguous(), (b.float() * scale).to(w.device, w.dtype).contiguous()))
+        a, b = a.to(w.device, w.dtype).contiguous(), (b.float() * scale).to(w.device, w.dtype).contiguous()
+        packed = (linear.pack(a), linear.pack(b)) if target.batch_invariant else None  # the batch-invariant path, as its linear's
+        parts.setdefault(f"{parent}.{fused}", []).append((lo, hi, a, b, packed))
     if not parts:
         raise ValueError(f"adapter {name!r} has no lora_A / lora_B weights")
     return Adapter(name, parts, r, uid)
@@ -93,6 +97,9 @@ def add_deltas(key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """y (the linear `key`'s output for rows x) plus the deltas of the adapters the forward's plan
     gives those rows."""
     for rows, adapter in _local.plan:
-        for lo, hi, a, b in adapter.parts.get(key, ()):
-            y[rows, lo:hi] += (x[rows] @ a.t()) @ b.t()
+        for lo, hi, a, b, packed in adapter.parts.get(key, ()):
+            if packed is not None:
+                y[rows, lo:hi] += linear.packed_linear(linear.packed_linear(x[rows], packed[0]), packed[1])
+            else:
+                y[rows, lo:hi] += (x[rows] @ a.t()) @ b.t()
     return y

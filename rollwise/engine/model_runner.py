@@ -15,6 +15,7 @@ from rollwise.engine import lora
 from rollwise.engine.attention import VECTOR_HEAD_SIZES, build_metadata
 from rollwise.engine.models.linear import Linear
 from rollwise.engine.models.llama import CausalLM
+from rollwise.engine.models.moe import Experts
 from rollwise.engine.models.loader import TORCH_DTYPES, check_weights, load_model, load_state_dict, load_weights
 from rollwise.engine.sampler import prompt_logprobs
 from rollwise.engine.scheduler import ScheduledSeq
@@ -36,13 +37,17 @@ class ModelRunner:
             set_threads(cfg.num_threads)
         self.device = torch.device(cfg.device)
         self.model: CausalLM = load_model(cfg.model, cfg.dtype, cfg.device, max_positions=max_model_len)
-        self.model.prepack()
+        if cfg.batch_invariant:
+            _check_batch_invariant(cfg, self.model)
+            self.model.set_batch_invariant()
+        else:
+            self.model.prepack()
         self.versions: dict[int, CausalLM] = {0: self.model}  # weights by policy version; self.model: the newest
         self._spare: list[CausalLM] = []  # dropped versions' models, reused for the next ones
         mc = self.model.config
         self.block_size = cfg.block_size
-        na = cfg.native_attention  # None: where the kernel's vector path runs
-        self.native_attention = mc.head_dim in VECTOR_HEAD_SIZES if na is None else na
+        na = cfg.native_attention  # None: where the kernel's vector path runs (batch invariance: always)
+        self.native_attention = (mc.head_dim in VECTOR_HEAD_SIZES or cfg.batch_invariant) if na is None else na
         dtype = TORCH_DTYPES[cfg.dtype]
         bytes_per_block = 2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
         self.num_blocks = cfg.num_kv_blocks or max(2, int(cfg.kv_cache_gb * 2**30 // bytes_per_block))
@@ -233,9 +238,40 @@ class ModelRunner:
         return m is not None and any(u != version and x is m for u, x in self.versions.items())
 
 
+def _check_batch_invariant(cfg: EngineConfig, model: CausalLM) -> None:
+    """ValueError for an engine batch invariance cannot hold in; RuntimeError if this CPU's oneDNN
+    gives a row of one of the model's linears other bits among other rows."""
+    from rollwise.engine import native
+    from rollwise.engine.attention import MAX_SHORT
+    from rollwise.engine.models.linear import check_invariant, pack, packed_linear
+    if cfg.dtype != "float32" or cfg.device != "cpu":
+        raise ValueError(f"batch_invariant needs dtype float32 on the CPU (the native attention kernel's); "
+                         f"got {cfg.dtype} on {cfg.device}")
+    if cfg.native_attention is False or not native.ENABLED:
+        raise ValueError("batch_invariant needs the native attention kernel (native_attention not False, "
+                         "and the kernels built by pip install)")
+    if cfg.spec_tree and cfg.spec_max_tokens >= MAX_SHORT:
+        raise ValueError(f"batch_invariant with tree drafts needs spec_max_tokens < {MAX_SHORT} (longer trees "
+                         f"run the torch attention); got {cfg.spec_max_tokens}")
+    weights = {}  # one of each shape the linears and experts have
+    for name, m in model.named_modules():
+        if isinstance(m, Linear):
+            weights.setdefault((tuple(m.weight.shape), m.weight.dtype), (name, m.weight))
+        elif isinstance(m, Experts):
+            for kind, w in (("gate_up_proj", m.gate_up_proj[0]), ("down_proj", m.down_proj[0])):
+                weights.setdefault((tuple(w.shape), w.dtype), (f"{name}.{kind}", w))
+    for name, w in weights.values():
+        packed = pack(w)
+        if packed is None:
+            raise RuntimeError("batch_invariant needs torch with oneDNN (torch.backends.mkldnn)")
+        if not check_invariant(lambda x: packed_linear(x, packed), w):
+            raise RuntimeError(f"batch_invariant: oneDNN's GEMM on this CPU gives a row of {name} "
+                               f"{tuple(w.shape)} other bits among other rows")
+
+
 def _clone(model: CausalLM) -> CausalLM:
     """A copy of the model (its packed inference copies of weights are rebuilt by `prepack`)."""
-    packed = {m: m.packed for m in model.modules() if isinstance(m, Linear)}
+    packed = {m: m.packed for m in model.modules() if isinstance(m, (Linear, Experts))}
     for m in packed:
         m.packed = None
     try:

@@ -55,6 +55,24 @@ def test_a_batch_mixes_adapters_and_the_base(model_dirs, adapters, spec):
             assert o.logprobs == pytest.approx(refs[n][i].logprobs, abs=1e-3)
 
 
+def test_adapters_are_batch_invariant(model_dirs, adapters):
+    """With batch_invariant the adapters' deltas take the same path as their linears: a request on an
+    adapter gets the same bits alone as beside the base and other adapters, speculating or not."""
+    d = model_dirs["qwen3"]
+    kw = dict(enable_lora=True, kv_cache_gb=0.05, batch_invariant=True)
+    names = ["all", None, "qv", "all"]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True, lora=n) for i, n in enumerate(names)]
+    engines = [LLM(d, **kw), LLM(d, speculative="suffix", spec_controller="always", **kw)]
+    for llm in engines:
+        for name, (path, _) in adapters.items():
+            llm.engine.add_lora(name, path)
+    alone = [engines[0].generate([p], q)[0] for p, q in zip(PROMPTS, params)]
+    for llm in engines:
+        for _ in range(2):
+            outs = llm.generate(PROMPTS, params)
+            assert [(o.token_ids, o.logprobs) for o in outs] == [(o.token_ids, o.logprobs) for o in alone]
+
+
 def test_prefix_cache_keeps_adapters_apart_and_bad_adapters_are_refused(model_dirs, adapters, tmp_path):
     d = model_dirs["qwen3"]
     llm = LLM(d, enable_lora=True, max_loras=2, max_lora_rank=4, kv_cache_gb=0.05)

@@ -90,6 +90,27 @@ def test_deterministic_runs_repeat_bit_for_bit(model_dir, tmp_path, monkeypatch)
     assert ra["rl_success"] == rb["rl_success"]
 
 
+def test_batch_invariant_replicas_repeat_a_deterministic_run_however_it_is_batched(model_dir, tmp_path, monkeypatch):
+    """With replica_batch_invariant, one replica taking up to 16 turns at a time and two replicas taking
+    3 each give the same rollouts to the last bit of every logprob, hence the same weights."""
+    monkeypatch.setitem(ENVS, "calculator", _ParityReward)
+    runs = []
+    for name, replicas, seqs in (("a", 1, 16), ("b", 2, 3)):
+        cfg = TrainConfig.from_dict({**TINY, "model": model_dir, "run_dir": str(tmp_path / name), "steps": 2,
+                                     "max_staleness": 1, "deterministic": True, "replica_batch_invariant": True,
+                                     "replicas": replicas, "max_num_seqs": seqs, "eval_tasks": 0})
+        train(cfg)
+        state = torch.load(Path(cfg.run_dir) / "checkpoint.pt", weights_only=False)
+        used = set(state["consumed"])
+        logged = sorted((g for g in read_log(Path(cfg.run_dir) / "groups.jsonl") if g.seq in used), key=lambda g: g.seq)
+        runs.append(([[(t.token_ids, t.logprobs) for t in g.trajectories] for g in logged], state["model"]))
+    (la, wa), (lb, wb) = runs
+    assert len(la) == 2 * 2 and la == lb
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    with pytest.raises(ValueError, match="replica_dtype"):
+        TrainConfig.from_dict({"model": model_dir, "replica_batch_invariant": True, "replica_dtype": "bfloat16"})
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_killed_trainer_resumes_without_losing_or_repeating_groups(model_dir, tmp_path, deterministic):
     run = tmp_path / "run"

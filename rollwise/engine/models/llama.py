@@ -16,7 +16,7 @@ from torch import nn
 from rollwise.engine import native
 from rollwise.engine.attention import AttentionMetadata, paged_attention
 from rollwise.engine.models.linear import Linear
-from rollwise.engine.models.moe import SparseMoE
+from rollwise.engine.models.moe import Experts, SparseMoE
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -89,12 +89,18 @@ class ModelConfig:
 
 
 class RMSNorm(nn.Module):
+    # batch invariance: q-norm's and k-norm's strided inputs copied for the native kernel too (torch's
+    # fused RMSNorm rounds a row of 4 heads differently from the same row among more)
+    batch_invariant: bool = False
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant and not x.is_contiguous():
+            x = x.contiguous()
         if native.takes(x, self.weight):  # one pass over the rows (inference, fp32 on the CPU)
             return native.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # fused kernel; same math as below
@@ -255,8 +261,16 @@ class CausalLM(nn.Module):
     def prepack(self) -> None:
         """Refresh the fast-inference copies of the weights (call after loading or updating them)."""
         for m in self.modules():
-            if isinstance(m, Linear):
+            if isinstance(m, (Linear, Experts)):
                 m.repack()
+
+    def set_batch_invariant(self) -> None:
+        """Every linear and expert through the batch-invariant path (linear.py), packed; every RMSNorm
+        in the native kernel."""
+        for m in self.modules():
+            if isinstance(m, (Linear, Experts, RMSNorm)):
+                m.batch_invariant = True
+        self.prepack()
 
     def hf_tensors(self) -> dict[str, torch.Tensor]:
         """Views of the parameters under Hugging Face's names (fused projections split back); writing

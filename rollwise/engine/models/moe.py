@@ -17,14 +17,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollwise.engine import native
-from rollwise.engine.models.linear import Linear
+from rollwise.engine.models.linear import Linear, pack, packed_linear
 
 
 class Experts(nn.Module):
+    # batch invariance: each expert's rows through oneDNN's packed GEMM (see linear.py), whatever
+    # number of tokens the batch routes to it
+    batch_invariant: bool = False
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def repack(self) -> None:
+        self.packed = None
+        if self.batch_invariant:
+            self.packed = [(pack(g), pack(d)) for g, d in zip(self.gate_up_proj, self.down_proj)]
+
+    def _linear(self, x: torch.Tensor, e: int, which: int) -> torch.Tensor:
+        if self.packed is not None and not torch.is_grad_enabled():
+            return packed_linear(x, self.packed[e][which])
+        return F.linear(x, (self.gate_up_proj, self.down_proj)[which][e])
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; experts, weights [T, k]: sum over j of weights[t, j] * expert experts[t, j](x[t])."""
@@ -38,13 +53,13 @@ class Experts(nn.Module):
         for e, n in enumerate(counts):
             if not n:
                 continue
-            gate_up = F.linear(rows[start:start + n], self.gate_up_proj[e])
+            gate_up = self._linear(rows[start:start + n], e, 0)
             if native.takes(gate_up):
                 h = native.silu_and_mul(gate_up)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 h = F.silu(gate) * up
-            ys[start:start + n] = F.linear(h, self.down_proj[e])
+            ys[start:start + n] = self._linear(h, e, 1)
             start += n
         ys *= weights.reshape(-1)[order].unsqueeze(1)
         out = torch.empty_like(ys)
