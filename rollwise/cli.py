@@ -143,7 +143,8 @@ def cmd_demo(args) -> None:
     from rollwise.rl import TrainConfig, train
     size = DEMO_SMOKE if args.smoke else DEMO_QUICK if args.quick else DEMO_FULL
     cfg = TrainConfig.from_dict({"model": demo_model(), "seed": args.seed, "env": "phonebook", "sft_cache": DEMO_SFT_CACHE,
-                                 "run_dir": args.run_dir or f"runs/demo-{'quick' if args.quick else 'full'}-{args.seed}", **size})
+                                 "run_dir": args.run_dir or f"runs/demo-{'quick' if args.quick else 'full'}-{args.seed}", **size,
+                                 **_overrides(args.set)})
     if Path(cfg.run_dir).exists() and not args.resume:
         import shutil
         shutil.rmtree(cfg.run_dir)  # a fresh run unless --resume
@@ -277,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--run-dir", default=None)
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir instead of starting over")
     p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # seconds-long run for tests
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key of the demo's run (TrainConfig's fields)")
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("train", help="agentic RL from a TOML config (keys: rollwise.rl.TrainConfig's fields)")

@@ -169,6 +169,8 @@ async def _train(cfg: TrainConfig) -> dict:
         raise ValueError(f"env {cfg.env!r} has no sample_tasks(n, seed): set train_tasks_file")
     policy = PolicyModel(cfg.model, seed=cfg.seed)
     policy.routing = cfg.routing_replay
+    if cfg.true_on_policy:
+        policy.enable_exact()
     if cfg.routing_replay != "off" and not getattr(policy.model.config, "num_experts", 0):
         raise ValueError(f"routing_replay = {cfg.routing_replay!r} needs a model with experts (qwen3_moe); "
                          f"{cfg.model} is {policy.model.config.model_type}")
@@ -176,7 +178,8 @@ async def _train(cfg: TrainConfig) -> dict:
                       temperature=cfg.temperature, loss_agg=cfg.loss_agg, advantage=cfg.advantage,
                       policy_loss=cfg.policy_loss, epochs=cfg.epochs,
                       behaviour="recompute" if cfg.deterministic else "rollout", keep_versions=cfg.max_staleness,
-                      exclude_statuses=tuple(cfg.exclude_statuses), logprob_tolerance=cfg.logprob_tolerance)
+                      exclude_statuses=tuple(cfg.exclude_statuses),
+                      logprob_tolerance=0.0 if cfg.true_on_policy else cfg.logprob_tolerance)
     report: dict = {"config": dataclasses.asdict(cfg), "steps": []}
     state = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
     status = Status(cfg.progress)

@@ -117,6 +117,11 @@ class TrainConfig:
     # do not depend on what it was batched with, so a deterministic run repeats bit for bit however
     # it is timed, with any number of replicas (fp32 replicas only)
     replica_batch_invariant: bool = False
+    # true on-policy: the trainer values every logprob with the engine's batch-invariant kernels, so
+    # its logprobs of fresh samples are the rollout's bit for bit (an on-policy ratio is exactly 1;
+    # the gradients are transformers'), and the check of fresh samples asks for equality. Needs
+    # replica_batch_invariant (or replica_urls of servers started with --batch-invariant)
+    true_on_policy: bool = False
     # mean |trainer - rollout| logprob allowed on fresh samples (a replica on other weights stops the
     # step); bf16 replicas against the fp32 trainer need more
     logprob_tolerance: float = 0.02
@@ -205,6 +210,12 @@ class TrainConfig:
             raise ValueError(f"replica_dtype must be 'float32' or 'bfloat16', got {cfg.replica_dtype!r}")
         if cfg.replica_batch_invariant and cfg.replica_dtype != "float32":
             raise ValueError("replica_batch_invariant needs replica_dtype = 'float32'")
+        if cfg.true_on_policy and not (cfg.replica_batch_invariant or cfg.replica_urls):
+            raise ValueError("true_on_policy needs replica_batch_invariant = true (or replica_urls of servers "
+                             "started with --batch-invariant)")
+        if cfg.true_on_policy and cfg.lora_sync == "adapter":
+            raise ValueError("true_on_policy needs lora_sync = 'merged' (adapter deltas are computed apart from "
+                             "the weights, in other rounding)")
         if cfg.replica_threads < 0 or cfg.trainer_threads < 0:
             raise ValueError("replica_threads and trainer_threads must be >= 0 (0: split the cores)")
         return cfg

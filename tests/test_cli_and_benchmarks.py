@@ -223,13 +223,16 @@ def test_pipeline_benchmark_smoke(tmp_path):
 
 def test_demo_smoke(tmp_path):
     env = dict(ENV, ROLLWISE_CACHE=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, "-m", "rollwise.cli", "demo", "--smoke", "--run-dir", str(tmp_path / "run")],
+    r = subprocess.run([sys.executable, "-m", "rollwise.cli", "demo", "--smoke", "--run-dir", str(tmp_path / "run"),
+                        "--set", "replica_batch_invariant=true", "--set", "true_on_policy=true"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     last = r.stdout.strip().splitlines()[-1]
     sft, rl = (float(x.split("=")[1]) for x in last.split())
     assert last.startswith("sft_success=") and 0 <= sft <= 1 and 0 <= rl <= 1
     assert (tmp_path / "run" / "report" / "curves.png").exists()
+    config = json.loads((tmp_path / "run" / "report" / "metrics.json").read_text())["config"]
+    assert config["true_on_policy"] and config["replica_batch_invariant"]  # --set reached the run
 
 
 def test_war_sweep_smoke_and_validation(tmp_path):

@@ -316,9 +316,10 @@ class GRPOTrainer:
             m["logprob_diff"] = sum(every) / len(every)
             bad = {r: sum(v) / len(v) for r, v in by_replica.items() if sum(v) / len(v) > self.cfg.logprob_tolerance}
             if bad:
-                raise LogprobMismatch(
-                    "rollout logprobs do not match the trainer's weights (version "
-                    f"{self.version}): mean |diff| by replica {bad}; a replica is serving other weights than it reports")
+                why = ("a replica is not batch-invariant (rollwise serve --batch-invariant) or serves other weights"
+                       if self.cfg.logprob_tolerance == 0 else "a replica is serving other weights than it reports")
+                raise LogprobMismatch("rollout logprobs do not match the trainer's weights (version "
+                                      f"{self.version}): mean |diff| by replica {bad}; {why}")
 
     # checkpoints ---------------------------------------------------------------------------------
     def state(self) -> dict:

@@ -3,7 +3,8 @@ attention masks), token log-probabilities of trajectories in padded micro-batche
 under Hugging Face names for the inference replicas. Optionally LoRA (`add_lora`, peft's layers):
 the weights frozen, low-rank adapters trained, the replicas sent the merged linears. MoE models may
 replay the rollout's routing (`routing = "replay"`: each token through the experts it was generated
-with, Rollout Routing Replay) or only count where their own router differs (`"record"`)."""
+with, Rollout Routing Replay) or only count where their own router differs (`"record"`). With
+`enable_exact` the logprobs' values are the engine's bit for bit (true on-policy, exact.py)."""
 from __future__ import annotations
 
 import inspect
@@ -82,6 +83,7 @@ class PolicyModel:
         self.model.config.use_cache = False
         self.model.train()
         self.lora = None  # peft's LoraConfig once `add_lora` has run
+        self.exact = None  # the engine's forward for the logprobs' values (`enable_exact`, exact.py)
         self.routing = "off"  # MoE: what to do with a batch's rollout routing (ROUTING_MODES)
         # (token-layers whose own top-k experts differ from the rollout's, token-layers compared)
         self.routing_stats = torch.zeros(2)
@@ -107,7 +109,8 @@ class PolicyModel:
         if p < min_shared or batch.input_ids.shape[1] - p < 1:
             with self._routed(r):
                 h = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state[:, :-1]
-            return self._head(h, batch.targets, batch.mask, temperature, entropy)
+            lp = self._head(h, batch.targets, batch.mask, temperature, entropy)
+            return lp if self.exact is None else self._exact(lp, batch, temperature)
         from transformers import DynamicCache
         n = batch.input_ids.shape[0]
         cache = DynamicCache(config=self.model.config)
@@ -119,7 +122,20 @@ class PolicyModel:
                         **{self._cache_kw: cache}).last_hidden_state  # position p.. -> targets p..
         h = torch.cat([pre[:, -1:].expand(n, 1, -1), rest[:, :-1]], dim=1)  # targets p-1..L-2
         lp = self._head(h, batch.targets[:, p - 1:], batch.mask[:, p - 1:], temperature, entropy)
-        return torch.cat([lp.new_zeros(n, p - 1), lp], dim=1)
+        lp = torch.cat([lp.new_zeros(n, p - 1), lp], dim=1)
+        return lp if self.exact is None else self._exact(lp, batch, temperature)
+
+    def enable_exact(self) -> None:
+        """Logprobs whose values are the engine's, bit for bit (batch-invariant kernels), and whose
+        gradients are transformers' (true on-policy, exact.py)."""
+        from rollwise.trainer.exact import ExactLogprobs
+        self.exact = ExactLogprobs(self.model_dir)
+
+    def _exact(self, lp: torch.Tensor, batch: Batch, temperature: float) -> torch.Tensor:
+        weights = self.engine_weights() if self.lora is not None else \
+            {k: v.detach() for k, v in self.model.state_dict().items()}
+        value = self.exact(weights, batch.input_ids, batch.attention_mask, batch.targets, batch.mask, temperature)
+        return value + (lp - lp.detach())  # x - x is 0: the value is exact, the gradient lp's
 
     def _routed(self, routing: torch.Tensor | None):
         """While inside, each MoE router of the model sees the rollout's experts of the forward's tokens

@@ -111,6 +111,21 @@ def test_batch_invariant_replicas_repeat_a_deterministic_run_however_it_is_batch
         TrainConfig.from_dict({"model": model_dir, "replica_batch_invariant": True, "replica_dtype": "bfloat16"})
 
 
+def test_a_true_on_policy_run_trains_on_ratios_of_exactly_one(model_dir, tmp_path, monkeypatch):
+    """Synchronous (max_staleness 0): every sample is fresh, its trainer logprobs are the rollout's bit
+    for bit, so the importance weight is 1 and nothing is clipped in the first epoch."""
+    monkeypatch.setitem(ENVS, "calculator", _ParityReward)
+    cfg = TrainConfig.from_dict({**TINY, "model": model_dir, "run_dir": str(tmp_path / "run"), "steps": 3,
+                                 "max_staleness": 0, "replica_batch_invariant": True, "true_on_policy": True,
+                                 "eval_tasks": 0, "seed": 1})
+    trained = [s for s in train(cfg)["steps"] if s["trained_trajectories"]]  # (others compare nothing)
+    assert trained
+    for s in trained:
+        assert s["logprob_diff"] == 0.0 and s["is_weight_mean"] == 1.0 and s["clip_frac"] == 0.0
+    with pytest.raises(ValueError, match="replica_batch_invariant"):
+        TrainConfig.from_dict({"model": model_dir, "true_on_policy": True})
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_killed_trainer_resumes_without_losing_or_repeating_groups(model_dir, tmp_path, deterministic):
     run = tmp_path / "run"

@@ -21,7 +21,7 @@ from torch import nn
 from rollwise.engine import lora
 
 MIN_ROWS = 4  # oneDNN's products are padded to at least this many rows (its kernel for fewer rounds otherwise)
-GEMV_MAX_WEIGHTS = 1 << 20  # one row times a weight smaller than this: MKL's GEMV (4-16 us against 16-40)
+GEMV_MAX_WEIGHTS = 1 << 18  # one row times a weight smaller than this: MKL's GEMV (4-16 us against 16-30)
 # below this many FLOPs a GEMM runs on one thread: waking a second (OpenMP's passive wait, rollwise/omp.py)
 # costs ~50 us, more than such a product takes (a 128 x 384 layer at 16 rows: 65 us on two threads,
 # 18 on one); oneDNN gives the same bits on one thread as on two

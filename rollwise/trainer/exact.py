@@ -1,0 +1,62 @@
+"""True on-policy logprobs: the trainer's values bit for bit the replicas' (`TrainConfig.true_on_policy`).
+
+transformers' forward rounds otherwise than the engine's kernels, so a trainer's logprobs of
+freshly sampled tokens differ from the rollout's in their last bits, and the importance ratio of
+an on-policy sample is 1 +- 1e-6 rather than 1. Here the trainer computes every logprob's value
+with the engine's own model and kernels, batch-invariant (rollwise/engine/models/linear.py), over
+each whole sequence at once; batch-invariant replicas computed each of those tokens in whatever
+batch, chunk or draft, with the same bits. The gradient is transformers' (autograd through its
+forward of the same weights): `value + (hf - hf.detach())` is the exact value, since x - x is 0.
+
+The engine model's weights are the trainer's (merged LoRA included: `PolicyModel.engine_weights`),
+copied in before each forward, so a forward under a kept older version (`behaviour = "recompute"`)
+gets that version's values too.
+"""
+from __future__ import annotations
+
+import torch
+
+from rollwise.engine.attention import build_metadata
+from rollwise.engine.models.loader import load_model, load_weights
+
+
+class ExactLogprobs:
+    BLOCK = 16
+
+    def __init__(self, model_dir: str) -> None:
+        self.model = load_model(model_dir, "float32", "cpu")
+        self.model.set_batch_invariant()
+        c = self.model.config
+        self.kv_shape = (c.num_layers, c.num_kv_heads, c.head_dim)
+
+    @torch.inference_mode()
+    def __call__(self, weights: dict[str, torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 targets: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+        """[B, L-1] log p(targets) at the masked positions (0 elsewhere), as the engine samples them:
+        rows of input_ids [B, L] are right-padded sequences (attention_mask)."""
+        load_weights(self.model, weights, partial=True)
+        self.model.prepack()
+        lens = attention_mask.sum(1).tolist()
+        blocks, tables = 0, []
+        for n in lens:
+            k = -(-n // self.BLOCK)
+            tables.append(list(range(blocks, blocks + k)))
+            blocks += k
+        layers, heads, dim = self.kv_shape
+        kv = (torch.empty(layers, blocks * self.BLOCK, heads, dim), torch.empty(layers, blocks * self.BLOCK, heads, dim))
+        meta = build_metadata(lens, [0] * len(lens), tables, self.BLOCK, torch.device("cpu"), use_native=True)
+        ids = torch.cat([input_ids[i, :n] for i, n in enumerate(lens)])
+        pos = torch.cat([torch.arange(n) for n in lens])
+        hidden = self.model(ids, pos, meta, kv)
+        out = torch.zeros(targets.shape)
+        start = 0
+        for i, n in enumerate(lens):
+            sel = mask[i] > 0  # target j is predicted at position j
+            if bool(sel.any()):
+                rows = start + sel.nonzero().flatten()
+                logits = self.model.logits(hidden[rows])
+                # as the sampler scales: by a float32 tensor of the row's temperature
+                logp = torch.log_softmax(logits / torch.tensor([temperature])[:, None], dim=-1)
+                out[i, sel] = logp.gather(1, targets[i, sel][:, None]).squeeze(1)
+            start += n
+        return out
