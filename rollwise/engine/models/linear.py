@@ -21,6 +21,7 @@ from torch import nn
 from rollwise.engine import lora
 
 MIN_ROWS = 4  # oneDNN's products are padded to at least this many rows (its kernel for fewer rounds otherwise)
+GEMM_MIN_ROWS = 2  # from this many rows every product goes to oneDNN (MKL's GEMM takes 3-7x longer at 2-3 rows)
 GEMV_MAX_WEIGHTS = 1 << 18  # one row times a weight smaller than this: MKL's GEMV (4-16 us against 16-30)
 # below this many FLOPs a GEMM runs on one thread: waking a second (OpenMP's passive wait, rollwise/omp.py)
 # costs ~50 us, more than such a product takes (a 128 x 384 layer at 16 rows: 65 us on two threads,
@@ -88,7 +89,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dim() == 2 and not torch.is_grad_enabled() and (
-                x.shape[0] > 1 or self.batch_invariant or self.weight.numel() >= GEMV_MAX_WEIGHTS):
+                x.shape[0] >= GEMM_MIN_ROWS or self.batch_invariant or self.weight.numel() >= GEMV_MAX_WEIGHTS):
             y = packed_linear(x, self.packed, self.bias)
         else:
             y = F.linear(x, self.weight, self.bias)
