@@ -22,7 +22,7 @@ from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cached_model, engine_model  # noqa: E402
+from common import engine_model  # noqa: E402
 
 from rollwise import LLM, SamplingParams  # noqa: E402
 from rollwise.engine.models import linear  # noqa: E402
@@ -36,9 +36,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
-    from rollwise.cli import DEMO_MODEL
-    models = [engine_model("smoke" if args.smoke else "bench"),
-              cached_model("rl-demo-model", **DEMO_MODEL)]
+    from rollwise.cli import demo_model
+    models = [engine_model("smoke" if args.smoke else "bench"), demo_model()]
     new, reps = (8, 2) if args.smoke else (48, 4)
     out: dict = {}
     print("| model | batch | tokens | before tok/s | now tok/s | speedup |\n| --- | --- | --- | --- | --- | --- |")
@@ -60,7 +59,6 @@ def main() -> None:
             out.setdefault(m, {})[b] = {"tokens": b * new, "tok_s": tps, "speedup": tps["now"] / tps["before"]}
             print(f"| {Path(m).name} | {b} | {b * new} | {tps['before']:.0f} | {tps['now']:.0f} | "
                   f"{tps['now'] / tps['before']:.2f}x |", flush=True)
-        llm.engine.shutdown() if hasattr(llm.engine, "shutdown") else None
     for k, v in POLICIES["now"].items():
         setattr(linear, k, v)
     if args.json:

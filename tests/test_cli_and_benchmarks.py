@@ -177,6 +177,28 @@ def test_routing_replay_benchmark_smoke(tmp_path):
     assert res["cost"]["ratio"] > 0
 
 
+def test_batch_invariance_benchmark_smoke(tmp_path):
+    out = tmp_path / "bi.json"
+    r = run("benchmarks/batch_invariance.py", "--smoke", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    inv, default = res["drift"]["invariant"], res["drift"]["default"]
+    assert inv["logprobs_differ"] == 0 and inv["tokens_differ"] == 0 and inv["max_abs_dlogprob"] == 0.0
+    assert inv["generated_tokens"] == default["generated_tokens"] > 0  # the same work both ways
+    for per_model in res["cost"].values():
+        assert {"decode batch 1", "decode batch 64", "prefill 8 x 512"} <= set(per_model)
+        assert all(v["ratio"] > 0 and v["tokens"] > 0 for v in per_model.values())
+
+
+def test_linear_policy_benchmark_smoke(tmp_path):
+    out = tmp_path / "lp.json"
+    r = run("benchmarks/linear_policy.py", "--smoke", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert len(res) == 2 and all(set(v) == {"1", "2", "3", "8", "32"} for v in res.values())
+    assert all(b["speedup"] > 0 and b["tokens"] > 0 for v in res.values() for b in v.values())
+
+
 def test_router_benchmark_smoke(tmp_path):
     out = tmp_path / "router.json"
     r = run("benchmarks/router.py", "--smoke", "--policies", "verl,rollwise", "--json", str(out))
