@@ -129,7 +129,8 @@ def main() -> None:
               f"{d['logprobs_differ']} / {n} | {d['tokens_differ']} / {n} | {d['max_abs_dlogprob']:.2e} |", flush=True)
     out["cost"] = {}
     for m in (engine_model("smoke" if args.smoke else "bench"), model):
-        print(f"\ncost: {m}\n\n| work | tokens | default tok/s | batch_invariant tok/s | ratio |\n| --- | --- | --- | --- | --- |")
+        print(f"\ncost: {m}\n\n| work | tokens | default tok/s | batch_invariant tok/s | ratio |\n"
+              "| --- | --- | --- | --- | --- |")
         out["cost"][m] = cost(m, args.smoke)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

@@ -174,10 +174,13 @@ async def _train(cfg: TrainConfig) -> dict:
     if cfg.routing_replay != "off" and not getattr(policy.model.config, "num_experts", 0):
         raise ValueError(f"routing_replay = {cfg.routing_replay!r} needs a model with experts (qwen3_moe); "
                          f"{cfg.model} is {policy.model.config.model_type}")
+    # a deterministic run recomputes behaviour logprobs so the replicas' rounding never reaches the loss;
+    # true on-policy replicas' logprobs are already the trainer's, bit for bit, under every version
+    behaviour = "recompute" if cfg.deterministic and not cfg.true_on_policy else "rollout"
     grpo = GRPOConfig(lr=cfg.lr, clip=cfg.clip, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
                       temperature=cfg.temperature, loss_agg=cfg.loss_agg, advantage=cfg.advantage,
                       policy_loss=cfg.policy_loss, epochs=cfg.epochs,
-                      behaviour="recompute" if cfg.deterministic else "rollout", keep_versions=cfg.max_staleness,
+                      behaviour=behaviour, keep_versions=cfg.max_staleness,
                       exclude_statuses=tuple(cfg.exclude_statuses),
                       logprob_tolerance=0.0 if cfg.true_on_policy else cfg.logprob_tolerance)
     report: dict = {"config": dataclasses.asdict(cfg), "steps": []}

@@ -86,7 +86,7 @@ def build(model, name: str, config: dict, state: dict[str, torch.Tensor], uid: i
                              f"needs ({r}, {target.in_features}) and ({hi - lo}, {r})")
         w = target.weight
         a, b = a.to(w.device, w.dtype).contiguous(), (b.float() * scale).to(w.device, w.dtype).contiguous()
-        packed = (linear.pack(a), linear.pack(b)) if target.batch_invariant else None  # the batch-invariant path, as its linear's
+        packed = (linear.pack(a), linear.pack(b)) if target.batch_invariant else None  # its linear's path
         parts.setdefault(f"{parent}.{fused}", []).append((lo, hi, a, b, packed))
     if not parts:
         raise ValueError(f"adapter {name!r} has no lora_A / lora_B weights")

@@ -33,7 +33,8 @@ batch known in advance.
 
 check: for samples whose every turn ran on the trainer's current version, the recomputed proximal
 logprobs must match the rollout logprobs; a mismatch means a replica is not serving the weights it
-claims (a failed or skipped weight sync) and raises `LogprobMismatch` naming the replicas.
+claims (a failed or skipped weight sync) and raises `LogprobMismatch` naming the replicas. With true
+on-policy logprobs (`PolicyModel.enable_exact`, exact.py) the tolerance is 0: they must be equal.
 """
 from __future__ import annotations
 

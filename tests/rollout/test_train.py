@@ -20,6 +20,7 @@ from rollwise.omp import passive_env
 from rollwise.rl import TrainConfig, _sft_cache_path, train
 from rollwise.rl_config import env_factory, task_sets
 from rollwise.rollout.pipeline import read_log
+from rollwise.trainer.grpo import GRPOConfig, LogprobMismatch
 from rollwise.serve.process import ServerProcess
 
 TINY = dict(env="calculator", sft_steps=3, sft_tasks=8, groups_per_step=2, group_size=2, max_tokens=12, max_turns=2,
@@ -124,6 +125,41 @@ def test_a_true_on_policy_run_trains_on_ratios_of_exactly_one(model_dir, tmp_pat
         assert s["logprob_diff"] == 0.0 and s["is_weight_mean"] == 1.0 and s["clip_frac"] == 0.0
     with pytest.raises(ValueError, match="replica_batch_invariant"):
         TrainConfig.from_dict({"model": model_dir, "true_on_policy": True})
+
+
+def test_a_deterministic_true_on_policy_run_needs_no_recompute(model_dir, tmp_path, monkeypatch):
+    """Stale samples too: the replicas' logprobs under each version are what the trainer computes
+    under that version's kept weights, so taking them as they are (no recompute, no kept weights)
+    trains to the same weights, bit for bit, as recomputing them."""
+    import rollwise.trainer.grpo as grpo
+    monkeypatch.setitem(ENVS, "calculator", _ParityReward)
+    weights = {}
+    for behaviour in ("rollout", "recompute"):
+        if behaviour == "recompute":  # what a deterministic run does without true on-policy
+            monkeypatch.setattr(grpo, "GRPOConfig", lambda **kw: GRPOConfig(**{**kw, "behaviour": "recompute"}))
+        cfg = TrainConfig.from_dict({**TINY, "model": model_dir, "run_dir": str(tmp_path / behaviour), "steps": 4,
+                                     "max_staleness": 1, "deterministic": True, "replica_batch_invariant": True,
+                                     "true_on_policy": True, "eval_tasks": 0, "seed": 1})
+        steps = train(cfg)["steps"]
+        assert sum(s["trained_trajectories"] for s in steps) > 0 and max(s["max_staleness"] for s in steps) == 1
+        weights[behaviour] = torch.load(Path(cfg.run_dir) / "checkpoint.pt", weights_only=False)["model"]
+    assert all(torch.equal(weights["rollout"][k], weights["recompute"][k]) for k in weights["rollout"])
+
+
+def test_true_on_policy_over_http_needs_batch_invariant_servers(model_dir, tmp_path, monkeypatch):
+    """Logprobs that crossed HTTP as JSON are still the engine's bits: a `--batch-invariant` server's
+    match the trainer's exactly; a default server's are refused, naming what to do."""
+    monkeypatch.setitem(ENVS, "calculator", _ParityReward)
+    common = {**TINY, "model": model_dir, "steps": 2, "max_staleness": 0, "true_on_policy": True, "eval_tasks": 0,
+              "seed": 1}
+    with ServerProcess(model_dir, "--max-num-seqs", "16", "--batch-invariant", "--kv-cache-gb", "0.1") as s:
+        cfg = TrainConfig.from_dict({**common, "run_dir": str(tmp_path / "a"), "replica_urls": [s.url]})
+        trained = [x for x in train(cfg)["steps"] if x["trained_trajectories"]]
+    assert trained and all(x["logprob_diff"] == 0.0 for x in trained)
+    with ServerProcess(model_dir, "--max-num-seqs", "16", "--kv-cache-gb", "0.1") as s:
+        cfg = TrainConfig.from_dict({**common, "run_dir": str(tmp_path / "b"), "replica_urls": [s.url]})
+        with pytest.raises(LogprobMismatch, match="batch-invariant"):
+            train(cfg)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
