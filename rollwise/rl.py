@@ -170,7 +170,7 @@ async def _train(cfg: TrainConfig) -> dict:
     policy = PolicyModel(cfg.model, seed=cfg.seed)
     policy.routing = cfg.routing_replay
     if cfg.true_on_policy:
-        policy.enable_exact()
+        policy.enable_exact(adapter=cfg.lora_sync == "adapter")
     if cfg.routing_replay != "off" and not getattr(policy.model.config, "num_experts", 0):
         raise ValueError(f"routing_replay = {cfg.routing_replay!r} needs a model with experts (qwen3_moe); "
                          f"{cfg.model} is {policy.model.config.model_type}")

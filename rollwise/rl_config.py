@@ -213,9 +213,6 @@ class TrainConfig:
         if cfg.true_on_policy and not (cfg.replica_batch_invariant or cfg.replica_urls):
             raise ValueError("true_on_policy needs replica_batch_invariant = true (or replica_urls of servers "
                              "started with --batch-invariant)")
-        if cfg.true_on_policy and cfg.lora_sync == "adapter":
-            raise ValueError("true_on_policy needs lora_sync = 'merged' (adapter deltas are computed apart from "
-                             "the weights, in other rounding)")
         if cfg.replica_threads < 0 or cfg.trainer_threads < 0:
             raise ValueError("replica_threads and trainer_threads must be >= 0 (0: split the cores)")
         return cfg

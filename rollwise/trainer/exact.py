@@ -8,7 +8,8 @@ each whole sequence at once; batch-invariant replicas computed each of those tok
 batch, chunk or draft, with the same bits. The gradient is transformers' (autograd through its
 forward of the same weights): `value + (hf - hf.detach())` is the exact value, since x - x is 0.
 
-The engine model's weights are the trainer's (merged LoRA included: `PolicyModel.engine_weights`),
+The engine model's weights are the trainer's (merged LoRA included: `PolicyModel.engine_weights`; or,
+as replicas that take the adapter alone hold them, the base weights and the adapter on every row),
 copied in before each forward, so a forward under a kept older version (`behaviour = "recompute"`)
 gets that version's values too.
 """
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from rollwise.engine import lora
 from rollwise.engine.attention import build_metadata
 from rollwise.engine.models.loader import load_model, load_weights
+from rollwise.wire import AdapterWeights
 
 
 class ExactLogprobs:
@@ -31,11 +34,15 @@ class ExactLogprobs:
 
     @torch.inference_mode()
     def __call__(self, weights: dict[str, torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 targets: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+                 targets: torch.Tensor, mask: torch.Tensor, temperature: float,
+                 adapter: AdapterWeights | None = None) -> torch.Tensor:
         """[B, L-1] log p(targets) at the masked positions (0 elsewhere), as the engine samples them:
-        rows of input_ids [B, L] are right-padded sequences (attention_mask)."""
+        rows of input_ids [B, L] are right-padded sequences (attention_mask). With `adapter`, the
+        weights are the base it runs on, and every row runs on it as a replica serves it."""
         load_weights(self.model, weights, partial=True)
         self.model.prepack()
+        if adapter is not None:
+            built = lora.build(self.model, "policy", adapter.config, adapter.tensors, 0, max_rank=1 << 16)
         lens = attention_mask.sum(1).tolist()
         blocks, tables = 0, []
         for n in lens:
@@ -47,7 +54,12 @@ class ExactLogprobs:
         meta = build_metadata(lens, [0] * len(lens), tables, self.BLOCK, torch.device("cpu"), use_native=True)
         ids = torch.cat([input_ids[i, :n] for i, n in enumerate(lens)])
         pos = torch.cat([torch.arange(n) for n in lens])
-        hidden = self.model(ids, pos, meta, kv)
+        if adapter is not None:
+            lora.set_plan([(torch.arange(len(ids)), built)])
+        try:
+            hidden = self.model(ids, pos, meta, kv)
+        finally:
+            lora.set_plan(None)
         out = torch.zeros(targets.shape)
         start = 0
         for i, n in enumerate(lens):

@@ -125,16 +125,24 @@ class PolicyModel:
         lp = torch.cat([lp.new_zeros(n, p - 1), lp], dim=1)
         return lp if self.exact is None else self._exact(lp, batch, temperature)
 
-    def enable_exact(self) -> None:
+    def enable_exact(self, adapter: bool = False) -> None:
         """Logprobs whose values are the engine's, bit for bit (batch-invariant kernels), and whose
-        gradients are transformers' (true on-policy, exact.py)."""
+        gradients are transformers' (true on-policy, exact.py). `adapter`: as replicas that take the
+        LoRA adapter alone compute them (the base weights, the adapter's deltas apart); else with
+        the adapter merged into the weights."""
         from rollwise.trainer.exact import ExactLogprobs
-        self.exact = ExactLogprobs(self.model_dir)
+        self.exact, self.exact_adapter = ExactLogprobs(self.model_dir), adapter
 
     def _exact(self, lp: torch.Tensor, batch: Batch, temperature: float) -> torch.Tensor:
-        weights = self.engine_weights() if self.lora is not None else \
-            {k: v.detach() for k, v in self.model.state_dict().items()}
-        value = self.exact(weights, batch.input_ids, batch.attention_mask, batch.targets, batch.mask, temperature)
+        adapter = None
+        if self.lora is None:
+            weights = {k: v.detach() for k, v in self.model.state_dict().items()}
+        elif self.exact_adapter:
+            weights, adapter = {k: v.detach() for k, v in self._base_state().items()}, self.adapter_weights()
+        else:
+            weights = self.engine_weights()
+        value = self.exact(weights, batch.input_ids, batch.attention_mask, batch.targets, batch.mask, temperature,
+                           adapter)
         return value + (lp - lp.detach())  # x - x is 0: the value is exact, the gradient lp's
 
     def _routed(self, routing: torch.Tensor | None):
