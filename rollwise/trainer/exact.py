@@ -31,6 +31,10 @@ class ExactLogprobs:
         self.model.set_batch_invariant()
         c = self.model.config
         self.kv_shape = (c.num_layers, c.num_kv_heads, c.head_dim)
+        self.loads = 0
+        # the weights last copied in, held (so their memory is not another tensor's) with their
+        # version counters: the same tensors unchanged since (no optimizer step) are not copied again
+        self._held: list[tuple[torch.Tensor, int]] = []
 
     @torch.inference_mode()
     def __call__(self, weights: dict[str, torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -39,8 +43,13 @@ class ExactLogprobs:
         """[B, L-1] log p(targets) at the masked positions (0 elsewhere), as the engine samples them:
         rows of input_ids [B, L] are right-padded sequences (attention_mask). With `adapter`, the
         weights are the base it runs on, and every row runs on it as a replica serves it."""
-        load_weights(self.model, weights, partial=True)
-        self.model.prepack()
+        held = [(t, t._version) for t in weights.values()]
+        if len(held) != len(self._held) or any(a.data_ptr() != b.data_ptr() or u != v
+                                                for (a, u), (b, v) in zip(held, self._held)):
+            load_weights(self.model, weights, partial=True)
+            self.model.prepack()
+            self.loads += 1
+        self._held = held
         if adapter is not None:
             built = lora.build(self.model, "policy", adapter.config, adapter.tensors, 0, max_rank=1 << 16)
         lens = attention_mask.sum(1).tolist()

@@ -62,10 +62,12 @@ def test_exact_values_follow_the_trainers_weights(model_dir):
     policy = PolicyModel(model_dir)
     policy.enable_exact()
     before = policy.logprobs(b).detach()
+    assert torch.equal(policy.logprobs(b).detach(), before) and policy.exact.loads == 1  # unchanged: not copied again
     with torch.no_grad():
         for p in policy.model.parameters():
             p.mul_(1.01)
     after = policy.logprobs(b).detach()
+    assert policy.exact.loads == 2
     plain = PolicyModel(model_dir)
     plain.model.load_state_dict(policy.model.state_dict())
     on = b.mask > 0
