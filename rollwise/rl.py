@@ -242,6 +242,11 @@ async def _train(cfg: TrainConfig) -> dict:
                     raise ValueError(f"replica {r.name} keeps {kept} weight version(s); a deterministic run at "
                                      f"max_staleness={cfg.max_staleness} needs `rollwise serve ... "
                                      f"--keep-weight-versions {cfg.weight_versions}`")
+        if cfg.true_on_policy and cfg.replica_urls:  # their logprobs must be the engine's bits whatever the batch
+            for r in router.replicas.values():
+                if (await r.info()).get("batch_invariant") is not True:
+                    raise ValueError(f"replica {r.name} is not batch-invariant; true_on_policy needs servers "
+                                     "started with `rollwise serve ... --batch-invariant`")
         # every replica serves the trainer's weights, labelled with the trainer's version (RL steps done)
         if cfg.lora_sync == "adapter":  # the weights the adapter trains on, then the adapter on them
             await router.update_weights(policy.base_weights(), trainer.version)

@@ -76,7 +76,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "policy_version": engine.policy_version, "paused": engine.paused,
-                "keep_weight_versions": engine.engine.config.keep_weight_versions}
+                "keep_weight_versions": engine.engine.config.keep_weight_versions,
+                "batch_invariant": engine.engine.config.batch_invariant}
 
     @app.get("/v1/models")
     async def models():
