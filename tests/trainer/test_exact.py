@@ -13,12 +13,15 @@ from rollwise.trainer.policy import Batch, PolicyModel
 from rollwise.types import Trajectory, TurnRecord
 
 
-def _rollouts(model_dir: str, temperature: float, invariant: bool = True, **engine) -> list[Trajectory]:
-    """Seeded samples of a batch-invariant engine, two turns each: the second turn's prompt is the
-    first's tokens plus an observation (from the prefix cache), as in an episode."""
+def _rollouts(model_dir: str, temperature: float, invariant: bool = True, shared: int = 0,
+              **engine) -> list[Trajectory]:
+    """Seeded samples of a batch-invariant engine (a default one with invariant=False), two turns
+    each: the second turn's prompt is the first's tokens plus an observation (from the prefix
+    cache), as in an episode; the prompts start with `shared` common tokens."""
     rng = random.Random(0)
     llm = LLM(model_dir, kv_cache_gb=0.05, batch_invariant=invariant, **engine)
-    prompts = [[rng.randrange(10, 1000) for _ in range(rng.randint(3, 40))] for _ in range(6)]
+    head = [rng.randrange(10, 1000) for _ in range(shared)]
+    prompts = [head + [rng.randrange(10, 1000) for _ in range(rng.randint(3, 40))] for _ in range(6)]
     trajs = [Trajectory(trajectory_id=f"t{i}", group_id="g", task={}, token_ids=list(p), loss_mask=[0] * len(p),
                         logprobs=[0.0] * len(p)) for i, p in enumerate(prompts)]
     for turn in range(2):
@@ -54,6 +57,17 @@ def test_trainer_logprobs_equal_the_rollouts_bit_for_bit(model_dirs, family):
         (lp * b.mask).sum().backward()
         for p, q in zip(plain.model.parameters(), exact.model.parameters()):
             assert torch.equal(p.grad, q.grad)
+
+
+def test_the_shared_prefix_forward_keeps_the_values_exact(model_dir):
+    """A group's common prompt runs once in the trainer (transformers' KV shared by the rows): the
+    values are still the engine's."""
+    b = Batch.of(_rollouts(model_dir, 1.0, shared=40))
+    assert b.shared >= 40
+    policy = PolicyModel(model_dir)
+    policy.enable_exact()
+    on = b.mask > 0
+    assert torch.equal(policy.logprobs(b).detach()[on], b.behaviour_logprobs[on])
 
 
 def test_exact_values_follow_the_trainers_weights(model_dir):
