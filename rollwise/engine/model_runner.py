@@ -11,9 +11,9 @@ import time
 import torch
 
 from rollwise.config import EngineConfig
-from rollwise.engine import lora
-from rollwise.engine.attention import VECTOR_HEAD_SIZES, build_metadata
-from rollwise.engine.models.linear import Linear
+from rollwise.engine import lora, native
+from rollwise.engine.attention import MAX_SHORT, VECTOR_HEAD_SIZES, build_metadata
+from rollwise.engine.models.linear import Linear, check_invariant, pack, packed_linear
 from rollwise.engine.models.llama import CausalLM
 from rollwise.engine.models.moe import Experts
 from rollwise.engine.models.loader import TORCH_DTYPES, check_weights, load_model, load_state_dict, load_weights
@@ -241,9 +241,6 @@ class ModelRunner:
 def _check_batch_invariant(cfg: EngineConfig, model: CausalLM) -> None:
     """ValueError for an engine batch invariance cannot hold in; RuntimeError if this CPU's oneDNN
     gives a row of one of the model's linears other bits among other rows."""
-    from rollwise.engine import native
-    from rollwise.engine.attention import MAX_SHORT
-    from rollwise.engine.models.linear import check_invariant, pack, packed_linear
     if cfg.dtype != "float32" or cfg.device != "cpu":
         raise ValueError(f"batch_invariant needs dtype float32 on the CPU (the native attention kernel's); "
                          f"got {cfg.dtype} on {cfg.device}")

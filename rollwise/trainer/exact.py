@@ -69,15 +69,12 @@ class ExactLogprobs:
             hidden = self.model(ids, pos, meta, kv)
         finally:
             lora.set_plan(None)
+        starts = torch.tensor([0] + lens[:-1]).cumsum(0)  # each sequence's first row in the flat batch
+        sel = mask > 0  # target j of a row is predicted at its position j
+        b, j = sel.nonzero(as_tuple=True)
+        logits = self.model.logits(hidden[starts[b] + j])  # every row's own bits, whatever the others
+        # as the sampler scales: by a float32 tensor of the row's temperature
+        logp = torch.log_softmax(logits / torch.tensor([temperature])[:, None], dim=-1)
         out = torch.zeros(targets.shape)
-        start = 0
-        for i, n in enumerate(lens):
-            sel = mask[i] > 0  # target j is predicted at position j
-            if bool(sel.any()):
-                rows = start + sel.nonzero().flatten()
-                logits = self.model.logits(hidden[rows])
-                # as the sampler scales: by a float32 tensor of the row's temperature
-                logp = torch.log_softmax(logits / torch.tensor([temperature])[:, None], dim=-1)
-                out[i, sel] = logp.gather(1, targets[i, sel][:, None]).squeeze(1)
-            start += n
+        out[b, j] = logp.gather(1, targets[b, j][:, None]).squeeze(1)
         return out
