@@ -155,6 +155,7 @@ async def _train(cfg: TrainConfig) -> dict:
 
     from rollwise.engine.tokenizer import Tokenizer
     from rollwise.engine.model_runner import set_threads
+    from rollwise.trainer.advantages import informative
     from rollwise.trainer.grpo import GRPOConfig, GRPOTrainer, sft
     from rollwise.trainer.policy import PolicyModel
 
@@ -179,6 +180,7 @@ async def _train(cfg: TrainConfig) -> dict:
     behaviour = "recompute" if cfg.deterministic and not cfg.true_on_policy else "rollout"
     grpo = GRPOConfig(lr=cfg.lr, clip=cfg.clip, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
                       temperature=cfg.temperature, loss_agg=cfg.loss_agg, advantage=cfg.advantage,
+                      step_advantage_weight=cfg.step_advantage_weight, gamma=cfg.gamma,
                       policy_loss=cfg.policy_loss, epochs=cfg.epochs,
                       behaviour=behaviour, keep_versions=cfg.max_staleness,
                       exclude_statuses=tuple(cfg.exclude_statuses),
@@ -289,7 +291,8 @@ async def _train(cfg: TrainConfig) -> dict:
                 new: list = []
                 g = await queue.next_group(len(batch))
                 while True:  # every group that arrived meanwhile: one pass
-                    if cfg.dynamic_sampling and len(skips) < max_skips and len({t.reward for t in g.trajectories}) == 1:
+                    if cfg.dynamic_sampling and len(skips) < max_skips and not informative(
+                            g.trajectories, cfg.advantage, cfg.step_advantage_weight, cfg.gamma):
                         await queue.skip(g)
                         skips.append(g.seq)
                     else:

@@ -12,7 +12,8 @@ from rollwise.agent.tools import Latency
 from rollwise.router.policies import POLICIES
 from rollwise.rollout.trackers import check_trackers
 from rollwise.router.replica import WEIGHTS_VIA
-from rollwise.trainer.grpo import ADVANTAGES, POLICY_LOSSES
+from rollwise.trainer.advantages import ADVANTAGES
+from rollwise.trainer.grpo import POLICY_LOSSES
 from rollwise.trainer.policy import ROUTING_MODES
 from rollwise.types import check_cut_off
 
@@ -65,8 +66,12 @@ class TrainConfig:
     # weighted by their own probabilities); "record" only reports how often the trainer's routers choose
     # otherwise (step metric routing_mismatch); "off". HTTP replicas need --enable-return-routed-experts
     routing_replay: str = "off"
-    # "grpo" (group mean and std), "dr_grpo" (group mean only) or "rloo" (the mean of the group's others)
+    # "grpo" (group mean and std), "dr_grpo" (group mean only), "rloo" (the mean of the group's others) or
+    # "gigpo" (grpo's plus, per turn, step_advantage_weight x its gamma-discounted return against those of
+    # the group's turns from the same state: what the model read before them; rollwise/trainer/advantages.py)
     advantage: str = "grpo"
+    step_advantage_weight: float = 1.0
+    gamma: float = 0.95
     # "ppo" (token ratios, clipped), "gspo" (sequence ratios: set clip = 3e-4, clip_high = 4e-4,
     # loss_agg = "sequence") or "cispo" (clipped, stopped ratios as weights: clip_high large)
     policy_loss: str = "ppo"
@@ -85,8 +90,9 @@ class TrainConfig:
     max_turns: int = 4
     max_staleness: int = 1  # 0: synchronous (on-policy); k: rollouts up to k versions ahead
     # DAPO's dynamic sampling: a group whose episodes all got the same reward has zero advantage and
-    # teaches nothing; skip it (logged, not trained on) and take another in its place, at most
-    # max_skipped_groups per step (0: 4 x groups_per_step), after which a step trains on what comes
+    # teaches nothing (gigpo: unless a turn's step advantage is not 0); skip it (logged, not trained on)
+    # and take another in its place, at most max_skipped_groups per step (0: 4 x groups_per_step), after
+    # which a step trains on what comes
     dynamic_sampling: bool = False
     max_skipped_groups: int = 0
     # turns in flight at a weight update: finish under the old weights (False; replicas hold both
@@ -174,6 +180,9 @@ class TrainConfig:
             raise ValueError(f"unknown policy_loss {cfg.policy_loss!r}; valid: {list(POLICY_LOSSES)}")
         if cfg.advantage not in ADVANTAGES:
             raise ValueError(f"unknown advantage {cfg.advantage!r}; valid: {list(ADVANTAGES)}")
+        if not 0.0 <= cfg.gamma <= 1.0 or cfg.step_advantage_weight < 0:
+            raise ValueError(f"need 0 <= gamma <= 1 and step_advantage_weight >= 0, got {cfg.gamma}, "
+                             f"{cfg.step_advantage_weight}")
         if cfg.routing_policy not in POLICIES:
             raise ValueError(f"unknown routing_policy {cfg.routing_policy!r}; available: {sorted(POLICIES)}")
         if cfg.deterministic and cfg.dynamic_sampling:

@@ -1,10 +1,8 @@
 """GRPO, read top to bottom.
 
-advantages (`advantage`): "grpo", each group's rewards minus the group mean, divided by the group's
-std; "dr_grpo", not divided (Dr. GRPO: the std favours groups that are nearly all right or all wrong);
-"rloo", each reward minus the mean of the group's others (REINFORCE leave-one-out, an unbiased
-baseline: n / (n - 1) times dr_grpo's). The same for every generated token of a trajectory (of each
-of its token sequences, when the episode ran in several contexts: `Trajectory.earlier`).
+advantages (`advantage`, advantages.py): "grpo", "dr_grpo" and "rloo", one per episode, the same
+for every generated token of a trajectory; "gigpo", GiGPO's: the episode's plus a step advantage per
+turn, from the turns of the group that started from the same state.
 
 loss (`policy_loss`): "ppo", token-level clipped policy gradient (decoupled PPO, as in AReaL);
 "gspo", GSPO's sequence-level ratio (the geometric mean of its tokens' ratios, clipped per sequence:
@@ -45,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollwise.trainer.advantages import ADVANTAGES, token_advantages, turn_advantages
 from rollwise.trainer.policy import Batch, PolicyModel, micro_batches
 from rollwise.types import Trajectory, check_cut_off
 
@@ -61,7 +60,9 @@ class GRPOConfig:
     clip_high: float | None = None  # the upper clip, 1 + clip_high (DAPO's clip-higher); None: `clip`
     tis_cap: float = 2.0
     kl_coef: float = 0.0
-    advantage: str = "grpo"  # or "dr_grpo", "rloo" (`ADVANTAGES`)
+    advantage: str = "grpo"  # or "dr_grpo", "rloo", "gigpo" (`ADVANTAGES`)
+    step_advantage_weight: float = 1.0  # gigpo: the step advantage's weight beside the episode's
+    gamma: float = 0.95  # gigpo: the discount of the turn returns its step groups compare
     max_grad_norm: float = 1.0
     temperature: float = 1.0  # the rollouts' sampling temperature
     micro_batch_tokens: int = 8192
@@ -80,24 +81,7 @@ class GRPOConfig:
         return 1 - self.clip, 1 + (self.clip if self.clip_high is None else self.clip_high)
 
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
-
-
-def advantages(groups: list[list[Trajectory]], estimator: str = "grpo") -> list[float]:
-    """Each trajectory's advantage, groups in order (see the module's docstring)."""
-    if estimator not in ADVANTAGES:
-        raise ValueError(f"unknown advantage {estimator!r}; valid: {list(ADVANTAGES)}")
-    out = []
-    for g in groups:
-        r = torch.tensor([t.reward for t in g], dtype=torch.float64)
-        a = r - r.mean()
-        if len(g) > 1 and estimator == "grpo":
-            a = a / (r.std() + 1e-6)
-        elif len(g) > 1 and estimator == "rloo":
-            a = a * len(g) / (len(g) - 1)
-        out.extend(a.tolist())
-    return out
 
 
 def oldest_version(t: Trajectory) -> int:
@@ -127,8 +111,7 @@ class GRPOTrainer:
     def step(self, groups: list[list[Trajectory]]) -> dict[str, float]:
         """One optimizer step (per epoch) on complete groups; returns metrics."""
         trajs = [t for g in groups for t in g]
-        adv = advantages(groups, self.cfg.advantage)
-        useful = [t for t, a in zip(trajs, adv) if self._trains(t, a)]
+        useful = [t for t, a in zip(trajs, self._advantages(groups)) if self._trains(t, a)]
         # the batch's totals are known: each micro-batch's loss is normalized as it goes
         self.begin(n_tokens=sum(t.num_generated for t in useful), n_trajectories=len(useful))
         self.add(groups)
@@ -147,24 +130,32 @@ class GRPOTrainer:
         self.policy.routing_stats.zero_()
         self.policy.expert_load.clear()
         self._acc = {"trajs": [], "items": [], "diffs": ([], {}), "stats": torch.zeros(4), "n_tokens": 0, "n_useful": 0,
-                     "entropy": [],
+                     "entropy": [], "anchors": {},
                      "given": n_tokens if cfg.loss_agg == "token" else n_trajectories}
 
     def add(self, groups: list[list[Trajectory]]) -> None:
         """Complete groups of the current step: advantages, then forward and backward (first epoch)."""
         cfg, acc = self.cfg, self._begun()
         trajs = [t for g in groups for t in g]
-        adv = dict(zip(map(id, trajs), advantages(groups, cfg.advantage)))
+        adv = dict(zip(map(id, trajs), self._advantages(groups, acc["anchors"])))
         useful = [t for t in trajs if self._trains(t, adv[id(t)])]
         acc["trajs"] += trajs
         acc["n_useful"] += len(useful)
         acc["n_tokens"] += sum(t.num_generated for t in useful)
-        # a row per token sequence: an episode of several contexts gives several, with its advantage
-        # and (for loss_agg="sequence") its generated tokens, over which its rows are averaged
-        row = {id(s): (adv[id(t)], t.num_generated) for t in useful for s in t.sequences()}
+        # a row per token sequence: an episode of several contexts gives several, with its advantage per
+        # turn and (for loss_agg="sequence") its generated tokens, over which its rows are averaged
+        row = {}
+        for t in useful:
+            per, k = adv[id(t)], 0
+            for s in t.sequences():
+                row[id(s)] = (per[k:k + len(s.turns)], t.num_generated)
+                k += len(s.turns)
         for mb in micro_batches([s for t in useful for s in t.sequences()], cfg.micro_batch_tokens):
             b = Batch.of(mb)
-            a = torch.tensor([row[id(s)][0] for s in mb], dtype=torch.float32)
+            if cfg.advantage == "gigpo":  # per turn: [B, L - 1]
+                a = token_advantages(mb, [row[id(s)][0] for s in mb], b.targets.shape[1])
+            else:  # the episode's, every turn alike: [B]
+                a = torch.tensor([row[id(s)][0][0] if s.turns else 0.0 for s in mb], dtype=torch.float32)
             n = torch.tensor([row[id(s)][1] for s in mb], dtype=torch.float32)
             with torch.no_grad():  # behaviour logprobs of stale tokens under the weights that generated them
                 st = self._stale(mb, b) if cfg.behaviour == "recompute" else None
@@ -212,6 +203,8 @@ class GRPOTrainer:
             self.opt.zero_grad(set_to_none=True)
             m.update(loss=float(stats[0]), grad_norm=float(gn), clip_frac=float(stats[1]) / n_tokens,
                      kl=float(stats[2]) / n_tokens, is_weight_mean=float(stats[3]) / n_tokens)
+        if cfg.advantage == "gigpo" and acc["anchors"].get("turns"):  # turns in a step group of 2 or more
+            m["anchored_turns"] = acc["anchors"].get("anchored", 0) / acc["anchors"]["turns"]
         moved, seen = self.policy.routing_stats.tolist()
         if seen:  # MoE rollouts that returned their routing: token-layers the trainer routes otherwise
             m["routing_mismatch"] = moved / seen
@@ -222,9 +215,14 @@ class GRPOTrainer:
         self._acc = None
         return m
 
-    def _trains(self, t: Trajectory, advantage: float) -> bool:
-        """Whether a trajectory carries loss: a non-zero advantage, generated tokens, a kept status."""
-        return abs(advantage) > 1e-9 and t.num_generated > 0 and t.status not in self.cfg.exclude_statuses
+    def _advantages(self, groups: list[list[Trajectory]], stats: dict | None = None) -> list[list[float]]:
+        cfg = self.cfg
+        return turn_advantages(groups, cfg.advantage, cfg.step_advantage_weight, cfg.gamma, stats)
+
+    def _trains(self, t: Trajectory, advantage: list[float]) -> bool:
+        """Whether a trajectory carries loss: a non-zero advantage (of a turn), generated tokens, a kept status."""
+        return (any(abs(a) > 1e-9 for a in advantage) and t.num_generated > 0
+                and t.status not in self.cfg.exclude_statuses)
 
     def _begun(self) -> dict:
         if self._acc is None:
@@ -238,7 +236,7 @@ class GRPOTrainer:
         cfg = self.cfg
         lp_behav = b.behaviour_logprobs if st is None else torch.where(st[0] == self.version, prox, st[1])
         w = torch.exp(prox - lp_behav).clamp(max=cfg.tis_cap)  # truncated IS
-        A = a[:, None]
+        A = a[:, None] if a.dim() == 1 else a  # each row's, or each target's (gigpo)
         lo, hi = cfg.clip_range
         if cfg.policy_loss == "gspo":  # each row's sequence ratio, carried by every token with its own gradient
             seq = torch.exp(((lp - prox) * b.mask).sum(1, keepdim=True) / b.mask.sum(1, keepdim=True).clamp(min=1))

@@ -1,0 +1,116 @@
+"""Advantages, read top to bottom: one per episode (GRPO's family) or one per turn (GiGPO).
+
+"grpo": each group's rewards minus the group mean, divided by the group's std; "dr_grpo": not
+divided (Dr. GRPO: the std favours groups that are nearly all right or all wrong); "rloo": each reward
+minus the mean of the group's others (REINFORCE leave-one-out, an unbiased baseline: n / (n - 1)
+times dr_grpo's). The same for every generated token of a trajectory (of each of its token sequences,
+when the episode ran in several contexts: `Trajectory.earlier`).
+
+"gigpo" (GiGPO, Feng et al. 2025, "Group-in-Group Policy Optimization for LLM Agent Training"): the
+episode's grpo advantage plus `step_weight` times a step advantage per turn. The turns of a group's
+episodes are grouped by their anchor state, what the model read just before generating the turn (the
+first prompt for a context's first turn, else the observation the previous turn got back: the same
+tool result, the same position on the grid), and each turn's discounted return from there on
+(sum over k >= t of gamma^(k-t) r_k, r_k the env's reward for turn k) is compared with the others
+from the same state: minus their mean, divided by their std. A state reached once gets 0. So a group
+whose episodes all succeed (no episode advantage) still teaches the turn that got there sooner, and a
+failed episode's good moves are not all blamed for its end. Markov: the history before the anchor
+is not compared.
+"""
+from __future__ import annotations
+
+import torch
+
+from rollwise.types import Trajectory
+
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gigpo")
+
+
+def advantages(groups: list[list[Trajectory]], estimator: str = "grpo") -> list[float]:
+    """Each trajectory's episode advantage, groups in order (gigpo's is grpo's)."""
+    if estimator not in ADVANTAGES:
+        raise ValueError(f"unknown advantage {estimator!r}; valid: {list(ADVANTAGES)}")
+    out = []
+    for g in groups:
+        r = torch.tensor([t.reward for t in g], dtype=torch.float64)
+        a = r - r.mean()
+        if len(g) > 1 and estimator in ("grpo", "gigpo"):
+            a = a / (r.std() + 1e-6)
+        elif len(g) > 1 and estimator == "rloo":
+            a = a * len(g) / (len(g) - 1)
+        out.extend(a.tolist())
+    return out
+
+
+def anchor_states(t: Trajectory) -> list[tuple[int, ...]]:
+    """Per turn of the episode (its sequences in order), the tokens the model read just before it
+    generated the turn: the context's first prompt, else the previous turn's observation delta."""
+    out = []
+    for s in t.sequences():
+        end = 0  # where the previous turn's generated tokens ended
+        for turn in s.turns:
+            out.append(tuple(s.token_ids[end:turn.start]))
+            end = turn.start + turn.num_generated
+    return out
+
+
+def returns(t: Trajectory, gamma: float) -> list[float]:
+    """Per turn, the discounted return from it on. The episode's reward beyond its turns' (an env or
+    agent that gives it at the end, not as a step's) counts as the last turn's."""
+    r = [turn.reward for s in t.sequences() for turn in s.turns]
+    if r:
+        r[-1] += t.reward - sum(r)
+    g, out = 0.0, []
+    for x in reversed(r):
+        g = x + gamma * g
+        out.append(g)
+    return out[::-1]
+
+
+def turn_advantages(groups: list[list[Trajectory]], estimator: str = "grpo", step_weight: float = 1.0,
+                    gamma: float = 0.95, stats: dict | None = None) -> list[list[float]]:
+    """Each trajectory's advantage per turn (its sequences' turns in order), groups in order. `stats`,
+    if given, counts "turns" and "anchored" (turns whose state another turn of the group shares)."""
+    episode = advantages(groups, estimator)
+    out, i = [], 0
+    for g in groups:
+        per = [[a] * t.num_turns for t, a in zip(g, episode[i:i + len(g)])]
+        i += len(g)
+        if estimator == "gigpo":
+            steps: dict[tuple, list[tuple[int, int, float]]] = {}  # anchor -> (trajectory, turn, return)
+            for j, t in enumerate(g):
+                for k, (s, ret) in enumerate(zip(anchor_states(t), returns(t, gamma))):
+                    steps.setdefault(s, []).append((j, k, ret))
+            for members in steps.values():
+                if len(members) < 2:
+                    continue
+                r = torch.tensor([m[2] for m in members], dtype=torch.float64)
+                a = ((r - r.mean()) / (r.std() + 1e-6)).tolist()
+                for (j, k, _), x in zip(members, a):
+                    per[j][k] += step_weight * x
+                if stats is not None:
+                    stats["anchored"] = stats.get("anchored", 0) + len(members)
+        if stats is not None:
+            stats["turns"] = stats.get("turns", 0) + sum(t.num_turns for t in g)
+        out.extend(per)
+    return out
+
+
+def informative(group: list[Trajectory], estimator: str = "grpo", step_weight: float = 1.0,
+                gamma: float = 0.95) -> bool:
+    """Whether a group teaches anything: its rewards differ, or (gigpo) a turn's step advantage is not 0.
+    DAPO's dynamic sampling skips the others."""
+    if len({t.reward for t in group}) > 1:
+        return True
+    return estimator == "gigpo" and any(abs(a) > 1e-9 for per in turn_advantages([group], estimator, step_weight,
+                                                                                  gamma) for a in per)
+
+
+def token_advantages(seqs: list[Trajectory], per_turn: list[list[float]], width: int) -> torch.Tensor:
+    """[len(seqs), width] float32: each turn's advantage on the positions of the targets that are its
+    generated tokens (target j predicts token j + 1, as `Batch.targets`), 0 elsewhere."""
+    out = torch.zeros(len(seqs), width)
+    for i, (s, adv) in enumerate(zip(seqs, per_turn)):
+        for turn, a in zip(s.turns, adv):
+            out[i, turn.start - 1:turn.start - 1 + turn.num_generated] = a
+    return out
