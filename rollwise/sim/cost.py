@@ -19,6 +19,16 @@ Two kinds of profile, parameters in a TOML file (`rollwise/sim/profiles/`):
   comes from the shape (q/k/v/o, gated MLP, embeddings and an untied head); kv_bytes_per_token =
   2 (K and V) * layers * kv_heads * head_dim * 2 bytes. The KV capacity of a replica is what is left
   of `mem_util` of its GPUs' memory after the weights and an activation reserve.
+  MoE shapes (`experts`, `experts_per_token`, `moe_intermediate`: Qwen3-MoE's sparse layers, each
+  a router and E gated experts, every layer sparse): P_body in the FLOPs counts the k active experts
+  (and the router), and a step reads the weights of only the experts its tokens were routed to:
+    bytes   = 2*(P - expert params + layers*touched(tokens)*expert size) + kv...
+    touched(T) = E*(1 - (1 - k/E)^T), the expected distinct experts T tokens reach when each picks k
+  at random, an upper bound (real routing is skewed toward hot experts: fewer distinct ones). So a
+  decode step of one sequence reads k experts a layer, and every draft token verified beside it
+  reads more, until a batch of ~4E/k tokens reads them all: speculation costs an MoE replica more
+  memory traffic per verified token than a dense one. Experts are sharded like the rest (tensor
+  parallel over `tp`), so the same allreduces.
 Imports no torch.
 """
 from __future__ import annotations
@@ -88,18 +98,49 @@ class ModelShape:
     heads: int
     kv_heads: int
     head_dim: int
-    intermediate: int
     vocab: int
     tied_embeddings: bool = False
+    intermediate: int = 0  # the dense MLP's (0 in an MoE whose every layer is sparse)
+    experts: int = 0  # MoE: routed experts per layer (0: dense)
+    experts_per_token: int = 0
+    moe_intermediate: int = 0
+
+    def __post_init__(self) -> None:
+        if self.experts and not 0 < self.experts_per_token <= self.experts or bool(self.experts) != bool(
+                self.moe_intermediate) or not (self.experts or self.intermediate):
+            raise ValueError(f"{self.name}: a dense shape needs intermediate; an MoE one experts, "
+                             f"0 < experts_per_token <= experts and moe_intermediate")
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden * self.moe_intermediate
+
+    def _body(self, experts: float) -> float:
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        mlp = 3 * self.hidden * self.intermediate if not self.experts else \
+            self.hidden * self.experts + experts * self.expert_params  # router + experts
+        return self.layers * (attn + mlp)
 
     @property
     def body_params(self) -> int:
-        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        return self.layers * (attn + 3 * self.hidden * self.intermediate)
+        """Every weight of the decoder layers (what memory holds)."""
+        return int(self._body(self.experts))
+
+    @property
+    def active_body_params(self) -> int:
+        """The decoder layers' weights one token is multiplied by (an MoE's k experts of E)."""
+        return int(self._body(self.experts_per_token))
 
     @property
     def params(self) -> int:
         return self.body_params + self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    def weight_bytes(self, tokens: int) -> float:
+        """bf16 weights a step of `tokens` tokens reads: all of them, or (MoE) the experts it reaches."""
+        if not self.experts:
+            return 2.0 * self.params
+        touched = self.experts * (1 - (1 - self.experts_per_token / self.experts) ** tokens)
+        return 2.0 * (self.params - self.layers * (self.experts - touched) * self.expert_params)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -140,9 +181,9 @@ class RooflineCost:
 
     def parts(self, w: StepWork) -> dict[str, float]:
         g, m, tp = self.gpu, self.model, self.tp
-        flops = (2 * m.body_params * w.tokens + 2 * m.hidden * m.vocab * w.logits
+        flops = (2 * m.active_body_params * w.tokens + 2 * m.hidden * m.vocab * w.logits
                  + 4 * m.layers * m.heads * m.head_dim * w.attn_pairs)
-        nbytes = 2 * m.params + m.kv_bytes_per_token * w.kv_read
+        nbytes = m.weight_bytes(w.tokens) + m.kv_bytes_per_token * w.kv_read
         compute = flops / (tp * g.peak_tflops * 1e12 * g.mfu)
         memory = nbytes / (tp * g.hbm_tbps * 1e12 * g.mbu)
         comm = 0.0

@@ -46,6 +46,27 @@ def test_roofline_is_derived_from_the_shape_and_datasheet():
         load_profile("tpu-v9")
 
 
+def test_moe_roofline_reads_only_the_experts_its_tokens_reach():
+    c = load_profile("h100-qwen3-30b-a3b-tp2")
+    m = c.model
+    assert m.params == pytest.approx(30.5e9, rel=0.01)  # Qwen3-30B-A3B: 30.5B parameters, 3.3B active
+    assert m.active_body_params + 2 * m.vocab * m.hidden == pytest.approx(3.35e9, rel=0.01)
+    rest = 2 * (m.params - m.layers * m.experts * m.expert_params)  # attention, routers, embeddings, head
+    # one token reaches k experts a layer; a long prefill chunk all of them
+    assert m.weight_bytes(1) == pytest.approx(rest + 2 * m.layers * m.experts_per_token * m.expert_params)
+    assert m.weight_bytes(8192) == pytest.approx(2 * m.params)
+    assert m.weight_bytes(1) < m.weight_bytes(2) < m.weight_bytes(16) < 0.99 * m.weight_bytes(256)
+    # verifying 4 drafted tokens beside a decode: the MoE reads ~1.6x the bytes, the dense model the same
+    dense = load_profile("h100-qwen3-32b-tp4")
+    for cost, lo, hi in ((c, 1.4, 2.0), (dense, 1.0, 1.05)):
+        one, five = (cost.step_s(step_work([(q, 4096, q)])) for q in (1, 5))
+        assert lo < five / one < hi
+    assert c.default_kv_blocks * c.block_size > 700_000  # 2 x 80 GB less 61 GB of weights
+    with pytest.raises(ValueError, match="experts_per_token"):
+        type(m)(name="bad", layers=1, hidden=8, heads=1, kv_heads=1, head_dim=8, vocab=8, experts=4,
+                experts_per_token=8, moe_intermediate=8)
+
+
 def test_fit_recovers_a_known_linear_cost():
     rng = random.Random(0)
     truth = LinearCost({"base_s": 2e-3, "per_token_s": 3e-5, "per_seq_s": 1e-4, "per_kv_token_s": 2e-7,
