@@ -19,7 +19,8 @@ import sys
 from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
-from rollwise.router.replica import HttpReplica, OpenAIReplica  # noqa: E402
+from rollwise.router.openai_replica import OpenAIReplica  # noqa: E402
+from rollwise.router.replica import HttpReplica  # noqa: E402
 from rollwise.serve.process import ServerProcess  # noqa: E402
 from rollwise.types import GenerateRequest, SamplingParams  # noqa: E402
 

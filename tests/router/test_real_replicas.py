@@ -301,7 +301,7 @@ def test_abort_request_through_the_route(servers, model_dir):
 
 def test_openai_replica_speaks_token_ids_through_completions(servers, model_dir):
     """The OpenAI-API replica (for vLLM/SGLang) against our own server: same tokens as /generate."""
-    from rollwise.router.replica import OpenAIReplica
+    from rollwise.router.openai_replica import OpenAIReplica
     from rollwise.types import GenerateRequest
 
     async def go():
