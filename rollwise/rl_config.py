@@ -13,6 +13,7 @@ from rollwise.router.policies import POLICIES
 from rollwise.rollout.trackers import check_trackers
 from rollwise.router.replica import WEIGHTS_VIA
 from rollwise.trainer.advantages import ADVANTAGES
+from rollwise.trainer.correction import check as check_correction
 from rollwise.trainer.grpo import POLICY_LOSSES
 from rollwise.trainer.policy import ROUTING_MODES
 from rollwise.types import check_cut_off
@@ -47,7 +48,14 @@ class TrainConfig:
     lr: float = 1e-4
     clip: float = 0.2
     clip_high: float | None = None  # upper clip 1 + clip_high (DAPO's clip-higher, e.g. 0.28); None: clip
-    tis_cap: float = 2.0
+    tis_cap: float = 2.0  # the importance weights' cap (proximal / behaviour: staleness, replica numerics)
+    # rollout correction: ratios per "token", "sequence" (their product) or "geometric" (its per-token
+    # mean); "truncate" at tis_cap (TIS) or "mask" (MIS: weight 0 outside [is_low, tis_cap]); is_veto > 0
+    # drops a sequence with a token ratio under it (rollwise/trainer/correction.py)
+    is_level: str = "token"
+    is_mode: str = "truncate"
+    is_low: float = 0.0
+    is_veto: float = 0.0
     kl_coef: float = 0.0
     # LoRA (peft's layers): 0 trains every weight; r > 0 freezes them after the warm start and trains
     # rank-r adapters on `lora_targets` ("all-linear": every linear but the output head, or a list of
@@ -180,6 +188,7 @@ class TrainConfig:
             raise ValueError(f"unknown policy_loss {cfg.policy_loss!r}; valid: {list(POLICY_LOSSES)}")
         if cfg.advantage not in ADVANTAGES:
             raise ValueError(f"unknown advantage {cfg.advantage!r}; valid: {list(ADVANTAGES)}")
+        check_correction(cfg.is_level, cfg.is_mode, cfg.tis_cap, cfg.is_low, cfg.is_veto)
         if not 0.0 <= cfg.gamma <= 1.0 or cfg.step_advantage_weight < 0:
             raise ValueError(f"need 0 <= gamma <= 1 and step_advantage_weight >= 0, got {cfg.gamma}, "
                              f"{cfg.step_advantage_weight}")

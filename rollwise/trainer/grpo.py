@@ -12,7 +12,8 @@ the ratio clipped and stopped (every token keeps a gradient, the weight is cappe
 e.g. 5). The three agree at ratio 1 (a first epoch on fresh samples). The proximal policy is the
 trainer's weights at the start of the step; the rollout logprobs are the behaviour policy. The
 importance weight proximal/behaviour, truncated at `tis_cap`, corrects for stale samples (generated
-by older weights, or partly under newer ones); ratio current/proximal is clipped to [1 - `clip`, 1 +
+by older weights, or partly under newer ones) and the replicas' numerics (per token by default; per
+sequence, or masked instead of truncated: correction.py); ratio current/proximal is clipped to [1 - `clip`, 1 +
 `clip_high`] (`clip_high` defaults to `clip`; DAPO's clip-higher raises it). Episodes whose status
 is in `exclude_statuses` (cut off by a limit) carry no loss. With `behaviour="recompute"` the
 trainer computes the behaviour logprobs itself, under the weights of the version that generated each
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from rollwise.trainer.advantages import ADVANTAGES, token_advantages, turn_advantages
+from rollwise.trainer.correction import check as check_correction, is_weights
 from rollwise.trainer.policy import Batch, PolicyModel, micro_batches
 from rollwise.types import Trajectory, check_cut_off
 
@@ -59,6 +61,11 @@ class GRPOConfig:
     clip: float = 0.2
     clip_high: float | None = None  # the upper clip, 1 + clip_high (DAPO's clip-higher); None: `clip`
     tis_cap: float = 2.0
+    # rollout correction (correction.py): "token" / "sequence" / "geometric" ratios, "truncate" / "mask"
+    is_level: str = "token"
+    is_mode: str = "truncate"
+    is_low: float = 0.0  # "mask": the lower bound of the kept ratios
+    is_veto: float = 0.0  # > 0: a sequence with a token ratio under it carries no loss
     kl_coef: float = 0.0
     advantage: str = "grpo"  # or "dr_grpo", "rloo", "gigpo" (`ADVANTAGES`)
     step_advantage_weight: float = 1.0  # gigpo: the step advantage's weight beside the episode's
@@ -97,6 +104,7 @@ class GRPOTrainer:
             raise ValueError(f"unknown policy_loss {self.cfg.policy_loss!r}; valid: {list(POLICY_LOSSES)}")
         if self.cfg.advantage not in ADVANTAGES:
             raise ValueError(f"unknown advantage {self.cfg.advantage!r}; valid: {list(ADVANTAGES)}")
+        check_correction(self.cfg.is_level, self.cfg.is_mode, self.cfg.tis_cap, self.cfg.is_low, self.cfg.is_veto)
         if self.cfg.behaviour not in ("rollout", "recompute"):
             raise ValueError(f"behaviour must be 'rollout' or 'recompute', got {self.cfg.behaviour!r}")
         check_cut_off("exclude_statuses", self.cfg.exclude_statuses)
@@ -129,7 +137,7 @@ class GRPOTrainer:
         self.opt.zero_grad(set_to_none=True)
         self.policy.routing_stats.zero_()
         self.policy.expert_load.clear()
-        self._acc = {"trajs": [], "items": [], "diffs": ([], {}), "stats": torch.zeros(4), "n_tokens": 0, "n_useful": 0,
+        self._acc = {"trajs": [], "items": [], "diffs": ([], {}), "stats": torch.zeros(6), "n_tokens": 0, "n_useful": 0,
                      "entropy": [], "anchors": {},
                      "given": n_tokens if cfg.loss_agg == "token" else n_trajectories}
 
@@ -177,7 +185,7 @@ class GRPOTrainer:
              "retried": sum(len(t.retried) for t in trajs),  # attempts dropped and run again (an env that raised)
              "max_staleness": max(staleness, default=0), "stale_trajectories": sum(s > 0 for s in staleness),
              "loss": 0.0, "grad_norm": 0.0, "kl": 0.0, "is_weight_mean": 1.0, "clip_frac": 0.0,
-             "logprob_diff": float("nan"),
+             "is_dropped": 0.0, "behaviour_kl": 0.0, "logprob_diff": float("nan"),
              "entropy": sum(acc["entropy"]) / n_tokens if n_tokens else float("nan")}  # per trained token
         div = n_tokens if cfg.loss_agg == "token" else acc["n_useful"]
         try:
@@ -190,7 +198,7 @@ class GRPOTrainer:
                 break
             stats = acc["stats"]
             if epoch > 0:
-                stats = torch.zeros(4)
+                stats = torch.zeros(6)
                 for b, a, st, prox, n in acc["items"]:
                     self._backward(self.policy.logprobs(b, cfg.temperature), b, a, st, prox, div, stats, n)
             elif not acc["given"]:  # streamed: the sums' gradients, normalized now that the batch is known
@@ -202,7 +210,8 @@ class GRPOTrainer:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             m.update(loss=float(stats[0]), grad_norm=float(gn), clip_frac=float(stats[1]) / n_tokens,
-                     kl=float(stats[2]) / n_tokens, is_weight_mean=float(stats[3]) / n_tokens)
+                     kl=float(stats[2]) / n_tokens, is_weight_mean=float(stats[3]) / n_tokens,
+                     is_dropped=float(stats[4]) / n_tokens, behaviour_kl=float(stats[5]) / n_tokens)
         if cfg.advantage == "gigpo" and acc["anchors"].get("turns"):  # turns in a step group of 2 or more
             m["anchored_turns"] = acc["anchors"].get("anchored", 0) / acc["anchors"]["turns"]
         moved, seen = self.policy.routing_stats.tolist()
@@ -235,7 +244,9 @@ class GRPOTrainer:
         row's advantage; `n`: its episode's generated tokens (default: the row's own)."""
         cfg = self.cfg
         lp_behav = b.behaviour_logprobs if st is None else torch.where(st[0] == self.version, prox, st[1])
-        w = torch.exp(prox - lp_behav).clamp(max=cfg.tis_cap)  # truncated IS
+        # importance weights proximal / behaviour: truncated (TIS) or masked (MIS), per token or sequence
+        w, dropped = is_weights(prox - lp_behav, b.mask, cfg.is_level, cfg.is_mode, cfg.tis_cap, cfg.is_low,
+                                cfg.is_veto)
         A = a[:, None] if a.dim() == 1 else a  # each row's, or each target's (gigpo)
         lo, hi = cfg.clip_range
         if cfg.policy_loss == "gspo":  # each row's sequence ratio, carried by every token with its own gradient
@@ -267,6 +278,9 @@ class GRPOTrainer:
         r = ratio.detach()
         stats[1] += float(((r < lo) | (r > hi)).float().mul(b.mask).sum())
         stats[3] += float((w.detach() * b.mask).sum())
+        stats[4] += float(dropped.sum())
+        d = (lp_behav - prox) * b.mask  # k3 estimate of KL(behaviour || proximal) on the sampled tokens
+        stats[5] += float(((torch.exp(-d) - 1 + d) * b.mask).sum())
 
     def _stale(self, mb: list[Trajectory], b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each target's policy version, and the logprobs of the tokens of older versions under the

@@ -235,7 +235,7 @@ def test_clip_higher_lets_a_rewarded_token_rise_past_the_symmetric_clip(model_di
         trainer = GRPOTrainer(PolicyModel(model_dir), GRPOConfig(clip=0.2, clip_high=clip_high))
         for sign, shift in ((1.0, 1.25), (-1.0, 0.75)):
             lp = (prox + torch.log(torch.tensor(shift))).requires_grad_()
-            trainer._backward(lp, b, torch.tensor([sign, sign]), None, prox, 1.0, torch.zeros(4))
+            trainer._backward(lp, b, torch.tensor([sign, sign]), None, prox, 1.0, torch.zeros(6))
             grads[clip_high, sign] = float(lp.grad.abs().sum())
     assert grads[None, 1.0] == 0.0 and grads[0.28, 1.0] > 0  # clip-higher keeps the gradient
     assert grads[None, -1.0] == 0.0 and grads[0.28, -1.0] == 0.0  # the lower clip is unchanged
@@ -356,7 +356,7 @@ def test_policy_losses_against_their_formulas(model_dir, policy_loss):
     cfg = GRPOConfig(policy_loss=policy_loss, clip=0.1, clip_high=0.15, tis_cap=2.0)
     trainer = GRPOTrainer(PolicyModel(model_dir), cfg)
     lp = lp0.clone().requires_grad_()
-    stats = torch.zeros(4)
+    stats = torch.zeros(6)
     trainer._backward(lp, b, a, None, prox, div=5.0, stats=stats)
 
     w = torch.exp(prox - behav).clamp(max=2.0)
