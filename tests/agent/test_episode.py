@@ -264,6 +264,24 @@ def test_every_expert_solves_200_seeded_tasks(env_name, expert_rewards):
     assert expert_rewards(lambda: make_env(env_name), tasks) == [1.0] * n
 
 
+def test_frozenlake_local_view_shows_the_neighbours_and_the_goal(expert_rewards):
+    env = make_env("frozenlake", view="local")
+    task = {"id": "t", "grid": ["SFH", "HFF", "FGF"]}
+    assert env.prompt(task).endswith("Next to you: left edge, right ice, up edge, down hole. The goal is down and right.")
+
+    async def go():
+        await env.reset(task)
+        obs, _, done, _ = await env.step('<tool_call>{"name": "move", "arguments": {"direction": "right"}}</tool_call>')
+        return obs[0]["content"], done
+    obs, done = asyncio.run(go())
+    assert not done and obs == ("You are at row 0, column 1. Next to you: left ice, right hole, up edge, down ice. "
+                                "The goal is down.")
+    tasks = env.sample_tasks(50, seed=1)
+    assert expert_rewards(lambda: make_env("frozenlake", view="local"), tasks) == [1.0] * 50
+    with pytest.raises(ValueError, match="valid.*position.*local"):
+        make_env("frozenlake", view="map")
+
+
 def test_make_env_names_the_valid_options():
     with pytest.raises(ValueError, match="calculator"):
         make_env("chess")

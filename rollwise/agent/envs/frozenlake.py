@@ -1,5 +1,10 @@
 """frozenlake: a text grid world (S start, G goal, H holes, F ice) with a `move` tool; reward 1 on
-reaching the goal, 0 on falling into a hole."""
+reaching the goal, 0 on falling into a hole.
+
+`view` (env option): "position" (default), each move answers with the new row and column; "local",
+also what lies one step each way and where the goal is from there, so a good move can be read off
+the observation (a partially observed walk, as agents see their surroundings), and a walk's states
+repeat across a group's episodes with what to do in them in view."""
 from __future__ import annotations
 
 import json
@@ -11,6 +16,18 @@ from rollwise.agent.env import ToolEnv
 from rollwise.agent.tools import Tool
 
 MOVES = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}
+VIEWS = ("position", "local")
+CELLS = {"F": "ice", "H": "hole", "G": "goal", "S": "ice"}
+
+
+def surroundings(grid: list[str], r: int, c: int) -> str:
+    """What lies one step each way from (r, c), and which way the goal is."""
+    n = len(grid)
+    near = ", ".join(f"{d} {CELLS[grid[r + dr][c + dc]] if 0 <= r + dr < n and 0 <= c + dc < n else 'edge'}"
+                     for d, (dr, dc) in MOVES.items())
+    gr, gc = next((i, j) for i in range(n) for j in range(n) if grid[i][j] == "G")
+    goal = " and ".join(w for w, yes in (("up", gr < r), ("down", gr > r), ("left", gc < c), ("right", gc > c)) if yes)
+    return f"Next to you: {near}. The goal is {goal}."
 
 
 def shortest_path(grid: list[str]) -> list[str] | None:
@@ -39,13 +56,17 @@ class FrozenLakeEnv(ToolEnv):
     system_prompt = "You walk on a frozen lake. Reach G from S without stepping into a hole H, using move."
     answer_hint = "Call move once per turn."
 
-    def __init__(self, **options) -> None:
+    def __init__(self, view: str = "position", **options) -> None:
+        if view not in VIEWS:
+            raise ValueError(f"unknown view {view!r}; valid: {list(VIEWS)}")
         options.setdefault("max_turns", 32)
         super().__init__(**options)
+        self.view = view
 
     def make_tools(self, task):
         grid, n = task["grid"], len(task["grid"])
         pos = [next((r, c) for r in range(n) for c in range(n) if grid[r][c] == "S")]
+        where = (lambda r, c: f" {surroundings(grid, r, c)}") if self.view == "local" else (lambda r, c: "")
 
         def move(direction: Literal["left", "right", "up", "down"]) -> str:
             """Move one cell; walking off the grid keeps you in place."""
@@ -54,7 +75,7 @@ class FrozenLakeEnv(ToolEnv):
             dr, dc = MOVES[direction]
             r, c = pos[0][0] + dr, pos[0][1] + dc
             if not (0 <= r < n and 0 <= c < n):
-                return f"You hit the edge and stay at row {pos[0][0]}, column {pos[0][1]}."
+                return f"You hit the edge and stay at row {pos[0][0]}, column {pos[0][1]}.{where(*pos[0])}"
             pos[0] = (r, c)
             if grid[r][c] == "H":
                 self.end(0.0)
@@ -62,11 +83,16 @@ class FrozenLakeEnv(ToolEnv):
             if grid[r][c] == "G":
                 self.end(1.0)
                 return "You reached the goal!"
-            return f"You are at row {r}, column {c}."
+            return f"You are at row {r}, column {c}.{where(r, c)}"
         return [Tool(move)]
 
     def prompt(self, task):
-        return "Grid (row 0 at the top):\n" + "\n".join(task["grid"])
+        grid = task["grid"]
+        text = "Grid (row 0 at the top):\n" + "\n".join(grid)
+        if self.view == "local":
+            n = len(grid)
+            text += "\n" + surroundings(grid, *next((r, c) for r in range(n) for c in range(n) if grid[r][c] == "S"))
+        return text
 
     def score(self, task, answer):
         return 0.0  # only reaching the goal (through move) earns a reward
