@@ -267,7 +267,8 @@ def test_every_expert_solves_200_seeded_tasks(env_name, expert_rewards):
 def test_frozenlake_local_view_shows_the_neighbours_and_the_goal(expert_rewards):
     env = make_env("frozenlake", view="local")
     task = {"id": "t", "grid": ["SFH", "HFF", "FGF"]}
-    assert env.prompt(task).endswith("Next to you: left edge, right ice, up edge, down hole. The goal is down and right.")
+    assert env.prompt(task).endswith("Next to you: left edge, right ice, up edge, down hole. "
+                                     "The goal is down and right.")
 
     async def go():
         await env.reset(task)
