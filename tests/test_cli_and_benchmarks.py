@@ -313,3 +313,16 @@ def test_structured_benchmark_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["batches"]
     assert all(row["plain"]["tokens"] == row["json_schema"]["tokens"] > 0 and row["ratio"] > 0 for row in rows.values())
+
+
+def test_gigpo_benchmark_smoke(tmp_path):
+    out, png = tmp_path / "gigpo.json", tmp_path / "gigpo.png"
+    r = subprocess.run([sys.executable, "benchmarks/gigpo.py", "--smoke", "--seeds", "0", "--json", str(out),
+                        "--plot", str(png)], cwd=ROOT, env=dict(ENV, ROLLWISE_CACHE=str(tmp_path / "cache")),
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert png.stat().st_size > 1000
+    runs = json.loads(out.read_text())["runs"]
+    assert [x["advantage"] for x in runs] == ["grpo", "gigpo"] and all(len(x["curve"]) == 3 for x in runs)
+    # every group's first turns start from its prompt: gigpo always finds step groups, grpo never looks
+    assert runs[1]["anchored_turns"] > 0 and runs[0]["anchored_turns"] == 0
