@@ -3,9 +3,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import httpx
-
-from rollwise.router.replica import HttpReplica, ReplicaError
+from rollwise.router.replica import HttpReplica
 from rollwise.types import GenerateOutput, GenerateRequest, SamplingParams
 
 
@@ -20,10 +18,7 @@ class OpenAIReplica(HttpReplica):
         self.model = model
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
-        try:
-            r = await self.client.post("/v1/completions", json=self._body(request))
-        except httpx.HTTPError as e:
-            raise ReplicaError(f"{self.name}: {type(e).__name__}: {e}") from e
+        r = await self._post("/v1/completions", json=self._body(request))
         self._check(r.status_code, r.text)
         return self._completion(r.json(), request.params)
 

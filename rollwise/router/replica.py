@@ -178,11 +178,15 @@ class HttpReplica:
                                         limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
         self._tp = _Throughput()
 
-    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+    async def _post(self, path: str, **request) -> httpx.Response:
+        """A POST whose transport failure is the replica's (ReplicaError)."""
         try:
-            r = await self.client.post("/generate", json=self._body(request))
+            return await self.client.post(path, **request)
         except httpx.HTTPError as e:
             raise ReplicaError(f"{self.name}: {type(e).__name__}: {e}") from e
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        r = await self._post("/generate", json=self._body(request))
         self._check(r.status_code, r.text)
         return self._output(r.json())
 
@@ -282,10 +286,7 @@ class HttpReplica:
                                                   "partial_rollout": partial_rollout})
 
     async def _post_weights(self, **request) -> int:
-        try:
-            r = await self.client.post("/update_weights", **request)
-        except httpx.HTTPError as e:
-            raise ReplicaError(f"{self.name}: {type(e).__name__}: {e}") from e
+        r = await self._post("/update_weights", **request)
         if r.status_code == 400:  # the weights' fault (a bad directory or file), not the replica's
             raise ValueError(f"{self.name}: weight update refused: {r.text[:300]}")
         if r.status_code != 200:
