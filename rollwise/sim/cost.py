@@ -106,8 +106,8 @@ class ModelShape:
     moe_intermediate: int = 0
 
     def __post_init__(self) -> None:
-        if self.experts and not 0 < self.experts_per_token <= self.experts or bool(self.experts) != bool(
-                self.moe_intermediate) or not (self.experts or self.intermediate):
+        bad_moe = bool(self.experts) and not 0 < self.experts_per_token <= self.experts
+        if bad_moe or bool(self.experts) != bool(self.moe_intermediate) or not (self.experts or self.intermediate):
             raise ValueError(f"{self.name}: a dense shape needs intermediate; an MoE one experts, "
                              f"0 < experts_per_token <= experts and moe_intermediate")
 

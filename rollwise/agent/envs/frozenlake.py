@@ -20,19 +20,24 @@ VIEWS = ("position", "local")
 CELLS = {"F": "ice", "H": "hole", "G": "goal", "S": "ice"}
 
 
+def find(grid: list[str], ch: str) -> tuple[int, int]:
+    """Where `ch` (S or G) is."""
+    return next((r, c) for r, row in enumerate(grid) for c, x in enumerate(row) if x == ch)
+
+
 def surroundings(grid: list[str], r: int, c: int) -> str:
     """What lies one step each way from (r, c), and which way the goal is."""
     n = len(grid)
     near = ", ".join(f"{d} {CELLS[grid[r + dr][c + dc]] if 0 <= r + dr < n and 0 <= c + dc < n else 'edge'}"
                      for d, (dr, dc) in MOVES.items())
-    gr, gc = next((i, j) for i in range(n) for j in range(n) if grid[i][j] == "G")
+    gr, gc = find(grid, "G")
     goal = " and ".join(w for w, yes in (("up", gr < r), ("down", gr > r), ("left", gc < c), ("right", gc > c)) if yes)
     return f"Next to you: {near}. The goal is {goal}."
 
 
 def shortest_path(grid: list[str]) -> list[str] | None:
     n = len(grid)
-    start = next((r, c) for r in range(n) for c in range(n) if grid[r][c] == "S")
+    start = find(grid, "S")
     prev = {start: None}
     q = deque([start])
     while q:
@@ -65,7 +70,7 @@ class FrozenLakeEnv(ToolEnv):
 
     def make_tools(self, task):
         grid, n = task["grid"], len(task["grid"])
-        pos = [next((r, c) for r in range(n) for c in range(n) if grid[r][c] == "S")]
+        pos = [find(grid, "S")]
         where = (lambda r, c: f" {surroundings(grid, r, c)}") if self.view == "local" else (lambda r, c: "")
 
         def move(direction: Literal["left", "right", "up", "down"]) -> str:
@@ -89,10 +94,7 @@ class FrozenLakeEnv(ToolEnv):
     def prompt(self, task):
         grid = task["grid"]
         text = "Grid (row 0 at the top):\n" + "\n".join(grid)
-        if self.view == "local":
-            n = len(grid)
-            text += "\n" + surroundings(grid, *next((r, c) for r in range(n) for c in range(n) if grid[r][c] == "S"))
-        return text
+        return text + "\n" + surroundings(grid, *find(grid, "S")) if self.view == "local" else text
 
     def score(self, task, answer):
         return 0.0  # only reaching the goal (through move) earns a reward
