@@ -312,6 +312,7 @@ class TurnRecord:
     tool_s: float
     replica: str = ""  # which replica served the turn (set when a router placed it)
     reward: float = 0.0  # what the env's step gave for this turn (the episode's reward is their sum)
+    state: str | None = None  # the env's `state_key()` before the turn, if it has one (GiGPO's anchor)
     # (first generated token's offset in the turn, version) when the weights changed mid-turn
     # (partial rollout); empty: all at policy_version
     version_segments: list[tuple[int, int]] = field(default_factory=list)

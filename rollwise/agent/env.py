@@ -39,7 +39,9 @@ class Env(Protocol):
     # step may return a NewContext (a list of messages) in place of the observation.
     # optional: turn_params(params) -> params gives a turn's sampling params from the run's (e.g. a
     # request's stop strings); observe(request, output) sees each turn's generation before step;
-    # close() (may be a coroutine) runs when the episode ends, however it ends
+    # close() (may be a coroutine) runs when the episode ends, however it ends; state_key() (may be a
+    # coroutine) names the env's state before each turn, kept in TurnRecord.state: GiGPO's step groups
+    # then compare the turns taken from equal keys rather than from equal observation tokens
 
 
 async def maybe_await(x):

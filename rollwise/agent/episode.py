@@ -104,6 +104,7 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
     schemas = [t.schema for t in getattr(env, "tools", [])] or None
     observe = getattr(env, "observe", None)  # optional: sees each turn's request and output before step
     turn_params = getattr(env, "turn_params", None)  # optional: this turn's sampling params from the run's
+    state_key = getattr(env, "state_key", None)  # optional: the env's state before each turn (GiGPO's anchor)
     traj.messages = list(messages)
     _extend(traj, renderer.prompt_ids(messages, schemas), None)
     eos_ids = {renderer.tok.eos_token_id}
@@ -116,6 +117,7 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
         p = dataclasses.replace(params, max_tokens=min(params.max_tokens, room), seed=seed)
         if turn_params is not None:
             p = turn_params(p)
+        state = None if state_key is None else str(await maybe_await(state_key()))
         g0 = time.perf_counter()
         request = GenerateRequest(prompt_token_ids=list(traj.token_ids), params=p, trajectory_id=traj.trajectory_id,
                                   group_id=traj.group_id, turn=turn, policy_version=policy_version)
@@ -136,7 +138,7 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
         record = TurnRecord(start=start, num_generated=len(out.token_ids), num_observation=0,
                             finish_reason=out.finish_reason, policy_version=out.policy_version,
                             num_cached_tokens=out.num_cached_tokens, generation_s=gen_s, tool_s=0.0,
-                            replica=out.replica, version_segments=list(out.version_segments))
+                            replica=out.replica, version_segments=list(out.version_segments), state=state)
         traj.turns.append(record)  # (before the step: a step that raises or times out keeps its turn's record)
         s0 = time.perf_counter()
         try:

@@ -10,7 +10,8 @@ when the episode ran in several contexts: `Trajectory.earlier`).
 episode's grpo advantage plus `step_weight` times a step advantage per turn. The turns of a group's
 episodes are grouped by their anchor state, what the model read just before generating the turn (the
 first prompt for a context's first turn, else the observation the previous turn got back: the same
-tool result, the same position on the grid), and each turn's discounted return from there on
+tool result, the same position on the grid), or the env's own key of its state where it defines
+`state_key()` (for observations that carry text that changes, such as a clock), and each turn's discounted return from there on
 (sum over k >= t of gamma^(k-t) r_k, r_k the env's reward for turn k) is compared with the others
 from the same state: minus their mean, divided by their std. A state reached once gets 0. So a group
 whose episodes all succeed (no episode advantage) still teaches the turn that got there sooner, and a
@@ -42,14 +43,15 @@ def advantages(groups: list[list[Trajectory]], estimator: str = "grpo") -> list[
     return out
 
 
-def anchor_states(t: Trajectory) -> list[tuple[int, ...]]:
-    """Per turn of the episode (its sequences in order), the tokens the model read just before it
-    generated the turn: the context's first prompt, else the previous turn's observation delta."""
+def anchor_states(t: Trajectory) -> list[tuple]:
+    """Per turn of the episode (its sequences in order), the state it was generated from: the env's
+    own key where it gives one (`state_key()`, in `TurnRecord.state`), else the tokens the model read
+    just before the turn: the context's first prompt, or the previous turn's observation delta."""
     out = []
     for s in t.sequences():
         end = 0  # where the previous turn's generated tokens ended
         for turn in s.turns:
-            out.append(tuple(s.token_ids[end:turn.start]))
+            out.append(("state", turn.state) if turn.state is not None else tuple(s.token_ids[end:turn.start]))
             end = turn.start + turn.num_generated
     return out
 

@@ -14,6 +14,7 @@ from rollwise.agent.tools import Tool
 from rollwise.engine.async_engine import AsyncEngine
 from rollwise.engine.tokenizer import Tokenizer
 from rollwise.rollout.pipeline import Group
+from rollwise.trainer.advantages import anchor_states
 from rollwise.types import SamplingParams, TurnRecord
 
 
@@ -313,3 +314,25 @@ def test_the_episode_reward_is_the_sum_of_its_steps_rewards(model_dir):
     assert t.status == "max_turns" and t.reward == 0.5  # what it earned before the limit
     back = Group.from_json(Group(0, 0, {}, 0, [t]).to_json()).trajectories[0]
     assert [r.reward for r in back.turns] == [0.25, 0.25]
+
+
+class Clocked(Shaped):
+    """Observations that carry a changing clock; the state is how far the walk has come."""
+
+    def step(self, action):
+        obs, reward, done, info = super().step(action)
+        return [{"role": "user", "content": f"go on (t={self.n * 7})"}] if obs else obs, reward, done, info
+
+    async def state_key(self):  # (may be a coroutine)
+        return f"cell {self.n}"
+
+
+def test_an_envs_state_key_is_each_turns_anchor(model_dir):
+    tok = Tokenizer(model_dir)
+    t = asyncio.run(run_episode(_scripted(tok, ["step", "step", "stop"]), Clocked(), {}, SamplingParams(max_tokens=8)))
+    assert [r.state for r in t.turns] == ["cell 0", "cell 1", "cell 2"]
+    assert anchor_states(t) == [("state", "cell 0"), ("state", "cell 1"), ("state", "cell 2")]
+    assert all(r.state is None for r in asyncio.run(run_episode(_scripted(tok, ["stop"]), Shaped(), {},
+                                                                SamplingParams(max_tokens=8))).turns)
+    back = Group.from_json(Group(0, 0, {}, 0, [t]).to_json()).trajectories[0]
+    assert [r.state for r in back.turns] == ["cell 0", "cell 1", "cell 2"]

@@ -60,6 +60,18 @@ def test_step_advantages_compare_turns_from_the_same_state():
         assert flat == [[a] * t.num_turns for t, a in zip([short, long, lost], advantages([[short, long, lost]], est))]
 
 
+def test_an_envs_state_key_groups_turns_whose_observations_differ():
+    a = episode([([10], [50, 1], 0.0), ([11], [], 1.0)])  # observations with a clock: 50 1 and 50 2
+    b = episode([([12], [50, 2], 0.0), ([13], [], 0.0)])
+    ep = z([1.0, 0.0])
+    got = turn_advantages([[a, b]], "gigpo", gamma=1.0)
+    assert [got[0][1], got[1][1]] == pytest.approx(ep)  # second turns apart: no step advantage
+    for t in (a, b):
+        t.turns[0].state, t.turns[1].state = "start", "cell 5"
+    got = turn_advantages([[a, b]], "gigpo", gamma=1.0)
+    assert [got[0][1], got[1][1]] == pytest.approx([2 * ep[0], 2 * ep[1]])  # now compared: a's won
+
+
 def test_a_group_that_all_succeeded_still_teaches_the_shorter_path():
     short = episode([([10], [50], 0.0), ([11], [], 1.0)])
     long = episode([([12], [50], 0.0), ([13], [60], 0.0), ([14], [], 1.0)])
