@@ -11,12 +11,12 @@ episode's grpo advantage plus `step_weight` times a step advantage per turn. The
 episodes are grouped by their anchor state, what the model read just before generating the turn (the
 first prompt for a context's first turn, else the observation the previous turn got back: the same
 tool result, the same position on the grid), or the env's own key of its state where it defines
-`state_key()` (for observations that carry text that changes, such as a clock), and each turn's discounted return from there on
-(sum over k >= t of gamma^(k-t) r_k, r_k the env's reward for turn k) is compared with the others
-from the same state: minus their mean, divided by their std. A state reached once gets 0. So a group
-whose episodes all succeed (no episode advantage) still teaches the turn that got there sooner, and a
-failed episode's good moves are not all blamed for its end. Markov: the history before the anchor
-is not compared.
+`state_key()` (for observations that carry text that changes, such as a clock), and each turn's
+discounted return from there on (sum over k >= t of gamma^(k-t) r_k, r_k the env's reward for turn
+k) is compared with the others from the same state: minus their mean, divided by their std. A
+state reached once gets 0. So a group whose episodes all succeed (no episode advantage) still
+teaches the turn that got there sooner, and a failed episode's good moves are not all blamed for
+its end. Markov: the history before the anchor is not compared.
 """
 from __future__ import annotations
 
