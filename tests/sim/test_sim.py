@@ -1,5 +1,6 @@
 import asyncio
 import random
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +63,8 @@ def test_moe_roofline_reads_only_the_experts_its_tokens_reach():
         one, five = (cost.step_s(step_work([(q, 4096, q)])) for q in (1, 5))
         assert lo < five / one < hi
     assert c.default_kv_blocks * c.block_size > 700_000  # 2 x 80 GB less 61 GB of weights
+    example = SimConfig.from_toml(Path(__file__).parents[2] / "examples" / "sim-war-h100-moe.toml")
+    assert (example.profile, example.replicas) == ("h100-qwen3-30b-a3b-tp2", 8)  # 16 GPUs, as the dense sweep
     with pytest.raises(ValueError, match="experts_per_token"):
         type(m)(name="bad", layers=1, hidden=8, heads=1, kv_heads=1, head_dim=8, vocab=8, experts=4,
                 experts_per_token=8, moe_intermediate=8)
