@@ -15,8 +15,17 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = passive_env()
 
 
-def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+def run(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env or ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def smoke(tmp_path: Path, script: str, *args: str, **kw) -> dict:
+    """`script --smoke *args --json PATH`, which must succeed; its JSON result."""
+    out = tmp_path / f"{Path(script).stem}.json"
+    r = run(script, "--smoke", *args, "--json", str(out), **kw)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("chosen, policy", [({}, "PASSIVE"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),
@@ -113,10 +122,7 @@ def test_omp_wait_benchmark_smoke(tmp_path):
 
 
 def test_spec_engine_benchmark_smoke(tmp_path):
-    out = tmp_path / "spec.json"
-    r = run("benchmarks/spec_engine.py", "--smoke", "--model", str(tmp_path / "model"), "--json", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())["concurrency"]
+    res = smoke(tmp_path, "benchmarks/spec_engine.py", "--model", str(tmp_path / "model"))["concurrency"]
     assert set(res) == {"1", "2"}
     for row in res.values():
         assert row["off"]["generated_tokens"] == row["adaptive"]["generated_tokens"]  # same work
@@ -137,20 +143,14 @@ def test_bench_spec_cli_smoke(tmp_path):
 
 
 def test_agent_benchmark_smoke(tmp_path):
-    out = tmp_path / "agent.json"
-    r = run("benchmarks/agent.py", "--smoke", "--json", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = smoke(tmp_path, "benchmarks/agent.py")
     assert res["loop_overhead_us_per_turn"] > 0
     for side in ("fake", "engine"):
         assert all(v["solved"] == 1.0 and v["episodes"] > 0 for v in res[side].values())
 
 
 def test_agent_gateway_benchmark_smoke(tmp_path):
-    out = tmp_path / "agent_gateway.json"
-    r = run("benchmarks/agent_gateway.py", "--smoke", "--sides", "env,agent,responses,server", "--json", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = smoke(tmp_path, "benchmarks/agent_gateway.py", "--sides", "env,agent,responses,server")
     for gen in ("instant", "engine"):
         for r in res[gen].values():
             assert r["same_token_ids"] and r["server_over_env_time"] > 0
@@ -159,18 +159,12 @@ def test_agent_gateway_benchmark_smoke(tmp_path):
 
 
 def test_sandbox_benchmark_smoke(tmp_path):
-    out = tmp_path / "sandbox.json"
-    r = run("benchmarks/sandbox.py", "--smoke", "--json", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = smoke(tmp_path, "benchmarks/sandbox.py")
     assert len(res["cases"]) >= 2 and all(v["sandbox_ms"] > 0 and v["bare_ms"] > 0 for v in res["cases"].values())
 
 
 def test_routing_replay_benchmark_smoke(tmp_path):
-    out = tmp_path / "r3.json"
-    r = run("benchmarks/routing_replay.py", "--smoke", "--json", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = smoke(tmp_path, "benchmarks/routing_replay.py")
     fp32, bf16 = res["dtypes"]["float32"], res["dtypes"]["bfloat16"]
     assert fp32["replay"]["routing_mismatch"] == 0 and fp32["off"]["mean_abs_logprob_diff"] < 1e-3
     assert bf16["off"]["tokens"] > 0 and 0 <= bf16["replay"]["routing_mismatch"] < 0.5
@@ -178,10 +172,7 @@ def test_routing_replay_benchmark_smoke(tmp_path):
 
 
 def test_batch_invariance_benchmark_smoke(tmp_path):
-    out = tmp_path / "bi.json"
-    r = run("benchmarks/batch_invariance.py", "--smoke", "--json", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = smoke(tmp_path, "benchmarks/batch_invariance.py")
     inv, default = res["drift"]["invariant"], res["drift"]["default"]
     assert inv["logprobs_differ"] == 0 and inv["tokens_differ"] == 0 and inv["max_abs_dlogprob"] == 0.0
     assert inv["generated_tokens"] == default["generated_tokens"] > 0  # the same work both ways
@@ -191,19 +182,13 @@ def test_batch_invariance_benchmark_smoke(tmp_path):
 
 
 def test_linear_policy_benchmark_smoke(tmp_path):
-    out = tmp_path / "lp.json"
-    r = run("benchmarks/linear_policy.py", "--smoke", "--json", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = smoke(tmp_path, "benchmarks/linear_policy.py")
     assert len(res) == 2 and all(set(v) == {"1", "2", "3", "8", "32"} for v in res.values())
     assert all(b["speedup"] > 0 and b["tokens"] > 0 for v in res.values() for b in v.values())
 
 
 def test_router_benchmark_smoke(tmp_path):
-    out = tmp_path / "router.json"
-    r = run("benchmarks/router.py", "--smoke", "--policies", "verl,rollwise", "--json", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = smoke(tmp_path, "benchmarks/router.py", "--policies", "verl,rollwise")
     a, b = res["policies"]["verl"], res["policies"]["rollwise"]
     assert (a["turns"], a["decode_tokens"]) == (b["turns"], b["decode_tokens"]) and a["turns"] > 0
     assert a["prefill_tokens"] > 0 and set(res["decision_us"]) == {"verl", "rollwise"}
@@ -244,10 +229,9 @@ def test_pipeline_benchmark_smoke(tmp_path):
 
 
 def test_demo_smoke(tmp_path):
-    env = dict(ENV, ROLLWISE_CACHE=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, "-m", "rollwise.cli", "demo", "--smoke", "--run-dir", str(tmp_path / "run"),
-                        "--set", "replica_batch_invariant=true", "--set", "true_on_policy=true"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    r = run("-m", "rollwise.cli", "demo", "--smoke", "--run-dir", str(tmp_path / "run"), "--set",
+            "replica_batch_invariant=true", "--set", "true_on_policy=true", timeout=900,
+            env=dict(ENV, ROLLWISE_CACHE=str(tmp_path / "cache")))
     assert r.returncode == 0, r.stderr[-3000:]
     last = r.stdout.strip().splitlines()[-1]
     sft, rl = (float(x.split("=")[1]) for x in last.split())
@@ -289,40 +273,29 @@ def test_sim_cli(tmp_path):
     cfg = tmp_path / "sim.toml"
     cfg.write_text('profile = "h100-qwen3-8b-tp1"\nreplicas = 2\nloads = [1]\nturns = [2, 3]\ncontext = [128, 256]\n'
                    'configs = ["baseline", "rollwise"]\n')
-    r = subprocess.run([sys.executable, "-m", "rollwise.cli", "sim", "--config", str(cfg), "--set", "obs_median=32",
-                        "--json", str(tmp_path / "s.json")], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    r = run("-m", "rollwise.cli", "sim", "--config", str(cfg), "--set", "obs_median=32", "--json",
+            str(tmp_path / "s.json"), timeout=300)
     assert r.returncode == 0, r.stderr
     assert "| 1 |" in r.stdout and "rollwise speedup per load" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "rollwise.cli", "sim", "--set", "configs=['nope']"], cwd=ROOT, env=ENV,
-                       capture_output=True, text=True, timeout=120)
+    r = run("-m", "rollwise.cli", "sim", "--set", "configs=['nope']", timeout=120)
     assert r.returncode == 2 and "valid" in r.stderr
 
 
 def test_weight_sync_benchmark_smoke(tmp_path):
-    out = tmp_path / "sync.json"
-    r = run("benchmarks/weight_sync.py", "--smoke", "--repeats", "2", "--model", str(tmp_path / "model"),
-            "--json", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = smoke(tmp_path, "benchmarks/weight_sync.py", "--repeats", "2", "--model", str(tmp_path / "model"))
     assert set(res["ms"]) == {"in_process", "http_file", "http_stream"} and all(v > 0 for v in res["ms"].values())
 
 
 def test_structured_benchmark_smoke(tmp_path):
-    out = tmp_path / "structured.json"
-    r = run("benchmarks/structured.py", "--smoke", "--json", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = json.loads(out.read_text())["batches"]
+    rows = smoke(tmp_path, "benchmarks/structured.py")["batches"]
     assert all(row["plain"]["tokens"] == row["json_schema"]["tokens"] > 0 and row["ratio"] > 0 for row in rows.values())
 
 
 def test_gigpo_benchmark_smoke(tmp_path):
-    out, png = tmp_path / "gigpo.json", tmp_path / "gigpo.png"
-    r = subprocess.run([sys.executable, "benchmarks/gigpo.py", "--smoke", "--seeds", "0", "--json", str(out),
-                        "--plot", str(png)], cwd=ROOT, env=dict(ENV, ROLLWISE_CACHE=str(tmp_path / "cache")),
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
+    png = tmp_path / "gigpo.png"
+    runs = smoke(tmp_path, "benchmarks/gigpo.py", "--seeds", "0", "--plot", str(png), timeout=900,
+                 env=dict(ENV, ROLLWISE_CACHE=str(tmp_path / "cache")))["runs"]
     assert png.stat().st_size > 1000
-    runs = json.loads(out.read_text())["runs"]
     assert [x["advantage"] for x in runs] == ["grpo", "gigpo"] and all(len(x["curve"]) == 3 for x in runs)
     # every group's first turns start from its prompt: gigpo always finds step groups, grpo never looks
     assert runs[1]["anchored_turns"] > 0 and runs[0]["anchored_turns"] == 0
