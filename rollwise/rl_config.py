@@ -13,6 +13,7 @@ from rollwise.router.policies import POLICIES
 from rollwise.rollout.trackers import check_trackers
 from rollwise.router.replica import WEIGHTS_VIA
 from rollwise.trainer.advantages import ADVANTAGES
+from rollwise.trainer.critic import check as check_critic
 from rollwise.trainer.correction import check as check_correction
 from rollwise.trainer.grpo import POLICY_LOSSES
 from rollwise.trainer.policy import ROUTING_MODES
@@ -74,12 +75,19 @@ class TrainConfig:
     # weighted by their own probabilities); "record" only reports how often the trainer's routers choose
     # otherwise (step metric routing_mismatch); "off". HTTP replicas need --enable-return-routed-experts
     routing_replay: str = "off"
-    # "grpo" (group mean and std), "dr_grpo" (group mean only), "rloo" (the mean of the group's others) or
+    # "grpo" (group mean and std), "dr_grpo" (group mean only), "rloo" (the mean of the group's others),
     # "gigpo" (grpo's plus, per turn, step_advantage_weight x its gamma-discounted return against those of
     # the group's turns from the same state: what the model read before them; rollwise/trainer/advantages.py)
+    # or "gae" (PPO's: a critic, the policy's decoder and a value head, and GAE per generated token with
+    # gae_gamma and gae_lambda, whitened over the batch; group_size may be 1; rollwise/trainer/critic.py)
     advantage: str = "grpo"
     step_advantage_weight: float = 1.0
     gamma: float = 0.95
+    gae_gamma: float = 1.0
+    gae_lambda: float = 1.0
+    critic_lr: float | None = None  # None: 10 x lr (verl's defaults: 1e-6 and 1e-5)
+    value_clip: float = 0.5  # the most a step moves a value from the one its advantages used
+    critic_warmup: int = 0  # the first steps train the critic alone
     # "ppo" (token ratios, clipped), "gspo" (sequence ratios: set clip = 3e-4, clip_high = 4e-4,
     # loss_agg = "sequence") or "cispo" (clipped, stopped ratios as weights: clip_high large)
     policy_loss: str = "ppo"
@@ -203,8 +211,14 @@ class TrainConfig:
             raise ValueError(f"replica_weights_via must be one of {WEIGHTS_VIA}, got {cfg.replica_weights_via!r}")
         if cfg.tool_latency_kind not in ("uniform", "lognormal"):
             raise ValueError(f"tool_latency_kind must be 'uniform' or 'lognormal', got {cfg.tool_latency_kind!r}")
-        if cfg.max_staleness < 0 or cfg.steps < 0 or cfg.groups_per_step < 1 or cfg.group_size < 2:
-            raise ValueError("need max_staleness >= 0, steps >= 0, groups_per_step >= 1, group_size >= 2")
+        check_critic(cfg.gae_gamma, cfg.gae_lambda, cfg.critic_lr, cfg.value_clip, cfg.critic_warmup)
+        if cfg.advantage == "gae" and cfg.dynamic_sampling:
+            raise ValueError("dynamic_sampling skips groups whose rewards are all equal, but gae trains them too "
+                             "(its critic's advantages do not cancel in a group): set one of them")
+        smallest = 1 if cfg.advantage == "gae" else 2  # a group-relative advantage needs two episodes
+        if cfg.max_staleness < 0 or cfg.steps < 0 or cfg.groups_per_step < 1 or cfg.group_size < smallest:
+            raise ValueError(f"need max_staleness >= 0, steps >= 0, groups_per_step >= 1, group_size >= {smallest} "
+                             f"(advantage {cfg.advantage!r})")
         check_cut_off("exclude_statuses", cfg.exclude_statuses)
         check_cut_off("retry_statuses", cfg.retry_statuses)
         if cfg.episode_retries < 0:

@@ -291,11 +291,13 @@ def test_structured_benchmark_smoke(tmp_path):
     assert all(row["plain"]["tokens"] == row["json_schema"]["tokens"] > 0 and row["ratio"] > 0 for row in rows.values())
 
 
-def test_gigpo_benchmark_smoke(tmp_path):
-    png = tmp_path / "gigpo.png"
-    runs = smoke(tmp_path, "benchmarks/gigpo.py", "--seeds", "0", "--plot", str(png), timeout=900,
-                 env=dict(ENV, ROLLWISE_CACHE=str(tmp_path / "cache")))["runs"]
+def test_advantages_benchmark_smoke(tmp_path):
+    png = tmp_path / "advantages.png"
+    runs = smoke(tmp_path, "benchmarks/advantages.py", "--seeds", "0", "--advantages", "grpo,gigpo,gae", "--plot",
+                 str(png), timeout=900, env=dict(ENV, ROLLWISE_CACHE=str(tmp_path / "cache")))["runs"]
     assert png.stat().st_size > 1000
-    assert [x["advantage"] for x in runs] == ["grpo", "gigpo"] and all(len(x["curve"]) == 3 for x in runs)
+    assert [x["advantage"] for x in runs] == ["grpo", "gigpo", "gae"] and all(len(x["curve"]) == 3 for x in runs)
     # every group's first turns start from its prompt: gigpo always finds step groups, grpo never looks
     assert runs[1]["anchored_turns"] > 0 and runs[0]["anchored_turns"] == 0
+    # only gae has a critic, whose explained variance is at most 1
+    assert runs[0]["explained_var"] is None and runs[2]["explained_var"] <= 1.0

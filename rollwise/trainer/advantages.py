@@ -24,13 +24,15 @@ import torch
 
 from rollwise.types import Trajectory
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gigpo")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gigpo", "gae")  # "gae": PPO's, per token from a critic (critic.py)
+EPISODE_ADVANTAGES = ADVANTAGES[:4]  # those computed here, from the group's rewards
 
 
 def advantages(groups: list[list[Trajectory]], estimator: str = "grpo") -> list[float]:
     """Each trajectory's episode advantage, groups in order (gigpo's is grpo's)."""
-    if estimator not in ADVANTAGES:
-        raise ValueError(f"unknown advantage {estimator!r}; valid: {list(ADVANTAGES)}")
+    if estimator not in EPISODE_ADVANTAGES:
+        raise ValueError(f"unknown advantage {estimator!r} (gae's come from a critic: critic.py); valid: "
+                         f"{list(EPISODE_ADVANTAGES)}")
     out = []
     for g in groups:
         r = torch.tensor([t.reward for t in g], dtype=torch.float64)
@@ -100,9 +102,9 @@ def turn_advantages(groups: list[list[Trajectory]], estimator: str = "grpo", ste
 
 def informative(group: list[Trajectory], estimator: str = "grpo", step_weight: float = 1.0,
                 gamma: float = 0.95) -> bool:
-    """Whether a group teaches anything: its rewards differ, or (gigpo) a turn's step advantage is not 0.
-    DAPO's dynamic sampling skips the others."""
-    if len({t.reward for t in group}) > 1:
+    """Whether a group teaches anything: its rewards differ, or (gigpo) a turn's step advantage is not 0,
+    or (gae) always: a critic's advantages do not cancel in a group. DAPO's dynamic sampling skips the others."""
+    if len({t.reward for t in group}) > 1 or estimator == "gae":
         return True
     return estimator == "gigpo" and any(abs(a) > 1e-9 for per in turn_advantages([group], estimator, step_weight,
                                                                                   gamma) for a in per)

@@ -2,7 +2,9 @@
 
 advantages (`advantage`, advantages.py): "grpo", "dr_grpo" and "rloo", one per episode, the same
 for every generated token of a trajectory; "gigpo", GiGPO's: the episode's plus a step advantage per
-turn, from the turns of the group that started from the same state.
+turn, from the turns of the group that started from the same state; "gae", PPO's: per token, from a
+learned critic (critic.py), whitened over the batch, so a streamed step's policy forward and backward
+wait for its last group (the critic's values of each group are computed as it arrives).
 
 loss (`policy_loss`): "ppo", token-level clipped policy gradient (decoupled PPO, as in AReaL);
 "gspo", GSPO's sequence-level ratio (the geometric mean of its tokens' ratios, clipped per sequence:
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from rollwise.trainer.advantages import ADVANTAGES, token_advantages, turn_advantages
+from rollwise.trainer.critic import Critic, check as check_critic, whiten
 from rollwise.trainer.correction import check as check_correction, is_weights
 from rollwise.trainer.policy import Batch, PolicyModel, micro_batches
 from rollwise.types import Trajectory, check_cut_off
@@ -67,9 +70,14 @@ class GRPOConfig:
     is_low: float = 0.0  # "mask": the lower bound of the kept ratios
     is_veto: float = 0.0  # > 0: a sequence with a token ratio under it carries no loss
     kl_coef: float = 0.0
-    advantage: str = "grpo"  # or "dr_grpo", "rloo", "gigpo" (`ADVANTAGES`)
+    advantage: str = "grpo"  # or "dr_grpo", "rloo", "gigpo", "gae" (`ADVANTAGES`)
     step_advantage_weight: float = 1.0  # gigpo: the step advantage's weight beside the episode's
     gamma: float = 0.95  # gigpo: the discount of the turn returns its step groups compare
+    gae_gamma: float = 1.0  # gae: the discount per generated token
+    gae_lambda: float = 1.0  # gae: lambda (1: the returns less the values; 0: one-step TD errors)
+    critic_lr: float | None = None  # gae: the critic's AdamW learning rate (None: 10 x lr, as verl's defaults)
+    value_clip: float = 0.5  # gae: how far a step may move a value from the one the advantages used
+    critic_warmup: int = 0  # gae: the first steps train the critic alone (the policy keeps its weights)
     max_grad_norm: float = 1.0
     temperature: float = 1.0  # the rollouts' sampling temperature
     micro_batch_tokens: int = 8192
@@ -104,6 +112,8 @@ class GRPOTrainer:
             raise ValueError(f"unknown policy_loss {self.cfg.policy_loss!r}; valid: {list(POLICY_LOSSES)}")
         if self.cfg.advantage not in ADVANTAGES:
             raise ValueError(f"unknown advantage {self.cfg.advantage!r}; valid: {list(ADVANTAGES)}")
+        check_critic(self.cfg.gae_gamma, self.cfg.gae_lambda, self.cfg.critic_lr, self.cfg.value_clip,
+                     self.cfg.critic_warmup)
         check_correction(self.cfg.is_level, self.cfg.is_mode, self.cfg.tis_cap, self.cfg.is_low, self.cfg.is_veto)
         if self.cfg.behaviour not in ("rollout", "recompute"):
             raise ValueError(f"behaviour must be 'rollout' or 'recompute', got {self.cfg.behaviour!r}")
@@ -113,13 +123,16 @@ class GRPOTrainer:
         # the KL reference: the weights as they are now; with LoRA, the policy with its adapters off
         # (its frozen weights are the reference: no copy)
         self.ref = copy.deepcopy(policy.model).eval() if self.cfg.kl_coef > 0 and policy.lora is None else None
+        self.critic = None  # gae: PPO's value model
+        if self.cfg.advantage == "gae":
+            self.critic = Critic(policy, self.cfg.critic_lr or 10 * self.cfg.lr, self.cfg.value_clip,
+                                 self.cfg.max_grad_norm)
         self.version = 0  # optimizer steps taken = the policy version the replicas should serve
         self._acc: dict | None = None  # the step begun and not finished (`begin`, `add`, `finish`)
 
     def step(self, groups: list[list[Trajectory]]) -> dict[str, float]:
         """One optimizer step (per epoch) on complete groups; returns metrics."""
-        trajs = [t for g in groups for t in g]
-        useful = [t for t, a in zip(trajs, self._advantages(groups)) if self._trains(t, a)]
+        useful = self._useful(groups)[0]
         # the batch's totals are known: each micro-batch's loss is normalized as it goes
         self.begin(n_tokens=sum(t.num_generated for t in useful), n_trajectories=len(useful))
         self.add(groups)
@@ -138,18 +151,19 @@ class GRPOTrainer:
         self.policy.routing_stats.zero_()
         self.policy.expert_load.clear()
         self._acc = {"trajs": [], "items": [], "diffs": ([], {}), "stats": torch.zeros(6), "n_tokens": 0, "n_useful": 0,
-                     "entropy": [], "anchors": {},
+                     "entropy": [], "anchors": {}, "critic": [],
                      "given": n_tokens if cfg.loss_agg == "token" else n_trajectories}
 
     def add(self, groups: list[list[Trajectory]]) -> None:
         """Complete groups of the current step: advantages, then forward and backward (first epoch)."""
         cfg, acc = self.cfg, self._begun()
-        trajs = [t for g in groups for t in g]
-        adv = dict(zip(map(id, trajs), self._advantages(groups, acc["anchors"])))
-        useful = [t for t in trajs if self._trains(t, adv[id(t)])]
-        acc["trajs"] += trajs
+        useful, adv = self._useful(groups, acc["anchors"])
+        acc["trajs"] += [t for g in groups for t in g]
         acc["n_useful"] += len(useful)
         acc["n_tokens"] += sum(t.num_generated for t in useful)
+        if self.critic is not None:  # the values now; the policy's pass once the batch's advantages whiten
+            acc["critic"] += self.critic.estimate(useful, cfg.gae_gamma, cfg.gae_lambda, cfg.micro_batch_tokens)
+            return
         # a row per token sequence: an episode of several contexts gives several, with its advantage per
         # turn and (for loss_agg="sequence") its generated tokens, over which its rows are averaged
         row = {}
@@ -164,15 +178,20 @@ class GRPOTrainer:
                 a = token_advantages(mb, [row[id(s)][0] for s in mb], b.targets.shape[1])
             else:  # the episode's, every turn alike: [B]
                 a = torch.tensor([row[id(s)][0][0] if s.turns else 0.0 for s in mb], dtype=torch.float32)
-            n = torch.tensor([row[id(s)][1] for s in mb], dtype=torch.float32)
-            with torch.no_grad():  # behaviour logprobs of stale tokens under the weights that generated them
-                st = self._stale(mb, b) if cfg.behaviour == "recompute" else None
-            lp = self.policy.logprobs(b, cfg.temperature, entropy=acc["entropy"])
-            # the proximal policy: the weights before this step (no update yet: no separate forward)
-            prox = lp.detach()
-            self._backward(lp, b, a, st, prox, acc["given"] or 1.0, acc["stats"], n)
-            self._compare(mb, b, prox, acc["diffs"])
-            acc["items"].append((b, a, st, prox, n))
+            self._first_pass(mb, b, a, torch.tensor([row[id(s)][1] for s in mb], dtype=torch.float32))
+
+    def _first_pass(self, mb: list[Trajectory], b: Batch, a: torch.Tensor, n: torch.Tensor) -> None:
+        """A micro-batch's first-epoch forward and backward, the check's logprobs, and the item kept for
+        later epochs. `a`: [B] or [B, L-1] advantages; `n`: each row's episode's generated tokens."""
+        cfg, acc = self.cfg, self._acc
+        with torch.no_grad():  # behaviour logprobs of stale tokens under the weights that generated them
+            st = self._stale(mb, b) if cfg.behaviour == "recompute" else None
+        lp = self.policy.logprobs(b, cfg.temperature, entropy=acc["entropy"])
+        # the proximal policy: the weights before this step (no update yet: no separate forward)
+        prox = lp.detach()
+        self._backward(lp, b, a, st, prox, acc["given"] or 1.0, acc["stats"], n)
+        self._compare(mb, b, prox, acc["diffs"])
+        acc["items"].append((b, a, st, prox, n))
 
     def finish(self) -> dict[str, float]:
         """Check the fresh samples' logprobs, then the optimizer step (and any further epochs)."""
@@ -188,6 +207,13 @@ class GRPOTrainer:
              "is_dropped": 0.0, "behaviour_kl": 0.0, "logprob_diff": float("nan"),
              "entropy": sum(acc["entropy"]) / n_tokens if n_tokens else float("nan")}  # per trained token
         div = n_tokens if cfg.loss_agg == "token" else acc["n_useful"]
+        if acc["critic"]:  # gae: the batch's advantages whitened, then the policy's first pass
+            acc["given"] = div
+            mean, std = whiten(acc["critic"])
+            generated = {id(s): t.num_generated for t in trajs for s in t.sequences()}  # each row's episode's
+            for mb, b, adv, _, _ in acc["critic"]:
+                n = torch.tensor([generated[id(s)] for s in mb], dtype=torch.float32)
+                self._first_pass(mb, b, (adv - mean) / std * b.mask, n)
         try:
             self._check(acc["diffs"], m)  # before any update: a replica on other weights stops the step here
         except LogprobMismatch:
@@ -207,11 +233,15 @@ class GRPOTrainer:
                         p.grad.div_(div)
                 stats[0] /= div
             gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
-            self.opt.step()
+            if self.version >= cfg.critic_warmup or self.critic is None:
+                self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             m.update(loss=float(stats[0]), grad_norm=float(gn), clip_frac=float(stats[1]) / n_tokens,
                      kl=float(stats[2]) / n_tokens, is_weight_mean=float(stats[3]) / n_tokens,
                      is_dropped=float(stats[4]) / n_tokens, behaviour_kl=float(stats[5]) / n_tokens)
+        if self.critic is not None:
+            m.update(self.critic.update(acc["critic"], cfg.epochs),
+                     critic_warmup=float(self.version < cfg.critic_warmup))
         if cfg.advantage == "gigpo" and acc["anchors"].get("turns"):  # turns in a step group of 2 or more
             m["anchored_turns"] = acc["anchors"].get("anchored", 0) / acc["anchors"]["turns"]
         moved, seen = self.policy.routing_stats.tolist()
@@ -224,14 +254,16 @@ class GRPOTrainer:
         self._acc = None
         return m
 
-    def _advantages(self, groups: list[list[Trajectory]], stats: dict | None = None) -> list[list[float]]:
-        cfg = self.cfg
-        return turn_advantages(groups, cfg.advantage, cfg.step_advantage_weight, cfg.gamma, stats)
-
-    def _trains(self, t: Trajectory, advantage: list[float]) -> bool:
-        """Whether a trajectory carries loss: a non-zero advantage (of a turn), generated tokens, a kept status."""
-        return (any(abs(a) > 1e-9 for a in advantage) and t.num_generated > 0
-                and t.status not in self.cfg.exclude_statuses)
+    def _useful(self, groups: list[list[Trajectory]], stats: dict | None = None) -> tuple[list[Trajectory], dict]:
+        """The trajectories that carry loss (generated tokens, a kept status and, but under gae, a turn
+        with a non-zero advantage), and each trajectory's advantage per turn by id (none under gae)."""
+        cfg, trajs = self.cfg, [t for g in groups for t in g]
+        kept = [t for t in trajs if t.num_generated > 0 and t.status not in cfg.exclude_statuses]
+        if self.critic is not None:
+            return kept, {}
+        adv = dict(zip(map(id, trajs), turn_advantages(groups, cfg.advantage, cfg.step_advantage_weight, cfg.gamma,
+                                                       stats)))
+        return [t for t in kept if any(abs(a) > 1e-9 for a in adv[id(t)])], adv
 
     def _begun(self) -> dict:
         if self._acc is None:
@@ -337,7 +369,8 @@ class GRPOTrainer:
     # checkpoints ---------------------------------------------------------------------------------
     def state(self) -> dict:
         return {"model": self.policy.model.state_dict(), "optimizer": self.opt.state_dict(), "version": self.version,
-                "ref": self.ref.state_dict() if self.ref is not None else None, "kept": self.kept}
+                "ref": self.ref.state_dict() if self.ref is not None else None, "kept": self.kept,
+                "critic": self.critic.state() if self.critic is not None else None}
 
     def load_state(self, state: dict) -> None:
         self.policy.model.load_state_dict(state["model"])
@@ -346,6 +379,10 @@ class GRPOTrainer:
         self.kept = state.get("kept") or {}
         if self.ref is not None and state.get("ref") is not None:
             self.ref.load_state_dict(state["ref"])
+        if self.critic is not None:
+            if state.get("critic") is None:
+                raise ValueError("advantage = 'gae' needs the critic's state: this checkpoint has none")
+            self.critic.load_state(state["critic"])
 
 
 def sft(policy: PolicyModel, trajs: list[Trajectory], *, steps: int, lr: float = 3e-3, batch_size: int = 16,

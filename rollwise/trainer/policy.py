@@ -98,31 +98,15 @@ class PolicyModel:
         there: on agent episodes most positions are prompt and tool output, and the head over the
         vocabulary is the largest cost of a small model's step.
 
-        Rows that start with the same tokens (a GRPO group's prompt; every episode's system prompt
-        and tool schemas) have that prefix run once and its KV shared by the batch: exact (same
-        logprobs and gradients, which flow back through the shared KV), and several times cheaper
-        when the prompt dominates. With `entropy` (a list), the sum over those positions of the
-        sampling distribution's entropy is appended to it (no gradient)."""
-        p = batch.shared
-        body = self.model.get_decoder()  # the decoder without its output head
+        A prefix the rows share runs once (`decoder_states`: exact, several times cheaper when the
+        prompt dominates). With `entropy` (a list), the sum over those positions of the sampling
+        distribution's entropy is appended to it (no gradient)."""
         r = batch.routing if self.routing != "off" else None
-        if p < min_shared or batch.input_ids.shape[1] - p < 1:
-            with self._routed(r):
-                h = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state[:, :-1]
-            lp = self._head(h, batch.targets, batch.mask, temperature, entropy)
-            return lp if self.exact is None else self._exact(lp, batch, temperature)
-        from transformers import DynamicCache
-        n = batch.input_ids.shape[0]
-        cache = DynamicCache(config=self.model.config)
-        with self._routed(None if r is None else r[:1, :p]):
-            pre = body(input_ids=batch.input_ids[:1, :p], use_cache=True, **{self._cache_kw: cache}).last_hidden_state
-        cache.batch_repeat_interleave(n)
-        with self._routed(None if r is None else r[:, p:]):
-            rest = body(input_ids=batch.input_ids[:, p:], attention_mask=batch.attention_mask, use_cache=True,
-                        **{self._cache_kw: cache}).last_hidden_state  # position p.. -> targets p..
-        h = torch.cat([pre[:, -1:].expand(n, 1, -1), rest[:, :-1]], dim=1)  # targets p-1..L-2
-        lp = self._head(h, batch.targets[:, p - 1:], batch.mask[:, p - 1:], temperature, entropy)
-        lp = torch.cat([lp.new_zeros(n, p - 1), lp], dim=1)
+        h, off = decoder_states(self.model.get_decoder(), batch, self._cache_kw, min_shared,
+                                lambda rows, cols: self._routed(None if r is None else r[rows, cols]))
+        lp = self._head(h, batch.targets[:, off:], batch.mask[:, off:], temperature, entropy)
+        if off:
+            lp = torch.cat([lp.new_zeros(lp.shape[0], off), lp], dim=1)
         return lp if self.exact is None else self._exact(lp, batch, temperature)
 
     def enable_exact(self, adapter: bool = False) -> None:
@@ -275,6 +259,29 @@ class PolicyModel:
     def parameters(self):
         """The trainable parameters (the adapters alone, with LoRA)."""
         return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def decoder_states(body, batch: Batch, cache_kw: str, min_shared: int = 32,
+                   route=lambda rows, cols: nullcontext()) -> tuple[torch.Tensor, int]:
+    """The decoder's last hidden states that predict targets `off`..L-2 of the batch, and `off`. Rows
+    that start with the same tokens (`batch.shared`: a GRPO group's prompt; every episode's system
+    prompt and tool schemas) have that prefix run once and its KV shared by the batch: exact (the
+    same states, and gradients flow back through the shared KV), several times cheaper when the
+    prompt dominates; `off` is then the prefix's length less one (no target before it is generated).
+    `route(rows, cols)`: a context to run the forward of those rows and positions in (MoE routing)."""
+    p, n = batch.shared, batch.input_ids.shape[0]
+    if p < min_shared or batch.input_ids.shape[1] - p < 1:
+        with route(slice(None), slice(None)):
+            return body(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state[:, :-1], 0
+    from transformers import DynamicCache
+    cache = DynamicCache(config=body.config)
+    with route(slice(0, 1), slice(0, p)):
+        pre = body(input_ids=batch.input_ids[:1, :p], use_cache=True, **{cache_kw: cache}).last_hidden_state
+    cache.batch_repeat_interleave(n)
+    with route(slice(None), slice(p, None)):
+        rest = body(input_ids=batch.input_ids[:, p:], attention_mask=batch.attention_mask, use_cache=True,
+                    **{cache_kw: cache}).last_hidden_state  # position p.. -> targets p..
+    return torch.cat([pre[:, -1:].expand(n, 1, -1), rest[:, :-1]], dim=1), p - 1  # targets p-1..L-2
 
 
 @contextmanager

@@ -48,7 +48,9 @@ def test_advantages_are_group_relative():
     with pytest.raises(ValueError, match="valid.*grpo.*dr_grpo.*rloo"):
         advantages([[t(1)]], "ppo")
     with pytest.raises(ValueError, match="unknown advantage"):
-        TrainConfig.from_dict({"model": "m", "advantage": "gae"})
+        TrainConfig.from_dict({"model": "m", "advantage": "vtrace"})
+    with pytest.raises(ValueError, match="critic"):  # gae's advantages are not the group's: critic.py
+        advantages([[t(1)]], "gae")
 
 
 def test_trainer_logprobs_match_the_engine(model_dir):

@@ -1,17 +1,20 @@
-"""GiGPO's step-level advantages against GRPO's episode-level ones on multi-turn tasks, same run.
+"""Advantage estimators against each other on multi-turn tasks, same run: GRPO's episode-level
+advantages, GiGPO's step-level ones, PPO's from a critic (GAE).
 
-    python benchmarks/gigpo.py [--env phonebook|frozenlake] [--seeds 0,1] [--steps N] [--json PATH] [--plot PNG]
+    python benchmarks/advantages.py [--advantages grpo,gigpo] [--env phonebook|frozenlake] [--seeds 0,1]
+                                    [--steps N] [--json PATH] [--plot PNG]
 
-Each run starts from one cached SFT warm start per seed and is the same deterministic GRPO run
-(lockstep pipeline, staleness 1, 8 groups x 8 episodes a step) with `advantage = "grpo"` and with
-`"gigpo"`. `phonebook`: the demo's run (examples/train-phonebook.toml, 240 steps; its grpo run
-is `rollwise demo`'s), where the turns that answer after the same lookup result form step groups.
+Each run starts from one cached SFT warm start per seed and is the same deterministic RL run
+(lockstep pipeline, staleness 1, 8 groups x 8 episodes a step) with each `advantage` named (default
+"grpo" and "gigpo"; "gae" trains a critic beside the policy). `phonebook`: the demo's run
+(examples/train-phonebook.toml, 240 steps; its grpo run is `rollwise demo`'s), where the turns that
+answer after the same lookup result form GiGPO's step groups.
 `frozenlake`: examples/train-frozenlake.toml (4x4 and 5x5 grids with holes, a `move` tool per
 turn, reward 1 at the goal; 60 steps), where every cell of a task's grid is a state the group's
 walks share. Reports per run: held-out success (sampled and greedy) after SFT and after RL, the
 success curve (`eval_every`), the training episodes' success and turns in the first and last 5
-steps, the share of turns GiGPO found a step group for (`anchored_turns`), generated tokens and
-wall time.
+steps, the share of turns GiGPO found a step group for (`anchored_turns`), the critic's explained
+variance of the returns in the last 5 steps (gae), generated tokens and wall time.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ passive_unless_chosen()  # before torch loads
 from rollwise.cli import DEMO_DIR, DEMO_SFT_CACHE, demo_model  # noqa: E402
 from rollwise.rl import TrainConfig, train  # noqa: E402
 from rollwise.rollout.pipeline import read_log  # noqa: E402
+from rollwise.trainer.advantages import ADVANTAGES  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ENVS = {"phonebook": (EXAMPLES / "train-phonebook.toml", DEMO_SFT_CACHE),
@@ -46,7 +50,7 @@ def training_episodes(groups, steps) -> dict:
 def run(advantage: str, seed: int, args) -> dict:
     config, sft_cache = ENVS[args.env]
     base = tomllib.loads(config.read_text())
-    with tempfile.TemporaryDirectory(prefix="rollwise-gigpo-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="rollwise-advantages-") as tmp:
         cfg = TrainConfig.from_dict({**base, **args.overrides, "model": demo_model(), "run_dir": tmp,
                                      "sft_cache": sft_cache, "advantage": advantage, "seed": seed,
                                      "steps": args.steps or base["steps"], "eval_every": args.eval_every,
@@ -69,9 +73,14 @@ def run(advantage: str, seed: int, args) -> dict:
             "first_steps": training_episodes(first, f"1-{k}"),
             "last_steps": training_episodes(last, f"{len(steps) - k + 1}-{len(steps)}"),
             "anchored_turns": statistics.mean(s.get("anchored_turns", 0.0) for s in steps) if steps else 0.0,
+            "explained_var": statistics.mean(s["explained_var"] for s in steps[-k:]) if "explained_var" in (
+                steps or [{}])[-1] else None,
             "generated_tokens": steps[-1].get("generated_tokens", 0.0) if steps else 0.0,
             "trained_trajectories": sum(s["trained_trajectories"] for s in steps),
             "wall_s": wall, "rl_wall_s": steps[-1]["wall_s"] if steps else 0.0}
+
+
+COLORS = {"grpo": "tab:blue", "gigpo": "tab:orange", "gae": "tab:green", "rloo": "tab:red", "dr_grpo": "tab:purple"}
 
 
 def plot(runs: list[dict], path: str) -> None:
@@ -81,11 +90,11 @@ def plot(runs: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for r in runs:
         xs, ys = zip(*r["curve"])
-        ax.plot(xs, ys, color="tab:blue" if r["advantage"] == "grpo" else "tab:orange", marker="o", ms=3,
-                alpha=0.8, label=f"{r['advantage']} (seed {r['seed']})")
-    ax.set_xlabel("GRPO step")
+        ax.plot(xs, ys, color=COLORS.get(r["advantage"], "tab:gray"), marker="o", ms=3,
+                ls=("-", "--", ":", "-.")[r["seed"] % 4], alpha=0.8, label=f"{r['advantage']} (seed {r['seed']})")
+    ax.set_xlabel("RL step")
     ax.set_ylabel("held-out success (sampled)")
-    ax.set_title(f"{runs[0]['env']}: episode-level (grpo) vs step-level (gigpo) advantages")
+    ax.set_title(f"{runs[0]['env']}: " + " vs ".join(dict.fromkeys(r["advantage"] for r in runs)))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -94,6 +103,7 @@ def plot(runs: list[dict], path: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--advantages", default="grpo,gigpo", help=f"comma-separated, of {list(ADVANTAGES)}")
     p.add_argument("--env", choices=sorted(ENVS), default="phonebook")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--steps", type=int, help="GRPO steps (default: the example config's)")
@@ -103,26 +113,30 @@ def main() -> None:
     p.add_argument("--plot")
     args = p.parse_args()
     args.overrides = {}
+    chosen = args.advantages.split(",")
+    if not chosen or set(chosen) - set(ADVANTAGES):
+        p.error(f"--advantages: {args.advantages!r}; valid: {list(ADVANTAGES)}")
     if args.smoke:
         args.steps, args.eval_every = 2, 1
         args.overrides = {"sft_steps": 2, "sft_tasks": 8, "groups_per_step": 2, "group_size": 2, "eval_tasks": 4,
                           "max_turns": 3}
     runs = []
     for seed in (int(s) for s in args.seeds.split(",")):
-        for advantage in ("grpo", "gigpo"):
+        for advantage in chosen:
             r = run(advantage, seed, args)
             runs.append(r)
+            ev = "" if r["explained_var"] is None else f"; critic explains {r['explained_var']:.2f} of the returns"
             print(f"seed {seed} {advantage:5s}: success {r['sft_success']:.3f} -> {r['rl_success']:.3f} "
                   f"(greedy {r['sft_greedy_success']:.3f} -> {r['rl_greedy_success']:.3f}); training episodes "
                   f"{r['first_steps']['success']:.3f} -> {r['last_steps']['success']:.3f} solved, "
                   f"{r['first_steps']['turns_when_solved']:.2f} -> {r['last_steps']['turns_when_solved']:.2f} turns "
-                  f"when solved; anchored turns {r['anchored_turns']:.2f}; {r['generated_tokens']:.0f} tokens, "
+                  f"when solved; anchored turns {r['anchored_turns']:.2f}{ev}; {r['generated_tokens']:.0f} tokens, "
                   f"{r['wall_s']:.0f} s", flush=True)
     out = {"env": args.env, "config": ENVS[args.env][0].name, "runs": runs}
-    for adv in ("grpo", "gigpo"):
+    for adv in chosen:
         mine = [r for r in runs if r["advantage"] == adv]
         out[adv] = {k: statistics.mean(r[k] for r in mine) for k in ("rl_success", "rl_greedy_success", "wall_s")}
-    print(json.dumps({a: out[a] for a in ("grpo", "gigpo")}, indent=1))
+    print(json.dumps({a: out[a] for a in chosen}, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     if args.plot:

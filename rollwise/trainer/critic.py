@@ -1,0 +1,163 @@
+"""PPO's critic, read top to bottom: a value model and generalized advantage estimation (`advantage = "gae"`).
+
+The critic is the policy's decoder (a copy of the warm-started weights, with LoRA: the base ones) and
+a linear value head, zero at first, so the first step's advantages are the episodes' returns. It
+values every generated token's state: the hidden state that predicts the token, so a turn's first
+token is valued after the prompt or the tool result before it. Observation tokens are the
+environment's transition, not actions: GAE runs over an episode's generated tokens in order (its
+contexts' too), each turn's reward on its last token (an episode reward beyond its turns' on the
+episode's last), the value after the last token 0 (an episode cut off by a limit is not
+bootstrapped, as verl does):
+
+    delta_i = r_i + gamma V_{i+1} - V_i,    A_i = delta_i + gamma lambda A_{i+1},    R_i = A_i + V_i
+
+The trainer whitens the advantages over the batch's tokens (verl's masked_whiten); the critic
+regresses R with a clipped value loss, 0.5 max((V - R)^2, (V_clip - R)^2), V_clip the old value
+moved by at most `value_clip` (verl's cliprange_value), its own AdamW, one step per epoch. Groups
+are not needed (a group of one trains), and a group whose episodes all got the same reward still
+does.
+"""
+from __future__ import annotations
+
+import torch
+
+from rollwise.trainer.policy import Batch, PolicyModel, decoder_states, micro_batches
+from rollwise.types import Trajectory
+
+
+def check(gamma: float, lam: float, lr: float | None, value_clip: float, warmup: int) -> None:
+    """A ValueError naming the setting of the critic's that is out of range."""
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"need 0 <= gae_gamma <= 1 and 0 <= gae_lambda <= 1, got {gamma}, {lam}")
+    if (lr is not None and lr <= 0) or value_clip <= 0 or warmup < 0:
+        raise ValueError(f"need critic_lr > 0, value_clip > 0 and critic_warmup >= 0, got {lr}, {value_clip}, "
+                         f"{warmup}")
+
+
+def token_rewards(t: Trajectory) -> list[float]:
+    """Per generated token of the episode (its sequences in order): each turn's reward on its last
+    token, the episode's reward beyond its turns' on the last one; 0 elsewhere."""
+    out: list[float] = []
+    carry = 0.0  # the rewards of turns before any generated token (none generated yet)
+    for s in t.sequences():
+        for turn in s.turns:
+            if turn.num_generated:
+                out += [0.0] * turn.num_generated
+                out[-1] += carry
+                carry = 0.0
+            if out:
+                out[-1] += turn.reward
+            else:
+                carry += turn.reward
+    if out:
+        out[-1] += t.reward - sum(turn.reward for s in t.sequences() for turn in s.turns)
+    return out
+
+
+def gae(values: list[float], rewards: list[float], gamma: float, lam: float) -> tuple[list[float], list[float]]:
+    """Advantages and returns of one episode's generated tokens (the value after the last is 0)."""
+    adv, last, nxt = [0.0] * len(values), 0.0, 0.0
+    for i in reversed(range(len(values))):
+        delta = rewards[i] + gamma * nxt - values[i]
+        last = delta + gamma * lam * last
+        adv[i], nxt = last, values[i]
+    return adv, [a + v for a, v in zip(adv, values)]
+
+
+def positions(s: Trajectory) -> list[int]:
+    """The target positions of a sequence's generated tokens, in order (target j predicts token j + 1)."""
+    return [j for turn in s.turns for j in range(turn.start - 1, turn.start - 1 + turn.num_generated)]
+
+
+class Critic:
+    def __init__(self, policy: PolicyModel, lr: float = 1e-4, value_clip: float = 0.5, max_grad_norm: float = 1.0,
+                 weight_decay: float = 0.0) -> None:
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_config(policy.model.config, dtype=torch.float32)
+        model.load_state_dict(policy.base_weights())  # the warm start (with LoRA: the weights under the adapters)
+        self.body = model.get_decoder().train()
+        self.head = torch.nn.Linear(model.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+        self.value_clip, self.max_grad_norm, self._cache_kw = value_clip, max_grad_norm, policy._cache_kw
+        self.opt = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=weight_decay)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [*self.body.parameters(), *self.head.parameters()]
+
+    def values(self, b: Batch) -> torch.Tensor:
+        """[B, L-1] the value of each generated target's state (0 off `b.mask`)."""
+        h, off = decoder_states(self.body, b, self._cache_kw)
+        sel = b.mask[:, off:] > 0
+        out = torch.zeros(b.mask.shape)
+        out[:, off:][sel] = self.head(h[sel]).squeeze(-1)
+        return out
+
+    @torch.no_grad()
+    def estimate(self, trajs: list[Trajectory], gamma: float, lam: float, micro_batch_tokens: int) -> list[tuple]:
+        """Micro-batches of the trajectories' sequences, each (sequences, batch, advantages, returns,
+        old values), the last three [B, L-1]: the current critic's values, then GAE per episode."""
+        items = []
+        for mb in micro_batches([s for t in trajs for s in t.sequences()], micro_batch_tokens):
+            b = Batch.of(mb)
+            items.append((mb, b, self.values(b)))
+        where = {id(s): (i, r) for i, (mb, _, _) in enumerate(items) for r, s in enumerate(mb)}
+        adv = [torch.zeros(b.mask.shape) for _, b, _ in items]
+        ret = [torch.zeros(b.mask.shape) for _, b, _ in items]
+        for t in trajs:
+            seqs = [(where[id(s)], positions(s)) for s in t.sequences()]
+            v = [float(items[i][2][r, j]) for (i, r), pos in seqs for j in pos]
+            a, g = gae(v, token_rewards(t), gamma, lam)
+            k = 0
+            for (i, r), pos in seqs:
+                adv[i][r, pos] = torch.tensor(a[k:k + len(pos)])
+                ret[i][r, pos] = torch.tensor(g[k:k + len(pos)])
+                k += len(pos)
+        return [(mb, b, a, g, v) for (mb, b, v), a, g in zip(items, adv, ret)]
+
+    def update(self, items: list[tuple], epochs: int) -> dict[str, float]:
+        """`epochs` optimizer steps of the clipped value loss over the items (`estimate`'s), each the
+        mean over all their generated tokens. Returns the first epoch's metrics."""
+        n = sum(float(b.mask.sum()) for _, b, *_ in items)
+        m: dict[str, float] = {}
+        if not n:
+            return m
+        for epoch in range(epochs):
+            loss_sum, clipped = 0.0, 0.0
+            for _, b, _, ret, old in items:
+                v = self.values(b)
+                vc = old + (v - old).clamp(-self.value_clip, self.value_clip)
+                unclipped, worse = (v - ret) ** 2, (vc - ret) ** 2
+                loss = (0.5 * torch.maximum(unclipped, worse) * b.mask).sum() / n
+                loss.backward()
+                loss_sum += float(loss.detach())
+                clipped += float(((worse > unclipped).float() * b.mask).sum())
+            gn = torch.nn.utils.clip_grad_norm_(self.parameters(), self.max_grad_norm)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            if epoch == 0:
+                m = {"value_loss": loss_sum, "value_clip_frac": clipped / n, "critic_grad_norm": float(gn)}
+        sel = [(ret[b.mask > 0], old[b.mask > 0]) for _, b, _, ret, old in items]
+        ret, old = torch.cat([r for r, _ in sel]), torch.cat([o for _, o in sel])
+        # how much of the returns' variance the values (before this update) explain: 1 perfect, <= 0 none
+        var = float(ret.var()) if len(ret) > 1 else 0.0
+        m.update(value_mean=float(old.mean()), return_mean=float(ret.mean()),
+                 explained_var=1.0 - float((ret - old).var()) / var if var > 0 else 0.0)
+        return m
+
+    def state(self) -> dict:
+        return {"body": self.body.state_dict(), "head": self.head.state_dict(), "optimizer": self.opt.state_dict()}
+
+    def load_state(self, state: dict) -> None:
+        self.body.load_state_dict(state["body"])
+        self.head.load_state_dict(state["head"])
+        self.opt.load_state_dict(state["optimizer"])
+
+
+def whiten(items: list[tuple]) -> tuple[float, float]:
+    """The mean and std (sqrt(var + 1e-8), as verl's masked_whiten) of the items' advantages over
+    their generated tokens (`estimate`'s items)."""
+    a = torch.cat([adv[b.mask > 0] for _, b, adv, _, _ in items])
+    if len(a) < 2:
+        return float(a.mean()) if len(a) else 0.0, 1.0
+    return float(a.mean()), float((a.var() + 1e-8).sqrt())

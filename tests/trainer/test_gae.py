@@ -1,0 +1,149 @@
+"""PPO's critic and GAE (`advantage = "gae"`, rollwise/trainer/critic.py): the formula on hand-built
+episodes, where the advantages land in a batch, and steps on a real tiny model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollwise.rl_config import TrainConfig
+from rollwise.trainer.critic import Critic, gae, positions, token_rewards
+from rollwise.trainer.grpo import GRPOConfig, GRPOTrainer
+from rollwise.trainer.policy import Batch, PolicyModel
+
+from tests.trainer.test_gigpo import episode
+
+
+def brute(values, rewards, gamma, lam):
+    """GAE from its definition: A_i = sum_l (gamma lam)^l delta_{i+l}."""
+    v = values + [0.0]
+    delta = [r + gamma * v[i + 1] - v[i] for i, r in enumerate(rewards)]
+    return [sum((gamma * lam) ** k * d for k, d in enumerate(delta[i:])) for i in range(len(delta))]
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.0), (0.97, 0.8)])
+def test_gae_against_its_definition(gamma, lam):
+    values, rewards = [0.3, -0.2, 0.5, 0.1, 0.7], [0.0, 0.5, 0.0, 0.0, 1.0]
+    adv, ret = gae(values, rewards, gamma, lam)
+    assert adv == pytest.approx(brute(values, rewards, gamma, lam))
+    assert ret == pytest.approx([a + v for a, v in zip(adv, values)])
+    if lam == 1.0 and gamma == 1.0:  # the return to go less the value
+        assert adv == pytest.approx([sum(rewards[i:]) - v for i, v in enumerate(values)])
+
+
+def test_rewards_sit_on_each_turns_last_token_across_contexts():
+    first = episode([([10, 11], [50], 0.25)], tid="x")
+    last = episode([([12], [60, 61], 0.0), ([13, 14, 15], [], 0.5)], prompt=[7, 8], tid="x")
+    last.earlier = [first]
+    last.reward = 2.0  # beyond its turns' 0.75: the episode's last token
+    assert token_rewards(last) == [0.0, 0.25, 0.0, 0.0, 0.0, 1.75]
+    # target j predicts token j + 1: `first`'s generated tokens 3-4 are targets 2-3
+    assert positions(first) == [2, 3] and positions(last) == [1, 4, 5, 6]
+    assert [j for j, m in enumerate(Batch.of([first, last]).mask[1].tolist()) if m] == positions(last)
+
+
+def test_estimate_chains_an_episodes_contexts_and_skips_observations(model_dir):
+    critic = Critic(PolicyModel(model_dir))
+    torch.nn.init.normal_(critic.head.weight, std=0.5)  # values not all 0
+    first = episode([([10, 11], [50], 0.0)], tid="x")
+    last = episode([([12], [60, 61], 0.0), ([13, 14], [], 1.0)], prompt=[7, 8], tid="x")
+    last.earlier = [first]
+    other = episode([([20], [], 0.0)], tid="y")
+    items = critic.estimate([last, other], 0.9, 0.7, micro_batch_tokens=8)  # a micro-batch per sequence
+    assert len(items) == 3
+    rows = {id(s): (b, a, g, v) for mb, b, a, g, v in items for s, *_ in [mb]}
+    vals = [float(rows[id(s)][3][0, j]) for s in (first, last) for j in positions(s)]
+    assert all(v != 0 for v in vals)
+    want, ret = gae(vals, [0, 0, 0, 0, 1.0], 0.9, 0.7)  # one run over both contexts' generated tokens
+    got = [float(rows[id(s)][1][0, j]) for s in (first, last) for j in positions(s)]
+    assert got == pytest.approx(want) and [float(rows[id(s)][2][0, j]) for s in (first, last)
+                                           for j in positions(s)] == pytest.approx(ret)
+    for s in (first, last, other):  # nothing off the generated targets
+        b, a, g, v = rows[id(s)]
+        assert ((a != 0) <= (b.mask > 0)).all() and ((v != 0) <= (b.mask > 0)).all()
+
+
+def fresh(policy, trajs):
+    for t in trajs:  # behaviour logprobs: the policy's own (fresh samples, ratio 1)
+        b = Batch.of([t])
+        t.logprobs = [0.0] + (policy.logprobs(b).detach() * b.mask)[0].tolist()
+    return trajs
+
+
+def test_gae_steps_fit_the_critic_and_move_the_policy_toward_reward(model_dir):
+    policy = PolicyModel(model_dir)
+    won = episode([([40, 41], [50, 51], 0.0), ([42], [], 1.0)], tid="w")
+    lost = episode([([60, 61], [50, 51], 0.0), ([62], [], 0.0)], tid="l")
+    groups = [fresh(policy, [won]), fresh(policy, [lost])]  # groups of one: no group baseline at all
+    before = policy.logprobs(Batch.of([won, lost])).detach()
+    trainer = GRPOTrainer(policy, GRPOConfig(lr=3e-3, advantage="gae", critic_lr=3e-3))
+    ms = []
+    for _ in range(6):
+        ms.append(trainer.step(groups))
+        fresh(policy, [won, lost])
+    assert ms[0]["trained_trajectories"] == 2 and ms[0]["logprob_diff"] < 1e-3
+    assert ms[0]["value_mean"] == 0.0 and ms[0]["explained_var"] == 0.0  # a zero head: the values start at 0
+    assert ms[-1]["value_loss"] < 0.5 * ms[0]["value_loss"] and ms[-1]["explained_var"] > 0.5
+    assert ms[0]["return_mean"] == pytest.approx(0.5)  # returns to go: won's 3 tokens 1, lost's 3 tokens 0
+    gain = policy.logprobs(Batch.of([won, lost])).detach() - before
+    assert gain[0].sum() > 0 and gain[1].sum() < 0
+
+
+def test_a_streamed_gae_step_equals_the_whole_batch_step(model_dir):
+    groups = [[episode([([40 + i], [50], 0.0), ([45 + j], [], float(i == j))], tid=f"{j}{i}") for i in range(2)]
+              for j in range(2)]
+    out = []
+    for streamed in (False, True):
+        policy = PolicyModel(model_dir)
+        fresh(policy, [t for g in groups for t in g])
+        trainer = GRPOTrainer(policy, GRPOConfig(lr=5e-3, advantage="gae", critic_lr=5e-3))
+        torch.nn.init.normal_(trainer.critic.head.weight, std=0.5, generator=torch.Generator().manual_seed(0))
+        if streamed:
+            trainer.begin()
+            for g in groups:
+                trainer.add([g])
+            m = trainer.finish()
+        else:
+            m = trainer.step(groups)
+        out.append((m, torch.cat([p.detach().flatten() for p in policy.parameters()]),
+                    torch.cat([p.detach().flatten() for p in trainer.critic.parameters()])))
+    (m0, p0, c0), (m1, p1, c1) = out  # up to float summation order (AdamW's update amplifies it, test_grpo)
+    assert torch.allclose(p0, p1, atol=1e-4) and torch.allclose(c0, c1, atol=1e-4)
+    assert m0.keys() == m1.keys() and m0["trained_trajectories"] == 4
+    for k in m0:
+        assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-6, nan_ok=True), k
+    start = torch.cat([p.detach().flatten() for p in PolicyModel(model_dir).parameters()])
+    assert (p0 - start).abs().max() > 1e-3  # the step moved the weights far more than the tolerance
+
+
+def test_critic_warmup_keeps_the_policy_and_the_checkpoint_keeps_the_critic(model_dir):
+    policy = PolicyModel(model_dir)
+    groups = [fresh(policy, [episode([([40], [], 1.0)], tid="a"), episode([([41], [], 0.0)], tid="b")])]
+    trainer = GRPOTrainer(policy, GRPOConfig(lr=1e-2, advantage="gae", critic_lr=1e-2, critic_warmup=1))
+    start = [p.detach().clone() for p in policy.parameters()]
+    m = trainer.step(groups)
+    assert m["critic_warmup"] == 1.0 and trainer.version == 1
+    assert all(torch.equal(a, p) for a, p in zip(start, policy.parameters()))  # the policy waited
+    assert trainer.critic.head.weight.abs().sum() > 0  # the critic trained
+    assert trainer.step(groups)["critic_warmup"] == 0.0
+    assert not all(torch.equal(a, p) for a, p in zip(start, policy.parameters()))
+    again = GRPOTrainer(PolicyModel(model_dir), GRPOConfig(advantage="gae"))
+    again.load_state(trainer.state())
+    assert all(torch.equal(a, b) for a, b in zip(again.critic.parameters(), trainer.critic.parameters()))
+    state = GRPOTrainer(PolicyModel(model_dir), GRPOConfig()).state()  # a grpo run's checkpoint
+    with pytest.raises(ValueError, match="critic"):
+        again.load_state(state)
+
+
+def test_gae_config_is_checked():
+    cfg = TrainConfig.from_dict({"model": "m", "advantage": "gae", "group_size": 1, "gae_lambda": 0.95})
+    assert cfg.group_size == 1 and cfg.gae_lambda == 0.95
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        TrainConfig.from_dict({"model": "m", "group_size": 1})
+    with pytest.raises(ValueError, match="gae_lambda"):
+        TrainConfig.from_dict({"model": "m", "advantage": "gae", "gae_lambda": 1.5})
+    with pytest.raises(ValueError, match="value_clip"):
+        TrainConfig.from_dict({"model": "m", "advantage": "gae", "value_clip": 0})
+    with pytest.raises(ValueError, match="dynamic_sampling"):
+        TrainConfig.from_dict({"model": "m", "advantage": "gae", "dynamic_sampling": True, "deterministic": False})
+    with pytest.raises(ValueError, match="valid.*gae"):
+        TrainConfig.from_dict({"model": "m", "advantage": "gea"})
