@@ -1,5 +1,5 @@
 """Advantage estimators against each other on multi-turn tasks, same run: GRPO's episode-level
-advantages, GiGPO's step-level ones, PPO's from a critic (GAE).
+advantages, GiGPO's step-level ones, PPO's from a critic (GAE), REINFORCE++'s.
 
     python benchmarks/advantages.py [--advantages grpo,gigpo] [--env phonebook|frozenlake] [--seeds 0,1]
                                     [--steps N] [--json PATH] [--plot PNG]
@@ -80,7 +80,8 @@ def run(advantage: str, seed: int, args) -> dict:
             "wall_s": wall, "rl_wall_s": steps[-1]["wall_s"] if steps else 0.0}
 
 
-COLORS = {"grpo": "tab:blue", "gigpo": "tab:orange", "gae": "tab:green", "rloo": "tab:red", "dr_grpo": "tab:purple"}
+COLORS = {"grpo": "tab:blue", "gigpo": "tab:orange", "gae": "tab:green", "rloo": "tab:red", "dr_grpo": "tab:purple",
+          "reinforce_plus_plus": "tab:brown", "reinforce_plus_plus_baseline": "tab:pink"}
 
 
 def plot(runs: list[dict], path: str) -> None:
@@ -126,7 +127,7 @@ def main() -> None:
             r = run(advantage, seed, args)
             runs.append(r)
             ev = "" if r["explained_var"] is None else f"; critic explains {r['explained_var']:.2f} of the returns"
-            print(f"seed {seed} {advantage:5s}: success {r['sft_success']:.3f} -> {r['rl_success']:.3f} "
+            print(f"seed {seed} {advantage}: success {r['sft_success']:.3f} -> {r['rl_success']:.3f} "
                   f"(greedy {r['sft_greedy_success']:.3f} -> {r['rl_greedy_success']:.3f}); training episodes "
                   f"{r['first_steps']['success']:.3f} -> {r['last_steps']['success']:.3f} solved, "
                   f"{r['first_steps']['turns_when_solved']:.2f} -> {r['last_steps']['turns_when_solved']:.2f} turns "

@@ -12,7 +12,7 @@ from rollwise.agent.tools import Latency
 from rollwise.router.policies import POLICIES
 from rollwise.rollout.trackers import check_trackers
 from rollwise.router.replica import WEIGHTS_VIA
-from rollwise.trainer.advantages import ADVANTAGES
+from rollwise.trainer.advantages import ADVANTAGES, NO_GROUP
 from rollwise.trainer.critic import check as check_critic
 from rollwise.trainer.correction import check as check_correction
 from rollwise.trainer.grpo import POLICY_LOSSES
@@ -78,8 +78,11 @@ class TrainConfig:
     # "grpo" (group mean and std), "dr_grpo" (group mean only), "rloo" (the mean of the group's others),
     # "gigpo" (grpo's plus, per turn, step_advantage_weight x its gamma-discounted return against those of
     # the group's turns from the same state: what the model read before them; rollwise/trainer/advantages.py)
-    # or "gae" (PPO's: a critic, the policy's decoder and a value head, and GAE per generated token with
-    # gae_gamma and gae_lambda, whitened over the batch; group_size may be 1; rollwise/trainer/critic.py)
+    # "gae" (PPO's: a critic, the policy's decoder and a value head, and GAE per generated token with
+    # gae_gamma and gae_lambda, whitened over the batch; group_size may be 1; rollwise/trainer/critic.py),
+    # "reinforce_plus_plus" (per token, the gae_gamma-discounted return to go, whitened over the batch; no
+    # critic; group_size may be 1) or "reinforce_plus_plus_baseline" (the reward less the group's mean,
+    # whitened over the batch)
     advantage: str = "grpo"
     step_advantage_weight: float = 1.0
     gamma: float = 0.95
@@ -212,10 +215,10 @@ class TrainConfig:
         if cfg.tool_latency_kind not in ("uniform", "lognormal"):
             raise ValueError(f"tool_latency_kind must be 'uniform' or 'lognormal', got {cfg.tool_latency_kind!r}")
         check_critic(cfg.gae_gamma, cfg.gae_lambda, cfg.critic_lr, cfg.value_clip, cfg.critic_warmup)
-        if cfg.advantage == "gae" and cfg.dynamic_sampling:
-            raise ValueError("dynamic_sampling skips groups whose rewards are all equal, but gae trains them too "
-                             "(its critic's advantages do not cancel in a group): set one of them")
-        smallest = 1 if cfg.advantage == "gae" else 2  # a group-relative advantage needs two episodes
+        if cfg.advantage in NO_GROUP and cfg.dynamic_sampling:
+            raise ValueError(f"dynamic_sampling skips groups whose rewards are all equal, but {cfg.advantage} "
+                             "trains them too (its advantages do not cancel in a group): set one of them")
+        smallest = 1 if cfg.advantage in NO_GROUP else 2  # a group-relative advantage needs two episodes
         if cfg.max_staleness < 0 or cfg.steps < 0 or cfg.groups_per_step < 1 or cfg.group_size < smallest:
             raise ValueError(f"need max_staleness >= 0, steps >= 0, groups_per_step >= 1, group_size >= {smallest} "
                              f"(advantage {cfg.advantage!r})")

@@ -24,15 +24,19 @@ import torch
 
 from rollwise.types import Trajectory
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gigpo", "gae")  # "gae": PPO's, per token from a critic (critic.py)
-EPISODE_ADVANTAGES = ADVANTAGES[:4]  # those computed here, from the group's rewards
+# "gae" (PPO's, from a critic) and REINFORCE++'s: per token, whitened over the batch (critic.py)
+WHITENED = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+EPISODE_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gigpo")  # those computed here, from the group's rewards
+ADVANTAGES = EPISODE_ADVANTAGES + WHITENED
+NO_GROUP = ("gae", "reinforce_plus_plus")  # need no group (a group of one trains; every group teaches)
 
 
 def advantages(groups: list[list[Trajectory]], estimator: str = "grpo") -> list[float]:
     """Each trajectory's episode advantage, groups in order (gigpo's is grpo's)."""
+    if estimator in WHITENED:
+        raise ValueError(f"{estimator!r} advantages are per token, whitened over the batch (critic.py)")
     if estimator not in EPISODE_ADVANTAGES:
-        raise ValueError(f"unknown advantage {estimator!r} (gae's come from a critic: critic.py); valid: "
-                         f"{list(EPISODE_ADVANTAGES)}")
+        raise ValueError(f"unknown advantage {estimator!r}; valid: {list(EPISODE_ADVANTAGES)}")
     out = []
     for g in groups:
         r = torch.tensor([t.reward for t in g], dtype=torch.float64)
@@ -103,8 +107,8 @@ def turn_advantages(groups: list[list[Trajectory]], estimator: str = "grpo", ste
 def informative(group: list[Trajectory], estimator: str = "grpo", step_weight: float = 1.0,
                 gamma: float = 0.95) -> bool:
     """Whether a group teaches anything: its rewards differ, or (gigpo) a turn's step advantage is not 0,
-    or (gae) always: a critic's advantages do not cancel in a group. DAPO's dynamic sampling skips the others."""
-    if len({t.reward for t in group}) > 1 or estimator == "gae":
+    or (`NO_GROUP`) always: their advantages do not cancel in a group. DAPO's dynamic sampling skips the others."""
+    if len({t.reward for t in group}) > 1 or estimator in NO_GROUP:
         return True
     return estimator == "gigpo" and any(abs(a) > 1e-9 for per in turn_advantages([group], estimator, step_weight,
                                                                                   gamma) for a in per)

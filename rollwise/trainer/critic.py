@@ -1,4 +1,5 @@
-"""PPO's critic, read top to bottom: a value model and generalized advantage estimation (`advantage = "gae"`).
+"""Per-token advantages whitened over the batch, read top to bottom: PPO's critic, a value model with
+generalized advantage estimation (`advantage = "gae"`), and REINFORCE++ without one.
 
 The critic is the policy's decoder (a copy of the warm-started weights, with LoRA: the base ones) and
 a linear value head, zero at first, so the first step's advantages are the episodes' returns. It
@@ -16,6 +17,11 @@ regresses R with a clipped value loss, 0.5 max((V - R)^2, (V_clip - R)^2), V_cli
 moved by at most `value_clip` (verl's cliprange_value), its own AdamW, one step per epoch. Groups
 are not needed (a group of one trains), and a group whose episodes all got the same reward still
 does.
+
+REINFORCE++ (Hu 2025; verl's and OpenRLHF's `reinforce_plus_plus`): no critic; each token's
+discounted return to go (GAE with V = 0 and lambda 1), whitened over the batch. With `_baseline`:
+each episode's reward less its group's mean on every token, whitened over the batch (the batch's
+spread, not the group's, scales it).
 """
 from __future__ import annotations
 
@@ -95,25 +101,8 @@ class Critic:
 
     @torch.no_grad()
     def estimate(self, trajs: list[Trajectory], gamma: float, lam: float, micro_batch_tokens: int) -> list[tuple]:
-        """Micro-batches of the trajectories' sequences, each (sequences, batch, advantages, returns,
-        old values), the last three [B, L-1]: the current critic's values, then GAE per episode."""
-        items = []
-        for mb in micro_batches([s for t in trajs for s in t.sequences()], micro_batch_tokens):
-            b = Batch.of(mb)
-            items.append((mb, b, self.values(b)))
-        where = {id(s): (i, r) for i, (mb, _, _) in enumerate(items) for r, s in enumerate(mb)}
-        adv = [torch.zeros(b.mask.shape) for _, b, _ in items]
-        ret = [torch.zeros(b.mask.shape) for _, b, _ in items]
-        for t in trajs:
-            seqs = [(where[id(s)], positions(s)) for s in t.sequences()]
-            v = [float(items[i][2][r, j]) for (i, r), pos in seqs for j in pos]
-            a, g = gae(v, token_rewards(t), gamma, lam)
-            k = 0
-            for (i, r), pos in seqs:
-                adv[i][r, pos] = torch.tensor(a[k:k + len(pos)])
-                ret[i][r, pos] = torch.tensor(g[k:k + len(pos)])
-                k += len(pos)
-        return [(mb, b, a, g, v) for (mb, b, v), a, g in zip(items, adv, ret)]
+        """`estimate` (below) with the current critic's values."""
+        return estimate(trajs, gamma, lam, micro_batch_tokens, self.values)
 
     def update(self, items: list[tuple], epochs: int) -> dict[str, float]:
         """`epochs` optimizer steps of the clipped value loss over the items (`estimate`'s), each the
@@ -152,6 +141,34 @@ class Critic:
         self.body.load_state_dict(state["body"])
         self.head.load_state_dict(state["head"])
         self.opt.load_state_dict(state["optimizer"])
+
+
+def estimate(trajs: list[Trajectory], gamma: float, lam: float, micro_batch_tokens: int, values=None,
+             episode: dict[int, float] | None = None) -> list[tuple]:
+    """Micro-batches of the trajectories' sequences, each (sequences, batch, advantages, returns, values),
+    the last three [B, L-1]: GAE per episode over its generated tokens under `values` (Batch -> [B, L-1];
+    None: 0, so the advantages are the discounted returns to go), or with `episode` (trajectory id ->
+    advantage) that advantage on every generated token."""
+    items = []
+    for mb in micro_batches([s for t in trajs for s in t.sequences()], micro_batch_tokens):
+        b = Batch.of(mb)
+        items.append((mb, b, values(b) if values is not None else torch.zeros(b.mask.shape)))
+    where = {id(s): (i, r) for i, (mb, _, _) in enumerate(items) for r, s in enumerate(mb)}
+    adv = [torch.zeros(b.mask.shape) for _, b, _ in items]
+    ret = [torch.zeros(b.mask.shape) for _, b, _ in items]
+    for t in trajs:
+        seqs = [(where[id(s)], positions(s)) for s in t.sequences()]
+        v = [float(items[i][2][r, j]) for (i, r), pos in seqs for j in pos]
+        if episode is not None:
+            a = g = [episode[id(t)]] * len(v)
+        else:
+            a, g = gae(v, token_rewards(t), gamma, lam)
+        k = 0
+        for (i, r), pos in seqs:
+            adv[i][r, pos] = torch.tensor(a[k:k + len(pos)])
+            ret[i][r, pos] = torch.tensor(g[k:k + len(pos)])
+            k += len(pos)
+    return [(mb, b, a, g, v) for (mb, b, v), a, g in zip(items, adv, ret)]
 
 
 def whiten(items: list[tuple]) -> tuple[float, float]:

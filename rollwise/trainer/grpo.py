@@ -3,8 +3,10 @@
 advantages (`advantage`, advantages.py): "grpo", "dr_grpo" and "rloo", one per episode, the same
 for every generated token of a trajectory; "gigpo", GiGPO's: the episode's plus a step advantage per
 turn, from the turns of the group that started from the same state; "gae", PPO's: per token, from a
-learned critic (critic.py), whitened over the batch, so a streamed step's policy forward and backward
-wait for its last group (the critic's values of each group are computed as it arrives).
+learned critic (critic.py); "reinforce_plus_plus" (per token, the discounted return to go) and
+"reinforce_plus_plus_baseline" (the episode's reward less its group's mean). These three are
+whitened over the batch, so a streamed step's policy forward and backward wait for its last group
+(the critic's values of each group are computed as it arrives).
 
 loss (`policy_loss`): "ppo", token-level clipped policy gradient (decoupled PPO, as in AReaL);
 "gspo", GSPO's sequence-level ratio (the geometric mean of its tokens' ratios, clipped per sequence:
@@ -46,8 +48,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rollwise.trainer.advantages import ADVANTAGES, token_advantages, turn_advantages
-from rollwise.trainer.critic import Critic, check as check_critic, whiten
+from rollwise.trainer.advantages import ADVANTAGES, WHITENED, advantages, token_advantages, turn_advantages
+from rollwise.trainer.critic import Critic, check as check_critic, estimate, whiten
 from rollwise.trainer.correction import check as check_correction, is_weights
 from rollwise.trainer.policy import Batch, PolicyModel, micro_batches
 from rollwise.types import Trajectory, check_cut_off
@@ -70,10 +72,10 @@ class GRPOConfig:
     is_low: float = 0.0  # "mask": the lower bound of the kept ratios
     is_veto: float = 0.0  # > 0: a sequence with a token ratio under it carries no loss
     kl_coef: float = 0.0
-    advantage: str = "grpo"  # or "dr_grpo", "rloo", "gigpo", "gae" (`ADVANTAGES`)
+    advantage: str = "grpo"  # or "dr_grpo", "rloo", "gigpo", "gae", "reinforce_plus_plus[_baseline]" (`ADVANTAGES`)
     step_advantage_weight: float = 1.0  # gigpo: the step advantage's weight beside the episode's
     gamma: float = 0.95  # gigpo: the discount of the turn returns its step groups compare
-    gae_gamma: float = 1.0  # gae: the discount per generated token
+    gae_gamma: float = 1.0  # gae, reinforce_plus_plus: the discount per generated token
     gae_lambda: float = 1.0  # gae: lambda (1: the returns less the values; 0: one-step TD errors)
     critic_lr: float | None = None  # gae: the critic's AdamW learning rate (None: 10 x lr, as verl's defaults)
     value_clip: float = 0.5  # gae: how far a step may move a value from the one the advantages used
@@ -151,7 +153,7 @@ class GRPOTrainer:
         self.policy.routing_stats.zero_()
         self.policy.expert_load.clear()
         self._acc = {"trajs": [], "items": [], "diffs": ([], {}), "stats": torch.zeros(6), "n_tokens": 0, "n_useful": 0,
-                     "entropy": [], "anchors": {}, "critic": [],
+                     "entropy": [], "anchors": {}, "whiten": [],
                      "given": n_tokens if cfg.loss_agg == "token" else n_trajectories}
 
     def add(self, groups: list[list[Trajectory]]) -> None:
@@ -161,8 +163,16 @@ class GRPOTrainer:
         acc["trajs"] += [t for g in groups for t in g]
         acc["n_useful"] += len(useful)
         acc["n_tokens"] += sum(t.num_generated for t in useful)
-        if self.critic is not None:  # the values now; the policy's pass once the batch's advantages whiten
-            acc["critic"] += self.critic.estimate(useful, cfg.gae_gamma, cfg.gae_lambda, cfg.micro_batch_tokens)
+        if cfg.advantage in WHITENED:  # per token now (a critic's values); the policy's pass once they whiten
+            if self.critic is not None:
+                items = self.critic.estimate(useful, cfg.gae_gamma, cfg.gae_lambda, cfg.micro_batch_tokens)
+            elif cfg.advantage == "reinforce_plus_plus":  # the discounted returns to go
+                items = estimate(useful, cfg.gae_gamma, 1.0, cfg.micro_batch_tokens)
+            else:  # each episode's reward less its group's mean
+                trajs = [t for g in groups for t in g]
+                episode = dict(zip(map(id, trajs), advantages(groups, "dr_grpo")))
+                items = estimate(useful, 1.0, 1.0, cfg.micro_batch_tokens, episode=episode)
+            acc["whiten"] += items
             return
         # a row per token sequence: an episode of several contexts gives several, with its advantage per
         # turn and (for loss_agg="sequence") its generated tokens, over which its rows are averaged
@@ -207,11 +217,11 @@ class GRPOTrainer:
              "is_dropped": 0.0, "behaviour_kl": 0.0, "logprob_diff": float("nan"),
              "entropy": sum(acc["entropy"]) / n_tokens if n_tokens else float("nan")}  # per trained token
         div = n_tokens if cfg.loss_agg == "token" else acc["n_useful"]
-        if acc["critic"]:  # gae: the batch's advantages whitened, then the policy's first pass
+        if acc["whiten"]:  # the batch's per-token advantages whitened, then the policy's first pass
             acc["given"] = div
-            mean, std = whiten(acc["critic"])
+            mean, std = whiten(acc["whiten"])
             generated = {id(s): t.num_generated for t in trajs for s in t.sequences()}  # each row's episode's
-            for mb, b, adv, _, _ in acc["critic"]:
+            for mb, b, adv, _, _ in acc["whiten"]:
                 n = torch.tensor([generated[id(s)] for s in mb], dtype=torch.float32)
                 self._first_pass(mb, b, (adv - mean) / std * b.mask, n)
         try:
@@ -240,7 +250,7 @@ class GRPOTrainer:
                      kl=float(stats[2]) / n_tokens, is_weight_mean=float(stats[3]) / n_tokens,
                      is_dropped=float(stats[4]) / n_tokens, behaviour_kl=float(stats[5]) / n_tokens)
         if self.critic is not None:
-            m.update(self.critic.update(acc["critic"], cfg.epochs),
+            m.update(self.critic.update(acc["whiten"], cfg.epochs),
                      critic_warmup=float(self.version < cfg.critic_warmup))
         if cfg.advantage == "gigpo" and acc["anchors"].get("turns"):  # turns in a step group of 2 or more
             m["anchored_turns"] = acc["anchors"].get("anchored", 0) / acc["anchors"]["turns"]
@@ -255,11 +265,11 @@ class GRPOTrainer:
         return m
 
     def _useful(self, groups: list[list[Trajectory]], stats: dict | None = None) -> tuple[list[Trajectory], dict]:
-        """The trajectories that carry loss (generated tokens, a kept status and, but under gae, a turn
-        with a non-zero advantage), and each trajectory's advantage per turn by id (none under gae)."""
+        """The trajectories that carry loss (generated tokens, a kept status and, for the episode
+        estimators, a turn with a non-zero advantage), and their advantages per turn by id (those)."""
         cfg, trajs = self.cfg, [t for g in groups for t in g]
         kept = [t for t in trajs if t.num_generated > 0 and t.status not in cfg.exclude_statuses]
-        if self.critic is not None:
+        if cfg.advantage in WHITENED:  # per token, whitened over the batch: every kept trajectory trains
             return kept, {}
         adv = dict(zip(map(id, trajs), turn_advantages(groups, cfg.advantage, cfg.step_advantage_weight, cfg.gamma,
                                                        stats)))

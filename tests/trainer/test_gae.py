@@ -1,12 +1,12 @@
-"""PPO's critic and GAE (`advantage = "gae"`, rollwise/trainer/critic.py): the formula on hand-built
-episodes, where the advantages land in a batch, and steps on a real tiny model."""
+"""PPO's critic and GAE (`advantage = "gae"`, rollwise/trainer/critic.py) and REINFORCE++: the
+formulas on hand-built episodes, where the advantages land in a batch, and steps on a real tiny model."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from rollwise.rl_config import TrainConfig
-from rollwise.trainer.critic import Critic, gae, positions, token_rewards
+from rollwise.trainer.critic import Critic, estimate, gae, positions, token_rewards, whiten
 from rollwise.trainer.grpo import GRPOConfig, GRPOTrainer
 from rollwise.trainer.policy import Batch, PolicyModel
 
@@ -134,6 +134,36 @@ def test_critic_warmup_keeps_the_policy_and_the_checkpoint_keeps_the_critic(mode
         again.load_state(state)
 
 
+def test_reinforce_plus_plus_advantages_before_and_after_whitening():
+    a = episode([([10, 11], [50], 0.0), ([12], [], 1.0)], tid="a")
+    b = episode([([13], [], 0.0)], tid="b")
+    items = estimate([a, b], 0.9, 1.0, micro_batch_tokens=64)  # no values: the discounted returns to go
+    (mb, batch, adv, ret, v), = items
+    rows = {id(s): i for i, s in enumerate(mb)}
+    assert adv[rows[id(a)], positions(a)].tolist() == pytest.approx([0.81, 0.9, 1.0])
+    assert adv[rows[id(b)], positions(b)].tolist() == [0.0] and not v.any()
+    mean, std = whiten(items)
+    flat = torch.tensor([0.81, 0.9, 1.0, 0.0])
+    assert (mean, std) == pytest.approx((float(flat.mean()), float(flat.std())), rel=1e-6)
+    # _baseline: the episode's advantage (reward less its group's mean) on each of its tokens
+    (_, _, adv, _, _), = estimate([a, b], 0.9, 1.0, 64, episode={id(a): 0.5, id(b): -0.5})
+    assert adv[rows[id(a)], positions(a)].tolist() == [0.5] * 3 and adv[rows[id(b)], positions(b)].tolist() == [-0.5]
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_reinforce_plus_plus_steps_train_every_kept_episode(model_dir, estimator):
+    policy = PolicyModel(model_dir)
+    won, lost = episode([([40, 41], [], 1.0)], tid="w"), episode([([60, 61], [], 0.0)], tid="l")
+    same = [episode([([70], [], 1.0)], tid=f"s{i}") for i in range(2)]  # a group with no spread
+    fresh(policy, [won, lost, *same])
+    before = policy.logprobs(Batch.of([won, lost])).detach()
+    m = GRPOTrainer(policy, GRPOConfig(lr=1e-2, advantage=estimator)).step([[won, lost], same])
+    # every kept episode carries loss: whitening subtracts the batch's mean, which can move a 0 off 0
+    assert m["trained_trajectories"] == 4 and "value_loss" not in m and m["logprob_diff"] < 1e-3
+    gain = policy.logprobs(Batch.of([won, lost])).detach() - before
+    assert gain[0].sum() > 0 and gain[1].sum() < 0
+
+
 def test_gae_config_is_checked():
     cfg = TrainConfig.from_dict({"model": "m", "advantage": "gae", "group_size": 1, "gae_lambda": 0.95})
     assert cfg.group_size == 1 and cfg.gae_lambda == 0.95
@@ -145,5 +175,8 @@ def test_gae_config_is_checked():
         TrainConfig.from_dict({"model": "m", "advantage": "gae", "value_clip": 0})
     with pytest.raises(ValueError, match="dynamic_sampling"):
         TrainConfig.from_dict({"model": "m", "advantage": "gae", "dynamic_sampling": True, "deterministic": False})
-    with pytest.raises(ValueError, match="valid.*gae"):
+    with pytest.raises(ValueError, match="valid.*gae.*reinforce_plus_plus_baseline"):
         TrainConfig.from_dict({"model": "m", "advantage": "gea"})
+    assert TrainConfig.from_dict({"model": "m", "advantage": "reinforce_plus_plus", "group_size": 1}).group_size == 1
+    with pytest.raises(ValueError, match="group_size >= 2"):  # its baseline is the group's mean
+        TrainConfig.from_dict({"model": "m", "advantage": "reinforce_plus_plus_baseline", "group_size": 1})
