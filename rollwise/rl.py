@@ -183,7 +183,7 @@ async def _train(cfg: TrainConfig) -> dict:
                       temperature=cfg.temperature, loss_agg=cfg.loss_agg, advantage=cfg.advantage,
                       step_advantage_weight=cfg.step_advantage_weight, gamma=cfg.gamma, gae_gamma=cfg.gae_gamma,
                       gae_lambda=cfg.gae_lambda, critic_lr=cfg.critic_lr, value_clip=cfg.value_clip,
-                      critic_warmup=cfg.critic_warmup,
+                      critic_warmup=cfg.critic_warmup, critic_model=cfg.critic_model,
                       policy_loss=cfg.policy_loss, epochs=cfg.epochs,
                       behaviour=behaviour, keep_versions=cfg.max_staleness,
                       exclude_statuses=tuple(cfg.exclude_statuses),

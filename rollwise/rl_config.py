@@ -91,6 +91,7 @@ class TrainConfig:
     critic_lr: float | None = None  # None: 10 x lr (verl's defaults: 1e-6 and 1e-5)
     value_clip: float = 0.5  # the most a step moves a value from the one its advantages used
     critic_warmup: int = 0  # the first steps train the critic alone
+    critic_model: str = ""  # the critic's model directory (another size, same tokenizer); "": the warm start
     # "ppo" (token ratios, clipped), "gspo" (sequence ratios: set clip = 3e-4, clip_high = 4e-4,
     # loss_agg = "sequence") or "cispo" (clipped, stopped ratios as weights: clip_high large)
     policy_loss: str = "ppo"

@@ -1,8 +1,8 @@
 """Per-token advantages whitened over the batch, read top to bottom: PPO's critic, a value model with
 generalized advantage estimation (`advantage = "gae"`), and REINFORCE++ without one.
 
-The critic is the policy's decoder (a copy of the warm-started weights, with LoRA: the base ones) and
-a linear value head, zero at first, so the first step's advantages are the episodes' returns. It
+The critic is the policy's decoder (a copy of the warm-started weights, with LoRA: the base ones; or
+another model's, `critic_model`, on the same tokens) and a linear value head, zero at first, so the first step's advantages are the episodes' returns. It
 values every generated token's state: the hidden state that predicts the token, so a turn's first
 token is valued after the prompt or the tool result before it. Observation tokens are the
 environment's transition, not actions: GAE runs over an episode's generated tokens in order (its
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from rollwise.trainer.policy import Batch, PolicyModel, decoder_states, micro_batches
+from rollwise.trainer.policy import Batch, PolicyModel, cache_kw, decoder_states, micro_batches
 from rollwise.types import Trajectory
 
 
@@ -77,15 +77,22 @@ def positions(s: Trajectory) -> list[int]:
 
 class Critic:
     def __init__(self, policy: PolicyModel, lr: float = 1e-4, value_clip: float = 0.5, max_grad_norm: float = 1.0,
-                 weight_decay: float = 0.0) -> None:
+                 weight_decay: float = 0.0, model_dir: str = "") -> None:
         from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_config(policy.model.config, dtype=torch.float32)
-        model.load_state_dict(policy.base_weights())  # the warm start (with LoRA: the weights under the adapters)
+        if model_dir:  # a model of its own (verl's critic.model.path): another size, but the policy's tokens
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            if model.config.vocab_size != policy.model.config.vocab_size:
+                raise ValueError(f"critic_model {model_dir} has a vocabulary of {model.config.vocab_size}, the "
+                                 f"policy {policy.model.config.vocab_size}: the critic reads the policy's tokens")
+        else:  # the warm start (with LoRA: the weights under the adapters)
+            model = AutoModelForCausalLM.from_config(policy.model.config, dtype=torch.float32)
+            model.load_state_dict(policy.base_weights())
         self.body = model.get_decoder().train()
         self.head = torch.nn.Linear(model.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
-        self.value_clip, self.max_grad_norm, self._cache_kw = value_clip, max_grad_norm, policy._cache_kw
+        self.value_clip, self.max_grad_norm = value_clip, max_grad_norm
+        self._cache_kw = cache_kw(model)
         self.opt = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=weight_decay)
 
     def parameters(self) -> list[torch.nn.Parameter]:

@@ -80,6 +80,7 @@ class GRPOConfig:
     critic_lr: float | None = None  # gae: the critic's AdamW learning rate (None: 10 x lr, as verl's defaults)
     value_clip: float = 0.5  # gae: how far a step may move a value from the one the advantages used
     critic_warmup: int = 0  # gae: the first steps train the critic alone (the policy keeps its weights)
+    critic_model: str = ""  # gae: the critic's model directory ("": the policy's weights as they are at the start)
     max_grad_norm: float = 1.0
     temperature: float = 1.0  # the rollouts' sampling temperature
     micro_batch_tokens: int = 8192
@@ -128,7 +129,7 @@ class GRPOTrainer:
         self.critic = None  # gae: PPO's value model
         if self.cfg.advantage == "gae":
             self.critic = Critic(policy, self.cfg.critic_lr or 10 * self.cfg.lr, self.cfg.value_clip,
-                                 self.cfg.max_grad_norm)
+                                 self.cfg.max_grad_norm, model_dir=self.cfg.critic_model)
         self.version = 0  # optimizer steps taken = the policy version the replicas should serve
         self._acc: dict | None = None  # the step begun and not finished (`begin`, `add`, `finish`)
 

@@ -88,8 +88,7 @@ class PolicyModel:
         # (token-layers whose own top-k experts differ from the rollout's, token-layers compared)
         self.routing_stats = torch.zeros(2)
         self.expert_load: dict[int, torch.Tensor] = {}  # layer -> tokens the rollout routed to each expert
-        # transformers 5.24 renamed past_key_values to cache
-        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self._cache_kw = cache_kw(self.model)
 
     def logprobs(self, batch: Batch, temperature: float = 1.0, min_shared: int = 32,
                  entropy: list | None = None) -> torch.Tensor:
@@ -259,6 +258,11 @@ class PolicyModel:
     def parameters(self):
         """The trainable parameters (the adapters alone, with LoRA)."""
         return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def cache_kw(model) -> str:
+    """The name of a model's forward's KV-cache argument (transformers 5.24 renamed past_key_values to cache)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def decoder_states(body, batch: Batch, cache_kw: str, min_shared: int = 32,

@@ -164,6 +164,33 @@ def test_reinforce_plus_plus_steps_train_every_kept_episode(model_dir, estimator
     assert gain[0].sum() > 0 and gain[1].sum() < 0
 
 
+def test_a_fresh_critic_makes_gae_reinforce_plus_plus(model_dir):
+    """The value head starts at 0, so the first gae step's advantages are the returns to go: the same
+    update as REINFORCE++'s, bit for bit (and the critic is what sets them apart afterwards)."""
+    updated = []
+    for estimator in ("gae", "reinforce_plus_plus"):
+        policy = PolicyModel(model_dir)
+        groups = [fresh(policy, [episode([([40 + i, 41], [50], 0.0), ([42], [], float(i))], tid=str(i))])
+                  for i in range(3)]
+        GRPOTrainer(policy, GRPOConfig(lr=1e-2, advantage=estimator, gae_gamma=0.9)).step(groups)
+        updated.append(torch.cat([p.detach().flatten() for p in policy.parameters()]))
+    assert torch.equal(updated[0], updated[1])
+
+
+def test_a_critic_of_another_model_reads_the_policys_tokens(model_dirs, tmp_path):
+    from rollwise.make_model import make_model
+    policy = PolicyModel(model_dirs["qwen3"])
+    won, lost = fresh(policy, [episode([([40, 41], [50], 0.0), ([42], [], 1.0)], tid="w"),
+                               episode([([60], [50], 0.0), ([62], [], 0.0)], tid="l")])
+    trainer = GRPOTrainer(policy, GRPOConfig(advantage="gae", critic_lr=1e-2, critic_model=model_dirs["qwen3_moe"]))
+    assert len(trainer.critic.body.layers) == 2 and hasattr(trainer.critic.body.layers[0].mlp, "experts")
+    ms = [trainer.step([[won, lost]]) for _ in range(3)]
+    assert ms[-1]["value_loss"] < ms[0]["value_loss"]
+    other = make_model(tmp_path / "other", family="llama", layers=1, hidden=32, heads=2, kv_heads=1, vocab=512)
+    with pytest.raises(ValueError, match="vocabulary of 512"):
+        GRPOTrainer(policy, GRPOConfig(advantage="gae", critic_model=str(other)))
+
+
 def test_gae_config_is_checked():
     cfg = TrainConfig.from_dict({"model": "m", "advantage": "gae", "group_size": 1, "gae_lambda": 0.95})
     assert cfg.group_size == 1 and cfg.gae_lambda == 0.95
