@@ -38,7 +38,7 @@ from rollwise.agent.episode import collect  # noqa: E402
 from rollwise.engine.async_engine import AsyncEngine  # noqa: E402
 from rollwise.engine.tokenizer import Tokenizer  # noqa: E402
 from rollwise.rl import expert_trajectories  # noqa: E402
-from rollwise.trainer.grpo import sft  # noqa: E402
+from rollwise.trainer.sft import sft  # noqa: E402
 from rollwise.trainer.policy import Batch, PolicyModel, micro_batches  # noqa: E402
 
 MOE = dict(family="qwen3_moe", layers=4, hidden=128, heads=4, kv_heads=2, vocab=2048, experts=16,

@@ -156,7 +156,8 @@ async def _train(cfg: TrainConfig) -> dict:
     from rollwise.engine.tokenizer import Tokenizer
     from rollwise.engine.model_runner import set_threads
     from rollwise.trainer.advantages import informative
-    from rollwise.trainer.grpo import GRPOConfig, GRPOTrainer, sft
+    from rollwise.trainer.grpo import GRPOConfig, GRPOTrainer
+    from rollwise.trainer.sft import sft
     from rollwise.trainer.policy import PolicyModel
 
     torch.manual_seed(cfg.seed)
