@@ -182,7 +182,8 @@ async def _train(cfg: TrainConfig) -> dict:
     grpo = GRPOConfig(lr=cfg.lr, clip=cfg.clip, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
                       is_level=cfg.is_level, is_mode=cfg.is_mode, is_low=cfg.is_low, is_veto=cfg.is_veto,
                       temperature=cfg.temperature, loss_agg=cfg.loss_agg, advantage=cfg.advantage,
-                      step_advantage_weight=cfg.step_advantage_weight, gamma=cfg.gamma, gae_gamma=cfg.gae_gamma,
+                      step_advantage_weight=cfg.step_advantage_weight, gamma=cfg.gamma, gigpo_mode=cfg.gigpo_mode,
+                      gigpo_similarity=cfg.gigpo_similarity, gae_gamma=cfg.gae_gamma,
                       gae_lambda=cfg.gae_lambda, critic_lr=cfg.critic_lr, value_clip=cfg.value_clip,
                       critic_warmup=cfg.critic_warmup, critic_model=cfg.critic_model,
                       policy_loss=cfg.policy_loss, epochs=cfg.epochs,
@@ -296,7 +297,8 @@ async def _train(cfg: TrainConfig) -> dict:
                 g = await queue.next_group(len(batch))
                 while True:  # every group that arrived meanwhile: one pass
                     if cfg.dynamic_sampling and len(skips) < max_skips and not informative(
-                            g.trajectories, cfg.advantage, cfg.step_advantage_weight, cfg.gamma):
+                            g.trajectories, cfg.advantage, cfg.step_advantage_weight, cfg.gamma, cfg.gigpo_mode,
+                            cfg.gigpo_similarity):
                         await queue.skip(g)
                         skips.append(g.seq)
                     else:

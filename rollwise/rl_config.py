@@ -12,7 +12,7 @@ from rollwise.agent.tools import Latency
 from rollwise.router.policies import POLICIES
 from rollwise.rollout.trackers import check_trackers
 from rollwise.router.replica import WEIGHTS_VIA
-from rollwise.trainer.advantages import ADVANTAGES, NO_GROUP
+from rollwise.trainer.advantages import ADVANTAGES, NO_GROUP, check_gigpo
 from rollwise.trainer.critic import check as check_critic
 from rollwise.trainer.correction import check as check_correction
 from rollwise.trainer.grpo import POLICY_LOSSES
@@ -86,6 +86,8 @@ class TrainConfig:
     advantage: str = "grpo"
     step_advantage_weight: float = 1.0
     gamma: float = 0.95
+    gigpo_mode: str = "mean_std_norm"  # or "mean_norm" (verl-agent's modes: divided by the group's std or not)
+    gigpo_similarity: float = 1.0  # < 1: turns from states whose tokens are that similar share a step group
     gae_gamma: float = 1.0
     gae_lambda: float = 1.0
     critic_lr: float | None = None  # None: 10 x lr (verl's defaults: 1e-6 and 1e-5)
@@ -215,6 +217,7 @@ class TrainConfig:
             raise ValueError(f"replica_weights_via must be one of {WEIGHTS_VIA}, got {cfg.replica_weights_via!r}")
         if cfg.tool_latency_kind not in ("uniform", "lognormal"):
             raise ValueError(f"tool_latency_kind must be 'uniform' or 'lognormal', got {cfg.tool_latency_kind!r}")
+        check_gigpo(cfg.gigpo_mode, cfg.gigpo_similarity)
         check_critic(cfg.gae_gamma, cfg.gae_lambda, cfg.critic_lr, cfg.value_clip, cfg.critic_warmup)
         if cfg.advantage in NO_GROUP and cfg.dynamic_sampling:
             raise ValueError(f"dynamic_sampling skips groups whose rewards are all equal, but {cfg.advantage} "

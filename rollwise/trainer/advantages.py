@@ -13,22 +13,37 @@ first prompt for a context's first turn, else the observation the previous turn 
 tool result, the same position on the grid), or the env's own key of its state where it defines
 `state_key()` (for observations that carry text that changes, such as a clock), and each turn's
 discounted return from there on (sum over k >= t of gamma^(k-t) r_k, r_k the env's reward for turn
-k) is compared with the others from the same state: minus their mean, divided by their std. A
-state reached once gets 0. So a group whose episodes all succeed (no episode advantage) still
+k) is compared with the others from the same state: minus their mean, divided by their std
+(`mode = "mean_std_norm"`; `"mean_norm"`: not divided, for the episode advantage too, verl-agent's
+modes). A state reached once gets 0. With `similarity` < 1 a state joins the step group of the
+first earlier one whose tokens are that similar (difflib's ratio, 2 x matches / total length; the
+first member stands for the group), so observations that differ in a detail (a counter, a
+timestamp) compare their turns, as verl-agent's similarity-based groups do; env keys match exactly. So a group whose episodes all succeed (no episode advantage) still
 teaches the turn that got there sooner, and a failed episode's good moves are not all blamed for
 its end. Markov: the history before the anchor is not compared.
 """
 from __future__ import annotations
 
+from difflib import SequenceMatcher
+
 import torch
 
 from rollwise.types import Trajectory
+
+GIGPO_MODES = ("mean_std_norm", "mean_norm")
 
 # "gae" (PPO's, from a critic) and REINFORCE++'s: per token, whitened over the batch (critic.py)
 WHITENED = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 EPISODE_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gigpo")  # those computed here, from the group's rewards
 ADVANTAGES = EPISODE_ADVANTAGES + WHITENED
 NO_GROUP = ("gae", "reinforce_plus_plus")  # need no group (a group of one trains; every group teaches)
+
+
+def check_gigpo(mode: str, similarity: float) -> None:
+    if mode not in GIGPO_MODES:
+        raise ValueError(f"unknown gigpo_mode {mode!r}; valid: {list(GIGPO_MODES)}")
+    if not 0 < similarity <= 1:
+        raise ValueError(f"gigpo_similarity must be in (0, 1] (1: equal states only), got {similarity}")
 
 
 def advantages(groups: list[list[Trajectory]], estimator: str = "grpo") -> list[float]:
@@ -75,25 +90,49 @@ def returns(t: Trajectory, gamma: float) -> list[float]:
     return out[::-1]
 
 
+def step_groups(anchors: list[tuple], similarity: float = 1.0) -> list[int]:
+    """A step group id per anchor state: equal states share one; with `similarity` < 1, a token state
+    joins the first group whose first member's tokens are at least that similar."""
+    reps: list[tuple] = []  # each group's first member
+    ids, exact = [], {}
+    for a in anchors:
+        if a not in exact and similarity < 1 and not (a and a[0] == "state"):
+            for gid, r in enumerate(reps):
+                if r and r[0] == "state":
+                    continue
+                m = SequenceMatcher(None, r, a, autojunk=False)
+                if m.real_quick_ratio() >= similarity and m.quick_ratio() >= similarity and m.ratio() >= similarity:
+                    exact[a] = gid
+                    break
+        if a not in exact:
+            exact[a] = len(reps)
+            reps.append(a)
+        ids.append(exact[a])
+    return ids
+
+
 def turn_advantages(groups: list[list[Trajectory]], estimator: str = "grpo", step_weight: float = 1.0,
-                    gamma: float = 0.95, stats: dict | None = None) -> list[list[float]]:
+                    gamma: float = 0.95, stats: dict | None = None, mode: str = "mean_std_norm",
+                    similarity: float = 1.0) -> list[list[float]]:
     """Each trajectory's advantage per turn (its sequences' turns in order), groups in order. `stats`,
     if given, counts "turns" and "anchored" (turns whose state another turn of the group shares)."""
-    episode = advantages(groups, estimator)
+    episode = advantages(groups, "dr_grpo" if estimator == "gigpo" and mode == "mean_norm" else estimator)
     out, i = [], 0
     for g in groups:
         per = [[a] * t.num_turns for t, a in zip(g, episode[i:i + len(g)])]
         i += len(g)
         if estimator == "gigpo":
-            steps: dict[tuple, list[tuple[int, int, float]]] = {}  # anchor -> (trajectory, turn, return)
-            for j, t in enumerate(g):
-                for k, (s, ret) in enumerate(zip(anchor_states(t), returns(t, gamma))):
-                    steps.setdefault(s, []).append((j, k, ret))
+            turns = [(j, k, s, ret) for j, t in enumerate(g)
+                     for k, (s, ret) in enumerate(zip(anchor_states(t), returns(t, gamma)))]
+            steps: dict[int, list[tuple[int, int, float]]] = {}  # step group -> (trajectory, turn, return)
+            for gid, (j, k, _, ret) in zip(step_groups([x[2] for x in turns], similarity), turns):
+                steps.setdefault(gid, []).append((j, k, ret))
             for members in steps.values():
                 if len(members) < 2:
                     continue
                 r = torch.tensor([m[2] for m in members], dtype=torch.float64)
-                a = ((r - r.mean()) / (r.std() + 1e-6)).tolist()
+                a = (r - r.mean()) if mode == "mean_norm" else (r - r.mean()) / (r.std() + 1e-6)
+                a = a.tolist()
                 for (j, k, _), x in zip(members, a):
                     per[j][k] += step_weight * x
                 if stats is not None:
@@ -105,13 +144,13 @@ def turn_advantages(groups: list[list[Trajectory]], estimator: str = "grpo", ste
 
 
 def informative(group: list[Trajectory], estimator: str = "grpo", step_weight: float = 1.0,
-                gamma: float = 0.95) -> bool:
+                gamma: float = 0.95, mode: str = "mean_std_norm", similarity: float = 1.0) -> bool:
     """Whether a group teaches anything: its rewards differ, or (gigpo) a turn's step advantage is not 0,
     or (`NO_GROUP`) always: their advantages do not cancel in a group. DAPO's dynamic sampling skips the others."""
     if len({t.reward for t in group}) > 1 or estimator in NO_GROUP:
         return True
-    return estimator == "gigpo" and any(abs(a) > 1e-9 for per in turn_advantages([group], estimator, step_weight,
-                                                                                  gamma) for a in per)
+    return estimator == "gigpo" and any(abs(a) > 1e-9 for per in turn_advantages(
+        [group], estimator, step_weight, gamma, mode=mode, similarity=similarity) for a in per)
 
 
 def token_advantages(seqs: list[Trajectory], per_turn: list[list[float]], width: int) -> torch.Tensor:

@@ -47,7 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rollwise.trainer.advantages import ADVANTAGES, WHITENED, advantages, token_advantages, turn_advantages
+from rollwise.trainer.advantages import (ADVANTAGES, WHITENED, advantages, check_gigpo, token_advantages,
+                                         turn_advantages)
 from rollwise.trainer.critic import Critic, check as check_critic, estimate, whiten
 from rollwise.trainer.correction import check as check_correction, is_weights
 from rollwise.trainer.policy import Batch, PolicyModel, micro_batches
@@ -74,6 +75,8 @@ class GRPOConfig:
     advantage: str = "grpo"  # or "dr_grpo", "rloo", "gigpo", "gae", "reinforce_plus_plus[_baseline]" (`ADVANTAGES`)
     step_advantage_weight: float = 1.0  # gigpo: the step advantage's weight beside the episode's
     gamma: float = 0.95  # gigpo: the discount of the turn returns its step groups compare
+    gigpo_mode: str = "mean_std_norm"  # gigpo: or "mean_norm" (advantages not divided by their group's std)
+    gigpo_similarity: float = 1.0  # gigpo: < 1: states whose tokens are that similar share a step group
     gae_gamma: float = 1.0  # gae, reinforce_plus_plus: the discount per generated token
     gae_lambda: float = 1.0  # gae: lambda (1: the returns less the values; 0: one-step TD errors)
     critic_lr: float | None = None  # gae: the critic's AdamW learning rate (None: 10 x lr, as verl's defaults)
@@ -114,6 +117,7 @@ class GRPOTrainer:
             raise ValueError(f"unknown policy_loss {self.cfg.policy_loss!r}; valid: {list(POLICY_LOSSES)}")
         if self.cfg.advantage not in ADVANTAGES:
             raise ValueError(f"unknown advantage {self.cfg.advantage!r}; valid: {list(ADVANTAGES)}")
+        check_gigpo(self.cfg.gigpo_mode, self.cfg.gigpo_similarity)
         check_critic(self.cfg.gae_gamma, self.cfg.gae_lambda, self.cfg.critic_lr, self.cfg.value_clip,
                      self.cfg.critic_warmup)
         check_correction(self.cfg.is_level, self.cfg.is_mode, self.cfg.tis_cap, self.cfg.is_low, self.cfg.is_veto)
@@ -272,7 +276,7 @@ class GRPOTrainer:
         if cfg.advantage in WHITENED:  # per token, whitened over the batch: every kept trajectory trains
             return kept, {}
         adv = dict(zip(map(id, trajs), turn_advantages(groups, cfg.advantage, cfg.step_advantage_weight, cfg.gamma,
-                                                       stats)))
+                                                       stats, cfg.gigpo_mode, cfg.gigpo_similarity)))
         return [t for t in kept if any(abs(a) > 1e-9 for a in adv[id(t)])], adv
 
     def _begun(self) -> dict:

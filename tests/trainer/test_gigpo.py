@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rollwise.rl_config import TrainConfig
-from rollwise.trainer.advantages import (advantages, anchor_states, informative, returns, token_advantages,
-                                         turn_advantages)
+from rollwise.trainer.advantages import (advantages, anchor_states, informative, returns, step_groups,
+                                         token_advantages, turn_advantages)
 from rollwise.trainer.grpo import GRPOConfig, GRPOTrainer
 from rollwise.trainer.policy import Batch, PolicyModel
 from rollwise.types import Trajectory, TurnRecord
@@ -70,6 +70,25 @@ def test_an_envs_state_key_groups_turns_whose_observations_differ():
         t.turns[0].state, t.turns[1].state = "start", "cell 5"
     got = turn_advantages([[a, b]], "gigpo", gamma=1.0)
     assert [got[0][1], got[1][1]] == pytest.approx([2 * ep[0], 2 * ep[1]])  # now compared: a's won
+
+
+def test_similar_observations_share_a_step_group_and_mean_norm_does_not_divide():
+    clock = tuple(range(100, 118))  # an observation of 18 tokens ...
+    later = clock[:-1] + (999,)  # ... and the same one a clock tick later (ratio 34 / 36 = 0.94)
+    assert step_groups([clock, later, (5, 6), ("state", 1), ("state", 1)]) == [0, 1, 2, 3, 3]
+    assert step_groups([clock, later, (5, 6), ("state", 1), ("state", 1)], similarity=0.9) == [0, 0, 1, 2, 2]
+    assert step_groups([clock, later], similarity=0.95) == [0, 1]
+    a = episode([([10], list(clock), 0.0), ([11], [], 1.0)])
+    b = episode([([12], list(later), 0.0), ([13], [], 0.0)])
+    ep = z([1.0, 0.0])
+    apart = turn_advantages([[a, b]], "gigpo", gamma=1.0)
+    together = turn_advantages([[a, b]], "gigpo", gamma=1.0, similarity=0.9)
+    assert [apart[0][1], apart[1][1]] == pytest.approx(ep)  # second turns apart: no step advantage
+    assert [together[0][1], together[1][1]] == pytest.approx([2 * ep[0], 2 * ep[1]])  # compared: a's won
+    assert not informative([a, episode([([12], list(later), 0.0), ([13], [], 1.0)])], "gigpo", similarity=0.9)
+    # mean_norm: the group's mean taken off, not divided by its std, for the episode and the step advantages
+    flat = turn_advantages([[a, b]], "gigpo", step_weight=0.5, gamma=1.0, mode="mean_norm", similarity=0.9)
+    assert flat[0] == pytest.approx([0.5 + 0.5 * 0.5] * 2) and flat[1] == pytest.approx([-0.5 - 0.5 * 0.5] * 2)
 
 
 def test_a_group_that_all_succeeded_still_teaches_the_shorter_path():
@@ -133,3 +152,8 @@ def test_gigpo_config_is_checked():
         TrainConfig.from_dict({"model": "m", "advantage": "gipo"})
     with pytest.raises(ValueError, match="gamma"):
         TrainConfig.from_dict({"model": "m", "advantage": "gigpo", "gamma": 1.5})
+    with pytest.raises(ValueError, match="valid.*mean_norm"):
+        TrainConfig.from_dict({"model": "m", "advantage": "gigpo", "gigpo_mode": "std"})
+    with pytest.raises(ValueError, match="gigpo_similarity"):
+        TrainConfig.from_dict({"model": "m", "advantage": "gigpo", "gigpo_similarity": 0})
+    assert TrainConfig.from_dict({"model": "m", "advantage": "gigpo", "gigpo_similarity": 0.9}).gigpo_similarity == 0.9
