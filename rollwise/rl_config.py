@@ -58,6 +58,7 @@ class TrainConfig:
     is_low: float = 0.0
     is_veto: float = 0.0
     kl_coef: float = 0.0
+    entropy_coef: float = 0.0  # an entropy bonus: the loss less this times each token's entropy
     # LoRA (peft's layers): 0 trains every weight; r > 0 freezes them after the warm start and trains
     # rank-r adapters on `lora_targets` ("all-linear": every linear but the output head, or a list of
     # module names such as ["q_proj", "v_proj"]), scaled by lora_alpha / r. The replicas get the merged

@@ -72,6 +72,7 @@ class GRPOConfig:
     is_low: float = 0.0  # "mask": the lower bound of the kept ratios
     is_veto: float = 0.0  # > 0: a sequence with a token ratio under it carries no loss
     kl_coef: float = 0.0
+    entropy_coef: float = 0.0  # the loss less this times each token's entropy (verl's entropy_coeff)
     advantage: str = "grpo"  # or "dr_grpo", "rloo", "gigpo", "gae", "reinforce_plus_plus[_baseline]" (`ADVANTAGES`)
     step_advantage_weight: float = 1.0  # gigpo: the step advantage's weight beside the episode's
     gamma: float = 0.95  # gigpo: the discount of the turn returns its step groups compare
@@ -200,10 +201,12 @@ class GRPOTrainer:
         cfg, acc = self.cfg, self._acc
         with torch.no_grad():  # behaviour logprobs of stale tokens under the weights that generated them
             st = self._stale(mb, b) if cfg.behaviour == "recompute" else None
-        lp = self.policy.logprobs(b, cfg.temperature, entropy=acc["entropy"])
+        ent: list = []
+        lp = self.policy.logprobs(b, cfg.temperature, entropy=ent)
+        acc["entropy"].append(float(ent[0].detach().sum()))
         # the proximal policy: the weights before this step (no update yet: no separate forward)
         prox = lp.detach()
-        self._backward(lp, b, a, st, prox, acc["given"] or 1.0, acc["stats"], n)
+        self._backward(lp, b, a, st, prox, acc["given"] or 1.0, acc["stats"], n, ent[0])
         self._compare(mb, b, prox, acc["diffs"])
         acc["items"].append((b, a, st, prox, n))
 
@@ -240,7 +243,9 @@ class GRPOTrainer:
             if epoch > 0:
                 stats = torch.zeros(6)
                 for b, a, st, prox, n in acc["items"]:
-                    self._backward(self.policy.logprobs(b, cfg.temperature), b, a, st, prox, div, stats, n)
+                    ent = [] if cfg.entropy_coef else None
+                    lp = self.policy.logprobs(b, cfg.temperature, entropy=ent)
+                    self._backward(lp, b, a, st, prox, div, stats, n, ent[0] if ent else None)
             elif not acc["given"]:  # streamed: the sums' gradients, normalized now that the batch is known
                 for p in self.policy.parameters():
                     if p.grad is not None:
@@ -284,10 +289,11 @@ class GRPOTrainer:
             raise RuntimeError("no step begun: call begin() before add() and finish()")
         return self._acc
 
-    def _backward(self, lp, b: Batch, a, st, prox, div: float, stats: torch.Tensor, n=None) -> None:
-        """The clipped, importance-weighted policy-gradient loss of one micro-batch (plus KL), divided
-        by `div`, backpropagated; adds loss, clipped tokens, KL and IS weight sums to `stats`. `a`: each
-        row's advantage; `n`: its episode's generated tokens (default: the row's own)."""
+    def _backward(self, lp, b: Batch, a, st, prox, div: float, stats: torch.Tensor, n=None, ent=None) -> None:
+        """The clipped, importance-weighted policy-gradient loss of one micro-batch (plus KL, less the
+        entropy bonus), divided by `div`, backpropagated; adds loss, clipped tokens, KL and IS weight
+        sums to `stats`. `a`: each row's advantage; `n`: its episode's generated tokens (default: the
+        row's own); `ent`: each target's entropy (with its gradient)."""
         cfg = self.cfg
         lp_behav = b.behaviour_logprobs if st is None else torch.where(st[0] == self.version, prox, st[1])
         # importance weights proximal / behaviour: truncated (TIS) or masked (MIS), per token or sequence
@@ -314,6 +320,8 @@ class GRPOTrainer:
             kl = torch.exp(d) - d - 1
             pg = pg + cfg.kl_coef * kl
             stats[2] += float((kl.detach() * b.mask).sum())
+        if cfg.entropy_coef and ent is not None:
+            pg = pg - cfg.entropy_coef * ent
         if cfg.loss_agg == "sequence":
             n = b.mask.sum(1) if n is None else n
             loss = ((pg * b.mask).sum(1) / n.clamp(min=1)).sum() / div  # each episode's mean

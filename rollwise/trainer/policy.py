@@ -98,14 +98,16 @@ class PolicyModel:
         vocabulary is the largest cost of a small model's step.
 
         A prefix the rows share runs once (`decoder_states`: exact, several times cheaper when the
-        prompt dominates). With `entropy` (a list), the sum over those positions of the sampling
-        distribution's entropy is appended to it (no gradient)."""
+        prompt dominates). With `entropy` (a list), the sampling distribution's entropy at those
+        positions, [B, L-1] (0 elsewhere, with its gradient), is appended to it."""
         r = batch.routing if self.routing != "off" else None
         h, off = decoder_states(self.model.get_decoder(), batch, self._cache_kw, min_shared,
                                 lambda rows, cols: self._routed(None if r is None else r[rows, cols]))
         lp = self._head(h, batch.targets[:, off:], batch.mask[:, off:], temperature, entropy)
         if off:
             lp = torch.cat([lp.new_zeros(lp.shape[0], off), lp], dim=1)
+            if entropy is not None:
+                entropy[-1] = torch.cat([lp.new_zeros(lp.shape[0], off), entropy[-1]], dim=1)
         return lp if self.exact is None else self._exact(lp, batch, temperature)
 
     def enable_exact(self, adapter: bool = False) -> None:
@@ -166,8 +168,9 @@ class PolicyModel:
         out = torch.zeros(targets.shape, dtype=logits.dtype)
         out[sel] = logp.gather(-1, targets[sel].unsqueeze(-1)).squeeze(-1)
         if entropy is not None:
-            with torch.no_grad():
-                entropy.append(float(-(logp.exp() * logp).sum()))
+            ent = torch.zeros(targets.shape, dtype=logits.dtype)
+            ent[sel] = -(logp.exp() * logp).sum(-1)
+            entropy.append(ent)
         return out
 
     def add_lora(self, rank: int, alpha: float, targets: str | list[str] = "all-linear", dropout: float = 0.0) -> None:

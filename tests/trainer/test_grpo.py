@@ -263,6 +263,23 @@ def test_excluded_statuses_carry_no_loss_and_entropy_is_reported(model_dir):
         GRPOTrainer(policy, GRPOConfig(exclude_statuses=("truncated",)))
 
 
+def test_an_entropy_bonus_raises_the_policys_entropy(model_dir):
+    trajs = _sampled(model_dir, 8, seed=6)
+    groups = [trajs[i:i + 2] for i in range(0, 8, 2)]
+    entropy = {}
+    for coef in (0.0, 0.5):
+        policy = PolicyModel(model_dir)
+        trainer = GRPOTrainer(policy, GRPOConfig(lr=1e-2, entropy_coef=coef, epochs=2))
+        m = trainer.step(groups)
+        assert m["trained_trajectories"] > 0
+        ent: list = []
+        policy.logprobs(Batch.of(trajs), entropy=ent)
+        b = Batch.of(trajs)
+        entropy[coef] = (m["entropy"], float((ent[0].detach() * b.mask).sum() / b.mask.sum()))
+    assert entropy[0.0][0] == entropy[0.5][0]  # the step's metric: the entropy before its update
+    assert entropy[0.5][1] > entropy[0.0][1] + 0.05  # the bonus raised it (two epochs of it)
+
+
 def _episode(*contexts: Trajectory, reward: float) -> Trajectory:
     """An episode that ran in several contexts (the last one's fields, the others `earlier`)."""
     last = contexts[-1]
