@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -343,6 +344,8 @@ async def _train(cfg: TrainConfig) -> dict:
             with open(steps_log, "a") as f:
                 f.write(json.dumps(m, default=str) + "\n")
             trackers.log(m, len(history))  # (step n's metrics under n + 1: the SFT model's evaluation is 0)
+            if cfg.save_every and len(history) % cfg.save_every == 0:  # rollouts go on meanwhile
+                await asyncio.to_thread(_save_model, policy, run / "models", len(history), cfg.keep_saved)
             if len(history) % 10 == 0:  # the curves so far
                 write_report(run / "report", {**report, "steps": history, "sft_success": sft_success})
             bar.update(m)
@@ -370,6 +373,19 @@ async def _train(cfg: TrainConfig) -> dict:
         base = run / "warm-start-model" if cfg.sft_steps > 0 else Path(cfg.model).resolve()
         policy.save_adapter(str(run / "final-adapter"), str(base))
     return report
+
+
+def _save_model(policy, root: Path, step: int, keep: int) -> None:
+    """The policy as a model directory, root/step-N (written aside, then renamed into place), and only
+    the last `keep` of them (0: all)."""
+    tmp, final = root / f".step-{step}.tmp", root / f"step-{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save(str(tmp))
+    shutil.rmtree(final, ignore_errors=True)  # (a resumed run that saved this step before)
+    os.replace(tmp, final)
+    saved = sorted((int(d.name.removeprefix("step-")), d) for d in root.glob("step-*") if d.name[5:].isdigit())
+    for _, d in saved[:-keep] if keep else []:
+        shutil.rmtree(d)
 
 
 def _add_lora(cfg: TrainConfig, policy) -> None:

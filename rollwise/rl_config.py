@@ -167,6 +167,10 @@ class TrainConfig:
     eval_tasks: int = 200
     # and every eval_every steps during it (sampled; metric eval_success, drawn on the curves). 0: not
     eval_every: int = 0
+    # the model in Hugging Face format (LoRA merged) every save_every steps, as RUN_DIR/models/step-N (a
+    # model directory for `rollwise eval --set model=...` or serving); the last keep_saved of them (0: all)
+    save_every: int = 0
+    keep_saved: int = 0
     progress: bool = True
     # experiment trackers for the step metrics, beside steps.jsonl: "tensorboard" (RUN_DIR/tensorboard)
     # and / or "wandb", each its own package (pip install tensorboard / wandb)
@@ -235,6 +239,9 @@ class TrainConfig:
             raise ValueError(f"max_skipped_groups must be >= 0 (0: 4 x groups_per_step), got {cfg.max_skipped_groups}")
         if cfg.epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {cfg.epochs}")
+        if cfg.save_every < 0 or cfg.keep_saved < 0:
+            raise ValueError(f"save_every and keep_saved must be >= 0 (0: never, all), got {cfg.save_every}, "
+                             f"{cfg.keep_saved}")
         if cfg.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0 (0: evaluate before and after RL only), got {cfg.eval_every}")
         if cfg.lora_rank < 0 or cfg.lora_alpha <= 0:

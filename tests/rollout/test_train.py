@@ -91,19 +91,27 @@ def test_deterministic_runs_repeat_bit_for_bit(model_dir, tmp_path, monkeypatch)
     assert ra["rl_success"] == rb["rl_success"]
 
 
-def test_a_gae_run_trains_groups_of_one_and_resumes_with_its_critic(model_dir, tmp_path, monkeypatch):
+def test_a_gae_run_trains_groups_of_one_resumes_with_its_critic_and_saves_models(model_dir, tmp_path, monkeypatch):
     """PPO's critic in the pipeline: groups of one episode, value metrics every step, and a resumed
-    run goes on with the critic it saved (a new one starts at 0: its value head is zero)."""
+    run goes on with the critic it saved (a new one starts at 0: its value head is zero). The model
+    is saved every step, the last two kept."""
     monkeypatch.setitem(ENVS, "calculator", _ParityReward)
     cfg = {**TINY, "model": model_dir, "run_dir": str(tmp_path / "run"), "advantage": "gae", "group_size": 1,
-           "groups_per_step": 4, "eval_tasks": 0, "deterministic": True}
+           "groups_per_step": 4, "eval_tasks": 0, "deterministic": True, "save_every": 1, "keep_saved": 2}
     first = train(TrainConfig.from_dict({**cfg, "steps": 2}))["steps"]
     assert [s["trajectories"] for s in first] == [4, 4] and first[0]["value_mean"] == 0.0
     assert first[0]["trained_trajectories"] > 0 and first[1]["value_mean"] != 0.0
     saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["critic"]["head"]["weight"]
     assert saved.abs().sum() > 0
+    assert sorted(p.name for p in (tmp_path / "run" / "models").iterdir()) == ["step-1", "step-2"]
     later = train(TrainConfig.from_dict({**cfg, "steps": 3}))["steps"]
     assert len(later) == 3 and later[2]["value_mean"] != 0.0 and 0 <= later[2]["value_clip_frac"] <= 1
+    models = tmp_path / "run" / "models"
+    assert sorted(p.name for p in models.iterdir()) == ["step-2", "step-3"]  # the last two
+    from safetensors.torch import load_file
+    last, final = (load_file(str(d / "model.safetensors")) for d in (models / "step-3", models.parent / "final-model"))
+    assert last.keys() == final.keys() and all(torch.equal(last[k], final[k]) for k in last)
+    assert (models / "step-2" / "tokenizer.json").exists()  # a model directory that serves as it is
 
 
 def test_batch_invariant_replicas_repeat_a_deterministic_run_however_it_is_batched(model_dir, tmp_path, monkeypatch):
