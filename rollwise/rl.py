@@ -184,6 +184,7 @@ async def _train(cfg: TrainConfig) -> dict:
                       entropy_coef=cfg.entropy_coef,
                       is_level=cfg.is_level, is_mode=cfg.is_mode, is_low=cfg.is_low, is_veto=cfg.is_veto,
                       temperature=cfg.temperature, loss_agg=cfg.loss_agg, advantage=cfg.advantage,
+                      loss_scale_tokens=cfg.loss_scale_tokens or cfg.max_tokens * cfg.max_turns,
                       step_advantage_weight=cfg.step_advantage_weight, gamma=cfg.gamma, gigpo_mode=cfg.gigpo_mode,
                       gigpo_similarity=cfg.gigpo_similarity, gae_gamma=cfg.gae_gamma,
                       gae_lambda=cfg.gae_lambda, critic_lr=cfg.critic_lr, value_clip=cfg.value_clip,

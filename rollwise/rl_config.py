@@ -15,7 +15,7 @@ from rollwise.router.replica import WEIGHTS_VIA
 from rollwise.trainer.advantages import ADVANTAGES, NO_GROUP, check_gigpo
 from rollwise.trainer.critic import check as check_critic
 from rollwise.trainer.correction import check as check_correction
-from rollwise.trainer.grpo import POLICY_LOSSES
+from rollwise.trainer.grpo import POLICY_LOSSES, check_loss_agg
 from rollwise.trainer.policy import ROUTING_MODES
 from rollwise.types import check_cut_off
 
@@ -70,7 +70,8 @@ class TrainConfig:
     # in) or "adapter" (the adapter alone, served on the warm-start weights they hold: vLLM's way for
     # LoRA RL; `rollwise serve` replicas need --enable-lora and a --max-lora-rank of at least lora_rank)
     lora_sync: str = "merged"
-    loss_agg: str = "token"  # or "sequence"
+    loss_agg: str = "token"  # or "sequence", "constant" (rollwise/trainer/grpo.py)
+    loss_scale_tokens: int = 0  # "constant": each trajectory's token sum over it (0: max_tokens x max_turns)
     # MoE models (qwen3_moe): "replay" takes each token through the experts the rollout routed it to
     # (Rollout Routing Replay: replicas return every token's experts, the trainer's routers use them,
     # weighted by their own probabilities); "record" only reports how often the trainer's routers choose
@@ -223,6 +224,7 @@ class TrainConfig:
         if cfg.tool_latency_kind not in ("uniform", "lognormal"):
             raise ValueError(f"tool_latency_kind must be 'uniform' or 'lognormal', got {cfg.tool_latency_kind!r}")
         check_gigpo(cfg.gigpo_mode, cfg.gigpo_similarity)
+        check_loss_agg(cfg.loss_agg, cfg.loss_scale_tokens or cfg.max_tokens * cfg.max_turns)
         check_critic(cfg.gae_gamma, cfg.gae_lambda, cfg.critic_lr, cfg.value_clip, cfg.critic_warmup)
         if cfg.advantage in NO_GROUP and cfg.dynamic_sampling:
             raise ValueError(f"dynamic_sampling skips groups whose rewards are all equal, but {cfg.advantage} "

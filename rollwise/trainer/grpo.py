@@ -89,7 +89,11 @@ class GRPOConfig:
     micro_batch_tokens: int = 8192
     epochs: int = 1  # optimizer steps over each batch (PPO epochs)
     logprob_tolerance: float = 0.02  # mean |trainer - rollout| logprob allowed on fresh samples
-    loss_agg: str = "token"  # "token": mean over all generated tokens; "sequence": per trajectory, then mean
+    # "token": mean over all generated tokens; "sequence": per trajectory, then mean; "constant": each
+    # trajectory's token sum over loss_scale_tokens, then mean (Dr. GRPO's, verl's seq-mean-token-sum-norm:
+    # no length normalisation, so a long wrong answer is not penalised less per token than a short one)
+    loss_agg: str = "token"
+    loss_scale_tokens: int = 0  # "constant": the divisor (e.g. the most tokens an episode may generate)
     policy_loss: str = "ppo"  # or "gspo", "cispo" (`POLICY_LOSSES`)
     behaviour: str = "rollout"  # behaviour logprobs: "rollout" (the replicas') or "recompute" (the trainer's)
     keep_versions: int = 0  # "recompute": past versions' weights kept (the staleness bound)
@@ -103,6 +107,15 @@ class GRPOConfig:
 
 
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
+LOSS_AGGS = ("token", "sequence", "constant")
+
+
+def check_loss_agg(agg: str, scale_tokens: int) -> None:
+    if agg not in LOSS_AGGS:
+        raise ValueError(f"unknown loss_agg {agg!r}; valid: {list(LOSS_AGGS)}")
+    if agg == "constant" and scale_tokens < 1:
+        raise ValueError(f"loss_agg = 'constant' divides each trajectory's token sum by loss_scale_tokens, which "
+                         f"must be >= 1, got {scale_tokens}")
 
 
 def oldest_version(t: Trajectory) -> int:
@@ -112,8 +125,7 @@ def oldest_version(t: Trajectory) -> int:
 class GRPOTrainer:
     def __init__(self, policy: PolicyModel, config: GRPOConfig | None = None) -> None:
         self.policy, self.cfg = policy, config or GRPOConfig()
-        if self.cfg.loss_agg not in ("token", "sequence"):
-            raise ValueError(f"loss_agg must be 'token' or 'sequence', got {self.cfg.loss_agg!r}")
+        check_loss_agg(self.cfg.loss_agg, self.cfg.loss_scale_tokens)
         if self.cfg.policy_loss not in POLICY_LOSSES:
             raise ValueError(f"unknown policy_loss {self.cfg.policy_loss!r}; valid: {list(POLICY_LOSSES)}")
         if self.cfg.advantage not in ADVANTAGES:
@@ -322,9 +334,11 @@ class GRPOTrainer:
             stats[2] += float((kl.detach() * b.mask).sum())
         if cfg.entropy_coef and ent is not None:
             pg = pg - cfg.entropy_coef * ent
-        if cfg.loss_agg == "sequence":
+        if cfg.loss_agg != "token":
             n = b.mask.sum(1) if n is None else n
-            loss = ((pg * b.mask).sum(1) / n.clamp(min=1)).sum() / div  # each episode's mean
+            if cfg.loss_agg == "constant":
+                n = torch.full_like(n, float(cfg.loss_scale_tokens))
+            loss = ((pg * b.mask).sum(1) / n.clamp(min=1)).sum() / div  # each episode's mean (or sum / constant)
         else:
             loss = (pg * b.mask).sum() / div
         loss.backward()

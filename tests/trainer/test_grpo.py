@@ -263,6 +263,29 @@ def test_excluded_statuses_carry_no_loss_and_entropy_is_reported(model_dir):
         GRPOTrainer(policy, GRPOConfig(exclude_statuses=("truncated",)))
 
 
+def test_constant_loss_agg_sums_each_trajectory_over_a_fixed_count(model_dir):
+    """Dr. GRPO's aggregation: sum(token losses) / C per trajectory, then the mean over trajectories;
+    at ratio 1 (fresh samples) each token's loss is -A, so the loss is -sum(A_i n_i) / (C N)."""
+    trajs = _sampled(model_dir, 8, seed=7)
+    for i, t in enumerate(trajs):  # answers of 2 to 8 tokens (8 each as sampled)
+        k = len(t.token_ids) - 8 + 2 + (i * 5) % 7
+        t.token_ids, t.loss_mask, t.logprobs = t.token_ids[:k], t.loss_mask[:k], t.logprobs[:k]
+        t.turns[0].num_generated = k - t.turns[0].start
+    groups = [trajs[i:i + 4] for i in range(0, 8, 4)]
+    adv = advantages(groups)
+    useful = [(a, t.num_generated) for a, t in zip(adv, trajs) if abs(a) > 1e-9]
+    loss = {c: GRPOTrainer(PolicyModel(model_dir), GRPOConfig(loss_agg="constant", loss_scale_tokens=c)).step(groups)
+            ["loss"] for c in (40, 80)}
+    want = -sum(a * n for a, n in useful) / (40 * len(useful))
+    assert abs(want) > 1e-3 and loss[40] == pytest.approx(want, rel=1e-3)
+    assert loss[40] == pytest.approx(2 * loss[80], rel=1e-5)
+    with pytest.raises(ValueError, match="loss_scale_tokens"):
+        GRPOTrainer(PolicyModel(model_dir), GRPOConfig(loss_agg="constant"))
+    with pytest.raises(ValueError, match="valid.*constant"):
+        TrainConfig.from_dict({"model": "m", "loss_agg": "mean"})
+    assert TrainConfig.from_dict({"model": "m", "loss_agg": "constant"}).loss_scale_tokens == 0  # max_tokens x turns
+
+
 def test_an_entropy_bonus_raises_the_policys_entropy(model_dir):
     trajs = _sampled(model_dir, 8, seed=6)
     groups = [trajs[i:i + 2] for i in range(0, 8, 2)]
