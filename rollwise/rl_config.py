@@ -58,6 +58,7 @@ class TrainConfig:
     is_low: float = 0.0
     is_veto: float = 0.0
     kl_coef: float = 0.0
+    dual_clip: float = 3.0  # "ppo": a negative advantage's token loss at most this x |A| (verl's clip_ratio_c); 0: off
     entropy_coef: float = 0.0  # an entropy bonus: the loss less this times each token's entropy
     # LoRA (peft's layers): 0 trains every weight; r > 0 freezes them after the warm start and trains
     # rank-r adapters on `lora_targets` ("all-linear": every linear but the output head, or a list of
@@ -224,6 +225,8 @@ class TrainConfig:
         if cfg.tool_latency_kind not in ("uniform", "lognormal"):
             raise ValueError(f"tool_latency_kind must be 'uniform' or 'lognormal', got {cfg.tool_latency_kind!r}")
         check_gigpo(cfg.gigpo_mode, cfg.gigpo_similarity)
+        if cfg.dual_clip and cfg.dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1 (or 0: off), got {cfg.dual_clip}")
         check_loss_agg(cfg.loss_agg, cfg.loss_scale_tokens or cfg.max_tokens * cfg.max_turns)
         check_critic(cfg.gae_gamma, cfg.gae_lambda, cfg.critic_lr, cfg.value_clip, cfg.critic_warmup)
         if cfg.advantage in NO_GROUP and cfg.dynamic_sampling:

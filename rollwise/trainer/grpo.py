@@ -65,6 +65,9 @@ class GRPOConfig:
     weight_decay: float = 0.0
     clip: float = 0.2
     clip_high: float | None = None  # the upper clip, 1 + clip_high (DAPO's clip-higher); None: `clip`
+    # dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c, default 3): with a negative advantage, a token's
+    # loss is at most dual_clip x |A| however far its ratio went up (a stale sample); 0: off
+    dual_clip: float = 3.0
     tis_cap: float = 2.0
     # rollout correction (correction.py): "token" / "sequence" / "geometric" ratios, "truncate" / "mask"
     is_level: str = "token"
@@ -126,6 +129,8 @@ class GRPOTrainer:
     def __init__(self, policy: PolicyModel, config: GRPOConfig | None = None) -> None:
         self.policy, self.cfg = policy, config or GRPOConfig()
         check_loss_agg(self.cfg.loss_agg, self.cfg.loss_scale_tokens)
+        if self.cfg.dual_clip and self.cfg.dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1 (or 0: off), got {self.cfg.dual_clip}")
         if self.cfg.policy_loss not in POLICY_LOSSES:
             raise ValueError(f"unknown policy_loss {self.cfg.policy_loss!r}; valid: {list(POLICY_LOSSES)}")
         if self.cfg.advantage not in ADVANTAGES:
@@ -321,7 +326,10 @@ class GRPOTrainer:
         if cfg.policy_loss == "cispo":
             pg = -ratio.detach().clamp(lo, hi) * A * lp * w
         else:
-            pg = -torch.minimum(ratio * A, ratio.clamp(lo, hi) * A) * w
+            pg = -torch.minimum(ratio * A, ratio.clamp(lo, hi) * A)
+            if cfg.dual_clip and cfg.policy_loss == "ppo":  # a negative advantage's loss at most dual_clip x |A|
+                pg = torch.where(A < 0, torch.minimum(pg, -A * cfg.dual_clip), pg)
+            pg = pg * w
         if cfg.kl_coef > 0:
             with torch.no_grad(), self.policy.adapters_off():
                 ref = self.ref if self.ref is not None else self.policy.model

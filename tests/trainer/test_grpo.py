@@ -383,6 +383,32 @@ def test_lora_starts_as_the_model_trains_adapters_alone_and_merges_exactly(model
         PolicyModel(model_dir).add_lora(4, 8, ["nope"])
 
 
+def test_dual_clip_bounds_a_negative_advantages_loss(model_dir):
+    """Dual-clip PPO: a token whose ratio went far up (4.5 here) under a negative advantage has loss
+    at most dual_clip x |A| (and no gradient there); a positive advantage's is the ordinary clip."""
+    mask = torch.ones(2, 2)
+    prox = torch.full((2, 2), -1.0)
+    lp0 = prox + torch.tensor([[1.5, 0.0], [1.5, 0.0]])  # first tokens: ratio e^1.5 = 4.48
+    b = Batch(input_ids=torch.zeros(2, 3, dtype=torch.long), attention_mask=torch.ones(2, 3, dtype=torch.long),
+              targets=torch.zeros(2, 2, dtype=torch.long), mask=mask, behaviour_logprobs=prox)
+    a = torch.tensor([-0.5, 1.0])
+    out = {}
+    for dual in (0.0, 3.0):
+        trainer = GRPOTrainer(PolicyModel(model_dir), GRPOConfig(clip=0.2, dual_clip=dual))
+        lp = lp0.clone().requires_grad_()
+        stats = torch.zeros(6)
+        trainer._backward(lp, b, a, None, prox, div=1.0, stats=stats)
+        out[dual] = (float(stats[0]), lp.grad.clone())
+    r = float(torch.exp(torch.tensor(1.5)))
+    # token (0, 0): 0.5 r unbounded, 3 x 0.5 dual-clipped; (0, 1): ratio 1, loss 0.5; row 1: -1.2 (clipped) and -1
+    assert out[0.0][0] == pytest.approx(0.5 * r + 0.5 - 1.2 - 1.0, rel=1e-6)
+    assert out[3.0][0] == pytest.approx(1.5 + 0.5 - 1.2 - 1.0, rel=1e-6)
+    assert out[0.0][1][0, 0] == pytest.approx(0.5 * r) and out[3.0][1][0, 0] == 0.0
+    assert torch.equal(out[0.0][1][1], out[3.0][1][1]) and torch.equal(out[0.0][1][0, 1:], out[3.0][1][0, 1:])
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        GRPOTrainer(PolicyModel(model_dir), GRPOConfig(dual_clip=0.5))
+
+
 @pytest.mark.parametrize("policy_loss", ["ppo", "gspo", "cispo"])
 def test_policy_losses_against_their_formulas(model_dir, policy_loss):
     """Each loss on made-up logprobs, its value and gradient against the formula written out:
