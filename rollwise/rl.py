@@ -180,7 +180,8 @@ async def _train(cfg: TrainConfig) -> dict:
     # a deterministic run recomputes behaviour logprobs so the replicas' rounding never reaches the loss;
     # true on-policy replicas' logprobs are already the trainer's, bit for bit, under every version
     behaviour = "recompute" if cfg.deterministic and not cfg.true_on_policy else "rollout"
-    grpo = GRPOConfig(lr=cfg.lr, clip=cfg.clip, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
+    grpo = GRPOConfig(lr=cfg.lr, lr_warmup_steps=cfg.lr_warmup_steps, lr_schedule=cfg.lr_schedule,
+                      min_lr_ratio=cfg.min_lr_ratio, total_steps=cfg.steps, clip=cfg.clip, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
                       entropy_coef=cfg.entropy_coef, dual_clip=cfg.dual_clip,
                       is_level=cfg.is_level, is_mode=cfg.is_mode, is_low=cfg.is_low, is_veto=cfg.is_veto,
                       temperature=cfg.temperature, loss_agg=cfg.loss_agg, advantage=cfg.advantage,

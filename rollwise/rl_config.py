@@ -15,8 +15,9 @@ from rollwise.router.replica import WEIGHTS_VIA
 from rollwise.trainer.advantages import ADVANTAGES, NO_GROUP, check_gigpo
 from rollwise.trainer.critic import check as check_critic
 from rollwise.trainer.correction import check as check_correction
-from rollwise.trainer.grpo import POLICY_LOSSES, check_loss_agg
+from rollwise.trainer.losses import POLICY_LOSSES, check_loss_agg
 from rollwise.trainer.policy import ROUTING_MODES
+from rollwise.trainer.schedule import check as check_schedule
 from rollwise.types import check_cut_off
 
 
@@ -47,6 +48,11 @@ class TrainConfig:
     groups_per_step: int = 8
     group_size: int = 8
     lr: float = 1e-4
+    # the RL learning rate by step: linear warm-up over lr_warmup_steps, then "constant" or "cosine" (down
+    # to min_lr_ratio x lr at the last step); verl's lr_warmup_steps, warmup_style, min_lr_ratio
+    lr_warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    min_lr_ratio: float = 0.0
     clip: float = 0.2
     clip_high: float | None = None  # upper clip 1 + clip_high (DAPO's clip-higher, e.g. 0.28); None: clip
     tis_cap: float = 2.0  # the importance weights' cap (proximal / behaviour: staleness, replica numerics)
@@ -225,6 +231,7 @@ class TrainConfig:
         if cfg.tool_latency_kind not in ("uniform", "lognormal"):
             raise ValueError(f"tool_latency_kind must be 'uniform' or 'lognormal', got {cfg.tool_latency_kind!r}")
         check_gigpo(cfg.gigpo_mode, cfg.gigpo_similarity)
+        check_schedule(cfg.lr_schedule, cfg.lr_warmup_steps, cfg.min_lr_ratio)
         if cfg.dual_clip and cfg.dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1 (or 0: off), got {cfg.dual_clip}")
         check_loss_agg(cfg.loss_agg, cfg.loss_scale_tokens or cfg.max_tokens * cfg.max_turns)

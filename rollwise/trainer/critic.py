@@ -93,6 +93,7 @@ class Critic:
         torch.nn.init.zeros_(self.head.bias)
         self.value_clip, self.max_grad_norm = value_clip, max_grad_norm
         self._cache_kw = cache_kw(model)
+        self.lr = lr  # the base learning rate (the trainer's schedule scales it)
         self.opt = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=weight_decay)
 
     def parameters(self) -> list[torch.nn.Parameter]:

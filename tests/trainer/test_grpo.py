@@ -286,6 +286,23 @@ def test_constant_loss_agg_sums_each_trajectory_over_a_fixed_count(model_dir):
     assert TrainConfig.from_dict({"model": "m", "loss_agg": "constant"}).loss_scale_tokens == 0  # max_tokens x turns
 
 
+def test_the_learning_rate_follows_its_schedule(model_dir):
+    from rollwise.trainer.schedule import lr_factor
+    assert [lr_factor(s, warmup=4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cos = [lr_factor(s, 2, "cosine", total=10, min_ratio=0.1) for s in (0, 2, 6, 10, 12)]
+    assert cos == pytest.approx([0.5, 1.0, 0.1 + 0.9 * 0.5, 0.1, 0.1])
+    trajs = _sampled(model_dir, 4, seed=8)
+    trainer = GRPOTrainer(PolicyModel(model_dir), GRPOConfig(lr=1e-3, lr_warmup_steps=2, lr_schedule="cosine",
+                                                             total_steps=4, min_lr_ratio=0.5))
+    lrs = []
+    for _ in range(4):  # (stale samples after the first step: their importance weights take them)
+        lrs.append((trainer.step([trajs[:2], trajs[2:]])["lr"], trainer.opt.param_groups[0]["lr"]))
+    assert [a for a, _ in lrs] == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3 * (0.5 + 0.5 * 0.5)])
+    assert all(a == b for a, b in lrs)
+    with pytest.raises(ValueError, match="valid.*cosine"):
+        TrainConfig.from_dict({"model": "m", "lr_schedule": "linear"})
+
+
 def test_an_entropy_bonus_raises_the_policys_entropy(model_dir):
     trajs = _sampled(model_dir, 8, seed=6)
     groups = [trajs[i:i + 2] for i in range(0, 8, 2)]

@@ -1,0 +1,60 @@
+"""The policy losses per token and their aggregation over a batch, read top to bottom.
+
+`policy_loss`: "ppo", the token-level clipped policy gradient (decoupled PPO, as in AReaL), with
+dual-clip (Ye et al. 2020; verl's clip_ratio_c): under a negative advantage a token's loss is at most
+`dual_clip` x |A| however far its ratio went up; "gspo", GSPO's sequence-level ratio (the geometric
+mean of its tokens' ratios, clipped per sequence), in its token form, so each token's gradient is the
+sequence ratio times its own; "cispo", CISPO's REINFORCE with the ratio clipped and stopped (every
+token keeps a gradient, the weight is capped). The three agree at ratio 1. `w`: the importance
+weights proximal / behaviour (correction.py).
+
+`loss_agg`: "token", the mean over the batch's generated tokens; "sequence", each trajectory's mean,
+then theirs; "constant", each trajectory's token sum over a fixed count, then the mean (Dr. GRPO's,
+verl's seq-mean-token-sum-norm: no length normalisation, so a long wrong answer is not penalised less
+per token than a short one).
+"""
+from __future__ import annotations
+
+import torch
+
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+LOSS_AGGS = ("token", "sequence", "constant")
+
+
+def check_loss_agg(agg: str, scale_tokens: int) -> None:
+    if agg not in LOSS_AGGS:
+        raise ValueError(f"unknown loss_agg {agg!r}; valid: {list(LOSS_AGGS)}")
+    if agg == "constant" and scale_tokens < 1:
+        raise ValueError(f"loss_agg = 'constant' divides each trajectory's token sum by loss_scale_tokens, which "
+                         f"must be >= 1, got {scale_tokens}")
+
+
+def token_losses(kind: str, lp: torch.Tensor, prox: torch.Tensor, A: torch.Tensor, w: torch.Tensor,
+                 mask: torch.Tensor, clip_range: tuple[float, float], dual_clip: float = 0.0):
+    """[B, L-1] each target's policy-gradient loss (its gradient flows through `lp`), and the ratios
+    current / proximal that were clipped against. `A`: [B, 1] or [B, L-1] advantages."""
+    lo, hi = clip_range
+    if kind == "gspo":  # each row's sequence ratio, carried by every token with its own gradient
+        seq = torch.exp(((lp - prox) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1))
+        ratio = seq.detach() * torch.exp(lp - lp.detach())
+    else:
+        ratio = torch.exp(lp - prox)
+    if kind == "cispo":
+        return -ratio.detach().clamp(lo, hi) * A * lp * w, ratio
+    pg = -torch.minimum(ratio * A, ratio.clamp(lo, hi) * A)
+    if dual_clip and kind == "ppo":  # a negative advantage's loss at most dual_clip x |A|
+        pg = torch.where(A < 0, torch.minimum(pg, -A * dual_clip), pg)
+    return pg * w, ratio
+
+
+def aggregate(pg: torch.Tensor, mask: torch.Tensor, agg: str, div: float, n: torch.Tensor | None = None,
+              scale_tokens: int = 0) -> torch.Tensor:
+    """The micro-batch's share of the batch loss: its token losses summed over `div` (the batch's
+    generated tokens for "token", its trajectories otherwise), each row's first divided by `n` (its
+    episode's generated tokens; default the row's own) or by `scale_tokens` ("constant")."""
+    if agg == "token":
+        return (pg * mask).sum() / div
+    n = mask.sum(1) if n is None else n
+    if agg == "constant":
+        n = torch.full_like(n, float(scale_tokens))
+    return ((pg * mask).sum(1) / n.clamp(min=1)).sum() / div
