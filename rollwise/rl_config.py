@@ -107,6 +107,7 @@ class TrainConfig:
     # loss_agg = "sequence") or "cispo" (clipped, stopped ratios as weights: clip_high large)
     policy_loss: str = "ppo"
     epochs: int = 1  # optimizer steps over each batch (PPO epochs; from the second, ratios move off 1)
+    mini_batches: int = 1  # optimizer steps per epoch, each on a part of the batch (verl's ppo_mini_batch_size)
     # episodes cut off by a limit carry no loss (DAPO's overlong filtering): any of "max_turns",
     # "max_context", "timeout", "error"
     exclude_statuses: list[str] = field(default_factory=list)
@@ -249,8 +250,8 @@ class TrainConfig:
             raise ValueError(f"episode_retries must be >= 0, got {cfg.episode_retries}")
         if cfg.max_skipped_groups < 0:
             raise ValueError(f"max_skipped_groups must be >= 0 (0: 4 x groups_per_step), got {cfg.max_skipped_groups}")
-        if cfg.epochs < 1:
-            raise ValueError(f"epochs must be >= 1, got {cfg.epochs}")
+        if cfg.epochs < 1 or cfg.mini_batches < 1:
+            raise ValueError(f"epochs and mini_batches must be >= 1, got {cfg.epochs}, {cfg.mini_batches}")
         if cfg.save_every < 0 or cfg.keep_saved < 0:
             raise ValueError(f"save_every and keep_saved must be >= 0 (0: never, all), got {cfg.save_every}, "
                              f"{cfg.keep_saved}")

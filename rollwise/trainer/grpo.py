@@ -39,7 +39,7 @@ on-policy logprobs (`PolicyModel.enable_exact`, exact.py) the tolerance is 0: th
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +49,7 @@ from rollwise.trainer.advantages import (ADVANTAGES, WHITENED, advantages, check
 from rollwise.trainer.critic import Critic, check as check_critic, estimate, whiten
 from rollwise.trainer.correction import check as check_correction, is_weights
 from rollwise.trainer.logprob_check import LogprobMismatch, check, compare
-from rollwise.trainer.losses import POLICY_LOSSES, aggregate, check_loss_agg, token_losses
+from rollwise.trainer.losses import POLICY_LOSSES, aggregate, check_loss_agg, part_size, split, token_losses
 from rollwise.trainer.policy import Batch, PolicyModel, micro_batches
 from rollwise.trainer.schedule import check as check_schedule, lr_factor
 from rollwise.types import Trajectory, check_cut_off
@@ -90,7 +90,10 @@ class GRPOConfig:
     max_grad_norm: float = 1.0
     temperature: float = 1.0  # the rollouts' sampling temperature
     micro_batch_tokens: int = 8192
-    epochs: int = 1  # optimizer steps over each batch (PPO epochs)
+    epochs: int = 1  # passes over each batch (PPO epochs)
+    # optimizer steps per epoch, each on a part of the batch's micro-batches (verl's ppo_mini_batch_size as
+    # a count); > 1: the first pass only computes the proximal logprobs, every update runs in `finish`
+    mini_batches: int = 1
     logprob_tolerance: float = 0.02  # mean |trainer - rollout| logprob allowed on fresh samples
     # "token": mean over all generated tokens; "sequence": per trajectory, then mean; "constant": each
     # trajectory's token sum over loss_scale_tokens, then mean (Dr. GRPO's, verl's seq-mean-token-sum-norm:
@@ -117,6 +120,8 @@ class GRPOTrainer:
     def __init__(self, policy: PolicyModel, config: GRPOConfig | None = None) -> None:
         self.policy, self.cfg = policy, config or GRPOConfig()
         check_loss_agg(self.cfg.loss_agg, self.cfg.loss_scale_tokens)
+        if self.cfg.epochs < 1 or self.cfg.mini_batches < 1:
+            raise ValueError(f"epochs and mini_batches must be >= 1, got {self.cfg.epochs}, {self.cfg.mini_batches}")
         check_schedule(self.cfg.lr_schedule, self.cfg.lr_warmup_steps, self.cfg.min_lr_ratio)
         if self.cfg.dual_clip and self.cfg.dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1 (or 0: off), got {self.cfg.dual_clip}")
@@ -208,11 +213,13 @@ class GRPOTrainer:
         with torch.no_grad():  # behaviour logprobs of stale tokens under the weights that generated them
             st = self._stale(mb, b) if cfg.behaviour == "recompute" else None
         ent: list = []
-        lp = self.policy.logprobs(b, cfg.temperature, entropy=ent)
+        with torch.no_grad() if cfg.mini_batches > 1 else nullcontext():
+            lp = self.policy.logprobs(b, cfg.temperature, entropy=ent)
         acc["entropy"].append(float(ent[0].detach().sum()))
         # the proximal policy: the weights before this step (no update yet: no separate forward)
         prox = lp.detach()
-        self._backward(lp, b, a, st, prox, acc["given"] or 1.0, acc["stats"], n, ent[0])
+        if cfg.mini_batches == 1:  # this forward's gradients are the first update's
+            self._backward(lp, b, a, st, prox, acc["given"] or 1.0, acc["stats"], n, ent[0])
         compare(mb, b, prox, acc["diffs"], self.version)
         acc["items"].append((b, a, st, prox, n))
 
@@ -244,28 +251,31 @@ class GRPOTrainer:
         except LogprobMismatch:
             self.opt.zero_grad(set_to_none=True)
             raise
-        for epoch in range(cfg.epochs):
-            if not acc["items"]:
-                break
-            stats = acc["stats"]
-            if epoch > 0:
-                stats = torch.zeros(6)
-                for b, a, st, prox, n in acc["items"]:
-                    ent = [] if cfg.entropy_coef else None
-                    lp = self.policy.logprobs(b, cfg.temperature, entropy=ent)
-                    self._backward(lp, b, a, st, prox, div, stats, n, ent[0] if ent else None)
-            elif not acc["given"]:  # streamed: the sums' gradients, normalized now that the batch is known
-                for p in self.policy.parameters():
-                    if p.grad is not None:
-                        p.grad.div_(div)
-                stats[0] /= div
-            gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
-            if self.version >= cfg.critic_warmup or self.critic is None:
-                self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            m.update(loss=float(stats[0]), grad_norm=float(gn), clip_frac=float(stats[1]) / n_tokens,
-                     kl=float(stats[2]) / n_tokens, is_weight_mean=float(stats[3]) / n_tokens,
-                     is_dropped=float(stats[4]) / n_tokens, behaviour_kl=float(stats[5]) / n_tokens)
+        parts = split(acc["items"], cfg.mini_batches)
+        for epoch in range(cfg.epochs if acc["items"] else 0):
+            stats, norms = torch.zeros(6), []
+            for part in parts:
+                if epoch == 0 and cfg.mini_batches == 1:  # the first pass's gradients
+                    stats = acc["stats"]
+                    if not acc["given"]:  # streamed: the sums' gradients, normalized now that the batch is known
+                        for p in self.policy.parameters():
+                            if p.grad is not None:
+                                p.grad.div_(div)
+                        stats[0] /= div
+                else:
+                    pdiv = div if len(parts) == 1 else part_size(part, cfg.loss_agg)
+                    for b, a, st, prox, n in part:
+                        ent = [] if cfg.entropy_coef else None
+                        lp = self.policy.logprobs(b, cfg.temperature, entropy=ent)
+                        self._backward(lp, b, a, st, prox, pdiv, stats, n, ent[0] if ent else None)
+                norms.append(float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)))
+                if self.version >= cfg.critic_warmup or self.critic is None:
+                    self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+            m.update(loss=float(stats[0]) / len(parts), grad_norm=sum(norms) / len(norms),
+                     clip_frac=float(stats[1]) / n_tokens, kl=float(stats[2]) / n_tokens,
+                     is_weight_mean=float(stats[3]) / n_tokens, is_dropped=float(stats[4]) / n_tokens,
+                     behaviour_kl=float(stats[5]) / n_tokens)
         if self.critic is not None:
             m.update(self.critic.update(acc["whiten"], cfg.epochs),
                      critic_warmup=float(self.version < cfg.critic_warmup))

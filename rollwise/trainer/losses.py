@@ -58,3 +58,24 @@ def aggregate(pg: torch.Tensor, mask: torch.Tensor, agg: str, div: float, n: tor
     if agg == "constant":
         n = torch.full_like(n, float(scale_tokens))
     return ((pg * mask).sum(1) / n.clamp(min=1)).sum() / div
+
+
+def split(items: list[tuple], k: int) -> list[list[tuple]]:
+    """The step's micro-batches in up to k contiguous parts of about equal generated tokens."""
+    total = sum(float(it[0].mask.sum()) for it in items)
+    parts: list[list[tuple]] = [[]]
+    done = 0.0
+    for it in items:
+        if parts[-1] and done >= total * len(parts) / k:
+            parts.append([])
+        parts[-1].append(it)
+        done += float(it[0].mask.sum())
+    return parts
+
+
+def part_size(part: list[tuple], agg: str) -> float:
+    """A part's divisor: its generated tokens ("token"), else its trajectories (a row counts its share
+    of its episode's tokens, so an episode whose contexts lie in several parts counts once in all)."""
+    if agg == "token":
+        return float(sum(b.mask.sum() for b, *_ in part))
+    return float(sum((b.mask.sum(1) / n.clamp(min=1)).sum() for b, _, _, _, n in part))

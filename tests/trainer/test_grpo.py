@@ -286,6 +286,28 @@ def test_constant_loss_agg_sums_each_trajectory_over_a_fixed_count(model_dir):
     assert TrainConfig.from_dict({"model": "m", "loss_agg": "constant"}).loss_scale_tokens == 0  # max_tokens x turns
 
 
+@pytest.mark.parametrize("loss_agg", ["token", "sequence"])
+def test_mini_batches_take_an_optimizer_step_per_part(model_dir, loss_agg):
+    trajs = _sampled(model_dir, 8, seed=9)
+    groups = [trajs[i:i + 2] for i in range(0, 8, 2)]
+    out = {}
+    for k, mbt in ((1, 8192), (2, 8192), (1, 24), (2, 24)):  # micro-batches of 24 tokens: 2 rows each
+        policy = PolicyModel(model_dir)
+        trainer = GRPOTrainer(policy, GRPOConfig(lr=1e-2, mini_batches=k, micro_batch_tokens=mbt, loss_agg=loss_agg))
+        m = trainer.step(groups)
+        steps = {int(st["step"]) for st in trainer.opt.state.values()}
+        out[k, mbt] = (m, steps, torch.cat([p.detach().flatten() for p in policy.parameters()]))
+    # one micro-batch: a single part, so the deferred update is the same as the first pass's, bit for bit
+    assert out[2, 8192][1] == {1} and torch.equal(out[1, 8192][2], out[2, 8192][2])
+    assert out[1, 8192][0]["loss"] == pytest.approx(out[2, 8192][0]["loss"], rel=1e-6)
+    # four micro-batches: two parts, two optimizer steps; the second part's ratios moved off 1
+    assert out[1, 24][1] == {1} and out[2, 24][1] == {2}
+    assert not torch.equal(out[1, 24][2], out[2, 24][2])
+    assert out[2, 24][0]["logprob_diff"] < 1e-3 and out[2, 24][0]["trained_trajectories"] == 8
+    with pytest.raises(ValueError, match="mini_batches"):
+        TrainConfig.from_dict({"model": "m", "mini_batches": 0})
+
+
 def test_the_learning_rate_follows_its_schedule(model_dir):
     from rollwise.trainer.schedule import lr_factor
     assert [lr_factor(s, warmup=4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
