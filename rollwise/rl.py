@@ -181,8 +181,8 @@ async def _train(cfg: TrainConfig) -> dict:
     # true on-policy replicas' logprobs are already the trainer's, bit for bit, under every version
     behaviour = "recompute" if cfg.deterministic and not cfg.true_on_policy else "rollout"
     grpo = GRPOConfig(lr=cfg.lr, lr_warmup_steps=cfg.lr_warmup_steps, lr_schedule=cfg.lr_schedule,
-                      min_lr_ratio=cfg.min_lr_ratio, total_steps=cfg.steps, clip=cfg.clip, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
-                      entropy_coef=cfg.entropy_coef, dual_clip=cfg.dual_clip,
+                      min_lr_ratio=cfg.min_lr_ratio, total_steps=cfg.steps, clip=cfg.clip, clip_high=cfg.clip_high,
+                      tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef, entropy_coef=cfg.entropy_coef, dual_clip=cfg.dual_clip,
                       is_level=cfg.is_level, is_mode=cfg.is_mode, is_low=cfg.is_low, is_veto=cfg.is_veto,
                       temperature=cfg.temperature, loss_agg=cfg.loss_agg, advantage=cfg.advantage,
                       loss_scale_tokens=cfg.loss_scale_tokens or cfg.max_tokens * cfg.max_turns,

@@ -15,7 +15,7 @@ from rollwise.router.replica import WEIGHTS_VIA
 from rollwise.trainer.advantages import ADVANTAGES, NO_GROUP, check_gigpo
 from rollwise.trainer.critic import check as check_critic
 from rollwise.trainer.correction import check as check_correction
-from rollwise.trainer.losses import POLICY_LOSSES, check_loss_agg
+from rollwise.trainer.losses import POLICY_LOSSES, check as check_loss
 from rollwise.trainer.policy import ROUTING_MODES
 from rollwise.trainer.schedule import check as check_schedule
 from rollwise.types import check_cut_off
@@ -64,7 +64,7 @@ class TrainConfig:
     is_low: float = 0.0
     is_veto: float = 0.0
     kl_coef: float = 0.0
-    dual_clip: float = 3.0  # "ppo": a negative advantage's token loss at most this x |A| (verl's clip_ratio_c); 0: off
+    dual_clip: float = 3.0  # "ppo": a negative advantage's token loss at most this x |A| (clip_ratio_c); 0: off
     entropy_coef: float = 0.0  # an entropy bonus: the loss less this times each token's entropy
     # LoRA (peft's layers): 0 trains every weight; r > 0 freezes them after the warm start and trains
     # rank-r adapters on `lora_targets` ("all-linear": every linear but the output head, or a list of
@@ -77,7 +77,7 @@ class TrainConfig:
     # in) or "adapter" (the adapter alone, served on the warm-start weights they hold: vLLM's way for
     # LoRA RL; `rollwise serve` replicas need --enable-lora and a --max-lora-rank of at least lora_rank)
     lora_sync: str = "merged"
-    loss_agg: str = "token"  # or "sequence", "constant" (rollwise/trainer/grpo.py)
+    loss_agg: str = "token"  # or "sequence", "constant" (rollwise/trainer/losses.py)
     loss_scale_tokens: int = 0  # "constant": each trajectory's token sum over it (0: max_tokens x max_turns)
     # MoE models (qwen3_moe): "replay" takes each token through the experts the rollout routed it to
     # (Rollout Routing Replay: replicas return every token's experts, the trainer's routers use them,
@@ -233,9 +233,8 @@ class TrainConfig:
             raise ValueError(f"tool_latency_kind must be 'uniform' or 'lognormal', got {cfg.tool_latency_kind!r}")
         check_gigpo(cfg.gigpo_mode, cfg.gigpo_similarity)
         check_schedule(cfg.lr_schedule, cfg.lr_warmup_steps, cfg.min_lr_ratio)
-        if cfg.dual_clip and cfg.dual_clip <= 1:
-            raise ValueError(f"dual_clip must be > 1 (or 0: off), got {cfg.dual_clip}")
-        check_loss_agg(cfg.loss_agg, cfg.loss_scale_tokens or cfg.max_tokens * cfg.max_turns)
+        check_loss(cfg.loss_agg, cfg.loss_scale_tokens or cfg.max_tokens * cfg.max_turns, cfg.dual_clip, cfg.epochs,
+                   cfg.mini_batches)
         check_critic(cfg.gae_gamma, cfg.gae_lambda, cfg.critic_lr, cfg.value_clip, cfg.critic_warmup)
         if cfg.advantage in NO_GROUP and cfg.dynamic_sampling:
             raise ValueError(f"dynamic_sampling skips groups whose rewards are all equal, but {cfg.advantage} "
@@ -250,8 +249,6 @@ class TrainConfig:
             raise ValueError(f"episode_retries must be >= 0, got {cfg.episode_retries}")
         if cfg.max_skipped_groups < 0:
             raise ValueError(f"max_skipped_groups must be >= 0 (0: 4 x groups_per_step), got {cfg.max_skipped_groups}")
-        if cfg.epochs < 1 or cfg.mini_batches < 1:
-            raise ValueError(f"epochs and mini_batches must be >= 1, got {cfg.epochs}, {cfg.mini_batches}")
         if cfg.save_every < 0 or cfg.keep_saved < 0:
             raise ValueError(f"save_every and keep_saved must be >= 0 (0: never, all), got {cfg.save_every}, "
                              f"{cfg.keep_saved}")

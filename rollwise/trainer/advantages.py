@@ -15,12 +15,13 @@ tool result, the same position on the grid), or the env's own key of its state w
 discounted return from there on (sum over k >= t of gamma^(k-t) r_k, r_k the env's reward for turn
 k) is compared with the others from the same state: minus their mean, divided by their std
 (`mode = "mean_std_norm"`; `"mean_norm"`: not divided, for the episode advantage too, verl-agent's
-modes). A state reached once gets 0. With `similarity` < 1 a state joins the step group of the
-first earlier one whose tokens are that similar (difflib's ratio, 2 x matches / total length; the
-first member stands for the group), so observations that differ in a detail (a counter, a
-timestamp) compare their turns, as verl-agent's similarity-based groups do; env keys match exactly. So a group whose episodes all succeed (no episode advantage) still
-teaches the turn that got there sooner, and a failed episode's good moves are not all blamed for
-its end. Markov: the history before the anchor is not compared.
+modes). A state reached once gets 0. So a group whose episodes all succeed (no episode advantage)
+still teaches the turn that got there sooner, and a failed episode's good moves are not all blamed
+for its end. Markov: the history before the anchor is not compared. With `similarity` < 1 a state
+joins the step group of the first earlier one whose tokens are that similar (difflib's ratio, 2 x
+matches / total length; the first member stands for the group), so observations that differ in a
+detail (a counter, a timestamp) compare their turns, as verl-agent's similarity-based groups do;
+env keys match exactly.
 """
 from __future__ import annotations
 

@@ -2,13 +2,13 @@
 generalized advantage estimation (`advantage = "gae"`), and REINFORCE++ without one.
 
 The critic is the policy's decoder (a copy of the warm-started weights, with LoRA: the base ones; or
-another model's, `critic_model`, on the same tokens) and a linear value head, zero at first, so the first step's advantages are the episodes' returns. It
-values every generated token's state: the hidden state that predicts the token, so a turn's first
-token is valued after the prompt or the tool result before it. Observation tokens are the
-environment's transition, not actions: GAE runs over an episode's generated tokens in order (its
-contexts' too), each turn's reward on its last token (an episode reward beyond its turns' on the
-episode's last), the value after the last token 0 (an episode cut off by a limit is not
-bootstrapped, as verl does):
+another model's, `critic_model`, on the same tokens) and a linear value head, zero at first, so the
+first step's advantages are the episodes' returns. It values every generated token's state: the
+hidden state that predicts the token, so a turn's first token is valued after the prompt or the
+tool result before it. Observation tokens are the environment's transition, not actions: GAE runs
+over an episode's generated tokens in order (its contexts' too), each turn's reward on its last
+token (an episode reward beyond its turns' on the episode's last), the value after the last token
+0 (an episode cut off by a limit is not bootstrapped, as verl does):
 
     delta_i = r_i + gamma V_{i+1} - V_i,    A_i = delta_i + gamma lambda A_{i+1},    R_i = A_i + V_i
 

@@ -49,7 +49,7 @@ from rollwise.trainer.advantages import (ADVANTAGES, WHITENED, advantages, check
 from rollwise.trainer.critic import Critic, check as check_critic, estimate, whiten
 from rollwise.trainer.correction import check as check_correction, is_weights
 from rollwise.trainer.logprob_check import LogprobMismatch, check, compare
-from rollwise.trainer.losses import POLICY_LOSSES, aggregate, check_loss_agg, part_size, split, token_losses
+from rollwise.trainer.losses import POLICY_LOSSES, aggregate, check as check_loss, part_size, split, token_losses
 from rollwise.trainer.policy import Batch, PolicyModel, micro_batches
 from rollwise.trainer.schedule import check as check_schedule, lr_factor
 from rollwise.types import Trajectory, check_cut_off
@@ -119,12 +119,9 @@ def oldest_version(t: Trajectory) -> int:
 class GRPOTrainer:
     def __init__(self, policy: PolicyModel, config: GRPOConfig | None = None) -> None:
         self.policy, self.cfg = policy, config or GRPOConfig()
-        check_loss_agg(self.cfg.loss_agg, self.cfg.loss_scale_tokens)
-        if self.cfg.epochs < 1 or self.cfg.mini_batches < 1:
-            raise ValueError(f"epochs and mini_batches must be >= 1, got {self.cfg.epochs}, {self.cfg.mini_batches}")
+        check_loss(self.cfg.loss_agg, self.cfg.loss_scale_tokens, self.cfg.dual_clip, self.cfg.epochs,
+                   self.cfg.mini_batches)
         check_schedule(self.cfg.lr_schedule, self.cfg.lr_warmup_steps, self.cfg.min_lr_ratio)
-        if self.cfg.dual_clip and self.cfg.dual_clip <= 1:
-            raise ValueError(f"dual_clip must be > 1 (or 0: off), got {self.cfg.dual_clip}")
         if self.cfg.policy_loss not in POLICY_LOSSES:
             raise ValueError(f"unknown policy_loss {self.cfg.policy_loss!r}; valid: {list(POLICY_LOSSES)}")
         if self.cfg.advantage not in ADVANTAGES:

@@ -21,12 +21,17 @@ POLICY_LOSSES = ("ppo", "gspo", "cispo")
 LOSS_AGGS = ("token", "sequence", "constant")
 
 
-def check_loss_agg(agg: str, scale_tokens: int) -> None:
+def check(agg: str, scale_tokens: int, dual_clip: float = 0.0, epochs: int = 1, mini_batches: int = 1) -> None:
+    """A ValueError naming the loss setting that is out of range."""
     if agg not in LOSS_AGGS:
         raise ValueError(f"unknown loss_agg {agg!r}; valid: {list(LOSS_AGGS)}")
     if agg == "constant" and scale_tokens < 1:
         raise ValueError(f"loss_agg = 'constant' divides each trajectory's token sum by loss_scale_tokens, which "
                          f"must be >= 1, got {scale_tokens}")
+    if dual_clip and dual_clip <= 1:
+        raise ValueError(f"dual_clip must be > 1 (or 0: off), got {dual_clip}")
+    if epochs < 1 or mini_batches < 1:
+        raise ValueError(f"epochs and mini_batches must be >= 1, got {epochs}, {mini_batches}")
 
 
 def token_losses(kind: str, lp: torch.Tensor, prox: torch.Tensor, A: torch.Tensor, w: torch.Tensor,

@@ -19,7 +19,8 @@ def sft(policy: PolicyModel, trajs: list[Trajectory], *, steps: int, lr: float =
     seqs = [s for t in trajs for s in t.sequences()]  # an episode of several contexts: each sequence
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0))))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0))))
     losses = []
     for s in range(steps):
         idx = torch.randint(len(seqs), (batch_size,), generator=g).tolist()
