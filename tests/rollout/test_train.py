@@ -466,7 +466,7 @@ def test_user_env_without_sample_tasks_needs_a_task_file(model_dir, tmp_path):
     assert train_tasks == [{"id": "t-0", "question": "1 + 1?", "expression": "1 + 1", "answer": 2}] and eval_tasks == []
     with pytest.raises(ValueError, match="unknown env.*available"):
         TrainConfig.from_dict({"model": model_dir, "env": "sqll"})
-    with pytest.raises(ValueError, match="epochs must be >= 1"):
+    with pytest.raises(ValueError, match="epochs and mini_batches must be >= 1, got 0, 1"):
         TrainConfig.from_dict({"model": model_dir, "epochs": 0})
 
 
