@@ -1,4 +1,5 @@
-"""Advantages, read top to bottom: one per episode (GRPO's family) or one per turn (GiGPO).
+"""Advantages, read top to bottom: one per episode (GRPO's family) or one per turn (GiGPO); the
+per-token ones whitened over the batch (PPO's GAE, REINFORCE++) are in critic.py.
 
 "grpo": each group's rewards minus the group mean, divided by the group's std; "dr_grpo": not
 divided (Dr. GRPO: the std favours groups that are nearly all right or all wrong); "rloo": each reward
