@@ -73,8 +73,8 @@ def run(advantage: str, seed: int, args) -> dict:
             "first_steps": training_episodes(first, f"1-{k}"),
             "last_steps": training_episodes(last, f"{len(steps) - k + 1}-{len(steps)}"),
             "anchored_turns": statistics.mean(s.get("anchored_turns", 0.0) for s in steps) if steps else 0.0,
-            "explained_var": statistics.mean(s["explained_var"] for s in steps[-k:]) if "explained_var" in (
-                steps or [{}])[-1] else None,
+            "explained_var": statistics.mean(ev) if (ev := [s["explained_var"] for s in steps[-k:]
+                                                            if "explained_var" in s]) else None,
             "generated_tokens": steps[-1].get("generated_tokens", 0.0) if steps else 0.0,
             "trained_trajectories": sum(s["trained_trajectories"] for s in steps),
             "wall_s": wall, "rl_wall_s": steps[-1]["wall_s"] if steps else 0.0}
@@ -107,7 +107,7 @@ def main() -> None:
     p.add_argument("--advantages", default="grpo,gigpo", help=f"comma-separated, of {list(ADVANTAGES)}")
     p.add_argument("--env", choices=sorted(ENVS), default="phonebook")
     p.add_argument("--seeds", default="0,1")
-    p.add_argument("--steps", type=int, help="GRPO steps (default: the example config's)")
+    p.add_argument("--steps", type=int, help="RL steps (default: the example config's)")
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="a tiny run of each, to check the benchmark works")
     p.add_argument("--json")

@@ -172,8 +172,9 @@ class GRPOTrainer:
     def add(self, groups: list[list[Trajectory]]) -> None:
         """Complete groups of the current step: advantages, then forward and backward (first epoch)."""
         cfg, acc = self.cfg, self._begun()
+        trajs = [t for g in groups for t in g]
         useful, adv = self._useful(groups, acc["anchors"])
-        acc["trajs"] += [t for g in groups for t in g]
+        acc["trajs"] += trajs
         acc["n_useful"] += len(useful)
         acc["n_tokens"] += sum(t.num_generated for t in useful)
         if cfg.advantage in WHITENED:  # per token now (a critic's values); the policy's pass once they whiten
@@ -182,7 +183,6 @@ class GRPOTrainer:
             elif cfg.advantage == "reinforce_plus_plus":  # the discounted returns to go
                 items = estimate(useful, cfg.gae_gamma, 1.0, cfg.micro_batch_tokens)
             else:  # each episode's reward less its group's mean
-                trajs = [t for g in groups for t in g]
                 episode = dict(zip(map(id, trajs), advantages(groups, "dr_grpo")))
                 items = estimate(useful, 1.0, 1.0, cfg.micro_batch_tokens, episode=episode)
             acc["whiten"] += items
