@@ -6,7 +6,12 @@ partial rollout (turns in flight at a weight update continue under the new weigh
 finishing under the old ones), and the lockstep (reproducible, `deterministic=True`) pipeline at
 staleness 1, which the demo runs.
 
-    python benchmarks/pipeline.py [--quick | --smoke] [--json PATH] [--plot PNG]
+    python benchmarks/pipeline.py [--quick | --smoke] [--advantage NAME] [--configs A,B] [--json PATH] [--plot PNG]
+
+`--advantage` trains every configuration with that estimator (default grpo). With a whitened one
+(gae, reinforce_plus_plus[_baseline]) two more run, `sync_after` and `async_k1_after`, whose first
+pass waits for the batch's last group (`stream_whitened = false`), beside `sync` and `async_k1`, which
+run each group's pass as it arrives and whiten its gradients at the end. `--configs`: run only these.
 
 Environment: phonebook (the demo's) with tool latency 50-500 ms, log-normal (heavy tail, capped at
 2 s). Every configuration starts GRPO from the demo's SFT warm start (cached; built on first use,
@@ -35,15 +40,17 @@ passive_unless_chosen()  # before torch loads
 
 from rollwise.cli import DEMO_FULL, DEMO_SFT, DEMO_SFT_CACHE, demo_model  # noqa: E402
 from rollwise.rl import TrainConfig, train  # noqa: E402
+from rollwise.trainer.advantages import ADVANTAGES, WHITENED  # noqa: E402
 
 
-def run(k: int, args, deterministic: bool = False, partial: bool = False, stream: bool = True) -> dict:
+def run(k: int, args, deterministic: bool = False, partial: bool = False, stream: bool = True,
+        early: bool = True) -> dict:
     with tempfile.TemporaryDirectory(prefix="rollwise-pipeline-") as tmp:
         cfg = TrainConfig.from_dict(dict(
             model=demo_model(), run_dir=tmp, env="phonebook", sft_cache=DEMO_SFT_CACHE, **args.sft, steps=args.steps,
             groups_per_step=args.groups, group_size=args.group_size, lr=DEMO_FULL["lr"], max_staleness=k,
             deterministic=deterministic, partial_rollout=partial, stream_trainer=stream, tool_latency=(0.05, 0.5),
-            tool_latency_kind="lognormal",
+            tool_latency_kind="lognormal", advantage=args.advantage, stream_whitened=early,
             eval_tasks=args.eval_tasks, max_concurrent_groups=args.groups * 3, progress=False, seed=0))
         t0 = time.perf_counter()
         rep = train(cfg)
@@ -70,6 +77,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--advantage", default="grpo", choices=ADVANTAGES)
+    ap.add_argument("--configs", help="comma-separated: run only these configurations")
     ap.add_argument("--json")
     ap.add_argument("--plot", help="PNG: seconds per step of each configuration, split into the trainer's waiting "
                     "and the rest")
@@ -77,27 +86,40 @@ def main() -> None:
     args.steps, args.groups, args.group_size = (3, 2, 2) if args.smoke else (6, 4, 8) if args.quick else (24, 8, 8)
     args.sft = dict(sft_steps=5, sft_tasks=8) if args.smoke else {k: DEMO_FULL[k] for k in DEMO_SFT}
     args.eval_tasks = 4 if args.smoke else 16
-    print(f"{args.steps} GRPO steps of {args.groups} groups x {args.group_size} episodes; phonebook, tool latency "
-          "50-500 ms log-normal")
-    out = {"configs": {}}
+    print(f"{args.steps} steps ({args.advantage}) of {args.groups} groups x {args.group_size} episodes; phonebook, "
+          "tool latency 50-500 ms log-normal")
+    out = {"advantage": args.advantage, "configs": {}}
+    configs = [("sync_batch", 0, False, False, False, True), ("sync", 0, False, False, True, True),
+               ("async_k1", 1, False, False, True, True), ("async_k1_partial", 1, False, True, True, True),
+               ("async_k2", 2, False, False, True, True), ("lockstep_k1", 1, True, False, True, True)]
+    if args.advantage in WHITENED:
+        configs[2:2] = [("sync_after", 0, False, False, True, False)]
+        configs[4:4] = [("async_k1_after", 1, False, False, True, False)]
+    if args.configs:
+        configs = [c for c in configs if c[0] in args.configs.split(",")]
     print(f"{'config':<17}{'s/step':>8}{'traj/s':>8}{'train s':>8}{'tail s':>7}{'sync s':>7}{'trainer idle':>13}"
           f"{'rollout idle':>13}"
           f"{'gen tokens':>11}{'trained':>8}{'reward':>7}{'stale':>6}")
-    for name, k, det, partial, stream in (
-            ("sync_batch", 0, False, False, False), ("sync", 0, False, False, True),
-            ("async_k1", 1, False, False, True), ("async_k1_partial", 1, False, True, True),
-            ("async_k2", 2, False, False, True), ("lockstep_k1", 1, True, False, True)):
-        r = run(k, args, det, partial, stream)
+    for name, k, det, partial, stream, early in configs:
+        r = run(k, args, det, partial, stream, early)
         out["configs"][name] = r
         print(f"{name:<17}{r['step_s']:>8.2f}{r['trajectories_per_s']:>8.1f}{r['train_s_per_step']:>8.2f}"
               f"{r['tail_s_per_step']:>7.2f}"
               f"{r['sync_s_per_step']:>7.3f}"
               f"{r['trainer_idle_frac']:>13.2f}{r['rollout_idle_frac']:>13.2f}{int(r['generated_tokens']):>11}"
               f"{r['trained_trajectories']:>8}{r['reward_mean']:>7.2f}{r['max_staleness_seen']:>6}", flush=True)
+    c = out["configs"]
+    for name in ("sync", "async_k1"):
+        if name in c and name + "_after" in c:
+            a, r = c[name + "_after"], c[name]
+            print(f"{name}: each group's pass as it arrives vs after the batch: {a['step_s'] / r['step_s']:.2f}x per "
+                  f"step, training after the last group {r['tail_s_per_step']:.2f} s vs {a['tail_s_per_step']:.2f} s")
+    if "sync_batch" not in c or "sync" not in c:
+        return finish(out, args)
     b, s = out["configs"]["sync_batch"], out["configs"]["sync"]
     rollout_s = b["step_s"] - b["train_s_per_step"]  # D: a step's rollout, synchronously
     print(f"sync vs sync_batch: {b['step_s'] / s['step_s']:.2f}x per step (the streamed trainer)")
-    for name in ("async_k1", "async_k1_partial", "async_k2", "lockstep_k1"):
+    for name in [n for n in ("async_k1", "async_k1_partial", "async_k2", "lockstep_k1") if n in c]:
         r = out["configs"][name]
         # under the admission rule a step lasts at least (D + t) / (k + 1), t: this run's own training
         # step (a streamed trainer hides part of t behind the rollouts: the bound is then not strict)
@@ -105,6 +127,10 @@ def main() -> None:
         print(f"{name}: {b['step_s'] / r['step_s']:.2f}x per step vs sync_batch, {s['step_s'] / r['step_s']:.2f}x "
               f"vs sync (the admission rule's bound with the whole batch trained at once: "
               f"{b['step_s'] / r['rule_bound_step_s']:.2f}x)")
+    finish(out, args)
+
+
+def finish(out: dict, args) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     if args.plot:
@@ -123,13 +149,15 @@ def plot(out: dict, path: str) -> None:
     ax.barh(names, [s - i for s, i in zip(step, idle)], color="tab:blue", label="trainer working (or syncing)")
     ax.barh(names, idle, left=[s - i for s, i in zip(step, idle)], color="tab:gray", alpha=0.5,
             label="trainer waiting for rollouts")
-    base = c["sync_batch"]["step_s"]
-    ax.axvline(base / 2, ls="--", c="tab:red", label="2x over sync_batch")
+    ref = "sync_batch" if "sync_batch" in c else max(c, key=lambda n: c[n]["step_s"])  # the ratios' baseline
+    base = c[ref]["step_s"]
+    ax.axvline(base / 2, ls="--", c="tab:red", label=f"2x over {ref}")
     for y, s in enumerate(step):
         ax.text(s, y, f" {s:.2f} s  {base / s:.2f}x", va="center", fontsize=8,
                 bbox=dict(facecolor="white", edgecolor="none", pad=1))
+    name = out.get("advantage", "grpo")
     ax.set(xlabel="seconds per training step (same work per step)", xlim=(0, base * 1.3),
-           title="synchronous vs asynchronous GRPO (phonebook, tools 50-500 ms)")
+           title=f"synchronous vs asynchronous {'GRPO' if name == 'grpo' else name} (phonebook, tools 50-500 ms)")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -190,6 +190,7 @@ async def _train(cfg: TrainConfig) -> dict:
                       gigpo_similarity=cfg.gigpo_similarity, gae_gamma=cfg.gae_gamma,
                       gae_lambda=cfg.gae_lambda, critic_lr=cfg.critic_lr, value_clip=cfg.value_clip,
                       critic_warmup=cfg.critic_warmup, critic_model=cfg.critic_model,
+                      stream_whitened=cfg.stream_whitened,
                       policy_loss=cfg.policy_loss, epochs=cfg.epochs, mini_batches=cfg.mini_batches,
                       behaviour=behaviour, keep_versions=cfg.max_staleness,
                       exclude_statuses=tuple(cfg.exclude_statuses),

@@ -228,6 +228,18 @@ def test_pipeline_benchmark_smoke(tmp_path):
     assert len({v["trajectories_per_step"] for v in res.values()}) == 1  # equal work per step
 
 
+def test_pipeline_benchmark_whitened_smoke(tmp_path):
+    """--advantage with a whitened estimator adds the configurations whose pass waits for the batch."""
+    out = tmp_path / "pipeline.json"
+    r = run("benchmarks/pipeline.py", "--smoke", "--advantage", "reinforce_plus_plus_baseline", "--configs",
+            "async_k1,async_k1_after", "--json", str(out), timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["advantage"] == "reinforce_plus_plus_baseline" and set(res["configs"]) == {"async_k1", "async_k1_after"}
+    assert "async_k1: each group's pass as it arrives vs after the batch" in r.stdout
+    assert all(c["trained_trajectories"] > 0 for c in res["configs"].values())
+
+
 def test_demo_smoke(tmp_path):
     r = run("-m", "rollwise.cli", "demo", "--smoke", "--run-dir", str(tmp_path / "run"), "--set",
             "replica_batch_invariant=true", "--set", "true_on_policy=true", timeout=900,

@@ -95,6 +95,7 @@ class Critic:
         self._cache_kw = cache_kw(model)
         self.lr = lr  # the base learning rate (the trainer's schedule scales it)
         self.opt = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=weight_decay)
+        self._first: list[float] | None = None  # the first epoch's loss and clipped tokens, summed (`backward`)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [*self.body.parameters(), *self.head.parameters()]
@@ -112,23 +113,52 @@ class Critic:
         """`estimate` (below) with the current critic's values."""
         return estimate(trajs, gamma, lam, micro_batch_tokens, self.values)
 
+    def reset(self) -> None:
+        """A new step: no gradients, nothing backpropagated yet."""
+        self.opt.zero_grad(set_to_none=True)
+        self._first = None
+
+    def backward(self, items: list[tuple]) -> None:
+        """The first epoch's value loss of `items` (`estimate`'s) as they arrive, backpropagated as a sum
+        (`update` divides it by the batch's tokens): the streamed trainer's, while the batch generates."""
+        first = self._first = self._first or [0.0, 0.0]
+        for _, b, _, ret, old in items:
+            loss, clipped = self._loss(b, ret, old, 1.0)
+            loss.backward()
+            first[0] += float(loss.detach())
+            first[1] += clipped
+
+    def _loss(self, b: Batch, ret: torch.Tensor, old: torch.Tensor, n: float) -> tuple[torch.Tensor, float]:
+        """The clipped value loss of a micro-batch over `n` tokens, and its clipped tokens."""
+        v = self.values(b)
+        vc = old + (v - old).clamp(-self.value_clip, self.value_clip)
+        unclipped, worse = (v - ret) ** 2, (vc - ret) ** 2
+        return (0.5 * torch.maximum(unclipped, worse) * b.mask).sum() / n, float(((worse > unclipped).float()
+                                                                                   * b.mask).sum())
+
     def update(self, items: list[tuple], epochs: int) -> dict[str, float]:
         """`epochs` optimizer steps of the clipped value loss over the items (`estimate`'s), each the
-        mean over all their generated tokens. Returns the first epoch's metrics."""
+        mean over all their generated tokens (the first epoch's gradients those `backward` summed, if
+        it ran). Returns the first epoch's metrics."""
         n = sum(float(b.mask.sum()) for _, b, *_ in items)
         m: dict[str, float] = {}
+        first, self._first = self._first, None
         if not n:
+            self.opt.zero_grad(set_to_none=True)
             return m
         for epoch in range(epochs):
-            loss_sum, clipped = 0.0, 0.0
-            for _, b, _, ret, old in items:
-                v = self.values(b)
-                vc = old + (v - old).clamp(-self.value_clip, self.value_clip)
-                unclipped, worse = (v - ret) ** 2, (vc - ret) ** 2
-                loss = (0.5 * torch.maximum(unclipped, worse) * b.mask).sum() / n
-                loss.backward()
-                loss_sum += float(loss.detach())
-                clipped += float(((worse > unclipped).float() * b.mask).sum())
+            if epoch == 0 and first is not None:  # backpropagated as the groups arrived, as sums
+                for p in self.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(n)
+                loss_sum, clipped = first[0] / n, first[1]
+            else:
+                loss_sum, clipped = 0.0, 0.0
+                for _, b, _, ret, old in items:
+                    loss, c = self._loss(b, ret, old, n)
+                    loss.backward()
+                    loss_sum += float(loss.detach())
+                    clipped += c
             gn = torch.nn.utils.clip_grad_norm_(self.parameters(), self.max_grad_norm)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)

@@ -5,8 +5,11 @@ for every generated token of a trajectory; "gigpo", GiGPO's: the episode's plus 
 turn, from the turns of the group that started from the same state; "gae", PPO's: per token, from a
 learned critic (critic.py); "reinforce_plus_plus" (per token, the discounted return to go) and
 "reinforce_plus_plus_baseline" (the episode's reward less its group's mean). These three are
-whitened over the batch, so a streamed step's policy forward and backward wait for its last group
-(the critic's values of each group are computed as it arrives).
+whitened over the batch, which a streamed step does not have until its last group: each group's
+first pass (the critic's too) runs as it arrives on the unwhitened advantages, the policy's loss at
+advantage A and at advantage 1 backpropagated apart, and the step combines them with the batch's mean
+and std (at ratio 1 the loss is linear in A: losses.SplitGradients), the same gradients up to
+rounding; `stream_whitened=False`: the first pass waits for the batch (no buffers).
 
 loss (losses.py): `policy_loss` "ppo" (token ratios, clipped, with dual-clip), "gspo" (sequence
 ratios: use a tight range, e.g. clip = 3e-4, clip_high = 4e-4, and loss_agg = "sequence") or
@@ -40,76 +43,22 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 
 import torch
 
 from rollwise.trainer.advantages import (ADVANTAGES, WHITENED, advantages, check_gigpo, token_advantages,
                                          turn_advantages)
+from rollwise.trainer.config import GRPOConfig
 from rollwise.trainer.critic import Critic, check as check_critic, estimate, whiten
 from rollwise.trainer.correction import check as check_correction, is_weights
 from rollwise.trainer.logprob_check import LogprobMismatch, check, compare
-from rollwise.trainer.losses import POLICY_LOSSES, aggregate, check as check_loss, part_size, split, token_losses
+from rollwise.trainer.losses import (POLICY_LOSSES, SplitGradients, aggregate, check as check_loss, part_size, split,
+                                     token_losses)
 from rollwise.trainer.policy import Batch, PolicyModel, micro_batches
 from rollwise.trainer.schedule import check as check_schedule, lr_factor
 from rollwise.types import Trajectory, check_cut_off
 
-
-@dataclass
-class GRPOConfig:
-    lr: float = 1e-4
-    lr_warmup_steps: int = 0  # the learning rate by step (schedule.py): linear warm-up, then
-    lr_schedule: str = "constant"  # "constant" or "cosine" (down to min_lr_ratio x lr at total_steps)
-    min_lr_ratio: float = 0.0
-    total_steps: int = 0
-    weight_decay: float = 0.0
-    clip: float = 0.2
-    clip_high: float | None = None  # the upper clip, 1 + clip_high (DAPO's clip-higher); None: `clip`
-    # dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c, default 3): with a negative advantage, a token's
-    # loss is at most dual_clip x |A| however far its ratio went up (a stale sample); 0: off
-    dual_clip: float = 3.0
-    tis_cap: float = 2.0
-    # rollout correction (correction.py): "token" / "sequence" / "geometric" ratios, "truncate" / "mask"
-    is_level: str = "token"
-    is_mode: str = "truncate"
-    is_low: float = 0.0  # "mask": the lower bound of the kept ratios
-    is_veto: float = 0.0  # > 0: a sequence with a token ratio under it carries no loss
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0  # the loss less this times each token's entropy (verl's entropy_coeff)
-    advantage: str = "grpo"  # or "dr_grpo", "rloo", "gigpo", "gae", "reinforce_plus_plus[_baseline]" (`ADVANTAGES`)
-    step_advantage_weight: float = 1.0  # gigpo: the step advantage's weight beside the episode's
-    gamma: float = 0.95  # gigpo: the discount of the turn returns its step groups compare
-    gigpo_mode: str = "mean_std_norm"  # gigpo: or "mean_norm" (advantages not divided by their group's std)
-    gigpo_similarity: float = 1.0  # gigpo: < 1: states whose tokens are that similar share a step group
-    gae_gamma: float = 1.0  # gae, reinforce_plus_plus: the discount per generated token
-    gae_lambda: float = 1.0  # gae: lambda (1: the returns less the values; 0: one-step TD errors)
-    critic_lr: float | None = None  # gae: the critic's AdamW learning rate (None: 10 x lr, as verl's defaults)
-    value_clip: float = 0.5  # gae: how far a step may move a value from the one the advantages used
-    critic_warmup: int = 0  # gae: the first steps train the critic alone (the policy keeps its weights)
-    critic_model: str = ""  # gae: the critic's model directory ("": the policy's weights as they are at the start)
-    max_grad_norm: float = 1.0
-    temperature: float = 1.0  # the rollouts' sampling temperature
-    micro_batch_tokens: int = 8192
-    epochs: int = 1  # passes over each batch (PPO epochs)
-    # optimizer steps per epoch, each on a part of the batch's micro-batches (verl's ppo_mini_batch_size as
-    # a count); > 1: the first pass only computes the proximal logprobs, every update runs in `finish`
-    mini_batches: int = 1
-    logprob_tolerance: float = 0.02  # mean |trainer - rollout| logprob allowed on fresh samples
-    # "token": mean over all generated tokens; "sequence": per trajectory, then mean; "constant": each
-    # trajectory's token sum over loss_scale_tokens, then mean (Dr. GRPO's, verl's seq-mean-token-sum-norm:
-    # no length normalisation, so a long wrong answer is not penalised less per token than a short one)
-    loss_agg: str = "token"
-    loss_scale_tokens: int = 0  # "constant": the divisor (e.g. the most tokens an episode may generate)
-    policy_loss: str = "ppo"  # or "gspo", "cispo" (`POLICY_LOSSES`)
-    behaviour: str = "rollout"  # behaviour logprobs: "rollout" (the replicas') or "recompute" (the trainer's)
-    keep_versions: int = 0  # "recompute": past versions' weights kept (the staleness bound)
-    # episodes with these statuses (cut off by a limit, not ended by the policy) carry no loss, as in
-    # DAPO's overlong filtering; they still count in their group's advantage baseline
-    exclude_statuses: tuple[str, ...] = ()
-
-    @property
-    def clip_range(self) -> tuple[float, float]:
-        return 1 - self.clip, 1 + (self.clip if self.clip_high is None else self.clip_high)
+__all__ = ["GRPOConfig", "GRPOTrainer", "LogprobMismatch", "oldest_version"]
 
 
 def oldest_version(t: Trajectory) -> int:
@@ -149,25 +98,32 @@ class GRPOTrainer:
         """One optimizer step (per epoch) on complete groups; returns metrics."""
         useful = self._useful(groups)[0]
         # the batch's totals are known: each micro-batch's loss is normalized as it goes
-        self.begin(n_tokens=sum(t.num_generated for t in useful), n_trajectories=len(useful))
+        self.begin(n_tokens=sum(t.num_generated for t in useful), n_trajectories=len(useful), streamed=False)
         self.add(groups)
         return self.finish()
 
-    def begin(self, n_tokens: int | None = None, n_trajectories: int | None = None) -> None:
+    def begin(self, n_tokens: int | None = None, n_trajectories: int | None = None, streamed: bool = True) -> None:
         """Start a step whose groups arrive one by one (`add` as each completes, then `finish`): the
         first epoch's forward and backward of each group run while the rest of the batch is still
         generating. Gradients are summed unnormalized and divided by the batch's generated tokens
-        (or trajectories, for `loss_agg="sequence"`) at `finish`, unless the totals are given here."""
+        (or trajectories, for `loss_agg="sequence"`) at `finish`, unless the totals are given here.
+        `streamed=False`: the whole batch comes in one `add` (the whitened estimators' passes then wait
+        for `finish`, with no split gradients)."""
         cfg = self.cfg
         if cfg.behaviour == "recompute" and cfg.keep_versions > 0:  # this version's weights, for later steps
             self.kept[self.version] = {n: p.detach().clone() for n, p in self.policy.model.named_parameters()
                                        if p.requires_grad}  # (with LoRA, the adapters: the rest is frozen)
         self.opt.zero_grad(set_to_none=True)
+        if self.critic is not None:
+            self.critic.reset()
         self.policy.routing_stats.zero_()
         self.policy.expert_load.clear()
         self._acc = {"trajs": [], "items": [], "diffs": ([], {}), "stats": torch.zeros(6), "n_tokens": 0, "n_useful": 0,
                      "entropy": [], "anchors": {}, "whiten": [],
-                     "given": n_tokens if cfg.loss_agg == "token" else n_trajectories}
+                     "given": n_tokens if cfg.loss_agg == "token" else n_trajectories,
+                     "early": streamed and cfg.stream_whitened and cfg.advantage in WHITENED, "split": None}
+        if self._acc["early"] and cfg.mini_batches == 1:  # the first pass's gradients, to whiten at the end
+            self._acc["split"] = SplitGradients(self.policy.parameters())
 
     def add(self, groups: list[list[Trajectory]]) -> None:
         """Complete groups of the current step: advantages, then forward and backward (first epoch)."""
@@ -186,6 +142,12 @@ class GRPOTrainer:
                 episode = dict(zip(map(id, trajs), advantages(groups, "dr_grpo")))
                 items = estimate(useful, 1.0, 1.0, cfg.micro_batch_tokens, episode=episode)
             acc["whiten"] += items
+            if acc["early"]:  # the first passes now, on the advantages unwhitened (`finish` whitens)
+                if self.critic is not None:
+                    self.critic.backward(items)
+                generated = {id(s): t.num_generated for t in useful for s in t.sequences()}
+                for mb, b, a, _, _ in items:
+                    self._first_pass(mb, b, a, torch.tensor([generated[id(s)] for s in mb], dtype=torch.float32))
             return
         # a row per token sequence: an episode of several contexts gives several, with its advantage per
         # turn and (for loss_agg="sequence") its generated tokens, over which its rows are averaged
@@ -216,7 +178,7 @@ class GRPOTrainer:
         # the proximal policy: the weights before this step (no update yet: no separate forward)
         prox = lp.detach()
         if cfg.mini_batches == 1:  # this forward's gradients are the first update's
-            self._backward(lp, b, a, st, prox, acc["given"] or 1.0, acc["stats"], n, ent[0])
+            self._backward(lp, b, a, st, prox, acc["given"] or 1.0, acc["stats"], n, ent[0], acc["split"])
         compare(mb, b, prox, acc["diffs"], self.version)
         acc["items"].append((b, a, st, prox, n))
 
@@ -231,17 +193,22 @@ class GRPOTrainer:
              "retried": sum(len(t.retried) for t in trajs),  # attempts dropped and run again (an env that raised)
              "max_staleness": max(staleness, default=0), "stale_trajectories": sum(s > 0 for s in staleness),
              "loss": 0.0, "grad_norm": 0.0, "kl": 0.0, "is_weight_mean": 1.0, "clip_frac": 0.0,
-             "is_dropped": 0.0, "behaviour_kl": 0.0, "logprob_diff": float("nan"),
-             "entropy": sum(acc["entropy"]) / n_tokens if n_tokens else float("nan")}  # per trained token
+             "is_dropped": 0.0, "behaviour_kl": 0.0, "logprob_diff": float("nan")}
         div = n_tokens if cfg.loss_agg == "token" else acc["n_useful"]
         m["lr"] = self._set_lr()
-        if acc["whiten"]:  # the batch's per-token advantages whitened, then the policy's first pass
-            acc["given"] = div
+        if acc["whiten"]:  # the batch's per-token advantages whitened
             mean, std = whiten(acc["whiten"])
-            generated = {id(s): t.num_generated for t in trajs for s in t.sequences()}  # each row's episode's
-            for mb, b, adv, _, _ in acc["whiten"]:
-                n = torch.tensor([generated[id(s)] for s in mb], dtype=torch.float32)
-                self._first_pass(mb, b, (adv - mean) / std * b.mask, n)
+            if acc["early"]:  # the first passes ran: their advantages and gradients whitened now
+                acc["items"] = [(b, (a - mean) / std * b.mask, *rest) for b, a, *rest in acc["items"]]
+                if acc["split"] is not None:
+                    acc["stats"][0] += acc["split"].apply(mean, std)
+            else:  # then the policy's first pass
+                acc["given"] = div
+                generated = {id(s): t.num_generated for t in trajs for s in t.sequences()}  # each row's episode's
+                for mb, b, adv, _, _ in acc["whiten"]:
+                    n = torch.tensor([generated[id(s)] for s in mb], dtype=torch.float32)
+                    self._first_pass(mb, b, (adv - mean) / std * b.mask, n)
+        m["entropy"] = sum(acc["entropy"]) / n_tokens if n_tokens else float("nan")  # per trained token
         try:
             # before any update: a replica on other weights stops the step here
             m["logprob_diff"] = check(acc["diffs"], cfg.logprob_tolerance, self.version)
@@ -313,11 +280,13 @@ class GRPOTrainer:
             raise RuntimeError("no step begun: call begin() before add() and finish()")
         return self._acc
 
-    def _backward(self, lp, b: Batch, a, st, prox, div: float, stats: torch.Tensor, n=None, ent=None) -> None:
+    def _backward(self, lp, b: Batch, a, st, prox, div: float, stats: torch.Tensor, n=None, ent=None,
+                  split_grads: SplitGradients | None = None) -> None:
         """The clipped, importance-weighted policy-gradient loss of one micro-batch (plus KL, less the
         entropy bonus), divided by `div`, backpropagated; adds loss, clipped tokens, KL and IS weight
         sums to `stats`. `a`: each row's advantage; `n`: its episode's generated tokens (default: the
-        row's own); `ent`: each target's entropy (with its gradient)."""
+        row's own); `ent`: each target's entropy (with its gradient); `split_grads`: the policy loss at `a`
+        and at 1 into its buffers instead (a first pass whose advantages are whitened later)."""
         cfg = self.cfg
         lp_behav = b.behaviour_logprobs if st is None else torch.where(st[0] == self.version, prox, st[1])
         # importance weights proximal / behaviour: truncated (TIS) or masked (MIS), per token or sequence
@@ -325,6 +294,7 @@ class GRPOTrainer:
                                 cfg.is_veto)
         A = a[:, None] if a.dim() == 1 else a  # each row's, or each target's (gigpo, gae)
         pg, ratio = token_losses(cfg.policy_loss, lp, prox, A, w, b.mask, cfg.clip_range, cfg.dual_clip)
+        extra = None  # the loss's terms that do not depend on the advantage
         if cfg.kl_coef > 0:
             with torch.no_grad(), self.policy.adapters_off():
                 ref = self.ref if self.ref is not None else self.policy.model
@@ -333,13 +303,22 @@ class GRPOTrainer:
                     -1, b.targets.unsqueeze(-1)).squeeze(-1)
             d = lp_ref - lp
             kl = torch.exp(d) - d - 1
-            pg = pg + cfg.kl_coef * kl
+            extra = cfg.kl_coef * kl
             stats[2] += float((kl.detach() * b.mask).sum())
         if cfg.entropy_coef and ent is not None:
-            pg = pg - cfg.entropy_coef * ent
-        loss = aggregate(pg, b.mask, cfg.loss_agg, div, n, cfg.loss_scale_tokens)
-        loss.backward()
-        stats[0] += float(loss.detach())
+            extra = -cfg.entropy_coef * ent if extra is None else extra - cfg.entropy_coef * ent
+        def agg(x):
+            return aggregate(x, b.mask, cfg.loss_agg, div, n, cfg.loss_scale_tokens)
+        if split_grads is not None:  # L(A) and L(1) apart (SplitGradients); KL and entropy into the gradients
+            one = token_losses(cfg.policy_loss, lp, prox, torch.ones_like(A), w, b.mask, cfg.clip_range,
+                               cfg.dual_clip)[0]
+            split_grads.backward(agg(pg), agg(one), retain_graph=extra is not None)
+            loss = None if extra is None else agg(extra)
+        else:
+            loss = agg(pg if extra is None else pg + extra)
+        if loss is not None:
+            loss.backward()
+            stats[0] += float(loss.detach())
         r, (lo, hi) = ratio.detach(), cfg.clip_range
         stats[1] += float(((r < lo) | (r > hi)).float().mul(b.mask).sum())
         stats[3] += float((w.detach() * b.mask).sum())

@@ -84,3 +84,37 @@ def part_size(part: list[tuple], agg: str) -> float:
     if agg == "token":
         return float(sum(b.mask.sum() for b, *_ in part))
     return float(sum((b.mask.sum(1) / n.clamp(min=1)).sum() for b, _, _, _, n in part))
+
+
+class SplitGradients:
+    """The first pass's gradients of a loss whose advantages are whitened over a batch that is not yet
+    whole (the streamed trainer's gae and REINFORCE++). At ratio 1 (the first epoch, before any update)
+    every policy loss here is linear in the advantages, in value and gradient: with A' = (A - mu) / sigma,
+    L(A') = (L(A) - mu L(1)) / sigma. So each micro-batch backpropagates L(A) and L(1) into two buffers
+    as it arrives, and `apply` adds (g_A - mu g_1) / sigma to the parameters' gradients once the batch's
+    mu and sigma are known: the whitened loss's gradients, exactly up to rounding, for a second backward
+    per micro-batch and two gradient-sized buffers."""
+
+    def __init__(self, params) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.grads: list[list[torch.Tensor | None]] = [[None] * len(self.params), [None] * len(self.params)]
+        self.losses = [0.0, 0.0]
+
+    def backward(self, loss_a: torch.Tensor, loss_1: torch.Tensor, retain_graph: bool = False) -> None:
+        """Adds the gradients of L(A) and of L(1) (the loss at advantage 1 on every token) to the buffers."""
+        for k, loss in enumerate((loss_a, loss_1)):
+            gs = torch.autograd.grad(loss, self.params, retain_graph=retain_graph or k == 0, allow_unused=True)
+            buf = self.grads[k]
+            for i, g in enumerate(gs):
+                if g is not None:
+                    buf[i] = g if buf[i] is None else buf[i].add_(g)
+            self.losses[k] += float(loss.detach())
+
+    def apply(self, mean: float, std: float) -> float:
+        """Adds the whitened loss's gradients to the parameters' `.grad`; returns its value."""
+        for p, ga, g1 in zip(self.params, *self.grads):
+            if ga is not None:  # (the two losses share one graph: the same parameters have gradients)
+                g = ga.sub_(g1, alpha=mean).div_(std)
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        self.grads = [[None] * len(self.params), [None] * len(self.params)]
+        return (self.losses[0] - mean * self.losses[1]) / std

@@ -114,6 +114,25 @@ def test_a_gae_run_trains_groups_of_one_resumes_with_its_critic_and_saves_models
     assert (models / "step-2" / "tokenizer.json").exists()  # a model directory that serves as it is
 
 
+def test_a_streamed_run_trains_whitened_advantages_as_groups_arrive(model_dir, tmp_path, monkeypatch):
+    """Streamed (not deterministic), gae's and REINFORCE++'s first passes run as each group arrives and
+    the step whitens their gradients at the end (SplitGradients.apply, once a step)."""
+    from rollwise.trainer.losses import SplitGradients
+    monkeypatch.setitem(ENVS, "calculator", _ParityReward)
+    applied = []
+    real = SplitGradients.apply
+    monkeypatch.setattr(SplitGradients, "apply", lambda self, mean, std: applied.append(std) or real(self, mean, std))
+    for advantage in ("gae", "reinforce_plus_plus_baseline"):
+        applied.clear()
+        cfg = {**TINY, "model": model_dir, "run_dir": str(tmp_path / advantage), "advantage": advantage, "steps": 2,
+               "groups_per_step": 3, "eval_tasks": 0, "max_staleness": 1}
+        steps = train(TrainConfig.from_dict(cfg))["steps"]
+        assert len(applied) == 2 and all(s > 0 for s in applied)
+        assert all(s["trained_trajectories"] > 0 and s["entropy"] > 0 and abs(s["loss"]) < 10 for s in steps)
+        assert all(s["logprob_diff"] < 0.02 for s in steps if s["logprob_diff"] == s["logprob_diff"])
+        assert ("value_loss" in steps[0]) == (advantage == "gae")
+
+
 def test_batch_invariant_replicas_repeat_a_deterministic_run_however_it_is_batched(model_dir, tmp_path, monkeypatch):
     """With replica_batch_invariant, one replica taking up to 16 turns at a time and two replicas taking
     3 each give the same rollouts to the last bit of every logprob, hence the same weights."""

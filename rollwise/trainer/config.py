@@ -1,0 +1,65 @@
+"""The trainer's settings (`GRPOTrainer`, grpo.py; each documented there and in the modules it names:
+advantages.py, critic.py, losses.py, correction.py, schedule.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class GRPOConfig:
+    lr: float = 1e-4
+    lr_warmup_steps: int = 0  # the learning rate by step (schedule.py): linear warm-up, then
+    lr_schedule: str = "constant"  # "constant" or "cosine" (down to min_lr_ratio x lr at total_steps)
+    min_lr_ratio: float = 0.0
+    total_steps: int = 0
+    weight_decay: float = 0.0
+    clip: float = 0.2
+    clip_high: float | None = None  # the upper clip, 1 + clip_high (DAPO's clip-higher); None: `clip`
+    # dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c, default 3): with a negative advantage, a token's
+    # loss is at most dual_clip x |A| however far its ratio went up (a stale sample); 0: off
+    dual_clip: float = 3.0
+    tis_cap: float = 2.0
+    # rollout correction (correction.py): "token" / "sequence" / "geometric" ratios, "truncate" / "mask"
+    is_level: str = "token"
+    is_mode: str = "truncate"
+    is_low: float = 0.0  # "mask": the lower bound of the kept ratios
+    is_veto: float = 0.0  # > 0: a sequence with a token ratio under it carries no loss
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0  # the loss less this times each token's entropy (verl's entropy_coeff)
+    advantage: str = "grpo"  # or "dr_grpo", "rloo", "gigpo", "gae", "reinforce_plus_plus[_baseline]" (`ADVANTAGES`)
+    step_advantage_weight: float = 1.0  # gigpo: the step advantage's weight beside the episode's
+    gamma: float = 0.95  # gigpo: the discount of the turn returns its step groups compare
+    gigpo_mode: str = "mean_std_norm"  # gigpo: or "mean_norm" (advantages not divided by their group's std)
+    gigpo_similarity: float = 1.0  # gigpo: < 1: states whose tokens are that similar share a step group
+    gae_gamma: float = 1.0  # gae, reinforce_plus_plus: the discount per generated token
+    gae_lambda: float = 1.0  # gae: lambda (1: the returns less the values; 0: one-step TD errors)
+    critic_lr: float | None = None  # gae: the critic's AdamW learning rate (None: 10 x lr, as verl's defaults)
+    value_clip: float = 0.5  # gae: how far a step may move a value from the one the advantages used
+    critic_warmup: int = 0  # gae: the first steps train the critic alone (the policy keeps its weights)
+    critic_model: str = ""  # gae: the critic's model directory ("": the policy's weights as they are at the start)
+    # whitened estimators, streamed: each group's first pass as it arrives, its gradients whitened at the end
+    # (two more gradient-sized buffers and a second backward per micro-batch); False: the pass waits for the batch
+    stream_whitened: bool = True
+    max_grad_norm: float = 1.0
+    temperature: float = 1.0  # the rollouts' sampling temperature
+    micro_batch_tokens: int = 8192
+    epochs: int = 1  # passes over each batch (PPO epochs)
+    # optimizer steps per epoch, each on a part of the batch's micro-batches (verl's ppo_mini_batch_size as
+    # a count); > 1: the first pass only computes the proximal logprobs, every update runs in `finish`
+    mini_batches: int = 1
+    logprob_tolerance: float = 0.02  # mean |trainer - rollout| logprob allowed on fresh samples
+    # "token": mean over all generated tokens; "sequence": per trajectory, then mean; "constant": each
+    # trajectory's token sum over loss_scale_tokens, then mean (Dr. GRPO's, verl's seq-mean-token-sum-norm:
+    # no length normalisation, so a long wrong answer is not penalised less per token than a short one)
+    loss_agg: str = "token"
+    loss_scale_tokens: int = 0  # "constant": the divisor (e.g. the most tokens an episode may generate)
+    policy_loss: str = "ppo"  # or "gspo", "cispo" (`POLICY_LOSSES`)
+    behaviour: str = "rollout"  # behaviour logprobs: "rollout" (the replicas') or "recompute" (the trainer's)
+    keep_versions: int = 0  # "recompute": past versions' weights kept (the staleness bound)
+    # episodes with these statuses (cut off by a limit, not ended by the policy) carry no loss, as in
+    # DAPO's overlong filtering; they still count in their group's advantage baseline
+    exclude_statuses: tuple[str, ...] = ()
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        return 1 - self.clip, 1 + (self.clip if self.clip_high is None else self.clip_high)
