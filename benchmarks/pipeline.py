@@ -6,12 +6,17 @@ partial rollout (turns in flight at a weight update continue under the new weigh
 finishing under the old ones), and the lockstep (reproducible, `deterministic=True`) pipeline at
 staleness 1, which the demo runs.
 
-    python benchmarks/pipeline.py [--quick | --smoke] [--advantage NAME] [--configs A,B] [--json PATH] [--plot PNG]
+    python benchmarks/pipeline.py [--quick | --smoke] [--advantage NAME] [--configs A,B] [--set KEY=VALUE]
+                                  [--repeats N] [--json PATH] [--plot PNG]
 
 `--advantage` trains every configuration with that estimator (default grpo). With a whitened one
 (gae, reinforce_plus_plus[_baseline]) two more run, `sync_after` and `async_k1_after`, whose first
 pass waits for the batch's last group (`stream_whitened = false`), beside `sync` and `async_k1`, which
-run each group's pass as it arrives and whiten its gradients at the end. `--configs`: run only these.
+run each group's pass as it arrives and whiten its gradients at the end. `--configs`: run only these;
+`--set`: a TrainConfig key for every configuration (e.g. replicas=1, replica_threads=1,
+trainer_threads=1: the replica and the trainer each on a core of their own). `--repeats N`: the
+configurations N times, interleaved (A B A B ...), each figure the median run's (by seconds per
+step; of an even N, the faster middle one), with every run's seconds per step (`runs_step_s`).
 
 Environment: phonebook (the demo's) with tool latency 50-500 ms, log-normal (heavy tail, capped at
 2 s). Every configuration starts GRPO from the demo's SFT warm start (cached; built on first use,
@@ -38,7 +43,7 @@ from pathlib import Path
 from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
-from rollwise.cli import DEMO_FULL, DEMO_SFT, DEMO_SFT_CACHE, demo_model  # noqa: E402
+from rollwise.cli import DEMO_FULL, DEMO_SFT, DEMO_SFT_CACHE, _overrides, demo_model  # noqa: E402
 from rollwise.rl import TrainConfig, train  # noqa: E402
 from rollwise.trainer.advantages import ADVANTAGES, WHITENED  # noqa: E402
 
@@ -46,12 +51,13 @@ from rollwise.trainer.advantages import ADVANTAGES, WHITENED  # noqa: E402
 def run(k: int, args, deterministic: bool = False, partial: bool = False, stream: bool = True,
         early: bool = True) -> dict:
     with tempfile.TemporaryDirectory(prefix="rollwise-pipeline-") as tmp:
-        cfg = TrainConfig.from_dict(dict(
+        cfg = TrainConfig.from_dict({**dict(
             model=demo_model(), run_dir=tmp, env="phonebook", sft_cache=DEMO_SFT_CACHE, **args.sft, steps=args.steps,
             groups_per_step=args.groups, group_size=args.group_size, lr=DEMO_FULL["lr"], max_staleness=k,
             deterministic=deterministic, partial_rollout=partial, stream_trainer=stream, tool_latency=(0.05, 0.5),
             tool_latency_kind="lognormal", advantage=args.advantage, stream_whitened=early,
-            eval_tasks=args.eval_tasks, max_concurrent_groups=args.groups * 3, progress=False, seed=0))
+            eval_tasks=args.eval_tasks, max_concurrent_groups=args.groups * 3, progress=False, seed=0),
+            **_overrides(args.set)})
         t0 = time.perf_counter()
         rep = train(cfg)
         total = time.perf_counter() - t0
@@ -79,6 +85,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--advantage", default="grpo", choices=ADVANTAGES)
     ap.add_argument("--configs", help="comma-separated: run only these configurations")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a TrainConfig key for every configuration")
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--json")
     ap.add_argument("--plot", help="PNG: seconds per step of each configuration, split into the trainer's waiting "
                     "and the rest")
@@ -88,7 +97,7 @@ def main() -> None:
     args.eval_tasks = 4 if args.smoke else 16
     print(f"{args.steps} steps ({args.advantage}) of {args.groups} groups x {args.group_size} episodes; phonebook, "
           "tool latency 50-500 ms log-normal")
-    out = {"advantage": args.advantage, "configs": {}}
+    out = {"advantage": args.advantage, "set": args.set, "configs": {}}
     configs = [("sync_batch", 0, False, False, False, True), ("sync", 0, False, False, True, True),
                ("async_k1", 1, False, False, True, True), ("async_k1_partial", 1, False, True, True, True),
                ("async_k2", 2, False, False, True, True), ("lockstep_k1", 1, True, False, True, True)]
@@ -100,8 +109,15 @@ def main() -> None:
     print(f"{'config':<17}{'s/step':>8}{'traj/s':>8}{'train s':>8}{'tail s':>7}{'sync s':>7}{'trainer idle':>13}"
           f"{'rollout idle':>13}"
           f"{'gen tokens':>11}{'trained':>8}{'reward':>7}{'stale':>6}")
-    for name, k, det, partial, stream, early in configs:
-        r = run(k, args, det, partial, stream, early)
+    runs: dict[str, list[dict]] = {}
+    for rep in range(args.repeats):
+        for name, k, det, partial, stream, early in configs:
+            runs.setdefault(name, []).append(run(k, args, det, partial, stream, early))
+            if args.repeats > 1:
+                print(f"  {name}, run {rep + 1} of {args.repeats}: {runs[name][-1]['step_s']:.2f} s/step", flush=True)
+    for name, *_ in configs:
+        r = dict(sorted(runs[name], key=lambda x: x["step_s"])[(len(runs[name]) - 1) // 2])  # the median run
+        r["runs_step_s"] = [x["step_s"] for x in runs[name]]
         out["configs"][name] = r
         print(f"{name:<17}{r['step_s']:>8.2f}{r['trajectories_per_s']:>8.1f}{r['train_s_per_step']:>8.2f}"
               f"{r['tail_s_per_step']:>7.2f}"
@@ -113,7 +129,9 @@ def main() -> None:
         if name in c and name + "_after" in c:
             a, r = c[name + "_after"], c[name]
             print(f"{name}: each group's pass as it arrives vs after the batch: {a['step_s'] / r['step_s']:.2f}x per "
-                  f"step, training after the last group {r['tail_s_per_step']:.2f} s vs {a['tail_s_per_step']:.2f} s")
+                  f"step, training after the last group {r['tail_s_per_step']:.2f} s vs {a['tail_s_per_step']:.2f} s"
+                  + (f" (runs, s/step: {[round(x, 2) for x in r['runs_step_s']]} vs "
+                     f"{[round(x, 2) for x in a['runs_step_s']]})" if args.repeats > 1 else ""))
     if "sync_batch" not in c or "sync" not in c:
         return finish(out, args)
     b, s = out["configs"]["sync_batch"], out["configs"]["sync"]

@@ -315,7 +315,8 @@ async def _train(cfg: TrainConfig) -> dict:
                 t1 = time.perf_counter()
                 wait_s += t1 - t0
                 if stream and new:
-                    await asyncio.to_thread(training, trainer.add, [g.trajectories for g in new])
+                    await asyncio.to_thread(training, trainer.add, [g.trajectories for g in new],
+                                            len(batch) >= cfg.groups_per_step)
                     train_s += time.perf_counter() - t1
             t2 = time.perf_counter()
             m = await asyncio.to_thread(training, trainer.finish) if stream else \

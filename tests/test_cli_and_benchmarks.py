@@ -232,12 +232,13 @@ def test_pipeline_benchmark_whitened_smoke(tmp_path):
     """--advantage with a whitened estimator adds the configurations whose pass waits for the batch."""
     out = tmp_path / "pipeline.json"
     r = run("benchmarks/pipeline.py", "--smoke", "--advantage", "reinforce_plus_plus_baseline", "--configs",
-            "async_k1,async_k1_after", "--json", str(out), timeout=900)
+            "async_k1,async_k1_after", "--repeats", "2", "--json", str(out), timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["advantage"] == "reinforce_plus_plus_baseline" and set(res["configs"]) == {"async_k1", "async_k1_after"}
     assert "async_k1: each group's pass as it arrives vs after the batch" in r.stdout
-    assert all(c["trained_trajectories"] > 0 for c in res["configs"].values())
+    assert all(c["trained_trajectories"] > 0 and len(c["runs_step_s"]) == 2 for c in res["configs"].values())
+    assert all(c["step_s"] in c["runs_step_s"] for c in res["configs"].values())  # a run's, the median's
 
 
 def test_demo_smoke(tmp_path):

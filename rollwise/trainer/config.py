@@ -39,7 +39,7 @@ class GRPOConfig:
     critic_model: str = ""  # gae: the critic's model directory ("": the policy's weights as they are at the start)
     # whitened estimators, streamed: each group's first pass as it arrives, its gradients whitened at the end
     # (two more gradient-sized buffers and a second backward per micro-batch); False: the pass waits for the batch
-    stream_whitened: bool = True
+    stream_whitened: bool = False
     max_grad_norm: float = 1.0
     temperature: float = 1.0  # the rollouts' sampling temperature
     micro_batch_tokens: int = 8192

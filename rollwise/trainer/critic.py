@@ -96,6 +96,7 @@ class Critic:
         self.lr = lr  # the base learning rate (the trainer's schedule scales it)
         self.opt = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=weight_decay)
         self._first: list[float] | None = None  # the first epoch's loss and clipped tokens, summed (`backward`)
+        self._done: set[int] = set()  # the batches `backward` took
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [*self.body.parameters(), *self.head.parameters()]
@@ -116,13 +117,14 @@ class Critic:
     def reset(self) -> None:
         """A new step: no gradients, nothing backpropagated yet."""
         self.opt.zero_grad(set_to_none=True)
-        self._first = None
+        self._first, self._done = None, set()
 
     def backward(self, items: list[tuple]) -> None:
         """The first epoch's value loss of `items` (`estimate`'s) as they arrive, backpropagated as a sum
         (`update` divides it by the batch's tokens): the streamed trainer's, while the batch generates."""
         first = self._first = self._first or [0.0, 0.0]
         for _, b, _, ret, old in items:
+            self._done.add(id(b))
             loss, clipped = self._loss(b, ret, old, 1.0)
             loss.backward()
             first[0] += float(loss.detach())
@@ -142,23 +144,24 @@ class Critic:
         it ran). Returns the first epoch's metrics."""
         n = sum(float(b.mask.sum()) for _, b, *_ in items)
         m: dict[str, float] = {}
-        first, self._first = self._first, None
+        first, done, self._first, self._done = self._first, self._done, None, set()
         if not n:
             self.opt.zero_grad(set_to_none=True)
             return m
         for epoch in range(epochs):
-            if epoch == 0 and first is not None:  # backpropagated as the groups arrived, as sums
-                for p in self.parameters():
-                    if p.grad is not None:
-                        p.grad.div_(n)
-                loss_sum, clipped = first[0] / n, first[1]
-            else:
-                loss_sum, clipped = 0.0, 0.0
-                for _, b, _, ret, old in items:
-                    loss, c = self._loss(b, ret, old, n)
+            summed = epoch == 0 and first is not None  # sums, some backpropagated as their groups arrived
+            loss_sum, clipped = first if summed else (0.0, 0.0)
+            for _, b, _, ret, old in items:
+                if not (summed and id(b) in done):
+                    loss, c = self._loss(b, ret, old, 1.0 if summed else n)
                     loss.backward()
                     loss_sum += float(loss.detach())
                     clipped += c
+            if summed:
+                for p in self.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(n)
+                loss_sum /= n
             gn = torch.nn.utils.clip_grad_norm_(self.parameters(), self.max_grad_norm)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)

@@ -5,11 +5,11 @@ for every generated token of a trajectory; "gigpo", GiGPO's: the episode's plus 
 turn, from the turns of the group that started from the same state; "gae", PPO's: per token, from a
 learned critic (critic.py); "reinforce_plus_plus" (per token, the discounted return to go) and
 "reinforce_plus_plus_baseline" (the episode's reward less its group's mean). These three are
-whitened over the batch, which a streamed step does not have until its last group: each group's
-first pass (the critic's too) runs as it arrives on the unwhitened advantages, the policy's loss at
-advantage A and at advantage 1 backpropagated apart, and the step combines them with the batch's mean
-and std (at ratio 1 the loss is linear in A: losses.SplitGradients), the same gradients up to
-rounding; `stream_whitened=False`: the first pass waits for the batch (no buffers).
+whitened over the batch, which a streamed step does not have until its last group, so their policy
+pass waits for it (the critic's runs as each group arrives); with `stream_whitened`, each group's
+first pass runs as it arrives on the unwhitened advantages, the policy's loss at advantage A and at advantage 1
+backpropagated apart, and the step combines them with the batch's mean and std (at ratio 1 the loss
+is linear in A: losses.SplitGradients): the same gradients up to rounding, for a second backward.
 
 loss (losses.py): `policy_loss` "ppo" (token ratios, clipped, with dual-clip), "gspo" (sequence
 ratios: use a tight range, e.g. clip = 3e-4, clip_high = 4e-4, and loss_agg = "sequence") or
@@ -119,14 +119,17 @@ class GRPOTrainer:
         self.policy.routing_stats.zero_()
         self.policy.expert_load.clear()
         self._acc = {"trajs": [], "items": [], "diffs": ([], {}), "stats": torch.zeros(6), "n_tokens": 0, "n_useful": 0,
-                     "entropy": [], "anchors": {}, "whiten": [],
+                     "entropy": [], "anchors": {}, "whiten": [], "later": [],
                      "given": n_tokens if cfg.loss_agg == "token" else n_trajectories,
-                     "early": streamed and cfg.stream_whitened and cfg.advantage in WHITENED, "split": None}
+                     "streamed": streamed, "early": streamed and cfg.stream_whitened and cfg.advantage in WHITENED,
+                     "split": None}
         if self._acc["early"] and cfg.mini_batches == 1:  # the first pass's gradients, to whiten at the end
             self._acc["split"] = SplitGradients(self.policy.parameters())
 
-    def add(self, groups: list[list[Trajectory]]) -> None:
-        """Complete groups of the current step: advantages, then forward and backward (first epoch)."""
+    def add(self, groups: list[list[Trajectory]], final: bool = False) -> None:
+        """Complete groups of the current step: advantages, then forward and backward (first epoch).
+        `final`: the step's last groups (the whitened estimators' pass then waits for `finish`, which
+        would wait for it: nothing is left to overlap, and the split gradients' second backward is saved)."""
         cfg, acc = self.cfg, self._begun()
         trajs = [t for g in groups for t in g]
         useful, adv = self._useful(groups, acc["anchors"])
@@ -142,12 +145,16 @@ class GRPOTrainer:
                 episode = dict(zip(map(id, trajs), advantages(groups, "dr_grpo")))
                 items = estimate(useful, 1.0, 1.0, cfg.micro_batch_tokens, episode=episode)
             acc["whiten"] += items
-            if acc["early"]:  # the first passes now, on the advantages unwhitened (`finish` whitens)
-                if self.critic is not None:
-                    self.critic.backward(items)
-                generated = {id(s): t.num_generated for t in useful for s in t.sequences()}
-                for mb, b, a, _, _ in items:
-                    self._first_pass(mb, b, a, torch.tensor([generated[id(s)] for s in mb], dtype=torch.float32))
+            generated = {id(s): t.num_generated for t in useful for s in t.sequences()}  # each row's episode's
+            rows = [(mb, b, a, torch.tensor([generated[id(s)] for s in mb], dtype=torch.float32))
+                    for mb, b, a, _, _ in items]
+            if self.critic is not None and acc["streamed"] and not final:  # its loss needs no whitening
+                self.critic.backward(items)
+            if acc["early"] and not final:  # the first passes now, on the advantages unwhitened (`finish` whitens)
+                for row in rows:
+                    self._first_pass(*row)
+            else:
+                acc["later"] += rows
             return
         # a row per token sequence: an episode of several contexts gives several, with its advantage per
         # turn and (for loss_agg="sequence") its generated tokens, over which its rows are averaged
@@ -198,16 +205,15 @@ class GRPOTrainer:
         m["lr"] = self._set_lr()
         if acc["whiten"]:  # the batch's per-token advantages whitened
             mean, std = whiten(acc["whiten"])
-            if acc["early"]:  # the first passes ran: their advantages and gradients whitened now
-                acc["items"] = [(b, (a - mean) / std * b.mask, *rest) for b, a, *rest in acc["items"]]
-                if acc["split"] is not None:
-                    acc["stats"][0] += acc["split"].apply(mean, std)
-            else:  # then the policy's first pass
+            # the passes that ran as their groups arrived: their advantages and gradients whitened now
+            acc["items"] = [(b, (a - mean) / std * b.mask, *rest) for b, a, *rest in acc["items"]]
+            if acc["split"] is not None:
+                acc["stats"][0] += acc["split"].apply(mean, std)
+                acc["split"] = None  # (the passes below backpropagate the whitened loss itself)
+            if not acc["items"]:  # no gradients summed yet: the rest divide by the batch's totals as they go
                 acc["given"] = div
-                generated = {id(s): t.num_generated for t in trajs for s in t.sequences()}  # each row's episode's
-                for mb, b, adv, _, _ in acc["whiten"]:
-                    n = torch.tensor([generated[id(s)] for s in mb], dtype=torch.float32)
-                    self._first_pass(mb, b, (adv - mean) / std * b.mask, n)
+            for mb, b, a, n in acc["later"]:  # then the passes that waited for the whitening
+                self._first_pass(mb, b, (a - mean) / std * b.mask, n)
         m["entropy"] = sum(acc["entropy"]) / n_tokens if n_tokens else float("nan")  # per trained token
         try:
             # before any update: a replica on other weights stops the step here

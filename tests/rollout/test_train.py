@@ -115,8 +115,9 @@ def test_a_gae_run_trains_groups_of_one_resumes_with_its_critic_and_saves_models
 
 
 def test_a_streamed_run_trains_whitened_advantages_as_groups_arrive(model_dir, tmp_path, monkeypatch):
-    """Streamed (not deterministic), gae's and REINFORCE++'s first passes run as each group arrives and
-    the step whitens their gradients at the end (SplitGradients.apply, once a step)."""
+    """Streamed (not deterministic) with stream_whitened, gae's and REINFORCE++'s first passes run as each
+    group but the last arrives and the step whitens their gradients at the end (SplitGradients.apply,
+    once a step)."""
     from rollwise.trainer.losses import SplitGradients
     monkeypatch.setitem(ENVS, "calculator", _ParityReward)
     applied = []
@@ -125,7 +126,7 @@ def test_a_streamed_run_trains_whitened_advantages_as_groups_arrive(model_dir, t
     for advantage in ("gae", "reinforce_plus_plus_baseline"):
         applied.clear()
         cfg = {**TINY, "model": model_dir, "run_dir": str(tmp_path / advantage), "advantage": advantage, "steps": 2,
-               "groups_per_step": 3, "eval_tasks": 0, "max_staleness": 1}
+               "groups_per_step": 3, "eval_tasks": 0, "max_staleness": 1, "stream_whitened": True}
         steps = train(TrainConfig.from_dict(cfg))["steps"]
         assert len(applied) == 2 and all(s > 0 for s in applied)
         assert all(s["trained_trajectories"] > 0 and s["entropy"] > 0 and abs(s["loss"]) < 10 for s in steps)

@@ -88,6 +88,12 @@ def test_gae_steps_fit_the_critic_and_move_the_policy_toward_reward(model_dir):
     assert gain[0].sum() > 0 and gain[1].sum() < 0
 
 
+def result(m, policy, trainer):
+    critic = trainer.critic.parameters() if trainer.critic is not None else [torch.zeros(1)]
+    return (m, torch.cat([p.detach().flatten() for p in policy.parameters()]),
+            torch.cat([p.detach().flatten() for p in critic]))
+
+
 @pytest.mark.parametrize("advantage,extra", [
     ("gae", {}), ("gae", {"epochs": 2, "micro_batch_tokens": 24}),
     ("reinforce_plus_plus", {"policy_loss": "cispo", "kl_coef": 0.1, "entropy_coef": 0.01}),
@@ -96,11 +102,15 @@ def test_gae_steps_fit_the_critic_and_move_the_policy_toward_reward(model_dir):
                                       "loss_scale_tokens": 8})])
 def test_a_streamed_whitened_step_equals_the_whole_batch_step(model_dir, advantage, extra):
     """Streamed, each group's first pass runs as it arrives, on advantages not yet whitened (the loss at
-    A and at 1 apart, combined at the end): the same step as with the pass after the last group."""
+    A and at 1 apart, combined at the end): the same step as with the pass after the last group, and
+    as the whole batch's (`step`; the critic's first epoch streams in both streamed modes)."""
     groups = [[episode([([40 + i, 41], [50], 0.0), ([45 + j], [], float(i == j))], tid=f"{j}{i}") for i in range(2)]
               for j in range(3)]
     out = []
-    for early in (False, True):
+    for mode in ("after", "early", "step"):  # streamed, the pass after the batch / as groups arrive; whole
+        if mode == "step" and "mini_batches" in extra:  # (its parts are the micro-batches in arrival order)
+            continue
+        early = mode == "early"
         policy = PolicyModel(model_dir)
         fresh(policy, [t for g in groups for t in g])
         trainer = GRPOTrainer(policy, GRPOConfig(lr=0.5, advantage=advantage, critic_lr=0.5, gae_gamma=0.9,
@@ -110,19 +120,25 @@ def test_a_streamed_whitened_step_equals_the_whole_batch_step(model_dir, advanta
         if trainer.critic is not None:
             torch.nn.init.normal_(trainer.critic.head.weight, std=0.5, generator=torch.Generator().manual_seed(0))
             trainer.critic.opt = torch.optim.SGD(trainer.critic.parameters(), lr=0.5)
+        if mode == "step":
+            out.append(result(trainer.step(groups), policy, trainer))
+            continue
         trainer.begin()
         trainer.add(groups[:1])
         assert bool(trainer._acc["items"]) == early  # the first group's pass ran as it arrived, or waits
-        trainer.add(groups[1:])
-        m = trainer.finish()
-        critic = trainer.critic.parameters() if trainer.critic is not None else [torch.zeros(1)]
-        out.append((m, torch.cat([p.detach().flatten() for p in policy.parameters()]),
-                    torch.cat([p.detach().flatten() for p in critic])))
-    (m0, p0, c0), (m1, p1, c1) = out  # up to float rounding
-    assert torch.allclose(p0, p1, atol=1e-5) and torch.allclose(c0, c1, atol=1e-5)
-    assert m0.keys() == m1.keys() and m0["trained_trajectories"] == 6
-    for k in m0:
-        assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-6, nan_ok=True), k
+        trainer.add(groups[1:2])
+        waiting = len(trainer._acc["later"])
+        assert (waiting == 0) == early
+        trainer.add(groups[2:], final=True)  # the last groups' pass waits for the whitening either way
+        assert len(trainer._acc["later"]) > waiting
+        out.append(result(trainer.finish(), policy, trainer))
+    (m0, p0, c0), *rest = out
+    assert m0["trained_trajectories"] == 6
+    for m1, p1, c1 in rest:  # up to float rounding
+        assert torch.allclose(p0, p1, atol=1e-5) and torch.allclose(c0, c1, atol=1e-5)
+        assert m0.keys() == m1.keys()
+        for k in m0:
+            assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-6, nan_ok=True), k
     start = torch.cat([p.detach().flatten() for p in PolicyModel(model_dir).parameters()])
     assert (p0 - start).abs().max() > 1e-2  # the step moved the weights far more than the tolerance
 
