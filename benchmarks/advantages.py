@@ -2,7 +2,7 @@
 advantages, GiGPO's step-level ones, PPO's from a critic (GAE), REINFORCE++'s.
 
     python benchmarks/advantages.py [--advantages grpo,gigpo] [--env phonebook|frozenlake] [--seeds 0,1]
-                                    [--steps N] [--json PATH] [--plot PNG]
+                                    [--steps N] [--set KEY=VALUE] [--json PATH] [--plot PNG]
 
 Each run starts from one cached SFT warm start per seed and is the same deterministic RL run
 (lockstep pipeline, staleness 1, 8 groups x 8 episodes a step) with each `advantage` named (default
@@ -29,7 +29,7 @@ from pathlib import Path
 from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
-from rollwise.cli import DEMO_DIR, DEMO_SFT_CACHE, demo_model  # noqa: E402
+from rollwise.cli import DEMO_DIR, DEMO_SFT_CACHE, _overrides, demo_model  # noqa: E402
 from rollwise.rl import TrainConfig, train  # noqa: E402
 from rollwise.rollout.pipeline import read_log  # noqa: E402
 from rollwise.trainer.advantages import ADVANTAGES  # noqa: E402
@@ -77,7 +77,12 @@ def run(advantage: str, seed: int, args) -> dict:
                                                             if "explained_var" in s]) else None,
             "generated_tokens": steps[-1].get("generated_tokens", 0.0) if steps else 0.0,
             "trained_trajectories": sum(s["trained_trajectories"] for s in steps),
-            "wall_s": wall, "rl_wall_s": steps[-1]["wall_s"] if steps else 0.0}
+            "wall_s": wall, "rl_wall_s": steps[-1]["wall_s"] if steps else 0.0,
+            # KL in the reward: the per-token KL to the reference in the first and last k steps, and beta's path
+            "reward_kl": [statistics.mean(s["reward_kl"] for s in part) for part in (steps[:k], steps[-k:])]
+            if steps and "reward_kl" in steps[0] else None,
+            "reward_kl_coef": [steps[0]["reward_kl_coef"], steps[-1]["reward_kl_coef"]]
+            if steps and "reward_kl_coef" in steps[0] else None}
 
 
 COLORS = {"grpo": "tab:blue", "gigpo": "tab:orange", "gae": "tab:green", "rloo": "tab:red", "dr_grpo": "tab:purple",
@@ -109,31 +114,36 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--steps", type=int, help="RL steps (default: the example config's)")
     p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a TrainConfig key for every run (e.g. reward_kl_coef=0.01)")
     p.add_argument("--smoke", action="store_true", help="a tiny run of each, to check the benchmark works")
     p.add_argument("--json")
     p.add_argument("--plot")
     args = p.parse_args()
-    args.overrides = {}
+    args.overrides = _overrides(args.set)
     chosen = args.advantages.split(",")
     if not chosen or set(chosen) - set(ADVANTAGES):
         p.error(f"--advantages: {args.advantages!r}; valid: {list(ADVANTAGES)}")
     if args.smoke:
         args.steps, args.eval_every = 2, 1
         args.overrides = {"sft_steps": 2, "sft_tasks": 8, "groups_per_step": 2, "group_size": 2, "eval_tasks": 4,
-                          "max_turns": 3}
+                          "max_turns": 3, **args.overrides}
     runs = []
     for seed in (int(s) for s in args.seeds.split(",")):
         for advantage in chosen:
             r = run(advantage, seed, args)
             runs.append(r)
             ev = "" if r["explained_var"] is None else f"; critic explains {r['explained_var']:.2f} of the returns"
+            if r["reward_kl"] is not None:
+                ev += (f"; KL per token {r['reward_kl'][0]:.4f} -> {r['reward_kl'][1]:.4f}, beta "
+                       f"{r['reward_kl_coef'][0]:.4f} -> {r['reward_kl_coef'][1]:.4f}")
             print(f"seed {seed} {advantage}: success {r['sft_success']:.3f} -> {r['rl_success']:.3f} "
                   f"(greedy {r['sft_greedy_success']:.3f} -> {r['rl_greedy_success']:.3f}); training episodes "
                   f"{r['first_steps']['success']:.3f} -> {r['last_steps']['success']:.3f} solved, "
                   f"{r['first_steps']['turns_when_solved']:.2f} -> {r['last_steps']['turns_when_solved']:.2f} turns "
                   f"when solved; anchored turns {r['anchored_turns']:.2f}{ev}; {r['generated_tokens']:.0f} tokens, "
                   f"{r['wall_s']:.0f} s", flush=True)
-    out = {"env": args.env, "config": ENVS[args.env][0].name, "runs": runs}
+    out = {"env": args.env, "config": ENVS[args.env][0].name, "set": args.set, "runs": runs}
     for adv in chosen:
         mine = [r for r in runs if r["advantage"] == adv]
         out[adv] = {k: statistics.mean(r[k] for r in mine) for k in ("rl_success", "rl_greedy_success", "wall_s")}

@@ -157,7 +157,7 @@ async def _train(cfg: TrainConfig) -> dict:
     from rollwise.engine.tokenizer import Tokenizer
     from rollwise.engine.model_runner import set_threads
     from rollwise.trainer.advantages import informative
-    from rollwise.trainer.grpo import GRPOConfig, GRPOTrainer
+    from rollwise.trainer.grpo import GRPOTrainer
     from rollwise.trainer.sft import sft
     from rollwise.trainer.policy import PolicyModel
 
@@ -177,24 +177,7 @@ async def _train(cfg: TrainConfig) -> dict:
     if cfg.routing_replay != "off" and not getattr(policy.model.config, "num_experts", 0):
         raise ValueError(f"routing_replay = {cfg.routing_replay!r} needs a model with experts (qwen3_moe); "
                          f"{cfg.model} is {policy.model.config.model_type}")
-    # a deterministic run recomputes behaviour logprobs so the replicas' rounding never reaches the loss;
-    # true on-policy replicas' logprobs are already the trainer's, bit for bit, under every version
-    behaviour = "recompute" if cfg.deterministic and not cfg.true_on_policy else "rollout"
-    grpo = GRPOConfig(lr=cfg.lr, lr_warmup_steps=cfg.lr_warmup_steps, lr_schedule=cfg.lr_schedule,
-                      min_lr_ratio=cfg.min_lr_ratio, total_steps=cfg.steps, clip=cfg.clip, clip_high=cfg.clip_high,
-                      tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef, entropy_coef=cfg.entropy_coef, dual_clip=cfg.dual_clip,
-                      is_level=cfg.is_level, is_mode=cfg.is_mode, is_low=cfg.is_low, is_veto=cfg.is_veto,
-                      temperature=cfg.temperature, loss_agg=cfg.loss_agg, advantage=cfg.advantage,
-                      loss_scale_tokens=cfg.loss_scale_tokens or cfg.max_tokens * cfg.max_turns,
-                      step_advantage_weight=cfg.step_advantage_weight, gamma=cfg.gamma, gigpo_mode=cfg.gigpo_mode,
-                      gigpo_similarity=cfg.gigpo_similarity, gae_gamma=cfg.gae_gamma,
-                      gae_lambda=cfg.gae_lambda, critic_lr=cfg.critic_lr, value_clip=cfg.value_clip,
-                      critic_warmup=cfg.critic_warmup, critic_model=cfg.critic_model,
-                      stream_whitened=cfg.stream_whitened,
-                      policy_loss=cfg.policy_loss, epochs=cfg.epochs, mini_batches=cfg.mini_batches,
-                      behaviour=behaviour, keep_versions=cfg.max_staleness,
-                      exclude_statuses=tuple(cfg.exclude_statuses),
-                      logprob_tolerance=0.0 if cfg.true_on_policy else cfg.logprob_tolerance)
+    grpo = cfg.trainer_config()
     report: dict = {"config": dataclasses.asdict(cfg), "steps": []}
     state = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
     status = Status(cfg.progress)

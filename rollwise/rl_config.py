@@ -12,12 +12,9 @@ from rollwise.agent.tools import Latency
 from rollwise.router.policies import POLICIES
 from rollwise.rollout.trackers import check_trackers
 from rollwise.router.replica import WEIGHTS_VIA
-from rollwise.trainer.advantages import ADVANTAGES, NO_GROUP, check_gigpo
-from rollwise.trainer.critic import check as check_critic
-from rollwise.trainer.correction import check as check_correction
-from rollwise.trainer.losses import POLICY_LOSSES, check as check_loss
+from rollwise.trainer.advantages import NO_GROUP
+from rollwise.trainer.config import GRPOConfig
 from rollwise.trainer.policy import ROUTING_MODES
-from rollwise.trainer.schedule import check as check_schedule
 from rollwise.types import check_cut_off
 
 
@@ -64,6 +61,12 @@ class TrainConfig:
     is_low: float = 0.0
     is_veto: float = 0.0
     kl_coef: float = 0.0
+    # KL in the reward (verl's use_kl_in_reward): each generated token's reward less beta x its KL to the
+    # reference (k1); beta starts at reward_kl_coef (0: off) and, with reward_kl_target > 0, adapts toward
+    # that per-token KL over reward_kl_horizon episodes, else stays (rollwise/trainer/kl_reward.py)
+    reward_kl_coef: float = 0.0
+    reward_kl_target: float = 0.0
+    reward_kl_horizon: int = 10000
     dual_clip: float = 3.0  # "ppo": a negative advantage's token loss at most this x |A| (clip_ratio_c); 0: off
     entropy_coef: float = 0.0  # an entropy bonus: the loss less this times each token's entropy
     # LoRA (peft's layers): 0 trains every weight; r > 0 freezes them after the warm start and trains
@@ -193,6 +196,18 @@ class TrainConfig:
     loggers: list[str] = field(default_factory=list)
     tracker_project: str = "rollwise"  # the W&B project; the run is named after run_dir
 
+    def trainer_config(self) -> GRPOConfig:
+        """The trainer's settings for this run."""
+        # a deterministic run recomputes behaviour logprobs so the replicas' rounding never reaches the loss;
+        # true on-policy replicas' logprobs are already the trainer's, bit for bit, under every version
+        behaviour = "recompute" if self.deterministic and not self.true_on_policy else "rollout"
+        own = dict(total_steps=self.steps, behaviour=behaviour, keep_versions=self.max_staleness,
+                   loss_scale_tokens=self.loss_scale_tokens or self.max_tokens * self.max_turns,
+                   exclude_statuses=tuple(self.exclude_statuses),
+                   logprob_tolerance=0.0 if self.true_on_policy else self.logprob_tolerance)
+        same = {f.name for f in fields(GRPOConfig)} & {f.name for f in fields(TrainConfig)} - set(own)
+        return GRPOConfig(**{k: getattr(self, k) for k in same}, **own)
+
     @property
     def streamed(self) -> bool:
         """Whether the trainer takes groups as they complete (see `stream_trainer`)."""
@@ -219,11 +234,7 @@ class TrainConfig:
             d = {**d, "tool_latency": tuple(d["tool_latency"])}
         cfg = TrainConfig(**d)
         resolve_env(cfg.env)  # a ValueError naming the built-ins, or why a user's env does not load
-        if cfg.policy_loss not in POLICY_LOSSES:
-            raise ValueError(f"unknown policy_loss {cfg.policy_loss!r}; valid: {list(POLICY_LOSSES)}")
-        if cfg.advantage not in ADVANTAGES:
-            raise ValueError(f"unknown advantage {cfg.advantage!r}; valid: {list(ADVANTAGES)}")
-        check_correction(cfg.is_level, cfg.is_mode, cfg.tis_cap, cfg.is_low, cfg.is_veto)
+        cfg.trainer_config().check()  # the trainer's settings (policy loss, advantage, correction, critic ...)
         if not 0.0 <= cfg.gamma <= 1.0 or cfg.step_advantage_weight < 0:
             raise ValueError(f"need 0 <= gamma <= 1 and step_advantage_weight >= 0, got {cfg.gamma}, "
                              f"{cfg.step_advantage_weight}")
@@ -238,11 +249,6 @@ class TrainConfig:
             raise ValueError(f"replica_weights_via must be one of {WEIGHTS_VIA}, got {cfg.replica_weights_via!r}")
         if cfg.tool_latency_kind not in ("uniform", "lognormal"):
             raise ValueError(f"tool_latency_kind must be 'uniform' or 'lognormal', got {cfg.tool_latency_kind!r}")
-        check_gigpo(cfg.gigpo_mode, cfg.gigpo_similarity)
-        check_schedule(cfg.lr_schedule, cfg.lr_warmup_steps, cfg.min_lr_ratio)
-        check_loss(cfg.loss_agg, cfg.loss_scale_tokens or cfg.max_tokens * cfg.max_turns, cfg.dual_clip, cfg.epochs,
-                   cfg.mini_batches)
-        check_critic(cfg.gae_gamma, cfg.gae_lambda, cfg.critic_lr, cfg.value_clip, cfg.critic_warmup)
         if cfg.advantage in NO_GROUP and cfg.dynamic_sampling:
             raise ValueError(f"dynamic_sampling skips groups whose rewards are all equal, but {cfg.advantage} "
                              "trains them too (its advantages do not cancel in a group): set one of them")

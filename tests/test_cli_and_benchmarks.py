@@ -307,10 +307,12 @@ def test_structured_benchmark_smoke(tmp_path):
 def test_advantages_benchmark_smoke(tmp_path):
     png = tmp_path / "advantages.png"
     runs = smoke(tmp_path, "benchmarks/advantages.py", "--seeds", "0", "--advantages", "grpo,gigpo,gae", "--plot",
-                 str(png), timeout=900, env=dict(ENV, ROLLWISE_CACHE=str(tmp_path / "cache")))["runs"]
+                 str(png), "--set", "reward_kl_coef=0.01", timeout=900,
+                 env=dict(ENV, ROLLWISE_CACHE=str(tmp_path / "cache")))["runs"]
     assert png.stat().st_size > 1000
     assert [x["advantage"] for x in runs] == ["grpo", "gigpo", "gae"] and all(len(x["curve"]) == 3 for x in runs)
     # every group's first turns start from its prompt: gigpo always finds step groups, grpo never looks
     assert runs[1]["anchored_turns"] > 0 and runs[0]["anchored_turns"] == 0
     # only gae has a critic, whose explained variance is at most 1
     assert runs[0]["explained_var"] is None and runs[2]["explained_var"] <= 1.0
+    assert all(x["reward_kl_coef"][0] == 0.01 and len(x["reward_kl"]) == 2 for x in runs)  # --set: KL in the reward

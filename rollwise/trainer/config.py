@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rollwise.trainer.advantages import ADVANTAGES, check_gigpo
+from rollwise.trainer.correction import check as check_correction
+from rollwise.trainer.critic import check as check_critic
+from rollwise.trainer.kl_reward import check as check_reward_kl
+from rollwise.trainer.losses import POLICY_LOSSES, check as check_loss
+from rollwise.trainer.schedule import check as check_schedule
+from rollwise.types import check_cut_off
+
 
 @dataclass
 class GRPOConfig:
@@ -25,6 +33,12 @@ class GRPOConfig:
     is_low: float = 0.0  # "mask": the lower bound of the kept ratios
     is_veto: float = 0.0  # > 0: a sequence with a token ratio under it carries no loss
     kl_coef: float = 0.0
+    # KL in the reward (kl_reward.py; verl's use_kl_in_reward): each generated token's reward less beta x its
+    # k1 KL to the reference; beta starts at reward_kl_coef (0: off), adapted toward a per-token KL of
+    # reward_kl_target when > 0 (horizon reward_kl_horizon episodes), else fixed
+    reward_kl_coef: float = 0.0
+    reward_kl_target: float = 0.0
+    reward_kl_horizon: int = 10000
     entropy_coef: float = 0.0  # the loss less this times each token's entropy (verl's entropy_coeff)
     advantage: str = "grpo"  # or "dr_grpo", "rloo", "gigpo", "gae", "reinforce_plus_plus[_baseline]" (`ADVANTAGES`)
     step_advantage_weight: float = 1.0  # gigpo: the step advantage's weight beside the episode's
@@ -63,3 +77,19 @@ class GRPOConfig:
     @property
     def clip_range(self) -> tuple[float, float]:
         return 1 - self.clip, 1 + (self.clip if self.clip_high is None else self.clip_high)
+
+    def check(self) -> None:
+        """A ValueError naming the first setting out of range (and the valid ones, where they are a list)."""
+        check_loss(self.loss_agg, self.loss_scale_tokens, self.dual_clip, self.epochs, self.mini_batches)
+        check_schedule(self.lr_schedule, self.lr_warmup_steps, self.min_lr_ratio)
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"unknown policy_loss {self.policy_loss!r}; valid: {list(POLICY_LOSSES)}")
+        if self.advantage not in ADVANTAGES:
+            raise ValueError(f"unknown advantage {self.advantage!r}; valid: {list(ADVANTAGES)}")
+        check_gigpo(self.gigpo_mode, self.gigpo_similarity)
+        check_critic(self.gae_gamma, self.gae_lambda, self.critic_lr, self.value_clip, self.critic_warmup)
+        check_correction(self.is_level, self.is_mode, self.tis_cap, self.is_low, self.is_veto)
+        if self.behaviour not in ("rollout", "recompute"):
+            raise ValueError(f"behaviour must be 'rollout' or 'recompute', got {self.behaviour!r}")
+        check_cut_off("exclude_statuses", self.exclude_statuses)
+        check_reward_kl(self.reward_kl_coef, self.reward_kl_target, self.reward_kl_horizon)

@@ -110,9 +110,10 @@ class Critic:
         return out
 
     @torch.no_grad()
-    def estimate(self, trajs: list[Trajectory], gamma: float, lam: float, micro_batch_tokens: int) -> list[tuple]:
+    def estimate(self, trajs: list[Trajectory], gamma: float, lam: float, micro_batch_tokens: int,
+                 penalty: dict[int, list[float]] | None = None) -> list[tuple]:
         """`estimate` (below) with the current critic's values."""
-        return estimate(trajs, gamma, lam, micro_batch_tokens, self.values)
+        return estimate(trajs, gamma, lam, micro_batch_tokens, self.values, penalty=penalty)
 
     def reset(self) -> None:
         """A new step: no gradients, nothing backpropagated yet."""
@@ -185,10 +186,11 @@ class Critic:
 
 
 def estimate(trajs: list[Trajectory], gamma: float, lam: float, micro_batch_tokens: int, values=None,
-             episode: dict[int, float] | None = None) -> list[tuple]:
+             episode: dict[int, float] | None = None, penalty: dict[int, list[float]] | None = None) -> list[tuple]:
     """Micro-batches of the trajectories' sequences, each (sequences, batch, advantages, returns, values),
     the last three [B, L-1]: GAE per episode over its generated tokens under `values` (Batch -> [B, L-1];
-    None: 0, so the advantages are the discounted returns to go), or with `episode` (trajectory id ->
+    None: 0, so the advantages are the discounted returns to go), each token's reward less its
+    `penalty` (trajectory id -> per generated token, kl_reward.py), or with `episode` (trajectory id ->
     advantage) that advantage on every generated token."""
     items = []
     for mb in micro_batches([s for t in trajs for s in t.sequences()], micro_batch_tokens):
@@ -203,7 +205,10 @@ def estimate(trajs: list[Trajectory], gamma: float, lam: float, micro_batch_toke
         if episode is not None:
             a = g = [episode[id(t)]] * len(v)
         else:
-            a, g = gae(v, token_rewards(t), gamma, lam)
+            r = token_rewards(t)
+            if penalty is not None:
+                r = [x - p for x, p in zip(r, penalty[id(t)], strict=True)]
+            a, g = gae(v, r, gamma, lam)
         k = 0
         for (i, r), pos in seqs:
             adv[i][r, pos] = torch.tensor(a[k:k + len(pos)])

@@ -46,17 +46,16 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from rollwise.trainer.advantages import (ADVANTAGES, WHITENED, advantages, check_gigpo, token_advantages,
-                                         turn_advantages)
+from rollwise.trainer.advantages import WHITENED, advantages, token_advantages, turn_advantages
 from rollwise.trainer.config import GRPOConfig
-from rollwise.trainer.critic import Critic, check as check_critic, estimate, whiten
-from rollwise.trainer.correction import check as check_correction, is_weights
+from rollwise.trainer.critic import Critic, estimate, whiten
+from rollwise.trainer.kl_reward import RewardKL
+from rollwise.trainer.correction import is_weights
 from rollwise.trainer.logprob_check import LogprobMismatch, check, compare
-from rollwise.trainer.losses import (POLICY_LOSSES, SplitGradients, aggregate, check as check_loss, part_size, split,
-                                     token_losses)
+from rollwise.trainer.losses import SplitGradients, aggregate, part_size, split, token_losses
 from rollwise.trainer.policy import Batch, PolicyModel, micro_batches
-from rollwise.trainer.schedule import check as check_schedule, lr_factor
-from rollwise.types import Trajectory, check_cut_off
+from rollwise.trainer.schedule import lr_factor
+from rollwise.types import Trajectory
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "LogprobMismatch", "oldest_version"]
 
@@ -68,25 +67,18 @@ def oldest_version(t: Trajectory) -> int:
 class GRPOTrainer:
     def __init__(self, policy: PolicyModel, config: GRPOConfig | None = None) -> None:
         self.policy, self.cfg = policy, config or GRPOConfig()
-        check_loss(self.cfg.loss_agg, self.cfg.loss_scale_tokens, self.cfg.dual_clip, self.cfg.epochs,
-                   self.cfg.mini_batches)
-        check_schedule(self.cfg.lr_schedule, self.cfg.lr_warmup_steps, self.cfg.min_lr_ratio)
-        if self.cfg.policy_loss not in POLICY_LOSSES:
-            raise ValueError(f"unknown policy_loss {self.cfg.policy_loss!r}; valid: {list(POLICY_LOSSES)}")
-        if self.cfg.advantage not in ADVANTAGES:
-            raise ValueError(f"unknown advantage {self.cfg.advantage!r}; valid: {list(ADVANTAGES)}")
-        check_gigpo(self.cfg.gigpo_mode, self.cfg.gigpo_similarity)
-        check_critic(self.cfg.gae_gamma, self.cfg.gae_lambda, self.cfg.critic_lr, self.cfg.value_clip,
-                     self.cfg.critic_warmup)
-        check_correction(self.cfg.is_level, self.cfg.is_mode, self.cfg.tis_cap, self.cfg.is_low, self.cfg.is_veto)
-        if self.cfg.behaviour not in ("rollout", "recompute"):
-            raise ValueError(f"behaviour must be 'rollout' or 'recompute', got {self.cfg.behaviour!r}")
-        check_cut_off("exclude_statuses", self.cfg.exclude_statuses)
+        self.cfg.check()
         self.kept: dict[int, dict[str, torch.Tensor]] = {}  # version -> its weights ("recompute")
         self.opt = torch.optim.AdamW(policy.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         # the KL reference: the weights as they are now; with LoRA, the policy with its adapters off
         # (its frozen weights are the reference: no copy)
-        self.ref = copy.deepcopy(policy.model).eval() if self.cfg.kl_coef > 0 and policy.lora is None else None
+        kl = self.cfg.kl_coef > 0 or self.cfg.reward_kl_coef > 0
+        self.ref = copy.deepcopy(policy.model).eval() if kl and policy.lora is None else None
+        self.reward_kl = None  # KL in the reward (kl_reward.py): beta, and the step's per-token KLs
+        if self.cfg.reward_kl_coef > 0:
+            self.reward_kl = RewardKL(lambda b: policy.logprobs(b, self.cfg.temperature) - self._ref_logprobs(b),
+                                      self.cfg.reward_kl_coef, self.cfg.reward_kl_target, self.cfg.reward_kl_horizon,
+                                      self.cfg.micro_batch_tokens)
         self.critic = None  # gae: PPO's value model
         if self.cfg.advantage == "gae":
             self.critic = Critic(policy, self.cfg.critic_lr or 10 * self.cfg.lr, self.cfg.value_clip,
@@ -137,12 +129,13 @@ class GRPOTrainer:
         acc["n_useful"] += len(useful)
         acc["n_tokens"] += sum(t.num_generated for t in useful)
         if cfg.advantage in WHITENED:  # per token now (a critic's values); the policy's pass once they whiten
+            pen = None if self.reward_kl is None else self.reward_kl.penalty(useful)
             if self.critic is not None:
-                items = self.critic.estimate(useful, cfg.gae_gamma, cfg.gae_lambda, cfg.micro_batch_tokens)
+                items = self.critic.estimate(useful, cfg.gae_gamma, cfg.gae_lambda, cfg.micro_batch_tokens, pen)
             elif cfg.advantage == "reinforce_plus_plus":  # the discounted returns to go
-                items = estimate(useful, cfg.gae_gamma, 1.0, cfg.micro_batch_tokens)
+                items = estimate(useful, cfg.gae_gamma, 1.0, cfg.micro_batch_tokens, penalty=pen)
             else:  # each episode's reward less its group's mean
-                episode = dict(zip(map(id, trajs), advantages(groups, "dr_grpo")))
+                episode = dict(zip(map(id, trajs), advantages(self._rewarded(groups), "dr_grpo")))
                 items = estimate(useful, 1.0, 1.0, cfg.micro_batch_tokens, episode=episode)
             acc["whiten"] += items
             generated = {id(s): t.num_generated for t in useful for s in t.sequences()}  # each row's episode's
@@ -249,6 +242,8 @@ class GRPOTrainer:
         if self.critic is not None:
             m.update(self.critic.update(acc["whiten"], cfg.epochs),
                      critic_warmup=float(self.version < cfg.critic_warmup))
+        if self.reward_kl is not None:  # the step's beta and KL, then beta adapted for the next step
+            m.update(self.reward_kl.finish())
         if cfg.advantage == "gigpo" and acc["anchors"].get("turns"):  # turns in a step group of 2 or more
             m["anchored_turns"] = acc["anchors"].get("anchored", 0) / acc["anchors"]["turns"]
         moved, seen = self.policy.routing_stats.tolist()
@@ -277,9 +272,14 @@ class GRPOTrainer:
         kept = [t for t in trajs if t.num_generated > 0 and t.status not in cfg.exclude_statuses]
         if cfg.advantage in WHITENED:  # per token, whitened over the batch: every kept trajectory trains
             return kept, {}
-        adv = dict(zip(map(id, trajs), turn_advantages(groups, cfg.advantage, cfg.step_advantage_weight, cfg.gamma,
-                                                       stats, cfg.gigpo_mode, cfg.gigpo_similarity)))
+        adv = dict(zip(map(id, trajs), turn_advantages(self._rewarded(groups), cfg.advantage,
+                                                       cfg.step_advantage_weight, cfg.gamma, stats, cfg.gigpo_mode,
+                                                       cfg.gigpo_similarity)))
         return [t for t in kept if any(abs(a) > 1e-9 for a in adv[id(t)])], adv
+
+    def _rewarded(self, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
+        """The groups as the episode advantages see them: with KL in the reward, each episode's less it."""
+        return groups if self.reward_kl is None else self.reward_kl.penalized(groups)
 
     def _begun(self) -> dict:
         if self._acc is None:
@@ -302,17 +302,13 @@ class GRPOTrainer:
         pg, ratio = token_losses(cfg.policy_loss, lp, prox, A, w, b.mask, cfg.clip_range, cfg.dual_clip)
         extra = None  # the loss's terms that do not depend on the advantage
         if cfg.kl_coef > 0:
-            with torch.no_grad(), self.policy.adapters_off():
-                ref = self.ref if self.ref is not None else self.policy.model
-                lp_ref = torch.log_softmax(ref(input_ids=b.input_ids, attention_mask=b.attention_mask)
-                                           .logits[:, :-1] / cfg.temperature, -1).gather(
-                    -1, b.targets.unsqueeze(-1)).squeeze(-1)
-            d = lp_ref - lp
+            d = self._ref_logprobs(b) - lp
             kl = torch.exp(d) - d - 1
             extra = cfg.kl_coef * kl
             stats[2] += float((kl.detach() * b.mask).sum())
         if cfg.entropy_coef and ent is not None:
             extra = -cfg.entropy_coef * ent if extra is None else extra - cfg.entropy_coef * ent
+
         def agg(x):
             return aggregate(x, b.mask, cfg.loss_agg, div, n, cfg.loss_scale_tokens)
         if split_grads is not None:  # L(A) and L(1) apart (SplitGradients); KL and entropy into the gradients
@@ -331,6 +327,15 @@ class GRPOTrainer:
         stats[4] += float(dropped.sum())
         d = (lp_behav - prox) * b.mask  # k3 estimate of KL(behaviour || proximal) on the sampled tokens
         stats[5] += float(((torch.exp(-d) - 1 + d) * b.mask).sum())
+
+    @torch.no_grad()
+    def _ref_logprobs(self, b: Batch) -> torch.Tensor:
+        """[B, L-1] each target's logprob under the reference model (with LoRA: the adapters off)."""
+        with self.policy.adapters_off():
+            ref = self.ref if self.ref is not None else self.policy.model
+            return torch.log_softmax(ref(input_ids=b.input_ids, attention_mask=b.attention_mask)
+                                     .logits[:, :-1] / self.cfg.temperature, -1).gather(
+                -1, b.targets.unsqueeze(-1)).squeeze(-1)
 
     def _stale(self, mb: list[Trajectory], b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each target's policy version, and the logprobs of the tokens of older versions under the
@@ -365,7 +370,8 @@ class GRPOTrainer:
     def state(self) -> dict:
         return {"model": self.policy.model.state_dict(), "optimizer": self.opt.state_dict(), "version": self.version,
                 "ref": self.ref.state_dict() if self.ref is not None else None, "kept": self.kept,
-                "critic": self.critic.state() if self.critic is not None else None}
+                "critic": self.critic.state() if self.critic is not None else None,
+                "reward_kl_coef": self.reward_kl.value if self.reward_kl is not None else None}
 
     def load_state(self, state: dict) -> None:
         self.policy.model.load_state_dict(state["model"])
@@ -374,6 +380,8 @@ class GRPOTrainer:
         self.kept = state.get("kept") or {}
         if self.ref is not None and state.get("ref") is not None:
             self.ref.load_state_dict(state["ref"])
+        if self.reward_kl is not None and state.get("reward_kl_coef") is not None:  # the adapted beta
+            self.reward_kl.value = float(state["reward_kl_coef"])
         if self.critic is not None:
             if state.get("critic") is None:
                 raise ValueError("advantage = 'gae' needs the critic's state: this checkpoint has none")

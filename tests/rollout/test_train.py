@@ -117,7 +117,7 @@ def test_a_gae_run_trains_groups_of_one_resumes_with_its_critic_and_saves_models
 def test_a_streamed_run_trains_whitened_advantages_as_groups_arrive(model_dir, tmp_path, monkeypatch):
     """Streamed (not deterministic) with stream_whitened, gae's and REINFORCE++'s first passes run as each
     group but the last arrives and the step whitens their gradients at the end (SplitGradients.apply,
-    once a step)."""
+    once a step); gae with KL in the reward, its beta adapted after each step."""
     from rollwise.trainer.losses import SplitGradients
     monkeypatch.setitem(ENVS, "calculator", _ParityReward)
     applied = []
@@ -127,7 +127,12 @@ def test_a_streamed_run_trains_whitened_advantages_as_groups_arrive(model_dir, t
         applied.clear()
         cfg = {**TINY, "model": model_dir, "run_dir": str(tmp_path / advantage), "advantage": advantage, "steps": 2,
                "groups_per_step": 3, "eval_tasks": 0, "max_staleness": 1, "stream_whitened": True}
+        if advantage == "gae":  # with KL in the reward, adaptive (a short horizon: beta moves visibly)
+            cfg.update(reward_kl_coef=0.05, reward_kl_target=1e-3, reward_kl_horizon=10)
         steps = train(TrainConfig.from_dict(cfg))["steps"]
+        if advantage == "gae":
+            assert steps[0]["reward_kl_coef"] == 0.05 and steps[1]["reward_kl_coef"] != 0.05
+            assert abs(steps[0]["reward_kl"]) < 1e-4 < abs(steps[1]["reward_kl"])  # the reference, then not
         assert len(applied) == 2 and all(s > 0 for s in applied)
         assert all(s["trained_trajectories"] > 0 and s["entropy"] > 0 and abs(s["loss"]) < 10 for s in steps)
         assert all(s["logprob_diff"] < 0.02 for s in steps if s["logprob_diff"] == s["logprob_diff"])
