@@ -147,8 +147,8 @@ class TrainConfig:
     # group, so their policy pass waits for it (False), or (True) each group's runs as it arrives, the loss
     # at its advantages and at 1 backpropagated apart and combined at the end (exact: the first pass is
     # linear in them), for a second backward per micro-batch and two gradient-sized buffers. Worth it when
-    # the trainer has compute of its own (replicas elsewhere): 1.09x per step with a core each here, 0.94x
-    # when the trainer's extra backward shares the cores with the rollouts (README, Results)
+    # the trainer's work is shorter than the batch's rollouts: REINFORCE++-baseline 1.10-1.16x per step
+    # here; gae, whose critic already fills that time, 0.88x (README, Results)
     stream_whitened: bool = False
     max_concurrent_groups: int = 16
     episode_deadline_s: float = 60.0

@@ -136,8 +136,8 @@ class Critic:
         v = self.values(b)
         vc = old + (v - old).clamp(-self.value_clip, self.value_clip)
         unclipped, worse = (v - ret) ** 2, (vc - ret) ** 2
-        return (0.5 * torch.maximum(unclipped, worse) * b.mask).sum() / n, float(((worse > unclipped).float()
-                                                                                   * b.mask).sum())
+        loss = (0.5 * torch.maximum(unclipped, worse) * b.mask).sum() / n
+        return loss, float(((worse > unclipped).float() * b.mask).sum())
 
     def update(self, items: list[tuple], epochs: int) -> dict[str, float]:
         """`epochs` optimizer steps of the clipped value loss over the items (`estimate`'s), each the

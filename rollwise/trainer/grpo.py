@@ -330,12 +330,14 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def _ref_logprobs(self, b: Batch) -> torch.Tensor:
-        """[B, L-1] each target's logprob under the reference model (with LoRA: the adapters off)."""
-        with self.policy.adapters_off():
-            ref = self.ref if self.ref is not None else self.policy.model
-            return torch.log_softmax(ref(input_ids=b.input_ids, attention_mask=b.attention_mask)
-                                     .logits[:, :-1] / self.cfg.temperature, -1).gather(
-                -1, b.targets.unsqueeze(-1)).squeeze(-1)
+        """[B, L-1] each target's logprob under the reference model (with LoRA: the adapters off), by the
+        policy's own path (the output head at the generated positions only; the same rounding, so a
+        policy still at the reference has KL 0 exactly), its weights swapped in for the call."""
+        if self.ref is None:
+            with self.policy.adapters_off():
+                return self.policy.logprobs(b, self.cfg.temperature)
+        with self._weights({n: p.data for n, p in self.ref.named_parameters()}):
+            return self.policy.logprobs(b, self.cfg.temperature)
 
     def _stale(self, mb: list[Trajectory], b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each target's policy version, and the logprobs of the tokens of older versions under the

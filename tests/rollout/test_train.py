@@ -132,7 +132,7 @@ def test_a_streamed_run_trains_whitened_advantages_as_groups_arrive(model_dir, t
         steps = train(TrainConfig.from_dict(cfg))["steps"]
         if advantage == "gae":
             assert steps[0]["reward_kl_coef"] == 0.05 and steps[1]["reward_kl_coef"] != 0.05
-            assert abs(steps[0]["reward_kl"]) < 1e-4 < abs(steps[1]["reward_kl"])  # the reference, then not
+            assert steps[0]["reward_kl"] == 0.0 < abs(steps[1]["reward_kl"])  # the reference, then not
         assert len(applied) == 2 and all(s > 0 for s in applied)
         assert all(s["trained_trajectories"] > 0 and s["entropy"] > 0 and abs(s["loss"]) < 10 for s in steps)
         assert all(s["logprob_diff"] < 0.02 for s in steps if s["logprob_diff"] == s["logprob_diff"])
