@@ -120,8 +120,8 @@ class GRPOTrainer:
 
     def add(self, groups: list[list[Trajectory]], final: bool = False) -> None:
         """Complete groups of the current step: advantages, then forward and backward (first epoch).
-        `final`: the step's last groups (the whitened estimators' pass then waits for `finish`, which
-        would wait for it: nothing is left to overlap, and the split gradients' second backward is saved)."""
+        `final`: these are the step's last groups, so a whitened estimator's passes for them (the
+        critic's too) run in `finish`: nothing is left to overlap, and no second backward is spent."""
         cfg, acc = self.cfg, self._begun()
         trajs = [t for g in groups for t in g]
         useful, adv = self._useful(groups, acc["anchors"])
