@@ -256,7 +256,6 @@ class TrainConfig:
         if cfg.max_staleness < 0 or cfg.steps < 0 or cfg.groups_per_step < 1 or cfg.group_size < smallest:
             raise ValueError(f"need max_staleness >= 0, steps >= 0, groups_per_step >= 1, group_size >= {smallest} "
                              f"(advantage {cfg.advantage!r})")
-        check_cut_off("exclude_statuses", cfg.exclude_statuses)
         check_cut_off("retry_statuses", cfg.retry_statuses)
         if cfg.episode_retries < 0:
             raise ValueError(f"episode_retries must be >= 0, got {cfg.episode_retries}")
