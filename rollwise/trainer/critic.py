@@ -95,8 +95,9 @@ class Critic:
         self._cache_kw = cache_kw(model)
         self.lr = lr  # the base learning rate (the trainer's schedule scales it)
         self.opt = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=weight_decay)
-        self._first: list[float] | None = None  # the first epoch's loss and clipped tokens, summed (`backward`)
-        self._done: set[int] = set()  # the batches `backward` took
+        self._first: list[float] | None = None  # the first epoch's loss and clipped tokens (`estimate`'s)
+        self._scale = 1.0  # what `estimate` divided the first epoch's losses by
+        self._done: set[int] = set()  # the batches whose first epoch `estimate` backpropagated
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [*self.body.parameters(), *self.head.parameters()]
@@ -109,31 +110,49 @@ class Critic:
         out[:, off:][sel] = self.head(h[sel]).squeeze(-1)
         return out
 
-    @torch.no_grad()
     def estimate(self, trajs: list[Trajectory], gamma: float, lam: float, micro_batch_tokens: int,
-                 penalty: dict[int, list[float]] | None = None) -> list[tuple]:
-        """`estimate` (below) with the current critic's values."""
-        return estimate(trajs, gamma, lam, micro_batch_tokens, self.values, penalty=penalty)
+                 penalty: dict[int, list[float]] | None = None, backward: float | None = None) -> list[tuple]:
+        """`estimate` (below) with the current critic's values. `backward`: also the first epoch's
+        value loss, divided by `backward` (1: summed, and `update` divides it by the batch's tokens;
+        the batch's tokens, when it comes whole), backpropagated from the same forward: the values at
+        the old weights are the first epoch's prediction. A micro-batch's graph lives until its
+        episodes' advantages are known, after its own forward unless an episode of several contexts
+        goes on in a later micro-batch: that one's graph is dropped at the next forward and its loss
+        recomputed, so one graph lives at a time."""
+        if backward is None:
+            with torch.no_grad():
+                return estimate(trajs, gamma, lam, micro_batch_tokens, self.values, penalty=penalty)
+        if self._first is None:
+            self._first, self._scale = [0.0, 0.0], backward
+        elif self._scale != backward:
+            raise ValueError(f"a step's value losses take one divisor, got {backward} after {self._scale}")
+        held: dict[int, torch.Tensor] = {}  # batch id -> its values with their graph
+
+        def values(b: Batch) -> torch.Tensor:
+            held.clear()
+            v = held[id(b)] = self.values(b)
+            return v.detach()
+
+        def done(item: tuple) -> None:
+            _, b, _, ret, old = item
+            self._done.add(id(b))
+            loss, clipped = self._loss(b, ret, old, backward, held.pop(id(b), None))
+            loss.backward()
+            self._first[0] += float(loss.detach())
+            self._first[1] += clipped
+
+        return estimate(trajs, gamma, lam, micro_batch_tokens, values, penalty=penalty, done=done)
 
     def reset(self) -> None:
         """A new step: no gradients, nothing backpropagated yet."""
         self.opt.zero_grad(set_to_none=True)
         self._first, self._done = None, set()
 
-    def backward(self, items: list[tuple]) -> None:
-        """The first epoch's value loss of `items` (`estimate`'s) as they arrive, backpropagated as a sum
-        (`update` divides it by the batch's tokens): the streamed trainer's, while the batch generates."""
-        first = self._first = self._first or [0.0, 0.0]
-        for _, b, _, ret, old in items:
-            self._done.add(id(b))
-            loss, clipped = self._loss(b, ret, old, 1.0)
-            loss.backward()
-            first[0] += float(loss.detach())
-            first[1] += clipped
-
-    def _loss(self, b: Batch, ret: torch.Tensor, old: torch.Tensor, n: float) -> tuple[torch.Tensor, float]:
-        """The clipped value loss of a micro-batch over `n` tokens, and its clipped tokens."""
-        v = self.values(b)
+    def _loss(self, b: Batch, ret: torch.Tensor, old: torch.Tensor, n: float,
+              v: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+        """The clipped value loss of a micro-batch over `n` tokens (the values `v`, or the current
+        critic's), and its clipped tokens."""
+        v = self.values(b) if v is None else v
         vc = old + (v - old).clamp(-self.value_clip, self.value_clip)
         unclipped, worse = (v - ret) ** 2, (vc - ret) ** 2
         loss = (0.5 * torch.maximum(unclipped, worse) * b.mask).sum() / n
@@ -141,28 +160,28 @@ class Critic:
 
     def update(self, items: list[tuple], epochs: int) -> dict[str, float]:
         """`epochs` optimizer steps of the clipped value loss over the items (`estimate`'s), each the
-        mean over all their generated tokens (the first epoch's gradients those `backward` summed, if
-        it ran). Returns the first epoch's metrics."""
+        mean over all their generated tokens (the first epoch's gradients those `estimate` backpropagated,
+        if it did). Returns the first epoch's metrics."""
         n = sum(float(b.mask.sum()) for _, b, *_ in items)
         m: dict[str, float] = {}
-        first, done, self._first, self._done = self._first, self._done, None, set()
+        first, done, scale, self._first, self._done = self._first, self._done, self._scale, None, set()
         if not n:
             self.opt.zero_grad(set_to_none=True)
             return m
         for epoch in range(epochs):
-            summed = epoch == 0 and first is not None  # sums, some backpropagated as their groups arrived
+            summed = epoch == 0 and first is not None  # some backpropagated by `estimate`, divided by `scale`
             loss_sum, clipped = first if summed else (0.0, 0.0)
             for _, b, _, ret, old in items:
                 if not (summed and id(b) in done):
-                    loss, c = self._loss(b, ret, old, 1.0 if summed else n)
+                    loss, c = self._loss(b, ret, old, scale if summed else n)
                     loss.backward()
                     loss_sum += float(loss.detach())
                     clipped += c
-            if summed:
+            if summed and scale != n:
                 for p in self.parameters():
                     if p.grad is not None:
-                        p.grad.div_(n)
-                loss_sum /= n
+                        p.grad.div_(n / scale)
+                loss_sum /= n / scale
             gn = torch.nn.utils.clip_grad_norm_(self.parameters(), self.max_grad_norm)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
@@ -186,35 +205,50 @@ class Critic:
 
 
 def estimate(trajs: list[Trajectory], gamma: float, lam: float, micro_batch_tokens: int, values=None,
-             episode: dict[int, float] | None = None, penalty: dict[int, list[float]] | None = None) -> list[tuple]:
+             episode: dict[int, float] | None = None, penalty: dict[int, list[float]] | None = None,
+             done=None) -> list[tuple]:
     """Micro-batches of the trajectories' sequences, each (sequences, batch, advantages, returns, values),
     the last three [B, L-1]: GAE per episode over its generated tokens under `values` (Batch -> [B, L-1];
     None: 0, so the advantages are the discounted returns to go), each token's reward less its
     `penalty` (trajectory id -> per generated token, kl_reward.py), or with `episode` (trajectory id ->
-    advantage) that advantage on every generated token."""
-    items = []
-    for mb in micro_batches([s for t in trajs for s in t.sequences()], micro_batch_tokens):
-        b = Batch.of(mb)
-        items.append((mb, b, values(b) if values is not None else torch.zeros(b.mask.shape)))
-    where = {id(s): (i, r) for i, (mb, _, _) in enumerate(items) for r, s in enumerate(mb)}
-    adv = [torch.zeros(b.mask.shape) for _, b, _ in items]
-    ret = [torch.zeros(b.mask.shape) for _, b, _ in items]
+    advantage) that advantage on every generated token. `done(item)` is called with each item as soon
+    as its advantages are known: after the values of the last micro-batch holding any of its
+    episodes' sequences (its own, unless an episode of several contexts goes on in a later one)."""
+    mbs = micro_batches([s for t in trajs for s in t.sequences()], micro_batch_tokens)
+    where = {id(s): (i, r) for i, mb in enumerate(mbs) for r, s in enumerate(mb)}
+    last = {id(t): max(where[id(s)][0] for s in t.sequences()) for t in trajs}  # an episode's last micro-batch
+    ending: list[list[Trajectory]] = [[] for _ in mbs]  # the episodes whose last micro-batch is i
+    ready = list(range(len(mbs)))  # micro-batch i's advantages are known after micro-batch ready[i]
     for t in trajs:
-        seqs = [(where[id(s)], positions(s)) for s in t.sequences()]
-        v = [float(items[i][2][r, j]) for (i, r), pos in seqs for j in pos]
-        if episode is not None:
-            a = g = [episode[id(t)]] * len(v)
-        else:
-            r = token_rewards(t)
-            if penalty is not None:
-                r = [x - p for x, p in zip(r, penalty[id(t)], strict=True)]
-            a, g = gae(v, r, gamma, lam)
-        k = 0
-        for (i, r), pos in seqs:
-            adv[i][r, pos] = torch.tensor(a[k:k + len(pos)])
-            ret[i][r, pos] = torch.tensor(g[k:k + len(pos)])
-            k += len(pos)
-    return [(mb, b, a, g, v) for (mb, b, v), a, g in zip(items, adv, ret)]
+        ending[last[id(t)]].append(t)
+        for s in t.sequences():
+            i = where[id(s)][0]
+            ready[i] = max(ready[i], last[id(t)])
+    items: list[tuple] = []
+    for i, mb in enumerate(mbs):
+        b = Batch.of(mb)
+        v = values(b) if values is not None else torch.zeros(b.mask.shape)
+        items.append((mb, b, torch.zeros(b.mask.shape), torch.zeros(b.mask.shape), v))
+        for t in ending[i]:
+            seqs = [(where[id(s)], positions(s)) for s in t.sequences()]
+            vals = [float(items[j][4][r, k]) for (j, r), pos in seqs for k in pos]
+            if episode is not None:
+                a = g = [episode[id(t)]] * len(vals)
+            else:
+                rew = token_rewards(t)
+                if penalty is not None:
+                    rew = [x - p for x, p in zip(rew, penalty[id(t)], strict=True)]
+                a, g = gae(vals, rew, gamma, lam)
+            k = 0
+            for (j, r), pos in seqs:
+                items[j][2][r, pos] = torch.tensor(a[k:k + len(pos)])
+                items[j][3][r, pos] = torch.tensor(g[k:k + len(pos)])
+                k += len(pos)
+        if done is not None:
+            for j in range(i + 1):
+                if ready[j] == i:
+                    done(items[j])
+    return items
 
 
 def whiten(items: list[tuple]) -> tuple[float, float]:

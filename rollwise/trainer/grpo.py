@@ -120,8 +120,8 @@ class GRPOTrainer:
 
     def add(self, groups: list[list[Trajectory]], final: bool = False) -> None:
         """Complete groups of the current step: advantages, then forward and backward (first epoch).
-        `final`: these are the step's last groups, so a whitened estimator's passes for them (the
-        critic's too) run in `finish`: nothing is left to overlap, and no second backward is spent."""
+        `final`: these are the step's last groups, so a whitened estimator's policy pass for them runs
+        in `finish`: nothing is left to overlap, and no second backward is spent."""
         cfg, acc = self.cfg, self._begun()
         trajs = [t for g in groups for t in g]
         useful, adv = self._useful(groups, acc["anchors"])
@@ -130,8 +130,9 @@ class GRPOTrainer:
         acc["n_tokens"] += sum(t.num_generated for t in useful)
         if cfg.advantage in WHITENED:  # per token now (a critic's values); the policy's pass once they whiten
             pen = None if self.reward_kl is None else self.reward_kl.penalty(useful)
-            if self.critic is not None:
-                items = self.critic.estimate(useful, cfg.gae_gamma, cfg.gae_lambda, cfg.micro_batch_tokens, pen)
+            if self.critic is not None:  # with its first epoch's loss, from the same forward (no whitening)
+                items = self.critic.estimate(useful, cfg.gae_gamma, cfg.gae_lambda, cfg.micro_batch_tokens, pen,
+                                             backward=1.0 if acc["streamed"] else float(acc["n_tokens"]))
             elif cfg.advantage == "reinforce_plus_plus":  # the discounted returns to go
                 items = estimate(useful, cfg.gae_gamma, 1.0, cfg.micro_batch_tokens, penalty=pen)
             else:  # each episode's reward less its group's mean
@@ -141,8 +142,6 @@ class GRPOTrainer:
             generated = {id(s): t.num_generated for t in useful for s in t.sequences()}  # each row's episode's
             rows = [(mb, b, a, torch.tensor([generated[id(s)] for s in mb], dtype=torch.float32))
                     for mb, b, a, _, _ in items]
-            if self.critic is not None and acc["streamed"] and not final:  # its loss needs no whitening
-                self.critic.backward(items)
             if acc["early"] and not final:  # the first passes now, on the advantages unwhitened (`finish` whitens)
                 for row in rows:
                     self._first_pass(*row)

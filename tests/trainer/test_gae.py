@@ -62,6 +62,45 @@ def test_estimate_chains_an_episodes_contexts_and_skips_observations(model_dir):
         assert ((a != 0) <= (b.mask > 0)).all() and ((v != 0) <= (b.mask > 0)).all()
 
 
+def test_the_critics_first_epoch_backpropagates_from_the_estimates_forward(model_dir):
+    """`estimate(..., backward=)` takes the value loss's gradients from the forward that valued the
+    tokens: the same gradients as valuing, then a second forward for the loss, with one forward per
+    micro-batch, two for one whose episode goes on in a later micro-batch (its graph is dropped)."""
+    critic = Critic(PolicyModel(model_dir))
+    torch.nn.init.normal_(critic.head.weight, std=0.5, generator=torch.Generator().manual_seed(0))
+    first = episode([([10, 11], [50], 0.0)], tid="x")  # an episode of two contexts ...
+    last = episode([([12], [60, 61], 0.0), ([13, 14], [], 1.0)], prompt=[7, 8, 9, 6, 5], tid="x")
+    last.earlier = [first]
+    others = [episode([([20 + i], [], float(i))], tid=f"y{i}") for i in range(2)]
+    trajs = [last, *others]
+    seen = []
+    with torch.no_grad():  # a micro-batch per sequence
+        items = estimate(trajs, 0.9, 0.7, 4, critic.values, done=lambda it: seen.append((id(it[1]), it[2].clone())))
+    assert len(items) == 4 and sorted(i for i, _ in seen) == sorted(id(b) for _, b, *_ in items)
+    assert all(torch.equal(a, dict((id(b), a) for _, b, a, _, _ in items)[i]) for i, a in seen)  # known when done
+    where = {id(s): k for k, (mb, *_) in enumerate(items) for s in mb}
+    assert where[id(first)] < where[id(last)]  # ... in different micro-batches, the first context's earlier
+    calls = []
+    forward = critic.values
+    critic.values = lambda b: calls.append(b) or forward(b)
+
+    def grads():
+        out = torch.cat([p.grad.flatten() for p in critic.parameters()])
+        critic.reset()
+        return out
+
+    for _, b, _, ret, old in critic.estimate(trajs, 0.9, 0.7, 4):
+        critic._loss(b, ret, old, 1.0)[0].backward()
+    two_passes, n_two = grads(), len(calls)
+    calls.clear()
+    critic.estimate(trajs, 0.9, 0.7, 4, backward=1.0)
+    assert n_two == 8 and len(calls) == 5  # a forward per micro-batch, and the first context's again
+    assert torch.allclose(grads(), two_passes, rtol=1e-6, atol=1e-9) and two_passes.abs().sum() > 0
+    critic.estimate(trajs, 0.9, 0.7, 4, backward=1.0)
+    with pytest.raises(ValueError, match="one divisor"):
+        critic.estimate(trajs, 0.9, 0.7, 4, backward=5.0)
+
+
 def fresh(policy, trajs):
     for t in trajs:  # behaviour logprobs: the policy's own (fresh samples, ratio 1)
         b = Batch.of([t])
