@@ -284,6 +284,27 @@ def test_frozenlake_local_view_shows_the_neighbours_and_the_goal(expert_rewards)
         make_env("frozenlake", view="map")
 
 
+def test_frozenlake_names_its_state_by_the_cell_whatever_the_text():
+    env = make_env("frozenlake")
+    task = {"id": "t", "grid": ["SFH", "HFF", "FGF"]}
+
+    def move(d):
+        return env.step('<tool_call>{"name": "move", "arguments": {"direction": "%s"}}</tool_call>' % d)
+
+    async def go():
+        await env.reset(task)
+        keys, texts = [env.state_key()], []
+        for d in ("up", "right", "left"):  # an edge bump, a move, back to the start
+            obs, _, done, _ = await move(d)
+            assert not done
+            keys.append(env.state_key())
+            texts.append(obs[0]["content"])
+        return keys, texts
+    keys, texts = asyncio.run(go())
+    assert keys == ["row 0, column 0", "row 0, column 0", "row 0, column 1", "row 0, column 0"]
+    assert len(set(texts)) == 3  # the same cell reached with other words: one GiGPO anchor
+
+
 def test_make_env_names_the_valid_options():
     with pytest.raises(ValueError, match="calculator"):
         make_env("chess")

@@ -67,10 +67,11 @@ class FrozenLakeEnv(ToolEnv):
         options.setdefault("max_turns", 32)
         super().__init__(**options)
         self.view = view
+        self._pos: list[tuple[int, int]] = []
 
     def make_tools(self, task):
         grid, n = task["grid"], len(task["grid"])
-        pos = [find(grid, "S")]
+        pos = self._pos = [find(grid, "S")]
         where = (lambda r, c: f" {surroundings(grid, r, c)}") if self.view == "local" else (lambda r, c: "")
 
         def move(direction: Literal["left", "right", "up", "down"]) -> str:
@@ -90,6 +91,11 @@ class FrozenLakeEnv(ToolEnv):
                 return "You reached the goal!"
             return f"You are at row {r}, column {c}.{where(r, c)}"
         return [Tool(move)]
+
+    def state_key(self) -> str:
+        """The walker's cell (GiGPO's anchor: the same cell is the same state, whatever text led to it,
+        an edge bump's or the start's)."""
+        return "row {}, column {}".format(*self._pos[0])
 
     def prompt(self, task):
         grid = task["grid"]
