@@ -41,7 +41,8 @@ class Env(Protocol):
     # request's stop strings); observe(request, output) sees each turn's generation before step;
     # close() (may be a coroutine) runs when the episode ends, however it ends; state_key() (may be a
     # coroutine) names the env's state before each turn, kept in TurnRecord.state: GiGPO's step groups
-    # then compare the turns taken from equal keys rather than from equal observation tokens
+    # then compare the turns taken from equal keys rather than from equal observation tokens;
+    # bind_tokenizer(tok) gets the policy's tokenizer before the first turn
 
 
 async def maybe_await(x):

@@ -105,6 +105,8 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
     observe = getattr(env, "observe", None)  # optional: sees each turn's request and output before step
     turn_params = getattr(env, "turn_params", None)  # optional: this turn's sampling params from the run's
     state_key = getattr(env, "state_key", None)  # optional: the env's state before each turn (GiGPO's anchor)
+    if hasattr(env, "bind_tokenizer"):  # optional: the policy's tokenizer (e.g. to spell out logprobs' tokens)
+        env.bind_tokenizer(renderer.tok)
     traj.messages = list(messages)
     _extend(traj, renderer.prompt_ids(messages, schemas), None)
     eos_ids = {renderer.tok.eos_token_id}

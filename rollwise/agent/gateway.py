@@ -19,6 +19,7 @@ import time
 import uuid
 
 from rollwise.agent.env import loop_forget, loop_shared
+from rollwise.types import MAX_LOGPROBS
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -81,6 +82,14 @@ def check_request(body) -> None:
     if stop is not None and not (isinstance(stop, str) and stop or isinstance(stop, list)
                                  and all(isinstance(x, str) and x for x in stop)):
         raise GatewayError(400, "stop must be a non-empty string or a list of them")
+    if not isinstance(body.get("logprobs", False), bool):
+        raise GatewayError(400, "logprobs must be true or false")
+    top = body.get("top_logprobs")
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS:
+            raise GatewayError(400, f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}")
+        if not body.get("logprobs"):
+            raise GatewayError(400, "top_logprobs needs logprobs: true")
     for k in ("max_tokens", "max_completion_tokens"):
         if body.get(k) is not None and (isinstance(body[k], bool) or not isinstance(body[k], int) or body[k] < 1):
             raise GatewayError(400, f"{k} must be a positive integer")
@@ -229,10 +238,14 @@ def pooled(client_class):
     return client_class(limits=httpx.Limits(max_connections=None, max_keepalive_connections=512), timeout=None)
 
 
-def completion(message: dict, finish_reason: str, model: str, usage: dict | None) -> dict:
+def completion(message: dict, finish_reason: str, model: str, usage: dict | None,
+               logprobs: list[dict] | None = None) -> dict:
+    """A chat completion; `logprobs`: its `logprobs.content` (rollwise.serve.responses.chat_logprobs)."""
     return {"id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
-                                         "logprobs": None}], "usage": usage}
+                                         "logprobs": None if logprobs is None else {"content": logprobs,
+                                                                                    "refusal": None}}],
+            "usage": usage}
 
 
 async def stream_chunks(reply: dict, with_usage: bool):
@@ -242,7 +255,7 @@ async def stream_chunks(reply: dict, with_usage: bool):
     delta = {k: v for k, v in choice["message"].items() if k != "tool_calls"}
     if choice["message"].get("tool_calls"):
         delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(choice["message"]["tool_calls"])]
-    chunks = [head | {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+    chunks = [head | {"choices": [{"index": 0, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}]},
               head | {"choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]}]
     if with_usage:
         chunks.append(head | {"choices": [], "usage": reply["usage"]})

@@ -7,7 +7,8 @@ parts joined; `function_call` items to the tool calls of an assistant message (t
 them, if they follow one); `function_call_output` to a `tool` message. `instructions` become the
 system message in front; `previous_response_id` continues a response of the same episode (the
 gateway keeps the episode's conversations until it ends) with the new items after it. Only
-function tools: the model has no built-in ones.
+function tools: the model has no built-in ones. `include: ["message.output_text.logprobs"]` (and
+`top_logprobs`) give the output text's logprobs: the turn's generated tokens', as chat's.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import uuid
 from rollwise.agent.gateway import GatewayError
 
 _ROLES = ("system", "developer", "user", "assistant")
+LOGPROBS = "message.output_text.logprobs"  # what `include` names to get them
 
 
 def chat_body(body, conversations: dict[str, list[dict]]) -> tuple[dict, list[dict]]:
@@ -49,6 +51,13 @@ def chat_body(body, conversations: dict[str, list[dict]]) -> tuple[dict, list[di
         out["tool_choice"] = body["tool_choice"] if isinstance(body["tool_choice"], str) else "auto"
     if body.get("max_output_tokens") is not None:
         out["max_completion_tokens"] = body["max_output_tokens"]
+    include = body.get("include") or []
+    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+        raise GatewayError(400, "include must be a list of strings")
+    if LOGPROBS in include or body.get("top_logprobs") is not None:  # the output text's logprobs
+        out["logprobs"] = True
+        if body.get("top_logprobs") is not None:
+            out["top_logprobs"] = body["top_logprobs"]
     return out, messages
 
 
@@ -106,9 +115,14 @@ def response(reply: dict, body: dict) -> dict:
     choice = reply["choices"][0]
     msg, output = choice["message"], []
     if msg.get("content"):
+        part = {"type": "output_text", "text": msg["content"], "annotations": []}
+        if choice.get("logprobs"):  # the Responses API's shape: no token ids
+            part["logprobs"] = [{"token": x["token"], "logprob": x["logprob"], "bytes": x["bytes"],
+                                 "top_logprobs": [{k: y[k] for k in ("token", "logprob", "bytes")}
+                                                  for y in x["top_logprobs"]]}
+                                for x in choice["logprobs"]["content"]]
         output.append({"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "status": "completed",
-                       "role": "assistant",
-                       "content": [{"type": "output_text", "text": msg["content"], "annotations": []}]})
+                       "role": "assistant", "content": [part]})
     for c in msg.get("tool_calls") or []:
         output.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": c["id"],
                        "name": c["function"]["name"], "arguments": c["function"]["arguments"],
@@ -147,9 +161,9 @@ async def events(resp: dict):
             yield {"type": "response.content_part.added", "sequence_number": next(n), **at, "content_index": 0,
                    "part": {**part, "text": ""}}
             yield {"type": "response.output_text.delta", "sequence_number": next(n), **at, "content_index": 0,
-                   "delta": part["text"], "logprobs": []}
+                   "delta": part["text"], "logprobs": part.get("logprobs", [])}
             yield {"type": "response.output_text.done", "sequence_number": next(n), **at, "content_index": 0,
-                   "text": part["text"], "logprobs": []}
+                   "text": part["text"], "logprobs": part.get("logprobs", [])}
             yield {"type": "response.content_part.done", "sequence_number": next(n), **at, "content_index": 0,
                    "part": part}
         else:

@@ -494,3 +494,55 @@ def test_a_react_agents_stop_strings_and_max_tokens_reach_the_generator(model_di
     first = traj.turns[0]
     assert "made up" in tok.decode(traj.token_ids[first.start:first.start + first.num_generated])
     assert traj.turns[1].num_generated == 3
+
+
+@pytest.mark.parametrize("api", ["chat", "chat_stream", "responses"])
+def test_an_agent_that_asks_for_logprobs_gets_its_turns_tokens_and_the_trajectorys_logprobs(model_dir, api):
+    """`logprobs` + `top_logprobs` (chat, whole or streamed) or `include` + `top_logprobs` (Responses)
+    on a real engine: the reply's tokens spell the turn's generated tokens, their logprobs are the
+    trajectory's, each position's top tokens come best first, sampled from the same distribution;
+    bad values get a 400 and the episode goes on."""
+    tok = Tokenizer(model_dir)
+    got, errors = [], []
+
+    def rows(entries):
+        return [(x.token, x.logprob, [(t.token, t.logprob) for t in x.top_logprobs]) for x in entries]
+
+    async def agent(client, task):
+        msgs = [{"role": "user", "content": "Say something."}]
+        for bad in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}, {"logprobs": "yes"}):
+            try:
+                await client.chat.completions.create(model="p", messages=msgs, **bad)
+            except openai.BadRequestError as e:
+                errors.append(e.body["message"])
+        if api == "responses":
+            r = await client.responses.create(model="p", input="Say something.", top_logprobs=3,
+                                              include=["message.output_text.logprobs"])
+            got.extend(rows(r.output[0].content[0].logprobs))
+        elif api == "chat":
+            r = await client.chat.completions.create(model="p", messages=msgs, logprobs=True, top_logprobs=3)
+            got.extend(rows(r.choices[0].logprobs.content))
+        else:
+            stream = await client.chat.completions.create(model="p", messages=msgs, logprobs=True, top_logprobs=3,
+                                                          stream=True)
+            async for c in stream:
+                if c.choices and c.choices[0].logprobs:
+                    got.extend(rows(c.choices[0].logprobs.content))
+        return 1.0
+
+    engine = AsyncEngine(model_dir, max_num_seqs=4)
+    try:
+        traj = asyncio.run(run_episode(engine, agent_env(agent), {}, SamplingParams(temperature=1.0, max_tokens=12,
+                                                                                    seed=3)))
+    finally:
+        engine.shutdown()
+    assert traj.status == "done" and len(traj.turns) == 1 and len(errors) == 3
+    assert "needs logprobs: true" in errors[0] and "from 0 to 20" in errors[1] and "true or false" in errors[2]
+    turn = traj.turns[0]
+    ids = traj.token_ids[turn.start:turn.start + turn.num_generated]
+    assert [t for t, _, _ in got] == [tok.decode([i], skip_special_tokens=False) for i in ids]
+    assert [lp for _, lp, _ in got] == pytest.approx(traj.logprobs[turn.start:turn.start + turn.num_generated],
+                                                     abs=1e-6)
+    for token, lp, top in got:
+        assert len(top) == 3 and [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+        assert lp <= top[0][1] + 1e-6 and (token not in dict(top) or dict(top)[token] == pytest.approx(lp, abs=1e-6))

@@ -24,7 +24,9 @@ main agent's again), which the trainer trains with the same advantage as the fir
 "error"` ends such an episode with status `error` instead.
 
 Sampling is the run's (temperature, seed: the request's are ignored), so the logprobs are those
-the trainer expects; a request's `stop` strings and a lower `max_tokens` apply to its turn. A plain (not async) `run` gets an
+the trainer expects; a request's `stop` strings and a lower `max_tokens` apply to its turn, and
+`logprobs` / `top_logprobs` give the reply the turn's tokens' logprobs (the trajectory's: every
+generated token, tool-call markup and the end token included). A plain (not async) `run` gets an
 `openai.OpenAI` client and runs in a thread of its own. Given a class, `agent_options` make an
 instance; its `run` is the agent, and its `sample_tasks(n, seed)` and `expert(task)` (if any) give
 training tasks and the SFT warm start's transcripts.
@@ -71,7 +73,7 @@ class AgentEnv:
         self._gateway = self._key = self._runner = self._output = None
         self._known: list[tuple] = []
         self._body: dict = {}
-        self._tool_defs = self._parse = self._why = None
+        self._tool_defs = self._parse = self._why = self._tok = None
         if (agent is None) == (command is None):
             raise ValueError("env 'agent' needs agent (a function or class: 'file.py:name') or command (a program "
                              "and its arguments, e.g. ['node', 'agent.js']), one of them")
@@ -127,16 +129,32 @@ class AgentEnv:
         """The run's sampling, with the request's stop strings and a lower max_tokens if it asks for
         one (neither changes the distribution a token is sampled from)."""
         limit = self._body.get("max_completion_tokens") or self._body.get("max_tokens") or params.max_tokens
+        top = (self._body.get("top_logprobs") or 0) if self._body.get("logprobs") else 0
         return dataclasses.replace(params, max_tokens=min(params.max_tokens, limit),
-                                   stop=list(params.stop) + self._stops())
+                                   stop=list(params.stop) + self._stops(), logprobs=max(params.logprobs, top))
 
     def _stops(self) -> list[str]:
         stop = self._body.get("stop") or []
         return [stop] if isinstance(stop, str) else list(stop)
 
     def observe(self, request, output) -> None:
-        """The turn's generate request and output (finish reason, token counts for `usage`)."""
+        """The turn's generate request and output (finish reason, token counts for `usage`, logprobs)."""
         self._output = (len(request.prompt_token_ids), output)
+
+    def bind_tokenizer(self, tok) -> None:
+        """The policy's tokenizer (the episode loop's), for the tokens of the replies' logprobs."""
+        self._tok = tok
+
+    def _logprobs(self) -> list[dict] | None:
+        """The reply's `logprobs.content` if the request asks for them: every token the turn generated
+        (the trajectory's: tool-call markup, text past a stop string and the end token included), with
+        the request's `top_logprobs` most likely tokens at each position."""
+        if not self._body.get("logprobs") or self._output is None or self._tok is None:
+            return None
+        from rollwise.serve.responses import chat_logprobs
+        out, k = self._output[1], self._body.get("top_logprobs") or 0
+        tops = [dict(list(top.items())[:k]) for top in out.top_logprobs] if k and out.top_logprobs else []
+        return chat_logprobs(self._tok, out.token_ids, out.logprobs, tops)
 
     async def step(self, action: str) -> tuple[list[dict], float, bool, dict]:
         cut = min((i for i in (action.find(s) for s in self._stops()) if i >= 0), default=-1)
@@ -153,7 +171,8 @@ class AgentEnv:
             usage = {"prompt_tokens": n_prompt, "completion_tokens": len(out.token_ids),
                      "total_tokens": n_prompt + len(out.token_ids),
                      "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
-        self._session.answer(completion(message, reason, self._body.get("model") or self.model, usage))
+        self._session.answer(completion(message, reason, self._body.get("model") or self.model, usage,
+                                        self._logprobs()))
         self._known.append(_norm(message))
         kind, body = await self._session.events.get()
         if kind != "request":
