@@ -116,11 +116,8 @@ def response(reply: dict, body: dict) -> dict:
     msg, output = choice["message"], []
     if msg.get("content"):
         part = {"type": "output_text", "text": msg["content"], "annotations": []}
-        if choice.get("logprobs"):  # the Responses API's shape: no token ids
-            part["logprobs"] = [{"token": x["token"], "logprob": x["logprob"], "bytes": x["bytes"],
-                                 "top_logprobs": [{k: y[k] for k in ("token", "logprob", "bytes")}
-                                                  for y in x["top_logprobs"]]}
-                                for x in choice["logprobs"]["content"]]
+        if choice.get("logprobs"):
+            part["logprobs"] = _logprobs(choice["logprobs"]["content"])
         output.append({"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "status": "completed",
                        "role": "assistant", "content": [part]})
     for c in msg.get("tool_calls") or []:
@@ -143,6 +140,13 @@ def response(reply: dict, body: dict) -> dict:
             "parallel_tool_calls": body.get("parallel_tool_calls", True), "max_output_tokens": body.get("max_output_tokens"),
             "temperature": body.get("temperature"), "top_p": body.get("top_p"), "metadata": body.get("metadata") or {},
             "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": body.get("store", True)}
+
+
+def _logprobs(content: list[dict]) -> list[dict]:
+    """Chat's `logprobs.content` in the Responses API's shape (no token ids)."""
+    return [{"token": x["token"], "logprob": x["logprob"], "bytes": x["bytes"],
+             "top_logprobs": [{k: y[k] for k in ("token", "logprob", "bytes")} for y in x["top_logprobs"]]}
+            for x in content]
 
 
 async def events(resp: dict):
@@ -183,7 +187,7 @@ async def streamed_events(chunks, body: dict, done=None):
     each text delta as it comes, function calls (whole in the chat stream's last delta) and the
     completed Response at the end; `done(resp, reply)` then gets the Response and the chat reply."""
     n = iter(range(1 << 30))
-    text, calls, finish, usage, model = [], [], None, None, body.get("model")
+    text, calls, finish, usage, model, logprobs = [], [], None, None, body.get("model"), []
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
     head = {**response({"choices": [{"message": {}, "finish_reason": None}], "model": model}, body),
             "status": "in_progress", "usage": None, "completed_at": None}
@@ -194,6 +198,8 @@ async def streamed_events(chunks, body: dict, done=None):
         model, usage = c.get("model", model), c.get("usage") or usage
         for choice in c.get("choices") or []:
             delta = choice.get("delta") or {}
+            lp = (choice.get("logprobs") or {}).get("content") or []
+            logprobs += lp
             if delta.get("content"):
                 if not text:
                     yield {"type": "response.output_item.added", "sequence_number": next(n), "output_index": 0,
@@ -203,11 +209,12 @@ async def streamed_events(chunks, body: dict, done=None):
                            "part": {"type": "output_text", "text": "", "annotations": []}}
                 text.append(delta["content"])
                 yield {"type": "response.output_text.delta", "sequence_number": next(n), **at,
-                       "delta": delta["content"], "logprobs": []}
+                       "delta": delta["content"], "logprobs": _logprobs(lp)}
             calls += [{"id": t["id"], "type": "function", "function": t["function"]} for t in delta.get("tool_calls") or []]
             finish = choice.get("finish_reason") or finish
     reply = {"model": model, "usage": usage, "choices": [{"finish_reason": finish, "message": {
-        "role": "assistant", "content": "".join(text) or None, **({"tool_calls": calls} if calls else {})}}]}
+        "role": "assistant", "content": "".join(text) or None, **({"tool_calls": calls} if calls else {})},
+        "logprobs": {"content": logprobs} if logprobs else None}]}
     resp = {**response(reply, body), "id": head["id"], "created_at": head["created_at"]}
     if text:
         resp["output"][0]["id"] = msg_id
@@ -215,7 +222,7 @@ async def streamed_events(chunks, body: dict, done=None):
         if item["type"] == "message":
             part = item["content"][0]
             yield {"type": "response.output_text.done", "sequence_number": next(n), **at, "text": part["text"],
-                   "logprobs": []}
+                   "logprobs": part.get("logprobs", [])}
             yield {"type": "response.content_part.done", "sequence_number": next(n), **at, "part": part}
         else:
             yield {"type": "response.output_item.added", "sequence_number": next(n), "output_index": i,

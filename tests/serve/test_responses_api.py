@@ -51,6 +51,27 @@ def test_text_structured_and_streamed_responses(server):
     assert follow.previous_response_id == called[-1].response.id  # a streamed response is stored too
 
 
+def test_responses_give_the_output_texts_logprobs_when_included(server):
+    """include + top_logprobs: each output token with its logprob and k alternatives best first
+    (greedy: the token is the first), the same streamed (per delta, and whole at the end)."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0)
+    ask = dict(model="m", input="Hello there", max_output_tokens=6, temperature=0, top_logprobs=2,
+               include=["message.output_text.logprobs"])
+    r = client.responses.create(**ask)
+    lps = r.output[0].content[0].logprobs
+    assert len(lps) == r.usage.output_tokens == 6 and "".join(x.token for x in lps) == r.output_text
+    for x in lps:
+        assert len(x.top_logprobs) == 2 and x.top_logprobs[0].logprob >= x.top_logprobs[1].logprob
+        assert x.top_logprobs[0].token == x.token and x.top_logprobs[0].logprob == pytest.approx(x.logprob)
+    events = list(client.responses.create(**ask, stream=True))
+    streamed = [(x.token, x.logprob) for e in events if e.type == "response.output_text.delta" for x in e.logprobs]
+    assert streamed == [(x.token, pytest.approx(x.logprob, abs=1e-5)) for x in lps]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert [x.token for x in done.logprobs] == [x.token for x in events[-1].response.output[0].content[0].logprobs]
+    assert [x.token for x in done.logprobs] == [x.token for x in lps]
+    assert client.responses.create(model="m", input="Hello", max_output_tokens=2).output[0].content[0].logprobs in (None, [])
+
+
 def test_function_calls_continue_by_previous_response_id(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0)
     first = client.responses.create(model="m", input="Where is Ana?", tools=TOOLS, max_output_tokens=60,
