@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from rollwise.trainer.losses import split
 from rollwise.trainer.policy import Batch, PolicyModel, cache_kw, decoder_states, micro_batches
 from rollwise.types import Trajectory
 
@@ -158,35 +159,45 @@ class Critic:
         loss = (0.5 * torch.maximum(unclipped, worse) * b.mask).sum() / n
         return loss, float(((worse > unclipped).float() * b.mask).sum())
 
-    def update(self, items: list[tuple], epochs: int) -> dict[str, float]:
-        """`epochs` optimizer steps of the clipped value loss over the items (`estimate`'s), each the
-        mean over all their generated tokens (the first epoch's gradients those `estimate` backpropagated,
-        if it did). Returns the first epoch's metrics."""
+    def update(self, items: list[tuple], epochs: int, mini_batches: int = 1) -> dict[str, float]:
+        """`epochs` passes over the items (`estimate`'s), each `mini_batches` optimizer steps of the
+        clipped value loss over contiguous parts of about equal tokens (the policy's, as verl's critic
+        takes the actor's mini-batch size), a step's loss the mean over its part's generated tokens
+        (the first epoch's gradients those `estimate` backpropagated, if it did: one part only).
+        Returns the first epoch's metrics."""
         n = sum(float(b.mask.sum()) for _, b, *_ in items)
         m: dict[str, float] = {}
         first, done, scale, self._first, self._done = self._first, self._done, self._scale, None, set()
         if not n:
             self.opt.zero_grad(set_to_none=True)
             return m
+        if first is not None and mini_batches > 1:
+            raise ValueError("the first epoch's gradients were backpropagated for one part, not mini_batches > 1")
+        parts = [[it for _, it in part] for part in split([(it[1], it) for it in items], mini_batches)]
         for epoch in range(epochs):
-            summed = epoch == 0 and first is not None  # some backpropagated by `estimate`, divided by `scale`
-            loss_sum, clipped = first if summed else (0.0, 0.0)
-            for _, b, _, ret, old in items:
-                if not (summed and id(b) in done):
-                    loss, c = self._loss(b, ret, old, scale if summed else n)
-                    loss.backward()
-                    loss_sum += float(loss.detach())
-                    clipped += c
-            if summed and scale != n:
-                for p in self.parameters():
-                    if p.grad is not None:
-                        p.grad.div_(n / scale)
-                loss_sum /= n / scale
-            gn = torch.nn.utils.clip_grad_norm_(self.parameters(), self.max_grad_norm)
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
+            loss_sum, clipped, norms = 0.0, 0.0, []
+            for part in parts:
+                pn = n if len(parts) == 1 else sum(float(b.mask.sum()) for _, b, *_ in part)
+                summed = epoch == 0 and first is not None  # backpropagated by `estimate`, divided by `scale`
+                part_loss, c_sum = first if summed else (0.0, 0.0)
+                for _, b, _, ret, old in part:
+                    if not (summed and id(b) in done):
+                        loss, c = self._loss(b, ret, old, scale if summed else pn)
+                        loss.backward()
+                        part_loss += float(loss.detach())
+                        c_sum += c
+                if summed and scale != pn:
+                    for p in self.parameters():
+                        if p.grad is not None:
+                            p.grad.div_(pn / scale)
+                    part_loss /= pn / scale
+                loss_sum, clipped = loss_sum + part_loss, clipped + c_sum
+                norms.append(float(torch.nn.utils.clip_grad_norm_(self.parameters(), self.max_grad_norm)))
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
             if epoch == 0:
-                m = {"value_loss": loss_sum, "value_clip_frac": clipped / n, "critic_grad_norm": float(gn)}
+                m = {"value_loss": loss_sum / len(parts), "value_clip_frac": clipped / n,
+                     "critic_grad_norm": sum(norms) / len(norms)}
         sel = [(ret[b.mask > 0], old[b.mask > 0]) for _, b, _, ret, old in items]
         ret, old = torch.cat([r for r, _ in sel]), torch.cat([o for _, o in sel])
         # how much of the returns' variance the values (before this update) explain: 1 perfect, <= 0 none

@@ -132,7 +132,8 @@ class GRPOTrainer:
             pen = None if self.reward_kl is None else self.reward_kl.penalty(useful)
             if self.critic is not None:  # with its first epoch's loss, from the same forward (no whitening)
                 items = self.critic.estimate(useful, cfg.gae_gamma, cfg.gae_lambda, cfg.micro_batch_tokens, pen,
-                                             backward=1.0 if acc["streamed"] else float(acc["n_tokens"]))
+                                             backward=None if cfg.mini_batches > 1 else
+                                             1.0 if acc["streamed"] else float(acc["n_tokens"]))
             elif cfg.advantage == "reinforce_plus_plus":  # the discounted returns to go
                 items = estimate(useful, cfg.gae_gamma, 1.0, cfg.micro_batch_tokens, penalty=pen)
             else:  # each episode's reward less its group's mean
@@ -239,7 +240,7 @@ class GRPOTrainer:
                      is_weight_mean=float(stats[3]) / n_tokens, is_dropped=float(stats[4]) / n_tokens,
                      behaviour_kl=float(stats[5]) / n_tokens)
         if self.critic is not None:
-            m.update(self.critic.update(acc["whiten"], cfg.epochs),
+            m.update(self.critic.update(acc["whiten"], cfg.epochs, cfg.mini_batches),
                      critic_warmup=float(self.version < cfg.critic_warmup))
         if self.reward_kl is not None:  # the step's beta and KL, then beta adapted for the next step
             m.update(self.reward_kl.finish())

@@ -101,6 +101,47 @@ def test_the_critics_first_epoch_backpropagates_from_the_estimates_forward(model
         critic.estimate(trajs, 0.9, 0.7, 4, backward=5.0)
 
 
+def test_the_critic_steps_once_per_mini_batch(model_dir):
+    """mini_batches = 2: per epoch, a step on each part's mean value loss in turn (the second at the
+    weights the first left), as verl's critic takes the actor's mini-batches."""
+    trajs = [episode([([40 + i, 41], [50], 0.0), ([45 + i], [], float(i % 2))], tid=f"{i}") for i in range(4)]
+
+    def critic():
+        c = Critic(PolicyModel(model_dir))
+        torch.nn.init.normal_(c.head.weight, std=0.5, generator=torch.Generator().manual_seed(0))
+        c.opt = torch.optim.SGD(c.parameters(), lr=0.5)
+        return c
+
+    def weights(c):
+        return torch.cat([p.detach().flatten() for p in c.parameters()])
+
+    ref = critic()
+    items = ref.estimate(trajs, 0.9, 0.7, micro_batch_tokens=14)  # two sequences a micro-batch: 2 of them
+    assert len(items) == 2
+    start = weights(ref)
+    for part in ([items[0]], [items[1]]):  # by hand: one part's mean loss, a clipped step, then the next
+        n = sum(float(b.mask.sum()) for _, b, *_ in part)
+        for _, b, _, ret, old in part:
+            ref._loss(b, ret, old, n)[0].backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), ref.max_grad_norm)
+        ref.opt.step()
+        ref.opt.zero_grad()
+    got, whole = critic(), critic()
+    m = got.update(got.estimate(trajs, 0.9, 0.7, 14), epochs=1, mini_batches=2)
+    whole.update(whole.estimate(trajs, 0.9, 0.7, 14, backward=1.0), epochs=1)
+    assert torch.allclose(weights(got), weights(ref), atol=1e-6) and m["value_loss"] > 0
+    assert not torch.allclose(weights(whole), weights(ref), atol=1e-4)  # one step on the whole batch differs
+    assert (weights(ref) - start).abs().max() > 1e-3
+    again = critic()
+    again.estimate(trajs, 0.9, 0.7, 14, backward=1.0)
+    with pytest.raises(ValueError, match="one part"):
+        again.update(items, epochs=1, mini_batches=2)
+    policy = PolicyModel(model_dir)  # the trainer passes its mini_batches (and backpropagates no first epoch early)
+    trainer = GRPOTrainer(policy, GRPOConfig(advantage="gae", mini_batches=2, micro_batch_tokens=14))
+    m = trainer.step([fresh(policy, trajs)])
+    assert m["trained_trajectories"] == 4 and m["value_loss"] > 0
+
+
 def fresh(policy, trajs):
     for t in trajs:  # behaviour logprobs: the policy's own (fresh samples, ratio 1)
         b = Batch.of([t])
