@@ -14,7 +14,7 @@ token (an episode reward beyond its turns' on the episode's last), the value aft
 
 The trainer whitens the advantages over the batch's tokens (verl's masked_whiten); the critic
 regresses R with a clipped value loss, 0.5 max((V - R)^2, (V_clip - R)^2), V_clip the old value
-moved by at most `value_clip` (verl's cliprange_value), its own AdamW, one step per epoch. Groups
+moved by at most `value_clip` (verl's cliprange_value), its own AdamW, a step per mini-batch. Groups
 are not needed (a group of one trains), and a group whose episodes all got the same reward still
 does.
 
