@@ -67,6 +67,11 @@ class TrainConfig:
     reward_kl_coef: float = 0.0
     reward_kl_target: float = 0.0
     reward_kl_horizon: int = 10000
+    # DAPO's overlong punishment (rollwise/trainer/shaping.py; verl's overlong_buffer): a turn that generates
+    # more than max_tokens - overlong_buffer tokens loses up to overlong_penalty of its episode's reward,
+    # linearly (all of it at max_tokens); 0: off
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
     dual_clip: float = 3.0  # "ppo": a negative advantage's token loss at most this x |A| (clip_ratio_c); 0: off
     entropy_coef: float = 0.0  # an entropy bonus: the loss less this times each token's entropy
     # LoRA (peft's layers): 0 trains every weight; r > 0 freezes them after the warm start and trains
@@ -203,7 +208,7 @@ class TrainConfig:
         behaviour = "recompute" if self.deterministic and not self.true_on_policy else "rollout"
         own = dict(total_steps=self.steps, behaviour=behaviour, keep_versions=self.max_staleness,
                    loss_scale_tokens=self.loss_scale_tokens or self.max_tokens * self.max_turns,
-                   exclude_statuses=tuple(self.exclude_statuses),
+                   exclude_statuses=tuple(self.exclude_statuses), overlong_max_tokens=self.max_tokens,
                    logprob_tolerance=0.0 if self.true_on_policy else self.logprob_tolerance)
         same = {f.name for f in fields(GRPOConfig)} & {f.name for f in fields(TrainConfig)} - set(own)
         return GRPOConfig(**{k: getattr(self, k) for k in same}, **own)

@@ -10,6 +10,7 @@ from rollwise.trainer.critic import check as check_critic
 from rollwise.trainer.kl_reward import check as check_reward_kl
 from rollwise.trainer.losses import POLICY_LOSSES, check as check_loss
 from rollwise.trainer.schedule import check as check_schedule
+from rollwise.trainer.shaping import check as check_overlong
 from rollwise.types import check_cut_off
 
 
@@ -39,6 +40,11 @@ class GRPOConfig:
     reward_kl_coef: float = 0.0
     reward_kl_target: float = 0.0
     reward_kl_horizon: int = 10000
+    # DAPO's overlong punishment (shaping.py; verl's overlong_buffer): a turn longer than overlong_max_tokens -
+    # overlong_buffer tokens loses up to overlong_penalty of the reward, linearly; 0: off
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    overlong_max_tokens: int = 0  # the most tokens a turn may generate (the run's max_tokens)
     entropy_coef: float = 0.0  # the loss less this times each token's entropy (verl's entropy_coeff)
     advantage: str = "grpo"  # or "dr_grpo", "rloo", "gigpo", "gae", "reinforce_plus_plus[_baseline]" (`ADVANTAGES`)
     step_advantage_weight: float = 1.0  # gigpo: the step advantage's weight beside the episode's
@@ -93,3 +99,4 @@ class GRPOConfig:
             raise ValueError(f"behaviour must be 'rollout' or 'recompute', got {self.behaviour!r}")
         check_cut_off("exclude_statuses", self.exclude_statuses)
         check_reward_kl(self.reward_kl_coef, self.reward_kl_target, self.reward_kl_horizon)
+        check_overlong(self.overlong_buffer, self.overlong_penalty, self.overlong_max_tokens)

@@ -50,6 +50,7 @@ from rollwise.trainer.advantages import WHITENED, advantages, token_advantages, 
 from rollwise.trainer.config import GRPOConfig
 from rollwise.trainer.critic import Critic, estimate, whiten
 from rollwise.trainer.kl_reward import RewardKL
+from rollwise.trainer.shaping import Overlong, penalties, rewarded
 from rollwise.trainer.correction import is_weights
 from rollwise.trainer.logprob_check import LogprobMismatch, check, compare
 from rollwise.trainer.losses import SplitGradients, aggregate, part_size, split, token_losses
@@ -79,6 +80,9 @@ class GRPOTrainer:
             self.reward_kl = RewardKL(lambda b: policy.logprobs(b, self.cfg.temperature) - self._ref_logprobs(b),
                                       self.cfg.reward_kl_coef, self.cfg.reward_kl_target, self.cfg.reward_kl_horizon,
                                       self.cfg.micro_batch_tokens)
+        self.overlong = None  # DAPO's overlong punishment (shaping.py)
+        if self.cfg.overlong_buffer:
+            self.overlong = Overlong(self.cfg.overlong_max_tokens, self.cfg.overlong_buffer, self.cfg.overlong_penalty)
         self.critic = None  # gae: PPO's value model
         if self.cfg.advantage == "gae":
             self.critic = Critic(policy, self.cfg.critic_lr or 10 * self.cfg.lr, self.cfg.value_clip,
@@ -129,7 +133,7 @@ class GRPOTrainer:
         acc["n_useful"] += len(useful)
         acc["n_tokens"] += sum(t.num_generated for t in useful)
         if cfg.advantage in WHITENED:  # per token now (a critic's values); the policy's pass once they whiten
-            pen = None if self.reward_kl is None else self.reward_kl.penalty(useful)
+            pen = penalties(useful, self.reward_kl, self.overlong)
             if self.critic is not None:  # with its first epoch's loss, from the same forward (no whitening)
                 items = self.critic.estimate(useful, cfg.gae_gamma, cfg.gae_lambda, cfg.micro_batch_tokens, pen,
                                              backward=None if cfg.mini_batches > 1 else
@@ -244,6 +248,8 @@ class GRPOTrainer:
                      critic_warmup=float(self.version < cfg.critic_warmup))
         if self.reward_kl is not None:  # the step's beta and KL, then beta adapted for the next step
             m.update(self.reward_kl.finish())
+        if self.overlong is not None:
+            m.update(self.overlong.metrics(trajs))
         if cfg.advantage == "gigpo" and acc["anchors"].get("turns"):  # turns in a step group of 2 or more
             m["anchored_turns"] = acc["anchors"].get("anchored", 0) / acc["anchors"]["turns"]
         moved, seen = self.policy.routing_stats.tolist()
@@ -279,7 +285,7 @@ class GRPOTrainer:
 
     def _rewarded(self, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
         """The groups as the episode advantages see them: with KL in the reward, each episode's less it."""
-        return groups if self.reward_kl is None else self.reward_kl.penalized(groups)
+        return rewarded(groups, penalties([t for g in groups for t in g], self.reward_kl, self.overlong))
 
     def _begun(self) -> dict:
         if self._acc is None:

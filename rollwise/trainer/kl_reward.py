@@ -17,7 +17,6 @@ beta *= 1 + clip(KL / target - 1, -0.2, 0.2) x n / horizon, n the step's episode
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -59,11 +58,6 @@ class RewardKL:
     def penalty(self, trajs: list[Trajectory]) -> dict[int, list[float]]:
         """Each trajectory's penalty per generated token, beta x KL, by id (the per-token estimators')."""
         return {i: [self.value * k for k in kl] for i, kl in self.token_kls(trajs).items()}
-
-    def penalized(self, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
-        """The groups with each episode's reward less beta x its summed KL (copies; the episode estimators')."""
-        kls = self.token_kls([t for g in groups for t in g])
-        return [[replace(t, reward=t.reward - self.value * sum(kls[id(t)])) for t in g] for g in groups]
 
     def finish(self) -> dict[str, float]:
         """The step's beta and mean per-token KL (each episode's mean over its tokens, averaged); then
