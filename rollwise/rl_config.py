@@ -111,6 +111,9 @@ class TrainConfig:
     value_clip: float = 0.5  # the most a step moves a value from the one its advantages used
     critic_warmup: int = 0  # the first steps train the critic alone
     critic_model: str = ""  # the critic's model directory (another size, same tokenizer); "": the warm start
+    # the critic trains LoRA adapters (lora_rank, lora_alpha, lora_targets) and its head on the policy's frozen
+    # base weights, shared: no second copy of the model (needs lora_rank > 0; verl's critic lora_rank)
+    critic_lora: bool = False
     # "ppo" (token ratios, clipped), "gspo" (sequence ratios: set clip = 3e-4, clip_high = 4e-4,
     # loss_agg = "sequence") or "cispo" (clipped, stopped ratios as weights: clip_high large)
     policy_loss: str = "ppo"
@@ -271,6 +274,9 @@ class TrainConfig:
                              f"{cfg.keep_saved}")
         if cfg.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0 (0: evaluate before and after RL only), got {cfg.eval_every}")
+        if cfg.critic_lora and (not cfg.lora_rank or cfg.critic_model):
+            raise ValueError("critic_lora trains adapters on the policy's frozen base weights, shared: it needs "
+                             "lora_rank > 0 and no critic_model")
         if cfg.lora_rank < 0 or cfg.lora_alpha <= 0:
             raise ValueError(f"need lora_rank >= 0 (0: no LoRA) and lora_alpha > 0, got {cfg.lora_rank}, {cfg.lora_alpha}")
         check_trackers(cfg.loggers)

@@ -57,6 +57,7 @@ class GRPOConfig:
     value_clip: float = 0.5  # gae: how far a step may move a value from the one the advantages used
     critic_warmup: int = 0  # gae: the first steps train the critic alone (the policy keeps its weights)
     critic_model: str = ""  # gae: the critic's model directory ("": the policy's weights as they are at the start)
+    critic_lora: bool = False  # gae: LoRA adapters on the policy's frozen base, shared (a LoRA policy's)
     # whitened estimators, streamed: each group's first pass as it arrives, its gradients whitened at the end
     # (two more gradient-sized buffers and a second backward per micro-batch); False: the pass waits for the batch
     stream_whitened: bool = False

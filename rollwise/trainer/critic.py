@@ -78,16 +78,30 @@ def positions(s: Trajectory) -> list[int]:
 
 class Critic:
     def __init__(self, policy: PolicyModel, lr: float = 1e-4, value_clip: float = 0.5, max_grad_norm: float = 1.0,
-                 weight_decay: float = 0.0, model_dir: str = "") -> None:
+                 weight_decay: float = 0.0, model_dir: str = "", lora: bool = False) -> None:
+        """`lora`: the critic trains LoRA adapters (the policy's rank, alpha and targets) and the value
+        head on the policy's own frozen base weights, shared, not copied (the policy must train LoRA)."""
         from transformers import AutoModelForCausalLM
+        if lora and (policy.lora is None or model_dir):
+            raise ValueError("critic_lora trains adapters on the policy's frozen base weights, shared: it needs "
+                             "the policy to train LoRA (lora_rank > 0) and no critic_model")
         if model_dir:  # a model of its own (verl's critic.model.path): another size, but the policy's tokens
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             if model.config.vocab_size != policy.model.config.vocab_size:
                 raise ValueError(f"critic_model {model_dir} has a vocabulary of {model.config.vocab_size}, the "
                                  f"policy {policy.model.config.vocab_size}: the critic reads the policy's tokens")
-        else:  # the warm start (with LoRA: the weights under the adapters)
+        else:  # the warm start (with LoRA: the weights under the adapters; with `lora`, those very tensors)
             model = AutoModelForCausalLM.from_config(policy.model.config, dtype=torch.float32)
-            model.load_state_dict(policy.base_weights())
+            model.load_state_dict({k: v.detach() for k, v in policy._base_state().items()} if lora
+                                  else policy.base_weights(), assign=lora)
+        if lora:
+            from peft import LoraConfig, inject_adapter_in_model
+            c = policy.lora
+            inject_adapter_in_model(LoraConfig(r=c.r, lora_alpha=c.lora_alpha, target_modules=c.target_modules,
+                                               lora_dropout=c.lora_dropout), model)
+            for name, p in model.named_parameters():
+                p.requires_grad_("lora_" in name)
+        self.lora = lora
         self.body = model.get_decoder().train()
         self.head = torch.nn.Linear(model.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)
@@ -101,7 +115,8 @@ class Critic:
         self._done: set[int] = set()  # the batches whose first epoch `estimate` backpropagated
 
     def parameters(self) -> list[torch.nn.Parameter]:
-        return [*self.body.parameters(), *self.head.parameters()]
+        """The trained ones (with `lora`: the adapters and the head)."""
+        return [p for p in [*self.body.parameters(), *self.head.parameters()] if p.requires_grad]
 
     def values(self, b: Batch) -> torch.Tensor:
         """[B, L-1] the value of each generated target's state (0 off `b.mask`)."""
@@ -207,10 +222,11 @@ class Critic:
         return m
 
     def state(self) -> dict:
-        return {"body": self.body.state_dict(), "head": self.head.state_dict(), "optimizer": self.opt.state_dict()}
+        body = {k: v for k, v in self.body.state_dict().items() if "lora_" in k or not self.lora}  # (not the base)
+        return {"body": body, "head": self.head.state_dict(), "optimizer": self.opt.state_dict()}
 
     def load_state(self, state: dict) -> None:
-        self.body.load_state_dict(state["body"])
+        self.body.load_state_dict(state["body"], strict=not self.lora)
         self.head.load_state_dict(state["head"])
         self.opt.load_state_dict(state["optimizer"])
 

@@ -86,7 +86,7 @@ class GRPOTrainer:
         self.critic = None  # gae: PPO's value model
         if self.cfg.advantage == "gae":
             self.critic = Critic(policy, self.cfg.critic_lr or 10 * self.cfg.lr, self.cfg.value_clip,
-                                 self.cfg.max_grad_norm, model_dir=self.cfg.critic_model)
+                                 self.cfg.max_grad_norm, model_dir=self.cfg.critic_model, lora=self.cfg.critic_lora)
         self.version = 0  # optimizer steps taken = the policy version the replicas should serve
         self._acc: dict | None = None  # the step begun and not finished (`begin`, `add`, `finish`)
 

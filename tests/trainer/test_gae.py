@@ -168,6 +168,37 @@ def test_gae_steps_fit_the_critic_and_move_the_policy_toward_reward(model_dir):
     assert gain[0].sum() > 0 and gain[1].sum() < 0
 
 
+def test_a_lora_critic_trains_adapters_on_the_policys_own_frozen_weights(model_dir):
+    """critic_lora: the critic's base tensors are the LoRA policy's (shared storage, never trained);
+    its adapters and head train, and the checkpoint keeps them alone."""
+    policy = PolicyModel(model_dir)
+    policy.add_lora(4, 8.0)
+    trainer = GRPOTrainer(policy, GRPOConfig(lr=1e-2, advantage="gae", critic_lr=1e-2, critic_lora=True))
+    critic = trainer.critic
+    base = {v.data_ptr() for v in policy._base_state().values()}
+    frozen = [(n, p) for n, p in critic.body.named_parameters() if not p.requires_grad]
+    assert frozen and all(p.data_ptr() in base for _, p in frozen)  # the policy's tensors, not copies
+    assert all("lora_" in n for n, p in critic.body.named_parameters() if p.requires_grad)
+    before = {n: p.detach().clone() for n, p in critic.body.named_parameters()}
+    won = episode([([40, 41], [50, 51], 0.0), ([42], [], 1.0)], tid="w")
+    lost = episode([([60, 61], [50, 51], 0.0), ([62], [], 0.0)], tid="l")
+    ms = [trainer.step([fresh(policy, [won]), fresh(policy, [lost])]) for _ in range(4)]
+    assert ms[-1]["value_loss"] < ms[0]["value_loss"]
+    moved = {n for n, p in critic.body.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all("lora_" in n for n in moved)  # the adapters trained, the shared base did not
+    state = trainer.state()["critic"]
+    assert state["body"] and all("lora_" in k for k in state["body"])
+    policy2 = PolicyModel(model_dir)
+    policy2.add_lora(4, 8.0)
+    again = GRPOTrainer(policy2, GRPOConfig(advantage="gae", critic_lora=True))
+    again.critic.load_state(state)
+    assert all(torch.equal(a, b) for a, b in zip(again.critic.parameters(), critic.parameters()))
+    with pytest.raises(ValueError, match="needs the policy to train LoRA"):
+        GRPOTrainer(PolicyModel(model_dir), GRPOConfig(advantage="gae", critic_lora=True))
+    with pytest.raises(ValueError, match="lora_rank > 0"):
+        TrainConfig.from_dict({"model": "m", "advantage": "gae", "critic_lora": True})
+
+
 def result(m, policy, trainer):
     critic = trainer.critic.parameters() if trainer.critic is not None else [torch.zeros(1)]
     return (m, torch.cat([p.detach().flatten() for p in policy.parameters()]),
