@@ -82,7 +82,7 @@ def check_request(body) -> None:
     if stop is not None and not (isinstance(stop, str) and stop or isinstance(stop, list)
                                  and all(isinstance(x, str) and x for x in stop)):
         raise GatewayError(400, "stop must be a non-empty string or a list of them")
-    if not isinstance(body.get("logprobs", False), bool):
+    if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
         raise GatewayError(400, "logprobs must be true or false")
     top = body.get("top_logprobs")
     if top is not None:

@@ -134,10 +134,11 @@ class GRPOTrainer:
         acc["n_tokens"] += sum(t.num_generated for t in useful)
         if cfg.advantage in WHITENED:  # per token now (a critic's values); the policy's pass once they whiten
             pen = penalties(useful, self.reward_kl, self.overlong)
-            if self.critic is not None:  # with its first epoch's loss, from the same forward (no whitening)
+            if self.critic is not None:  # with its first epoch's loss, from the same forward (no whitening;
+                # summed while streamed, else over the whole batch's tokens; mini-batches: every update in finish)
+                scale = None if cfg.mini_batches > 1 else 1.0 if acc["streamed"] else float(acc["n_tokens"])
                 items = self.critic.estimate(useful, cfg.gae_gamma, cfg.gae_lambda, cfg.micro_batch_tokens, pen,
-                                             backward=None if cfg.mini_batches > 1 else
-                                             1.0 if acc["streamed"] else float(acc["n_tokens"]))
+                                             backward=scale)
             elif cfg.advantage == "reinforce_plus_plus":  # the discounted returns to go
                 items = estimate(useful, cfg.gae_gamma, 1.0, cfg.micro_batch_tokens, penalty=pen)
             else:  # each episode's reward less its group's mean
@@ -284,7 +285,8 @@ class GRPOTrainer:
         return [t for t in kept if any(abs(a) > 1e-9 for a in adv[id(t)])], adv
 
     def _rewarded(self, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
-        """The groups as the episode advantages see them: with KL in the reward, each episode's less it."""
+        """The groups as the episode advantages see them: with KL in the reward or the overlong
+        punishment (shaping.py), each episode's reward less its penalties."""
         return rewarded(groups, penalties([t for g in groups for t in g], self.reward_kl, self.overlong))
 
     def _begun(self) -> dict:
