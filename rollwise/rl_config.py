@@ -156,7 +156,7 @@ class TrainConfig:
     # at its advantages and at 1 backpropagated apart and combined at the end (exact: the first pass is
     # linear in them), for a second backward per micro-batch and two gradient-sized buffers. Worth it when
     # the trainer's work is shorter than the batch's rollouts: REINFORCE++-baseline 1.10-1.16x per step
-    # here; gae, whose critic already fills that time, 0.88x (README, Results)
+    # here; gae, whose critic already fills that time, 0.91-1.01x (README, Results)
     stream_whitened: bool = False
     max_concurrent_groups: int = 16
     episode_deadline_s: float = 60.0
