@@ -6,8 +6,9 @@ A turn that generated more than max_tokens - buffer tokens loses penalty x (its 
 - buffer)) / buffer, rising linearly to `penalty` at max_tokens (a turn cut off by the limit): a
 reply that runs into the limit learns to be shorter before it is truncated. Each turn is a response
 of its own, so an episode loses its turns' sum. The per-token estimators (gae, REINFORCE++) take a
-turn's penalty on its last token, the episode ones (grpo, dr_grpo, rloo, gigpo) on the episode's
-reward (gigpo's step returns: on the last turn's, where an episode's reward beyond its turns' goes).
+turn's penalty on its last token, the episode ones (grpo, dr_grpo, rloo, gigpo,
+reinforce_plus_plus_baseline) on the episode's reward (gigpo's step returns: on the last turn's,
+where an episode's reward beyond its turns' goes).
 The env's rewards stay as they are (a success is still one; dynamic sampling still judges a group
 by them); the step metrics `overlong_penalty` (per episode) and `overlong_turns` (the fraction of
 turns in the buffer) show what was taken.
