@@ -25,10 +25,12 @@ spread, not the group's, scales it).
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from rollwise.trainer.losses import split
-from rollwise.trainer.policy import Batch, PolicyModel, cache_kw, decoder_states, micro_batches
+from rollwise.trainer.policy import Batch, PolicyModel, cache_kw, decoder_states, inject_lora, micro_batches
 from rollwise.types import Trajectory
 
 
@@ -94,13 +96,8 @@ class Critic:
             model = AutoModelForCausalLM.from_config(policy.model.config, dtype=torch.float32)
             model.load_state_dict({k: v.detach() for k, v in policy._base_state().items()} if lora
                                   else policy.base_weights(), assign=lora)
-        if lora:
-            from peft import LoraConfig, inject_adapter_in_model
-            c = policy.lora
-            inject_adapter_in_model(LoraConfig(r=c.r, lora_alpha=c.lora_alpha, target_modules=c.target_modules,
-                                               lora_dropout=c.lora_dropout), model)
-            for name, p in model.named_parameters():
-                p.requires_grad_("lora_" in name)
+        if lora:  # the policy's LoRA settings (a copy: peft fills a config in as it injects)
+            inject_lora(model, copy.deepcopy(policy.lora))
         self.lora = lora
         self.body = model.get_decoder().train()
         self.head = torch.nn.Linear(model.config.hidden_size, 1)

@@ -178,16 +178,14 @@ class PolicyModel:
         place): every weight is frozen and each targeted linear computes W x + (alpha / rank) B A x,
         with B zero at first, so the model is unchanged until it trains. `targets`: module names, or
         "all-linear" (every linear but the output head). The optimizer holds the adapters alone."""
-        from peft import LoraConfig, inject_adapter_in_model
+        from peft import LoraConfig
         if self.lora is not None:
             raise ValueError("the model already has LoRA adapters")
         if rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
         config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=dropout)
-        inject_adapter_in_model(config, self.model)  # (targets that match nothing: peft's ValueError)
+        inject_lora(self.model, config)  # (targets that match nothing: peft's ValueError)
         self.lora = config
-        for name, p in self.model.named_parameters():
-            p.requires_grad_("lora_" in name)
 
     @contextmanager
     def adapters_off(self):
@@ -261,6 +259,14 @@ class PolicyModel:
     def parameters(self):
         """The trainable parameters (the adapters alone, with LoRA)."""
         return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def inject_lora(model, config) -> None:
+    """peft's LoRA layers of `config` put into `model` in place; every other weight frozen."""
+    from peft import inject_adapter_in_model
+    inject_adapter_in_model(config, model)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
 
 
 def cache_kw(model) -> str:
