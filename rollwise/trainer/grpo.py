@@ -133,7 +133,8 @@ class GRPOTrainer:
         acc["n_useful"] += len(useful)
         acc["n_tokens"] += sum(t.num_generated for t in useful)
         if cfg.advantage in WHITENED:  # per token now (a critic's values); the policy's pass once they whiten
-            pen = penalties(useful, self.reward_kl, self.overlong)
+            per_token = cfg.advantage != "reinforce_plus_plus_baseline"  # (its penalties: the episode's reward)
+            pen = penalties(useful, self.reward_kl, self.overlong) if per_token else None
             if self.critic is not None:  # with its first epoch's loss, from the same forward (no whitening;
                 # summed while streamed, else over the whole batch's tokens; mini-batches: every update in finish)
                 scale = None if cfg.mini_batches > 1 else 1.0 if acc["streamed"] else float(acc["n_tokens"])
