@@ -129,6 +129,17 @@ def cmd_route(args) -> None:
                 log_level="warning")
 
 
+def cmd_retrieve(args) -> None:
+    import uvicorn
+
+    from rollwise.agent.search import SearchIndex
+    from rollwise.serve.retrieve import build_retrieve_app
+    index = SearchIndex.for_corpus(args.corpus, args.index)
+    print(f"{index.size:,} documents from {args.corpus}; serving Search-R1's POST /retrieve on "
+          f"http://{args.host}:{args.port}/retrieve", flush=True)
+    uvicorn.run(build_retrieve_app(index, args.api_key), host=args.host, port=args.port, log_level="warning")
+
+
 def cmd_bench_spec(args) -> None:
     from rollwise.spec.bench import main as bench_main
     bench_main(args)
@@ -254,6 +265,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replica-api-key", default=None)
     add_config_args(p, ServerConfig)
     p.set_defaults(fn=cmd_route)
+
+    p = sub.add_parser("retrieve", help="a BM25 retrieval server over a JSON-lines corpus (Search-R1's /retrieve)")
+    p.add_argument("corpus", help='JSON lines: {"id", "title", "text"} or Search-R1\'s {"id", "contents"}')
+    p.add_argument("--index", help="the sqlite index file (default: in ~/.cache/rollwise/search, built once)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require this bearer key (/health stays open)")
+    p.set_defaults(fn=cmd_retrieve)
 
     p = sub.add_parser("bench", help="built-in benchmarks")
     bsub = p.add_subparsers(dest="bench", required=True)

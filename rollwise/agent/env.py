@@ -155,3 +155,32 @@ def number_reward(answer: str, want: float) -> float:
     """1.0 when the answer's last number is `want` (to a millionth of it, or of 1 when smaller)."""
     got = last_number(answer)
     return float(got is not None and abs(got - float(want)) <= 1e-6 * max(1.0, abs(float(want))))
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD's answer normalisation (Search-R1's and HotpotQA's exact match): lower case, no
+    punctuation, no articles (a, an, the), single spaces."""
+    import re
+    import string
+    text = "".join(c for c in str(text).lower() if c not in set(string.punctuation))
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+def exact_match(answer: str, want) -> float:
+    """1.0 when the answer equals any of the wanted answers (a string or a list) after normalisation."""
+    wants = want if isinstance(want, (list, tuple)) else [want]
+    return float(any(normalize_answer(answer) == normalize_answer(w) for w in wants))
+
+
+def f1_score(answer: str, want) -> float:
+    """SQuAD's token F1 of the answer against the best of the wanted answers (normalised words)."""
+    from collections import Counter
+    best = 0.0
+    got = normalize_answer(answer).split()
+    for w in want if isinstance(want, (list, tuple)) else [want]:
+        ref = normalize_answer(w).split()
+        common = sum((Counter(got) & Counter(ref)).values())
+        if common:
+            p, r = common / len(got), common / len(ref)
+            best = max(best, 2 * p * r / (p + r))
+    return best

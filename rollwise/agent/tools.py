@@ -1,7 +1,8 @@
 """Tools: a name, a description, JSON-schema parameters and an async call with a deadline.
 
 A tool failure is data for the model, never a crash: bad arguments, exceptions, timeouts and
-results that are not text all come back as an error observation (`ToolResult.ok == False`).
+results that are not text all come back as an error observation (`ToolResult.ok == False`); only
+a `ServiceError` (the service behind the tool is down) ends the episode, as an error, to be retried.
 Synchronous functions run in a worker thread so they never block the event loop. A tool may carry
 a simulated latency (to model slow APIs in benchmarks).
 """
@@ -52,6 +53,11 @@ class ToolArgumentError(ValueError):
     pass
 
 
+class ServiceError(RuntimeError):
+    """A tool's backing service is down (after its own retries): the episode ends with status
+    `error` and runs again, rather than the model reading the outage as the tool's answer."""
+
+
 class Tool:
     def __init__(self, fn: Callable, *, name: str | None = None, description: str | None = None,
                  parameters: dict | None = None, timeout: float | None = 10.0, latency: Latency | None = None) -> None:
@@ -80,6 +86,8 @@ class Tool:
             result = await (self._run(args) if limit is None else asyncio.wait_for(self._run(args), limit))
         except asyncio.TimeoutError:
             return fail(f"tool {self.name!r} timed out after {limit:g}s")
+        except ServiceError:
+            raise
         except Exception as e:  # noqa: BLE001 - the tool's own failure goes back to the model
             return fail(f"tool {self.name!r} failed: {type(e).__name__}: {e}")
         try:

@@ -111,7 +111,7 @@ def test_dataset_env_prompt_reward_and_tools(tmp_path):
 
 
 def test_dataset_env_bad_options_are_value_errors():
-    with pytest.raises(ValueError, match=r"unknown reward 'exactly'; valid: \['contains', 'exact', 'judge', 'number', 'unit_tests'\]"):
+    with pytest.raises(ValueError, match=r"unknown reward 'exactly'; valid: \['contains', 'em', 'exact', 'f1', 'judge', 'number', 'unit_tests'\]"):
         make_env("dataset", reward="exactly")
     with pytest.raises(ValueError, match="unknown tool 'bash'; valid: 'python'"):
         make_env("dataset", tools=["bash"])

@@ -17,11 +17,12 @@ from rollwise.agent.envs.dataset import DatasetEnv
 from rollwise.agent.envs.frozenlake import FrozenLakeEnv
 from rollwise.agent.envs.mix import MixEnv
 from rollwise.agent.envs.phonebook import PhonebookEnv
+from rollwise.agent.envs.search import SearchEnv
 from rollwise.agent.envs.sql import SqlEnv
 from rollwise.agent.plugins import FORM, load_object
 
 ENVS = {e.name: e for e in (AgentEnv, BugfixEnv, CalculatorEnv, CodeEnv, CountdownEnv, DatasetEnv, SqlEnv, FrozenLakeEnv,
-                            MixEnv, PhonebookEnv)}
+                            MixEnv, PhonebookEnv, SearchEnv)}
 
 
 def resolve_env(name: str):

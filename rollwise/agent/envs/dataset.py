@@ -7,13 +7,17 @@ the reward reads; the reward is a built-in rule or a user's function; tools are 
     train_tasks_file = "gsm8k-train.jsonl"        # {"prompt": "...", "answer": 72}
 
 Rewards: `exact` (the answer equals the task's `answer`, case and surrounding space ignored),
+`em` (SQuAD's exact match: equal to the answer, or to one of a list of them, after normalising case,
+punctuation and articles; Search-R1's reward), `f1` (SQuAD's token F1 against the best of them),
 `number` (its last number equals it), `contains` (it appears in the answer), `unit_tests` (the
 answer's last fenced code block, then the task's `tests`, run to the end in the code sandbox),
 `judge` (an LLM grades it against the task and its reference answer, if any: `judge = { url, model,
 ... }`, `rollwise.agent.judge`), or `module:function` / `file.py:function` called as `function(task,
 answer_text) -> float` (a coroutine function is awaited; a plain one runs in a worker thread, so a
-slow verifier holds up no other episode). Tools: `python` (the code sandbox) or a user's typed
-function (or `Tool`) by the same naming. A task's `solution` (a string, or a list of assistant
+slow verifier holds up no other episode). Tools: `python` (the code sandbox), `search` (BM25 over a
+corpus, or a Search-R1 retrieval server: `search = { corpus = "wiki.jsonl", top_k = 3 }` or `{ url =
+"http://host:8000/retrieve" }`, rollwise.agent.search) or a user's typed function (or `Tool`) by the
+same naming. A task's `solution` (a string, or a list of assistant
 messages) is its expert transcript, for an SFT warm start. `prompt_key` and `answer_key` name other
 fields (`question`, `ground_truth`).
 """
@@ -24,10 +28,11 @@ import inspect
 import re
 import secrets
 
-from rollwise.agent.env import ToolEnv, maybe_await, number_reward
+from rollwise.agent.env import ToolEnv, exact_match, f1_score, maybe_await, number_reward
 from rollwise.agent.judge import Judge, JudgeConfig
 from rollwise.agent.plugins import FORM, load_object
 from rollwise.agent.sandbox import Sandbox
+from rollwise.agent.search import make_search
 from rollwise.agent.tools import Tool
 
 
@@ -52,7 +57,16 @@ def program_in(answer: str) -> str:
     return blocks[-1] if blocks else answer
 
 
-REWARDS = {"exact": _exact, "number": _number, "contains": _contains}  # and unit_tests, which runs the sandbox
+def _em(want, answer: str) -> float:
+    return exact_match(answer, want)
+
+
+def _f1(want, answer: str) -> float:
+    return f1_score(answer, want)
+
+
+# and unit_tests, which runs the sandbox
+REWARDS = {"exact": _exact, "number": _number, "contains": _contains, "em": _em, "f1": _f1}
 
 
 class DatasetEnv(ToolEnv):
@@ -61,7 +75,7 @@ class DatasetEnv(ToolEnv):
     def __init__(self, *, reward: str = "exact", tools: list[str] = (), prompt_key: str = "prompt",
                  answer_key: str = "answer", system_prompt: str | None = None, answer_hint: str | None = None,
                  sandbox_timeout_s: float = 5.0, tool_timeout: float = 10.0, judge: dict | None = None,
-                 **kw) -> None:
+                 search: dict | None = None, **kw) -> None:
         super().__init__(tool_timeout=tool_timeout, **kw)  # (for a user's tools; the sandbox keeps its own)
         self.prompt_key, self.answer_key = prompt_key, answer_key
         self.sandbox = Sandbox(timeout_s=sandbox_timeout_s)
@@ -83,6 +97,10 @@ class DatasetEnv(ToolEnv):
             raise ValueError(f"unknown reward {reward!r}; valid: {sorted([*REWARDS, 'judge', 'unit_tests'])}, "
                              f"or a user's "
                              f"function as {FORM}")
+        if ("search" in tools) != (search is not None):
+            raise ValueError("tools = ['search'] needs search = { corpus = ... } or { url = ... } (and search options "
+                             "need it)")
+        self._search = search
         self._tools = [self._make_tool(spec) for spec in tools]
         if system_prompt is not None:
             self.system_prompt = system_prompt
@@ -110,8 +128,10 @@ class DatasetEnv(ToolEnv):
     def _make_tool(self, spec: str) -> Tool:
         if spec == "python":
             return self.sandbox.tool("python")
+        if spec == "search":
+            return make_search(self._search)
         if ":" not in spec:
-            raise ValueError(f"unknown tool {spec!r}; valid: 'python', or a user's function as {FORM}")
+            raise ValueError(f"unknown tool {spec!r}; valid: 'python', 'search', or a user's function as {FORM}")
         obj = load_object(spec, "tool", accept=lambda o: callable(o) or isinstance(o, Tool))
         return obj if isinstance(obj, Tool) else Tool(obj)
 
