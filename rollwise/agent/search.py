@@ -85,18 +85,16 @@ def parse_doc(row: dict, i: int = 0) -> tuple[str, str, str]:
     return str(row.get("id", i)), title, text
 
 
-def _create(conn: sqlite3.Connection, docs: Iterable[tuple[str, str, str]]) -> int:
+def _create(conn: sqlite3.Connection, docs: Iterable[tuple[str, str, str]]) -> None:
     conn.execute("CREATE VIRTUAL TABLE docs USING fts5(doc_id UNINDEXED, title, text)")
-    n = 0
     batch: list[tuple[str, str, str]] = []
     for doc in docs:
         batch.append(doc)
         if len(batch) == 10000:
             conn.executemany("INSERT INTO docs VALUES (?, ?, ?)", batch)
-            n, batch = n + len(batch), []
+            batch = []
     conn.executemany("INSERT INTO docs VALUES (?, ?, ?)", batch)
     conn.execute("INSERT INTO docs(docs) VALUES ('optimize')")
-    return n + len(batch)
 
 
 class SearchIndex:
@@ -135,12 +133,18 @@ class SearchIndex:
             if progress:
                 from tqdm import tqdm
                 docs = tqdm(docs, desc=f"indexing {corpus.name}", unit=" docs", mininterval=1.0)
-            with sqlite3.connect(tmp) as conn:
+            conn = sqlite3.connect(tmp)
+            try:
                 _create(conn, docs)
                 conn.execute("CREATE TABLE meta (key TEXT)")
                 conn.execute("INSERT INTO meta VALUES (?)", (key,))
+                conn.commit()
+            except BaseException:
+                conn.close()
+                tmp.unlink(missing_ok=True)
+                raise
             conn.close()
-            os.replace(tmp, index)  # whole or not at all: a killed build leaves no index behind
+            os.replace(tmp, index)  # whole or not at all: a failed or killed build leaves no index behind
         return cls(index)
 
     def _conn(self) -> sqlite3.Connection:

@@ -94,7 +94,7 @@ class Critic:
                                  f"policy {policy.model.config.vocab_size}: the critic reads the policy's tokens")
         else:  # the warm start (with LoRA: the weights under the adapters; with `lora`, those very tensors)
             model = AutoModelForCausalLM.from_config(policy.model.config, dtype=torch.float32)
-            model.load_state_dict({k: v.detach() for k, v in policy._base_state().items()} if lora
+            model.load_state_dict({k: v.detach() for k, v in policy.base_state().items()} if lora
                                   else policy.base_weights(), assign=lora)
         if lora:  # the policy's LoRA settings (a copy: peft fills a config in as it injects)
             inject_lora(model, copy.deepcopy(policy.lora))

@@ -123,7 +123,7 @@ class PolicyModel:
         if self.lora is None:
             weights = {k: v.detach() for k, v in self.model.state_dict().items()}
         elif self.exact_adapter:
-            weights, adapter = {k: v.detach() for k, v in self._base_state().items()}, self.adapter_weights()
+            weights, adapter = {k: v.detach() for k, v in self.base_state().items()}, self.adapter_weights()
         else:
             weights = self.engine_weights()
         value = self.exact(weights, batch.input_ids, batch.attention_mask, batch.targets, batch.mask, temperature,
@@ -214,9 +214,9 @@ class PolicyModel:
         merged = {f"{n}.weight": m.get_base_layer().weight + m.get_delta_weight("default") for n, m in self._lora_layers()}
         if changed_only:
             return merged
-        return {k: merged.get(k, v.detach().clone()) for k, v in self._base_state().items()}
+        return {k: merged.get(k, v.detach().clone()) for k, v in self.base_state().items()}
 
-    def _base_state(self) -> dict[str, torch.Tensor]:
+    def base_state(self) -> dict[str, torch.Tensor]:
         """The state dict under the model's own names: peft's adapters left out, its base layers renamed."""
         return {k.replace(".base_layer.", "."): v for k, v in self.model.state_dict().items() if "lora_" not in k}
 
@@ -225,7 +225,7 @@ class PolicyModel:
         beside them, so the directory serves, evaluates and trains as the model it came from did."""
         state = None
         if self.lora is not None:
-            state = {**self._base_state(), **self.engine_weights(changed_only=True)}
+            state = {**self.base_state(), **self.engine_weights(changed_only=True)}
         self.model.save_pretrained(path, safe_serialization=True, state_dict=state)
         for name in TOKENIZER_FILES:
             if (Path(self.model_dir) / name).is_file():
@@ -254,7 +254,7 @@ class PolicyModel:
 
     def base_weights(self) -> dict[str, torch.Tensor]:
         """The weights without the LoRA adapters (what they train on), under Hugging Face names."""
-        return {k: v.detach().clone() for k, v in self._base_state().items()}
+        return {k: v.detach().clone() for k, v in self.base_state().items()}
 
     def parameters(self):
         """The trainable parameters (the adapters alone, with LoRA)."""

@@ -175,7 +175,7 @@ def test_a_lora_critic_trains_adapters_on_the_policys_own_frozen_weights(model_d
     policy.add_lora(4, 8.0)
     trainer = GRPOTrainer(policy, GRPOConfig(lr=1e-2, advantage="gae", critic_lr=1e-2, critic_lora=True))
     critic = trainer.critic
-    base = {v.data_ptr() for v in policy._base_state().values()}
+    base = {v.data_ptr() for v in policy.base_state().values()}
     frozen = [(n, p) for n, p in critic.body.named_parameters() if not p.requires_grad]
     assert frozen and all(p.data_ptr() in base for _, p in frozen)  # the policy's tensors, not copies
     assert all("lora_" in n for n, p in critic.body.named_parameters() if p.requires_grad)
