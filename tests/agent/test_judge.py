@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import re
-import threading
-import time
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -17,11 +14,11 @@ from rollwise.agent.episode import run_attempts, run_episode
 from rollwise.agent.generator import ScriptedGenerator
 from rollwise.agent.judge import JudgeConfig, JudgeError, parse_score
 from rollwise.engine.tokenizer import Tokenizer
-from rollwise.serve.process import free_port
 from rollwise.types import SamplingParams
+from tests.agent.servers import AppServer
 
 
-class JudgeServer:
+class JudgeServer(AppServer):
     """A chat-completions server that grades as a judge model would be asked to: 10 when the
     reference is in the answer, else 2; it fails its first `fail` requests (HTTP 500)."""
 
@@ -55,19 +52,7 @@ class JudgeServer:
             return {"choices": [{"index": 0, "message": {"role": "assistant", "content": content},
                                  "finish_reason": "stop"}]}
 
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> JudgeServer:
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join()
+        super().__init__(app)
 
     @property
     def url(self) -> str:

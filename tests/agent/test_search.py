@@ -8,12 +8,10 @@ import os
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
 from rollwise.agent.env import exact_match, f1_score
 from rollwise.agent.envs import make_env
@@ -25,6 +23,7 @@ from rollwise.engine.tokenizer import Tokenizer
 from rollwise.serve.process import free_port
 from rollwise.serve.retrieve import build_retrieve_app
 from rollwise.types import SamplingParams
+from tests.agent.servers import AppServer
 
 DOCS = [{"id": "1", "title": "Ana Smith", "text": "Ana Smith is a chemist who founded Maple Motors."},
         {"id": "2", "title": "Maple Motors", "text": "Maple Motors is a car maker based in Vintry."},
@@ -77,22 +76,9 @@ def test_corpus_index_is_built_once_opened_read_only_and_rebuilt_when_the_corpus
     assert not [p for p in tmp_path.iterdir() if "bad.sqlite" in p.name]  # nor a temporary file
 
 
-class RetrieveServer:
+class RetrieveServer(AppServer):
     def __init__(self, index: SearchIndex, api_key: str | None = None) -> None:
-        self.port = free_port()
-        app = build_retrieve_app(index, api_key)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> RetrieveServer:
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join()
+        super().__init__(build_retrieve_app(index, api_key))
 
     @property
     def url(self) -> str:
