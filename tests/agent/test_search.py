@@ -195,3 +195,34 @@ def test_rollwise_retrieve_serves_a_corpus_from_the_command_line(tmp_path):
         proc.terminate()
         out = proc.communicate(timeout=10)[0]
     assert "4 documents from" in out
+
+
+def test_example_corpus_answers_every_question_by_the_experts_two_searches(tmp_path, monkeypatch):
+    """examples/search_corpus.py: one corpus for all questions (names unique, founders' pages among
+    pages of people who founded nothing); the expert's two searches find each answer through the
+    corpus's index, and examples/train-search-corpus.toml makes a dataset env that searches it."""
+    from pathlib import Path
+
+    from rollwise.rl import TrainConfig
+    ex = Path(__file__).parents[2] / "examples"
+    subprocess.run([sys.executable, str(ex / "search_corpus.py"), str(tmp_path)], check=True, capture_output=True)
+    corpus = [json.loads(x) for x in (tmp_path / "corpus.jsonl").read_text().splitlines()]
+    train, held = ([json.loads(x) for x in (tmp_path / f).read_text().splitlines()]
+                   for f in ("train.jsonl", "eval.jsonl"))
+    assert (len(corpus), len(train), len(held)) == (448, 96, 32)
+    assert len({c["contents"].split("\n")[0] for c in corpus}) == 448  # every title once
+    monkeypatch.setenv("ROLLWISE_CACHE", str(tmp_path / "cache"))
+    cfg = TrainConfig.from_toml(ex / "train-search-corpus.toml", model="unused")
+    opts = {**cfg.env_options, "search": {"corpus": str(tmp_path / "corpus.jsonl"), "top_k": 3}}
+
+    async def solve(task) -> float:
+        env = make_env(cfg.env, **opts)
+        await env.reset(task)
+        for action in task["solution"]:
+            _, reward, _, _ = await env.step(action)
+        return reward
+
+    async def go():
+        return [await solve(t) for t in train + held]
+    assert asyncio.run(go()) == [1.0] * 128
+    assert cfg.env_options["search"]["url"].endswith("/retrieve") and cfg.eval_tasks == 32
