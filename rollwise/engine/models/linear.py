@@ -37,7 +37,7 @@ def bucket_rows(m: int) -> int:
 
 def pack(w: torch.Tensor) -> torch.Tensor | None:
     """w [out, in] in oneDNN's layout for `packed_linear`; None where oneDNN cannot take it."""
-    if ONEDNN and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16):
+    if w.device.type == "cpu" and w.dtype in ONEDNN_DTYPES:
         return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
     return None
 
@@ -67,16 +67,19 @@ def check_invariant(fn, w: torch.Tensor, rows: tuple[int, ...] = (1, 2, 3, 5, 17
         return all(torch.equal(fn(x[:m]), alone[:m]) for m in rows)
 
 
-def _onednn_ok() -> bool:
+def _onednn_ok(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN takes packed weights of `dtype` (bf16 needs AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT: on an AVX2 CPU such layers run through F.linear)."""
     try:
-        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8), 16)
-        y = torch.ops.mkldnn._linear_pointwise(torch.ones(MIN_ROWS, 8), w, None, "none", [], "")
-        return bool(torch.allclose(y, torch.full((MIN_ROWS, 8), 8.0)))
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=dtype), 16)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(MIN_ROWS, 8, dtype=dtype), w, None, "none", [], "")
+        return bool(torch.allclose(y.float(), torch.full((MIN_ROWS, 8), 8.0)))
     except (AttributeError, RuntimeError):
         return False
 
 
-ONEDNN = torch.backends.mkldnn.is_available() and _onednn_ok()
+ONEDNN_DTYPES = {d for d in (torch.float32, torch.bfloat16)
+                 if torch.backends.mkldnn.is_available() and _onednn_ok(d)}
 
 
 class Linear(nn.Linear):
