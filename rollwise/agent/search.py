@@ -185,14 +185,22 @@ def _stored_key(index: Path) -> str | None:
 
 class RemoteSearch:
     """A retrieval server over HTTP, Search-R1's protocol (`url`: its /retrieve endpoint); failed
-    requests are retried with backoff, then `ServiceError`. One client per event loop."""
+    requests are retried with backoff, then `ServiceError`. One client per event loop.
+
+    The queries of every episode on the event loop share requests: while `max_inflight` requests
+    are out, new queries wait and leave together in one request (at most `max_batch`), so a loaded
+    run sends few large requests (a dense retriever encodes each in one batch) and an idle one sends
+    each query at once. A batch the server refuses (400) is sent again in halves until the refused
+    queries stand alone, so only a bad query's episode reads the refusal. `max_batch = 1`: one
+    request per query."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 10.0, retries: int = 2,
-                 backoff_s: float = 0.5) -> None:
-        if retries < 0 or timeout_s <= 0:
-            raise ValueError(f"need retries >= 0 and timeout_s > 0, got {retries} and {timeout_s}")
+                 backoff_s: float = 0.5, max_batch: int = 64, max_inflight: int = 4) -> None:
+        if retries < 0 or timeout_s <= 0 or max_batch < 1 or max_inflight < 1:
+            raise ValueError(f"need retries >= 0, timeout_s > 0, max_batch >= 1 and max_inflight >= 1, got {retries}, "
+                             f"{timeout_s}, {max_batch} and {max_inflight}")
         self.url, self.api_key, self.timeout_s = url, api_key, timeout_s
-        self.retries, self.backoff_s = retries, backoff_s
+        self.retries, self.backoff_s, self.max_batch, self.max_inflight = retries, backoff_s, max_batch, max_inflight
 
     def _client(self) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -200,7 +208,15 @@ class RemoteSearch:
                            lambda: httpx.AsyncClient(timeout=self.timeout_s, headers=headers))
 
     async def asearch(self, query: str, k: int = 3) -> list[Hit]:
-        body = {"queries": [query], "topk": k, "return_scores": True}
+        if self.max_batch == 1:
+            return (await self.post([query], k))[0]
+        key = ("search-batches", self.url, self.api_key, k, self.max_batch, self.max_inflight, self.timeout_s,
+               self.retries, self.backoff_s)
+        return await loop_shared(key, lambda: _Batcher(self, k)).submit(query)
+
+    async def post(self, queries: list[str], k: int) -> list[list[Hit]]:
+        """One request: each query's hits."""
+        body = {"queries": queries, "topk": k, "return_scores": True}
         err: Exception | None = None
         for attempt in range(self.retries + 1):
             if attempt:
@@ -213,11 +229,68 @@ class RemoteSearch:
             if r.status_code == 400:  # the query's fault: the model reads why
                 raise ValueError(f"the retrieval server refused the query: {r.text[:300]}")
             if r.is_success:
-                return [_hit(x) for x in r.json()["result"][0]]
+                result = r.json().get("result")
+                if not isinstance(result, list) or len(result) != len(queries):
+                    raise ServiceError(f"retrieval server {self.url} answered {len(queries)} queries with "
+                                       f"{r.text[:200]}")
+                return [[_hit(x) for x in hits] for hits in result]
             err = RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
             if r.status_code < 500 and r.status_code != 429:  # 401, 404: misconfigured, no use retrying
                 raise ServiceError(f"retrieval server {self.url}: {err}")
         raise ServiceError(f"retrieval server {self.url} failed {self.retries + 1} times: {err}")
+
+
+class _Batcher:
+    """The queries waiting for a request slot of one server (and top-k) on one event loop."""
+
+    def __init__(self, remote: RemoteSearch, k: int) -> None:
+        self.remote, self.k = remote, k
+        self.waiting: list[tuple[str, asyncio.Future]] = []
+        self.slots = asyncio.Semaphore(remote.max_inflight)
+        self.pump: asyncio.Task | None = None
+        self.sending: set[asyncio.Task] = set()
+        self.requests = 0  # sent (for benchmarks)
+
+    async def submit(self, query: str) -> list[Hit]:
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.append((query, fut))
+        if self.pump is None or self.pump.done():
+            self.pump = asyncio.create_task(self._pump())
+        return await fut
+
+    async def _pump(self) -> None:
+        while self.waiting:
+            await self.slots.acquire()
+            batch, self.waiting = self.waiting[:self.remote.max_batch], self.waiting[self.remote.max_batch:]
+            task = asyncio.create_task(self._send(batch))
+            self.sending.add(task)
+            task.add_done_callback(self.sending.discard)
+
+    async def _answers(self, queries: list[str]) -> list:
+        """Each query's hits, or the ValueError of a query the server refuses: a refused batch is
+        halved until the refused queries stand alone."""
+        self.requests += 1
+        try:
+            return await self.remote.post(queries, self.k)
+        except ValueError as e:
+            if len(queries) == 1:
+                return [e]
+            half = len(queries) // 2
+            first, second = await asyncio.gather(self._answers(queries[:half]), self._answers(queries[half:]))
+            return first + second
+
+    async def _send(self, batch: list[tuple[str, asyncio.Future]]) -> None:
+        try:
+            results = await self._answers([q for q, _ in batch])
+            for (_, fut), r in zip(batch, results):
+                if not fut.done():
+                    fut.set_exception(r) if isinstance(r, BaseException) else fut.set_result(r)
+        except BaseException as e:  # noqa: BLE001 - every waiting episode gets it (ServiceError: their error)
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(e)
+        finally:
+            self.slots.release()
 
 
 def _hit(x: dict) -> Hit:
@@ -267,8 +340,9 @@ def make_search(options: dict) -> Tool:
         key = os.environ.get(env_key) if env_key else None
         if env_key and not key:
             raise ValueError(f"search api_key_env {env_key!r} is not set")
-        backend = RemoteSearch(opts.pop("url"), key, **{k: opts.pop(k) for k in ("timeout_s", "retries") if k in opts})
+        names = ("timeout_s", "retries", "max_batch", "max_inflight")
+        backend = RemoteSearch(opts.pop("url"), key, **{k: opts.pop(k) for k in names if k in opts})
     if opts:
         raise ValueError(f"unknown search options {sorted(opts)}; valid: corpus, index, url, api_key_env, timeout_s, "
-                         f"retries, top_k, max_chars")
+                         f"retries, max_batch, max_inflight, top_k, max_chars")
     return search_tool(backend, top_k, max_chars)

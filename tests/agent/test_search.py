@@ -118,6 +118,30 @@ def test_retrieval_server_speaks_search_r1s_protocol_and_refuses_bad_input_with_
             and "no words" in got[1]  # the model reads why its query was refused
 
 
+def test_concurrent_searches_share_requests_and_a_refused_query_fails_alone():
+    index = SearchIndex.from_docs(DOCS)
+    srv = RetrieveServer(index)
+    sizes = []
+
+    @srv.server.config.app.middleware("http")
+    async def count(request, call_next):
+        if request.url.path == "/retrieve":
+            sizes.append(len(json.loads(await request.body())["queries"]))
+        return await call_next(request)
+    queries = ["maple motors", "Ben", "Ana Smith", "Vintry", "software"] * 8 + ["?!"]
+    with srv:
+        async def go(max_batch):
+            tool = search_tool(RemoteSearch(srv.url, max_batch=max_batch, max_inflight=1), 2)
+            return [r.content for r in await asyncio.gather(*(tool.call({"query": q}) for q in queries))]
+        batched = asyncio.run(go(64))
+        batched_sizes, sizes[:] = list(sizes), []
+        alone = asyncio.run(go(1))
+    assert sizes == [1] * 41 and batched == alone  # the same answers as query by query
+    assert len(batched_sizes) < 20 and max(batched_sizes) > 10  # shared requests (a refused one halved)
+    assert "refused" in batched[-1] and "no words" in batched[-1]  # the bad query's episode reads why
+    assert all(c.startswith("Doc 1(Title: ") for c in batched[:-1])  # and no other
+
+
 def test_a_retrieval_outage_ends_the_episode_as_an_error_not_as_the_tools_answer(model_dir):
     port = free_port()  # nothing listens there
     env = make_env("dataset", reward="em", tools=["search"],
