@@ -316,3 +316,9 @@ def test_advantages_benchmark_smoke(tmp_path):
     # only gae has a critic, whose explained variance is at most 1
     assert runs[0]["explained_var"] is None and runs[2]["explained_var"] <= 1.0
     assert all(x["reward_kl_coef"][0] == 0.01 and len(x["reward_kl"]) == 2 for x in runs)  # --set: KL in the reward
+
+
+def test_search_benchmark_smoke(tmp_path):
+    res = smoke(tmp_path, "benchmarks/search.py")  # (it checks that every side returns the same hits)
+    assert res["documents"] > 0 and set(res["levels"]) == {"1", "8"}
+    assert all(row["per_query_qps"] > 0 and row["shared_qps"] > 0 for row in res["levels"].values())

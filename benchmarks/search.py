@@ -1,0 +1,118 @@
+"""What the search tool costs, and what sharing requests buys: concurrent episodes' searches through a
+`rollwise retrieve` server (a subprocess on 127.0.0.1), one request per query (the baseline) against
+the default, where queries waiting for a request slot leave together; the index in process beside
+them. Sides take turns within each repetition; every side must return the same hits.
+
+    python benchmarks/search.py [--concurrency 1,16,64,256] [--repeats 3] [--smoke] [--json PATH]
+
+Corpus: the text of every message of the public tau-bench trajectories (../shared/data/agent-
+trajectories, one page per message, its trajectory and turn as the title); queries: the first
+eight words of each user message, every episode searching its own slice of them in turn.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from rollwise.agent.search import RemoteSearch, SearchIndex
+from rollwise.serve.process import free_port
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "agent-trajectories" / "public.jsonl"
+
+
+def corpus_and_queries(path: Path, out: Path, limit: int | None) -> list[str]:
+    """Writes the corpus (JSON lines) to `out`; returns the queries."""
+    rows, queries = [], []
+    with open(path) as f:
+        for line in list(f)[:limit]:
+            traj = json.loads(line)
+            for i, m in enumerate(traj["turns"]):
+                if m["content"].strip():
+                    rows.append({"id": f"{traj['id']}/{i}", "title": f"{traj['id']} turn {i} ({m['role']})",
+                                 "text": m["content"]})
+                words = m["content"].split()[:8]
+                if m["role"] == "user" and len(words) >= 3:
+                    queries.append(" ".join(words))
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return queries
+
+
+async def run_side(search, queries: list[str], concurrency: int, k: int) -> tuple[float, list]:
+    """Seconds for `concurrency` episodes to run every query (each its own share, one after another)."""
+    async def episode(mine: list[str]) -> list:
+        return [[h.id for h in await search(q, k)] for q in mine]
+    t0 = time.perf_counter()
+    parts = await asyncio.gather(*(episode(queries[i::concurrency]) for i in range(concurrency)))
+    return time.perf_counter() - t0, parts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", default="1,16,64,256")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--queries", type=int, default=2048, help="searches per measurement (cycled from the data)")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--smoke", action="store_true", help="seconds-long run for tests")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    if args.smoke:
+        levels, args.repeats, args.queries = [1, 8], 1, 64
+    tmp = Path(tempfile.mkdtemp())
+    base = corpus_and_queries(Path(args.data), tmp / "corpus.jsonl", 10 if args.smoke else None)
+    queries = [base[i % len(base)] for i in range(args.queries)]
+    index = SearchIndex.for_corpus(tmp / "corpus.jsonl", tmp / "index.sqlite", progress=False)
+    port = free_port()
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    server = subprocess.Popen([sys.executable, "-m", "rollwise.cli", "retrieve", str(tmp / "corpus.jsonl"), "--port",
+                               str(port), "--index", str(tmp / "index.sqlite")], env=env, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/retrieve"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(url.replace("/retrieve", "/health")).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        sides = {"per_query": RemoteSearch(url, max_batch=1).asearch, "shared": RemoteSearch(url).asearch,
+                 "in_process": index.asearch}
+        out = {"documents": index.size, "queries": len(queries), "k": args.k, "levels": {}}
+        print(f"{index.size:,} pages, {len(queries)} searches per measurement, top {args.k}")
+
+        async def measure():
+            for c in levels:
+                secs: dict[str, list[float]] = {s: [] for s in sides}
+                for _ in range(args.repeats):
+                    hits = {}
+                    for name, search in sides.items():
+                        t, hits[name] = await run_side(search, queries, c, args.k)
+                        secs[name].append(t)
+                    assert hits["per_query"] == hits["shared"] == hits["in_process"], "the sides' hits differ"
+                med = {s: statistics.median(v) for s, v in secs.items()}
+                row = {f"{s}_qps": len(queries) / t for s, t in med.items()}
+                row["shared_vs_per_query"] = med["per_query"] / med["shared"]
+                out["levels"][str(c)] = row
+                print(f"{c:>4} episodes: per query {row['per_query_qps']:8.0f} q/s, shared "
+                      f"{row['shared_qps']:8.0f} q/s ({row['shared_vs_per_query']:.2f}x), in process "
+                      f"{row['in_process_qps']:8.0f} q/s")
+        asyncio.run(measure())
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
