@@ -10,9 +10,10 @@ or Search-R1's {"id", "contents"}, whose first line is the title (in quotes).
 `RemoteSearch` asks a retrieval server that speaks Search-R1's protocol (POST /retrieve
 {"queries": [...], "topk": k, "return_scores": true} -> {"result": [[{"document": {"id",
 "contents"}, "score"}, ...], ...]}), e.g. its dense e5 retriever; `rollwise retrieve CORPUS`
-serves a `SearchIndex` that way (rollwise.serve.retrieve). A server that stays down after the
-retries raises `ServiceError`: the episode ends with status `error` and runs again, rather than
-the policy being trained on an outage.
+serves a `SearchIndex` that way (rollwise.serve.retrieve). Concurrent episodes' queries share
+requests once a few are out (benchmarks/search.py). A server that stays down after the retries
+raises `ServiceError`: the episode ends with status `error` and runs again, rather than the
+policy being trained on an outage.
 
 `search_tool(backend, top_k)` is the tool: its hits as Search-R1 shows them, "Doc 1(Title: ...) ...".
 """
