@@ -250,7 +250,6 @@ class _Batcher:
         self.slots = asyncio.Semaphore(remote.max_inflight)
         self.pump: asyncio.Task | None = None
         self.sending: set[asyncio.Task] = set()
-        self.requests = 0  # sent (for benchmarks)
 
     async def submit(self, query: str) -> list[Hit]:
         fut = asyncio.get_running_loop().create_future()
@@ -270,7 +269,6 @@ class _Batcher:
     async def _answers(self, queries: list[str]) -> list:
         """Each query's hits, or the ValueError of a query the server refuses: a refused batch is
         halved until the refused queries stand alone."""
-        self.requests += 1
         try:
             return await self.remote.post(queries, self.k)
         except ValueError as e:
