@@ -162,7 +162,7 @@ def normalize_answer(text: str) -> str:
     punctuation, no articles (a, an, the), single spaces."""
     import re
     import string
-    text = "".join(c for c in str(text).lower() if c not in set(string.punctuation))
+    text = str(text).lower().translate(str.maketrans("", "", string.punctuation))
     return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
 
 
