@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from rollwise.make_model import make_model
+from rollwise.make_model import cached_model as build_once
 from rollwise.omp import passive_env, spin_env
 from rollwise.serve.process import free_port
 
@@ -24,10 +24,7 @@ ENGINE_SIZES = {  # make_model arguments of the engine benchmarks' models
 
 def cached_model(name: str, override: str | None = None, **make_kwargs) -> str:
     """`override` if given, else ~/.cache/rollwise/NAME, made with make_model(**make_kwargs) if absent."""
-    model = override or str(Path.home() / ".cache" / "rollwise" / name)
-    if not (Path(model) / "config.json").exists():
-        make_model(model, **make_kwargs)
-    return model
+    return str(build_once(override or Path.home() / ".cache" / "rollwise" / name, **make_kwargs))
 
 
 def engine_model(size: str, override: str | None = None) -> str:

@@ -30,11 +30,10 @@ DEMO_SFT = ("sft_steps", "sft_tasks", "sft_direct_fraction")  # the warm start's
 
 def demo_model() -> str:
     """The demo's tiny model (built once; its warm starts are cached beside it, `DEMO_SFT_CACHE`)."""
-    from rollwise.make_model import make_model
+    from rollwise.make_model import cached_model
     if not (DEMO_DIR / "config.json").exists():
         print(f"building a tiny model in {DEMO_DIR} ...", flush=True)
-        make_model(DEMO_DIR, **DEMO_MODEL)
-    return str(DEMO_DIR)
+    return str(cached_model(DEMO_DIR, **DEMO_MODEL))
 
 
 def add_config_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:

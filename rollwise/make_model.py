@@ -6,7 +6,9 @@ package plus deterministic synthetic text (numbers, tool calls, SQL), and the we
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 from importlib import resources
 from pathlib import Path
 
@@ -129,6 +131,30 @@ def make_model(out_dir: str | Path, *, family: str = "llama", layers: int = 2, h
     }, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": bos_id, "eos_token_id": [eos_id, bos_id]}, indent=2) + "\n")
+    return out
+
+
+def cached_model(out_dir: str | Path, **make_kwargs) -> Path:
+    """`out_dir`, made with make_model(**make_kwargs) unless it is there. It is built beside its place
+    and renamed into it, so processes that share a cache (tests in parallel, two benchmarks) never read
+    a half-written model; when two build it at once, the first rename wins and the other's is dropped."""
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        make_model(tmp, **make_kwargs)
+        if out.is_dir() and not (out / "config.json").exists() and not any(out.iterdir()):
+            out.rmdir()  # an empty directory where the model goes
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not (out / "config.json").exists():
+                raise  # something else is there: leave it to the user
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

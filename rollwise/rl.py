@@ -203,8 +203,9 @@ async def _train(cfg: TrainConfig) -> dict:
                         f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
             if cached is not None:
                 cached.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(policy.model.state_dict(), cached.with_suffix(".tmp"))
-                os.replace(cached.with_suffix(".tmp"), cached)
+                tmp = cached.with_suffix(f".{os.getpid()}.tmp")  # runs sharing the cache may write it at once
+                torch.save(policy.model.state_dict(), tmp)
+                os.replace(tmp, cached)
         if cfg.lora_rank and cfg.sft_steps > 0:  # the weights the adapter is trained on
             policy.save(str(run / "warm-start-model"))
         _add_lora(cfg, policy)

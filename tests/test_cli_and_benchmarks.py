@@ -79,6 +79,34 @@ def test_make_model_and_generate(tmp_path):
     assert r.returncode == 0 and "5 tokens, length" in r.stdout, r.stderr
 
 
+def test_processes_sharing_a_model_cache_build_it_once_and_read_it_whole(tmp_path):
+    # three processes ask for the same cached model at once (tests in parallel, two benchmarks): each gets
+    # the complete model, and no build directory is left behind
+    code = ("import sys; from rollwise.make_model import cached_model; "
+            "print(cached_model(sys.argv[1], layers=1, hidden=32, heads=2, kv_heads=1, vocab=600))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "m")], cwd=ROOT, env=ENV, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(3)]
+    while any(p.poll() is None for p in procs):  # whoever sees its config sees all of it
+        if (tmp_path / "m" / "config.json").exists():
+            assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {
+                x.name for x in (tmp_path / "m").iterdir()}
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err[-2000:] for _, err in outs]
+    assert {out.strip() for out, _ in outs} == {str(tmp_path / "m")}
+    assert [x.name for x in tmp_path.iterdir()] == ["m"]
+    from rollwise.engine.tokenizer import Tokenizer
+    from rollwise.make_model import cached_model
+    assert Tokenizer(str(tmp_path / "m")).encode("hello")  # whole: its tokenizer loads
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {x.name for x in (tmp_path / "m").iterdir()}
+    assert list((tmp_path / "m").glob("*.safetensors"))
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(OSError):  # something else is there: it is left alone
+        cached_model(tmp_path / "busy", layers=1, hidden=32, heads=2, kv_heads=1, vocab=600)
+    assert [x.name for x in (tmp_path / "busy").iterdir()] == ["notes.txt"]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["busy", "m"]
+
+
 def test_engine_benchmark_smoke(tmp_path):
     out = tmp_path / "engine.json"
     r = run("benchmarks/engine.py", "--smoke", "--model", str(tmp_path / "model"), "--json", str(out))
