@@ -151,8 +151,16 @@ def last_number(text: str) -> float | None:
     return float(nums[-1]) if nums else None
 
 
-def number_reward(answer: str, want: float) -> float:
-    """1.0 when the answer's last number is `want` (to a millionth of it, or of 1 when smaller)."""
+def number_reward(answer: str, want: float | str) -> float:
+    """1.0 when the answer's last number is `want` (to a millionth of it, or of 1 when smaller); a
+    `want` given as text is its number ("1,234", "$18": data files' ground truths)."""
+    if isinstance(want, str):
+        try:
+            want = float(want)
+        except ValueError:
+            text, want = want, last_number(want)
+            if want is None:
+                raise ValueError(f"the task's answer {text!r} has no number in it") from None
     got = last_number(answer)
     return float(got is not None and abs(got - float(want)) <= 1e-6 * max(1.0, abs(float(want))))
 

@@ -110,6 +110,62 @@ def test_dataset_env_prompt_reward_and_tools(tmp_path):
         env.prompt({"id": "t4", "prompt": "?"})
 
 
+def test_verl_and_search_r1_data_files_are_read_as_they_are(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    # verl's gsm8k layout: the prompt is a conversation, the answer is reward_model.ground_truth (text)
+    gsm = [{"data_source": "openai/gsm8k", "ability": "math",
+            "prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
+            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+            "extra_info": {"split": "train", "index": i, "answer": f"{a} + {b} = {a + b}"}}
+           for i, (a, b) in enumerate([(40, 32), (1000, 234)])]
+    pq.write_table(pa.Table.from_pylist(gsm), tmp_path / "gsm.parquet")
+    tasks = load_tasks(tmp_path / "gsm.parquet")
+    assert tasks == [{"id": f"gsm-{i}", **row} for i, row in enumerate(gsm)]  # nested columns come back whole
+
+    async def go(env, task, answer):
+        first = await env.reset(task)
+        return first, (await env.step(answer))[1]
+    env = make_env("dataset", reward="number")
+    first, reward = asyncio.run(go(env, tasks[0], "40 + 32 = 72"))
+    assert first == [{"role": "system", "content": env.system_prompt}, {"role": "user", "content": "What is 40 + 32?"}]
+    assert reward == 1.0 and asyncio.run(go(env, tasks[1], "It is 1,234."))[1] == 1.0
+    assert asyncio.run(go(env, tasks[0], "73"))[1] == 0.0
+    # a nested field named with dots; a conversation that brings its own system message keeps it
+    nested = make_env("dataset", reward="contains", answer_key="extra_info.answer")
+    own = {**tasks[0], "prompt": [{"role": "system", "content": "Be brief."}, *tasks[0]["prompt"]]}
+    first, reward = asyncio.run(go(nested, own, "I get 40 + 32 = 72, so"))
+    assert first[0] == {"role": "system", "content": "Be brief."} and reward == 1.0
+    with pytest.raises(ValueError, match="has no 'extra_info.nope'"):
+        make_env("dataset", reward="exact", answer_key="extra_info.nope").answer_of(tasks[0])
+
+    # Search-R1's layout: ground_truth {"target": [golden answers]}, scored by exact match against any
+    nq = [{"data_source": "nq", "prompt": [{"role": "user", "content": "Capital of France?"}],
+           "reward_model": {"style": "rule", "ground_truth": {"target": ["Paris", "City of Paris"]}}}]
+    pq.write_table(pa.Table.from_pylist(nq), tmp_path / "nq.parquet")
+    task = load_tasks(tmp_path / "nq.parquet")[0]
+    em = make_env("dataset", reward="em")
+    assert em.answer_of(task) == ["Paris", "City of Paris"]
+    assert asyncio.run(go(em, task, "the city of Paris."))[1] == 1.0 and asyncio.run(go(em, task, "Lyon"))[1] == 0.0
+
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(ValueError, match="bad.parquet: not a readable Parquet file"):
+        load_tasks(tmp_path / "bad.parquet")
+    with pytest.raises(FileNotFoundError):
+        load_tasks(tmp_path / "missing.parquet")
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if pyarrow were not installed
+    with pytest.raises(ValueError, match=r"needs pyarrow: pip install 'rollwise\[parquet\]'"):
+        load_tasks(tmp_path / "gsm.parquet")
+
+
+def test_number_answers_given_as_text():
+    from rollwise.agent.env import number_reward
+    assert number_reward("It is 1234.", "1,234") == 1.0 and number_reward("18", "$18") == 1.0
+    assert number_reward("-350", "-3.5e2") == 1.0 and number_reward("72", 72) == 1.0 and number_reward("7", "72") == 0.0
+    with pytest.raises(ValueError, match="'n/a' has no number"):
+        number_reward("7", "n/a")
+
+
 def test_dataset_env_bad_options_are_value_errors():
     with pytest.raises(ValueError, match=r"unknown reward 'exactly'; valid: \['contains', 'em', 'exact', 'f1', 'judge', 'number', 'unit_tests'\]"):
         make_env("dataset", reward="exactly")

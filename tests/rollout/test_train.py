@@ -375,17 +375,30 @@ def test_train_an_agent_program_on_a_task_file(model_dir, tmp_path):
     assert all(t.messages[0]["content"].startswith("You answer questions about the staff") for t in trajs)
 
 
-def test_train_on_a_task_file_with_the_dataset_env(model_dir, tmp_path):
-    """No env class at all: the dataset env, a built-in reward, a user's tool function, a task file."""
+@pytest.mark.parametrize("layout", ["jsonl", "verl-parquet"])
+def test_train_on_a_task_file_with_the_dataset_env(model_dir, tmp_path, layout):
+    """No env class at all: the dataset env, a built-in reward, a user's tool function, a task file
+    (ours, or the same tasks in verl's Parquet layout, read as they are)."""
     ex = Path(__file__).parents[2] / "examples"
     opts = {"reward": "number", "tools": [f"{ex}/units_env.py:convert"], "prompt_key": "question"}
+    tasks = ex / "units-train.jsonl"
+    questions = {json.loads(line)["question"] for line in tasks.read_text().splitlines()}
+    if layout == "verl-parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        rows = [{"data_source": "units", "prompt": [{"role": "user", "content": t["question"]}], "ability": "units",
+                 "reward_model": {"style": "rule", "ground_truth": str(t["answer"])}}
+                for t in map(json.loads, tasks.read_text().splitlines())]
+        tasks, opts = tmp_path / "units-train.parquet", {**opts, "prompt_key": "prompt"}
+        pq.write_table(pa.Table.from_pylist(rows), tasks)
     cfg = TrainConfig.from_dict({**TINY, "env": "dataset", "env_options": opts, "sft_steps": 0, "model": model_dir,
-                                 "train_tasks_file": str(ex / "units-train.jsonl"), "eval_tasks": 0,
+                                 "train_tasks_file": str(tasks), "eval_tasks": 0,
                                  "run_dir": str(tmp_path / "run"), "steps": 2})
     report = train(cfg)
     assert len(report["steps"]) == 2 and report["sft_success"] is None and report["rl_success"] is None
-    groups = read_log(Path(cfg.run_dir) / "groups.jsonl")
-    assert groups and all(t.status in ("done", "max_turns") for g in groups for t in g.trajectories)
+    trajs = [t for g in read_log(Path(cfg.run_dir) / "groups.jsonl") for t in g.trajectories]
+    assert trajs and all(t.status in ("done", "max_turns") for t in trajs)
+    assert all(t.messages[1]["role"] == "user" and t.messages[1]["content"].split("\n")[0] in questions for t in trajs)
 
 
 def test_dynamic_sampling_trains_only_on_groups_with_a_reward_spread(model_dir, tmp_path):

@@ -60,20 +60,32 @@ def make_env(name: str, **options):
 
 
 def load_tasks(path: str | Path) -> list[dict]:
-    """Tasks from a file: JSON lines (`.jsonl`, one object per line) or a JSON list. A task without an
-    `id` gets `<file stem>-<line>`; ids must be unique (they name groups and trajectories)."""
+    """Tasks from a file: JSON lines (`.jsonl`, one object per line), a JSON list, or Parquet (`.parquet`,
+    one task per row, nested columns as dicts and lists: verl's and Search-R1's data files; needs
+    pyarrow, `pip install 'rollwise[parquet]'`). A task without an `id` gets `<file stem>-<row>`; ids
+    must be unique (they name groups and trajectories)."""
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".jsonl":
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise ValueError(f"{path}: reading Parquet needs pyarrow: pip install 'rollwise[parquet]'") from e
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # pyarrow's own errors: not a Parquet file, a truncated one
+            raise ValueError(f"{path}: not a readable Parquet file: {e}") from e
+    elif path.suffix == ".jsonl":
         rows = []
-        for i, line in enumerate(text.splitlines(), 1):
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{i}: not JSON: {e}") from e
     else:
-        rows = json.loads(text)
+        rows = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(rows, list):
             raise ValueError(f"{path}: expected a JSON list of task objects (or a .jsonl file)")
     tasks = []

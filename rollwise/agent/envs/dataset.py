@@ -19,7 +19,11 @@ corpus, or a Search-R1 retrieval server: `search = { corpus = "wiki.jsonl", top_
 "http://host:8000/retrieve" }`, rollwise.agent.search) or a user's typed function (or `Tool`) by the
 same naming. A task's `solution` (a string, or a list of assistant
 messages) is its expert transcript, for an SFT warm start. `prompt_key` and `answer_key` name other
-fields (`question`, `ground_truth`).
+fields (`question`, `ground_truth`, or a nested one as `extra_info.answer`).
+
+verl's data files (and Search-R1's, made by its scripts) are read as they are, Parquet included: the
+prompt may be a conversation (a list of messages), and a task without an `answer` is scored against
+`reward_model.ground_truth`; a ground truth `{"target": [...]}` (Search-R1's) is its list of answers.
 """
 from __future__ import annotations
 
@@ -89,7 +93,7 @@ class DatasetEnv(ToolEnv):
             self.reward = self._judge
         elif reward in REWARDS:
             rule = REWARDS[reward]
-            self.reward = lambda task, answer: rule(self._field(task, answer_key), answer)
+            self.reward = lambda task, answer: rule(self.answer_of(task), answer)
         elif ":" in reward:
             self.reward = load_object(reward, "reward function")
             self._threaded = not inspect.iscoroutinefunction(self.reward)
@@ -119,11 +123,12 @@ class DatasetEnv(ToolEnv):
     async def _judge(self, task: dict, answer: str) -> float:
         """The judge's grade of the answer: the task's question (its prompt, or its last user
         message) and its reference answer (`answer_key`, if the task has one)."""
-        if "messages" in task:
-            question = next((m.get("content") or "" for m in reversed(task["messages"]) if m.get("role") == "user"), "")
+        conversation = self._conversation(task)
+        if conversation is not None:
+            question = next((m.get("content") or "" for m in reversed(conversation) if m.get("role") == "user"), "")
         else:
             question = self._field(task, self.prompt_key)
-        return await Judge.shared(self.judge).grade(question, answer, task.get(self.answer_key))
+        return await Judge.shared(self.judge).grade(question, answer, self.answer_of(task, required=False))
 
     def _make_tool(self, spec: str) -> Tool:
         if spec == "python":
@@ -139,18 +144,52 @@ class DatasetEnv(ToolEnv):
         return list(self._tools)
 
     async def reset(self, task: dict) -> list[dict]:
-        if "messages" not in task:
+        conversation = self._conversation(task)
+        if conversation is None:
             return await super().reset(task)
         await super().reset({**task, self.prompt_key: ""})  # tools and state; the task's own conversation instead
         self.task = task
-        msgs = list(task["messages"])
+        msgs = list(conversation)
         return msgs if msgs and msgs[0].get("role") == "system" else [{"role": "system", "content": self.system_prompt}, *msgs]
 
+    def _conversation(self, task: dict) -> list[dict] | None:
+        """The task's own messages: `messages`, or a prompt given as a list of them (verl's layout)."""
+        if "messages" in task:
+            return task["messages"]
+        prompt = task.get(self.prompt_key)
+        return prompt if isinstance(prompt, list) else None
+
+    def answer_of(self, task: dict, required: bool = True):
+        """What the reward compares with: `answer_key`'s field or, for a task in verl's layout without
+        an `answer`, `reward_model.ground_truth`; Search-R1's `{"target": [...]}` is its answers."""
+        key = self.answer_key
+        if key == "answer" and "answer" not in task and "ground_truth" in (task.get("reward_model") or {}):
+            key = "reward_model.ground_truth"
+        if not required and self._lookup(task, key) is None:
+            return None
+        want = self._field(task, key)
+        if isinstance(want, dict) and "target" in want:
+            return want["target"]
+        return want
+
     @staticmethod
-    def _field(task: dict, key: str):
-        if key not in task:
+    def _lookup(task: dict, key: str):
+        """`task[key]`, or for a dotted key the nested field (`reward_model.ground_truth`); None if absent."""
+        if key in task:
+            return task[key]
+        node = task
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        return node
+
+    @classmethod
+    def _field(cls, task: dict, key: str):
+        value = cls._lookup(task, key)
+        if value is None:
             raise ValueError(f"task {task.get('id')!r} has no {key!r} (fields: {sorted(task)})")
-        return task[key]
+        return value
 
     def prompt(self, task):
         return self._field(task, self.prompt_key)
