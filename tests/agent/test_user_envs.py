@@ -147,6 +147,19 @@ def test_verl_and_search_r1_data_files_are_read_as_they_are(tmp_path, monkeypatc
     em = make_env("dataset", reward="em")
     assert em.answer_of(task) == ["Paris", "City of Paris"]
     assert asyncio.run(go(em, task, "the city of Paris."))[1] == 1.0 and asyncio.run(go(em, task, "Lyon"))[1] == 0.0
+    # a reward file written for verl (compute_score) runs unchanged: the ground truth as the file has it
+    (tmp_path / "verl_reward.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    hit = any(t.lower() in solution_str.lower() for t in ground_truth['target'])\n"
+        "    return {'score': float(hit) + (0.5 if (extra_info or {}).get('bonus') else 0.0), 'acc': hit}\n"
+        "async def by_source(data_source, solution_str, ground_truth):\n"
+        "    return float(data_source == 'nq' and solution_str in ground_truth['target'])\n")
+    verl = make_env("dataset", reward=f"{tmp_path}/verl_reward.py:compute_score")
+    assert asyncio.run(go(verl, task, "I think Paris"))[1] == 1.0 and asyncio.run(go(verl, task, "Rome"))[1] == 0.0
+    assert asyncio.run(go(verl, {**task, "extra_info": {"bonus": True}}, "Paris"))[1] == 1.5
+    by_source = make_env("dataset", reward=f"{tmp_path}/verl_reward.py:by_source")
+    assert asyncio.run(go(by_source, task, "Paris"))[1] == 1.0
+    assert asyncio.run(go(by_source, {**task, "data_source": "hotpotqa"}, "Paris"))[1] == 0.0
 
     (tmp_path / "bad.parquet").write_text("not parquet")
     with pytest.raises(ValueError, match="bad.parquet: not a readable Parquet file"):

@@ -14,7 +14,8 @@ answer's last fenced code block, then the task's `tests`, run to the end in the 
 `judge` (an LLM grades it against the task and its reference answer, if any: `judge = { url, model,
 ... }`, `rollwise.agent.judge`), or `module:function` / `file.py:function` called as `function(task,
 answer_text) -> float` (a coroutine function is awaited; a plain one runs in a worker thread, so a
-slow verifier holds up no other episode). Tools: `python` (the code sandbox), `search` (BM25 over a
+slow verifier holds up no other episode); a function with verl's parameters, `compute_score(
+data_source, solution_str, ground_truth, extra_info=None)`, is called as verl calls it. Tools: `python` (the code sandbox), `search` (BM25 over a
 corpus, or a Search-R1 retrieval server: `search = { corpus = "wiki.jsonl", top_k = 3 }` or `{ url =
 "http://host:8000/retrieve" }`, rollwise.agent.search) or a user's typed function (or `Tool`) by the
 same naming. A task's `solution` (a string, or a list of assistant
@@ -71,6 +72,15 @@ def _f1(want, answer: str) -> float:
 
 # and unit_tests, which runs the sandbox
 REWARDS = {"exact": _exact, "number": _number, "contains": _contains, "em": _em, "f1": _f1}
+# a user's reward function with these parameters is verl's compute_score
+VERL_ARGS = {"data_source", "solution_str", "ground_truth"}
+
+
+def _parameters(fn) -> list[str]:
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return []
 
 
 class DatasetEnv(ToolEnv):
@@ -95,7 +105,8 @@ class DatasetEnv(ToolEnv):
             rule = REWARDS[reward]
             self.reward = lambda task, answer: rule(self.answer_of(task), answer)
         elif ":" in reward:
-            self.reward = load_object(reward, "reward function")
+            fn = load_object(reward, "reward function")
+            self.reward = self._verl_reward(fn) if VERL_ARGS <= set(_parameters(fn)) else fn
             self._threaded = not inspect.iscoroutinefunction(self.reward)
         else:
             raise ValueError(f"unknown reward {reward!r}; valid: {sorted([*REWARDS, 'judge', 'unit_tests'])}, "
@@ -159,18 +170,40 @@ class DatasetEnv(ToolEnv):
         prompt = task.get(self.prompt_key)
         return prompt if isinstance(prompt, list) else None
 
-    def answer_of(self, task: dict, required: bool = True):
+    def answer_of(self, task: dict, required: bool = True, raw: bool = False):
         """What the reward compares with: `answer_key`'s field or, for a task in verl's layout without
-        an `answer`, `reward_model.ground_truth`; Search-R1's `{"target": [...]}` is its answers."""
+        an `answer`, `reward_model.ground_truth`; Search-R1's `{"target": [...]}` is its answers
+        (unless `raw`: as the file has it)."""
         key = self.answer_key
         if key == "answer" and "answer" not in task and "ground_truth" in (task.get("reward_model") or {}):
             key = "reward_model.ground_truth"
         if not required and self._lookup(task, key) is None:
             return None
         want = self._field(task, key)
-        if isinstance(want, dict) and "target" in want:
+        if isinstance(want, dict) and "target" in want and not raw:
             return want["target"]
         return want
+
+    def _verl_reward(self, fn):
+        """verl's `compute_score(data_source, solution_str, ground_truth, extra_info=None)` as a reward
+        of (task, answer): the task's `data_source`, the answer, its ground truth as the file has it
+        and its `extra_info`; a dict it returns gives its "score" (verl's convention)."""
+        extra = "extra_info" in _parameters(fn)
+
+        def call(task, answer):
+            kw = {"data_source": task.get("data_source"), "solution_str": answer,
+                  "ground_truth": self.answer_of(task, raw=True)}
+            return fn(**kw, extra_info=task.get("extra_info")) if extra else fn(**kw)
+
+        def score(value):
+            return value["score"] if isinstance(value, dict) else value
+        if inspect.iscoroutinefunction(fn):
+            async def reward(task, answer):
+                return score(await call(task, answer))
+        else:
+            def reward(task, answer):
+                return score(call(task, answer))
+        return reward
 
     @staticmethod
     def _lookup(task: dict, key: str):
