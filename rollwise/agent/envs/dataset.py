@@ -9,13 +9,16 @@ the reward reads; the reward is a built-in rule or a user's function; tools are 
 Rewards: `exact` (the answer equals the task's `answer`, case and surrounding space ignored),
 `em` (SQuAD's exact match: equal to the answer, or to one of a list of them, after normalising case,
 punctuation and articles; Search-R1's reward), `f1` (SQuAD's token F1 against the best of them),
-`number` (its last number equals it), `contains` (it appears in the answer), `unit_tests` (the
+`number` (its last number equals it), `contains` (it appears in the answer), `math` (its final
+expression, a `\\boxed{}` one first, equals the answer as mathematics: math-verify in worker processes
+under a deadline, `math_timeout_s`; rollwise.agent.math_reward), `unit_tests` (the
 answer's last fenced code block, then the task's `tests`, run to the end in the code sandbox),
 `judge` (an LLM grades it against the task and its reference answer, if any: `judge = { url, model,
 ... }`, `rollwise.agent.judge`), or `module:function` / `file.py:function` called as `function(task,
 answer_text) -> float` (a coroutine function is awaited; a plain one runs in a worker thread, so a
 slow verifier holds up no other episode); a function with verl's parameters, `compute_score(
-data_source, solution_str, ground_truth, extra_info=None)`, is called as verl calls it. Tools: `python` (the code sandbox), `search` (BM25 over a
+data_source, solution_str, ground_truth, extra_info=None)`, is called as verl calls it.
+Tools: `python` (the code sandbox), `search` (BM25 over a
 corpus, or a Search-R1 retrieval server: `search = { corpus = "wiki.jsonl", top_k = 3 }` or `{ url =
 "http://host:8000/retrieve" }`, rollwise.agent.search) or a user's typed function (or `Tool`) by the
 same naming. A task's `solution` (a string, or a list of assistant
@@ -35,6 +38,7 @@ import secrets
 
 from rollwise.agent.env import ToolEnv, exact_match, f1_score, maybe_await, number_reward
 from rollwise.agent.judge import Judge, JudgeConfig
+from rollwise.agent.math_reward import MathVerifier, check_installed
 from rollwise.agent.plugins import FORM, load_object
 from rollwise.agent.sandbox import Sandbox
 from rollwise.agent.search import make_search
@@ -89,9 +93,10 @@ class DatasetEnv(ToolEnv):
     def __init__(self, *, reward: str = "exact", tools: list[str] = (), prompt_key: str = "prompt",
                  answer_key: str = "answer", system_prompt: str | None = None, answer_hint: str | None = None,
                  sandbox_timeout_s: float = 5.0, tool_timeout: float = 10.0, judge: dict | None = None,
-                 search: dict | None = None, **kw) -> None:
+                 search: dict | None = None, math_timeout_s: float = 5.0, **kw) -> None:
         super().__init__(tool_timeout=tool_timeout, **kw)  # (for a user's tools; the sandbox keeps its own)
         self.prompt_key, self.answer_key = prompt_key, answer_key
+        self.math_timeout_s = math_timeout_s
         self.sandbox = Sandbox(timeout_s=sandbox_timeout_s)
         self._threaded = False  # a user's plain function runs in a worker thread
         if (reward == "judge") != (judge is not None):
@@ -101,6 +106,9 @@ class DatasetEnv(ToolEnv):
             self.reward = self._unit_tests
         elif reward == "judge":
             self.reward = self._judge
+        elif reward == "math":
+            check_installed()
+            self.reward = self._math
         elif reward in REWARDS:
             rule = REWARDS[reward]
             self.reward = lambda task, answer: rule(self.answer_of(task), answer)
@@ -109,9 +117,8 @@ class DatasetEnv(ToolEnv):
             self.reward = self._verl_reward(fn) if VERL_ARGS <= set(_parameters(fn)) else fn
             self._threaded = not inspect.iscoroutinefunction(self.reward)
         else:
-            raise ValueError(f"unknown reward {reward!r}; valid: {sorted([*REWARDS, 'judge', 'unit_tests'])}, "
-                             f"or a user's "
-                             f"function as {FORM}")
+            valid = sorted([*REWARDS, "judge", "math", "unit_tests"])
+            raise ValueError(f"unknown reward {reward!r}; valid: {valid}, or a user's function as {FORM}")
         if ("search" in tools) != (search is not None):
             raise ValueError("tools = ['search'] needs search = { corpus = ... } or { url = ... } (and search options "
                              "need it)")
@@ -130,6 +137,11 @@ class DatasetEnv(ToolEnv):
         done = f"tests passed {secrets.token_hex(8)}"
         result = await self.sandbox.run(f"{program_in(answer)}\n\n{self._field(task, 'tests')}\nprint({done!r})\n")
         return float(result.ok and done in result.stdout.splitlines())
+
+    async def _math(self, task: dict, answer: str) -> float:
+        """math-verify's equivalence of the answer's final expression and the task's, in a worker
+        process under a deadline (rollwise.agent.math_reward)."""
+        return await MathVerifier.shared(self.math_timeout_s).score(self.answer_of(task), answer)
 
     async def _judge(self, task: dict, answer: str) -> float:
         """The judge's grade of the answer: the task's question (its prompt, or its last user
