@@ -350,3 +350,12 @@ def test_search_benchmark_smoke(tmp_path):
     res = smoke(tmp_path, "benchmarks/search.py")  # (it checks that every side returns the same hits)
     assert res["documents"] > 0 and set(res["levels"]) == {"1", "8"}
     assert all(row["per_query_qps"] > 0 and row["shared_qps"] > 0 for row in res["levels"].values())
+
+
+def test_math_reward_benchmark_smoke(tmp_path):
+    r = run("benchmarks/math_reward.py", "--smoke", "--json", str(tmp_path / "m.json"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    levels = json.loads((tmp_path / "m.json").read_text())["levels"]
+    assert set(levels) == {"0.0", "0.2"} and levels["0.2"]["adversarial"] > 0 == levels["0.0"]["adversarial"]
+    assert all(v["as_intended"] == 12 and v["inline_s"] > 0 and v["pool_s"] > 0 for v in levels.values())
+    assert "Timeout during comparison" not in r.stderr  # a timed-out comparison scores 0 quietly

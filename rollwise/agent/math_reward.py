@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import logging
 import multiprocessing
 import os
 import threading
@@ -32,6 +33,7 @@ def check_installed() -> None:
 def equivalent(want: str, answer: str, timeout_s: int = 5) -> bool:
     """math-verify's verdict on `answer` against `want` (run in a worker process's main thread)."""
     from math_verify import parse, verify
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # a comparison that times out is a 0, not news
     want = str(want)
     gold = parse(want if "$" in want or "\\boxed" in want else f"${want}$", parsing_timeout=timeout_s)
     pred = parse(answer, parsing_timeout=timeout_s)
@@ -46,7 +48,7 @@ class MathVerifier:
     """Comparisons in `workers` processes (started on first use, `spawn`ed so that no torch or
     event-loop state is forked), each under `timeout_s`."""
 
-    _shared: dict[tuple, MathVerifier] = {}
+    _shared: dict[float, MathVerifier] = {}
     _lock = threading.Lock()
 
     def __init__(self, timeout_s: float = 5.0, workers: int | None = None) -> None:
@@ -75,13 +77,14 @@ class MathVerifier:
             return self._pool, self._ready
 
     def _replace(self, pool: ProcessPoolExecutor) -> None:
-        """Drop a pool whose worker is stuck or dead (its processes are killed); the next call makes one."""
+        """Drop a pool whose worker is stuck or dead; the next call makes one. Its processes are
+        killed: other comparisons running there fail with BrokenProcessPool and are run again."""
         with self._lock:
             if self._pool is pool:
                 self._pool = None
         for p in list((getattr(pool, "_processes", None) or {}).values()):
             p.kill()
-        pool.shutdown(wait=False, cancel_futures=True)
+        pool.shutdown(wait=False)
 
     async def run(self, fn, *args, deadline_s: float | None = None):
         """`fn(*args)` in a worker: TimeoutError when it runs past the deadline (by default, past
@@ -99,7 +102,7 @@ class MathVerifier:
                     self.timeouts += 1
                     self._replace(pool)
                     raise
-                except BrokenProcessPool:  # a worker died (killed, out of memory): once more, on a fresh pool
+                except BrokenProcessPool:  # a worker died (killed, out of memory): once more on a fresh pool
                     self._replace(pool)
                     if attempt:
                         raise

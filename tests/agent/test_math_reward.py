@@ -36,14 +36,17 @@ def test_answers_equal_as_mathematics(verifier):
 def test_a_comparison_past_its_deadline_scores_nothing_and_the_pool_is_replaced(verifier):
     async def go():
         t0 = time.perf_counter()
-        with pytest.raises(asyncio.TimeoutError):
-            await verifier.run(time.sleep, 60, deadline_s=1.0)  # a worker stuck for a minute
+        # a worker stuck for a minute, beside another episode's work in the other worker
+        stuck, other = await asyncio.gather(verifier.run(time.sleep, 60, deadline_s=1.0),
+                                            verifier.run(time.sleep, 3, deadline_s=20.0), return_exceptions=True)
         stuck_for = time.perf_counter() - t0
         # the next comparison runs on a fresh pool
-        return stuck_for, await verifier.score("3", "\\boxed{3}")
+        return stuck, other, stuck_for, await verifier.score("3", "\\boxed{3}")
     before = verifier.timeouts
-    stuck_for, score = asyncio.run(go())
-    assert stuck_for < 30 and score == 1.0 and verifier.timeouts == before + 1
+    stuck, other, stuck_for, score = asyncio.run(go())
+    assert isinstance(stuck, asyncio.TimeoutError) and verifier.timeouts == before + 1
+    assert other is None  # killed with the stuck one's pool, and run again on a fresh one
+    assert stuck_for < 30 and score == 1.0
 
 
 def test_the_dataset_env_scores_math(monkeypatch):
