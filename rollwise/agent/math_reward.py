@@ -41,12 +41,16 @@ def equivalent(want: str, answer: str, timeout_s: int = 5) -> bool:
 
 
 def _warm() -> None:
-    importlib.import_module("math_verify")  # the first worker imports it before the first deadline runs
+    importlib.import_module("math_verify")  # before the first deadline runs
 
 
 class MathVerifier:
-    """Comparisons in `workers` processes (started on first use, `spawn`ed so that no torch or
-    event-loop state is forked), each under `timeout_s`."""
+    """Comparisons in `workers` processes (started together on first use, `spawn`ed so that no torch
+    or event-loop state is forked), each under `timeout_s`. More workers than cores by default:
+    math-verify's timeout is a wall-clock alarm, so comparisons that run to it share the cores and
+    the normal answers go between them (on 2 cores, 8 workers score a step with 10% such answers
+    6.6x faster than the loop's thread does, 2 workers 1.9x: benchmarks/math_reward.py); each
+    worker costs about 65 MB."""
 
     _shared: dict[float, MathVerifier] = {}
     _lock = threading.Lock()
@@ -55,7 +59,7 @@ class MathVerifier:
         if not timeout_s > 0:
             raise ValueError(f"math timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
-        self.workers = workers or min(4, os.cpu_count() or 1)
+        self.workers = workers or max(8, min(16, os.cpu_count() or 1))
         self._pool: ProcessPoolExecutor | None = None
         self._ready = None
         self.timeouts = 0  # comparisons cut off at the deadline
@@ -69,11 +73,12 @@ class MathVerifier:
             return cls._shared[timeout_s]
 
     def _get_pool(self):
-        """The pool, and a future that is done once a worker has started and imported math-verify."""
+        """The pool, and futures that are done once its workers have started and imported math-verify
+        (one warm-up call each: the pool starts a process for every call it cannot hand to an idle one)."""
         with self._lock:
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
-                self._ready = self._pool.submit(_warm)
+                self._ready = [self._pool.submit(_warm) for _ in range(self.workers)]
             return self._pool, self._ready
 
     def _replace(self, pool: ProcessPoolExecutor) -> None:
@@ -95,7 +100,7 @@ class MathVerifier:
             for attempt in range(2):
                 pool, ready = self._get_pool()
                 try:
-                    await asyncio.wait_for(asyncio.wrap_future(ready), 120)  # worker processes start
+                    await asyncio.wait_for(asyncio.gather(*map(asyncio.wrap_future, ready)), 120)  # workers start
                     fut = asyncio.wrap_future(pool.submit(fn, *args))
                     return await asyncio.wait_for(fut, deadline_s or 3 * self.timeout_s + 5)
                 except asyncio.TimeoutError:
