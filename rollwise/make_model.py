@@ -150,9 +150,10 @@ def cached_model(out_dir: str | Path, **make_kwargs) -> Path:
             out.rmdir()  # an empty directory where the model goes
         try:
             os.rename(tmp, out)
-        except OSError:
-            if not (out / "config.json").exists():
-                raise  # something else is there: leave it to the user
+        except OSError as e:
+            if not (out / "config.json").exists():  # something else is there: leave it to the user
+                raise FileExistsError(f"{out} is there without a config.json (a build that was cut off?): "
+                                      f"remove it and the model is built there") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,7 @@ def test_processes_sharing_a_model_cache_build_it_once_and_read_it_whole(tmp_pat
         if (tmp_path / "m" / "config.json").exists():
             assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {
                 x.name for x in (tmp_path / "m").iterdir()}
+        time.sleep(0.002)
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [err[-2000:] for _, err in outs]
     assert {out.strip() for out, _ in outs} == {str(tmp_path / "m")}
@@ -101,7 +103,7 @@ def test_processes_sharing_a_model_cache_build_it_once_and_read_it_whole(tmp_pat
     assert list((tmp_path / "m").glob("*.safetensors"))
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
-    with pytest.raises(OSError):  # something else is there: it is left alone
+    with pytest.raises(FileExistsError, match="busy is there without a config.json"):  # it is left alone
         cached_model(tmp_path / "busy", layers=1, hidden=32, heads=2, kv_heads=1, vocab=600)
     assert [x.name for x in (tmp_path / "busy").iterdir()] == ["notes.txt"]
     assert sorted(x.name for x in tmp_path.iterdir()) == ["busy", "m"]

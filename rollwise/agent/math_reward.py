@@ -99,16 +99,20 @@ class MathVerifier:
         async with loop_shared(("math-verify", id(self)), lambda: asyncio.Semaphore(self.workers)):
             for attempt in range(2):
                 pool, ready = self._get_pool()
+                started = False
                 try:
                     await asyncio.wait_for(asyncio.gather(*map(asyncio.wrap_future, ready)), 120)  # workers start
+                    started = True
                     fut = asyncio.wrap_future(pool.submit(fn, *args))
                     return await asyncio.wait_for(fut, deadline_s or 3 * self.timeout_s + 5)
                 except asyncio.TimeoutError:
+                    self._replace(pool)
+                    if not started:  # not the answer's doing: the episode fails (and is run again)
+                        raise RuntimeError("math-verify's worker processes did not start within 120 s") from None
                     self.timeouts += 1
-                    self._replace(pool)
                     raise
-                except BrokenProcessPool:  # a worker died (killed, out of memory): once more on a fresh pool
-                    self._replace(pool)
+                except (BrokenProcessPool, RuntimeError):  # a worker died (killed, out of memory), or another
+                    self._replace(pool)                     # call replaced the pool: once more on a fresh one
                     if attempt:
                         raise
         raise AssertionError("unreachable")
