@@ -64,3 +64,29 @@ def test_the_dataset_env_scores_math(monkeypatch):
     monkeypatch.setitem(sys.modules, "math_verify", None)  # as if it were not installed
     with pytest.raises(ValueError, match=r"needs math-verify: pip install 'rollwise\[math\]'"):
         make_env("dataset", reward="math")
+
+
+def test_auto_picks_the_rule_by_data_source_as_verl_does(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from rollwise.agent.envs import load_tasks
+    # one file mixing sources (as Search-R1's NQ + HotpotQA training file does, or a math mix)
+    rows = [("openai/gsm8k", "72", "48 + 24 = 72 clips", "48 + 24 = 70"),  # number: its last number
+            ("lighteval/MATH", "\\frac{3}{4}", "so \\boxed{0.75}", "so \\boxed{0.7}"),  # math
+            ("numina_olympiads", "2\\sqrt{2}", "\\boxed{\\sqrt{8}}", "\\boxed{3}"),  # math, by prefix
+            ("searchR1_nq", "Paris", "The Paris.", "Lyon"),  # em (case, articles, punctuation), by prefix
+            ("hotpotqa", "Ada Lovelace", "Ada Lovelace.", "Ada")]  # em
+    pq.write_table(pa.Table.from_pylist([
+        {"data_source": src, "prompt": [{"role": "user", "content": f"question {i}"}],
+         "reward_model": {"style": "rule", "ground_truth": gt}} for i, (src, gt, _, _) in enumerate(rows)]),
+        tmp_path / "mix.parquet")
+    tasks = load_tasks(tmp_path / "mix.parquet")
+    env = make_env("dataset", reward="auto")
+
+    async def go(task, answer):
+        await env.reset(task)
+        return (await env.step(answer))[1]
+    assert [asyncio.run(go(t, right)) for t, (*_, right, _) in zip(tasks, rows)] == [1.0] * 5
+    assert [asyncio.run(go(t, wrong)) for t, (*_, wrong) in zip(tasks, rows)] == [0.0] * 5
+    with pytest.raises(ValueError, match="no rule for data_source 'my_source'.*name a reward instead"):
+        asyncio.run(go({**tasks[0], "data_source": "my_source"}, "72"))

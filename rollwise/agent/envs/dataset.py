@@ -11,7 +11,9 @@ Rewards: `exact` (the answer equals the task's `answer`, case and surrounding sp
 punctuation and articles; Search-R1's reward), `f1` (SQuAD's token F1 against the best of them),
 `number` (its last number equals it), `contains` (it appears in the answer), `math` (its final
 expression, a `\\boxed{}` one first, equals the answer as mathematics: math-verify in worker processes
-under a deadline, `math_timeout_s`; rollwise.agent.math_reward), `unit_tests` (the
+under a deadline, `math_timeout_s`; rollwise.agent.math_reward), `auto` (by each task's
+`data_source`, as verl picks for the sources it knows: `number` for GSM8K, `math` for MATH, DAPO,
+NuminaMath and AIME, `em` for Search-R1's QA sets), `unit_tests` (the
 answer's last fenced code block, then the task's `tests`, run to the end in the code sandbox),
 `judge` (an LLM grades it against the task and its reference answer, if any: `judge = { url, model,
 ... }`, `rollwise.agent.judge`), or `module:function` / `file.py:function` called as `function(task,
@@ -78,6 +80,23 @@ def _f1(want, answer: str) -> float:
 REWARDS = {"exact": _exact, "number": _number, "contains": _contains, "em": _em, "f1": _f1}
 # a user's reward function with these parameters is verl's compute_score
 VERL_ARGS = {"data_source", "solution_str", "ground_truth"}
+# reward = "auto": the rule for each task's data_source, the sources verl's default_compute_score knows
+SOURCE_REWARDS = {"openai/gsm8k": "number", "lighteval/MATH": "math", "DigitalLearningGmbH/MATH-lighteval": "math",
+                  "HuggingFaceH4/MATH-500": "math", "math_dapo": "math", "math": "math", "hiyouga/geometry3k": "math",
+                  **{s: "em" for s in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique",
+                                       "bamboogle")}}
+SOURCE_PREFIXES = {"searchR1_": "em", "numina_": "math", "aime": "math"}
+
+
+def reward_for_source(source) -> str:
+    """The built-in rule for a task's `data_source`; a ValueError names the known ones."""
+    if source in SOURCE_REWARDS:
+        return SOURCE_REWARDS[source]
+    for prefix, rule in SOURCE_PREFIXES.items():
+        if isinstance(source, str) and source.startswith(prefix):
+            return rule
+    raise ValueError(f"reward = 'auto' has no rule for data_source {source!r}; known: {sorted(SOURCE_REWARDS)} "
+                     f"and names starting {sorted(SOURCE_PREFIXES)}; name a reward instead")
 
 
 def _parameters(fn) -> list[str]:
@@ -109,6 +128,8 @@ class DatasetEnv(ToolEnv):
         elif reward == "math":
             check_installed()
             self.reward = self._math
+        elif reward == "auto":
+            self.reward = self._auto
         elif reward in REWARDS:
             rule = REWARDS[reward]
             self.reward = lambda task, answer: rule(self.answer_of(task), answer)
@@ -117,7 +138,7 @@ class DatasetEnv(ToolEnv):
             self.reward = self._verl_reward(fn) if VERL_ARGS <= set(_parameters(fn)) else fn
             self._threaded = not inspect.iscoroutinefunction(self.reward)
         else:
-            valid = sorted([*REWARDS, "judge", "math", "unit_tests"])
+            valid = sorted([*REWARDS, "auto", "judge", "math", "unit_tests"])
             raise ValueError(f"unknown reward {reward!r}; valid: {valid}, or a user's function as {FORM}")
         if ("search" in tools) != (search is not None):
             raise ValueError("tools = ['search'] needs search = { corpus = ... } or { url = ... } (and search options "
@@ -142,6 +163,14 @@ class DatasetEnv(ToolEnv):
         """math-verify's equivalence of the answer's final expression and the task's, in a worker
         process under a deadline (rollwise.agent.math_reward)."""
         return await MathVerifier.shared(self.math_timeout_s).score(self.answer_of(task), answer)
+
+    async def _auto(self, task: dict, answer: str) -> float:
+        """The rule for the task's `data_source` (reward_for_source): verl's choice for its sources."""
+        rule = reward_for_source(task.get("data_source"))
+        if rule == "math":
+            check_installed()
+            return await self._math(task, answer)
+        return REWARDS[rule](self.answer_of(task), answer)
 
     async def _judge(self, task: dict, answer: str) -> float:
         """The judge's grade of the answer: the task's question (its prompt, or its last user
