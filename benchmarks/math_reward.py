@@ -48,28 +48,25 @@ def answers(n: int, adversarial: float, seed: int = 0) -> list[tuple[str, str, b
     return out
 
 
-async def score_inline(items, timeout_s: int) -> tuple[float, list[float], list[float]]:
-    """Every comparison in the loop's thread, as the episodes finish (all at once here)."""
+async def score_all(items, score) -> tuple[float, list[float], list[float]]:
+    """Every answer scored by `score(want, answer)` at once, as a step's episodes finish: the
+    seconds for all, each answer's wait for its reward, and the scores."""
     t0 = time.perf_counter()
     waits, scores = [None] * len(items), [None] * len(items)
 
     async def one(i, want, answer):
+        scores[i] = await score(want, answer)
+        waits[i] = time.perf_counter() - t0
+    await asyncio.gather(*(one(i, w, a) for i, (w, a, *_) in enumerate(items)))
+    return time.perf_counter() - t0, waits, scores
+
+
+def inline(timeout_s: int):
+    """The baseline: each comparison in the loop's thread, holding up every other episode."""
+    async def score(want, answer):
         await asyncio.sleep(0)
-        scores[i] = float(equivalent(want, answer, timeout_s))
-        waits[i] = time.perf_counter() - t0
-    await asyncio.gather(*(one(i, w, a) for i, (w, a, *_) in enumerate(items)))
-    return time.perf_counter() - t0, waits, scores
-
-
-async def score_pool(items, verifier: MathVerifier) -> tuple[float, list[float], list[float]]:
-    t0 = time.perf_counter()
-    waits, scores = [None] * len(items), [None] * len(items)
-
-    async def one(i, want, answer):
-        scores[i] = await verifier.score(want, answer)
-        waits[i] = time.perf_counter() - t0
-    await asyncio.gather(*(one(i, w, a) for i, (w, a, *_) in enumerate(items)))
-    return time.perf_counter() - t0, waits, scores
+        return float(equivalent(want, answer, timeout_s))
+    return score
 
 
 def main() -> None:
@@ -96,8 +93,8 @@ def main() -> None:
         runs = {"inline": [], "pool": []}
         for _ in range(args.repeats):
             for side in ("inline", "pool"):  # sides take turns
-                coro = score_inline(items, args.timeout_s) if side == "inline" else score_pool(items, verifier)
-                runs[side].append(asyncio.run(coro))
+                score = inline(args.timeout_s) if side == "inline" else verifier.score
+                runs[side].append(asyncio.run(score_all(items, score)))
         (ti, wi, si), (tp, wp, sp) = (min(runs[s], key=lambda r: r[0]) for s in ("inline", "pool"))
         if si != sp:
             raise SystemExit(f"the two ways scored differently at {frac}: {si} vs {sp}")

@@ -218,9 +218,7 @@ class DatasetEnv(ToolEnv):
         key = self.answer_key
         if key == "answer" and "answer" not in task and "ground_truth" in (task.get("reward_model") or {}):
             key = "reward_model.ground_truth"
-        if not required and self._lookup(task, key) is None:
-            return None
-        want = self._field(task, key)
+        want = self._field(task, key) if required else self._lookup(task, key)
         if isinstance(want, dict) and "target" in want and not raw:
             return want["target"]
         return want
