@@ -24,6 +24,14 @@ class NewContext(list):
     turns, `max_context` each context's tokens."""
 
 
+class Continue(str):
+    """What `step` returns instead of new messages to write text into the model's own message, as
+    Search-R1 does with its search results (`<information>...</information>`): the text's tokens
+    follow the turn's output at once (no chat template, no end of turn; not trained on) and the
+    next turn goes on writing the same assistant message. The turn should have ended on a stop
+    string (`turn_params`), not on its end-of-turn token."""
+
+
 class Env(Protocol):
     max_turns: int
     tools: list[Tool]
@@ -36,7 +44,7 @@ class Env(Protocol):
 
     def expert(self, task: dict) -> list[str]: ...  # assistant messages of a scripted solution
 
-    # step may return a NewContext (a list of messages) in place of the observation.
+    # step may return a NewContext (a list of messages) or a Continue (text) in place of the observation.
     # optional: turn_params(params) -> params gives a turn's sampling params from the run's (e.g. a
     # request's stop strings); observe(request, output) sees each turn's generation before step;
     # close() (may be a coroutine) runs when the episode ends, however it ends; state_key() (may be a

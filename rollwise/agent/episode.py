@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from rollwise.agent.env import Env, NewContext, maybe_await
+from rollwise.agent.env import Continue, Env, NewContext, maybe_await
 from rollwise.types import (GenerateOutput, GenerateRequest, SamplingParams, Trajectory, TurnRecord,
                             check_cut_off)
 from rollwise.wire import encode_routing
@@ -110,6 +110,7 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
     traj.messages = list(messages)
     _extend(traj, renderer.prompt_ids(messages, schemas), None)
     eos_ids = {renderer.tok.eos_token_id}
+    continued = False  # the last step wrote into the model's message (Continue)
     for turn in range(env.max_turns):
         room = max_context - len(traj.token_ids)
         if room <= 0:
@@ -135,7 +136,10 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
         if out.routed_experts is not None:  # the turn's prompt and output: the context so far (encoded at the end)
             traj.routed_experts = out.routed_experts
         text = renderer.tok.decode(out.token_ids)
-        traj.messages.append({"role": "assistant", "content": text})
+        if continued:  # the env wrote into the model's message: this turn goes on with it
+            traj.messages[-1]["content"] += text
+        else:
+            traj.messages.append({"role": "assistant", "content": text})
         traj.generation_s += gen_s
         record = TurnRecord(start=start, num_generated=len(out.token_ids), num_observation=0,
                             finish_reason=out.finish_reason, policy_version=out.policy_version,
@@ -153,17 +157,23 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
         if done:
             traj.status = "done"
             return
+        continued = isinstance(obs, Continue)
         if isinstance(obs, NewContext):  # the next turn reads a fresh prompt (or continues a context it extends)
             _switch_context(traj, list(obs), renderer.prompt_ids(list(obs), [t.schema for t in env.tools] or None))
             continue
-        ended = bool(out.token_ids) and out.token_ids[-1] in eos_ids
-        delta = renderer.delta_ids(obs, ended)
+        if continued:  # text in the model's message: its ids, as they are
+            delta = renderer.tok.encode(str(obs), add_special_tokens=False)
+        else:
+            delta = renderer.delta_ids(obs, bool(out.token_ids) and out.token_ids[-1] in eos_ids)
         if len(traj.token_ids) + len(delta) >= max_context:
             traj.status = "max_context"
             return
         _extend(traj, delta, None)
         record.num_observation = len(delta)
-        traj.messages.extend(obs)
+        if continued:
+            traj.messages[-1]["content"] += str(obs)
+        else:
+            traj.messages.extend(obs)
     traj.status = "max_turns"
 
 

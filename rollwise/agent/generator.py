@@ -10,7 +10,8 @@ from rollwise.types import GenerateOutput, GenerateRequest
 
 class ScriptedGenerator:
     """Answers each request with `policy(request)` (text), tokenized, plus EOS; logprobs are 0.
-    `delay` seconds of simulated generation time per call."""
+    A text with one of the request's stop strings ends after the first of them, without EOS, as
+    an engine's output would. `delay` seconds of simulated generation time per call."""
 
     def __init__(self, tokenizer, policy: Callable[[GenerateRequest], str], delay: float = 0.0) -> None:
         self.tokenizer, self.policy, self.delay = tokenizer, policy, delay
@@ -24,8 +25,14 @@ class ScriptedGenerator:
         try:
             if self.delay:
                 await asyncio.sleep(self.delay)
-            ids = self.tokenizer.encode(self.policy(request), add_special_tokens=False)
-            ids.append(self.tokenizer.eos_token_id)
+            text, stop = self.policy(request), None
+            hits = [(at, s) for s in request.params.stop if (at := text.find(s)) >= 0]
+            if hits:
+                at, stop = min(hits)
+                text = text[:at + len(stop)]
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            if stop is None:
+                ids.append(self.tokenizer.eos_token_id)
             reason = "stop"
             if len(ids) > request.params.max_tokens:  # honour max_tokens as an engine would
                 ids, reason = ids[:request.params.max_tokens], "length"

@@ -401,6 +401,26 @@ def test_train_on_a_task_file_with_the_dataset_env(model_dir, tmp_path, layout):
     assert all(t.messages[1]["role"] == "user" and t.messages[1]["content"].split("\n")[0] in questions for t in trajs)
 
 
+def test_train_with_search_r1s_protocol(model_dir, tmp_path, monkeypatch):
+    """env search_r1 (examples/train-search-r1.toml's settings, a smaller run): a warm start on tagged
+    transcripts, then GRPO steps whose episodes are one assistant message each."""
+    ex = Path(__file__).parents[2] / "examples"
+    subprocess.run([sys.executable, str(ex / "search_corpus.py"), str(tmp_path / "w"), "--protocol", "search_r1"],
+                   check=True, capture_output=True)
+    monkeypatch.setenv("ROLLWISE_CACHE", str(tmp_path / "cache"))
+    opts = {"reward": "em", "search": {"corpus": str(tmp_path / "w" / "corpus.jsonl"), "top_k": 3}}
+    cfg = TrainConfig.from_dict({**TINY, "env": "search_r1", "env_options": opts, "sft_steps": 3, "sft_tasks": 8,
+                                 "train_tasks_file": str(tmp_path / "w" / "train.jsonl"), "max_turns": 4,
+                                 "eval_tasks_file": str(tmp_path / "w" / "eval.jsonl"), "eval_tasks": 2,
+                                 "model": model_dir, "run_dir": str(tmp_path / "run"), "steps": 2})
+    report = train(cfg)
+    assert len(report["steps"]) == 2 and report["steps"][-1]["trajectories"] == 4
+    trajs = [t for g in read_log(Path(cfg.run_dir) / "groups.jsonl") for t in g.trajectories]
+    assert trajs and all(t.status in ("done", "max_turns", "max_context") for t in trajs), [t.error for t in trajs]
+    assert all([m["role"] for m in t.messages] == ["user", "assistant"] for t in trajs)
+    assert all(t.messages[0]["content"].endswith(t.task["question"]) for t in trajs)
+
+
 def test_dynamic_sampling_trains_only_on_groups_with_a_reward_spread(model_dir, tmp_path):
     """Even tasks reward every episode alike (zero advantage), odd ones by the answer's length: with
     dynamic sampling every trained group has a spread, the skipped ones have none, each group is

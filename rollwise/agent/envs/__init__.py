@@ -18,11 +18,12 @@ from rollwise.agent.envs.frozenlake import FrozenLakeEnv
 from rollwise.agent.envs.mix import MixEnv
 from rollwise.agent.envs.phonebook import PhonebookEnv
 from rollwise.agent.envs.search import SearchEnv
+from rollwise.agent.envs.search_r1 import SearchR1Env
 from rollwise.agent.envs.sql import SqlEnv
 from rollwise.agent.plugins import FORM, load_object
 
 ENVS = {e.name: e for e in (AgentEnv, BugfixEnv, CalculatorEnv, CodeEnv, CountdownEnv, DatasetEnv, SqlEnv, FrozenLakeEnv,
-                            MixEnv, PhonebookEnv, SearchEnv)}
+                            MixEnv, PhonebookEnv, SearchEnv, SearchR1Env)}
 
 
 def resolve_env(name: str):

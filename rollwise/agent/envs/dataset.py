@@ -6,7 +6,8 @@ the reward reads; the reward is a built-in rule or a user's function; tools are 
     env_options = { reward = "number", tools = ["python", "my_tools.py:search"] }
     train_tasks_file = "gsm8k-train.jsonl"        # {"prompt": "...", "answer": 72}
 
-Rewards: `exact` (the answer equals the task's `answer`, case and surrounding space ignored),
+Rewards (the built-in rules score a reply's last `<answer>...</answer>` block if it has one, else the
+reply without its `<think>...</think>`: `final_answer`): `exact` (the answer equals the task's `answer`, case and surrounding space ignored),
 `em` (SQuAD's exact match: equal to the answer, or to one of a list of them, after normalising case,
 punctuation and articles; Search-R1's reward), `f1` (SQuAD's token F1 against the best of them),
 `number` (its last number equals it), `contains` (it appears in the answer), `math` (its final
@@ -60,6 +61,16 @@ def _contains(want, answer: str) -> float:
 
 
 _FENCE = re.compile(r"```[\w+-]*\n(.*?)```", re.S)
+_THINK = re.compile(r"<think>.*?(?:</think>|$)", re.S)
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+
+
+def final_answer(text: str) -> str:
+    """What a built-in rule scores in a reply: its last `<answer>...</answer>` block's content, if it
+    has one (Search-R1's and verl's convention for tagged answers), else the reply without its
+    `<think>...</think>` reasoning (Qwen3's and R1's)."""
+    answers = _ANSWER.findall(text)
+    return answers[-1].strip() if answers else _THINK.sub("", text).strip()
 
 
 def program_in(answer: str) -> str:
@@ -132,7 +143,7 @@ class DatasetEnv(ToolEnv):
             self.reward = self._auto
         elif reward in REWARDS:
             rule = REWARDS[reward]
-            self.reward = lambda task, answer: rule(self.answer_of(task), answer)
+            self.reward = lambda task, answer: rule(self.answer_of(task), final_answer(answer))
         elif ":" in reward:
             fn = load_object(reward, "reward function")
             self.reward = self._verl_reward(fn) if VERL_ARGS <= set(_parameters(fn)) else fn
@@ -162,7 +173,7 @@ class DatasetEnv(ToolEnv):
     async def _math(self, task: dict, answer: str) -> float:
         """math-verify's equivalence of the answer's final expression and the task's, in a worker
         process under a deadline (rollwise.agent.math_reward)."""
-        return await MathVerifier.shared(self.math_timeout_s).score(self.answer_of(task), answer)
+        return await MathVerifier.shared(self.math_timeout_s).score(self.answer_of(task), final_answer(answer))
 
     async def _auto(self, task: dict, answer: str) -> float:
         """The rule for the task's `data_source` (reward_for_source): verl's choice for its sources."""
@@ -170,7 +181,7 @@ class DatasetEnv(ToolEnv):
         if rule == "math":
             check_installed()
             return await self._math(task, answer)
-        return REWARDS[rule](self.answer_of(task), answer)
+        return REWARDS[rule](self.answer_of(task), final_answer(answer))
 
     async def _judge(self, task: dict, answer: str) -> float:
         """The judge's grade of the answer: the task's question (its prompt, or its last user
