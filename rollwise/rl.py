@@ -7,7 +7,8 @@ behind the router, the bounded-staleness pipeline, and weight sync after every s
 The run directory holds `groups.jsonl` (every complete group, written as it completes),
 `checkpoint.pt` (model, optimizer, policy version, data cursor; written after each step commits),
 and `report/` (metrics.json and PNG curves). Starting again with the same run directory resumes:
-complete groups no committed step used are trained on, none is generated twice.
+complete groups no committed step used are trained on, none is generated twice (a config with another
+env, env options, task file, seed or group size is refused there).
 """
 from __future__ import annotations
 
@@ -140,6 +141,27 @@ def _sft_cache_path(cfg: TrainConfig) -> Path | None:
     return Path(cfg.sft_cache) / f"sft-{key:016x}.pt"
 
 
+def _run_identity(cfg: TrainConfig) -> dict:
+    """What a run's logged groups and data cursor are of: a resumed run must match it (steps, lr and
+    the like may change on resume; the tasks and the environment may not; the weights are the checkpoint's)."""
+    tasks = cfg.train_tasks_file and hashlib.sha256(Path(cfg.train_tasks_file).read_bytes()).hexdigest()[:16]
+    return {"env": cfg.env, "env_options": json.dumps(
+        cfg.env_options, sort_keys=True, default=str), "train_tasks_file": tasks, "seed": cfg.seed,
+        "group_size": cfg.group_size}
+
+
+def _check_resume(cfg: TrainConfig, state: dict) -> None:
+    was = state.get("identity")
+    if was is None:  # a checkpoint from before runs were identified
+        return
+    now = _run_identity(cfg)
+    changed = sorted(k for k in now if was.get(k) != now[k])
+    if changed:
+        raise ValueError(f"{cfg.run_dir} holds a run with other {', '.join(changed)} ("
+                         + "; ".join(f"{k}: {was.get(k)} there, {now[k]} here" for k in changed)
+                         + "): set another run_dir, or remove that one to start over")
+
+
 def _save_checkpoint(path: Path, trainer, consumed: list[int], history: list[dict], extra: dict) -> None:
     import torch
     tmp = path.with_suffix(".tmp")
@@ -180,6 +202,8 @@ async def _train(cfg: TrainConfig) -> dict:
     grpo = cfg.trainer_config()
     report: dict = {"config": dataclasses.asdict(cfg), "steps": []}
     state = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
+    if state is not None:
+        _check_resume(cfg, state)
     status = Status(cfg.progress)
 
     if state is None:  # a fresh run: SFT warm start, then evaluate it
@@ -224,6 +248,7 @@ async def _train(cfg: TrainConfig) -> dict:
         status.line(f"resumed at policy version {trainer.version} ({len(consumed)} groups trained on)")
         status.done()
 
+    identity = _run_identity(cfg)
     trackers = Trackers(cfg.loggers, run, dataclasses.asdict(cfg), cfg.tracker_project)
     try:
         router = make_router(cfg, tokenizer)
@@ -327,7 +352,7 @@ async def _train(cfg: TrainConfig) -> dict:
                      group_versions=[g.version for g in batch], skipped_groups=len(skips), **lm)
             history.append(m)
             _save_checkpoint(ckpt_path, trainer, consumed, history,
-                             {"sft_success": sft_success, "skipped": skipped,
+                             {"sft_success": sft_success, "skipped": skipped, "identity": identity,
                               "report": {k: v for k, v in report.items() if k in ("sft", "sft_greedy_success", "sft_success_by_env")}})
             with open(steps_log, "a") as f:
                 f.write(json.dumps(m, default=str) + "\n")

@@ -73,9 +73,13 @@ def read_corpus(path: str | Path) -> Iterator[tuple[str, str, str]]:
                     raise ValueError(f"{path}:{i + 1}: {e}") from e
 
 
-def parse_doc(row: dict, i: int = 0) -> tuple[str, str, str]:
+def parse_doc(row: dict | list, i: int = 0) -> tuple[str, str, str]:
+    """(id, title, text) of {"title", "text"}, Search-R1's {"contents"} or HotpotQA's [title, sentences]."""
+    if isinstance(row, (list, tuple)) and len(row) == 2 and isinstance(row[0], str):
+        body = row[1]
+        return str(i), row[0], "".join(body) if isinstance(body, (list, tuple)) else str(body)
     if not isinstance(row, dict):
-        raise ValueError(f"a document is a JSON object, got {type(row).__name__}")
+        raise ValueError(f"a document is a JSON object or a [title, sentences] pair, got {type(row).__name__}")
     if "contents" in row:
         title, _, text = str(row["contents"]).partition("\n")
         title = title.strip().strip('"')
@@ -322,14 +326,38 @@ def _index(corpus: str, index: str | None, size: int, mtime_ns: int) -> SearchIn
     return SearchIndex.for_corpus(corpus, index)
 
 
-def make_search(options: dict) -> Tool:
+class TaskDocsSearch:
+    """Search over each task's own documents, its `key` field (HotpotQA's and MuSiQue's distractor
+    setting: every question with its paragraphs), BM25 in memory: `tool_for(task)` is the task's tool."""
+
+    def __init__(self, key: str, top_k: int = 3, max_chars: int = 1000) -> None:
+        if not 1 <= top_k <= 100:
+            raise ValueError(f"top_k must be from 1 to 100, got {top_k}")
+        self.key, self.top_k, self.max_chars = key, top_k, max_chars
+
+    def tool_for(self, task: dict) -> Tool:
+        docs = task.get(self.key)
+        if not isinstance(docs, (list, tuple)) or not docs:
+            raise ValueError(f"task {task.get('id')!r} has no documents in {self.key!r} (search = {{ task_docs = "
+                             f"{self.key!r} }}); fields: {sorted(task)}")
+        return search_tool(SearchIndex.from_docs(parse_doc(d, i) for i, d in enumerate(docs)), self.top_k,
+                           self.max_chars)
+
+
+def make_search(options: dict) -> Tool | TaskDocsSearch:
     """The search tool from config options: `corpus` (a JSON-lines file, indexed locally; `index`:
-    where) or `url` (a retrieval server; `api_key_env`), and `top_k`, `max_chars`."""
+    where), `url` (a retrieval server; `api_key_env`) or `task_docs` (a field of each task that holds
+    its own documents: a `TaskDocsSearch`), and `top_k`, `max_chars`."""
     opts = dict(options)
     top_k, max_chars = int(opts.pop("top_k", 3)), int(opts.pop("max_chars", 1000))
-    if ("corpus" in opts) == ("url" in opts):
-        raise ValueError(f"search needs one of corpus (a JSON-lines file) or url (a retrieval server); "
-                         f"got {sorted(opts)}")
+    if sum(k in opts for k in ("corpus", "url", "task_docs")) != 1:
+        raise ValueError(f"search needs one of corpus (a JSON-lines file), url (a retrieval server) or task_docs (a "
+                         f"task field with its documents); got {sorted(opts)}")
+    if "task_docs" in opts:
+        key = opts.pop("task_docs")
+        if opts:
+            raise ValueError(f"unknown search options {sorted(opts)} with task_docs; valid: top_k, max_chars")
+        return TaskDocsSearch(str(key), top_k, max_chars)
     if "corpus" in opts:
         corpus, index = Path(opts.pop("corpus")), opts.pop("index", None)
         st = corpus.stat()  # (a changed corpus is indexed again)
@@ -343,5 +371,5 @@ def make_search(options: dict) -> Tool:
         backend = RemoteSearch(opts.pop("url"), key, **{k: opts.pop(k) for k in names if k in opts})
     if opts:
         raise ValueError(f"unknown search options {sorted(opts)}; valid: corpus, index, url, api_key_env, timeout_s, "
-                         f"retries, max_batch, max_inflight, top_k, max_chars")
+                         f"retries, max_batch, max_inflight, task_docs, top_k, max_chars")
     return search_tool(backend, top_k, max_chars)

@@ -173,7 +173,7 @@ def test_dataset_env_searches_a_corpus_and_scores_by_exact_match(tmp_path, monke
     assert [p.suffix for p in (tmp_path / "cache" / "search").iterdir()] == [".sqlite"]  # indexed in the cache
     with pytest.raises(ValueError, match="needs search"):
         make_env("dataset", tools=["search"])
-    with pytest.raises(ValueError, match="one of corpus .* or url"):
+    with pytest.raises(ValueError, match="one of corpus .*, url .* or task_docs"):
         make_env("dataset", tools=["search"], search={"top_k": 2})
     with pytest.raises(ValueError, match="unknown search options \\['k'\\]"):
         make_env("dataset", tools=["search"], search={"url": "http://x/retrieve", "k": 2})

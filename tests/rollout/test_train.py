@@ -401,6 +401,25 @@ def test_train_on_a_task_file_with_the_dataset_env(model_dir, tmp_path, layout):
     assert all(t.messages[1]["role"] == "user" and t.messages[1]["content"].split("\n")[0] in questions for t in trajs)
 
 
+def test_a_run_directory_resumes_only_the_run_it_holds(model_dir, tmp_path):
+    """Resuming with other tasks or env settings would train the logged groups and cursor of one run
+    on another's: refused, naming what differs; steps may grow."""
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": str(i)}) + "\n" for i in range(8)))
+    base = {**TINY, "env": "dataset", "env_options": {"reward": "exact"}, "train_tasks_file": str(tasks),
+            "sft_steps": 0, "eval_tasks": 0, "model": model_dir, "run_dir": str(tmp_path / "run"), "steps": 1}
+    assert len(train(TrainConfig.from_dict(base))["steps"]) == 1
+    for change, named in (({"env_options": {"reward": "contains"}}, "env_options"), ({"seed": 3}, "seed"),
+                          ({"group_size": 4}, "group_size")):
+        with pytest.raises(ValueError, match=f"holds a run with other {named} .*: set another run_dir"):
+            train(TrainConfig.from_dict({**base, **change, "steps": 2}))
+    tasks.write_text(tasks.read_text() + json.dumps({"prompt": "Say 9.", "answer": "9"}) + "\n")
+    with pytest.raises(ValueError, match="other train_tasks_file"):
+        train(TrainConfig.from_dict({**base, "steps": 2}))
+    tasks.write_text("".join(tasks.read_text().splitlines(keepends=True)[:8]))
+    assert len(train(TrainConfig.from_dict({**base, "steps": 2}))["steps"]) == 2  # the same run, one more step
+
+
 def test_train_with_search_r1s_protocol(model_dir, tmp_path, monkeypatch):
     """env search_r1 (examples/train-search-r1.toml's settings, a smaller run): a warm start on tagged
     transcripts, then GRPO steps whose episodes are one assistant message each."""

@@ -15,6 +15,7 @@ from rollwise.agent.envs.code import CodeEnv
 from rollwise.agent.envs.countdown import CountdownEnv
 from rollwise.agent.envs.dataset import DatasetEnv
 from rollwise.agent.envs.frozenlake import FrozenLakeEnv
+from rollwise.agent.envs.inline import InlineEnv
 from rollwise.agent.envs.mix import MixEnv
 from rollwise.agent.envs.phonebook import PhonebookEnv
 from rollwise.agent.envs.search import SearchEnv
@@ -23,7 +24,7 @@ from rollwise.agent.envs.sql import SqlEnv
 from rollwise.agent.plugins import FORM, load_object
 
 ENVS = {e.name: e for e in (AgentEnv, BugfixEnv, CalculatorEnv, CodeEnv, CountdownEnv, DatasetEnv, SqlEnv, FrozenLakeEnv,
-                            MixEnv, PhonebookEnv, SearchEnv, SearchR1Env)}
+                            InlineEnv, MixEnv, PhonebookEnv, SearchEnv, SearchR1Env)}
 
 
 def resolve_env(name: str):

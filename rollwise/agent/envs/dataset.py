@@ -23,8 +23,8 @@ slow verifier holds up no other episode); a function with verl's parameters, `co
 data_source, solution_str, ground_truth, extra_info=None)`, is called as verl calls it.
 Tools: `python` (the code sandbox), `search` (BM25 over a
 corpus, or a Search-R1 retrieval server: `search = { corpus = "wiki.jsonl", top_k = 3 }` or `{ url =
-"http://host:8000/retrieve" }`, rollwise.agent.search) or a user's typed function (or `Tool`) by the
-same naming. A task's `solution` (a string, or a list of assistant
+"http://host:8000/retrieve" }`, or each task's own documents: `{ task_docs = "docs" }`, rollwise.agent.search)
+or a user's typed function (or `Tool`) by the same naming. A task's `solution` (a string, or a list of assistant
 messages) is its expert transcript, for an SFT warm start. `prompt_key` and `answer_key` name other
 fields (`question`, `ground_truth`, or a nested one as `extra_info.answer`).
 
@@ -44,7 +44,7 @@ from rollwise.agent.judge import Judge, JudgeConfig
 from rollwise.agent.math_reward import MathVerifier, check_installed
 from rollwise.agent.plugins import FORM, load_object
 from rollwise.agent.sandbox import Sandbox
-from rollwise.agent.search import make_search
+from rollwise.agent.search import TaskDocsSearch, make_search
 from rollwise.agent.tools import Tool
 
 
@@ -193,7 +193,7 @@ class DatasetEnv(ToolEnv):
             question = self._field(task, self.prompt_key)
         return await Judge.shared(self.judge).grade(question, answer, self.answer_of(task, required=False))
 
-    def _make_tool(self, spec: str) -> Tool:
+    def _make_tool(self, spec: str) -> Tool | TaskDocsSearch:
         if spec == "python":
             return self.sandbox.tool("python")
         if spec == "search":
@@ -204,7 +204,7 @@ class DatasetEnv(ToolEnv):
         return obj if isinstance(obj, Tool) else Tool(obj)
 
     def make_tools(self, task):
-        return list(self._tools)
+        return [t.tool_for(task) if isinstance(t, TaskDocsSearch) else t for t in self._tools]
 
     async def reset(self, task: dict) -> list[dict]:
         conversation = self._conversation(task)

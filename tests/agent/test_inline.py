@@ -1,5 +1,6 @@
-"""Search-R1's protocol (env `search_r1`): searches and their results inside one assistant message
-(`Continue`), each turn cut at `</search>` or `</answer>`, token-in-token-out; answers in tags."""
+"""Tools called inside the model's message (env `inline`, and `search_r1`, Search-R1's protocol):
+each turn cut at an action's end, the tool's result written into the same assistant message
+(`Continue`), token-in-token-out; answers in tags or at the message's end."""
 from __future__ import annotations
 
 import asyncio
@@ -127,8 +128,9 @@ def test_search_r1s_data_files_and_rewards(model_dir, corpus, tmp_path):
 
 
 def test_example_corpus_in_search_r1s_layout_is_solved_by_the_experts_tagged_transcripts(tmp_path, monkeypatch, model_dir):
-    """examples/search_corpus.py --protocol search_r1 and examples/train-search-r1.toml: the expert's
-    transcripts, played token-in-token-out as the warm start plays them, answer every question."""
+    """examples/search_corpus.py --protocol search_r1 (one corpus, searched in process here, through
+    `rollwise retrieve` in a run): the expert's transcripts, played token-in-token-out as the warm
+    start plays them, answer every question."""
     import subprocess
     import sys
     from pathlib import Path
@@ -142,8 +144,102 @@ def test_example_corpus_in_search_r1s_layout_is_solved_by_the_experts_tagged_tra
     monkeypatch.setenv("ROLLWISE_CACHE", str(tmp_path / "cache"))
     cfg = TrainConfig.from_toml(ex / "train-search-r1.toml", model="unused")
     opts = {**cfg.env_options, "search": {"corpus": str(tmp_path / "corpus.jsonl"), "top_k": 3}}
-    assert cfg.env == "search_r1" and cfg.env_options["search"]["url"].endswith("/retrieve")
+    assert cfg.env == "search_r1" and cfg.env_options["search"] == {"task_docs": "docs", "top_k": 3}
     demos = asyncio.run(expert_trajectories(Tokenizer(model_dir), lambda: make_env(cfg.env, max_turns=cfg.max_turns,
                                                                                      **opts), tasks))
     assert [t.reward for t in demos] == [1.0] * 128 and all(t.num_turns == 3 for t in demos)
     assert all(t.messages[1]["content"].count("<information>Doc 1(Title: ") == 2 for t in demos)
+
+
+RETOOL = {"tool": "python", "start": "<code>", "end": "</code>", "result": "<interpreter>{result}</interpreter>"}
+
+
+def test_inline_code_runs_in_the_sandbox_and_the_message_end_is_scored(model_dir):
+    """ReTool's layout (<code> ... </code> -> <interpreter> ... </interpreter>) and ToRL's (a ```python
+    block, then ```output): the program runs in the sandbox, its output is written into the message,
+    and the message's end scores it (the math rules read its last number / \\boxed{})."""
+    env = make_env("inline", actions=[RETOOL], reward="number", instructions="Solve: {question} Answer in \\boxed{}.")
+    task = {"id": "m", "question": "What is 6 * 7 + 2 ** 10?", "answer": 1066}
+    script = ["Let me compute. <code>\n```python\nprint(6 * 7 + 2 ** 10)\n```\n</code> more",
+              " So the answer is \\boxed{1066}."]
+    tok, calls, traj = _episode(model_dir, env, script, task)
+    assert traj.status == "done" and traj.reward == 1.0 and traj.num_turns == 2
+    assert calls[0][0].params.stop == ["</code>"] and tok.decode(calls[0][1].token_ids).endswith("</code>")
+    assert traj.messages[1]["content"] == (script[0][:script[0].index("</code>") + 7] + "<interpreter>1066</interpreter>"
+                                           + script[1])
+    assert traj.messages[0] == {"role": "user", "content": f"Solve: {task['question']} Answer in \\boxed{{}}."}
+    # a program's error comes back as its result; a wrong final answer scores 0
+    traj = _episode(model_dir, env, ["<code>print(1/0)</code>", "It is \\boxed{3}."], task)[2]
+    assert "ZeroDivisionError" in traj.messages[1]["content"] and traj.reward == 0.0
+    # ToRL: the model opens the output block itself and the env closes it
+    torl = make_env("inline", reward="number", actions=[  # (a result template may hold other braces)
+        {"tool": "python", "start": "```python", "end": "```output", "result": "\n{result}\n```\n{}"}])
+    text = "```python\nprint(sum(range(5)))\n```\n```output"
+    traj = _episode(model_dir, torl, [text, "Hence 10."], {"id": "s", "prompt": "Sum 0..4", "answer": 10})[2]
+    assert traj.reward == 1.0 and traj.messages[1]["content"] == text + "\n10\n```\n{}Hence 10."
+
+
+def test_inline_actions_are_checked(tmp_path, corpus):
+    (tmp_path / "tools.py").write_text("def upper(text: str) -> str:\n    return text.upper()\n"
+                                       "def two(a: str, b: str) -> str:\n    return a + b\n")
+    env = make_env("inline", actions=[{"tool": f"{tmp_path}/tools.py:upper", "start": "<up>", "end": "</up>",
+                                       "result": "[{result}]"}], reward="contains")
+    async def go():
+        await env.reset({"id": "u", "prompt": "shout", "answer": "HI"})
+        first = await env.step("x <up> hi </up>")
+        env.finish_reason = "length"
+        return first, await env.step("</up> stray"), await env.step("then")
+    (w1, r1, d1, _), (w2, _, d2, _), (w3, _, _, _) = asyncio.run(go())
+    assert w1 == "[HI]" and not d1 and "without <up> before it" in w2 and not d2 and w3 == ""  # cut off: goes on
+    bad = [({"actions": []}, "at least one"), ({"actions": [{"tool": "python", "start": "<c>"}]}, "lacks \\['end'\\]"),
+           ({"actions": [{**RETOOL, "result": "no field"}]}, "must have a \\{result\\} field"),
+           ({"actions": [{**RETOOL, "color": 1}]}, "unknown action keys \\['color'\\]"),
+           ({"actions": [RETOOL, RETOOL]}, "must differ"),
+           ({"actions": [{"tool": f"{tmp_path}/tools.py:two", "start": "<t>", "end": "</t>"}]}, "takes one text"),
+           ({"actions": [{"tool": "search", "start": "<s>", "end": "</s>"}]}, "needs search"),
+           ({"actions": [RETOOL], "search": corpus}, "need a search action"),
+           ({"actions": [RETOOL], "tools": ["python"]}, "tools are its actions'"),
+           ({"actions": [{**RETOOL, "tool": "nope"}]}, "unknown tool 'nope'")]
+    for options, message in bad:
+        with pytest.raises(ValueError, match=message):
+            make_env("inline", **options)
+
+
+def test_a_task_may_bring_its_own_documents(model_dir):
+    """search = { task_docs = "docs" }: each task's own pages (dicts, or HotpotQA's [title, sentences]
+    pairs), in the search_r1 env and as the dataset env's search tool; examples/search_tasks.py writes
+    the search env's questions that way and its expert transcripts answer them all."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+    hotpot = {"id": "h", "question": "Where is Maple Motors based?", "golden_answers": ["Vintry"],
+              "context": [["Maple Motors", ["Maple Motors is a car maker", " based in Vintry."]],
+                          ["Ana Smith", ["Ana Smith is a chemist."]]]}
+    env = make_env("search_r1", search={"task_docs": "context", "top_k": 1})
+    tok, calls, traj = _episode(model_dir, env, ["<search> Maple Motors </search>", "<answer>Vintry</answer>"], hotpot)
+    found = "<information>Doc 1(Title: Maple Motors) Maple Motors is a car maker based in Vintry.</information>"
+    assert traj.reward == 1.0 and found in traj.messages[1]["content"]
+    other = {**hotpot, "context": [["Maple Motors", "Maple Motors is based in Dunmore."]]}  # another task, its own
+    traj = _episode(model_dir, env, ["<search>Maple</search>", "<answer>Vintry</answer>"], other)[2]
+    assert "based in Dunmore" in traj.messages[1]["content"] and "Vintry." not in traj.messages[1]["content"]
+    no_docs = _episode(model_dir, env, ["<search>Maple</search>"], {"id": "n", "question": "?", "golden_answers": ["x"]})[2]
+    assert no_docs.status == "error" and "has no documents in 'context'" in no_docs.error
+    ds = make_env("dataset", reward="em", tools=["search"], search={"task_docs": "context"}, prompt_key="question")
+    call = '<tool_call>{"name": "search", "arguments": {"query": "Ana"}}</tool_call>'
+    traj = _episode(model_dir, ds, [call, "Vintry"], {**hotpot, "answer": "Vintry"})[2]
+    assert traj.reward == 1.0 and "Ana Smith is a chemist." in traj.messages[3]["content"]
+    with pytest.raises(ValueError, match="one of corpus .* or task_docs .*; got \\['corpus', 'task_docs'\\]"):
+        make_env("search_r1", search={"task_docs": "docs", "corpus": "x.jsonl"})
+    with pytest.raises(ValueError, match="unknown search options \\['index'\\] with task_docs; valid: top_k, max_chars"):
+        make_env("search_r1", search={"task_docs": "docs", "index": "x.sqlite"})
+    with tempfile.TemporaryDirectory() as d:
+        ex = Path(__file__).parents[2] / "examples"
+        subprocess.run([sys.executable, str(ex / "search_tasks.py"), d, "--train", "40", "--eval", "8"], check=True,
+                       capture_output=True)
+        train, held = load_tasks(Path(d) / "train.jsonl"), load_tasks(Path(d) / "eval.jsonl")
+    assert len(train) == 40 and len(held) == 8 and not {t["question"] for t in train} & {t["question"] for t in held}
+    env = lambda: make_env("search_r1", search={"task_docs": "docs", "top_k": 3})  # noqa: E731
+    from rollwise.rl import expert_trajectories
+    demos = asyncio.run(expert_trajectories(Tokenizer(model_dir), env, train + held))
+    assert [t.reward for t in demos] == [1.0] * 48 and all(t.num_turns == 3 for t in demos)
