@@ -44,7 +44,8 @@ def world(seed: int, protocol: str = "tools") -> tuple[list[dict], list[dict]]:
         question = f"Which city is the company founded by {p} based in?"
         if protocol == "search_r1":
             tasks.append({"id": f"corpus-{i}", "question": question, "golden_answers": [city[c]],
-                          "solution": [f"<search> {p} </search>", f"<search> {c} </search>", f"<answer> {city[c]} </answer>"]})
+                          "solution": [f"<search> {p} </search>", f"<search> {c} </search>",
+                                       f"<answer> {city[c]} </answer>"]})
             continue
         calls = [json.dumps({"name": "search", "arguments": {"query": q}}) for q in (p, c)]
         tasks.append({"id": f"corpus-{i}", "prompt": question, "answer": city[c],

@@ -19,7 +19,8 @@ from rollwise.agent.envs import make_env
 
 def tasks(n: int, seed: int) -> list[dict]:
     env = make_env("search")
-    return [{"id": f"search-r1-{seed}-{i}", "question": env.prompt(t), "golden_answers": [t["answer"]], "docs": t["docs"],
+    return [{"id": f"search-r1-{seed}-{i}", "question": env.prompt(t), "golden_answers": [t["answer"]],
+             "docs": t["docs"],
              "solution": [f"<search> {t['person']} </search>", f"<search> {t['company']} </search>",
                           f"<answer> {t['answer']} </answer>"]}
             for i, t in enumerate(env.sample_tasks(n, seed))]

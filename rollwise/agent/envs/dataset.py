@@ -7,7 +7,8 @@ the reward reads; the reward is a built-in rule or a user's function; tools are 
     train_tasks_file = "gsm8k-train.jsonl"        # {"prompt": "...", "answer": 72}
 
 Rewards (the built-in rules score a reply's last `<answer>...</answer>` block if it has one, else the
-reply without its `<think>...</think>`: `final_answer`): `exact` (the answer equals the task's `answer`, case and surrounding space ignored),
+reply without its `<think>...</think>`: `final_answer`): `exact` (the answer equals the task's
+`answer`, case and surrounding space ignored),
 `em` (SQuAD's exact match: equal to the answer, or to one of a list of them, after normalising case,
 punctuation and articles; Search-R1's reward), `f1` (SQuAD's token F1 against the best of them),
 `number` (its last number equals it), `contains` (it appears in the answer), `math` (its final

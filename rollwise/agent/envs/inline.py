@@ -69,7 +69,8 @@ class InlineEnv(DatasetEnv):
         spec = dict(spec)
         missing = [k for k in ("tool", "start", "end") if not spec.get(k)]
         if missing:
-            raise ValueError(f"an action needs tool, start and end (and result, with {{result}}); {spec} lacks {missing}")
+            raise ValueError(f"an action needs tool, start and end (and result, with {{result}}); {spec} lacks "
+                             f"{missing}")
         result = spec.pop("result", "{result}")
         tool, start, end = self._make_tool(spec.pop("tool")), spec.pop("start"), spec.pop("end")
         if spec:

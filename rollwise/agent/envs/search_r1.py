@@ -38,10 +38,10 @@ class SearchR1Env(InlineEnv):
     def __init__(self, *, search: dict | None = None, reward: str = "em", instructions: str = INSTRUCTIONS,
                  **kw) -> None:
         if search is None:
-            raise ValueError("search_r1 needs search = { corpus = ... } (a JSON-lines file) or { url = ... } "
-                             "(a retrieval server)")
+            raise ValueError("search_r1 needs search = { corpus = ... } (a JSON-lines file), { url = ... } (a "
+                             "retrieval server) or { task_docs = ... } (each task's own documents)")
         if "tools" in kw or "actions" in kw:
-            raise ValueError("search_r1 has one tool, its search (search = { corpus = ... } or { url = ... }); "
+            raise ValueError("search_r1 has one tool, its search (search = { ... }); "
                              "for other actions use env = 'inline', for chat-template tool calls env = 'dataset'")
         super().__init__(actions=[SEARCH], answer_end="</answer>", reminder=REMINDER, instructions=instructions,
                          search=search, reward=reward, **kw)
