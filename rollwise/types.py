@@ -352,6 +352,9 @@ class Trajectory:
     total_s: float = 0.0
     earlier: list[Trajectory] = field(default_factory=list)  # the other contexts, in the order they were left
     retried: list[str] = field(default_factory=list)  # why each earlier attempt was dropped (`run_attempts`)
+    # the numbers in the env's step infos, summed over the episode (tool calls, errors, searches): each
+    # step's metrics average them as env_<key>
+    env_stats: dict[str, float] = field(default_factory=dict)
     # MoE rollouts asked for routing (Rollout Routing Replay): the experts of token_ids[:n] per layer,
     # {"shape": [n, layers, k], "data": rollwise.wire.encode_routing(...)}, from the last turn that returned them
     # (the turn's numpy array while the episode runs)

@@ -148,10 +148,13 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
         traj.turns.append(record)  # (before the step: a step that raises or times out keeps its turn's record)
         s0 = time.perf_counter()
         try:
-            obs, reward, done, _ = await maybe_await(env.step(text))
+            obs, reward, done, info = await maybe_await(env.step(text))
         finally:
             record.tool_s = time.perf_counter() - s0
             traj.tool_s += record.tool_s
+        for k, v in (info or {}).items():  # the env's numbers (tool calls, errors), summed over the episode
+            if isinstance(v, (int, float)):
+                traj.env_stats[k] = traj.env_stats.get(k, 0.0) + float(v)
         record.reward = float(reward or 0.0)
         traj.reward += record.reward  # the return: every step's reward (an env may reward steps on the way)
         if done:

@@ -61,6 +61,19 @@ from rollwise.types import Trajectory
 __all__ = ["GRPOConfig", "GRPOTrainer", "LogprobMismatch", "oldest_version"]
 
 
+def episode_stats(trajs: list[Trajectory]) -> dict[str, float]:
+    """What the step's episodes were like, each a mean over them: turns, generated tokens, the share
+    that ended with each status other than done (status_max_turns, ...), and the numbers the env
+    reported (env_<key>: tool calls, errors, searches per episode)."""
+    n = max(len(trajs), 1)
+    m = {"turns": sum(t.num_turns for t in trajs) / n, "generated_per_episode": sum(t.num_generated for t in trajs) / n}
+    for s in sorted({t.status for t in trajs} - {"done"}):
+        m[f"status_{s}"] = sum(t.status == s for t in trajs) / n
+    for k in sorted({k for t in trajs for k in t.env_stats}):
+        m[f"env_{k}"] = sum(t.env_stats.get(k, 0.0) for t in trajs) / n
+    return m
+
+
 def oldest_version(t: Trajectory) -> int:
     return min(t.policy_versions) if t.turns else 0
 
@@ -194,6 +207,7 @@ class GRPOTrainer:
         trajs, n_tokens = acc["trajs"], acc["n_tokens"]
         staleness = [self.version - oldest_version(t) for t in trajs]
         m = {"reward": sum(t.reward for t in trajs) / max(len(trajs), 1), "trajectories": len(trajs),
+             **episode_stats(trajs),
              "trained_trajectories": acc["n_useful"], "trained_tokens": n_tokens,
              "contexts": sum(len(t.sequences()) for t in trajs) / max(len(trajs), 1),  # token sequences per episode
              "retried": sum(len(t.retried) for t in trajs),  # attempts dropped and run again (an env that raised)

@@ -79,6 +79,7 @@ def test_search_results_are_written_into_the_models_message_token_in_token_out(m
     # the transcript: one user message and one assistant message, the results inside it
     assert [m["role"] for m in traj.messages] == ["user", "assistant"]
     assert traj.messages[1]["content"] == outs[0] + info[0] + outs[1] + info[1] + outs[2]
+    assert traj.env_stats == {"calls": 2.0, "call_errors": 0.0, "answered": 1.0}  # (the step metrics' env_*)
 
 
 def test_a_turn_cut_off_is_reminded_and_a_message_ended_without_an_answer_scores_zero(model_dir, corpus):
@@ -86,6 +87,7 @@ def test_a_turn_cut_off_is_reminded_and_a_message_ended_without_an_answer_scores
     rambling = "let me think " * 40
     tok, calls, traj = _episode(model_dir, env, [rambling, "<answer>Vintry</answer>"], max_tokens=16)
     assert calls[0][1].finish_reason == "length" and traj.reward == 1.0 and traj.status == "done"
+    assert traj.env_stats == {"cut_off": 1.0, "answered": 1.0}
     assert traj.messages[1]["content"] == tok.decode(calls[0][1].token_ids) + REMINDER + "<answer>Vintry</answer>"
     # an end-of-turn token without an answer ends the episode, unrewarded, even if it names the answer
     tok, calls, traj = _episode(model_dir, make_env("search_r1", search=corpus), ["It is Vintry."])
@@ -171,6 +173,7 @@ def test_inline_code_runs_in_the_sandbox_and_the_message_end_is_scored(model_dir
     # a program's error comes back as its result; a wrong final answer scores 0
     traj = _episode(model_dir, env, ["<code>print(1/0)</code>", "It is \\boxed{3}."], task)[2]
     assert "ZeroDivisionError" in traj.messages[1]["content"] and traj.reward == 0.0
+    assert traj.env_stats == {"calls": 1.0, "call_errors": 0.0}  # (the program failed, not the tool)
     # ToRL: the model opens the output block itself and the env closes it
     torl = make_env("inline", reward="number", actions=[  # (a result template may hold other braces)
         {"tool": "python", "start": "```python", "end": "```output", "result": "\n{result}\n```\n{}"}])

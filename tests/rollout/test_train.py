@@ -438,6 +438,8 @@ def test_train_with_search_r1s_protocol(model_dir, tmp_path, monkeypatch):
     assert trajs and all(t.status in ("done", "max_turns", "max_context") for t in trajs), [t.error for t in trajs]
     assert all([m["role"] for m in t.messages] == ["user", "assistant"] for t in trajs)
     assert all(t.messages[0]["content"].endswith(t.task["question"]) for t in trajs)
+    step = report["steps"][-1]  # what the step's episodes were like: turns, tokens, the env's counts
+    assert 1 <= step["turns"] <= 4 and step["generated_per_episode"] > 0 and 0 <= step.get("env_calls", 0) <= 4
 
 
 def test_dynamic_sampling_trains_only_on_groups_with_a_reward_spread(model_dir, tmp_path):

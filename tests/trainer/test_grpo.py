@@ -12,7 +12,7 @@ from rollwise.rl import expert_trajectories
 from rollwise.engine.tokenizer import Tokenizer
 from rollwise.rl_config import TrainConfig
 from rollwise.trainer.advantages import advantages
-from rollwise.trainer.grpo import GRPOConfig, GRPOTrainer, LogprobMismatch
+from rollwise.trainer.grpo import GRPOConfig, GRPOTrainer, LogprobMismatch, episode_stats
 from rollwise.trainer.sft import sft
 from rollwise.trainer.policy import Batch, PolicyModel
 from rollwise.types import Trajectory, TurnRecord
@@ -52,6 +52,19 @@ def test_advantages_are_group_relative():
         TrainConfig.from_dict({"model": "m", "advantage": "vtrace"})
     with pytest.raises(ValueError, match="critic"):  # gae's advantages are not the group's: critic.py
         advantages([[t(1)]], "gae")
+
+
+def test_episode_stats_average_the_steps_episodes():
+    def traj(status, turns, generated, **stats):
+        t = Trajectory(trajectory_id="t", group_id="g", task={}, loss_mask=[0, 0] + [1] * generated, status=status,
+                       env_stats=stats)
+        t.turns = [TurnRecord(start=2, num_generated=0, num_observation=0, finish_reason="stop", policy_version=0,
+                              num_cached_tokens=0, generation_s=0.0, tool_s=0.0)] * turns
+        return t
+    got = episode_stats([traj("done", 1, 4, calls=2.0), traj("max_turns", 3, 8, calls=1.0, call_errors=1.0),
+                         traj("timeout", 2, 0), traj("max_turns", 2, 4)])
+    assert got == {"turns": 2.0, "generated_per_episode": 4.0, "status_max_turns": 0.5, "status_timeout": 0.25,
+                   "env_call_errors": 0.25, "env_calls": 0.75}
 
 
 def test_trainer_logprobs_match_the_engine(model_dir):

@@ -115,24 +115,25 @@ class InlineEnv(DatasetEnv):
         self.response += text
         at, end = min(((i, s) for s in self.stops if (i := text.find(s)) >= 0), default=(-1, None))
         if end is not None and end == self.answer_end:
-            return [], await self.score(self.task, self.response), True, {"action": "answer"}
-        if end is not None:
+            return [], await self.score(self.task, self.response), True, {"answered": 1}
+        if end is not None:  # (info: counts, summed per episode into the step's env_ metrics)
             action = next(a for a in self.actions if a.end == end)
             begin = text.rfind(action.start, 0, at)
             if begin < 0:
-                result = f"error: {action.end} without {action.start} before it"
+                ok, result = False, f"error: {action.end} without {action.start} before it"
             else:
-                arg = unfence(text[begin + len(action.start):at])
-                result = (await self._tool[end].call({action.param: arg})).content.strip()
+                got = await self._tool[end].call({action.param: unfence(text[begin + len(action.start):at])})
+                ok, result = got.ok, got.content.strip()
             written = Continue(action.result.replace("{result}", result))
+            info = {"calls": 1, "call_errors": int(not ok)}
         elif self.finish_reason == "length":  # cut off mid-thought: it goes on (reminded of the actions)
-            written = Continue(self.reminder)
+            written, info = Continue(self.reminder), {"cut_off": 1}
         elif self.answer_end:  # the message ended without its answer
-            return [], 0.0, True, {"action": None}
+            return [], 0.0, True, {"answered": 0}
         else:  # the message ended: its answer is in it
-            return [], await self.score(self.task, self.response), True, {"action": None}
+            return [], await self.score(self.task, self.response), True, {}
         self.response += written
-        return written, 0.0, False, {"action": self._tool[end].name if end is not None else None}
+        return written, 0.0, False, info
 
 
 def unfence(text: str) -> str:
