@@ -40,7 +40,7 @@ async def _evaluate(cfg: TrainConfig, tasks: list[dict], samples: int, temperatu
             rows += [{"task_id": t.task.get("id"), "env": t.task.get("env"), "sample": k, "reward": t.reward,
                       "status": t.status,
                       "error": t.error, "turns": t.num_turns, "generated_tokens": t.num_generated,
-                      "messages": t.messages} for k, t in enumerate(group)]
+                      "env_stats": t.env_stats, "messages": t.messages} for k, t in enumerate(group)]
             status.line(f"eval: {len(right)}/{len(tasks)} tasks, success {sum(right) / len(rows):.3f}")
     finally:
         await router.close()
@@ -51,7 +51,10 @@ async def _evaluate(cfg: TrainConfig, tasks: list[dict], samples: int, temperatu
               "success": sum(right) / n, f"pass@{samples}": sum(c > 0 for c in right) / len(right),
               "mean_reward": sum(r["reward"] for r in rows) / n,
               "statuses": dict(Counter(r["status"] for r in rows)), "turns": turns,
-              "generated_tokens": tokens, "seconds": seconds}
+              "generated_tokens": tokens, "seconds": seconds,
+              # the env's counts per episode (tool calls, errors, searches), as the training steps report them
+              "env_stats": {k: sum(r["env_stats"].get(k, 0.0) for r in rows) / n
+                            for k in sorted({k for r in rows for k in r["env_stats"]})}}
     kinds = sorted({r["env"] for r in rows if r["env"] is not None})
     if kinds:  # tasks of several envs (a mix): success per env
         report["success_by_env"] = {e: sum(r["reward"] >= 1.0 for r in rows if r["env"] == e) /

@@ -37,6 +37,8 @@ def test_eval_scores_every_sample_and_writes_transcripts(model_dir, tmp_path):
     assert report["pass@4"] == pytest.approx(sum(max(v) for v in by_task.values()) / 6)
     assert 0 < report["success"] < report["pass@4"] <= 1  # sampled: some right, some not
     assert report["generated_tokens"] == sum(r["generated_tokens"] for r in rows)
+    keys = {k for r in rows for k in r["env_stats"]}  # the env's counts per episode (tool calls), averaged
+    assert report["env_stats"] == {k: pytest.approx(sum(r["env_stats"].get(k, 0) for r in rows) / 24) for k in keys}
 
 
 def test_greedy_eval_from_the_cli(model_dir, tmp_path, capsys):
