@@ -355,12 +355,16 @@ class GRPOTrainer:
     def _ref_logprobs(self, b: Batch) -> torch.Tensor:
         """[B, L-1] each target's logprob under the reference model (with LoRA: the adapters off), by the
         policy's own path (the output head at the generated positions only; the same rounding, so a
-        policy still at the reference has KL 0 exactly), its weights swapped in for the call."""
-        if self.ref is None:
-            with self.policy.adapters_off():
-                return self.policy.logprobs(b, self.cfg.temperature)
-        with self._weights({n: p.data for n, p in self.ref.named_parameters()}):
-            return self.policy.logprobs(b, self.cfg.temperature)
+        policy still at the reference has KL 0 exactly), its weights swapped in for the call; kept on the
+        batch, so further epochs over it do not run the reference again."""
+        if b.ref_logprobs is None:
+            if self.ref is None:
+                with self.policy.adapters_off():
+                    b.ref_logprobs = self.policy.logprobs(b, self.cfg.temperature)
+            else:
+                with self._weights({n: p.data for n, p in self.ref.named_parameters()}):
+                    b.ref_logprobs = self.policy.logprobs(b, self.cfg.temperature)
+        return b.ref_logprobs
 
     def _stale(self, mb: list[Trajectory], b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each target's policy version, and the logprobs of the tokens of older versions under the

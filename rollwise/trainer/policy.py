@@ -35,6 +35,7 @@ class Batch:
     behaviour_logprobs: torch.Tensor  # [B, L-1] the rollout's sampling logprobs (0 off the mask)
     shared: int = 0  # leading tokens every row has in common, none of them generated
     routing: torch.Tensor | None = None  # [B, L, layers, k] the rollout's experts per token (-1: unknown)
+    ref_logprobs: torch.Tensor | None = None  # [B, L-1] under the KL reference, once computed (it never changes)
 
     @staticmethod
     def of(trajs: list[Trajectory]) -> Batch:

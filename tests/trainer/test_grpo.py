@@ -435,6 +435,22 @@ def test_lora_starts_as_the_model_trains_adapters_alone_and_merges_exactly(model
         PolicyModel(model_dir).add_lora(4, 8, ["nope"])
 
 
+def test_the_kl_reference_runs_once_per_micro_batch_whatever_the_epochs(model_dir):
+    trajs = _sampled(model_dir, 4, seed=5)
+    for t in trajs:
+        t.reward = float(t.trajectory_id.endswith(("0", "1")))
+    runs, metrics = {}, {}
+    for epochs in (1, 3):
+        policy = PolicyModel(model_dir)
+        trainer = GRPOTrainer(policy, GRPOConfig(lr=1e-2, kl_coef=0.1, epochs=epochs, micro_batch_tokens=40))
+        calls, swap = [], trainer._weights
+        trainer._weights = lambda w: (calls.append(1), swap(w))[1]  # the reference's weights swapped in
+        metrics[epochs] = trainer.step([trajs])
+        runs[epochs] = len(calls)
+    assert runs[1] == runs[3] >= 2  # one reference forward per micro-batch, not per epoch
+    assert metrics[3]["kl"] > 0 == metrics[1]["kl"]  # (the last epoch's KL: the policy moved off the reference)
+
+
 def test_dual_clip_bounds_a_negative_advantages_loss(model_dir):
     """Dual-clip PPO: a token whose ratio went far up (4.5 here) under a negative advantage has loss
     at most dual_clip x |A| (and no gradient there); a positive advantage's is the ordinary clip."""
