@@ -285,9 +285,15 @@ class LLMEngine(WeightVersions):
                 seq.finish_reason, seq.stop_reason = "stop", tok
                 return
             if p.stop:
-                text = self.tokenizer.decode(seq.output_token_ids, p.skip_special_tokens)
-                tail = len(self.tokenizer.decode([tok], p.skip_special_tokens)) + max(map(len, p.stop))
+                # a stop string ends in this token's text: look in the last few tokens' text only (a
+                # token is at least a quarter of a character), the whole output's once one is there
+                longest = max(map(len, p.stop))
+                tail = len(self.tokenizer.decode([tok], p.skip_special_tokens)) + longest
+                window = self.tokenizer.decode(seq.output_token_ids[-(4 * tail + 8):], p.skip_special_tokens)
                 for s in p.stop:
+                    if window.find(s, max(0, len(window) - tail)) < 0:
+                        continue
+                    text = self.tokenizer.decode(seq.output_token_ids, p.skip_special_tokens)
                     at = text.find(s, max(0, len(text) - tail))
                     if at >= 0:
                         seq.finish_reason, seq.stop_reason = "stop", s

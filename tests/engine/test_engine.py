@@ -312,6 +312,32 @@ def test_stop_token_ids_strings_min_tokens(llm):
     assert free.finish_reason == "length" and len(free.token_ids) == 12
 
 
+def test_stop_strings_cost_a_few_tokens_decoding_per_step(llm):
+    """The check for stop strings decodes a window of the last tokens, not the whole output each step
+    (quadratic in a long reasoning turn), and stops where the whole output's text says."""
+    p = _prompts(1, seed=9)[0]
+    decode, decoded = llm.engine.tokenizer.decode, []
+
+    def counting(ids, *a, **kw):
+        decoded.append(len(ids))
+        return decode(ids, *a, **kw)
+    llm.engine.tokenizer.decode = counting
+    try:
+        free = llm.generate([p], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, stop=["\x00never"]))[0]
+    finally:
+        llm.engine.tokenizer.decode = decode
+    assert len(free.token_ids) == 400 and free.finish_reason == "length"
+    assert sum(decoded) < 400 * 80  # the whole output each step: 80,000 tokens and more
+    text = decode(free.token_ids)
+    needle = text[300:304]
+    if needle.strip():  # a stop string late in the output: the same stop as a check of the whole text
+        first = text.find(needle)
+        out = llm.generate([p], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, stop=[needle],
+                                               include_stop_str_in_output=True))[0]
+        assert out.finish_reason == "stop" and out.text == text[:first + len(needle)]
+        assert decode(out.token_ids[:-1]).find(needle) < 0 <= decode(out.token_ids).find(needle)
+
+
 def test_eos_stops_unless_ignored(model_dir):
     llm = LLM(model_dir)
     p = _prompts(1, seed=8)[0]
