@@ -4,7 +4,7 @@ generate the same tokens. Each step checks every running sequence for a stop str
 newest token; the engine decodes a window of the last tokens for that, so a long turn costs no more
 per token than a short one (decoding the whole output each step is quadratic in its length).
 
-    python benchmarks/stop_strings.py [--smoke] [--tokens 1000] [--batch 16] [--json PATH]
+    python benchmarks/stop_strings.py [--smoke] [--tokens 1000] [--batch 16] [--model DIR] [--json PATH]
 
 Median of `--repeats` runs, the two sides taking turns; reported: tokens/s each and their ratio,
 and the tokens the checks decoded per generated token and the time that took.
@@ -56,10 +56,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1000, help="new tokens per request")
     ap.add_argument("--batch", type=int, default=16, help="requests at once")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", help="a model directory (default: the engine benchmarks' model, made once)")
     ap.add_argument("--json")
     args = ap.parse_args()
     tokens = 64 if args.smoke else args.tokens
-    llm = LLM(engine_model("smoke" if args.smoke else "bench"), max_num_seqs=args.batch)
+    llm = LLM(engine_model("smoke" if args.smoke else "bench", args.model), max_num_seqs=args.batch)
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 1000) for _ in range(16)] for _ in range(args.batch)]
     run(llm, prompts[:2], 8, [])  # warm-up

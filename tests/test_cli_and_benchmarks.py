@@ -159,6 +159,14 @@ def test_spec_engine_benchmark_smoke(tmp_path):
         assert row["off_tok_s"] > 0 and row["spec_tok_s"] > 0
 
 
+def test_stop_strings_benchmark_smoke(tmp_path):
+    res = smoke(tmp_path, "benchmarks/stop_strings.py", "--model", str(tmp_path / "model"), "--batch", "2",
+                "--repeats", "1")
+    assert res["plain"]["tokens"] == res["stop"]["tokens"] == 2 * 64  # the same work both ways
+    # (plain: each output decoded once, for its text; with stop strings the checks' windows besides)
+    assert res["plain"]["decoded_per_token"] == 1.0 < res["stop"]["decoded_per_token"] and res["ratio"] > 0
+
+
 def test_bench_spec_cli_smoke(tmp_path):
     from rollwise.make_model import make_model
     model = make_model(tmp_path / "tok", layers=1, hidden=32, heads=2, kv_heads=1, vocab=600)
