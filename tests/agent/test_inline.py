@@ -246,3 +246,24 @@ def test_a_task_may_bring_its_own_documents(model_dir):
     from rollwise.rl import expert_trajectories
     demos = asyncio.run(expert_trajectories(Tokenizer(model_dir), env, train + held))
     assert [t.reward for t in demos] == [1.0] * 48 and all(t.num_turns == 3 for t in demos)
+
+
+def test_example_code_tasks_in_retools_layout_are_solved_by_the_experts_programs(model_dir, tmp_path):
+    """examples/code_tasks.py and examples/train-code-inline.toml: the expert's programs run in the
+    sandbox inside the message, and their answers score 1; every turn fits the config's max_tokens."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rollwise.rl import TrainConfig, expert_trajectories
+    ex = Path(__file__).parents[2] / "examples"
+    subprocess.run([sys.executable, str(ex / "code_tasks.py"), str(tmp_path), "--train", "20", "--eval", "5"],
+                   check=True, capture_output=True)
+    tasks = load_tasks(tmp_path / "train.jsonl") + load_tasks(tmp_path / "eval.jsonl")
+    cfg = TrainConfig.from_toml(ex / "train-code-inline.toml", model="unused")
+    demos = asyncio.run(expert_trajectories(Tokenizer(model_dir), lambda: make_env(
+        cfg.env, max_turns=cfg.max_turns, **cfg.env_options), tasks))
+    assert [t.reward for t in demos] == [1.0] * 25 and all(t.num_turns == 2 for t in demos)
+    assert all(f"<interpreter>{t.task['answer']}</interpreter>" in t.messages[1]["content"] for t in demos)
+    assert max(r.num_generated for t in demos for r in t.turns) <= cfg.max_tokens
+    assert len({t.task["question"].split()[1] for t in demos}) > 1  # several of the env's question families
