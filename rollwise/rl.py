@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rollwise.agent.episode import collect, run_attempts, stable_seed
 from rollwise.agent.generator import ScriptedGenerator, expert_policy
-from rollwise.rl_config import TrainConfig, env_factory, n_train_tasks, task_sets
+from rollwise.rl_config import TrainConfig, env_factory, n_train_tasks, run_identity, task_sets
 from rollwise.rollout.fleet import fleet_metrics, make_router, shutdown, threads
 from rollwise.rollout.pipeline import Group, GroupQueue, read_log
 from rollwise.rollout.report import Status, write_report
@@ -141,20 +141,11 @@ def _sft_cache_path(cfg: TrainConfig) -> Path | None:
     return Path(cfg.sft_cache) / f"sft-{key:016x}.pt"
 
 
-def _run_identity(cfg: TrainConfig) -> dict:
-    """What a run's logged groups and data cursor are of: a resumed run must match it (steps, lr and
-    the like may change on resume; the tasks and the environment may not; the weights are the checkpoint's)."""
-    tasks = cfg.train_tasks_file and hashlib.sha256(Path(cfg.train_tasks_file).read_bytes()).hexdigest()[:16]
-    return {"env": cfg.env, "env_options": json.dumps(
-        cfg.env_options, sort_keys=True, default=str), "train_tasks_file": tasks, "seed": cfg.seed,
-        "group_size": cfg.group_size}
-
-
 def _check_resume(cfg: TrainConfig, state: dict) -> None:
     was = state.get("identity")
     if was is None:  # a checkpoint from before runs were identified
         return
-    now = _run_identity(cfg)
+    now = run_identity(cfg)
     changed = sorted(k for k in now if was.get(k) != now[k])
     if changed:
         raise ValueError(f"{cfg.run_dir} holds a run with other {', '.join(changed)} ("
@@ -248,7 +239,7 @@ async def _train(cfg: TrainConfig) -> dict:
         status.line(f"resumed at policy version {trainer.version} ({len(consumed)} groups trained on)")
         status.done()
 
-    identity = _run_identity(cfg)
+    identity = run_identity(cfg)
     trackers = Trackers(cfg.loggers, run, dataclasses.asdict(cfg), cfg.tracker_project)
     try:
         router = make_router(cfg, tokenizer)

@@ -2,6 +2,7 @@
 when read), the environment it makes and the task sets it draws (training, SFT, held-out)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -331,3 +332,12 @@ def task_sets(cfg: TrainConfig, n_train: int) -> tuple[list[dict], list[dict], l
     held = [t for t in sample(cfg.eval_tasks * 2, seed=cfg.seed + 2)
             if json.dumps({k: v for k, v in t.items() if k != "id"}, sort_keys=True) not in seen]
     return train, sft, held[: cfg.eval_tasks]
+
+
+def run_identity(cfg: TrainConfig) -> dict:
+    """What a run's logged groups and data cursor are of: a resumed run must match it (steps, lr and
+    the like may change on resume; the tasks and the environment may not; the weights are the checkpoint's)."""
+    tasks = cfg.train_tasks_file and hashlib.sha256(Path(cfg.train_tasks_file).read_bytes()).hexdigest()[:16]
+    return {"env": cfg.env, "env_options": json.dumps(
+        cfg.env_options, sort_keys=True, default=str), "train_tasks_file": tasks, "seed": cfg.seed,
+        "group_size": cfg.group_size}

@@ -56,22 +56,10 @@ from rollwise.trainer.logprob_check import LogprobMismatch, check, compare
 from rollwise.trainer.losses import SplitGradients, aggregate, part_size, split, token_losses
 from rollwise.trainer.policy import Batch, PolicyModel, micro_batches
 from rollwise.trainer.schedule import lr_factor
+from rollwise.trainer.stats import episode_stats
 from rollwise.types import Trajectory
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "LogprobMismatch", "oldest_version"]
-
-
-def episode_stats(trajs: list[Trajectory]) -> dict[str, float]:
-    """What the step's episodes were like, each a mean over them: turns, generated tokens, the share
-    that ended with each status other than done (status_max_turns, ...), and the numbers the env
-    reported (env_<key>: tool calls, errors, searches per episode)."""
-    n = max(len(trajs), 1)
-    m = {"turns": sum(t.num_turns for t in trajs) / n, "generated_per_episode": sum(t.num_generated for t in trajs) / n}
-    for s in sorted({t.status for t in trajs} - {"done"}):
-        m[f"status_{s}"] = sum(t.status == s for t in trajs) / n
-    for k in sorted({k for t in trajs for k in t.env_stats}):
-        m[f"env_{k}"] = sum(t.env_stats.get(k, 0.0) for t in trajs) / n
-    return m
 
 
 def oldest_version(t: Trajectory) -> int:

@@ -26,7 +26,8 @@ TASK = {"id": "q", "question": "Where is the company Ana Smith founded based?", 
 def corpus(tmp_path, monkeypatch):
     monkeypatch.setenv("ROLLWISE_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "wiki.jsonl"
-    path.write_text("".join(json.dumps({"id": d["id"], "contents": f'"{d["title"]}"\n{d["text"]}'}) + "\n" for d in DOCS))
+    rows = [{"id": d["id"], "contents": f'"{d["title"]}"\n{d["text"]}'} for d in DOCS]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return {"corpus": str(path), "top_k": 1}
 
 
@@ -102,7 +103,8 @@ def test_search_r1s_data_files_and_rewards(model_dir, corpus, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
     # Search-R1's processed layout: its prompt (instructions included, no system message), targets
-    rows = [{"data_source": "nq", "prompt": [{"role": "user", "content": "Answer ... Question: Where is Maple Motors?"}],
+    prompt = [{"role": "user", "content": "Answer ... Question: Where is Maple Motors?"}]
+    rows = [{"data_source": "nq", "prompt": prompt,
              "ability": "fact-reasoning", "reward_model": {"style": "rule", "ground_truth": {"target": ["Vintry"]}},
              "extra_info": {"split": "train", "index": 0}}]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
@@ -119,7 +121,8 @@ def test_search_r1s_data_files_and_rewards(model_dir, corpus, tmp_path):
     assert _episode(model_dir, f1, ["<answer>Vintry town</answer>"], task)[2].reward == pytest.approx(2 / 3)
     # a question of ours gets the env's instructions; other instructions must have {question}
     env = make_env("search_r1", search=corpus, instructions="Q: {question} Use <search> and <answer>.")
-    assert asyncio.run(env.reset(TASK)) == [{"role": "user", "content": f"Q: {TASK['question']} Use <search> and <answer>."}]
+    want = f"Q: {TASK['question']} Use <search> and <answer>."
+    assert asyncio.run(env.reset(TASK)) == [{"role": "user", "content": want}]
     assert env.answer_of(TASK) == ["Vintry"]
     with pytest.raises(ValueError, match="needs search"):
         make_env("search_r1")
@@ -129,7 +132,8 @@ def test_search_r1s_data_files_and_rewards(model_dir, corpus, tmp_path):
         make_env("search_r1", search=corpus, instructions="no field")
 
 
-def test_example_corpus_in_search_r1s_layout_is_solved_by_the_experts_tagged_transcripts(tmp_path, monkeypatch, model_dir):
+def test_example_corpus_in_search_r1s_layout_is_solved_by_the_experts_tagged_transcripts(tmp_path, monkeypatch,
+                                                                                          model_dir):
     """examples/search_corpus.py --protocol search_r1 (one corpus, searched in process here, through
     `rollwise retrieve` in a run): the expert's transcripts, played token-in-token-out as the warm
     start plays them, answer every question."""
@@ -167,7 +171,8 @@ def test_inline_code_runs_in_the_sandbox_and_the_message_end_is_scored(model_dir
     tok, calls, traj = _episode(model_dir, env, script, task)
     assert traj.status == "done" and traj.reward == 1.0 and traj.num_turns == 2
     assert calls[0][0].params.stop == ["</code>"] and tok.decode(calls[0][1].token_ids).endswith("</code>")
-    assert traj.messages[1]["content"] == (script[0][:script[0].index("</code>") + 7] + "<interpreter>1066</interpreter>"
+    first = script[0][:script[0].index("</code>") + 7]
+    assert traj.messages[1]["content"] == (first + "<interpreter>1066</interpreter>"
                                            + script[1])
     assert traj.messages[0] == {"role": "user", "content": f"Solve: {task['question']} Answer in \\boxed{{}}."}
     # a program's error comes back as its result; a wrong final answer scores 0
@@ -210,7 +215,7 @@ def test_inline_actions_are_checked(tmp_path, corpus):
 
 def test_a_task_may_bring_its_own_documents(model_dir):
     """search = { task_docs = "docs" }: each task's own pages (dicts, or HotpotQA's [title, sentences]
-    pairs), in the search_r1 env and as the dataset env's search tool; examples/search_tasks.py writes
+    pairs), in the search_r1 env and as the dataset env's search tool; examples/task_files.py search_r1 writes
     the search env's questions that way and its expert transcripts answer them all."""
     import subprocess
     import sys
@@ -226,7 +231,8 @@ def test_a_task_may_bring_its_own_documents(model_dir):
     other = {**hotpot, "context": [["Maple Motors", "Maple Motors is based in Dunmore."]]}  # another task, its own
     traj = _episode(model_dir, env, ["<search>Maple</search>", "<answer>Vintry</answer>"], other)[2]
     assert "based in Dunmore" in traj.messages[1]["content"] and "Vintry." not in traj.messages[1]["content"]
-    no_docs = _episode(model_dir, env, ["<search>Maple</search>"], {"id": "n", "question": "?", "golden_answers": ["x"]})[2]
+    bare = {"id": "n", "question": "?", "golden_answers": ["x"]}
+    no_docs = _episode(model_dir, env, ["<search>Maple</search>"], bare)[2]
     assert no_docs.status == "error" and "has no documents in 'context'" in no_docs.error
     ds = make_env("dataset", reward="em", tools=["search"], search={"task_docs": "context"}, prompt_key="question")
     call = '<tool_call>{"name": "search", "arguments": {"query": "Ana"}}</tool_call>'
@@ -234,12 +240,12 @@ def test_a_task_may_bring_its_own_documents(model_dir):
     assert traj.reward == 1.0 and "Ana Smith is a chemist." in traj.messages[3]["content"]
     with pytest.raises(ValueError, match="one of corpus .* or task_docs .*; got \\['corpus', 'task_docs'\\]"):
         make_env("search_r1", search={"task_docs": "docs", "corpus": "x.jsonl"})
-    with pytest.raises(ValueError, match="unknown search options \\['index'\\] with task_docs; valid: top_k, max_chars"):
+    with pytest.raises(ValueError, match="unknown search options \\['index'\\] with task_docs; valid: top_k"):
         make_env("search_r1", search={"task_docs": "docs", "index": "x.sqlite"})
     with tempfile.TemporaryDirectory() as d:
         ex = Path(__file__).parents[2] / "examples"
-        subprocess.run([sys.executable, str(ex / "search_tasks.py"), d, "--train", "40", "--eval", "8"], check=True,
-                       capture_output=True)
+        subprocess.run([sys.executable, str(ex / "task_files.py"), "search_r1", d, "--train", "40", "--eval", "8"],
+                       check=True, capture_output=True)
         train, held = load_tasks(Path(d) / "train.jsonl"), load_tasks(Path(d) / "eval.jsonl")
     assert len(train) == 40 and len(held) == 8 and not {t["question"] for t in train} & {t["question"] for t in held}
     env = lambda: make_env("search_r1", search={"task_docs": "docs", "top_k": 3})  # noqa: E731
@@ -249,7 +255,7 @@ def test_a_task_may_bring_its_own_documents(model_dir):
 
 
 def test_example_code_tasks_in_retools_layout_are_solved_by_the_experts_programs(model_dir, tmp_path):
-    """examples/code_tasks.py and examples/train-code-inline.toml: the expert's programs run in the
+    """examples/task_files.py retool and examples/train-code-inline.toml: the expert's programs run in the
     sandbox inside the message, and their answers score 1; every turn fits the config's max_tokens."""
     import subprocess
     import sys
@@ -257,7 +263,7 @@ def test_example_code_tasks_in_retools_layout_are_solved_by_the_experts_programs
 
     from rollwise.rl import TrainConfig, expert_trajectories
     ex = Path(__file__).parents[2] / "examples"
-    subprocess.run([sys.executable, str(ex / "code_tasks.py"), str(tmp_path), "--train", "20", "--eval", "5"],
+    subprocess.run([sys.executable, str(ex / "task_files.py"), "retool", str(tmp_path), "--train", "20", "--eval", "5"],
                    check=True, capture_output=True)
     tasks = load_tasks(tmp_path / "train.jsonl") + load_tasks(tmp_path / "eval.jsonl")
     cfg = TrainConfig.from_toml(ex / "train-code-inline.toml", model="unused")

@@ -12,8 +12,9 @@ from rollwise.rl import expert_trajectories
 from rollwise.engine.tokenizer import Tokenizer
 from rollwise.rl_config import TrainConfig
 from rollwise.trainer.advantages import advantages
-from rollwise.trainer.grpo import GRPOConfig, GRPOTrainer, LogprobMismatch, episode_stats
+from rollwise.trainer.grpo import GRPOConfig, GRPOTrainer, LogprobMismatch
 from rollwise.trainer.sft import sft
+from rollwise.trainer.stats import episode_stats
 from rollwise.trainer.policy import Batch, PolicyModel
 from rollwise.types import Trajectory, TurnRecord
 
