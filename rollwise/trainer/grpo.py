@@ -41,8 +41,7 @@ on-policy logprobs (`PolicyModel.enable_exact`, exact.py) the tolerance is 0: th
 """
 from __future__ import annotations
 
-import copy
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 
@@ -51,6 +50,7 @@ from rollwise.trainer.config import GRPOConfig
 from rollwise.trainer.critic import Critic, estimate, whiten
 from rollwise.trainer.kl_reward import RewardKL
 from rollwise.trainer.shaping import Overlong, penalties, rewarded
+from rollwise.trainer.snapshots import Snapshots
 from rollwise.trainer.correction import is_weights
 from rollwise.trainer.logprob_check import LogprobMismatch, check, compare
 from rollwise.trainer.losses import SplitGradients, aggregate, part_size, split, token_losses
@@ -70,17 +70,15 @@ class GRPOTrainer:
     def __init__(self, policy: PolicyModel, config: GRPOConfig | None = None) -> None:
         self.policy, self.cfg = policy, config or GRPOConfig()
         self.cfg.check()
-        self.kept: dict[int, dict[str, torch.Tensor]] = {}  # version -> its weights ("recompute")
         self.opt = torch.optim.AdamW(policy.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
-        # the KL reference: the weights as they are now; with LoRA, the policy with its adapters off
-        # (its frozen weights are the reference: no copy)
-        kl = self.cfg.kl_coef > 0 or self.cfg.reward_kl_coef > 0
-        self.ref = copy.deepcopy(policy.model).eval() if kl and policy.lora is None else None
+        # the KL reference and the kept versions' weights ("recompute"): snapshots.py
+        self.snap = Snapshots(policy, self.cfg.temperature, self.cfg.kl_coef > 0 or self.cfg.reward_kl_coef > 0)
         self.reward_kl = None  # KL in the reward (kl_reward.py): beta, and the step's per-token KLs
         if self.cfg.reward_kl_coef > 0:
-            self.reward_kl = RewardKL(lambda b: policy.logprobs(b, self.cfg.temperature) - self._ref_logprobs(b),
-                                      self.cfg.reward_kl_coef, self.cfg.reward_kl_target, self.cfg.reward_kl_horizon,
-                                      self.cfg.micro_batch_tokens)
+            def kl(mb: list[Trajectory], b: Batch) -> torch.Tensor:  # k1: the policy's logprobs less the reference's
+                return policy.logprobs(b, self.cfg.temperature) - self.snap.reference(mb, b)
+            self.reward_kl = RewardKL(kl, self.cfg.reward_kl_coef, self.cfg.reward_kl_target,
+                                      self.cfg.reward_kl_horizon, self.cfg.micro_batch_tokens)
         self.overlong = None  # DAPO's overlong punishment (shaping.py)
         if self.cfg.overlong_buffer:
             self.overlong = Overlong(self.cfg.overlong_max_tokens, self.cfg.overlong_buffer, self.cfg.overlong_penalty)
@@ -108,8 +106,7 @@ class GRPOTrainer:
         for `finish`, with no split gradients)."""
         cfg = self.cfg
         if cfg.behaviour == "recompute" and cfg.keep_versions > 0:  # this version's weights, for later steps
-            self.kept[self.version] = {n: p.detach().clone() for n, p in self.policy.model.named_parameters()
-                                       if p.requires_grad}  # (with LoRA, the adapters: the rest is frozen)
+            self.snap.keep(self.version)
         self.opt.zero_grad(set_to_none=True)
         if self.critic is not None:
             self.critic.reset()
@@ -177,7 +174,9 @@ class GRPOTrainer:
         later epochs. `a`: [B] or [B, L-1] advantages; `n`: each row's episode's generated tokens."""
         cfg, acc = self.cfg, self._acc
         with torch.no_grad():  # behaviour logprobs of stale tokens under the weights that generated them
-            st = self._stale(mb, b) if cfg.behaviour == "recompute" else None
+            st = self.snap.stale(mb, b, self.version, cfg.keep_versions) if cfg.behaviour == "recompute" else None
+        if cfg.kl_coef > 0:  # the reference's logprobs, on the batch for every epoch
+            self.snap.reference(mb, b)
         ent: list = []
         with torch.no_grad() if cfg.mini_batches > 1 else nullcontext():
             lp = self.policy.logprobs(b, cfg.temperature, entropy=ent)
@@ -262,7 +261,7 @@ class GRPOTrainer:
             # the busiest expert's share against an even one (1: balanced; E / k: every token on the same k)
             m["expert_load_max"] = max(float(c.max() / c.float().mean()) for c in self.policy.expert_load.values())
         self.version += 1
-        self.kept = {v: w for v, w in self.kept.items() if v >= self.version - cfg.keep_versions}
+        self.snap.end_step(self.version, cfg.keep_versions)
         self._acc = None
         return m
 
@@ -313,7 +312,7 @@ class GRPOTrainer:
         pg, ratio = token_losses(cfg.policy_loss, lp, prox, A, w, b.mask, cfg.clip_range, cfg.dual_clip)
         extra = None  # the loss's terms that do not depend on the advantage
         if cfg.kl_coef > 0:
-            d = self._ref_logprobs(b) - lp
+            d = b.ref_logprobs - lp  # (the first pass put them there)
             kl = torch.exp(d) - d - 1
             extra = cfg.kl_coef * kl
             stats[2] += float((kl.detach() * b.mask).sum())
@@ -339,54 +338,10 @@ class GRPOTrainer:
         d = (lp_behav - prox) * b.mask  # k3 estimate of KL(behaviour || proximal) on the sampled tokens
         stats[5] += float(((torch.exp(-d) - 1 + d) * b.mask).sum())
 
-    @torch.no_grad()
-    def _ref_logprobs(self, b: Batch) -> torch.Tensor:
-        """[B, L-1] each target's logprob under the reference model (with LoRA: the adapters off), by the
-        policy's own path (the output head at the generated positions only; the same rounding, so a
-        policy still at the reference has KL 0 exactly), its weights swapped in for the call; kept on the
-        batch, so further epochs over it do not run the reference again."""
-        if b.ref_logprobs is None:
-            if self.ref is None:
-                with self.policy.adapters_off():
-                    b.ref_logprobs = self.policy.logprobs(b, self.cfg.temperature)
-            else:
-                with self._weights({n: p.data for n, p in self.ref.named_parameters()}):
-                    b.ref_logprobs = self.policy.logprobs(b, self.cfg.temperature)
-        return b.ref_logprobs
-
-    def _stale(self, mb: list[Trajectory], b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each target's policy version, and the logprobs of the tokens of older versions under the
-        weights of their version (0 at the current version's tokens: those are the proximal ones)."""
-        ver = torch.full(b.mask.shape, self.version, dtype=torch.long)
-        for i, t in enumerate(mb):
-            for tr in t.turns:  # targets are shifted by one: token j is target j - 1
-                ver[i, tr.start - 1: tr.start - 1 + tr.num_generated] = torch.tensor(tr.token_versions(), dtype=torch.long)
-        out = torch.zeros(b.mask.shape)
-        for u in sorted(set(ver[b.mask > 0].tolist()) - {self.version}):
-            if u not in self.kept:
-                raise ValueError(f"behaviour='recompute' needs the weights of version {u}; kept: {sorted(self.kept)} "
-                                 f"(keep_versions={self.cfg.keep_versions} must cover the staleness bound)")
-            with self._weights(self.kept[u]):
-                lp = self.policy.logprobs(b, self.cfg.temperature)
-            out = torch.where(ver == u, lp, out)
-        return ver, out
-
-    @contextmanager
-    def _weights(self, snapshot: dict[str, torch.Tensor]):
-        params = dict(self.policy.model.named_parameters())
-        saved = {n: params[n].data for n in snapshot}
-        try:
-            for n, w in snapshot.items():
-                params[n].data = w
-            yield
-        finally:
-            for n, w in saved.items():
-                params[n].data = w
-
     # checkpoints ---------------------------------------------------------------------------------
     def state(self) -> dict:
         return {"model": self.policy.model.state_dict(), "optimizer": self.opt.state_dict(), "version": self.version,
-                "ref": self.ref.state_dict() if self.ref is not None else None, "kept": self.kept,
+                "ref": self.snap.ref.state_dict() if self.snap.ref is not None else None, "kept": self.snap.kept,
                 "critic": self.critic.state() if self.critic is not None else None,
                 "reward_kl_coef": self.reward_kl.value if self.reward_kl is not None else None}
 
@@ -394,9 +349,9 @@ class GRPOTrainer:
         self.policy.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
-        self.kept = state.get("kept") or {}
-        if self.ref is not None and state.get("ref") is not None:
-            self.ref.load_state_dict(state["ref"])
+        self.snap.kept = state.get("kept") or {}
+        if self.snap.ref is not None and state.get("ref") is not None:
+            self.snap.ref.load_state_dict(state["ref"])
         if self.reward_kl is not None and state.get("reward_kl_coef") is not None:  # the adapted beta
             self.reward_kl.value = float(state["reward_kl_coef"])
         if self.critic is not None:

@@ -33,11 +33,11 @@ def check(coef: float, target: float, horizon: int) -> None:
 
 
 class RewardKL:
-    """beta (the controller) and the step's per-token KL of each trajectory. `kl`: Batch -> [B, L-1]
-    each target's k1 estimate (the trainer's: its logprobs less the reference's)."""
+    """beta (the controller) and the step's per-token KL of each trajectory. `kl`: (sequences, their
+    Batch) -> [B, L-1] each target's k1 estimate (the trainer's: its logprobs less the reference's)."""
 
-    def __init__(self, kl: Callable[[Batch], torch.Tensor], coef: float, target: float = 0.0, horizon: int = 10000,
-                 micro_batch_tokens: int = 8192) -> None:
+    def __init__(self, kl: Callable[[list[Trajectory], Batch], torch.Tensor], coef: float, target: float = 0.0,
+                 horizon: int = 10000, micro_batch_tokens: int = 8192) -> None:
         check(coef, target, horizon)
         self.kl, self.value, self.target, self.horizon, self.mbt = kl, coef, target, horizon, micro_batch_tokens
         self._kls: dict[int, tuple[Trajectory, list[float]]] = {}  # id -> (the trajectory, its KL per token)
@@ -48,7 +48,7 @@ class RewardKL:
         todo = [t for t in trajs if self._kls.get(id(t), (None,))[0] is not t]
         seq: dict[int, list[float]] = {}
         for mb in micro_batches([s for t in todo for s in t.sequences()], self.mbt):
-            d = self.kl(Batch.of(mb))
+            d = self.kl(mb, Batch.of(mb))
             for r, s in enumerate(mb):
                 seq[id(s)] = d[r, positions(s)].tolist()
         for t in todo:

@@ -171,7 +171,7 @@ def test_recomputed_behaviour_of_stale_samples_uses_the_weights_that_generated_t
     b = Batch.of(stale)
     with torch.no_grad():
         prox = policy.logprobs(b)
-        ver, behaviour = trainer._stale(stale, b)
+        ver, behaviour = trainer.snap.stale(stale, b, trainer.version, 1)
         v0 = PolicyModel(model_dir).logprobs(b)
     assert (ver[b.mask > 0] == 0).all()
     assert torch.equal(behaviour * b.mask, v0 * b.mask)  # version 0's weights, exactly
@@ -182,7 +182,7 @@ def test_recomputed_behaviour_of_stale_samples_uses_the_weights_that_generated_t
     t.turns[0].version_segments = [(0, 0), (3, 1)]
     assert t.turns[0].token_versions() == [0, 0, 0, 1, 1, 1, 1, 1]
     with torch.no_grad():
-        ver, behaviour = trainer._stale(stale, b)
+        ver, behaviour = trainer.snap.stale(stale, b, trainer.version, 1)
     s0 = t.turns[0].start - 1  # token j is target j - 1
     assert ver[0, s0:s0 + 8].tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
     assert torch.equal(behaviour[0, s0:s0 + 3], v0[0, s0:s0 + 3])
@@ -413,7 +413,7 @@ def test_lora_starts_as_the_model_trains_adapters_alone_and_merges_exactly(model
     names = {n for n, p in policy.model.named_parameters() if p.requires_grad}
     assert names and all("lora_" in n and ("q_proj" in n or "v_proj" in n) for n in names)
     trainer = GRPOTrainer(policy, GRPOConfig(lr=1e-2, kl_coef=0.1))
-    assert trainer.ref is None  # the KL reference is the policy with its adapters off: no copy
+    assert trainer.snap.ref is None  # the KL reference is the policy with its adapters off: no copy
     for t in trajs:
         t.reward = float(t.trajectory_id.endswith("0"))
     assert trainer.step([trajs])["kl"] == pytest.approx(0.0, abs=1e-9)  # the adapters start at zero
@@ -444,12 +444,39 @@ def test_the_kl_reference_runs_once_per_micro_batch_whatever_the_epochs(model_di
     for epochs in (1, 3):
         policy = PolicyModel(model_dir)
         trainer = GRPOTrainer(policy, GRPOConfig(lr=1e-2, kl_coef=0.1, epochs=epochs, micro_batch_tokens=40))
-        calls, swap = [], trainer._weights
-        trainer._weights = lambda w: (calls.append(1), swap(w))[1]  # the reference's weights swapped in
+        calls, swap = [], trainer.snap.swap
+        trainer.snap.swap = lambda w: (calls.append(1), swap(w))[1]  # the reference's weights swapped in
         metrics[epochs] = trainer.step([trajs])
         runs[epochs] = len(calls)
     assert runs[1] == runs[3] >= 2  # one reference forward per micro-batch, not per epoch
     assert metrics[3]["kl"] > 0 == metrics[1]["kl"]  # (the last epoch's KL: the policy moved off the reference)
+
+
+def test_kl_in_the_loss_and_in_the_reward_share_the_reference_forward(model_dir):
+    trajs = _sampled(model_dir, 4, seed=5)
+    for t in trajs:
+        t.reward = float(t.trajectory_id.endswith(("0", "1")))
+    runs = {}
+    for name, kl in {"reward": {}, "both": {"kl_coef": 0.1}}.items():
+        trainer = GRPOTrainer(PolicyModel(model_dir), GRPOConfig(lr=1e-2, reward_kl_coef=0.1, epochs=2,
+                                                                 micro_batch_tokens=40, **kl))
+        calls, swap = [], trainer.snap.swap
+        trainer.snap.swap = lambda w: (calls.append(1), swap(w))[1]
+        ms = [trainer.step([trajs]) for _ in range(2)]
+        runs[name] = len(calls)
+    assert runs["both"] == runs["reward"] >= 4  # the loss's KL takes the reward's reference rows
+    assert ms[1]["kl"] > 0 and ms[1]["reward_kl"] > 0
+    # rows valued in one micro-batch, assembled for another: its own forward's values, without a forward
+    snap = trainer.snap
+    whole = snap.reference(trajs, Batch.of(trajs))
+    n = len(calls)
+    part = Batch.of(trajs[2:])
+    got = snap.reference(trajs[2:], part)
+    assert len(calls) == n and got.shape == part.targets.shape
+    with torch.no_grad(), snap.swap({k: p.data for k, p in snap.ref.named_parameters()}):
+        own = trainer.policy.logprobs(part)
+    assert torch.allclose(got * part.mask, own * part.mask, atol=1e-5)
+    assert torch.equal(got[0, :len(trajs[2].token_ids) - 1], whole[2, :len(trajs[2].token_ids) - 1])
 
 
 def test_dual_clip_bounds_a_negative_advantages_loss(model_dir):

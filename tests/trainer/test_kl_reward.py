@@ -17,7 +17,7 @@ from tests.trainer.test_gigpo import episode
 
 def test_the_adaptive_controller_moves_beta_toward_the_target_and_the_fixed_one_does_not():
     def stepped(target, kl, n=100, horizon=1000):
-        r = RewardKL(lambda b: None, 0.1, target, horizon)
+        r = RewardKL(lambda mb, b: None, 0.1, target, horizon)
         r._kls = {i: (None, [kl] * 3) for i in range(n)}  # n episodes, each `kl` per token
         m = r.finish()
         return m, r.value
@@ -28,7 +28,7 @@ def test_the_adaptive_controller_moves_beta_toward_the_target_and_the_fixed_one_
     assert stepped(0.05, 0.0)[1] == pytest.approx(0.1 * 0.98)  # under the target: down
     assert stepped(0.0, 0.5)[1] == 0.1  # no target: fixed
     with pytest.raises(ValueError, match="reward_kl_horizon"):
-        RewardKL(lambda b: None, 0.1, 0.05, 0)
+        RewardKL(lambda mb, b: None, 0.1, 0.05, 0)
 
 
 def test_penalties_lower_each_tokens_reward_and_the_returns_discount_them():
@@ -58,7 +58,7 @@ def test_the_per_token_kl_is_the_policys_logprob_less_the_references(model_dir):
     b = Batch.of([t])
     with torch.no_grad():
         lp = trainer.policy.logprobs(b)[0, positions(t)]
-        ref = torch.log_softmax(trainer.ref(input_ids=b.input_ids).logits[0, :-1], -1)
+        ref = torch.log_softmax(trainer.snap.ref(input_ids=b.input_ids).logits[0, :-1], -1)
         lp_ref = ref[positions(t), b.targets[0, positions(t)]]
     assert kls == pytest.approx((lp - lp_ref).tolist(), abs=1e-5) and max(map(abs, kls)) > 1e-3
     assert trainer.reward_kl.token_kls([t])[id(t)] is kls  # once a step
