@@ -185,6 +185,8 @@ async def _train(cfg: TrainConfig) -> dict:
         raise ValueError(f"env {cfg.env!r} has no sample_tasks(n, seed): set train_tasks_file")
     policy = PolicyModel(cfg.model, seed=cfg.seed)
     policy.routing = cfg.routing_replay
+    if cfg.gradient_checkpointing:
+        policy.enable_checkpointing()
     if cfg.true_on_policy:
         policy.enable_exact(adapter=cfg.lora_sync == "adapter")
     if cfg.routing_replay != "off" and not getattr(policy.model.config, "num_experts", 0):

@@ -115,6 +115,12 @@ class TrainConfig:
     # the critic trains LoRA adapters (lora_rank, lora_alpha, lora_targets) and its head on the policy's frozen
     # base weights, shared: no second copy of the model (needs lora_rank > 0; verl's critic lora_rank)
     critic_lora: bool = False
+    # the trainer's micro-batches: padded tokens (rows x the longest) per forward and backward (verl's
+    # ppo_max_token_len_per_gpu); gradient_checkpointing recomputes each decoder layer's activations in the
+    # backward instead of keeping them (verl's enable_gradient_checkpointing): a micro-batch's memory is its
+    # layers' inputs, for about a third more compute (SFT, policy and critic)
+    micro_batch_tokens: int = 8192
+    gradient_checkpointing: bool = False
     # "ppo" (token ratios, clipped), "gspo" (sequence ratios: set clip = 3e-4, clip_high = 4e-4,
     # loss_agg = "sequence") or "cispo" (clipped, stopped ratios as weights: clip_high large)
     policy_loss: str = "ppo"

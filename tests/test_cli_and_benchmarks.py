@@ -167,6 +167,12 @@ def test_stop_strings_benchmark_smoke(tmp_path):
     assert res["plain"]["decoded_per_token"] == 1.0 < res["stop"]["decoded_per_token"] and res["ratio"] > 0
 
 
+def test_grad_checkpoint_benchmark_smoke(tmp_path):
+    res = smoke(tmp_path, "benchmarks/grad_checkpoint.py", "--model", str(tmp_path / "model"), "--repeats", "1")
+    assert res["plain"]["tokens"] == res["checkpointed"]["tokens"] > 0  # the same micro-batch both ways
+    assert res["ratio"]["kept_bytes"] < 0.6 and res["ratio"]["seconds"] > 0
+
+
 def test_bench_spec_cli_smoke(tmp_path):
     from rollwise.make_model import make_model
     model = make_model(tmp_path / "tok", layers=1, hidden=32, heads=2, kv_heads=1, vocab=600)

@@ -96,6 +96,8 @@ class GRPOConfig:
         check_gigpo(self.gigpo_mode, self.gigpo_similarity)
         check_critic(self.gae_gamma, self.gae_lambda, self.critic_lr, self.value_clip, self.critic_warmup)
         check_correction(self.is_level, self.is_mode, self.tis_cap, self.is_low, self.is_veto)
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
         if self.behaviour not in ("rollout", "recompute"):
             raise ValueError(f"behaviour must be 'rollout' or 'recompute', got {self.behaviour!r}")
         check_cut_off("exclude_statuses", self.exclude_statuses)

@@ -30,7 +30,8 @@ import copy
 import torch
 
 from rollwise.trainer.losses import split
-from rollwise.trainer.policy import Batch, PolicyModel, cache_kw, decoder_states, inject_lora, micro_batches
+from rollwise.trainer.policy import (Batch, PolicyModel, cache_kw, decoder_states, enable_checkpointing, inject_lora,
+                                     micro_batches)
 from rollwise.types import Trajectory
 
 
@@ -99,6 +100,8 @@ class Critic:
         if lora:  # the policy's LoRA settings (a copy: peft fills a config in as it injects)
             inject_lora(model, copy.deepcopy(policy.lora))
         self.lora = lora
+        if policy.checkpointing:
+            enable_checkpointing(model)
         self.body = model.get_decoder().train()
         self.head = torch.nn.Linear(model.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)

@@ -12,7 +12,7 @@ import json
 import shutil
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -84,6 +84,7 @@ class PolicyModel:
         self.model.config.use_cache = False
         self.model.train()
         self.lora = None  # peft's LoraConfig once `add_lora` has run
+        self.checkpointing = False  # gradient checkpointing (`enable_checkpointing`)
         self.exact = None  # the engine's forward for the logprobs' values (`enable_exact`, exact.py)
         self.routing = "off"  # MoE: what to do with a batch's rollout routing (ROUTING_MODES)
         # (token-layers whose own top-k experts differ from the rollout's, token-layers compared)
@@ -110,6 +111,13 @@ class PolicyModel:
             if entropy is not None:
                 entropy[-1] = torch.cat([lp.new_zeros(lp.shape[0], off), entropy[-1]], dim=1)
         return lp if self.exact is None else self._exact(lp, batch, temperature)
+
+    def enable_checkpointing(self) -> None:
+        """Gradient checkpointing: each decoder layer's activations are recomputed in the backward
+        instead of kept, so a micro-batch holds its layers' inputs alone, for about a third more
+        compute. A shared prefix stays shared (`decoder_states`)."""
+        enable_checkpointing(self.model)
+        self.checkpointing = True
 
     def enable_exact(self, adapter: bool = False) -> None:
         """Logprobs whose values are the engine's, bit for bit (batch-invariant kernels), and whose
@@ -270,6 +278,20 @@ def inject_lora(model, config) -> None:
         p.requires_grad_("lora_" in name)
 
 
+def enable_checkpointing(model) -> None:
+    """transformers' gradient checkpointing of every decoder layer, non-reentrant (gradients reach the
+    shared prefix's KV, which the layers read from the cache, not from their arguments), the cache
+    passed on: `decoder_states`' read-only prefix layers give a replay the keys its forward had."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # (the name since transformers 5.25)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    for m in model.modules():
+        if hasattr(m, "_can_checkpoint_with_cache"):
+            m._can_checkpoint_with_cache = True
+
+
 def cache_kw(model) -> str:
     """The name of a model's forward's KV-cache argument (transformers 5.24 renamed past_key_values to cache)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -282,20 +304,63 @@ def decoder_states(body, batch: Batch, cache_kw: str, min_shared: int = 32,
     prompt and tool schemas) have that prefix run once and its KV shared by the batch: exact (the
     same states, and gradients flow back through the shared KV), several times cheaper when the
     prompt dominates; `off` is then the prefix's length less one (no target before it is generated).
-    `route(rows, cols)`: a context to run the forward of those rows and positions in (MoE routing)."""
+    `route(rows, cols)`: a context to run the forward of those rows and positions in (MoE routing).
+    Under gradient checkpointing (`enable_checkpointing`) the prefix runs whole (one row) and the rest
+    checkpointed, reading the prefix's KV from layers that do not grow, so that a layer's replay in
+    the backward sees the keys its forward saw."""
     p, n = batch.shared, batch.input_ids.shape[0]
     if p < min_shared or batch.input_ids.shape[1] - p < 1:
         with route(slice(None), slice(None)):
             return body(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state[:, :-1], 0
     from transformers import DynamicCache
-    cache = DynamicCache(config=body.config)
-    with route(slice(0, 1), slice(0, p)):
-        pre = body(input_ids=batch.input_ids[:1, :p], use_cache=True, **{cache_kw: cache}).last_hidden_state
-    cache.batch_repeat_interleave(n)
+    kv = DynamicCache(config=body.config)
+    replay = torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) for m in body.modules())
+    with route(slice(0, 1), slice(0, p)), _checkpointing(body, False) if replay else nullcontext():
+        pre = body(input_ids=batch.input_ids[:1, :p], use_cache=True, **{cache_kw: kv}).last_hidden_state
+    kv.batch_repeat_interleave(n)
+    if replay:  # the prefix's KV read by the checkpointed layers, which replay in the backward
+        kv.layers = [_read_only(layer) for layer in kv.layers]
     with route(slice(None), slice(p, None)):
-        rest = body(input_ids=batch.input_ids[:, p:], attention_mask=batch.attention_mask, use_cache=True,
-                    **{cache_kw: cache}).last_hidden_state  # position p.. -> targets p..
+        rest = body(input_ids=batch.input_ids[:, p:], attention_mask=batch.attention_mask, use_cache=not replay,
+                    **{cache_kw: kv}).last_hidden_state  # position p.. -> targets p..
     return torch.cat([pre[:, -1:].expand(n, 1, -1), rest[:, :-1]], dim=1), p - 1  # targets p-1..L-2
+
+
+@contextmanager
+def _checkpointing(body, on: bool):
+    """The decoder's layers checkpointed or not while inside."""
+    mods = [m for m in body.modules() if hasattr(m, "gradient_checkpointing")]
+    was = [m.gradient_checkpointing for m in mods]
+    try:
+        for m in mods:
+            m.gradient_checkpointing = on
+        yield
+    finally:
+        for m, w in zip(mods, was):
+            m.gradient_checkpointing = w
+
+
+def _read_only(layer):
+    """The layer's keys and values in a cache layer that gives them followed by a forward's own without
+    keeping those: a layer's forward and its replay in the backward see the same keys."""
+    full, read_only = _cache_layers()
+    if type(layer) is not full:  # (sliding-window layers drop keys as they go)
+        raise ValueError(f"gradient checkpointing with a shared prefix needs full-attention layers, got "
+                         f"{type(layer).__name__}")
+    ro = read_only()
+    ro.__dict__.update(layer.__dict__)
+    return ro
+
+
+@cache
+def _cache_layers():
+    """transformers' DynamicLayer and its read-only subclass (transformers imported on first use)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class ReadOnlyLayer(DynamicLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+    return DynamicLayer, ReadOnlyLayer
 
 
 @contextmanager

@@ -21,6 +21,7 @@ from rollwise.rl import TrainConfig, _sft_cache_path, train
 from rollwise.rl_config import env_factory, task_sets
 from rollwise.rollout.pipeline import read_log
 from rollwise.trainer.grpo import GRPOConfig
+from rollwise.trainer.policy import PolicyModel
 from rollwise.serve.process import ServerProcess
 
 TINY = dict(env="calculator", sft_steps=3, sft_tasks=8, groups_per_step=2, group_size=2, max_tokens=12, max_turns=2,
@@ -123,16 +124,21 @@ def test_a_streamed_run_trains_whitened_advantages_as_groups_arrive(model_dir, t
     applied = []
     real = SplitGradients.apply
     monkeypatch.setattr(SplitGradients, "apply", lambda self, mean, std: applied.append(std) or real(self, mean, std))
+    checkpointed, enable = [], PolicyModel.enable_checkpointing
+    monkeypatch.setattr(PolicyModel, "enable_checkpointing", lambda self: checkpointed.append(1) or enable(self))
     for advantage in ("gae", "reinforce_plus_plus_baseline"):
         applied.clear()
         cfg = {**TINY, "model": model_dir, "run_dir": str(tmp_path / advantage), "advantage": advantage, "steps": 2,
                "groups_per_step": 3, "eval_tasks": 0, "max_staleness": 1, "stream_whitened": True}
-        if advantage == "gae":  # with KL in the reward, adaptive (a short horizon: beta moves visibly)
-            cfg.update(reward_kl_coef=0.05, reward_kl_target=1e-3, reward_kl_horizon=10)
+        if advantage == "gae":  # with KL in the reward, adaptive (a short horizon: beta moves visibly), and in
+            # the loss (the reward's reference rows), under gradient checkpointing (the policy's and the critic's)
+            cfg.update(reward_kl_coef=0.05, reward_kl_target=1e-3, reward_kl_horizon=10, kl_coef=0.01,
+                       gradient_checkpointing=True, micro_batch_tokens=2048)
         steps = train(TrainConfig.from_dict(cfg))["steps"]
         if advantage == "gae":
             assert steps[0]["reward_kl_coef"] == 0.05 and steps[1]["reward_kl_coef"] != 0.05
             assert steps[0]["reward_kl"] == 0.0 < abs(steps[1]["reward_kl"])  # the reference, then not
+            assert abs(steps[0]["kl"]) < 1e-6 < steps[1]["kl"] and len(checkpointed) == 1
         assert len(applied) == 2 and all(s > 0 for s in applied)
         assert all(s["trained_trajectories"] > 0 and s["entropy"] > 0 and abs(s["loss"]) < 10 for s in steps)
         assert all(s["logprob_diff"] < 0.02 for s in steps if s["logprob_diff"] == s["logprob_diff"])

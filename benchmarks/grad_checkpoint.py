@@ -1,0 +1,126 @@
+"""What gradient checkpointing (`gradient_checkpointing = true`) saves and costs in the trainer: one
+micro-batch's forward and backward (`PolicyModel.logprobs`, then the loss's backward) on agent-like
+rows, a group's common prompt and then each row's own tokens (generated turns and tool output), with
+and without checkpointing, each in a process of its own.
+
+    python benchmarks/grad_checkpoint.py [--smoke] [--rows 8] [--prompt 512] [--rest 1536] [--json PATH]
+
+Reported for each: the bytes autograd kept for the backward (saved tensors), the process's peak
+resident memory above what it held before the pass (VmHWM, reset before each pass), and the median
+seconds of `--repeats` passes; then checkpointed / plain for each, and the tokens of the micro-batch.
+The shared prompt runs once either way (the trainer's default).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+from rollwise.omp import passive_unless_chosen
+passive_unless_chosen()  # before torch loads
+
+from common import engine_model  # noqa: E402  (benchmarks/common.py)
+
+
+def _status(key: str) -> int:
+    """A /proc/self/status figure in bytes (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def measure(model: str, ckpt: bool, rows: int, prompt: int, rest: int, repeats: int) -> dict:
+    """In this process: kept bytes, peak memory above the start and seconds of one pass, median."""
+    import torch
+
+    from rollwise.trainer.policy import Batch, PolicyModel
+    from rollwise.types import Trajectory
+
+    with open(f"{model}/config.json") as f:
+        vocab = json.load(f)["vocab_size"]
+    rng = random.Random(0)
+    head = [rng.randrange(10, vocab) for _ in range(prompt)]
+    trajs = []
+    for i in range(rows):
+        n = rest - rng.randrange(0, rest // 4)  # rows of unequal length, as episodes are
+        own = [rng.randrange(10, vocab) for _ in range(n)]
+        mask = [1 if (j // 64) % 2 == 0 else 0 for j in range(n)]  # turns of 64 generated, 64 tool tokens
+        trajs.append(Trajectory(trajectory_id=f"t{i}", group_id="g", task={}, token_ids=head + own,
+                                loss_mask=[0] * prompt + mask, logprobs=[0.0] * (prompt + n)))
+    b = Batch.of(trajs)
+    policy = PolicyModel(model)
+    if ckpt:
+        policy.enable_checkpointing()
+    kept, peaks, secs = [0], [], []
+
+    def pack(t):
+        kept[0] += t.numel() * t.element_size()
+        return t
+    for r in range(repeats + 1):  # the first one warms up
+        policy.model.zero_grad(set_to_none=True)
+        kept[0] = 0
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak resident memory starts again from now
+        before = _status("VmRSS")
+        t0 = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            lp = policy.logprobs(b)
+        (-(lp * b.mask).sum() / b.mask.sum()).backward()
+        secs.append(time.perf_counter() - t0)
+        peaks.append(_status("VmHWM") - before)
+        del lp
+    return {"kept_bytes": kept[0], "peak_bytes": statistics.median(peaks[1:]), "seconds": statistics.median(secs[1:]),
+            "tokens": int(b.attention_mask.sum()), "padded_tokens": b.input_ids.numel(),
+            "generated_tokens": int(b.mask.sum()), "shared_prefix": b.shared}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="the 2-layer model, short rows")
+    ap.add_argument("--rows", type=int, default=8, help="rows of the micro-batch")
+    ap.add_argument("--prompt", type=int, default=512, help="their common prompt's tokens")
+    ap.add_argument("--rest", type=int, default=1536, help="each row's own tokens (at most; some are shorter)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", help="a model directory (default: the engine benchmarks' model, made once)")
+    ap.add_argument("--json")
+    ap.add_argument("--child", choices=["plain", "checkpointed"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    rest = 96 if args.smoke else args.rest
+    prompt = 40 if args.smoke else args.prompt
+    model = engine_model("smoke" if args.smoke else "bench", args.model)
+    if args.child:
+        print(json.dumps(measure(model, args.child == "checkpointed", args.rows, prompt, rest, args.repeats)))
+        return
+    res = {}
+    for name in ("plain", "checkpointed"):
+        cmd = [sys.executable, __file__, "--child", name, "--rows", str(args.rows), "--prompt", str(prompt),
+               "--rest", str(rest), "--repeats", str(args.repeats), "--model", model]
+        # tensors over 64 KiB mmapped, so freeing one returns it at once and the resident memory is the live one
+        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+        if out.returncode:
+            sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
+        res[name] = json.loads(out.stdout.strip().splitlines()[-1])
+        r = res[name]
+        print(f"{name:>12}: kept {r['kept_bytes'] / 2**20:8.1f} MiB, peak {r['peak_bytes'] / 2**20:8.1f} MiB, "
+              f"{r['seconds']:.3f} s per forward and backward", flush=True)
+    p, c = res["plain"], res["checkpointed"]
+    res["ratio"] = {k: c[k] / p[k] for k in ("kept_bytes", "peak_bytes", "seconds")}
+    res["settings"] = {"rows": args.rows, "prompt": prompt, "rest": rest, "repeats": args.repeats,
+                       "model": "smoke" if args.smoke else "bench"}
+    print(f"{p['tokens']:,} tokens ({p['generated_tokens']:,} generated, a {p['shared_prefix']}-token prompt "
+          f"run once): checkpointed / plain kept {res['ratio']['kept_bytes']:.3f}x, peak "
+          f"{res['ratio']['peak_bytes']:.3f}x, time {res['ratio']['seconds']:.3f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
