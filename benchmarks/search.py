@@ -1,7 +1,9 @@
 """What the search tool costs, and what sharing requests buys: concurrent episodes' searches through a
 `rollwise retrieve` server (a subprocess on 127.0.0.1), one request per query (the baseline) against
 the default, where queries waiting for a request slot leave together; the index in process beside
-them. Sides take turns within each repetition; every side must return the same hits.
+them. Sides take turns within each repetition; every side must return the same hits. Then a trainer's
+whole batch in requests of 512 queries (Search-R1's and verl's one call per batch), which the server
+runs in a thread per core, against the same queries one after another in process.
 
     python benchmarks/search.py [--concurrency 1,16,64,256] [--repeats 3] [--smoke] [--json PATH]
 
@@ -107,6 +109,26 @@ def main() -> None:
                       f"{row['shared_qps']:8.0f} q/s ({row['shared_vs_per_query']:.2f}x), in process "
                       f"{row['in_process_qps']:8.0f} q/s")
         asyncio.run(measure())
+        # a trainer's whole batch in requests of 512 queries (verl's and Search-R1's one call per batch):
+        # the server runs a request's queries in a thread per core; against them one after another in
+        # process (what a request cost before, in the one thread it had)
+        secs = {"one_request": [], "serial": []}
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            got = [[x["document"]["id"] for x in hits] for i in range(0, len(queries), 512)
+                   for hits in httpx.post(url, json={"queries": queries[i:i + 512], "topk": args.k},
+                                          timeout=300).json()["result"]]
+            secs["one_request"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            want = [[h.id for h in index.search(q, args.k)] for q in queries]
+            secs["serial"].append(time.perf_counter() - t0)
+            assert got == want, "the server's hits differ from the index's"
+        med = {s: statistics.median(v) for s, v in secs.items()}
+        out["one_request"] = {"requests_of": 512, "server_qps": len(queries) / med["one_request"],
+                              "serial_qps": len(queries) / med["serial"], "ratio": med["serial"] / med["one_request"]}
+        r = out["one_request"]
+        print(f"requests of 512 queries: {r['server_qps']:.0f} q/s against {r['serial_qps']:.0f} q/s one after "
+              f"another in process ({r['ratio']:.2f}x)")
     finally:
         server.terminate()
         server.wait(timeout=10)

@@ -366,6 +366,7 @@ def test_search_benchmark_smoke(tmp_path):
     res = smoke(tmp_path, "benchmarks/search.py")  # (it checks that every side returns the same hits)
     assert res["documents"] > 0 and set(res["levels"]) == {"1", "8"}
     assert all(row["per_query_qps"] > 0 and row["shared_qps"] > 0 for row in res["levels"].values())
+    assert res["one_request"]["server_qps"] > 0 and res["one_request"]["ratio"] > 0
 
 
 def test_math_reward_benchmark_smoke(tmp_path):

@@ -10,6 +10,8 @@ Bad input is HTTP 400 with a JSON body; `--api-key` requires a bearer key (healt
 """
 from __future__ import annotations
 
+import asyncio
+import os
 from dataclasses import dataclass
 
 from fastapi import FastAPI
@@ -20,6 +22,7 @@ from rollwise.agent.search import Hit, SearchIndex
 from rollwise.serve.server import install_common
 
 MAX_QUERIES = 512
+THREADS = max(1, min(8, os.cpu_count() or 1))  # a request's queries run in up to this many threads
 
 
 class RetrieveRequest(BaseModel):
@@ -49,7 +52,13 @@ def build_retrieve_app(index: SearchIndex, api_key: str | None = None) -> FastAP
     async def retrieve(req: RetrieveRequest):
         if not 1 <= len(req.queries) <= MAX_QUERIES:
             raise ValueError(f"queries: 1 to {MAX_QUERIES} of them, got {len(req.queries)}")
-        hits = await run_in_threadpool(lambda: [index.search(q, req.topk) for q in req.queries])
+        # the queries in a share per core, each in a thread of its own (sqlite lets go of the GIL while
+        # it ranks): a trainer's one request of a whole batch's queries takes every core
+        n = min(len(req.queries), THREADS)
+        parts = [req.queries[i::n] for i in range(n)]
+        got = await asyncio.gather(*(run_in_threadpool(lambda qs=qs: [index.search(q, req.topk) for q in qs])
+                                     for qs in parts))
+        hits = [got[i % n][i // n] for i in range(len(req.queries))]
         if req.return_scores:
             return {"result": [[{"document": _doc(h), "score": h.score} for h in hs] for hs in hits]}
         return {"result": [[_doc(h) for h in hs] for hs in hits]}

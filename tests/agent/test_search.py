@@ -96,6 +96,10 @@ def test_retrieval_server_speaks_search_r1s_protocol_and_refuses_bad_input_with_
         assert [[x["document"]["id"] for x in hits] for hits in result] == [["2", "1"], ["4"]]
         assert result[0][0]["document"]["contents"] == '"Maple Motors"\nMaple Motors is a car maker based in Vintry.'
         assert result[0][0]["score"] == pytest.approx(index.search("maple motors", 1)[0].score)
+        many = ["maple motors", "Ben", "Ana Smith", "Vintry", "pilot", "car maker"] * 5  # in threads, in order
+        result = httpx.post(srv.url, json={"queries": many, "topk": 3}, headers=auth).json()["result"]
+        assert [[x["document"]["id"] for x in hits] for hits in result] == [[h.id for h in index.search(q, 3)]
+                                                                             for q in many]
         plain = httpx.post(srv.url, json={"queries": ["Ben"], "return_scores": False}, headers=auth).json()
         assert plain == {"result": [[{"id": "4", "contents": '"Ben Smith"\nBen Smith is a pilot.'}]]}
         for body, why in [({"queries": "maple"}, "queries"), ({"queries": []}, "1 to 512"),
