@@ -293,6 +293,9 @@ class TrainConfig:
             raise ValueError("lora_sync = 'adapter' needs LoRA: set lora_rank")
         if cfg.routing_replay not in ROUTING_MODES:
             raise ValueError(f"unknown routing_replay {cfg.routing_replay!r}; valid: {list(ROUTING_MODES)}")
+        if cfg.routing_replay == "replay" and cfg.gradient_checkpointing:
+            raise ValueError("routing_replay = 'replay' does not work with gradient_checkpointing: the layers "
+                             "replayed in the backward would route by the trainer's own router (use 'record')")
         if cfg.replica_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"replica_dtype must be 'float32' or 'bfloat16', got {cfg.replica_dtype!r}")
         if cfg.replica_batch_invariant and cfg.replica_dtype != "float32":

@@ -144,6 +144,9 @@ class PolicyModel:
         (routing [B, T, layers, k], -1 unknown): replayed, or compared only (`self.routing`)."""
         if routing is None:
             return nullcontext()
+        if self.routing == "replay" and self.checkpointing:  # (the hooks are gone when a layer replays)
+            raise ValueError("routing replay does not work with gradient checkpointing: the layers replayed in "
+                             "the backward would route by the trainer's own router")
         flat = routing.reshape(-1, *routing.shape[2:])
         layers = self.model.get_decoder().layers
         gates = [(i, layer.mlp.gate) for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")]

@@ -87,7 +87,16 @@ def test_a_gae_step_with_checkpointing_moves_policy_and_critic_alike(model_dir):
     assert not torch.equal(after[0][-1], torch.zeros_like(after[0][-1]))  # the value head moved
 
 
-def test_the_run_config_sets_the_micro_batches():
+def test_the_run_config_sets_the_micro_batches_and_refuses_routing_replay_with_checkpointing(model_dirs):
     assert TrainConfig(model="m", micro_batch_tokens=512).trainer_config().micro_batch_tokens == 512
     with pytest.raises(ValueError, match="micro_batch_tokens"):
         GRPOConfig(micro_batch_tokens=0).check()
+    with pytest.raises(ValueError, match="routing_replay = 'replay' does not work with gradient_checkpointing"):
+        TrainConfig.from_dict({"model": "m", "routing_replay": "replay", "gradient_checkpointing": True})
+    policy = PolicyModel(model_dirs["qwen3_moe"])  # (as a library: the layers replayed would route otherwise)
+    policy.routing = "replay"
+    policy.enable_checkpointing()
+    b = Batch.of(_trajs())
+    b.routing = torch.zeros(*b.input_ids.shape, 2, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="routing replay does not work with gradient checkpointing"):
+        policy.logprobs(b)
