@@ -23,11 +23,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from rollwise.agent.episode import collect, run_attempts, stable_seed
+from rollwise.agent.episode import collect, stable_seed
 from rollwise.agent.generator import ScriptedGenerator, expert_policy
 from rollwise.rl_config import TrainConfig, env_factory, n_train_tasks, run_identity, task_sets
 from rollwise.rollout.fleet import fleet_metrics, make_router, shutdown, threads
-from rollwise.rollout.pipeline import Group, GroupQueue, read_log
+from rollwise.rollout.pipeline import GroupQueue, read_log
+from rollwise.rollout.producer import PreRolloutFilter, produce
 from rollwise.rollout.report import Status, write_report
 from rollwise.rollout.trackers import Trackers
 from rollwise.types import SamplingParams
@@ -85,47 +86,6 @@ async def expert_trajectories(tokenizer, make_env, tasks: list[dict], direct_fra
 
 
 # the RL loop -------------------------------------------------------------------------------------
-async def produce(cfg: TrainConfig, queue, router, make_env, tasks: list[dict], cursor: int, done: set[int]) -> None:
-    """Admit groups under the staleness bound and run them; a complete group goes to the queue."""
-    slots = asyncio.Semaphore(cfg.max_concurrent_groups)
-    running: set[asyncio.Task] = set()
-
-    async def group(seq: int, version: int, idx: int) -> None:
-        task = tasks[idx % len(tasks)]
-        gid = f"s{seq}"
-        try:
-            trajs = await asyncio.gather(*(
-                run_attempts(router, make_env, task,
-                             SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                            seed=stable_seed(cfg.seed, idx, k),
-                                            return_routed_experts=cfg.routing_replay != "off"),
-                             retries=cfg.episode_retries, retry_on=tuple(cfg.retry_statuses),
-                             trajectory_id=f"{gid}/{k}", group_id=gid, deadline_s=cfg.episode_deadline_s,
-                             policy_version=version if cfg.deterministic else None)
-                for k in range(cfg.group_size)))
-            await queue.put(Group(seq, idx, task, version, list(trajs)))
-        except Exception as e:  # noqa: BLE001 - surfaces in the trainer instead of hanging it
-            await queue.fail(e)
-        finally:
-            slots.release()
-
-    try:
-        while True:
-            await slots.acquire()
-            seq, version = await queue.admit()
-            while cursor in done:  # completed before a crash: already in the log
-                cursor += 1
-            t = asyncio.create_task(group(seq, version, cursor))
-            cursor += 1
-            running.add(t)
-            t.add_done_callback(running.discard)
-    except Exception as e:  # noqa: BLE001
-        await queue.fail(e)
-    finally:
-        for t in running:
-            t.cancel()
-
-
 def _sft_cache_path(cfg: TrainConfig) -> Path | None:
     if not cfg.sft_cache or cfg.sft_steps <= 0:
         return None
@@ -282,8 +242,16 @@ async def _train(cfg: TrainConfig) -> dict:
                            admitted=max([g.seq + 1 for g in logged] + [trainer.version * cfg.groups_per_step]),
                            log_path=log_path, lockstep=cfg.deterministic, skipped=len(skipped))
         queue.restore(left)
-        done_tasks = {g.task_index for g in logged}  # never generated twice; the rest run in order
-        producer = asyncio.create_task(produce(cfg, queue, router, make_env, train_tasks, 0, done_tasks))
+        def teaches(trajs) -> bool:  # (dynamic sampling's and the pre-rollout filter's judgement)
+            return informative(trajs, cfg.advantage, cfg.step_advantage_weight, cfg.gamma, cfg.gigpo_mode,
+                               cfg.gigpo_similarity)
+        skips = None  # GRESO's pre-rollout filter (producer.py), its decisions kept beside the log
+        if cfg.pre_rollout_explore < 1:
+            skips = PreRolloutFilter(len(train_tasks), cfg.pre_rollout_explore, cfg.seed, run / "pre_rollout.jsonl")
+            skips.restore({g.task_index: teaches(g.trajectories) for g in logged})
+        done_tasks = {g.task_index for g in logged} | (skips.skipped if skips else set())  # never run twice
+        producer = asyncio.create_task(produce(cfg, queue, router, make_env, train_tasks, 0, done_tasks, teaches,
+                                               skips))
         bar = status.bar(cfg.steps, initial=len(history))
         steps_log = run / "steps.jsonl"  # one line per step as it happens (`tail -f`); rewritten from the checkpoint
         steps_log.write_text("".join(json.dumps(h, default=str) + "\n" for h in history))
@@ -295,7 +263,7 @@ async def _train(cfg: TrainConfig) -> dict:
             set_threads(n_threads)
             return fn(*a)
         while len(history) < cfg.steps:
-            batch, skips, wait_s, train_s = [], [], 0.0, 0.0  # trainer idle (waiting for groups), trainer working
+            batch, dropped, wait_s, train_s = [], [], 0.0, 0.0  # trainer idle (waiting for groups), trainer working
             if stream:
                 trainer.begin()
             while len(batch) < cfg.groups_per_step:
@@ -303,11 +271,9 @@ async def _train(cfg: TrainConfig) -> dict:
                 new: list = []
                 g = await queue.next_group(len(batch))
                 while True:  # every group that arrived meanwhile: one pass
-                    if cfg.dynamic_sampling and len(skips) < max_skips and not informative(
-                            g.trajectories, cfg.advantage, cfg.step_advantage_weight, cfg.gamma, cfg.gigpo_mode,
-                            cfg.gigpo_similarity):
+                    if cfg.dynamic_sampling and len(dropped) < max_skips and not teaches(g.trajectories):
                         await queue.skip(g)
-                        skips.append(g.seq)
+                        dropped.append(g.seq)
                     else:
                         new.append(g)
                     if not queue.has_next(len(batch) + len(new)):
@@ -332,7 +298,7 @@ async def _train(cfg: TrainConfig) -> dict:
             sync_s = time.perf_counter() - t3  # weights to every replica
             await queue.commit(trainer.version)
             consumed += [g.seq for g in batch]
-            skipped += skips
+            skipped += dropped
             if cfg.eval_every and eval_tasks and (len(history) + 1) % cfg.eval_every == 0:
                 t4 = time.perf_counter()  # the weights just synced, on the held-out tasks (rollouts go on meanwhile)
                 m.update(eval_success=await evaluate(router, make_env, eval_tasks, cfg),
@@ -342,7 +308,9 @@ async def _train(cfg: TrainConfig) -> dict:
                      sync_mb=(weights.nbytes if isinstance(weights, AdapterWeights) else
                               sum(w.nbytes for w in weights.values())) / 2**20,
                      wall_s=time.perf_counter() - t_run,
-                     group_versions=[g.version for g in batch], skipped_groups=len(skips), **lm)
+                     group_versions=[g.version for g in batch], skipped_groups=len(dropped), **lm)
+            if skips is not None:  # tasks skipped before their rollouts since the last step
+                m["pre_rollout_skipped"] = skips.take_count()
             history.append(m)
             _save_checkpoint(ckpt_path, trainer, consumed, history,
                              {"sft_success": sft_success, "skipped": skipped, "identity": identity,

@@ -145,6 +145,11 @@ class TrainConfig:
     # which a step trains on what comes
     dynamic_sampling: bool = False
     max_skipped_groups: int = 0
+    # GRESO's pre-rollout filter: a task whose last z groups in a row taught nothing (every episode the same
+    # reward) is skipped before its next group runs, with probability 1 - pre_rollout_explore^z (at most 0.95), so no
+    # rollouts are spent on tasks the policy always or never solves, yet each is tried now and then
+    # (1: off; e.g. 0.5; rollwise/rollout/producer.py)
+    pre_rollout_explore: float = 1.0
     # turns in flight at a weight update: finish under the old weights (False; replicas hold both
     # versions meanwhile) or are interrupted and continue under the new ones (True: recomputed,
     # tokens and logprobs kept, each token labelled with its version)
@@ -267,6 +272,9 @@ class TrainConfig:
         if cfg.advantage in NO_GROUP and cfg.dynamic_sampling:
             raise ValueError(f"dynamic_sampling skips groups whose rewards are all equal, but {cfg.advantage} "
                              "trains them too (its advantages do not cancel in a group): set one of them")
+        if cfg.advantage in NO_GROUP and cfg.pre_rollout_explore < 1:
+            raise ValueError(f"pre_rollout_explore skips tasks whose groups' rewards were all equal, but "
+                             f"{cfg.advantage} trains such groups too: leave it at 1")
         smallest = 1 if cfg.advantage in NO_GROUP else 2  # a group-relative advantage needs two episodes
         if cfg.max_staleness < 0 or cfg.steps < 0 or cfg.groups_per_step < 1 or cfg.group_size < smallest:
             raise ValueError(f"need max_staleness >= 0, steps >= 0, groups_per_step >= 1, group_size >= {smallest} "
@@ -274,6 +282,8 @@ class TrainConfig:
         check_cut_off("retry_statuses", cfg.retry_statuses)
         if cfg.episode_retries < 0:
             raise ValueError(f"episode_retries must be >= 0, got {cfg.episode_retries}")
+        if not 0 < cfg.pre_rollout_explore <= 1:
+            raise ValueError(f"pre_rollout_explore must be in (0, 1] (1: never skip), got {cfg.pre_rollout_explore}")
         if cfg.max_skipped_groups < 0:
             raise ValueError(f"max_skipped_groups must be >= 0 (0: 4 x groups_per_step), got {cfg.max_skipped_groups}")
         if cfg.save_every < 0 or cfg.keep_saved < 0:

@@ -234,3 +234,39 @@ def test_log_round_trip_and_torn_last_line(tmp_path):
         f.write(groups[0].to_json() + "\n")
     assert len(read_log(tmp_path / "groups.jsonl")) == 3
     assert groups[1].trajectories[0].policy_versions == [1, 1] and groups[0].trajectories[0].logprobs == [0.0, -0.5]
+
+
+def test_the_pre_rollout_filter_skips_by_streak_waits_for_earlier_groups_and_resumes(tmp_path):
+    from rollwise.rollout.producer import PreRolloutFilter
+    f = PreRolloutFilter(3, 0.5, seed=1, path=tmp_path / "skips.jsonl")
+    for z in (1, 2, 3, 10):  # skipped with probability 1 - 0.5^z, at most 0.95; by the seed and cursor alone
+        share = sum(f.decide(i, z) for i in range(4000)) / 4000
+        assert abs(share - min(1 - 0.5 ** z, 0.95)) < 0.03
+    assert not any(f.decide(i, 0) for i in range(100))  # a task that taught last time always runs
+    assert [f.decide(i, 2) for i in range(50)] == [PreRolloutFilter(3, 0.5, seed=1).decide(i, 2) for i in range(50)]
+    assert [f.decide(i, 2) for i in range(50)] != [PreRolloutFilter(3, 0.5, seed=2).decide(i, 2) for i in range(50)]
+
+    async def go():
+        assert not await f.skip(0)  # task 0, no history: runs
+        later = asyncio.create_task(f.skip(3))  # task 0 again: waits for cursor 0's group
+        await asyncio.sleep(0.05)
+        assert not later.done()
+        await f.done(0, False)  # it taught nothing: z = 1 for cursor 3
+        first = await later
+        if not first:
+            await f.done(3, True)
+        return first
+    first = asyncio.run(go())
+    assert f.streak(3) == 1 and f.streak(6) == (1 if first else 0)  # a skipped cursor adds no outcome
+    f.restore({1: False, 4: False, 7: True, 10: False})  # task 1's logged groups (a resume)
+    assert [f.streak(i) for i in (1, 4, 7, 10, 13)] == [0, 1, 2, 0, 1]
+    n = 0
+    for i in range(16, 16 + 3 * 40, 3):  # task 1 at z >= 1 on and on: some skipped, written down
+        n += asyncio.run(f.skip(i))
+        if i not in f.skipped:
+            asyncio.run(f.done(i, False))
+    assert n > 0 and f.take_count() == n + first and f.take_count() == 0
+    again = PreRolloutFilter(3, 0.5, seed=1, path=tmp_path / "skips.jsonl")  # the file, read back
+    assert again.skipped == f.skipped and len(again.skipped) == n + first
+    with pytest.raises(ValueError, match=r"pre_rollout_explore must be in \(0, 1\]"):
+        PreRolloutFilter(3, 0.0)

@@ -472,6 +472,33 @@ def test_dynamic_sampling_trains_only_on_groups_with_a_reward_spread(model_dir, 
         TrainConfig.from_dict({"model": model_dir, "dynamic_sampling": True, "deterministic": True})
 
 
+def test_the_pre_rollout_filter_skips_tasks_that_taught_nothing_before_running_them(model_dir, tmp_path):
+    """Even tasks reward every episode alike: after a group that taught nothing, a task is skipped before
+    its rollouts with probability 1 - explore^z. Every skipped place followed such a group of its task,
+    none ran, and a resumed run keeps the decisions (none run again, none decided again)."""
+    (tmp_path / "r.py").write_text("def score(task, answer):\n"
+                                   "    return 1.0 if task['n'] % 2 == 0 else float(len(answer) % 2)\n")
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}.", "n": i}) + "\n" for i in range(6)))
+    cfg = {**TINY, "env": "dataset", "env_options": {"reward": f"{tmp_path}/r.py:score"}, "sft_steps": 0,
+           "train_tasks_file": str(tmp_path / "t.jsonl"), "eval_tasks": 0, "group_size": 4, "steps": 4,
+           "pre_rollout_explore": 0.2, "model": model_dir, "run_dir": str(tmp_path / "run")}
+    first = train(TrainConfig.from_dict(cfg))["steps"]
+    later = train(TrainConfig.from_dict({**cfg, "steps": 8}))["steps"]
+    run = tmp_path / "run"
+    skipped = [json.loads(line)["task_index"] for line in (run / "pre_rollout.jsonl").read_text().splitlines()]
+    ran = {g.task_index: g for g in read_log(run / "groups.jsonl")}
+    assert skipped and len(set(skipped)) == len(skipped) and not set(skipped) & set(ran)
+    for idx in skipped:  # the task's latest group before it taught nothing
+        before = max(i for i in ran if i % 6 == idx % 6 and i < idx)
+        assert len({t.reward for t in ran[before].trajectories}) == 1
+    assert sum(i % 2 == 0 for i in skipped) > sum(i % 2 == 1 for i in skipped)
+    assert len(later) == 8 and sum(s["pre_rollout_skipped"] for s in first + later[4:]) <= len(skipped)
+    with pytest.raises(ValueError, match="pre_rollout_explore"):
+        TrainConfig.from_dict({"model": model_dir, "pre_rollout_explore": 1.5})
+    with pytest.raises(ValueError, match="pre_rollout_explore skips .* gae trains such groups too"):
+        TrainConfig.from_dict({"model": model_dir, "pre_rollout_explore": 0.5, "advantage": "gae"})
+
+
 def test_episodes_whose_env_raised_are_run_again_not_trained_as_failures(model_dir, tmp_path):
     """The first env made for each task raises in reset (a flaky environment): that episode runs again
     and the run trains on its second attempt; the log and the step metrics say so."""

@@ -1,0 +1,145 @@
+"""The producer, read top to bottom: it admits groups under the staleness bound (the queue's), runs
+each (one task, `group_size` episodes through the router) and hands it to the queue when complete;
+the task stream is the training tasks in order, cycled (`cursor`: the place in it).
+
+Skipping tasks before their rollouts (`pre_rollout_explore` < 1; GRESO: Zheng et al. 2025, "Act Only
+When It Pays: Efficient Reinforcement Learning for LLM Reasoning via Selective Rollouts").
+
+A group whose episodes all got the same reward teaches GRPO nothing (DAPO's dynamic sampling drops it
+after it ran), and a task that gave such a group is likely to give another: one the policy always
+solves, or never does. So before a task's next group runs, count z, its groups in a row up to now that
+taught nothing; with z > 0 the task is skipped (no rollouts at all) with probability 1 - explore^z,
+at most 1 - MIN_RUN, so it is still tried now and then and comes back once it teaches again.
+`explore` = 1 never skips.
+
+Every decision is a function of the run's seed, the task's place in the task stream (the cursor) and
+the outcomes of the same task's earlier groups, which it waits for while they run: a deterministic run
+makes the same decisions however it is timed. Skipped places are appended to a file beside the run's
+group log, so a resumed run neither runs them nor decides them again.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from pathlib import Path
+
+from rollwise.agent.episode import run_attempts, stable_seed
+from rollwise.rollout.pipeline import Group
+from rollwise.types import SamplingParams
+
+
+MIN_RUN = 0.05  # a task is run at least this often, however long its streak (one visit in 20)
+
+
+class PreRolloutFilter:
+    def __init__(self, num_tasks: int, explore: float, seed: int = 0, path: str | Path | None = None) -> None:
+        if not 0.0 < explore <= 1.0:
+            raise ValueError(f"pre_rollout_explore must be in (0, 1] (1: never skip), got {explore}")
+        self.n, self.explore, self.seed = num_tasks, explore, seed
+        self.path = None if path is None else Path(path)
+        self.history: dict[int, dict[int, bool]] = {}  # task -> {cursor: whether its group taught something}
+        self.running: dict[int, set[int]] = {}  # task -> cursors of its groups in flight
+        self.skipped: set[int] = set()  # cursors skipped
+        self.new_skips = 0  # since `take_count` last ran
+        self._changed = asyncio.Condition()
+        if self.path is not None and self.path.exists():
+            self.skipped = {json.loads(line)["task_index"] for line in self.path.read_text().splitlines() if line}
+
+    def restore(self, outcomes: dict[int, bool]) -> None:
+        """The logged groups' outcomes (cursor -> taught something), from before a resume."""
+        for idx, taught in outcomes.items():
+            self.history.setdefault(idx % self.n, {})[idx] = taught
+
+    def streak(self, idx: int) -> int:
+        """The task's groups before `idx`, in a row back from the latest, that taught nothing."""
+        z = 0
+        earlier = sorted(((i, t) for i, t in self.history.get(idx % self.n, {}).items() if i < idx), reverse=True)
+        for _, taught in earlier:
+            if taught:
+                break
+            z += 1
+        return z
+
+    def decide(self, idx: int, z: int) -> bool:
+        """Skip the group at `idx` after `z` groups in a row that taught nothing? Probability 1 - explore^z
+        (at most 1 - MIN_RUN), drawn from the run's seed and `idx` alone."""
+        run = max(self.explore ** z, MIN_RUN)
+        return z > 0 and random.Random(stable_seed(self.seed, idx, "pre-rollout")).random() >= run
+
+    async def skip(self, idx: int) -> bool:
+        """Whether to skip the group at cursor `idx` (recorded if so); waits for the task's earlier groups."""
+        task = idx % self.n
+        async with self._changed:
+            await self._changed.wait_for(lambda: not any(i < idx for i in self.running.get(task, ())))
+        z = self.streak(idx)
+        if not self.decide(idx, z):
+            self.running.setdefault(task, set()).add(idx)
+            return False
+        self.skipped.add(idx)
+        self.new_skips += 1
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"task_index": idx, "streak": z}) + "\n")
+        return True
+
+    async def done(self, idx: int, taught: bool | None) -> None:
+        """The group at `idx` completed (`taught`: whether it teaches), or failed (None: no outcome)."""
+        task = idx % self.n
+        if taught is not None:
+            self.history.setdefault(task, {})[idx] = taught
+        async with self._changed:
+            self.running.get(task, set()).discard(idx)
+            self._changed.notify_all()
+
+    def take_count(self) -> int:
+        """Tasks skipped since the last call (a step's metric)."""
+        n, self.new_skips = self.new_skips, 0
+        return n
+
+
+async def produce(cfg, queue, router, make_env, tasks: list[dict], cursor: int, done: set[int],
+                  teaches=None, skips: PreRolloutFilter | None = None) -> None:
+    """Admit groups under the staleness bound and run them; a complete group goes to the queue.
+    `done`: cursors not to run (logged before a resume, or skipped); `teaches(group)`: whether a group
+    teaches anything, for `skips`, the pre-rollout filter."""
+    slots = asyncio.Semaphore(cfg.max_concurrent_groups)
+    running: set[asyncio.Task] = set()
+
+    async def group(seq: int, version: int, idx: int) -> None:
+        task = tasks[idx % len(tasks)]
+        gid, taught = f"s{seq}", None
+        try:
+            trajs = await asyncio.gather(*(
+                run_attempts(router, make_env, task,
+                             SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                                            seed=stable_seed(cfg.seed, idx, k),
+                                            return_routed_experts=cfg.routing_replay != "off"),
+                             retries=cfg.episode_retries, retry_on=tuple(cfg.retry_statuses),
+                             trajectory_id=f"{gid}/{k}", group_id=gid, deadline_s=cfg.episode_deadline_s,
+                             policy_version=version if cfg.deterministic else None)
+                for k in range(cfg.group_size)))
+            taught = teaches(list(trajs)) if skips is not None else None
+            await queue.put(Group(seq, idx, task, version, list(trajs)))
+        except Exception as e:  # noqa: BLE001 - surfaces in the trainer instead of hanging it
+            await queue.fail(e)
+        finally:
+            if skips is not None:
+                await skips.done(idx, taught)
+            slots.release()
+
+    try:
+        while True:
+            await slots.acquire()
+            seq, version = await queue.admit()
+            while cursor in done or (skips is not None and await skips.skip(cursor)):  # logged, or skipped
+                cursor += 1
+            t = asyncio.create_task(group(seq, version, cursor))
+            cursor += 1
+            running.add(t)
+            t.add_done_callback(running.discard)
+    except Exception as e:  # noqa: BLE001
+        await queue.fail(e)
+    finally:
+        for t in running:
+            t.cancel()
