@@ -28,6 +28,8 @@ from rollwise.cli import DEMO_SFT_CACHE, demo_model  # noqa: E402
 from rollwise.rl import TrainConfig, train  # noqa: E402
 from rollwise.rollout.pipeline import read_log  # noqa: E402
 
+from common import engine_model  # noqa: E402  (benchmarks/common.py)
+
 CONFIG = Path(__file__).resolve().parent.parent / "examples" / "train-phonebook.toml"
 
 
@@ -36,7 +38,8 @@ def run(explore: float, tasks_file: Path, args) -> dict:
     with tempfile.TemporaryDirectory(prefix="rollwise-pre-rollout-") as tmp:
         size = dict(sft_steps=2, sft_tasks=8, groups_per_step=2, group_size=4, eval_tasks=4, max_tokens=16,
                     replicas=1) if args.smoke else {}
-        cfg = TrainConfig.from_dict({**base, **size, "model": args.model or demo_model(), "run_dir": tmp,
+        model = engine_model("smoke", args.model) if args.smoke else args.model or demo_model()
+        cfg = TrainConfig.from_dict({**base, **size, "model": model, "run_dir": tmp,
                                      "sft_cache": None if args.smoke else DEMO_SFT_CACHE, "steps": args.steps,
                                      "lr": args.lr, "deterministic": False, "dynamic_sampling": True,
                                      "train_tasks_file": str(tasks_file), "pre_rollout_explore": explore,
@@ -61,7 +64,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--explore", type=float, default=0.5)
     ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--model", help="a model directory (default: the demo's)")
+    ap.add_argument("--model", help="a model directory (default: the demo's; with --smoke, the 2-layer one, made once)")
     ap.add_argument("--smoke", action="store_true", help="a seconds-long run for tests")
     ap.add_argument("--json")
     args = ap.parse_args()

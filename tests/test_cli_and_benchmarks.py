@@ -173,6 +173,13 @@ def test_grad_checkpoint_benchmark_smoke(tmp_path):
     assert res["ratio"]["kept_bytes"] < 0.6 and res["ratio"]["seconds"] > 0
 
 
+def test_pre_rollout_benchmark_smoke(tmp_path):
+    res = smoke(tmp_path, "benchmarks/pre_rollout.py", "--model", str(tmp_path / "model"))
+    base, filt = res["dynamic_sampling"], res["pre_rollout_filter"]
+    assert base["trained_groups"] == filt["trained_groups"] > 0 and base["skipped_before_running"] == 0
+    assert filt["skipped_before_running"] > 0  # (the untrained model's rewards are all 0: nothing teaches)
+
+
 def test_bench_spec_cli_smoke(tmp_path):
     from rollwise.make_model import make_model
     model = make_model(tmp_path / "tok", layers=1, hidden=32, heads=2, kv_heads=1, vocab=600)

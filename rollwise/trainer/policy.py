@@ -311,13 +311,14 @@ def decoder_states(body, batch: Batch, cache_kw: str, min_shared: int = 32,
     Under gradient checkpointing (`enable_checkpointing`) the prefix runs whole (one row) and the rest
     checkpointed, reading the prefix's KV from layers that do not grow, so that a layer's replay in
     the backward sees the keys its forward saw."""
+    from transformers import DynamicCache
     p, n = batch.shared, batch.input_ids.shape[0]
-    if p < min_shared or batch.input_ids.shape[1] - p < 1:
+    kv = DynamicCache(config=body.config) if p >= min_shared and batch.input_ids.shape[1] - p >= 1 else None
+    replay = torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) for m in body.modules())
+    if kv is None or replay and any(type(layer) is not _cache_layers()[0] for layer in kv.layers):
+        # (no shared prefix; or sliding-window layers, which drop keys as they go, checkpointed)
         with route(slice(None), slice(None)):
             return body(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state[:, :-1], 0
-    from transformers import DynamicCache
-    kv = DynamicCache(config=body.config)
-    replay = torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) for m in body.modules())
     with route(slice(0, 1), slice(0, p)), _checkpointing(body, False) if replay else nullcontext():
         pre = body(input_ids=batch.input_ids[:1, :p], use_cache=True, **{cache_kw: kv}).last_hidden_state
     kv.batch_repeat_interleave(n)
@@ -346,11 +347,7 @@ def _checkpointing(body, on: bool):
 def _read_only(layer):
     """The layer's keys and values in a cache layer that gives them followed by a forward's own without
     keeping those: a layer's forward and its replay in the backward see the same keys."""
-    full, read_only = _cache_layers()
-    if type(layer) is not full:  # (sliding-window layers drop keys as they go)
-        raise ValueError(f"gradient checkpointing with a shared prefix needs full-attention layers, got "
-                         f"{type(layer).__name__}")
-    ro = read_only()
+    ro = _cache_layers()[1]()
     ro.__dict__.update(layer.__dict__)
     return ro
 
