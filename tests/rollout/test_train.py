@@ -499,6 +499,25 @@ def test_the_pre_rollout_filter_skips_tasks_that_taught_nothing_before_running_t
         TrainConfig.from_dict({"model": model_dir, "pre_rollout_explore": 0.5, "advantage": "gae"})
 
 
+def test_a_deterministic_run_with_the_pre_rollout_filter_repeats_its_decisions(model_dir, tmp_path):
+    (tmp_path / "r.py").write_text("def score(task, answer):\n"
+                                   "    return 1.0 if task['n'] % 2 == 0 else float(len(answer) % 2)\n")
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}.", "n": i}) + "\n" for i in range(3)))
+    runs = []
+    for name in ("a", "b"):
+        cfg = {**TINY, "env": "dataset", "env_options": {"reward": f"{tmp_path}/r.py:score"}, "sft_steps": 0,
+               "train_tasks_file": str(tmp_path / "t.jsonl"), "eval_tasks": 0, "group_size": 4, "steps": 5,
+               "deterministic": True, "pre_rollout_explore": 0.3, "model": model_dir, "run_dir": str(tmp_path / name)}
+        train(TrainConfig.from_dict(cfg))
+        state = torch.load(tmp_path / name / "checkpoint.pt", weights_only=False)
+        used = {g.seq: g.task_index for g in read_log(tmp_path / name / "groups.jsonl") if g.seq in state["consumed"]}
+        skips = [json.loads(x)["task_index"] for x in (tmp_path / name / "pre_rollout.jsonl").read_text().splitlines()]
+        runs.append((used, [i for i in skips if i < max(used.values())], state["model"]))  # (decided by then)
+    (used_a, skips_a, model_a), (used_b, skips_b, model_b) = runs
+    assert used_a == used_b and skips_a and skips_a == skips_b  # the same tasks run, the same skipped
+    assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)
+
+
 def test_episodes_whose_env_raised_are_run_again_not_trained_as_failures(model_dir, tmp_path):
     """The first env made for each task raises in reset (a flaky environment): that episode runs again
     and the run trains on its second attempt; the log and the step metrics say so."""
