@@ -1,13 +1,15 @@
 """`rollwise eval CONFIG.toml`: a model (the config's `model`, e.g. a run's `final-model`) on the held-out
 tasks `rollwise train` evaluates with the same config (`eval_tasks_file`, or the env's own draw),
 `samples` episodes per task on the config's fleet. Reports success (reward 1) per episode, which is
-pass@1, and pass@samples (a task counts if any of its samples succeeds), mean reward, episode
+pass@1, and pass@samples (a task counts if any of its samples succeeds), pass@k for each power of
+two k below it (Chen et al. 2021's unbiased estimator from the n samples), mean reward, episode
 statuses and the work done (and success per env when tasks name theirs: a mix); writes every
 transcript as JSON lines when asked."""
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections import Counter
 from pathlib import Path
@@ -55,6 +57,9 @@ async def _evaluate(cfg: TrainConfig, tasks: list[dict], samples: int, temperatu
               # the env's counts per episode (tool calls, errors, searches), as the training steps report them
               "env_stats": {k: sum(r["env_stats"].get(k, 0.0) for r in rows) / n
                             for k in sorted({k for r in rows for k in r["env_stats"]})}}
+    for k in (2 ** i for i in range(1, samples.bit_length())):  # the rest: unbiased from the n samples
+        if k < samples:
+            report[f"pass@{k}"] = sum(pass_at(samples, c, k) for c in right) / len(right)
     kinds = sorted({r["env"] for r in rows if r["env"] is not None})
     if kinds:  # tasks of several envs (a mix): success per env
         report["success_by_env"] = {e: sum(r["reward"] >= 1.0 for r in rows if r["env"] == e) /
@@ -67,3 +72,9 @@ async def _evaluate(cfg: TrainConfig, tasks: list[dict], samples: int, temperatu
             for row in rows:
                 f.write(json.dumps(row) + "\n")
     return report
+
+
+def pass_at(n: int, c: int, k: int) -> float:
+    """The chance that k of a task's n samples, c of them right, drawn without replacement, hold a
+    right one: 1 - C(n - c, k) / C(n, k) (Chen et al. 2021, the unbiased pass@k estimator)."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)

@@ -36,6 +36,10 @@ def test_eval_scores_every_sample_and_writes_transcripts(model_dir, tmp_path):
     assert report["success"] == pytest.approx(sum(r["reward"] for r in rows) / 24)
     assert report["pass@4"] == pytest.approx(sum(max(v) for v in by_task.values()) / 6)
     assert 0 < report["success"] < report["pass@4"] <= 1  # sampled: some right, some not
+    # pass@2 from the 4 samples: the chance that 2 of them drawn hold a right one (Chen et al.'s estimator)
+    pairs = {t: [max(v[i], v[j]) for i in range(4) for j in range(i + 1, 4)] for t, v in by_task.items()}
+    assert report["pass@2"] == pytest.approx(sum(sum(p) / 6 for p in pairs.values()) / 6)
+    assert report["success"] <= report["pass@2"] <= report["pass@4"] and "pass@1" not in report
     assert report["generated_tokens"] == sum(r["generated_tokens"] for r in rows)
     keys = {k for r in rows for k in r["env_stats"]}  # the env's counts per episode (tool calls), averaged
     assert report["env_stats"] == {k: pytest.approx(sum(r["env_stats"].get(k, 0) for r in rows) / 24) for k in keys}
