@@ -79,6 +79,27 @@ def positions(s: Trajectory) -> list[int]:
     return [j for turn in s.turns for j in range(turn.start - 1, turn.start - 1 + turn.num_generated)]
 
 
+def _warm_start(policy: PolicyModel, share: bool):
+    """The policy's model without its adapters, built on the meta device and given the policy's base
+    tensors (`share`) or a copy of each (tied ones copied once), so no second model is allocated only
+    to be overwritten; the buffers the state dict leaves out (rotary frequencies) copied from it."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(policy.model.config, dtype=torch.float32)
+    copies: dict[int, torch.Tensor] = {}
+    state = {k: v.detach() if share else copies.setdefault(id(v), v.detach().clone())
+             for k, v in policy.base_state().items()}
+    model.load_state_dict(state, assign=True)
+    own = dict(policy.model.named_buffers())
+    for name, buf in list(model.named_buffers()):
+        if buf.is_meta:
+            mod, _, attr = name.rpartition(".")
+            model.get_submodule(mod)._buffers[attr] = own[name].clone()
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        raise RuntimeError("the critic's warm start left tensors unset")
+    return model
+
+
 class Critic:
     def __init__(self, policy: PolicyModel, lr: float = 1e-4, value_clip: float = 0.5, max_grad_norm: float = 1.0,
                  weight_decay: float = 0.0, model_dir: str = "", lora: bool = False) -> None:
@@ -94,9 +115,7 @@ class Critic:
                 raise ValueError(f"critic_model {model_dir} has a vocabulary of {model.config.vocab_size}, the "
                                  f"policy {policy.model.config.vocab_size}: the critic reads the policy's tokens")
         else:  # the warm start (with LoRA: the weights under the adapters; with `lora`, those very tensors)
-            model = AutoModelForCausalLM.from_config(policy.model.config, dtype=torch.float32)
-            model.load_state_dict({k: v.detach() for k, v in policy.base_state().items()} if lora
-                                  else policy.base_weights(), assign=lora)
+            model = _warm_start(policy, share=lora)
         if lora:  # the policy's LoRA settings (a copy: peft fills a config in as it injects)
             inject_lora(model, copy.deepcopy(policy.lora))
         self.lora = lora

@@ -346,3 +346,17 @@ def test_gae_config_is_checked():
     assert TrainConfig.from_dict({"model": "m", "advantage": "reinforce_plus_plus", "group_size": 1}).group_size == 1
     with pytest.raises(ValueError, match="group_size >= 2"):  # its baseline is the group's mean
         TrainConfig.from_dict({"model": "m", "advantage": "reinforce_plus_plus_baseline", "group_size": 1})
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_the_critic_starts_as_a_copy_of_the_warm_start_built_without_a_second_model(model_dirs, family):
+    """Built on the meta device and given copies of the policy's tensors (the rotary buffers too): the
+    same hidden states as the policy's decoder, in tensors of its own."""
+    policy = PolicyModel(model_dirs[family])
+    critic = Critic(policy)
+    ids = torch.tensor([[5, 17, 300, 42, 7, 99]])
+    with torch.no_grad():
+        assert torch.equal(critic.body(input_ids=ids).last_hidden_state,
+                           policy.model.get_decoder()(input_ids=ids).last_hidden_state)
+    own = {p.data_ptr() for p in policy.model.parameters()}
+    assert not any(p.data_ptr() in own for p in critic.body.parameters())
