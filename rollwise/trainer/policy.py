@@ -314,7 +314,8 @@ def decoder_states(body, batch: Batch, cache_kw: str, min_shared: int = 32,
     from transformers import DynamicCache
     p, n = batch.shared, batch.input_ids.shape[0]
     kv = DynamicCache(config=body.config) if p >= min_shared and batch.input_ids.shape[1] - p >= 1 else None
-    replay = torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) for m in body.modules())
+    replay = kv is not None and torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False)
+                                                                 for m in body.modules())
     if kv is None or replay and any(type(layer) is not _cache_layers()[0] for layer in kv.layers):
         # (no shared prefix; or sliding-window layers, which drop keys as they go, checkpointed)
         with route(slice(None), slice(None)):
