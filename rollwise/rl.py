@@ -175,6 +175,7 @@ async def _train(cfg: TrainConfig) -> dict:
             report["sft"] = {"steps": cfg.sft_steps, "loss_first": losses[0], "loss_last": losses[-1],
                              "seconds": time.perf_counter() - t0, "examples": len(demos),
                              "direct_answers": sum(t.num_turns == 1 for t in demos),
+                             "expert_success": sum(t.reward >= 1.0 for t in demos) / max(1, len(demos)),
                              "contexts": sum(len(t.sequences()) for t in demos)}
             status.done(f"SFT: {cfg.sft_steps} steps on {len(demos)} transcripts in {report['sft']['seconds']:.0f}s, "
                         f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")

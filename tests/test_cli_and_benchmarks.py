@@ -209,6 +209,13 @@ def test_agent_gateway_benchmark_smoke(tmp_path):
             assert r["agent"]["turns"] == r["responses"]["turns"] == r["server"]["turns"] == r["env"]["turns"] > 0
 
 
+def test_mcp_tools_benchmark_smoke(tmp_path):
+    res = smoke(tmp_path, "benchmarks/mcp_tools.py")  # (every side returned the in-process results)
+    assert res["calls"] == 32 and set(res["connect_s"]) == {"stdio", "http"}
+    for row in res["concurrency"].values():
+        assert set(row) == {"in_process", "stdio", "http"} and all(r["calls_per_s"] > 0 for r in row.values())
+
+
 def test_sandbox_benchmark_smoke(tmp_path):
     res = smoke(tmp_path, "benchmarks/sandbox.py")
     assert len(res["cases"]) >= 2 and all(v["sandbox_ms"] > 0 and v["bare_ms"] > 0 for v in res["cases"].values())

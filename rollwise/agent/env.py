@@ -83,7 +83,7 @@ class ToolEnv:
     answer_hint = "When you are done, reply with the answer alone, without a tool call."
 
     def __init__(self, *, max_turns: int = 8, tool_timeout: float = 5.0, tool_latency: Latency | None = None,
-                 parser: ToolCallParser | str | None = None, max_calls_per_turn: int = 8) -> None:
+                 parser: ToolCallParser | str | None = None, max_calls_per_turn: int = 8, mcp=None) -> None:
         self.max_turns, self.tool_timeout = max_turns, tool_timeout
         self.tool_latency, self.max_calls_per_turn = tool_latency, max_calls_per_turn
         # the model's tool-call format: a parser, or its name (`env_options = { parser = "llama3_json" }`)
@@ -91,6 +91,11 @@ class ToolEnv:
         self.task: dict | None = None
         self._ended: float | None = None
         self.tools: list[Tool] = []
+        # tools of MCP servers besides the env's own (`mcp = "mcp.json"` or a table; rollwise.agent.mcp_tools)
+        self.mcp = None
+        if mcp is not None:
+            from rollwise.agent.mcp_tools import MCPTools
+            self.mcp = MCPTools(mcp)
 
     # to implement --------------------------------------------------------------------------------
     def make_tools(self, task: dict) -> list[Tool]:
@@ -108,7 +113,12 @@ class ToolEnv:
 
     async def reset(self, task: dict) -> list[dict]:
         self.task, self._ended = task, None
-        self.tools = self.make_tools(task) + [_finish_tool()]
+        own = self.make_tools(task)
+        served = await self.mcp.tools(task) if self.mcp is not None else []
+        clash = sorted({t.name for t in own} & {t.name for t in served})
+        if clash:
+            raise ValueError(f"MCP tools {clash} have the names of the env's own tools")
+        self.tools = own + served + [_finish_tool()]
         for t in self.tools:
             if t.timeout is not None:  # (None: a tool that keeps its own deadline)
                 t.timeout = min(t.timeout, self.tool_timeout)
@@ -136,6 +146,11 @@ class ToolEnv:
         if self._ended is not None:
             return obs, self._ended, True, info
         return obs, 0.0, False, info
+
+    async def close(self) -> None:
+        """The episode has ended: servers started for it (MCP `scope = "episode"`) stop."""
+        if self.mcp is not None:
+            await self.mcp.close()
 
     async def _call(self, call) -> str:
         t = self._by_name.get(call.name)

@@ -53,6 +53,11 @@ class ToolArgumentError(ValueError):
     pass
 
 
+class ToolError(RuntimeError):
+    """A tool's own account of a failed call (an MCP server's error result): the model reads
+    `error: <message>`, without the exception's type."""
+
+
 class ServiceError(RuntimeError):
     """A tool's backing service is down (after its own retries): the episode ends with status
     `error` and runs again, rather than the model reading the outage as the tool's answer."""
@@ -88,6 +93,8 @@ class Tool:
             return fail(f"tool {self.name!r} timed out after {limit:g}s")
         except ServiceError:
             raise
+        except ToolError as e:
+            return fail(e)
         except Exception as e:  # noqa: BLE001 - the tool's own failure goes back to the model
             return fail(f"tool {self.name!r} failed: {type(e).__name__}: {e}")
         try:
@@ -157,7 +164,11 @@ def _json_schema(t) -> dict:
     return {"type": _JSON_TYPES.get(t, "string")}
 
 
-def _is_type(v, want: str) -> bool:
+def _is_type(v, want) -> bool:
+    if isinstance(want, list):  # JSON schema's ["string", "null"]
+        return any(_is_type(v, w) for w in want)
+    if want == "null":
+        return v is None
     if want == "integer":
         return isinstance(v, int) and not isinstance(v, bool)
     if want == "number":

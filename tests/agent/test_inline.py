@@ -207,6 +207,7 @@ def test_inline_actions_are_checked(tmp_path, corpus):
            ({"actions": [{"tool": "search", "start": "<s>", "end": "</s>"}]}, "needs search"),
            ({"actions": [RETOOL], "search": corpus}, "need a search action"),
            ({"actions": [RETOOL], "tools": ["python"]}, "tools are its actions'"),
+           ({"actions": [RETOOL], "mcp": {"s": {"command": "x"}}}, "not tools or MCP servers"),
            ({"actions": [{**RETOOL, "tool": "nope"}]}, "unknown tool 'nope'")]
     for options, message in bad:
         with pytest.raises(ValueError, match=message):

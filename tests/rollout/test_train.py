@@ -407,6 +407,23 @@ def test_train_on_a_task_file_with_the_dataset_env(model_dir, tmp_path, layout):
     assert all(t.messages[1]["role"] == "user" and t.messages[1]["content"].split("\n")[0] in questions for t in trajs)
 
 
+def test_train_with_tools_from_an_mcp_server(model_dir, tmp_path):
+    """examples/train-units-mcp.toml: the dataset env with its tools from an MCP server, a real
+    subprocess (examples/units_mcp_server.py) shared by the run's episodes: the warm start's
+    transcripts call it, and so may the policy's."""
+    ex = Path(__file__).parents[2] / "examples"
+    cfg = TrainConfig.from_toml(ex / "train-units-mcp.toml", **{
+        **TINY, "env": "dataset", "train_tasks_file": str(ex / "units-train.jsonl"), "eval_tasks": 0,
+        "model": model_dir, "run_dir": str(tmp_path / "run"), "steps": 2, "max_tokens": 24})
+    server = cfg.env_options["mcp"]["units"]
+    server.update(command=sys.executable, args=[str(ex / "units_mcp_server.py")])
+    report = train(cfg)
+    assert report["sft"]["examples"] == 8 and report["sft"]["expert_success"] == 1.0  # its calls were answered
+    assert len(report["steps"]) == 2
+    trajs = [t for g in read_log(Path(cfg.run_dir) / "groups.jsonl") for t in g.trajectories]
+    assert trajs and all(t.status in ("done", "max_turns") for t in trajs), [t.error for t in trajs]
+
+
 def test_a_run_directory_resumes_only_the_run_it_holds(model_dir, tmp_path):
     """Resuming with other tasks or env settings would train the logged groups and cursor of one run
     on another's: refused, naming what differs; steps may grow."""

@@ -45,8 +45,9 @@ class InlineEnv(DatasetEnv):
 
     def __init__(self, *, actions: list[dict], answer_end: str | None = None, reminder: str = "",
                  instructions: str = "{question}", search: dict | None = None, **kw) -> None:
-        if "tools" in kw:
-            raise ValueError("an inline env's tools are its actions' (actions = [{ tool, start, end, result }])")
+        if "tools" in kw or "mcp" in kw:
+            raise ValueError("an inline env's tools are its actions' (actions = [{ tool, start, end, result }]), "
+                             "not tools or MCP servers")
         super().__init__(tools=[], **kw)
         if "{question}" not in instructions:
             raise ValueError(f"{self.name}'s instructions must have a {{question}} field")
