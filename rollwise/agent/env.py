@@ -9,7 +9,7 @@ import time
 import weakref
 from typing import Any, Protocol
 
-from rollwise.agent.parsing import HermesParser, ToolCallParser, make_parser
+from rollwise.agent.parsing import HermesParser, ToolCallParser, bind, make_parser
 from rollwise.agent.tools import Latency, Tool
 
 Observation = list[dict]  # new chat messages (role "tool" or "user") for the model
@@ -88,6 +88,7 @@ class ToolEnv:
         self.tool_latency, self.max_calls_per_turn = tool_latency, max_calls_per_turn
         # the model's tool-call format: a parser, or its name (`env_options = { parser = "llama3_json" }`)
         self.parser = make_parser(parser) if isinstance(parser, str) else parser or HermesParser()
+        self._parser = self.parser  # (bound to the tools at reset)
         self.task: dict | None = None
         self._ended: float | None = None
         self.tools: list[Tool] = []
@@ -124,11 +125,12 @@ class ToolEnv:
                 t.timeout = min(t.timeout, self.tool_timeout)
             t.latency = t.latency or self.tool_latency
         self._by_name = {t.name: t for t in self.tools}
+        self._parser = bind(self.parser, [t.schema for t in self.tools])  # (schemas type qwen3_coder's values)
         return [{"role": "system", "content": self.system_prompt},
                 {"role": "user", "content": "\n".join(x for x in (self.prompt(task), self.answer_hint) if x)}]
 
     async def step(self, action: str) -> tuple[Observation, float, bool, dict]:
-        parsed = self.parser.parse(action)
+        parsed = self._parser.parse(action)
         finish = next((c for c in parsed.calls if c.name == "finish"), None)
         if finish is not None:
             reward = await maybe_await(self.score(self.task, str(finish.arguments.get("answer", ""))))

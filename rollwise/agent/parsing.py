@@ -1,11 +1,15 @@
 """Tool-call parsing from model text, by the format the model was trained on (`PARSERS`, vLLM's
 names): `hermes` (Qwen, Hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
-in the text) and `llama3_json` (Llama 3.1+: the reply is the call, `{"name": ..., "parameters":
-{...}}`, several joined by "; ", optionally after `<|python_tag|>`). Each parser also says how much
-of a reply being streamed can be shown as content (`content_end`) and writes the grammar that holds
-a reply to calls of given functions (`grammar`, for tool_choice "required" or a named one)."""
+in the text), `llama3_json` (Llama 3.1+: the reply is the call, `{"name": ..., "parameters":
+{...}}`, several joined by "; ", optionally after `<|python_tag|>`) and `qwen3_coder` (Qwen3-Coder's
+XML: `<tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>`, each
+value raw text, typed by the tool's schema). Each parser also says how much of a reply being
+streamed can be shown as content (`content_end`) and writes the grammar that holds a reply to calls
+of given functions (`grammar`, for tool_choice "required" or a named one). `for_tools(tools)` gives
+the parser for a request's tools (their schemas type qwen3_coder's values; the others need none)."""
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -29,6 +33,8 @@ class Parsed:
 class ToolCallParser(Protocol):
     def parse(self, text: str) -> Parsed: ...
 
+    def for_tools(self, tools: list[dict] | None) -> ToolCallParser: ...  # bound to a request's tool schemas
+
     def content(self, text: str) -> str: ...  # the text outside the calls (unstripped)
 
     def content_end(self, text: str) -> int: ...  # streaming: the prefix of the text so far that is content
@@ -39,6 +45,9 @@ class ToolCallParser(Protocol):
 class HermesParser:
     pattern = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
     tag = "<tool_call>"
+
+    def for_tools(self, tools: list[dict] | None) -> HermesParser:
+        return self
 
     def parse(self, text: str) -> Parsed:
         calls, errors = [], []
@@ -90,6 +99,9 @@ class Llama3JsonParser:
     after `<|python_tag|>`. A reply that does not start with one is text."""
     python_tag = "<|python_tag|>"
 
+    def for_tools(self, tools: list[dict] | None) -> Llama3JsonParser:
+        return self
+
     def parse(self, text: str) -> Parsed:
         s = text.strip()
         if s.startswith(self.python_tag):
@@ -133,7 +145,119 @@ class Llama3JsonParser:
         return f"start: call{more}\ncall: %json {json.dumps(schema)}\n"
 
 
-PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+class Qwen3CoderParser(HermesParser):
+    """Qwen3-Coder's XML tool calls (vLLM's `qwen3_coder`): `<tool_call>` newline `<function=NAME>`
+    newline, then `<parameter=KEY>` newline VALUE newline `</parameter>` for each argument, then
+    `</function>` newline `</tool_call>`. Values are raw text (code needs no JSON escapes), typed by
+    the tool's JSON schema when the parser is bound to the tools (`for_tools`): integers, numbers,
+    booleans, `null`, objects and arrays (JSON, or Python literals) become what the schema says; a
+    value that does not read as its type stays text (the tool's argument check then says so), as
+    does every value of a parameter the schema does not name. Content and streaming as Hermes's."""
+    function = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|$)", re.S)
+    parameter = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.S)
+
+    def __init__(self, schemas: dict[str, dict] | None = None) -> None:
+        self.schemas = schemas or {}  # function name -> its parameters' schema
+
+    def for_tools(self, tools: list[dict] | None) -> Qwen3CoderParser:
+        fns = [t.get("function", t) for t in tools or []]
+        return Qwen3CoderParser({f["name"]: f.get("parameters") or {} for f in fns if f.get("name")})
+
+    def parse(self, text: str) -> Parsed:
+        calls, errors = [], []
+        for m in self.pattern.finditer(text):
+            if not m.group(0).endswith("</tool_call>"):
+                errors.append("malformed tool call: missing </tool_call>")
+                continue
+            fns = list(self.function.finditer(m.group(1)))
+            if len(fns) != 1 or not fns[0].group(0).endswith("</function>") or not fns[0].group(1).strip():
+                errors.append("malformed tool call: expected one <function=NAME> ... </function> in <tool_call>")
+                continue
+            name, body = fns[0].group(1).strip(), fns[0].group(2)
+            props = (self.schemas.get(name) or {}).get("properties") or {}
+            args = {}
+            for p in self.parameter.finditer(body):
+                key, value = p.group(1).strip(), p.group(2)
+                value = value[1:] if value.startswith("\n") else value
+                value = value[:-1] if value.endswith("\n") else value
+                args[key] = _typed(value, props.get(key))
+            calls.append(ToolCall(name, args))
+        return Parsed(calls, errors, self.content(text).strip())
+
+    def grammar(self, fns: list[dict], single: bool, tag_tokens: bool) -> str:
+        """Calls of these functions, their parameters in schema order (the required ones always),
+        each value written as its schema allows (`_value_grammar`), free text up to `</parameter>`."""
+        tag = (lambda t: t) if tag_tokens else (lambda t: f'"{t}"')
+        lit = json.dumps  # a Lark string literal
+        rules = ['text[suffix="</parameter>"]: /(.|\\n)*/']  # (text ends at the first </parameter>, as parsed)
+        alts = []
+        for i, fn in enumerate(fns):
+            params = fn.get("parameters") or {}
+            required = set(params.get("required") or [])
+            parts = []
+            for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
+                value = _value_grammar(schema or {})
+                tail = f"text {lit(chr(10))}" if value is None else f"{value} {lit(chr(10) + '</parameter>' + chr(10))}"
+                rules.append(f"p{i}_{j}: {lit(f'<parameter={key}>' + chr(10))} {tail}")
+                parts.append(f"p{i}_{j}" + ("" if key in required else "?"))
+            name = fn["name"]
+            rules.append(f"f{i}: {lit(f'<function={name}>' + chr(10))} {' '.join(parts)} {lit('</function>')}")
+            alts.append(f"f{i}")
+        nl = lit("\n")
+        call = f'{tag("<tool_call>")} {nl} ({" | ".join(alts)}) {nl} {tag("</tool_call>")}'
+        more = "" if single else f" ({nl} call)*"
+        return "\n".join([f"start: call{more}", f"call: {call}", *rules]) + "\n"
+
+
+def _typed(value: str, schema: dict | None):
+    """A qwen3_coder value as its schema's type says (vLLM's conversion); text if it does not read as one."""
+    if not schema:
+        return value
+    types = schema.get("type")
+    types = types if isinstance(types, list) else [types] if types else []
+    if value.strip() == "null" and ("null" in types or not types):
+        return None
+    for t in types or ["any"]:
+        if t == "string":
+            return value
+        try:
+            if t == "integer":
+                return int(value.strip())
+            if t == "number":
+                v = value.strip()
+                return int(v) if re.fullmatch(r"-?\d+", v) else float(v)
+            if t == "boolean" and value.strip().lower() in ("true", "false"):
+                return value.strip().lower() == "true"
+            if t in ("object", "array", "any"):
+                try:
+                    return json.loads(value)
+                except json.JSONDecodeError:
+                    return ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            continue
+    return value
+
+
+def _value_grammar(schema: dict) -> str | None:
+    """A value's Lark by its schema; None: free text (a string, or a type the grammar does not write).
+    Numbers, booleans, objects and arrays are written as JSON of their schema (bounds included); a
+    string enum as one of its strings, unquoted."""
+    enum = schema.get("enum")
+    if enum and all(isinstance(v, str) for v in enum):
+        return "(" + " | ".join(json.dumps(v) for v in enum) + ")"
+    if schema.get("type") in ("integer", "number", "boolean", "object", "array"):
+        return f"%json {json.dumps({**schema, 'x-guidance': {'whitespace_flexible': False}})}"
+    return None
+
+
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "qwen3_coder": Qwen3CoderParser}
+
+
+def bind(parser: ToolCallParser, tools: list[dict] | None) -> ToolCallParser:
+    """The parser for a request's tools (OpenAI's function schemas): `parser.for_tools(tools)`, or
+    the parser itself if it has no such method (a user's parser written before it)."""
+    for_tools = getattr(parser, "for_tools", None)
+    return parser if for_tools is None else for_tools(tools)
 
 
 def make_parser(name: str) -> ToolCallParser:

@@ -10,7 +10,7 @@ from collections.abc import Awaitable
 
 from fastapi import Request
 
-from rollwise.agent.parsing import HermesParser
+from rollwise.agent.parsing import HermesParser, bind
 from rollwise.serve.responses import (chat_choices, completion_choices, gather_or_cancel, merged, parses_tools, primed,
                                       sse, stream_chat, stream_completion, usage, with_usage)
 
@@ -72,7 +72,7 @@ async def chat_reply(gen, body, request: Request, samples: list[tuple], rid: str
                      parser=None):
     """/v1/chat/completions over `gen`, the chat already rendered to `prompt_ids`; tool calls in the
     `parser`'s format (default Hermes)."""
-    parser = parser or HermesParser()
+    parser = bind(parser or HermesParser(), body.tools)  # (the tools' schemas type qwen3_coder's values)
     if body.stream:
         finals: list = []
         return sse(await primed(with_usage(merged([

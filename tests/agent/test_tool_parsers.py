@@ -1,5 +1,5 @@
-"""Tool-call formats (`PARSERS`): Hermes and Llama 3's JSON calls, parsed, streamed and enforced,
-in an env, and from `rollwise serve --tool-call-parser llama3_json` on real HTTP."""
+"""Tool-call formats (`PARSERS`): Hermes, Llama 3's JSON calls and Qwen3-Coder's XML ones, parsed,
+streamed and enforced, in an env, and from `rollwise serve --tool-call-parser ...` on real HTTP."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from rollwise.agent.env import ToolEnv
-from rollwise.agent.parsing import HermesParser, Llama3JsonParser, make_parser, openai_tool_calls
+from rollwise.agent.parsing import (HermesParser, Llama3JsonParser, Qwen3CoderParser, bind, make_parser,
+                                   openai_tool_calls)
 from rollwise.agent.tools import Tool
 from rollwise.serve.process import ServerProcess
 
@@ -25,8 +26,43 @@ def test_llama3_json_calls_are_parsed_and_text_stays_text():
     # streaming: a reply that starts as a call shows no content; text shows at once
     assert p.content_end('  {"na') == 0 == p.content_end("<|pyth") and p.content_end("Hello") == 5
     assert HermesParser().content_end("Hi <tool_c") == 0 and HermesParser().content_end("Hi there, friend") == 6
-    with pytest.raises(ValueError, match="valid: \\['hermes', 'llama3_json'\\]"):
+    with pytest.raises(ValueError, match="valid: \\['hermes', 'llama3_json', 'qwen3_coder'\\]"):
         make_parser("mistral")
+
+
+EDIT = [{"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string"}, "line": {"type": "integer"}, "scale": {"type": "number"},
+    "dry": {"type": "boolean"}, "opts": {"type": "object"}, "tags": {"type": ["array", "null"]},
+    "note": {"type": ["string", "null"]}}, "required": ["path", "line"]}}}]
+
+
+def xml_call(name: str, **params) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def test_qwen3_coder_calls_are_parsed_and_typed_by_the_tools_schemas():
+    code = 'if a < b:\n    print("</x>")'
+    text = "I will edit it.\n" + xml_call("edit", path="src/a.py", line="12", scale="2.5", dry="True",
+                                        opts="{'x': [1, 2]}", tags="null", note="null", code=code, line2="x")
+    p = bind(make_parser("qwen3_coder"), EDIT)
+    got = p.parse(text)
+    assert not got.errors and got.text == "I will edit it."
+    assert [c.name for c in got.calls] == ["edit"] and got.calls[0].arguments == {
+        "path": "src/a.py", "line": 12, "scale": 2.5, "dry": True, "opts": {"x": [1, 2]}, "tags": None,
+        "note": None, "code": code, "line2": "x"}  # (unknown parameters stay text)
+    # unbound, every value is text; a value that is not its type stays text, for the tool's check to refuse
+    assert Qwen3CoderParser().parse(text).calls[0].arguments["line"] == "12"
+    assert p.parse(xml_call("edit", path="p", line="twelve")).calls[0].arguments["line"] == "twelve"
+    # two calls; a missing </parameter> is read up to the next parameter, as vLLM does
+    two = p.parse(xml_call("edit", path="a", line="1") + "\n<tool_call>\n<function=edit>\n<parameter=path>\nb\n"
+                  "<parameter=line>\n2\n</function>\n</tool_call>")
+    assert [c.arguments for c in two.calls] == [{"path": "a", "line": 1}, {"path": "b", "line": 2}] and not two.errors
+    assert p.parse("<tool_call>\n<function=edit>\n").errors == ["malformed tool call: missing </tool_call>"]
+    assert "expected one <function=NAME>" in p.parse("<tool_call>\nedit\n</tool_call>").errors[0]
+    text, calls = openai_tool_calls(xml_call("edit", path="a", line="3"), p)
+    assert text == "" and json.loads(calls[0]["function"]["arguments"]) == {"path": "a", "line": 3}
+    assert p.content_end("Hi <tool_c") == 0 and p.content_end("Hi there, friend") == 6  # (Hermes's tag)
 
 
 class Adder(ToolEnv):
@@ -45,30 +81,34 @@ class Adder(ToolEnv):
         return float(answer.strip() == "5")
 
 
-def test_an_env_reads_its_models_tool_call_format_by_name():
-    env = Adder(parser="llama3_json")
+@pytest.mark.parametrize("parser,call", [("llama3_json", '{"name": "add", "parameters": {"a": 2, "b": 3}}'),
+                                         ("qwen3_coder", xml_call("add", a="2", b="3"))])
+def test_an_env_reads_its_models_tool_call_format_by_name(parser, call):
+    env = Adder(parser=parser)
 
     async def go():
         await env.reset({})
-        obs, _, done, _ = await env.step('{"name": "add", "parameters": {"a": 2, "b": 3}}')
+        obs, _, done, _ = await env.step(call)
         return obs, done, await env.step("5")
     obs, done, (_, reward, end, _) = asyncio.run(go())
     assert not done and obs[0]["role"] == "tool" and obs[0]["content"] == "5" and end and reward == 1.0
 
 
-def test_serve_with_the_llama3_json_parser(model_dir):
+@pytest.mark.parametrize("parser", ["llama3_json", "qwen3_coder"])
+def test_serve_with_a_tool_call_parser(model_dir, parser):
     tools = [{"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
                                          "b": {"type": "integer", "minimum": 0, "maximum": 9}},
         "required": ["a", "b"], "additionalProperties": False}}}]
-    body = {"messages": [{"role": "user", "content": "2 + 3?"}], "tools": tools, "max_tokens": 40, "seed": 3,
+    body = {"messages": [{"role": "user", "content": "2 + 3?"}], "tools": tools, "max_tokens": 80, "seed": 3,
             "tool_choice": {"type": "function", "function": {"name": "add"}}}
-    with ServerProcess(model_dir, "--tool-call-parser", "llama3_json") as s:
+    with ServerProcess(model_dir, "--tool-call-parser", parser) as s:
         r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60).json()
         c = r["choices"][0]
         assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None, c
         call = c["message"]["tool_calls"][0]["function"]
-        assert call["name"] == "add" and set(json.loads(call["arguments"])) == {"a", "b"}
+        args = json.loads(call["arguments"])
+        assert call["name"] == "add" and set(args) == {"a", "b"} and all(type(v) is int for v in args.values())
         streamed = httpx.post(s.url + "/v1/chat/completions", json=body | {"stream": True}, timeout=60).text
         chunks = [json.loads(x[6:]) for x in streamed.splitlines() if x.startswith("data: {")]
         deltas = [ch["choices"][0]["delta"] for ch in chunks if ch.get("choices")]

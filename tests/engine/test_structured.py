@@ -99,3 +99,50 @@ def test_forced_tool_calls_parse_as_hermes_calls_with_or_without_the_tag_tokens(
     # <tool_call> as a special token): the output ends at once rather than the engine failing
     [o] = llms[0].generate(["call:"], _p(forced_tool_calls(tools, "required", tag_tokens=False)))
     assert o.finish_reason == "stop" and o.text == "" and "no token can continue" in o.stop_reason
+
+
+def test_forced_qwen3_coder_calls_parse_with_their_schemas_types(llms, model_dir):
+    """tool_choice in Qwen3-Coder's XML format: a random model's forced calls parse, each value of
+    its type (bounded integers, a boolean, an enum's word, an array of JSON); free text runs to a
+    </parameter>, so code with angle brackets fits (checked on llguidance's matcher)."""
+    from pathlib import Path
+
+    import llguidance
+
+    from rollwise.agent.parsing import Qwen3CoderParser, forced_tool_calls
+    props = {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "check": {"type": "boolean"},
+             "mode": {"enum": ["fast", "exact"]}, "ids": {"type": "array", "items": {"type": "integer",
+                                                                                   "minimum": 0, "maximum": 5},
+                                                      "maxItems": 2}}
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": props, "required": list(props)}}}]
+    parser = Qwen3CoderParser().for_tools(tools)
+    tag = llms[0].engine.tokenizer.added_token_id("<tool_call>")
+    spec = forced_tool_calls(tools, {"type": "function", "function": {"name": "add"}}, True, parser)
+    outs = llms[0].generate(["call:"] * 4, [_p(spec, seed=i, max_tokens=200) for i in range(4)])
+    for o in outs:
+        parsed = parser.parse(o.text)
+        assert o.finish_reason == "stop" and not parsed.errors and len(parsed.calls) == 1, o.text
+        args = parsed.calls[0].arguments
+        assert type(args["a"]) is int and 0 <= args["a"] <= 9 and type(args["check"]) is bool
+        assert args["mode"] in ("fast", "exact") and all(0 <= i <= 5 for i in args["ids"]) and len(args["ids"]) <= 2
+        assert o.token_ids[0] == tag
+    assert len({o.text for o in outs}) > 1
+    # free text: any text up to </parameter>
+    edit = [{"type": "function", "function": {"name": "edit", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string"}, "line": {"type": "integer"}},
+        "required": ["code"]}}}]
+    grammar = llguidance.LLMatcher.grammar_from_lark(forced_tool_calls(edit, "required", True,
+                                                                      Qwen3CoderParser())["grammar"])
+    tok = llguidance.LLTokenizer((Path(model_dir) / "tokenizer.json").read_text())
+    code = 'if a < b:\n    print("</x> <parameter>!")'
+
+    def accepts(text: str) -> bool:
+        m = llguidance.LLMatcher(tok, grammar)
+        ids = tok.tokenize_str(text)
+        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+    call = f"<tool_call>\n<function=edit>\n<parameter=code>\n{code}\n</parameter>\n</function>\n</tool_call>"
+    assert accepts(call) and Qwen3CoderParser().for_tools(edit).parse(call).calls[0].arguments == {"code": code}
+    assert accepts(call.replace("</function>", "<parameter=line>\n7\n</parameter>\n</function>"))
+    assert not accepts(call.replace("</function>", "<parameter=line>\nseven\n</parameter>\n</function>"))
+    assert not accepts(call.replace("<parameter>!", "</parameter>!"))  # (the parser would end the value there)

@@ -48,7 +48,7 @@ import threading
 from rollwise.agent.agent_server import AgentServer
 from rollwise.agent.env import NewContext
 from rollwise.agent.gateway import Gateway, GatewayError, Session, completion, pooled
-from rollwise.agent.parsing import make_parser, openai_tool_calls
+from rollwise.agent.parsing import bind, make_parser, openai_tool_calls
 from rollwise.agent.plugins import load_object
 
 
@@ -161,7 +161,7 @@ class AgentEnv:
         if cut >= 0:  # OpenAI's content ends before the stop string (the trajectory keeps its tokens)
             action = action[:cut]
         message, reason = {"role": "assistant", "content": action}, "stop"
-        calls = openai_tool_calls(action, self.parser) if self._parse else None
+        calls = openai_tool_calls(action, bind(self.parser, self._tool_defs)) if self._parse else None
         if calls is not None:
             message, reason = {"role": "assistant", "content": calls[0] or None, "tool_calls": calls[1]}, "tool_calls"
         usage = None
