@@ -9,7 +9,7 @@ import time
 import weakref
 from typing import Any, Protocol
 
-from rollwise.agent.parsing import HermesParser, ToolCallParser, bind, make_parser
+from rollwise.agent.parsing import HermesParser, ToolCall, ToolCallParser, bind, make_parser
 from rollwise.agent.tools import Latency, Tool
 
 Observation = list[dict]  # new chat messages (role "tool" or "user") for the model
@@ -107,6 +107,12 @@ class ToolEnv:
 
     def score(self, task: dict, answer: str) -> float:  # or a coroutine (a verifier that waits on I/O)
         raise NotImplementedError
+
+    def call_text(self, tool: str, /, **arguments) -> str:
+        """A call of `tool` as the model writes it in the env's format (`parser`): what an
+        expert's transcript says, so a warm start teaches the format the policy is parsed by."""
+        write = getattr(self.parser, "write", None)
+        return (write or HermesParser().write)([ToolCall(tool, arguments)])
 
     # the protocol --------------------------------------------------------------------------------
     def end(self, reward: float) -> None:

@@ -41,6 +41,8 @@ class ToolCallParser(Protocol):
 
     def grammar(self, fns: list[dict], single: bool, tag_tokens: bool) -> str: ...  # Lark: calls of these
 
+    def write(self, calls: list[ToolCall]) -> str: ...  # the calls as the model writes them (experts' transcripts)
+
 
 class HermesParser:
     pattern = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
@@ -48,6 +50,10 @@ class HermesParser:
 
     def for_tools(self, tools: list[dict] | None) -> HermesParser:
         return self
+
+    def write(self, calls: list[ToolCall]) -> str:
+        return "\n".join(f"<tool_call>\n{json.dumps({'name': c.name, 'arguments': c.arguments})}\n</tool_call>"
+                         for c in calls)
 
     def parse(self, text: str) -> Parsed:
         calls, errors = [], []
@@ -101,6 +107,9 @@ class Llama3JsonParser:
 
     def for_tools(self, tools: list[dict] | None) -> Llama3JsonParser:
         return self
+
+    def write(self, calls: list[ToolCall]) -> str:
+        return "; ".join(json.dumps({"name": c.name, "parameters": c.arguments}) for c in calls)
 
     def parse(self, text: str) -> Parsed:
         s = text.strip()
@@ -162,6 +171,13 @@ class Qwen3CoderParser(HermesParser):
     def for_tools(self, tools: list[dict] | None) -> Qwen3CoderParser:
         fns = [t.get("function", t) for t in tools or []]
         return Qwen3CoderParser({f["name"]: f.get("parameters") or {} for f in fns if f.get("name")})
+
+    def write(self, calls: list[ToolCall]) -> str:
+        """Each value as text: a string as it is, anything else as JSON."""
+        def param(k, v):
+            return f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+        return "\n".join(f"<tool_call>\n<function={c.name}>\n{''.join(param(k, v) for k, v in c.arguments.items())}"
+                         "</function>\n</tool_call>" for c in calls)
 
     def parse(self, text: str) -> Parsed:
         calls, errors = [], []

@@ -114,3 +114,20 @@ def test_serve_with_a_tool_call_parser(model_dir, parser):
         deltas = [ch["choices"][0]["delta"] for ch in chunks if ch.get("choices")]
         assert not "".join(d.get("content") or "" for d in deltas)  # the call's JSON is never shown as content
         assert [d["tool_calls"][0]["function"] for d in deltas if d.get("tool_calls")] == [call]
+
+
+@pytest.mark.parametrize("parser", ["llama3_json", "qwen3_coder"])
+def test_experts_write_their_calls_in_the_envs_format(expert_rewards, parser):
+    """A warm start teaches the format the policy is parsed by: every built-in env's expert writes
+    its calls with the env's parser (`ToolEnv.call_text`) and solves its tasks in it; Hermes's
+    transcripts are what they were."""
+    from rollwise.agent.envs import make_env
+    for name in ("calculator", "code", "countdown", "frozenlake", "phonebook", "search", "sql", "bugfix"):
+        tasks = make_env(name).sample_tasks(3, seed=2)
+        assert expert_rewards(lambda: make_env(name, parser=parser), tasks) == [1.0] * 3, name
+        first = make_env(name, parser=parser).expert(tasks[0])[0]
+        assert first.startswith("<tool_call>\n<function=" if parser == "qwen3_coder" else '{"name": '), first
+    calc = make_env("calculator")
+    task = calc.sample_tasks(1, seed=0)[0]
+    call = json.dumps({"name": "calculator", "arguments": {"expression": task["expression"]}})
+    assert calc.expert(task)[0] == f"<tool_call>\n{call}\n</tool_call>"

@@ -4,7 +4,6 @@ code sandbox) and `edit_file`. The reward comes at the end: the tests, restored 
 text, must pass in the workspace as the episode left it."""
 from __future__ import annotations
 
-import json
 import random
 
 from rollwise.agent.env import ToolEnv
@@ -102,7 +101,6 @@ class BugfixEnv(ToolEnv):
 
     def expert(self, task):
         bad, good = FUNCTIONS[task["buggy"]][1]
-        run = json.dumps({"name": "bash", "arguments": {"command": f"python test_{task['module']}.py"}})
-        edit = json.dumps({"name": "edit_file", "arguments": {"path": f"{task['module']}.py", "old": bad, "new": good}})
-        return [f"<tool_call>\n{run}\n</tool_call>", f"<tool_call>\n{edit}\n</tool_call>",
-                f"<tool_call>\n{run}\n</tool_call>", f"Fixed {task['buggy']} in {task['module']}.py."]
+        run = self.call_text("bash", command=f"python test_{task['module']}.py")
+        edit = self.call_text("edit_file", path=f"{task['module']}.py", old=bad, new=good)
+        return [run, edit, run, f"Fixed {task['buggy']} in {task['module']}.py."]

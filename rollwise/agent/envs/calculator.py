@@ -1,7 +1,6 @@
 """calculator: multi-step arithmetic word problems; a `calculator` tool; exact-answer reward."""
 from __future__ import annotations
 
-import json
 import random
 
 from rollwise.agent.env import ToolEnv, last_number
@@ -55,5 +54,4 @@ class CalculatorEnv(ToolEnv):
         return out
 
     def expert(self, task):
-        call = json.dumps({"name": "calculator", "arguments": {"expression": task["expression"]}})
-        return [f"<tool_call>\n{call}\n</tool_call>", f"The answer is {fmt(task['answer'])}."]
+        return [self.call_text("calculator", expression=task["expression"]), f"The answer is {fmt(task['answer'])}."]

@@ -6,7 +6,6 @@ the scripted expert writes its own programs: a test checks that the two agree.""
 from __future__ import annotations
 
 import functools
-import json
 import random
 
 from rollwise.agent.env import ToolEnv, number_reward
@@ -104,5 +103,4 @@ class CodeEnv(ToolEnv):
 
     def expert(self, task):
         program = FAMILIES[task["family"]][1].format(**task["params"])
-        call = json.dumps({"name": "python", "arguments": {"code": program}})
-        return [f"<tool_call>\n{call}\n</tool_call>", f"The answer is {task['answer']}."]
+        return [self.call_text("python", code=program), f"The answer is {task['answer']}."]

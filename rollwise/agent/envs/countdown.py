@@ -2,7 +2,6 @@
 expression is verified."""
 from __future__ import annotations
 
-import json
 import random
 from collections import Counter
 
@@ -68,5 +67,4 @@ class CountdownEnv(ToolEnv):
         return out
 
     def expert(self, task):
-        call = json.dumps({"name": "evaluate", "arguments": {"expression": task["solution"]}})
-        return [f"<tool_call>\n{call}\n</tool_call>", task["solution"]]
+        return [self.call_text("evaluate", expression=task["solution"]), task["solution"]]

@@ -7,7 +7,6 @@ the observation (a partially observed walk, as agents see their surroundings), a
 repeat across a group's episodes with what to do in them in view."""
 from __future__ import annotations
 
-import json
 import random
 from collections import deque
 from typing import Literal
@@ -123,5 +122,4 @@ class FrozenLakeEnv(ToolEnv):
         return out
 
     def expert(self, task):
-        return [f"<tool_call>\n{json.dumps({'name': 'move', 'arguments': {'direction': d}})}\n</tool_call>"
-                for d in shortest_path(task["grid"])]
+        return [self.call_text("move", direction=d) for d in shortest_path(task["grid"])]

@@ -50,5 +50,4 @@ class PhonebookEnv(ToolEnv):
         return out
 
     def expert(self, task):
-        call = json.dumps({"name": "lookup", "arguments": {"name": task["name"]}})
-        return [f"<tool_call>\n{call}\n</tool_call>", f"The {FIELDS[task['field']]} is {task['answer']}."]
+        return [self.call_text("lookup", name=task["name"]), f"The {FIELDS[task['field']]} is {task['answer']}."]

@@ -6,7 +6,6 @@ them, so it takes two searches, the second built from the first's result (a gues
 sixteen cities is right one time in sixteen). Exact-match reward (SQuAD's normalisation, as Search-R1's)."""
 from __future__ import annotations
 
-import json
 import random
 
 from rollwise.agent.env import ToolEnv, exact_match
@@ -58,5 +57,4 @@ class SearchEnv(ToolEnv):
         return out
 
     def expert(self, task):
-        calls = [json.dumps({"name": "search", "arguments": {"query": q}}) for q in (task["person"], task["company"])]
-        return [f"<tool_call>\n{c}\n</tool_call>" for c in calls] + [task["answer"]]
+        return [self.call_text("search", query=q) for q in (task["person"], task["company"])] + [task["answer"]]

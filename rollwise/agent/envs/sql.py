@@ -130,7 +130,6 @@ class SqlEnv(ToolEnv):
         return out
 
     def expert(self, task):
-        call = json.dumps({"name": "sql_query", "arguments": {"query": task["sql"]}})
         ans = task["answer"]
-        return [f"<tool_call>\n{call}\n</tool_call>",
+        return [self.call_text("sql_query", query=task["sql"]),
                 f"The answer is {int(ans) if isinstance(ans, float) and ans.is_integer() else ans}."]
