@@ -1,9 +1,12 @@
 """What the search tool costs, and what sharing requests buys: concurrent episodes' searches through a
 `rollwise retrieve` server (a subprocess on 127.0.0.1), one request per query (the baseline) against
 the default, where queries waiting for a request slot leave together; the index in process beside
-them. Sides take turns within each repetition; every side must return the same hits. Then a trainer's
-whole batch in requests of 512 queries (Search-R1's and verl's one call per batch), which the server
-runs in a thread per core, against the same queries one after another in process.
+them (identical queries not joined here: the stream repeats some). Sides take turns within each
+repetition; every side must return the same hits. Then GRPO groups: 8 samples of a task each search
+the task's question first, then two queries of their own, with identical queries out at once
+joined (the default) or not. Then a trainer's whole batch in requests of 512 queries (Search-R1's and
+verl's one call per batch), which the server runs in a thread per core, against the same queries one
+after another in process.
 
     python benchmarks/search.py [--concurrency 1,16,64,256] [--repeats 3] [--smoke] [--json PATH]
 
@@ -58,6 +61,32 @@ async def run_side(search, queries: list[str], concurrency: int, k: int) -> tupl
     return time.perf_counter() - t0, parts
 
 
+async def groups(url: str, base: list[str], n_groups: int, repeats: int, k: int, size: int = 8) -> dict:
+    """GRPO groups: every sample of a group searches its task's question, then two queries of its own,
+    all groups at once; identical queries out at once joined (the default) against not."""
+    streams = [[base[g % len(base)], base[(n_groups + 2 * (g * size + j)) % len(base)],
+                base[(n_groups + 2 * (g * size + j) + 1) % len(base)]] for g in range(n_groups) for j in range(size)]
+    secs: dict[str, list[float]] = {"joined": [], "not_joined": []}
+    sent, answers = {}, {}
+    for _ in range(repeats):
+        for name in secs:
+            remote = RemoteSearch(url, join_inflight=name == "joined")
+            before = remote.sent  # (the loop's count of queries sent to the server)
+
+            async def episode(qs):
+                return [[h.id for h in await remote.asearch(q, k)] for q in qs]
+            t0 = time.perf_counter()
+            answers[name] = await asyncio.gather(*(episode(qs) for qs in streams))
+            secs[name].append(time.perf_counter() - t0)
+            sent[name] = remote.sent - before
+        assert answers["joined"] == answers["not_joined"], "joined queries got other hits"
+    med = {s: statistics.median(v) for s, v in secs.items()}
+    n = sum(map(len, streams))
+    return {"episodes": len(streams), "searches": n, "joined_qps": n / med["joined"],
+            "not_joined_qps": n / med["not_joined"], "joined_sent": sent["joined"],
+            "not_joined_sent": sent["not_joined"], "ratio": med["not_joined"] / med["joined"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", default="1,16,64,256")
@@ -87,8 +116,8 @@ def main() -> None:
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
-        sides = {"per_query": RemoteSearch(url, max_batch=1).asearch, "shared": RemoteSearch(url).asearch,
-                 "in_process": index.asearch}
+        sides = {"per_query": RemoteSearch(url, max_batch=1, join_inflight=False).asearch,
+                 "shared": RemoteSearch(url, join_inflight=False).asearch, "in_process": index.asearch}
         out = {"documents": index.size, "queries": len(queries), "k": args.k, "levels": {}}
         print(f"{index.size:,} pages, {len(queries)} searches per measurement, top {args.k}")
 
@@ -109,6 +138,11 @@ def main() -> None:
                       f"{row['shared_qps']:8.0f} q/s ({row['shared_vs_per_query']:.2f}x), in process "
                       f"{row['in_process_qps']:8.0f} q/s")
         asyncio.run(measure())
+        out["groups"] = asyncio.run(groups(url, base, 4 if args.smoke else 32, args.repeats, args.k))
+        g = out["groups"]
+        print(f"{g['episodes']} episodes in groups of 8 ({g['searches']} searches): joined {g['joined_qps']:.0f} q/s, "
+              f"{g['joined_sent']} sent; not joined {g['not_joined_qps']:.0f} q/s, {g['not_joined_sent']} sent "
+              f"({g['ratio']:.2f}x)")
         # a trainer's whole batch in requests of 512 queries (verl's and Search-R1's one call per batch):
         # the server runs a request's queries in a thread per core; against them one after another in
         # process (what a request cost before, in the one thread it had)

@@ -381,6 +381,8 @@ def test_search_benchmark_smoke(tmp_path):
     assert res["documents"] > 0 and set(res["levels"]) == {"1", "8"}
     assert all(row["per_query_qps"] > 0 and row["shared_qps"] > 0 for row in res["levels"].values())
     assert res["one_request"]["server_qps"] > 0 and res["one_request"]["ratio"] > 0
+    g = res["groups"]  # 4 groups of 8: each group's first query goes out once when joined
+    assert g["searches"] == 96 and g["not_joined_sent"] == 96 and g["joined_sent"] <= 96 - 4 * 7
 
 
 def test_math_reward_benchmark_smoke(tmp_path):

@@ -197,15 +197,27 @@ class RemoteSearch:
     run sends few large requests (a dense retriever encodes each in one batch) and an idle one sends
     each query at once. A batch the server refuses (400) is sent again in halves until the refused
     queries stand alone, so only a bad query's episode reads the refusal. `max_batch = 1`: one
-    request per query."""
+    request per query. A query asked again while it is waiting or out (a GRPO group's samples often
+    all search the question first) joins the first one's answer instead of going out again
+    (`join_inflight`); `sent` counts the queries that went out to the server from this event loop."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 10.0, retries: int = 2,
-                 backoff_s: float = 0.5, max_batch: int = 64, max_inflight: int = 4) -> None:
+                 backoff_s: float = 0.5, max_batch: int = 64, max_inflight: int = 4,
+                 join_inflight: bool = True) -> None:
         if retries < 0 or timeout_s <= 0 or max_batch < 1 or max_inflight < 1:
             raise ValueError(f"need retries >= 0, timeout_s > 0, max_batch >= 1 and max_inflight >= 1, got {retries}, "
                              f"{timeout_s}, {max_batch} and {max_inflight}")
         self.url, self.api_key, self.timeout_s = url, api_key, timeout_s
         self.retries, self.backoff_s, self.max_batch, self.max_inflight = retries, backoff_s, max_batch, max_inflight
+        self.join_inflight = join_inflight
+
+    @property
+    def sent(self) -> int:
+        return self._sent[0]
+
+    @property
+    def _sent(self) -> list[int]:
+        return loop_shared(("search-sent", self.url), lambda: [0])
 
     def _client(self) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -213,6 +225,16 @@ class RemoteSearch:
                            lambda: httpx.AsyncClient(timeout=self.timeout_s, headers=headers))
 
     async def asearch(self, query: str, k: int = 3) -> list[Hit]:
+        if not self.join_inflight:
+            return await self._asearch(query, k)
+        inflight = loop_shared(("search-inflight", self.url, self.api_key, k), dict)  # query -> its answer
+        answer = inflight.get(query)
+        if answer is None:
+            answer = inflight[query] = asyncio.ensure_future(self._asearch(query, k))
+            answer.add_done_callback(lambda f: _forget(inflight, query, f))
+        return await asyncio.shield(answer)  # (an episode cut off leaves the others' answer coming)
+
+    async def _asearch(self, query: str, k: int) -> list[Hit]:
         if self.max_batch == 1:
             return (await self.post([query], k))[0]
         key = ("search-batches", self.url, self.api_key, k, self.max_batch, self.max_inflight, self.timeout_s,
@@ -221,6 +243,7 @@ class RemoteSearch:
 
     async def post(self, queries: list[str], k: int) -> list[list[Hit]]:
         """One request: each query's hits."""
+        self._sent[0] += len(queries)
         body = {"queries": queries, "topk": k, "return_scores": True}
         err: Exception | None = None
         for attempt in range(self.retries + 1):
@@ -243,6 +266,13 @@ class RemoteSearch:
             if r.status_code < 500 and r.status_code != 429:  # 401, 404: misconfigured, no use retrying
                 raise ServiceError(f"retrieval server {self.url}: {err}")
         raise ServiceError(f"retrieval server {self.url} failed {self.retries + 1} times: {err}")
+
+
+def _forget(inflight: dict, query: str, answer: asyncio.Future) -> None:
+    if inflight.get(query) is answer:
+        del inflight[query]
+    if not answer.cancelled():
+        answer.exception()  # (retrieved: an answer every asker left is not logged as lost)
 
 
 class _Batcher:
@@ -367,9 +397,9 @@ def make_search(options: dict) -> Tool | TaskDocsSearch:
         key = os.environ.get(env_key) if env_key else None
         if env_key and not key:
             raise ValueError(f"search api_key_env {env_key!r} is not set")
-        names = ("timeout_s", "retries", "max_batch", "max_inflight")
+        names = ("timeout_s", "retries", "max_batch", "max_inflight", "join_inflight")
         backend = RemoteSearch(opts.pop("url"), key, **{k: opts.pop(k) for k in names if k in opts})
     if opts:
         raise ValueError(f"unknown search options {sorted(opts)}; valid: corpus, index, url, api_key_env, timeout_s, "
-                         f"retries, max_batch, max_inflight, task_docs, top_k, max_chars")
+                         f"retries, max_batch, max_inflight, join_inflight, task_docs, top_k, max_chars")
     return search_tool(backend, top_k, max_chars)

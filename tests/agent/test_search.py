@@ -135,7 +135,7 @@ def test_concurrent_searches_share_requests_and_a_refused_query_fails_alone():
     queries = ["maple motors", "Ben", "Ana Smith", "Vintry", "software"] * 8 + ["?!"]
     with srv:
         async def go(max_batch):
-            tool = search_tool(RemoteSearch(srv.url, max_batch=max_batch, max_inflight=1), 2)
+            tool = search_tool(RemoteSearch(srv.url, max_batch=max_batch, max_inflight=1, join_inflight=False), 2)
             return [r.content for r in await asyncio.gather(*(tool.call({"query": q}) for q in queries))]
         batched = asyncio.run(go(64))
         batched_sizes, sizes[:] = list(sizes), []
@@ -144,6 +144,41 @@ def test_concurrent_searches_share_requests_and_a_refused_query_fails_alone():
     assert len(batched_sizes) < 20 and max(batched_sizes) > 10  # shared requests (a refused one halved)
     assert "refused" in batched[-1] and "no words" in batched[-1]  # the bad query's episode reads why
     assert all(c.startswith("Doc 1(Title: ") for c in batched[:-1])  # and no other
+
+
+def test_a_query_asked_again_while_out_joins_the_first_answer():
+    """A GRPO group's samples searching the same question at once: one query goes out; each asker
+    gets the answer (or the refusal); an asker cut off leaves the others theirs."""
+    index = SearchIndex.from_docs(DOCS)
+    srv = RetrieveServer(index)
+    sent = []
+
+    @srv.server.config.app.middleware("http")
+    async def count(request, call_next):
+        if request.url.path == "/retrieve":
+            sent.extend(json.loads(await request.body())["queries"])
+            await asyncio.sleep(0.2)  # (slow enough that the askers overlap)
+        return await call_next(request)
+    queries = ["maple motors", "Ben", "Ana Smith"] * 8 + ["?!"] * 3
+    with srv:
+        async def go(join, max_batch):
+            remote = RemoteSearch(srv.url, max_batch=max_batch, join_inflight=join)
+            tool = search_tool(remote, 2)
+            got = [r.content for r in await asyncio.gather(*(tool.call({"query": q}) for q in queries))]
+            cut = asyncio.create_task(tool.call({"query": "Vintry"}))  # cut off while its query is out ...
+            other = asyncio.create_task(tool.call({"query": "Vintry"}))
+            await asyncio.sleep(0.05)
+            cut.cancel()
+            return got, (await other).content, remote.sent
+        joined, later, n = asyncio.run(go(True, 1))  # (one request per query: no refused batch halved)
+        sent_joined, sent[:] = sorted(sent), []
+        alone, _, n_alone = asyncio.run(go(False, 1))
+        assert asyncio.run(go(True, 64))[0] == alone  # joined and shared requests: the same answers
+    want = asyncio.run(search_tool(index, 2).call({"query": "Vintry"})).content
+    assert joined == alone and later == want  # ... the other still gets its answer
+    assert sent_joined == sorted(["maple motors", "Ben", "Ana Smith", "?!", "Vintry"]) and n == 5
+    assert n_alone == len(queries) + 2
+    assert all("refused" in c for c in joined[-3:]) and all(c.startswith("Doc 1(Title: ") for c in joined[:-3])
 
 
 def test_a_retrieval_outage_ends_the_episode_as_an_error_not_as_the_tools_answer(model_dir):
