@@ -1,9 +1,10 @@
 """Tool-call parsing from model text, by the format the model was trained on (`PARSERS`, vLLM's
 names): `hermes` (Qwen, Hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
 in the text), `llama3_json` (Llama 3.1+: the reply is the call, `{"name": ..., "parameters":
-{...}}`, several joined by "; ", optionally after `<|python_tag|>`) and `qwen3_coder` (Qwen3-Coder's
+{...}}`, several joined by "; ", optionally after `<|python_tag|>`), `qwen3_coder` (Qwen3-Coder's
 XML: `<tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>`, each
-value raw text, typed by the tool's schema). Each parser also says how much of a reply being
+value raw text, typed by the tool's schema) and `pythonic` (Llama 3.2's and 4's: the reply is
+`[name(key=value, ...)]`, Python literals). Each parser also says how much of a reply being
 streamed can be shown as content (`content_end`) and writes the grammar that holds a reply to calls
 of given functions (`grammar`, for tool_choice "required" or a named one). `for_tools(tools)` gives
 the parser for a request's tools (their schemas type qwen3_coder's values; the others need none)."""
@@ -266,7 +267,120 @@ def _value_grammar(schema: dict) -> str | None:
     return None
 
 
-PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "qwen3_coder": Qwen3CoderParser}
+class PythonicParser:
+    """Python call lists (vLLM's `pythonic`: Llama 3.2's and Llama 4's format, ToolACE's): a reply that
+    is `[name(key=value, ...), ...]`, each value a Python literal (strings, numbers, True / False /
+    None, lists, dicts; JSON's true / false / null taken too), maybe between `<|python_start|>` and
+    `<|python_end|>`. A reply that does not start with `[name(` is text."""
+    start, end = "<|python_start|>", "<|python_end|>"
+
+    def for_tools(self, tools: list[dict] | None) -> PythonicParser:
+        return self
+
+    def _body(self, text: str) -> str:
+        s = text.strip()
+        if s.startswith(self.start):
+            s = s[len(self.start):]
+            s = s[:s.index(self.end)] if self.end in s else s
+        return s.strip()
+
+    looks_like_calls = re.compile(r"\[\s*[A-Za-z_]\w*\s*\(")
+
+    def parse(self, text: str) -> Parsed:
+        s = self._body(text)
+        if not self.looks_like_calls.match(s):  # ("[1, 2]" is an answer, not a call)
+            return Parsed([], [], text.strip())
+        try:
+            tree = ast.parse(s, mode="eval").body
+        except SyntaxError as e:
+            return Parsed([], [f"malformed tool call: not a Python list of calls ({e.msg})"], "")
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return Parsed([], ["malformed tool call: expected [name(key=value, ...), ...]"], "")
+        calls, errors = [], []
+        for node in tree.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                    and all(k.arg for k in node.keywords)):
+                errors.append("malformed tool call: each call is name(key=value, ...), by keyword")
+                continue
+            try:
+                calls.append(ToolCall(node.func.id, {k.arg: _literal(k.value) for k in node.keywords}))
+            except ValueError as e:
+                errors.append(f"malformed tool call {node.func.id!r}: {e}")
+        return Parsed(calls, errors, "")
+
+    def content(self, text: str) -> str:
+        return "" if self.content_end(text) == 0 and text.strip() else text
+
+    def content_end(self, text: str) -> int:
+        """A reply that is (or may become) a call list shows nothing; one that is text shows all of it."""
+        s = text.lstrip()
+        maybe_call = s.startswith(("[", self.start)) or self.start.startswith(s)
+        return 0 if maybe_call else len(text)
+
+    def write(self, calls: list[ToolCall]) -> str:
+        return "[" + ", ".join(f"{c.name}({', '.join(f'{k}={v!r}' for k, v in c.arguments.items())})"
+                               for c in calls) + "]"
+
+    def grammar(self, fns: list[dict], single: bool, tag_tokens: bool) -> str:
+        """`[` calls `]`, each of an offered function with its parameters by keyword in schema order
+        (the required ones always), strings and numbers as JSON writes them (Python reads them
+        alike), booleans as True / False, objects and arrays as JSON of their schema."""
+        rules, alts = [], []
+        for i, fn in enumerate(fns):
+            params = fn.get("parameters") or {}
+            required = set(params.get("required") or [])
+            items = []
+            for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
+                value = ('("True" | "False")' if (schema or {}).get("type") == "boolean"
+                         else f"%json {json.dumps({**(schema or {}), 'x-guidance': {'whitespace_flexible': False}})}")
+                rules.append(f"p{i}_{j}: {json.dumps(key + '=')} {value}")
+                items.append((f"p{i}_{j}", key in required))
+            rules += _sequence(f"a{i}", items, json.dumps(", "))
+            args = f"a{i}_0" + ("?" if all(not r for _, r in items) else "") if items else ""
+            rules.append(f"f{i}: {json.dumps(fn['name'] + '(')} {args} \")\"")
+            alts.append(f"f{i}")
+        more = "" if single else ' (", " call)*'
+        return "\n".join([f'start: "[" call{more} "]"', f"call: {' | '.join(alts)}", *rules]) + "\n"
+
+
+def _literal(node: ast.expr):
+    """A call's keyword value: a Python literal, or JSON's true / false / null where one stands."""
+    names = {"true": True, "false": False, "null": None}
+
+    class JsonNames(ast.NodeTransformer):
+        def visit_Name(self, n):
+            if n.id in names:
+                return ast.copy_location(ast.Constant(names[n.id]), n)
+            raise ValueError(f"{n.id} is not a literal")
+    try:
+        return ast.literal_eval(JsonNames().visit(node))
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as e:
+        raise ValueError(f"a value is not a literal ({e})") from None
+
+
+def _sequence(name: str, items: list[tuple[str, bool]], sep: str) -> list[str]:
+    """Lark rules `{name}_k` for the items from k on, in order, joined by `sep`, each optional one
+    optional: `{name}_k` writes at least one item (whether the whole may be empty is the caller's
+    `?`); `{name}_k_more` the same after one already written (each item led by `sep`)."""
+    n, rules = len(items), []
+
+    def nullable(k):
+        return all(not req for _, req in items[k:])
+
+    def ref(rule, k):  # the rest from k, or nothing if it may be empty
+        return "" if k == n else f"{rule}_{k}_more" + ("?" if nullable(k) else "")
+    for k, (item, req) in enumerate(items):
+        first = f"{item} {ref(name, k + 1)}".strip()
+        more = f"{sep} {item} {ref(name, k + 1)}".strip()
+        if not req and k + 1 < n:  # skipped: the rest, which must then write something
+            first += f" | {name}_{k + 1}"
+            more += f" | {name}_{k + 1}_more"
+        rules += [f"{name}_{k}: {first}", f"{name}_{k}_more: {more}"]
+    return rules
+
+
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "qwen3_coder": Qwen3CoderParser,
+           "pythonic": PythonicParser}
 
 
 def bind(parser: ToolCallParser, tools: list[dict] | None) -> ToolCallParser:

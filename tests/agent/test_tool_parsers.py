@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from rollwise.agent.env import ToolEnv
-from rollwise.agent.parsing import (HermesParser, Llama3JsonParser, Qwen3CoderParser, bind, make_parser,
-                                   openai_tool_calls)
+from rollwise.agent.parsing import (HermesParser, Llama3JsonParser, PythonicParser, Qwen3CoderParser, ToolCall, bind,
+                                   make_parser, openai_tool_calls)
 from rollwise.agent.tools import Tool
 from rollwise.serve.process import ServerProcess
 
@@ -26,7 +26,7 @@ def test_llama3_json_calls_are_parsed_and_text_stays_text():
     # streaming: a reply that starts as a call shows no content; text shows at once
     assert p.content_end('  {"na') == 0 == p.content_end("<|pyth") and p.content_end("Hello") == 5
     assert HermesParser().content_end("Hi <tool_c") == 0 and HermesParser().content_end("Hi there, friend") == 6
-    with pytest.raises(ValueError, match="valid: \\['hermes', 'llama3_json', 'qwen3_coder'\\]"):
+    with pytest.raises(ValueError, match="valid: \\['hermes', 'llama3_json', 'pythonic', 'qwen3_coder'\\]"):
         make_parser("mistral")
 
 
@@ -65,6 +65,23 @@ def test_qwen3_coder_calls_are_parsed_and_typed_by_the_tools_schemas():
     assert p.content_end("Hi <tool_c") == 0 and p.content_end("Hi there, friend") == 6  # (Hermes's tag)
 
 
+def test_pythonic_calls_are_parsed_and_text_stays_text():
+    p = make_parser("pythonic")
+    got = p.parse("[get_weather(city='Paris', unit=\"C\"), add(a=1, b=2.5, ok=True, none=None, xs=[1, {'k': true}])]")
+    assert not got.errors and [(c.name, c.arguments) for c in got.calls] == [
+        ("get_weather", {"city": "Paris", "unit": "C"}),
+        ("add", {"a": 1, "b": 2.5, "ok": True, "none": None, "xs": [1, {"k": True}]})]  # (JSON's true too)
+    assert p.parse("<|python_start|>[f(x=1)]<|python_end|>").calls == [ToolCall("f", {"x": 1})]  # Llama 4's tags
+    for text in ("[1, 2]", "The answer is [f(x=1)].", "Paris"):
+        assert p.parse(text).calls == [] and not p.parse(text).errors and p.parse(text).text == text
+    assert "by keyword" in p.parse("[f(1)]").errors[0] and "not a literal" in p.parse("[f(x=y)]").errors[0]
+    assert "not a Python list" in p.parse("[f(x=1").errors[0] and "by keyword" in p.parse("[f(x=1), 3]").errors[0]
+    calls = [ToolCall("edit", {"code": "print('a\\n')\n", "n": 3, "d": {"a": [True, None]}}), ToolCall("ping", {})]
+    assert p.parse(p.write(calls)).calls == calls  # what the experts write reads back
+    assert p.content_end("  [get") == 0 == p.content_end("<|python") and p.content_end("Paris") == 5
+    assert PythonicParser().content("[f(x=1)]") == "" and PythonicParser().content("Hi") == "Hi"
+
+
 class Adder(ToolEnv):
     name = "adder"
 
@@ -82,7 +99,8 @@ class Adder(ToolEnv):
 
 
 @pytest.mark.parametrize("parser,call", [("llama3_json", '{"name": "add", "parameters": {"a": 2, "b": 3}}'),
-                                         ("qwen3_coder", xml_call("add", a="2", b="3"))])
+                                         ("qwen3_coder", xml_call("add", a="2", b="3")),
+                                         ("pythonic", "[add(a=2, b=3)]")])
 def test_an_env_reads_its_models_tool_call_format_by_name(parser, call):
     env = Adder(parser=parser)
 
@@ -94,7 +112,7 @@ def test_an_env_reads_its_models_tool_call_format_by_name(parser, call):
     assert not done and obs[0]["role"] == "tool" and obs[0]["content"] == "5" and end and reward == 1.0
 
 
-@pytest.mark.parametrize("parser", ["llama3_json", "qwen3_coder"])
+@pytest.mark.parametrize("parser", ["llama3_json", "qwen3_coder", "pythonic"])
 def test_serve_with_a_tool_call_parser(model_dir, parser):
     tools = [{"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
@@ -116,7 +134,7 @@ def test_serve_with_a_tool_call_parser(model_dir, parser):
         assert [d["tool_calls"][0]["function"] for d in deltas if d.get("tool_calls")] == [call]
 
 
-@pytest.mark.parametrize("parser", ["llama3_json", "qwen3_coder"])
+@pytest.mark.parametrize("parser", ["llama3_json", "qwen3_coder", "pythonic"])
 def test_experts_write_their_calls_in_the_envs_format(expert_rewards, parser):
     """A warm start teaches the format the policy is parsed by: every built-in env's expert writes
     its calls with the env's parser (`ToolEnv.call_text`) and solves its tasks in it; Hermes's
@@ -126,7 +144,8 @@ def test_experts_write_their_calls_in_the_envs_format(expert_rewards, parser):
         tasks = make_env(name).sample_tasks(3, seed=2)
         assert expert_rewards(lambda: make_env(name, parser=parser), tasks) == [1.0] * 3, name
         first = make_env(name, parser=parser).expert(tasks[0])[0]
-        assert first.startswith("<tool_call>\n<function=" if parser == "qwen3_coder" else '{"name": '), first
+        start = {"qwen3_coder": "<tool_call>\n<function=", "llama3_json": '{"name": ', "pythonic": "["}[parser]
+        assert first.startswith(start), first
     calc = make_env("calculator")
     task = calc.sample_tasks(1, seed=0)[0]
     call = json.dumps({"name": "calculator", "arguments": {"expression": task["expression"]}})

@@ -146,3 +146,37 @@ def test_forced_qwen3_coder_calls_parse_with_their_schemas_types(llms, model_dir
     assert accepts(call.replace("</function>", "<parameter=line>\n7\n</parameter>\n</function>"))
     assert not accepts(call.replace("</function>", "<parameter=line>\nseven\n</parameter>\n</function>"))
     assert not accepts(call.replace("<parameter>!", "</parameter>!"))  # (the parser would end the value there)
+
+
+def test_forced_pythonic_calls_keep_required_parameters_and_types(llms, model_dir):
+    """tool_choice in the pythonic format: a random model's forced calls parse as Python, the required
+    parameters always there, optional ones in order or left out, each value of its type."""
+    from pathlib import Path
+
+    import llguidance
+
+    from rollwise.agent.parsing import PythonicParser, forced_tool_calls
+    props = {"check": {"type": "boolean"}, "a": {"type": "integer", "minimum": 0, "maximum": 9},
+             "mode": {"enum": ["fast", "exact"]}}
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": props, "required": ["a"]}}}]
+    parser = PythonicParser()
+    spec = forced_tool_calls(tools, "required", False, parser)
+    outs = llms[0].generate(["call:"] * 6, [_p(spec, seed=i, max_tokens=80) for i in range(6)])
+    for o in outs:
+        parsed = parser.parse(o.text)
+        assert o.finish_reason == "stop" and not parsed.errors and parsed.calls, o.text
+        for call in parsed.calls:
+            args = call.arguments
+            assert call.name == "add" and type(args["a"]) is int and 0 <= args["a"] <= 9 and set(args) <= set(props)
+            assert type(args.get("check", False)) is bool and args.get("mode", "fast") in ("fast", "exact")
+            assert list(args) == [k for k in props if k in args]  # schema order
+    tok = llguidance.LLTokenizer((Path(model_dir) / "tokenizer.json").read_text())
+    grammar = llguidance.LLMatcher.grammar_from_lark(spec["grammar"])
+
+    def accepts(text: str) -> bool:
+        m = llguidance.LLMatcher(tok, grammar)
+        ids = tok.tokenize_str(text)
+        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+    assert accepts("[add(a=1)]") and accepts('[add(check=True, a=1, mode="exact")]') and accepts("[add(a=1), add(a=2)]")
+    assert not accepts('[add(mode="fast")]') and not accepts("[add(, a=1)]") and not accepts("[add(a=1, check=true)]")
