@@ -183,6 +183,9 @@ class MCPConnection:
     async def close(self) -> None:
         async with self._lock:
             await self._shut()
+            if self._errlog is not None:
+                self._errlog.close()
+                self._errlog = None
 
     # ----------------------------------------------------------------------------------------------
     async def _connected(self):

@@ -424,6 +424,20 @@ def test_train_with_tools_from_an_mcp_server(model_dir, tmp_path):
     assert trajs and all(t.status in ("done", "max_turns") for t in trajs), [t.error for t in trajs]
 
 
+def test_train_on_a_reward_models_scores(model_dir, rm_dir, tmp_path):
+    """reward = "model": every episode scored by a learned reward model, loaded once for the run."""
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text("".join(json.dumps({"prompt": f"Say something about {w}."}) + "\n" for w in ("cats", "rain")))
+    cfg = TrainConfig.from_dict({**TINY, "env": "dataset", "sft_steps": 0, "eval_tasks": 0, "model": model_dir,
+                                 "env_options": {"reward": "model", "reward_model": {"path": rm_dir}},
+                                 "train_tasks_file": str(tasks), "run_dir": str(tmp_path / "run"), "steps": 2})
+    report = train(cfg)
+    trajs = [t for g in read_log(Path(cfg.run_dir) / "groups.jsonl") for t in g.trajectories]
+    assert len(report["steps"]) == 2 and trajs and all(t.status == "done" for t in trajs)
+    rewards = [t.reward for t in trajs]
+    assert len(set(rewards)) > 1 and not all(r in (0.0, 1.0) for r in rewards)  # the model's scores, not a rule's
+
+
 def test_a_run_directory_resumes_only_the_run_it_holds(model_dir, tmp_path):
     """Resuming with other tasks or env settings would train the logged groups and cursor of one run
     on another's: refused, naming what differs; steps may grow."""

@@ -18,7 +18,8 @@ under a deadline, `math_timeout_s`; rollwise.agent.math_reward), `auto` (by each
 NuminaMath and AIME, `em` for Search-R1's QA sets), `unit_tests` (the
 answer's last fenced code block, then the task's `tests`, run to the end in the code sandbox),
 `judge` (an LLM grades it against the task and its reference answer, if any: `judge = { url, model,
-... }`, `rollwise.agent.judge`), or `module:function` / `file.py:function` called as `function(task,
+... }`, `rollwise.agent.judge`), `model` (a learned reward model's score of the answer in its
+conversation: `reward_model = { path, ... }`, `rollwise.agent.reward_model`), or `module:function` / `file.py:function` called as `function(task,
 answer_text) -> float` (a coroutine function is awaited; a plain one runs in a worker thread, so a
 slow verifier holds up no other episode); a function with verl's parameters, `compute_score(
 data_source, solution_str, ground_truth, extra_info=None)`, is called as verl calls it.
@@ -44,6 +45,7 @@ from rollwise.agent.env import ToolEnv, exact_match, f1_score, maybe_await, numb
 from rollwise.agent.judge import Judge, JudgeConfig
 from rollwise.agent.math_reward import MathVerifier, check_installed
 from rollwise.agent.plugins import FORM, load_object
+from rollwise.agent.reward_model import RewardModel, RewardModelConfig
 from rollwise.agent.sandbox import Sandbox
 from rollwise.agent.search import TaskDocsSearch, make_search
 from rollwise.agent.tools import Tool
@@ -124,7 +126,8 @@ class DatasetEnv(ToolEnv):
     def __init__(self, *, reward: str = "exact", tools: list[str] = (), prompt_key: str = "prompt",
                  answer_key: str = "answer", system_prompt: str | None = None, answer_hint: str | None = None,
                  sandbox_timeout_s: float = 5.0, tool_timeout: float = 10.0, judge: dict | None = None,
-                 search: dict | None = None, math_timeout_s: float = 5.0, **kw) -> None:
+                 search: dict | None = None, math_timeout_s: float = 5.0, reward_model: dict | None = None,
+                 **kw) -> None:
         super().__init__(tool_timeout=tool_timeout, **kw)  # (for a user's tools; the sandbox keeps its own)
         self.prompt_key, self.answer_key = prompt_key, answer_key
         self.math_timeout_s = math_timeout_s
@@ -133,10 +136,16 @@ class DatasetEnv(ToolEnv):
         if (reward == "judge") != (judge is not None):
             raise ValueError("reward = 'judge' needs judge = { url = ..., ... } (and judge options need it)")
         self.judge = JudgeConfig.from_dict(judge) if judge is not None else None
+        if (reward == "model") != (reward_model is not None):
+            raise ValueError("reward = 'model' needs reward_model = { path = ..., ... } (and reward_model options "
+                             "need it)")
+        self.reward_model = RewardModelConfig.from_dict(reward_model) if reward_model is not None else None
         if reward == "unit_tests":
             self.reward = self._unit_tests
         elif reward == "judge":
             self.reward = self._judge
+        elif reward == "model":
+            self.reward = self._reward_model
         elif reward == "math":
             check_installed()
             self.reward = self._math
@@ -150,7 +159,7 @@ class DatasetEnv(ToolEnv):
             self.reward = self._verl_reward(fn) if VERL_ARGS <= set(_parameters(fn)) else fn
             self._threaded = not inspect.iscoroutinefunction(self.reward)
         else:
-            valid = sorted([*REWARDS, "auto", "judge", "math", "unit_tests"])
+            valid = sorted([*REWARDS, "auto", "judge", "math", "model", "unit_tests"])
             raise ValueError(f"unknown reward {reward!r}; valid: {valid}, or a user's function as {FORM}")
         if ("search" in tools) != (search is not None):
             raise ValueError("tools = ['search'] needs search = { corpus = ... } or { url = ... } (and search options "
@@ -193,6 +202,15 @@ class DatasetEnv(ToolEnv):
         else:
             question = self._field(task, self.prompt_key)
         return await Judge.shared(self.judge).grade(question, answer, self.answer_of(task, required=False))
+
+    async def _reward_model(self, task: dict, answer: str) -> float:
+        """A reward model's score of the answer (without its `<think>`) after the task's conversation
+        (its messages, or its prompt as a user message); rollwise.agent.reward_model."""
+        conversation = self._conversation(task)
+        question = ([m for m in conversation if m.get("role") != "system"] if conversation is not None
+                    else [{"role": "user", "content": self._field(task, self.prompt_key)}])
+        reply = {"role": "assistant", "content": _THINK.sub("", answer).strip()}
+        return await RewardModel.shared(self.reward_model).score([*question, reply])
 
     def _make_tool(self, spec: str) -> Tool | TaskDocsSearch:
         if spec == "python":
