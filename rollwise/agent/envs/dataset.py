@@ -19,10 +19,11 @@ NuminaMath and AIME, `em` for Search-R1's QA sets), `unit_tests` (the
 answer's last fenced code block, then the task's `tests`, run to the end in the code sandbox),
 `judge` (an LLM grades it against the task and its reference answer, if any: `judge = { url, model,
 ... }`, `rollwise.agent.judge`), `model` (a learned reward model's score of the answer in its
-conversation: `reward_model = { path, ... }`, `rollwise.agent.reward_model`), or `module:function` / `file.py:function` called as `function(task,
-answer_text) -> float` (a coroutine function is awaited; a plain one runs in a worker thread, so a
-slow verifier holds up no other episode); a function with verl's parameters, `compute_score(
-data_source, solution_str, ground_truth, extra_info=None)`, is called as verl calls it.
+conversation: `reward_model = { path, ... }`, `rollwise.agent.reward_model`), or `module:function` /
+`file.py:function` called as `function(task, answer_text) -> float` (a coroutine function is
+awaited; a plain one runs in a worker thread, so a slow verifier holds up no other episode); a
+function with verl's parameters, `compute_score(data_source, solution_str, ground_truth,
+extra_info=None)`, is called as verl calls it.
 Tools: `python` (the code sandbox), `search` (BM25 over a
 corpus, or a Search-R1 retrieval server: `search = { corpus = "wiki.jsonl", top_k = 3 }` or `{ url =
 "http://host:8000/retrieve" }`, or each task's own documents: `{ task_docs = "docs" }`, rollwise.agent.search)
