@@ -216,6 +216,11 @@ def test_mcp_tools_benchmark_smoke(tmp_path):
         assert set(row) == {"in_process", "stdio", "http"} and all(r["calls_per_s"] > 0 for r in row.values())
 
 
+def test_reward_model_benchmark_smoke(tmp_path):
+    res = smoke(tmp_path, "benchmarks/reward_model.py")  # (both sides gave the same scores)
+    assert res["answers"] == 12 and res["forwards"] == {"one_at_a_time": 12, "batched": 1}
+
+
 def test_sandbox_benchmark_smoke(tmp_path):
     res = smoke(tmp_path, "benchmarks/sandbox.py")
     assert len(res["cases"]) >= 2 and all(v["sandbox_ms"] > 0 and v["bare_ms"] > 0 for v in res["cases"].values())

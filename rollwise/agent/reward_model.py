@@ -10,9 +10,9 @@ assistant's) is rendered with the reward model's own chat template, cut from the
 `max_length` tokens (the answer's end is what a reward model reads last), and the model's output
 at its last token is the reward, as it is (GRPO's groups compare answers with each other; `scale`
 and `shift` map it as `scale * score + shift`). The model is loaded once per run (an event loop)
-and scores the answers of concurrent episodes together: up to `batch_size` at once in a worker
-thread, padded on the left, so an answer's score does not depend on what it was batched with
-(tests: equal to the model's forward of it alone).
+and scores the answers of concurrent episodes together: those waiting, by length, up to
+`batch_size` at once in a worker thread, padded on the left, so an answer's score does not depend on
+what it was batched with (tests: equal to the model's forward of it alone).
 """
 from __future__ import annotations
 
@@ -105,6 +105,7 @@ class RewardModel:
     async def _pump(self) -> None:
         while self.waiting:
             await asyncio.sleep(0)  # (the episodes scoring in this tick join the batch)
+            self.waiting.sort(key=lambda w: len(w[0]))  # (similar lengths together: less padding)
             batch, self.waiting = self.waiting[:self.cfg.batch_size], self.waiting[self.cfg.batch_size:]
             try:
                 out = await asyncio.to_thread(self.scores, [ids for ids, _ in batch])
