@@ -13,6 +13,7 @@ from pathlib import Path
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp_types import ToolAnnotations
 
 sys.path.insert(0, str(Path(__file__).parent))
 from units_env import METERS, convert as convert_length  # noqa: E402
@@ -20,7 +21,7 @@ from units_env import METERS, convert as convert_length  # noqa: E402
 app = MCPServer("units")
 
 
-@app.tool()
+@app.tool(annotations=ToolAnnotations(read_only_hint=True))  # (reusable by an env with tool_cache)
 def convert(value: float, from_unit: str, to_unit: str) -> str:
     """Convert a length between units: m, km, mile, ft, yard."""
     try:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import time
 import weakref
 from typing import Any, Protocol
 
 from rollwise.agent.parsing import HermesParser, ToolCall, ToolCallParser, bind, make_parser
-from rollwise.agent.tools import Latency, Tool
+from rollwise.agent.tools import Latency, Tool, ToolCache
 
 Observation = list[dict]  # new chat messages (role "tool" or "user") for the model
 
@@ -83,8 +84,11 @@ class ToolEnv:
     answer_hint = "When you are done, reply with the answer alone, without a tool call."
 
     def __init__(self, *, max_turns: int = 8, tool_timeout: float = 5.0, tool_latency: Latency | None = None,
-                 parser: ToolCallParser | str | None = None, max_calls_per_turn: int = 8, mcp=None) -> None:
+                 parser: ToolCallParser | str | None = None, max_calls_per_turn: int = 8, mcp=None,
+                 tool_cache: bool = False) -> None:
         self.max_turns, self.tool_timeout = max_turns, tool_timeout
+        # pure tools' results reused within the run, by task and arguments (ToolCache; `Tool.pure`)
+        self.tool_cache, self._cache_hits = tool_cache, 0
         self.tool_latency, self.max_calls_per_turn = tool_latency, max_calls_per_turn
         # the model's tool-call format: a parser, or its name (`env_options = { parser = "llama3_json" }`)
         self.parser = make_parser(parser) if isinstance(parser, str) else parser or HermesParser()
@@ -148,9 +152,12 @@ class ToolEnv:
         calls = parsed.calls[: self.max_calls_per_turn]
         if len(parsed.calls) > len(calls):
             obs.append({"role": "tool", "content": f"error: at most {self.max_calls_per_turn} tool calls per turn"})
+        self._cache_hits = 0
         results = await asyncio.gather(*(self._call(c) for c in calls))
         obs.extend({"role": "tool", "content": r} for r in results)
         info = {"tool_s": time.perf_counter() - t0, "num_calls": len(calls), "num_errors": len(parsed.errors)}
+        if self.tool_cache:
+            info["tool_cache_hits"] = self._cache_hits
         if self._ended is not None:
             return obs, self._ended, True, info
         return obs, 0.0, False, info
@@ -164,7 +171,20 @@ class ToolEnv:
         t = self._by_name.get(call.name)
         if t is None:
             return f"error: unknown tool {call.name!r}; available: {sorted(self._by_name)}"
-        return (await t.call(call.arguments)).content
+        if not (self.tool_cache and t.pure):
+            return (await t.call(call.arguments)).content
+        key = (type(self).__qualname__, _task_key(self.task), t.name,
+               json.dumps(call.arguments, sort_keys=True, default=repr))
+        result, reused = await loop_shared("tool-cache", ToolCache).get(key, lambda: t.call(call.arguments))
+        self._cache_hits += reused
+        return result.content
+
+
+def _task_key(task: dict | None) -> str:
+    """A task's identity for the tool cache: its id, or its whole content."""
+    if task and "id" in task:
+        return f"id:{task['id']}"
+    return "task:" + json.dumps(task, sort_keys=True, default=repr)
 
 
 def _finish_tool() -> Tool:

@@ -12,7 +12,8 @@ A server with `command` runs as a subprocess talking over stdin/stdout (its stde
 temporary file, whose tail a failure quotes, or to `log`); one with `url` is reached by streamable
 HTTP (`api_key_env` names a variable holding a bearer key). Per server, also: `tools` (the names to
 keep; default all), `timeout_s` (each call's deadline, default 10 s, within the env's
-`tool_timeout`), `max_concurrency` (calls in flight at once), `connect_timeout_s` and `scope`:
+`tool_timeout`), `max_concurrency` (calls in flight at once), `connect_timeout_s`, `pure` (its
+tools' results may be reused by an env with `tool_cache`; default: each tool's `readOnlyHint`) and `scope`:
 `"run"` (default) shares one connection among all of a run's episodes (one event loop), `"episode"`
 starts a server for each episode and stops it when the episode ends (a server that keeps state); an
 episode's server may be given its task's fields: `${task.FIELD}` in `args`, `env` values or `cwd`
@@ -36,7 +37,7 @@ from pathlib import Path
 from rollwise.agent.tools import ServiceError, Tool, ToolError
 
 SERVER_KEYS = {"command", "args", "env", "cwd", "url", "headers", "api_key_env", "type", "tools", "timeout_s",
-               "max_concurrency", "connect_timeout_s", "scope", "log"}
+               "max_concurrency", "connect_timeout_s", "scope", "log", "pure"}
 SCOPES = ("run", "episode")
 _TASK_FIELD = re.compile(r"\$\{task\.([A-Za-z0-9_]+)\}")
 TRANSPORTS = ("stdio", "http", "streamable-http", "streamable_http")
@@ -59,6 +60,7 @@ class MCPServerSpec:
     connect_timeout_s: float = 30.0
     scope: str = "run"
     log: str | None = None
+    pure: bool | None = None  # its tools' results reusable (`tool_cache`); None: as each tool's readOnlyHint says
 
     def for_task(self, task: dict) -> MCPServerSpec:
         """This episode-scoped server with `${task.FIELD}` replaced by the task's fields."""
@@ -111,6 +113,8 @@ def _server(name: str, cfg) -> MCPServerSpec:
     scope = cfg.get("scope", "run")
     if scope not in SCOPES:
         raise ValueError(f"MCP server {name!r}: scope {scope!r} is not one of {list(SCOPES)}")
+    if not isinstance(cfg.get("pure", False), bool):
+        raise ValueError(f"MCP server {name!r}: pure must be true or false, got {cfg['pure']!r}")
     for key in ("timeout_s", "connect_timeout_s", "max_concurrency"):
         if key in cfg and not (isinstance(cfg[key], (int, float)) and cfg[key] > 0):
             raise ValueError(f"MCP server {name!r}: {key} must be a positive number, got {cfg[key]!r}")
@@ -125,7 +129,8 @@ def _server(name: str, cfg) -> MCPServerSpec:
         cwd=cfg.get("cwd"), url=cfg.get("url"), headers=tuple(sorted(cfg.get("headers", {}).items())),
         api_key_env=cfg.get("api_key_env"), tools=None if tools is None else tuple(tools),
         timeout_s=float(cfg.get("timeout_s", 10.0)), max_concurrency=cfg.get("max_concurrency"),
-        connect_timeout_s=float(cfg.get("connect_timeout_s", 30.0)), scope=scope, log=cfg.get("log"))
+        connect_timeout_s=float(cfg.get("connect_timeout_s", 30.0)), scope=scope, log=cfg.get("log"),
+        pure=cfg.get("pure"))
 
 
 def _client_module():
@@ -275,9 +280,10 @@ class MCPConnection:
 
         async def call(**arguments):
             return await self.call(name, arguments)
+        read_only = bool(getattr(getattr(listed, "annotations", None), "read_only_hint", False))
         return Tool(call, name=name, description=listed.description or "",
                     parameters=dict(listed.input_schema or {"type": "object", "properties": {}}),
-                    timeout=self.spec.timeout_s)
+                    timeout=self.spec.timeout_s, pure=read_only if self.spec.pure is None else self.spec.pure)
 
     async def _lost(self, client) -> None:
         async with self._lock:

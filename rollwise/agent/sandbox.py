@@ -162,7 +162,7 @@ class Sandbox:
         async def python(code: str) -> str:
             """Run a Python 3 program and return what it prints (stdout, then any error). Use print() to show results."""
             return (await self.run(code)).observation()
-        return Tool(python, name=name, timeout=None)
+        return Tool(python, name=name, timeout=None, pure=True)  # (a fresh process each run)
 
 
 async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bool]:

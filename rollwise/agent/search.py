@@ -347,7 +347,7 @@ def search_tool(backend: SearchIndex | RemoteSearch, top_k: int = 3, max_chars: 
     async def search(query: str) -> str:
         """Search the documents; returns the best matches, each with its title."""
         return format_hits(await backend.asearch(query, top_k), max_chars)
-    return Tool(search, name=name, timeout=None if isinstance(backend, RemoteSearch) else 10.0)
+    return Tool(search, name=name, timeout=None if isinstance(backend, RemoteSearch) else 10.0, pure=True)
 
 
 @functools.lru_cache(maxsize=8)

@@ -65,13 +65,17 @@ class ServiceError(RuntimeError):
 
 class Tool:
     def __init__(self, fn: Callable, *, name: str | None = None, description: str | None = None,
-                 parameters: dict | None = None, timeout: float | None = 10.0, latency: Latency | None = None) -> None:
+                 parameters: dict | None = None, timeout: float | None = 10.0, latency: Latency | None = None,
+                 pure: bool = False) -> None:
         self.fn = fn
         self.name = name or fn.__name__
         self.description = description or (inspect.getdoc(fn) or "").split("\n\n")[0]
         self.parameters = parameters or schema_from_signature(fn)
         self.timeout = timeout
         self.latency = latency
+        # its result depends on its arguments and the episode's task alone (no state, no side effects):
+        # an env with `tool_cache` runs it once per task and arguments (ToolCache)
+        self.pure = pure
 
     @property
     def schema(self) -> dict:
@@ -127,6 +131,41 @@ class Tool:
             if want and not _is_type(v, want):
                 raise ToolArgumentError(f"argument {k!r} of {self.name!r} must be {want}, got {type(v).__name__}")
         return arguments
+
+
+class ToolCache:
+    """Results of pure tools' calls in a run (one event loop), by task, tool and arguments, as
+    TVCache reuses tool results across a GRPO group's samples: a call asked again while the first
+    is out joins it, and one asked after it ended takes its result (failed calls are not kept).
+    Least recently used entries go past `size`."""
+
+    def __init__(self, size: int = 65536) -> None:
+        from collections import OrderedDict
+        self.size, self.done, self.out = size, OrderedDict(), {}
+        self.hits = self.misses = 0
+
+    async def get(self, key, run: Callable) -> tuple[ToolResult, bool]:
+        """The result for `key` (running `run()` if none is kept or out) and whether it was reused."""
+        if key in self.done:
+            self.done.move_to_end(key)
+            self.hits += 1
+            return self.done[key], True
+        fut, reused = self.out.get(key), True
+        if fut is None:
+            fut, reused = asyncio.ensure_future(run()), False
+            self.out[key] = fut
+            fut.add_done_callback(lambda f: self._keep(key, f))
+        self.hits += reused
+        self.misses += not reused
+        return await asyncio.shield(fut), reused  # (a caller cut off leaves the call to the others)
+
+    def _keep(self, key, fut: asyncio.Future) -> None:
+        self.out.pop(key, None)
+        if fut.cancelled() or fut.exception() is not None or not fut.result().ok:
+            return
+        self.done[key] = fut.result()
+        if len(self.done) > self.size:
+            self.done.popitem(last=False)
 
 
 def tool(fn: Callable | None = None, **kwargs):

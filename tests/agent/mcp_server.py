@@ -8,13 +8,14 @@ import time
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp_types import ToolAnnotations
 
 app = MCPServer("test")
 calls = 0
 given = sys.argv[sys.argv.index("--state") + 1] if "--state" in sys.argv else ""
 
 
-@app.tool()
+@app.tool(annotations=ToolAnnotations(read_only_hint=True))
 def add(a: int, b: int) -> int:
     """Add two integers."""
     return a + b

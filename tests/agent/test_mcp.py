@@ -56,6 +56,7 @@ def test_an_env_calls_the_tools_of_a_stdio_server():
         await env.reset({})
         names = [t.name for t in env.tools]
         assert names == ["echo", "add", "fail", "slow", "count", "state", "pid", "crash", "header", "finish"]
+        assert [t.name for t in env.tools if t.pure] == ["add"]  # (its readOnlyHint: reusable with tool_cache)
         add = env.tools[1].schema["function"]
         assert add["description"] == "Add two integers."
         assert add["parameters"]["required"] == ["a", "b"] and add["parameters"]["properties"]["a"]["type"] == "integer"
@@ -174,6 +175,7 @@ def test_server_configs_are_checked(tmp_path, monkeypatch):
     path = tmp_path / "mcp.json"
     path.write_text(json.dumps({"mcpServers": STDIO}))
     assert parse_servers(str(path)) == parse_servers(STDIO) == parse_servers({"mcpServers": STDIO})
+    assert parse_servers({"s": {"command": "x", "pure": True}})[0].pure is True
     spec = parse_servers(STDIO)[0]
     assert spec.command == (sys.executable, SERVER) and spec.scope == "run" and spec.timeout_s == 10.0
     bad = [({"s": {"command": "x", "port": 1}}, r"unknown keys \['port'\]; valid: \["),
@@ -183,6 +185,7 @@ def test_server_configs_are_checked(tmp_path, monkeypatch):
            ({"s": {"command": "x", "scope": "task"}}, r"scope 'task' is not one of \['run', 'episode'\]"),
            ({"s": {"command": "x", "timeout_s": 0}}, "timeout_s must be a positive number"),
            ({"s": {"command": ["x", 1]}}, "command must be a program"),
+           ({"s": {"command": "x", "pure": "yes"}}, "pure must be true or false"),
            ({"mcpServers": {}}, "names no servers"),
            ([1], "a JSON file's path or a table"),
            (str(tmp_path / "none.json"), "cannot read the servers file")]

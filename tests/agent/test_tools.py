@@ -83,3 +83,75 @@ def test_hermes_parser():
     assert not bad.calls and len(bad.errors) == 3
     assert all(e.startswith("malformed tool call") for e in bad.errors)
     assert p.parse("The answer is 4.").calls == []
+
+
+def test_tool_cache_runs_a_pure_call_once_per_task_and_arguments():
+    """tool_cache: a GRPO group's samples making the same pure call (the same task, tool and
+    arguments) run it once, whether they ask at once or later; impure tools, other arguments, other
+    tasks and failed calls run again; without tool_cache every call runs."""
+    import json
+
+    from rollwise.agent.env import ToolEnv
+    runs: list[tuple] = []
+
+    class Env(ToolEnv):
+        def make_tools(self, task):
+            async def square(x: int) -> str:
+                """Square x."""
+                runs.append(("square", task["id"], x))
+                await asyncio.sleep(0.05)
+                if x < 0:
+                    raise ValueError("negative")
+                return str(x * x)
+
+            def note(text: str) -> str:
+                """Write a note (a side effect: never reused)."""
+                runs.append(("note", task["id"], text))
+                return "noted"
+            return [Tool(square, pure=True), Tool(note)]
+
+        def prompt(self, task):
+            return "q"
+
+        def score(self, task, answer):
+            return 0.0
+
+    def call(name, **args):
+        return f"<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call>"
+
+    async def episode(task, actions, cache=True):
+        env = Env(tool_cache=cache)
+        await env.reset(task)
+        out = []
+        for a in actions:
+            obs, _, _, info = await env.step(a)
+            out.append((obs[0]["content"], info.get("tool_cache_hits")))
+        return out
+
+    async def go():
+        t1, t2 = {"id": "t1"}, {"id": "t2"}
+        group = await asyncio.gather(*(episode(t1, [call("square", x=3), call("note", text="a")]) for _ in range(8)))
+        later = await episode(t1, [call("square", x=3), call("square", x=4), call("square", x=-1),
+                                   call("square", x=-1)])
+        other = await episode(t2, [call("square", x=3)])
+        off = await episode(t1, [call("square", x=3)], cache=False)
+        return group, later, other, off
+    group, later, other, off = asyncio.run(go())
+    assert all(g == [("9", g[0][1]), ("noted", 0)] for g in group) and sum(g[0][1] for g in group) == 7
+    assert later == [("9", 1), ("16", 0), ("error: tool 'square' failed: ValueError: negative", 0),
+                     ("error: tool 'square' failed: ValueError: negative", 0)]
+    assert other == [("9", 0)] and off == [("9", None)]
+    assert runs.count(("square", "t1", 3)) == 2  # the group's once, and the run without the cache
+    assert runs.count(("note", "t1", "a")) == 8 and runs.count(("square", "t1", -1)) == 2
+
+
+def test_which_built_in_tools_are_pure():
+    """Pure: their result depends on the task and arguments alone (the tool cache may reuse it)."""
+    from rollwise.agent.envs import make_env
+    pure = {}
+    for name in ("calculator", "countdown", "phonebook", "sql", "code", "search", "frozenlake", "bugfix"):
+        env = make_env(name)
+        task = env.sample_tasks(1, seed=0)[0]
+        pure.update({t.name: t.pure for t in env.make_tools(task)})
+    assert pure == {"calculator": True, "evaluate": True, "lookup": True, "sql_query": True, "python": True,
+                    "search": True, "move": False, "bash": False, "edit_file": False}

@@ -30,7 +30,7 @@ class CalculatorEnv(ToolEnv):
         def calculator(expression: str) -> str:
             """Evaluate an arithmetic expression with + - * / and parentheses."""
             return fmt(evaluate(expression))
-        return [Tool(calculator)]
+        return [Tool(calculator, pure=True)]
 
     def prompt(self, task):
         return task["question"]

@@ -34,7 +34,7 @@ class CountdownEnv(ToolEnv):
                 raise ValueError(why)
             v = evaluate(expression)
             return f"{fmt(v)} ({'reaches' if abs(v - task['target']) < 1e-9 else 'does not reach'} {task['target']})"
-        return [Tool(evaluate_expression, name="evaluate")]
+        return [Tool(evaluate_expression, name="evaluate", pure=True)]
 
     def prompt(self, task):
         return f"Numbers: {task['numbers']}. Target: {task['target']}."

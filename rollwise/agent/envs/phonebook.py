@@ -29,7 +29,7 @@ class PhonebookEnv(ToolEnv):
             if entry is None:
                 return f"error: no staff member named {name!r}"
             return json.dumps(entry)
-        return [Tool(lookup)]
+        return [Tool(lookup, pure=True)]
 
     def prompt(self, task):
         return f"What is the {FIELDS[task['field']]} of {task['name']}?"

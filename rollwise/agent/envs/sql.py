@@ -101,7 +101,7 @@ class SqlEnv(ToolEnv):
         def sql_query(query: str) -> str:
             """Run one read-only SQL query; returns up to 50 rows as JSON."""
             return json.dumps(run_query(path, query))
-        return [Tool(sql_query)]
+        return [Tool(sql_query, pure=True)]  # (a read-only database per task)
 
     def prompt(self, task):
         return task["question"]
