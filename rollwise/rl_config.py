@@ -122,8 +122,14 @@ class TrainConfig:
     micro_batch_tokens: int = 8192
     gradient_checkpointing: bool = False
     # "ppo" (token ratios, clipped), "gspo" (sequence ratios: set clip = 3e-4, clip_high = 4e-4,
-    # loss_agg = "sequence") or "cispo" (clipped, stopped ratios as weights: clip_high large)
+    # loss_agg = "sequence"), "cispo" (clipped, stopped ratios as weights: clip_high large), "clip_cov" or
+    # "kl_cov" (PPO, or the unclipped gradient, holding back the tokens whose logprob and advantage covary
+    # most: entropy kept up; rollwise.trainer.losses)
     policy_loss: str = "ppo"
+    cov_fraction: float = 2e-4  # clip_cov / kl_cov: the share of a micro-batch's tokens held back
+    clip_cov_lb: float = 1.0  # clip_cov: the covariance range its tokens are drawn from
+    clip_cov_ub: float = 5.0
+    kl_cov_coef: float = 1.0  # kl_cov: the |logprob - proximal| penalty's coefficient
     epochs: int = 1  # optimizer steps over each batch (PPO epochs; from the second, ratios move off 1)
     mini_batches: int = 1  # optimizer steps per epoch, each on a part of the batch (verl's ppo_mini_batch_size)
     # episodes cut off by a limit carry no loss (DAPO's overlong filtering): any of "max_turns",

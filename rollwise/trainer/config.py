@@ -74,7 +74,13 @@ class GRPOConfig:
     # no length normalisation, so a long wrong answer is not penalised less per token than a short one)
     loss_agg: str = "token"
     loss_scale_tokens: int = 0  # "constant": the divisor (e.g. the most tokens an episode may generate)
-    policy_loss: str = "ppo"  # or "gspo", "cispo" (`POLICY_LOSSES`)
+    policy_loss: str = "ppo"  # or "gspo", "cispo", "clip_cov", "kl_cov" (`POLICY_LOSSES`)
+    # clip_cov / kl_cov: the share of a micro-batch's tokens held back, Clip-Cov's covariance bounds, KL-Cov's
+    # coefficient (verl's clip_cov_ratio, clip_cov_lb, clip_cov_ub; kl_cov_ratio, ppo_kl_coef)
+    cov_fraction: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_coef: float = 1.0
     behaviour: str = "rollout"  # behaviour logprobs: "rollout" (the replicas') or "recompute" (the trainer's)
     keep_versions: int = 0  # "recompute": past versions' weights kept (the staleness bound)
     # episodes with these statuses (cut off by a limit, not ended by the policy) carry no loss, as in
@@ -91,6 +97,12 @@ class GRPOConfig:
         check_schedule(self.lr_schedule, self.lr_warmup_steps, self.min_lr_ratio)
         if self.policy_loss not in POLICY_LOSSES:
             raise ValueError(f"unknown policy_loss {self.policy_loss!r}; valid: {list(POLICY_LOSSES)}")
+        if not 0 < self.cov_fraction < 1 or self.clip_cov_lb > self.clip_cov_ub or self.kl_cov_coef < 0:
+            raise ValueError(f"need 0 < cov_fraction < 1, clip_cov_lb <= clip_cov_ub and kl_cov_coef >= 0, got "
+                             f"{self.cov_fraction}, {self.clip_cov_lb}, {self.clip_cov_ub} and {self.kl_cov_coef}")
+        if self.policy_loss in ("clip_cov", "kl_cov") and self.stream_whitened:
+            raise ValueError(f"policy_loss {self.policy_loss!r} picks its tokens by the advantages, which "
+                             "stream_whitened does not have yet: set stream_whitened = false")
         if self.advantage not in ADVANTAGES:
             raise ValueError(f"unknown advantage {self.advantage!r}; valid: {list(ADVANTAGES)}")
         check_gigpo(self.gigpo_mode, self.gigpo_similarity)

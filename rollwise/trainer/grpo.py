@@ -309,7 +309,12 @@ class GRPOTrainer:
         w, dropped = is_weights(prox - lp_behav, b.mask, cfg.is_level, cfg.is_mode, cfg.tis_cap, cfg.is_low,
                                 cfg.is_veto)
         A = a[:, None] if a.dim() == 1 else a  # each row's, or each target's (gigpo, gae)
-        pg, ratio = token_losses(cfg.policy_loss, lp, prox, A, w, b.mask, cfg.clip_range, cfg.dual_clip)
+        cov = (cfg.cov_fraction, cfg.clip_cov_lb, cfg.clip_cov_ub, cfg.kl_cov_coef)
+        draw = None  # clip_cov's: a function of the micro-batch and the version, however the step was timed
+        if cfg.policy_loss == "clip_cov":
+            seed = hash((self.version, *b.targets.shape, int(b.targets.sum()))) & (2**63 - 1)  # (ints: not salted)
+            draw = torch.Generator().manual_seed(seed)
+        pg, ratio = token_losses(cfg.policy_loss, lp, prox, A, w, b.mask, cfg.clip_range, cfg.dual_clip, cov, draw)
         extra = None  # the loss's terms that do not depend on the advantage
         if cfg.kl_coef > 0:
             d = b.ref_logprobs - lp  # (the first pass put them there)

@@ -5,8 +5,14 @@ dual-clip (Ye et al. 2020; verl's clip_ratio_c): under a negative advantage a to
 `dual_clip` x |A| however far its ratio went up; "gspo", GSPO's sequence-level ratio (the geometric
 mean of its tokens' ratios, clipped per sequence), in its token form, so each token's gradient is the
 sequence ratio times its own; "cispo", CISPO's REINFORCE with the ratio clipped and stopped (every
-token keeps a gradient, the weight is capped). The three agree at ratio 1. `w`: the importance
-weights proximal / behaviour (correction.py).
+token keeps a gradient, the weight is capped). The three agree at ratio 1. "clip_cov" and "kl_cov"
+(Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"; verl's names): entropy falls where
+a token's logprob and advantage covary most, so a few such tokens (`cov_fraction` of the
+micro-batch's) are held back: Clip-Cov takes PPO's loss and stops the gradient of that many tokens
+drawn at random among those whose covariance term lies in [`clip_cov_lb`, `clip_cov_ub`]; KL-Cov takes
+the unclipped policy gradient and adds `kl_cov_coef` x |logprob - proximal logprob| at the tokens of
+largest covariance. Each token's covariance term is (A - mean A) (logprob - mean logprob) over the
+micro-batch's generated tokens. `w`: the importance weights proximal / behaviour (correction.py).
 
 `loss_agg`: "token", the mean over the batch's generated tokens; "sequence", each trajectory's mean,
 then theirs; "constant", each trajectory's token sum over a fixed count, then the mean (Dr. GRPO's,
@@ -17,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-POLICY_LOSSES = ("ppo", "gspo", "cispo")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "clip_cov", "kl_cov")
 LOSS_AGGS = ("token", "sequence", "constant")
 
 
@@ -35,10 +41,14 @@ def check(agg: str, scale_tokens: int, dual_clip: float = 0.0, epochs: int = 1, 
 
 
 def token_losses(kind: str, lp: torch.Tensor, prox: torch.Tensor, A: torch.Tensor, w: torch.Tensor,
-                 mask: torch.Tensor, clip_range: tuple[float, float], dual_clip: float = 0.0):
+                 mask: torch.Tensor, clip_range: tuple[float, float], dual_clip: float = 0.0,
+                 cov: tuple[float, float, float, float] = (2e-4, 1.0, 5.0, 1.0), generator=None):
     """[B, L-1] each target's policy-gradient loss (its gradient flows through `lp`), and the ratios
-    current / proximal that were clipped against. `A`: [B, 1] or [B, L-1] advantages."""
+    current / proximal that were clipped against. `A`: [B, 1] or [B, L-1] advantages. `cov`:
+    clip_cov's and kl_cov's (cov_fraction, clip_cov_lb, clip_cov_ub, kl_cov_coef); `generator`: clip_cov's draw."""
     lo, hi = clip_range
+    if kind in ("clip_cov", "kl_cov"):
+        return _cov_losses(kind, lp, prox, A, w, mask, clip_range, *cov, generator=generator)
     if kind == "gspo":  # each row's sequence ratio, carried by every token with its own gradient
         seq = torch.exp(((lp - prox) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1))
         ratio = seq.detach() * torch.exp(lp - lp.detach())
@@ -49,6 +59,33 @@ def token_losses(kind: str, lp: torch.Tensor, prox: torch.Tensor, A: torch.Tenso
     pg = -torch.minimum(ratio * A, ratio.clamp(lo, hi) * A)
     if dual_clip and kind == "ppo":  # a negative advantage's loss at most dual_clip x |A|
         pg = torch.where(A < 0, torch.minimum(pg, -A * dual_clip), pg)
+    return pg * w, ratio
+
+
+def covariance(lp: torch.Tensor, A: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each generated token's (A - mean A) (logprob - mean logprob), the means over the generated
+    tokens; -inf elsewhere."""
+    valid = mask.bool()
+    a, p = A.expand_as(lp).detach(), lp.detach()
+    c = (a - a[valid].mean()) * (p - p[valid].mean())
+    return c.masked_fill(~valid, float("-inf"))
+
+
+def _cov_losses(kind, lp, prox, A, w, mask, clip_range, fraction, lb, ub, kl_coef, generator=None):
+    ratio = torch.exp(lp - prox)
+    n = int(mask.sum())
+    if n == 0:
+        return torch.zeros_like(lp), ratio
+    c, k = covariance(lp, A, mask), max(int(fraction * n), 1)
+    held = torch.zeros(lp.numel(), dtype=torch.bool)
+    if kind == "clip_cov":  # PPO's loss; k tokens of covariance in [lb, ub], drawn at random, without gradient
+        lo, hi = clip_range
+        pg = -torch.minimum(ratio * A, ratio.clamp(lo, hi) * A)
+        among = ((c >= lb) & (c <= ub)).flatten().nonzero().flatten()
+        held[among[torch.randperm(len(among), generator=generator)[:k]]] = True
+        return torch.where(held.view_as(lp), torch.zeros_like(pg), pg) * w, ratio
+    held[c.flatten().topk(min(k, n)).indices] = True  # kl_cov: the k tokens of largest covariance
+    pg = -ratio * A + kl_coef * (lp - prox).abs() * held.view_as(lp)
     return pg * w, ratio
 
 

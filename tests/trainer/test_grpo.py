@@ -539,5 +539,62 @@ def test_policy_losses_against_their_formulas(model_dir, policy_loss):
     assert float(stats[0]) == pytest.approx(float((value * mask).sum() / 5.0), abs=1e-6)
     if policy_loss != "cispo":  # row 1 moved outside the range against its advantage: clipped, no gradient
         assert (lp.grad[1] == 0).all() == (policy_loss == "gspo") and (lp.grad[0] != 0).any()
-    with pytest.raises(ValueError, match="valid: \\['ppo', 'gspo', 'cispo'\\]"):
+    with pytest.raises(ValueError, match="valid: \\['ppo', 'gspo', 'cispo', 'clip_cov', 'kl_cov'\\]"):
         GRPOTrainer(PolicyModel(model_dir), GRPOConfig(policy_loss="dpo"))
+
+
+@pytest.mark.parametrize("policy_loss", ["clip_cov", "kl_cov"])
+def test_covariance_losses_hold_back_the_tokens_that_covary_most(model_dir, policy_loss):
+    """Clip-Cov: PPO's gradient, but none at k tokens drawn from those whose covariance term is in
+    [lb, ub]; KL-Cov: the unclipped gradient, plus coef x |lp - prox| at the k tokens of largest
+    covariance (k = cov_fraction x the micro-batch's generated tokens, at least 1)."""
+    from rollwise.trainer.losses import covariance
+    torch.manual_seed(0)
+    mask = torch.tensor([[0.0, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
+    prox = -torch.rand(3, 5) * 2
+    lp0 = prox + 0.05 * torch.randn(3, 5)
+    b = Batch(input_ids=torch.zeros(3, 6, dtype=torch.long), attention_mask=torch.ones(3, 6, dtype=torch.long),
+              targets=torch.zeros(3, 5, dtype=torch.long), mask=mask, behaviour_logprobs=prox.clone())
+    a = torch.tensor([2.0, -1.0, 0.5])
+    cfg = GRPOConfig(policy_loss=policy_loss, clip=0.2, cov_fraction=0.25, clip_cov_lb=0.0, clip_cov_ub=10.0,
+                     kl_cov_coef=2.0)
+    trainer = GRPOTrainer(PolicyModel(model_dir), cfg)
+    lp = lp0.clone().requires_grad_()
+    trainer._backward(lp, b, a, None, prox, div=1.0, stats=torch.zeros(6))
+    A = a[:, None].expand(3, 5)
+    c = covariance(lp0, A, mask)
+    r = torch.exp(lp0 - prox)
+    k = int(0.25 * int(mask.sum()))  # 2 of the 11 generated tokens
+    if policy_loss == "clip_cov":
+        ppo = -(r * A) * (r * A <= r.clamp(0.8, 1.2) * A).float() * mask
+        held = (lp.grad == 0) & (ppo != 0)
+        assert int(held.sum()) == k and bool((c[held] >= 0).all())  # drawn among covariance in [0, 10]
+        assert torch.allclose(lp.grad[~held], ppo[~held], atol=1e-6)
+    else:
+        top = torch.zeros(15, dtype=torch.bool)
+        top[c.flatten().topk(k).indices] = True
+        top = top.view(3, 5)
+        want = (-r * A + 2.0 * torch.sign(lp0 - prox) * top.float()) * mask
+        assert torch.allclose(lp.grad, want, atol=1e-6) and bool((c[top] >= c[mask.bool() & ~top].max()).all())
+    with pytest.raises(ValueError, match="cov_fraction"):
+        GRPOConfig(policy_loss=policy_loss, cov_fraction=0.0).check()
+    with pytest.raises(ValueError, match="stream_whitened"):
+        GRPOConfig(policy_loss=policy_loss, stream_whitened=True).check()
+
+
+@pytest.mark.parametrize("policy_loss", ["clip_cov", "kl_cov"])
+def test_covariance_losses_train_and_repeat(model_dir, policy_loss):
+    """A step with Clip-Cov or KL-Cov moves the weights, and two trainers given the same batch end
+    with the same weights (Clip-Cov's draw is seeded by the micro-batch and the version)."""
+    trajs = _sampled(model_dir, 8, seed=3)
+    groups = [trajs[i:i + 2] for i in range(0, 8, 2)]
+    cfg = GRPOConfig(lr=5e-3, policy_loss=policy_loss, cov_fraction=0.05, clip_cov_lb=-10.0, micro_batch_tokens=60)
+    runs = []
+    for _ in range(2):
+        policy = PolicyModel(model_dir)
+        before = {k: v.clone() for k, v in policy.model.state_dict().items()}
+        m = GRPOTrainer(policy, cfg).step(groups)
+        assert all(torch.isfinite(torch.tensor(v)) for v in m.values() if isinstance(v, float))
+        runs.append(policy.model.state_dict())
+    assert any(not torch.equal(before[k], runs[0][k]) for k in before)
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
