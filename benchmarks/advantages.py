@@ -76,6 +76,9 @@ def run(advantage: str, seed: int, args) -> dict:
             "explained_var": statistics.mean(ev) if (ev := [s["explained_var"] for s in steps[-k:]
                                                             if "explained_var" in s]) else None,
             "generated_tokens": steps[-1].get("generated_tokens", 0.0) if steps else 0.0,
+            # the policy's mean entropy on its trained tokens in the first and last k steps
+            "entropy": [statistics.mean(s["entropy"] for s in part) for part in (steps[:k], steps[-k:])]
+            if steps and "entropy" in steps[0] else None,
             "trained_trajectories": sum(s["trained_trajectories"] for s in steps),
             "wall_s": wall, "rl_wall_s": steps[-1]["wall_s"] if steps else 0.0,
             # KL in the reward: the per-token KL to the reference in the first and last k steps, and beta's path

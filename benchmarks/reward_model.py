@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import statistics
 import tempfile
 import time
@@ -22,6 +21,8 @@ from pathlib import Path
 from rollwise.omp import passive_unless_chosen
 
 passive_unless_chosen()
+
+from rollwise.make_model import make_reward_model  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "agent-trajectories" / "public.jsonl"
 
@@ -38,17 +39,6 @@ def conversations(path: Path, n: int) -> list[list[dict]]:
                     if len(out) == n:
                         return out
     return out
-
-
-def make_rm(model: str, out: Path) -> str:
-    import torch
-    from transformers import AutoModelForSequenceClassification
-    torch.manual_seed(0)
-    AutoModelForSequenceClassification.from_pretrained(model, num_labels=1).save_pretrained(out)
-    for f in Path(model).iterdir():
-        if f.name.startswith("tokenizer"):
-            shutil.copy(f, out / f.name)
-    return str(out)
 
 
 async def side(rm_dir: str, convs: list[list[dict]], batch_size: int, max_length: int) -> tuple[float, list, int]:
@@ -80,7 +70,7 @@ def main() -> None:
         from rollwise.make_model import cached_model
         from rollwise.cli import DEMO_MODEL
         args.model = str(cached_model(args.model, **DEMO_MODEL))
-    rm_dir = make_rm(args.model, tmp / "rm")
+    rm_dir = str(make_reward_model(args.model, tmp / "rm"))
     convs = conversations(DATA, args.answers)
     tokens = None
     secs: dict[str, list[float]] = {"one_at_a_time": [], "batched": []}

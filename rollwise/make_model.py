@@ -134,6 +134,23 @@ def make_model(out_dir: str | Path, *, family: str = "llama", layers: int = 2, h
     return out
 
 
+def make_reward_model(policy_dir: str | Path, out_dir: str | Path, seed: int = 0) -> Path:
+    """A reward model on a policy checkpoint's weights, config and tokenizer (its family's
+    `*ForSequenceClassification`, one label, a random `score` head), as reward models start from
+    a policy's checkpoint before they are trained; `reward = "model"` reads it."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForSequenceClassification
+    out = Path(out_dir)
+    torch.manual_seed(seed)
+    AutoModelForSequenceClassification.from_pretrained(policy_dir, num_labels=1).save_pretrained(out)
+    for f in Path(policy_dir).iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
 def cached_model(out_dir: str | Path, **make_kwargs) -> Path:
     """`out_dir`, made with make_model(**make_kwargs) unless it is there. It is built beside its place
     and renamed into it, so processes that share a cache (tests in parallel, two benchmarks) never read

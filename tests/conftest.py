@@ -31,20 +31,9 @@ def model_dir(model_dirs) -> str:
 
 @pytest.fixture(scope="session")
 def rm_dir(model_dir, tmp_path_factory) -> str:
-    """A reward model on the test model's weights, config and tokenizer (Qwen3ForSequenceClassification,
-    one label, a random score head), as reward models start from a policy's checkpoint."""
-    import shutil
-    from pathlib import Path
-
-    import torch
-    from transformers import AutoModelForSequenceClassification
-    out = tmp_path_factory.mktemp("rm")
-    torch.manual_seed(0)
-    AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1).save_pretrained(out)
-    for f in Path(model_dir).iterdir():
-        if f.name.startswith("tokenizer"):
-            shutil.copy(f, out / f.name)
-    return str(out)
+    """A reward model on the test model's weights (Qwen3ForSequenceClassification, a random score head)."""
+    from rollwise.make_model import make_reward_model
+    return str(make_reward_model(model_dir, tmp_path_factory.mktemp("rm")))
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -100,11 +100,26 @@ class HermesParser:
         return f"start: call{more}\ncall: {call}\n"
 
 
-class Llama3JsonParser:
+class _WholeReply:
+    """Content for the formats where the reply is the calls (Llama 3's JSON, pythonic): a reply that
+    starts (or may yet start) as one of `openers` shows nothing while streamed; text shows all of it."""
+    openers: tuple[str, ...] = ()
+
+    def content(self, text: str) -> str:
+        return "" if self.content_end(text) == 0 and text.strip() else text
+
+    def content_end(self, text: str) -> int:
+        s = text.lstrip()
+        maybe_call = s.startswith(self.openers) or any(o.startswith(s) for o in self.openers)
+        return 0 if maybe_call else len(text)
+
+
+class Llama3JsonParser(_WholeReply):
     """Llama 3.1+'s JSON tool calls (vLLM's `llama3_json`): a reply that is one or more
     `{"name": ..., "parameters": {...}}` objects ("arguments" is taken too), joined by ";", maybe
     after `<|python_tag|>`. A reply that does not start with one is text."""
     python_tag = "<|python_tag|>"
+    openers = ("{", python_tag)
 
     def for_tools(self, tools: list[dict] | None) -> Llama3JsonParser:
         return self
@@ -139,14 +154,6 @@ class Llama3JsonParser:
                 i += 1
         return Parsed(calls, errors, "")
 
-    def content(self, text: str) -> str:
-        return "" if self.content_end(text) == 0 and text.strip() else text
-
-    def content_end(self, text: str) -> int:
-        """A reply that is (or may become) a call shows nothing; one that is text shows all of it."""
-        s = text.lstrip()
-        maybe_call = s.startswith(("{", self.python_tag)) or self.python_tag.startswith(s)
-        return 0 if maybe_call else len(text)
 
     def grammar(self, fns: list[dict], single: bool, tag_tokens: bool) -> str:
         """{"name", "parameters"} objects, one or more joined by "; "."""
@@ -267,12 +274,13 @@ def _value_grammar(schema: dict) -> str | None:
     return None
 
 
-class PythonicParser:
+class PythonicParser(_WholeReply):
     """Python call lists (vLLM's `pythonic`: Llama 3.2's and Llama 4's format, ToolACE's): a reply that
     is `[name(key=value, ...), ...]`, each value a Python literal (strings, numbers, True / False /
     None, lists, dicts; JSON's true / false / null taken too), maybe between `<|python_start|>` and
     `<|python_end|>`. A reply that does not start with `[name(` is text."""
     start, end = "<|python_start|>", "<|python_end|>"
+    openers = ("[", start)
 
     def for_tools(self, tools: list[dict] | None) -> PythonicParser:
         return self
@@ -308,14 +316,6 @@ class PythonicParser:
                 errors.append(f"malformed tool call {node.func.id!r}: {e}")
         return Parsed(calls, errors, "")
 
-    def content(self, text: str) -> str:
-        return "" if self.content_end(text) == 0 and text.strip() else text
-
-    def content_end(self, text: str) -> int:
-        """A reply that is (or may become) a call list shows nothing; one that is text shows all of it."""
-        s = text.lstrip()
-        maybe_call = s.startswith(("[", self.start)) or self.start.startswith(s)
-        return 0 if maybe_call else len(text)
 
     def write(self, calls: list[ToolCall]) -> str:
         return "[" + ", ".join(f"{c.name}({', '.join(f'{k}={v!r}' for k, v in c.arguments.items())})"
