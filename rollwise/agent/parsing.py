@@ -154,7 +154,6 @@ class Llama3JsonParser(_WholeReply):
                 i += 1
         return Parsed(calls, errors, "")
 
-
     def grammar(self, fns: list[dict], single: bool, tag_tokens: bool) -> str:
         """{"name", "parameters"} objects, one or more joined by "; "."""
         schema = _one_of([_call_schema(f, "parameters") for f in fns])
@@ -315,7 +314,6 @@ class PythonicParser(_WholeReply):
             except ValueError as e:
                 errors.append(f"malformed tool call {node.func.id!r}: {e}")
         return Parsed(calls, errors, "")
-
 
     def write(self, calls: list[ToolCall]) -> str:
         return "[" + ", ".join(f"{c.name}({', '.join(f'{k}={v!r}' for k, v in c.arguments.items())})"
