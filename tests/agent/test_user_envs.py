@@ -180,7 +180,8 @@ def test_number_answers_given_as_text():
 
 
 def test_dataset_env_bad_options_are_value_errors():
-    with pytest.raises(ValueError, match=r"unknown reward 'exactly'; valid: \['auto', 'contains', 'em', 'exact', 'f1', 'judge', 'math', 'number', 'unit_tests'\]"):
+    with pytest.raises(ValueError, match=r"unknown reward 'exactly'; valid: \['auto', 'contains', 'em', 'exact', 'f1', "
+                                         r"'judge', 'math', 'model', 'number', 'unit_tests'\]"):
         make_env("dataset", reward="exactly")
     with pytest.raises(ValueError, match="unknown tool 'bash'; valid: 'python'"):
         make_env("dataset", tools=["bash"])
