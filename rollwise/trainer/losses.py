@@ -11,8 +11,9 @@ a token's logprob and advantage covary most, so a few such tokens (`cov_fraction
 micro-batch's) are held back: Clip-Cov takes PPO's loss and stops the gradient of that many tokens
 drawn at random among those whose covariance term lies in [`clip_cov_lb`, `clip_cov_ub`]; KL-Cov takes
 the unclipped policy gradient and adds `kl_cov_coef` x |logprob - proximal logprob| at the tokens of
-largest covariance. Each token's covariance term is (A - mean A) (logprob - mean logprob) over the
-micro-batch's generated tokens. `w`: the importance weights proximal / behaviour (correction.py).
+largest covariance (zero, with a zero gradient, where the ratio is 1: it acts with epochs or
+mini-batches > 1, or stale samples). Each token's covariance term is (A - mean A) (logprob - mean
+logprob) over the micro-batch's generated tokens. `w`: the importance weights proximal / behaviour (correction.py).
 
 `loss_agg`: "token", the mean over the batch's generated tokens; "sequence", each trajectory's mean,
 then theirs; "constant", each trajectory's token sum over a fixed count, then the mean (Dr. GRPO's,
