@@ -17,6 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from rollwise.agent.call_values import literal, sequence, typed, value_grammar
+
 
 @dataclass(slots=True)
 class ToolCall:
@@ -203,13 +205,13 @@ class Qwen3CoderParser(HermesParser):
                 key, value = p.group(1).strip(), p.group(2)
                 value = value[1:] if value.startswith("\n") else value
                 value = value[:-1] if value.endswith("\n") else value
-                args[key] = _typed(value, props.get(key))
+                args[key] = typed(value, props.get(key))
             calls.append(ToolCall(name, args))
         return Parsed(calls, errors, self.content(text).strip())
 
     def grammar(self, fns: list[dict], single: bool, tag_tokens: bool) -> str:
         """Calls of these functions, their parameters in schema order (the required ones always),
-        each value written as its schema allows (`_value_grammar`), free text up to `</parameter>`."""
+        each value written as its schema allows (`call_values.value_grammar`), free text up to `</parameter>`."""
         tag = (lambda t: t) if tag_tokens else (lambda t: f'"{t}"')
         lit = json.dumps  # a Lark string literal
         rules = ['text[suffix="</parameter>"]: /(.|\\n)*/']  # (text ends at the first </parameter>, as parsed)
@@ -219,7 +221,7 @@ class Qwen3CoderParser(HermesParser):
             required = set(params.get("required") or [])
             parts = []
             for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
-                value = _value_grammar(schema or {})
+                value = value_grammar(schema or {})
                 tail = f"text {lit(chr(10))}" if value is None else f"{value} {lit(chr(10) + '</parameter>' + chr(10))}"
                 rules.append(f"p{i}_{j}: {lit(f'<parameter={key}>' + chr(10))} {tail}")
                 parts.append(f"p{i}_{j}" + ("" if key in required else "?"))
@@ -230,47 +232,6 @@ class Qwen3CoderParser(HermesParser):
         call = f'{tag("<tool_call>")} {nl} ({" | ".join(alts)}) {nl} {tag("</tool_call>")}'
         more = "" if single else f" ({nl} call)*"
         return "\n".join([f"start: call{more}", f"call: {call}", *rules]) + "\n"
-
-
-def _typed(value: str, schema: dict | None):
-    """A qwen3_coder value as its schema's type says (vLLM's conversion); text if it does not read as one."""
-    if not schema:
-        return value
-    types = schema.get("type")
-    types = types if isinstance(types, list) else [types] if types else []
-    if value.strip() == "null" and ("null" in types or not types):
-        return None
-    for t in types or ["any"]:
-        if t == "string":
-            return value
-        try:
-            if t == "integer":
-                return int(value.strip())
-            if t == "number":
-                v = value.strip()
-                return int(v) if re.fullmatch(r"-?\d+", v) else float(v)
-            if t == "boolean" and value.strip().lower() in ("true", "false"):
-                return value.strip().lower() == "true"
-            if t in ("object", "array", "any"):
-                try:
-                    return json.loads(value)
-                except json.JSONDecodeError:
-                    return ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            continue
-    return value
-
-
-def _value_grammar(schema: dict) -> str | None:
-    """A value's Lark by its schema; None: free text (a string, or a type the grammar does not write).
-    Numbers, booleans, objects and arrays are written as JSON of their schema (bounds included); a
-    string enum as one of its strings, unquoted."""
-    enum = schema.get("enum")
-    if enum and all(isinstance(v, str) for v in enum):
-        return "(" + " | ".join(json.dumps(v) for v in enum) + ")"
-    if schema.get("type") in ("integer", "number", "boolean", "object", "array"):
-        return f"%json {json.dumps({**schema, 'x-guidance': {'whitespace_flexible': False}})}"
-    return None
 
 
 class PythonicParser(_WholeReply):
@@ -310,7 +271,7 @@ class PythonicParser(_WholeReply):
                 errors.append("malformed tool call: each call is name(key=value, ...), by keyword")
                 continue
             try:
-                calls.append(ToolCall(node.func.id, {k.arg: _literal(k.value) for k in node.keywords}))
+                calls.append(ToolCall(node.func.id, {k.arg: literal(k.value) for k in node.keywords}))
             except ValueError as e:
                 errors.append(f"malformed tool call {node.func.id!r}: {e}")
         return Parsed(calls, errors, "")
@@ -333,48 +294,12 @@ class PythonicParser(_WholeReply):
                          else f"%json {json.dumps({**(schema or {}), 'x-guidance': {'whitespace_flexible': False}})}")
                 rules.append(f"p{i}_{j}: {json.dumps(key + '=')} {value}")
                 items.append((f"p{i}_{j}", key in required))
-            rules += _sequence(f"a{i}", items, json.dumps(", "))
+            rules += sequence(f"a{i}", items, json.dumps(", "))
             args = f"a{i}_0" + ("?" if all(not r for _, r in items) else "") if items else ""
             rules.append(f"f{i}: {json.dumps(fn['name'] + '(')} {args} \")\"")
             alts.append(f"f{i}")
         more = "" if single else ' (", " call)*'
         return "\n".join([f'start: "[" call{more} "]"', f"call: {' | '.join(alts)}", *rules]) + "\n"
-
-
-def _literal(node: ast.expr):
-    """A call's keyword value: a Python literal, or JSON's true / false / null where one stands."""
-    names = {"true": True, "false": False, "null": None}
-
-    class JsonNames(ast.NodeTransformer):
-        def visit_Name(self, n):
-            if n.id in names:
-                return ast.copy_location(ast.Constant(names[n.id]), n)
-            raise ValueError(f"{n.id} is not a literal")
-    try:
-        return ast.literal_eval(JsonNames().visit(node))
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as e:
-        raise ValueError(f"a value is not a literal ({e})") from None
-
-
-def _sequence(name: str, items: list[tuple[str, bool]], sep: str) -> list[str]:
-    """Lark rules `{name}_k` for the items from k on, in order, joined by `sep`, each optional one
-    optional: `{name}_k` writes at least one item (whether the whole may be empty is the caller's
-    `?`); `{name}_k_more` the same after one already written (each item led by `sep`)."""
-    n, rules = len(items), []
-
-    def nullable(k):
-        return all(not req for _, req in items[k:])
-
-    def ref(rule, k):  # the rest from k, or nothing if it may be empty
-        return "" if k == n else f"{rule}_{k}_more" + ("?" if nullable(k) else "")
-    for k, (item, req) in enumerate(items):
-        first = f"{item} {ref(name, k + 1)}".strip()
-        more = f"{sep} {item} {ref(name, k + 1)}".strip()
-        if not req and k + 1 < n:  # skipped: the rest, which must then write something
-            first += f" | {name}_{k + 1}"
-            more += f" | {name}_{k + 1}_more"
-        rules += [f"{name}_{k}: {first}", f"{name}_{k}_more: {more}"]
-    return rules
 
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "qwen3_coder": Qwen3CoderParser,
