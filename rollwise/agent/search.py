@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 from rollwise.agent.env import loop_shared
-from rollwise.agent.tools import ServiceError, Tool
+from rollwise.agent.tools import ServiceError, Tool, ToolCache
 
 _WORD = re.compile(r"\w+")
 MAX_QUERY_WORDS = 32
@@ -227,12 +227,8 @@ class RemoteSearch:
     async def asearch(self, query: str, k: int = 3) -> list[Hit]:
         if not self.join_inflight:
             return await self._asearch(query, k)
-        inflight = loop_shared(("search-inflight", self.url, self.api_key, k), dict)  # query -> its answer
-        answer = inflight.get(query)
-        if answer is None:
-            answer = inflight[query] = asyncio.ensure_future(self._asearch(query, k))
-            answer.add_done_callback(lambda f: _forget(inflight, query, f))
-        return await asyncio.shield(answer)  # (an episode cut off leaves the others' answer coming)
+        joined = loop_shared(("search-inflight", self.url, self.api_key, k), lambda: ToolCache(size=0))  # keeps none
+        return (await joined.get(query, lambda: self._asearch(query, k)))[0]
 
     async def _asearch(self, query: str, k: int) -> list[Hit]:
         if self.max_batch == 1:
@@ -266,13 +262,6 @@ class RemoteSearch:
             if r.status_code < 500 and r.status_code != 429:  # 401, 404: misconfigured, no use retrying
                 raise ServiceError(f"retrieval server {self.url}: {err}")
         raise ServiceError(f"retrieval server {self.url} failed {self.retries + 1} times: {err}")
-
-
-def _forget(inflight: dict, query: str, answer: asyncio.Future) -> None:
-    if inflight.get(query) is answer:
-        del inflight[query]
-    if not answer.cancelled():
-        answer.exception()  # (retrieved: an answer every asker left is not logged as lost)
 
 
 class _Batcher:

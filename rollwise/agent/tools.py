@@ -136,12 +136,12 @@ class Tool:
 class ToolCache:
     """Results of pure tools' calls in a run (one event loop), by task, tool and arguments, as
     TVCache reuses tool results across a GRPO group's samples: a call asked again while the first
-    is out joins it, and one asked after it ended takes its result (failed calls are not kept).
-    Least recently used entries go past `size`."""
+    is out joins it, and one asked after it ended takes its result if `keep` says so (by default a
+    successful ToolResult). Least recently used entries go past `size` (0: calls are only joined)."""
 
-    def __init__(self, size: int = 65536) -> None:
+    def __init__(self, size: int = 65536, keep: Callable = lambda result: result.ok) -> None:
         from collections import OrderedDict
-        self.size, self.done, self.out = size, OrderedDict(), {}
+        self.size, self.keep, self.done, self.out = size, keep, OrderedDict(), {}
         self.hits = self.misses = 0
 
     async def get(self, key, run: Callable) -> tuple[ToolResult, bool]:
@@ -160,8 +160,8 @@ class ToolCache:
         return await asyncio.shield(fut), reused  # (a caller cut off leaves the call to the others)
 
     def _keep(self, key, fut: asyncio.Future) -> None:
-        self.out.pop(key, None)
-        if fut.cancelled() or fut.exception() is not None or not fut.result().ok:
+        self.out.pop(key, None)  # (and the exception retrieved: one every caller left is not logged as lost)
+        if fut.cancelled() or fut.exception() is not None or not self.size or not self.keep(fut.result()):
             return
         self.done[key] = fut.result()
         if len(self.done) > self.size:
