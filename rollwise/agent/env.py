@@ -85,7 +85,7 @@ class ToolEnv:
 
     def __init__(self, *, max_turns: int = 8, tool_timeout: float = 5.0, tool_latency: Latency | None = None,
                  parser: ToolCallParser | str | None = None, max_calls_per_turn: int = 8, mcp=None,
-                 tool_cache: bool = False) -> None:
+                 tool_cache: bool = False, user=None) -> None:
         self.max_turns, self.tool_timeout = max_turns, tool_timeout
         # pure tools' results reused within the run, by task and arguments (ToolCache; `Tool.pure`)
         self.tool_cache, self._cache_hits = tool_cache, 0
@@ -101,6 +101,12 @@ class ToolEnv:
         if mcp is not None:
             from rollwise.agent.mcp_tools import MCPTools
             self.mcp = MCPTools(mcp)
+        # a user the agent's replies go to, who answers or ends the conversation (rollwise.agent.users)
+        self._new_user = None
+        if user is not None:
+            from rollwise.agent.users import user_factory
+            self._new_user = user_factory(user)
+        self._user, self._dialogue = None, []
 
     # to implement --------------------------------------------------------------------------------
     def make_tools(self, task: dict) -> list[Tool]:
@@ -136,8 +142,17 @@ class ToolEnv:
             t.latency = t.latency or self.tool_latency
         self._by_name = {t.name: t for t in self.tools}
         self._parser = bind(self.parser, [t.schema for t in self.tools])  # (schemas type qwen3_coder's values)
-        return [{"role": "system", "content": self.system_prompt},
-                {"role": "user", "content": "\n".join(x for x in (self.prompt(task), self.answer_hint) if x)}]
+        first = "\n".join(x for x in (self.prompt(task), self.answer_hint) if x)
+        return self.begin_dialogue([{"role": "system", "content": self.system_prompt},
+                                    {"role": "user", "content": first}])
+
+    def begin_dialogue(self, messages: list[dict]) -> list[dict]:
+        """An episode's first messages, as the user (if any) has said them so far; a subclass that
+        writes its own first messages passes them through this."""
+        self._user = self._new_user() if self._new_user is not None else None
+        self._dialogue = [{"role": m["role"], "content": m.get("content") or ""}
+                          for m in messages if m.get("role") in ("user", "assistant")]
+        return messages
 
     async def step(self, action: str) -> tuple[Observation, float, bool, dict]:
         parsed = self._parser.parse(action)
@@ -146,6 +161,8 @@ class ToolEnv:
             reward = await maybe_await(self.score(self.task, str(finish.arguments.get("answer", ""))))
             return [], reward, True, {"answer": finish.arguments}
         if not parsed.calls and not parsed.errors:
+            if self._user is not None:
+                return await self._to_user(parsed.text)
             return [], await maybe_await(self.score(self.task, parsed.text)), True, {"answer": parsed.text}
         t0 = time.perf_counter()
         obs = [{"role": "tool", "content": e} for e in parsed.errors]
@@ -161,6 +178,19 @@ class ToolEnv:
         if self._ended is not None:
             return obs, self._ended, True, info
         return obs, 0.0, False, info
+
+    async def _to_user(self, text: str) -> tuple[Observation, float, bool, dict]:
+        """A reply to the user: the user's answer is the next message, or the conversation ends with
+        the user's reward (or the env's score of this reply)."""
+        self._dialogue.append({"role": "assistant", "content": text})
+        task = self.task
+        reply = await maybe_await(self._user.reply(task, list(self._dialogue),
+                                                   lambda answer: _as_float(self.score(task, answer))))
+        if reply.content is None:
+            reward = reply.reward if reply.reward is not None else await _as_float(self.score(task, text))
+            return [], float(reward), True, {"answer": text}
+        self._dialogue.append({"role": "user", "content": reply.content})
+        return [{"role": "user", "content": reply.content}], 0.0, False, {"user_replies": 1}
 
     async def close(self) -> None:
         """The episode has ended: servers started for it (MCP `scope = "episode"`) stop."""
@@ -178,6 +208,10 @@ class ToolEnv:
         result, reused = await loop_shared("tool-cache", ToolCache).get(key, lambda: t.call(call.arguments))
         self._cache_hits += reused
         return result.content
+
+
+async def _as_float(score) -> float:
+    return float(await maybe_await(score))
 
 
 def _task_key(task: dict | None) -> str:

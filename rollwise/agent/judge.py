@@ -22,13 +22,10 @@ transcripts, and prefer a judge at least as strong as the policy.
 """
 from __future__ import annotations
 
-import asyncio
-import os
 import re
 from dataclasses import dataclass, fields
 
-import httpx
-
+from rollwise.agent.chat_client import ChatClient
 from rollwise.agent.env import loop_shared
 
 PROMPT = """You are grading an answer to a task. Judge whether the answer is correct, complete and \
@@ -97,19 +94,15 @@ def parse_score(reply: str, max_score: int) -> float:
 
 
 class Judge:
-    """Grades answers through one HTTP client; `Judge.shared(config)` gives the one judge per
-    config and event loop that every episode's env uses (its concurrency bound is then global)."""
+    """Grades answers through one HTTP client (rollwise.agent.chat_client); `Judge.shared(config)`
+    gives the one judge per config and event loop that every episode's env uses (its concurrency
+    bound is then global)."""
 
     def __init__(self, cfg: JudgeConfig) -> None:
         self.cfg = cfg
-        key = cfg.api_key or (os.environ.get(cfg.api_key_env) if cfg.api_key_env else None)
-        if cfg.api_key_env and not key:
-            raise ValueError(f"judge api_key_env {cfg.api_key_env!r} is not set")
-        self.client = httpx.AsyncClient(base_url=cfg.url.rstrip("/"), timeout=cfg.timeout_s,
-                                        headers={"Authorization": f"Bearer {key}"} if key else {})
-        self.slots = asyncio.Semaphore(cfg.max_concurrency)
-        self.model = cfg.model
-        self.stats = {"requests": 0, "failures": 0}
+        self.chat = ChatClient(cfg.url, model=cfg.model, api_key=cfg.api_key, api_key_env=cfg.api_key_env,
+                               timeout_s=cfg.timeout_s, retries=cfg.retries, backoff_s=cfg.backoff_s,
+                               max_concurrency=cfg.max_concurrency, what="judge", error=JudgeError)
         # a line of reasons (at most max_tokens / 3 characters, so at most that many tokens), then the score line
         scores = "|".join(str(n) for n in range(cfg.max_score, -1, -1))
         self._format = {"structured_outputs": {"regex": f"[^\\n]{{0,{cfg.max_tokens // 3}}}\\nSCORE: ({scores})"}} \
@@ -119,31 +112,11 @@ class Judge:
     def shared(cls, cfg: JudgeConfig) -> Judge:
         return loop_shared(("judge", repr(cfg)), lambda: cls(cfg))
 
-    async def _model(self) -> str:
-        if self.model is None:
-            r = await self.client.get("/models")
-            r.raise_for_status()
-            self.model = r.json()["data"][0]["id"]
-        return self.model
-
     async def grade(self, question: str, answer: str, reference=None) -> float:
         """The answer's reward in [0, 1]; JudgeError when every try failed."""
         cfg = self.cfg
         content = cfg.prompt.format(question=question, answer=answer, max_score=cfg.max_score,
                                     reference="none" if reference is None else reference)
-        last: Exception | None = None
-        for attempt in range(cfg.retries + 1):
-            if attempt:
-                await asyncio.sleep(cfg.backoff_s * 2 ** (attempt - 1))
-            try:
-                async with self.slots:
-                    self.stats["requests"] += 1
-                    r = await self.client.post("/chat/completions", json={
-                        "model": await self._model(), "messages": [{"role": "user", "content": content}],
-                        "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, **self._format})
-                r.raise_for_status()
-                return parse_score(r.json()["choices"][0]["message"]["content"] or "", cfg.max_score)
-            except (httpx.HTTPError, JudgeError, KeyError, IndexError, ValueError) as e:
-                self.stats["failures"] += 1
-                last = e
-        raise JudgeError(f"judge at {cfg.url} failed {cfg.retries + 1} times; last: {type(last).__name__}: {last}")
+        return await self.chat.complete([{"role": "user", "content": content}],
+                                        lambda reply: parse_score(reply, cfg.max_score),
+                                        max_tokens=cfg.max_tokens, temperature=cfg.temperature, **self._format)

@@ -233,7 +233,9 @@ class DatasetEnv(ToolEnv):
         await super().reset({**task, self.prompt_key: ""})  # tools and state; the task's own conversation instead
         self.task = task
         msgs = list(conversation)
-        return msgs if msgs and msgs[0].get("role") == "system" else [{"role": "system", "content": self.system_prompt}, *msgs]
+        if not (msgs and msgs[0].get("role") == "system"):
+            msgs = [{"role": "system", "content": self.system_prompt}, *msgs]
+        return self.begin_dialogue(msgs)
 
     def _conversation(self, task: dict) -> list[dict] | None:
         """The task's own messages: `messages`, or a prompt given as a list of them (verl's layout)."""

@@ -45,9 +45,9 @@ class InlineEnv(DatasetEnv):
 
     def __init__(self, *, actions: list[dict], answer_end: str | None = None, reminder: str = "",
                  instructions: str = "{question}", search: dict | None = None, **kw) -> None:
-        if "tools" in kw or "mcp" in kw:
+        if "tools" in kw or "mcp" in kw or "user" in kw:
             raise ValueError("an inline env's tools are its actions' (actions = [{ tool, start, end, result }]), "
-                             "not tools or MCP servers")
+                             "not tools or MCP servers; its message ends the episode (no user)")
         super().__init__(tools=[], **kw)
         if "{question}" not in instructions:
             raise ValueError(f"{self.name}'s instructions must have a {{question}} field")

@@ -1,0 +1,175 @@
+"""Users an agent talks to (verl's "interaction", tau-bench's user simulator): with `user` set, a
+tool env's reply without a tool call goes to the user instead of ending the episode, and the
+user's answer is the model's next message, until the user ends the conversation. The episode's
+reward is then the user's, or the env's score of the agent's last reply.
+
+    env_options = { user = "feedback" }                      # wrong answers get another try
+    env_options = { user = { kind = "feedback", max_attempts = 2, discount = 0.5 } }
+    env_options = { user = { url = "http://127.0.0.1:8001/v1", instruction_key = "instruction" } }
+    env_options = { user = "my_users.py:Customer" }          # a user's class: reply(task, dialogue, score)
+
+`feedback` scores each answer with the env's reward and, short of `success`, asks for another
+attempt (`message`), up to `max_attempts`; the reward is the last attempt's score times
+`discount` ** (attempts - 1), so a policy may learn to correct itself and, with discount < 1, to
+be right at once. `url` simulates a user with an LLM behind an OpenAI chat-completions server:
+it is told the task's hidden goal (`instruction_key`'s field) and reads the conversation with the
+roles turned round, writes the user's next message, and ends the conversation by writing `stop`
+(or after `max_replies`); the env then scores the agent's last reply. A failing simulator is
+retried, then the episode ends with status `error` and runs again. A user's class is made once
+per episode with the table's other options and has `async reply(task, dialogue, score) ->
+UserReply` (or a plain function): `dialogue` holds what the two sides said to each other (no
+tool calls or results), `score(answer)` awaits the env's reward of a reply."""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, fields
+from typing import Awaitable, Callable, Protocol
+
+from rollwise.agent.chat_client import ChatClient, bearer_key
+from rollwise.agent.plugins import FORM, load_object
+from rollwise.agent.tools import ServiceError
+
+Score = Callable[[str], Awaitable[float]]
+
+
+@dataclass
+class UserReply:
+    content: str | None = None  # the user's next message; None: the conversation ends
+    reward: float | None = None  # when it ends: the episode's reward (None: the env's score of the last reply)
+
+
+class User(Protocol):
+    async def reply(self, task: dict, dialogue: list[dict], score: Score) -> UserReply: ...
+
+
+class FeedbackUser:
+    """Another attempt after a wrong answer, as verl's GSM8K interaction asks for one."""
+
+    def __init__(self, max_attempts: int = 3, discount: float = 1.0, success: float = 1.0,
+                 message: str = "That is not right. Check your work and answer again ({left} attempts left).") -> None:
+        if max_attempts < 1 or not 0.0 < discount <= 1.0:
+            raise ValueError(f"user 'feedback' needs max_attempts >= 1 and 0 < discount <= 1 "
+                             f"(got {max_attempts}, {discount})")
+        try:
+            message.format(attempt=1, left=1, max_attempts=1)
+        except (KeyError, IndexError) as e:
+            raise ValueError(f"user 'feedback' message has a field other than attempt, left, max_attempts: {e}") from e
+        self.max_attempts, self.discount, self.success, self.message = max_attempts, discount, success, message
+        self.attempts = 0
+
+    async def reply(self, task: dict, dialogue: list[dict], score: Score) -> UserReply:
+        self.attempts += 1
+        reward = await score(dialogue[-1]["content"])
+        if reward >= self.success or self.attempts >= self.max_attempts:
+            return UserReply(reward=reward * self.discount ** (self.attempts - 1))
+        left = self.max_attempts - self.attempts
+        return UserReply(self.message.format(attempt=self.attempts, left=left, max_attempts=self.max_attempts))
+
+
+PROMPT = """You are playing a person who is talking to an AI assistant. This is your goal, which the \
+assistant does not know:
+
+{instruction}
+
+Write only your next message to the assistant, a sentence or two in your own words. Give the facts \
+it needs as it asks for them, not all at once, and never make up facts your goal does not give. \
+When your goal has been met, or the assistant cannot meet it, write {stop} alone."""
+
+
+@dataclass
+class SimulatedUserConfig:
+    url: str  # the server's OpenAI base URL, e.g. http://127.0.0.1:8001/v1
+    model: str | None = None  # default: the first model the server lists
+    prompt: str = PROMPT  # fields: {instruction}, {stop}
+    instruction_key: str = "instruction"  # the task's field with the user's hidden goal
+    stop: str = "###STOP###"  # tau-bench's marker for the end of the conversation
+    greeting: str = "Hi! How can I help you today?"  # the assistant's line before the user's first message
+    max_replies: int = 10
+    max_tokens: int = 256
+    temperature: float = 1.0
+    api_key: str | None = None
+    api_key_env: str | None = None
+    timeout_s: float = 60.0
+    retries: int = 2
+    backoff_s: float = 1.0
+    max_concurrency: int = 16
+
+
+class SimulatedUser:
+    """A user simulated by an LLM (tau-bench's): one `ChatClient` per config and event loop."""
+
+    def __init__(self, cfg: SimulatedUserConfig) -> None:
+        self.cfg, self.replies = cfg, 0
+
+    async def reply(self, task: dict, dialogue: list[dict], score: Score) -> UserReply:
+        from rollwise.agent.env import loop_shared
+        cfg = self.cfg
+        if cfg.instruction_key not in task:
+            raise ValueError(f"task {task.get('id')!r} has no {cfg.instruction_key!r} for the simulated user "
+                             f"(fields: {sorted(task)})")
+        if self.replies >= cfg.max_replies:
+            return UserReply()
+        chat = loop_shared(("user", repr(cfg)), lambda: ChatClient(
+            cfg.url, model=cfg.model, api_key=cfg.api_key, api_key_env=cfg.api_key_env, timeout_s=cfg.timeout_s,
+            retries=cfg.retries, backoff_s=cfg.backoff_s, max_concurrency=cfg.max_concurrency,
+            what="simulated user", error=ServiceError))
+        # the simulator plays the user: the agent's messages are its "user" turns, its own are "assistant"
+        turned = [{"role": "user" if m["role"] == "assistant" else "assistant", "content": m["content"]}
+                  for m in dialogue]
+        if turned and turned[0]["role"] == "assistant":
+            turned.insert(0, {"role": "user", "content": cfg.greeting})
+        system = cfg.prompt.format(instruction=task[cfg.instruction_key], stop=cfg.stop)
+        text = await chat.complete([{"role": "system", "content": system}, *turned], _nonempty,
+                                   max_tokens=cfg.max_tokens, temperature=cfg.temperature)
+        self.replies += 1
+        return UserReply() if cfg.stop in text else UserReply(text.strip())
+
+
+def _nonempty(text: str) -> str:
+    if not text.strip():
+        raise ValueError("the simulated user's reply is empty")
+    return text
+
+
+def _options(cls, options: dict, what: str) -> dict:
+    names = {f.name for f in fields(cls)} if hasattr(cls, "__dataclass_fields__") else \
+        set(inspect.signature(cls).parameters)
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise ValueError(f"user {what!r}: unknown options {unknown}; valid: {sorted(names)}")
+    return options
+
+
+def user_factory(spec) -> Callable[[], User]:
+    """What makes an episode's user from the `user` option: "feedback", a user's class (or a
+    function returning a user) as 'module:Name' / 'file.py:Name', or a table with `kind` (one of
+    those) or `url` (a simulated user) and the user's options. A ValueError names the valid forms."""
+    if isinstance(spec, str):
+        spec = {"kind": spec}
+    if not isinstance(spec, dict):
+        raise ValueError(f"user must be a name or a table, not {type(spec).__name__}")
+    options = dict(spec)
+    kind = options.pop("kind", "simulated" if "url" in options else None)
+    if kind == "simulated":
+        if "url" not in options:
+            raise ValueError("user 'simulated' needs url = the simulator's OpenAI base URL")
+        cfg = SimulatedUserConfig(**_options(SimulatedUserConfig, options, kind))
+        try:
+            cfg.prompt.format(instruction="", stop="")
+        except (KeyError, IndexError) as e:
+            raise ValueError(f"simulated user prompt has a field other than instruction, stop: {e}") from e
+        if cfg.max_replies < 1 or cfg.retries < 0 or cfg.max_concurrency < 1:
+            raise ValueError("simulated user needs max_replies >= 1, retries >= 0, max_concurrency >= 1")
+        if cfg.api_key_env:  # checked now, not at the first reply
+            bearer_key(cfg.api_key, cfg.api_key_env, "simulated user")
+        return lambda: SimulatedUser(cfg)
+    if kind == "feedback":
+        _options(FeedbackUser, options, kind)
+        FeedbackUser(**options)  # its options checked now
+        return lambda: FeedbackUser(**options)
+    if isinstance(kind, str) and ":" in kind:
+        cls = load_object(kind, "user")
+        _options(cls, options, kind)
+        return lambda: cls(**options)
+    raise ValueError(f"unknown user {kind!r}; valid: 'feedback', a table with url (a simulated user), "
+                     f"or a user's class as {FORM}")
