@@ -18,11 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from rollwise.agent.mcp_tools import MCPConnection, parse_servers
 from rollwise.agent.tools import Tool
-from rollwise.serve.process import free_port
+from rollwise.serve.process import free_port, wait_for_http
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -51,19 +49,6 @@ async def run_side(tool: Tool, calls: list[dict], concurrency: int) -> tuple[flo
     t0 = time.perf_counter()
     await asyncio.gather(*(episode(i) for i in range(concurrency)))
     return time.perf_counter() - t0, latencies, results
-
-
-def wait_http(port: int, proc: subprocess.Popen, wait_s: float = 60.0) -> None:
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("the MCP server exited")
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/mcp", timeout=1.0)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise TimeoutError("the MCP server did not start")
 
 
 async def measure(args, port: int) -> dict:
@@ -119,7 +104,7 @@ def main() -> None:
     proc = subprocess.Popen([sys.executable, str(EXAMPLES / "units_mcp_server.py"), "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_http(port, proc)
+        wait_for_http(f"http://127.0.0.1:{port}/mcp", proc, 60.0)
         out = asyncio.run(measure(args, port))
     finally:
         proc.terminate()

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rollwise.agent.parsing import PARSERS
+from rollwise.agent.reasoning import REASONING_PARSERS
 
 DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE = (None, "suffix")
@@ -90,10 +91,14 @@ class ServerConfig:
     model_name: str | None = None  # served model id; default: the model directory's name
     # the format of the model's tool calls in chat replies (vLLM's --tool-call-parser names)
     tool_call_parser: str = field(default="hermes", metadata={"choices": sorted(PARSERS)})
+    # a thinking model's <think> reasoning apart from its reply (vLLM's --reasoning-parser names)
+    reasoning_parser: str | None = field(default=None, metadata={"choices": REASONING_PARSERS})
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
 

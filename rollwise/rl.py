@@ -93,8 +93,9 @@ def _sft_cache_path(cfg: TrainConfig) -> Path | None:
     parts = ["v2", str(Path(cfg.model).resolve()), cfg.env, cfg.max_turns, cfg.sft_steps, cfg.sft_tasks,
              cfg.sft_lr, cfg.sft_batch, cfg.sft_direct_fraction, cfg.seed]
     # what else makes the transcripts (runs without these keep their keys: caches made before stay valid)
-    if cfg.env_options:
-        parts.append(json.dumps(cfg.env_options, sort_keys=True, default=str))
+    options = {k: v for k, v in cfg.env_options.items() if k != "user"}  # (the expert's transcripts have none)
+    if options:
+        parts.append(json.dumps(options, sort_keys=True, default=str))
     if cfg.train_tasks_file:
         parts.append(hashlib.sha256(Path(cfg.train_tasks_file).read_bytes()).hexdigest())
     key = stable_seed(*parts)
@@ -168,7 +169,8 @@ async def _train(cfg: TrainConfig) -> dict:
         elif cfg.sft_steps > 0:
             if not callable(getattr(make_env(), "expert", None)):
                 raise ValueError(f"env {cfg.env!r} has no expert(task) to warm-start from: set sft_steps = 0")
-            demos = await expert_trajectories(tokenizer, make_env, sft_tasks, cfg.sft_direct_fraction, cfg.seed)
+            demos = await expert_trajectories(tokenizer, env_factory(cfg, user=False), sft_tasks,
+                                              cfg.sft_direct_fraction, cfg.seed)
             t0 = time.perf_counter()
             losses = sft(policy, demos, steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch, seed=cfg.seed,
                          progress=lambda s, loss: status.line(f"SFT step {s + 1}/{cfg.sft_steps} loss {loss:.3f}"))

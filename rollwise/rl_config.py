@@ -324,11 +324,13 @@ class TrainConfig:
         return cfg
 
 
-def env_factory(cfg: TrainConfig):
+def env_factory(cfg: TrainConfig, user: bool = True):
+    """What makes the run's env; without its `user` for `user = False` (the expert's transcripts
+    for the warm start: the expert solves the task, with no one to talk to)."""
     lo, hi = cfg.tool_latency
     lat = Latency(lo, hi, kind=cfg.tool_latency_kind, cap=4 * hi) if hi > 0 else None
     standard = taken_options(resolve_env(cfg.env), {"max_turns": cfg.max_turns, "tool_latency": lat})
-    options = {**standard, **cfg.env_options}
+    options = {**standard, **{k: v for k, v in cfg.env_options.items() if user or k != "user"}}
     return lambda: make_env(cfg.env, **options)
 
 

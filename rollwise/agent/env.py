@@ -1,6 +1,7 @@
 """Environments. `Env` is the protocol the episode loop drives; `ToolEnv` is the base of the built-in
 ones: it parses tool calls from the model's text, runs them (concurrently, each with its deadline)
-and ends on a plain answer or a `finish` call."""
+and ends on a plain answer or a `finish` call (with a `user`, rollwise.agent.users, a plain answer
+goes to the user, who answers it or ends the conversation)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ import weakref
 from typing import Any, Protocol
 
 from rollwise.agent.parsing import HermesParser, ToolCall, ToolCallParser, bind, make_parser
+from rollwise.agent.reasoning import make_reasoning_parser
 from rollwise.agent.tools import Latency, Tool, ToolCache
 
 Observation = list[dict]  # new chat messages (role "tool" or "user") for the model
@@ -85,7 +87,7 @@ class ToolEnv:
 
     def __init__(self, *, max_turns: int = 8, tool_timeout: float = 5.0, tool_latency: Latency | None = None,
                  parser: ToolCallParser | str | None = None, max_calls_per_turn: int = 8, mcp=None,
-                 tool_cache: bool = False, user=None) -> None:
+                 tool_cache: bool = False, user=None, reasoning: str | None = "qwen3") -> None:
         self.max_turns, self.tool_timeout = max_turns, tool_timeout
         # pure tools' results reused within the run, by task and arguments (ToolCache; `Tool.pure`)
         self.tool_cache, self._cache_hits = tool_cache, 0
@@ -93,6 +95,8 @@ class ToolEnv:
         # the model's tool-call format: a parser, or its name (`env_options = { parser = "llama3_json" }`)
         self.parser = make_parser(parser) if isinstance(parser, str) else parser or HermesParser()
         self._parser = self.parser  # (bound to the tools at reset)
+        # a thinking model's reasoning (`<think>...</think>`) is neither parsed for calls nor scored
+        self.reasoning = make_reasoning_parser(reasoning)
         self.task: dict | None = None
         self._ended: float | None = None
         self.tools: list[Tool] = []
@@ -155,9 +159,13 @@ class ToolEnv:
         return messages
 
     async def step(self, action: str) -> tuple[Observation, float, bool, dict]:
+        if self.reasoning is not None:
+            action = self.reasoning.split(action)[1]
         parsed = self._parser.parse(action)
         finish = next((c for c in parsed.calls if c.name == "finish"), None)
         if finish is not None:
+            if self._user is not None:  # (an answer, as a plain reply is)
+                return await self._to_user(str(finish.arguments.get("answer", "")))
             reward = await maybe_await(self.score(self.task, str(finish.arguments.get("answer", ""))))
             return [], reward, True, {"answer": finish.arguments}
         if not parsed.calls and not parsed.errors:

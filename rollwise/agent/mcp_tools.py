@@ -15,9 +15,10 @@ keep; default all), `timeout_s` (each call's deadline, default 10 s, within the 
 `tool_timeout`), `max_concurrency` (calls in flight at once), `connect_timeout_s`, `pure` (its
 tools' results may be reused by an env with `tool_cache`; default: each tool's `readOnlyHint`) and `scope`:
 `"run"` (default) shares one connection among all of a run's episodes (one event loop), `"episode"`
-starts a server for each episode and stops it when the episode ends (a server that keeps state); an
-episode's server may be given its task's fields: `${task.FIELD}` in `args`, `env` values or `cwd`
-(e.g. `args = ["db_server.py", "--db", "${task.db_path}"]`).
+starts a server for each episode and stops it when the episode ends (a server that keeps state; at
+most `max_starting`, default 8, start at once in a run); an episode's server may be given its task's
+fields: `${task.FIELD}` in `args`, `env` values or `cwd` (e.g. `args = ["db_server.py", "--db",
+"${task.db_path}"]`).
 
 What a server reports as a failed call (its `isError` results, a JSON-RPC error) is the model's to
 read, as `error: ...`; a server that cannot be reached, or whose connection is lost, raises
@@ -37,7 +38,7 @@ from pathlib import Path
 from rollwise.agent.tools import ServiceError, Tool, ToolError
 
 SERVER_KEYS = {"command", "args", "env", "cwd", "url", "headers", "api_key_env", "type", "tools", "timeout_s",
-               "max_concurrency", "connect_timeout_s", "scope", "log", "pure"}
+               "max_concurrency", "connect_timeout_s", "scope", "log", "pure", "max_starting"}
 SCOPES = ("run", "episode")
 _TASK_FIELD = re.compile(r"\$\{task\.([A-Za-z0-9_]+)\}")
 TRANSPORTS = ("stdio", "http", "streamable-http", "streamable_http")
@@ -61,6 +62,7 @@ class MCPServerSpec:
     scope: str = "run"
     log: str | None = None
     pure: bool | None = None  # its tools' results reusable (`tool_cache`); None: as each tool's readOnlyHint says
+    max_starting: int = 8  # scope "episode": at most this many of its servers start at once (a run's)
 
     def for_task(self, task: dict) -> MCPServerSpec:
         """This episode-scoped server with `${task.FIELD}` replaced by the task's fields."""
@@ -115,7 +117,7 @@ def _server(name: str, cfg) -> MCPServerSpec:
         raise ValueError(f"MCP server {name!r}: scope {scope!r} is not one of {list(SCOPES)}")
     if not isinstance(cfg.get("pure", False), bool):
         raise ValueError(f"MCP server {name!r}: pure must be true or false, got {cfg['pure']!r}")
-    for key in ("timeout_s", "connect_timeout_s", "max_concurrency"):
+    for key in ("timeout_s", "connect_timeout_s", "max_concurrency", "max_starting"):
         if key in cfg and not (isinstance(cfg[key], (int, float)) and cfg[key] > 0):
             raise ValueError(f"MCP server {name!r}: {key} must be a positive number, got {cfg[key]!r}")
     tools = cfg.get("tools")
@@ -130,7 +132,7 @@ def _server(name: str, cfg) -> MCPServerSpec:
         api_key_env=cfg.get("api_key_env"), tools=None if tools is None else tuple(tools),
         timeout_s=float(cfg.get("timeout_s", 10.0)), max_concurrency=cfg.get("max_concurrency"),
         connect_timeout_s=float(cfg.get("connect_timeout_s", 30.0)), scope=scope, log=cfg.get("log"),
-        pure=cfg.get("pure"))
+        pure=cfg.get("pure"), max_starting=int(cfg.get("max_starting", 8)))
 
 
 def _client_module():
@@ -375,11 +377,13 @@ class MCPTools:
         out: list[Tool] = []
         for spec in self.servers:
             if spec.scope == "run":
-                conn = loop_shared(("mcp", spec), lambda spec=spec: MCPConnection(spec))
-            else:
-                conn = MCPConnection(spec.for_task(task or {}))
-                self._own.append(conn)
-            out += await conn.tools()
+                out += await loop_shared(("mcp", spec), lambda spec=spec: MCPConnection(spec)).tools()
+                continue
+            conn = MCPConnection(spec.for_task(task or {}))
+            self._own.append(conn)
+            # it starts (connects and lists its tools) with at most max_starting others of the run's
+            async with loop_shared(("mcp-starting", spec), lambda spec=spec: asyncio.Semaphore(spec.max_starting)):
+                out += await conn.tools()
         names = [t.name for t in out]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:

@@ -4,7 +4,9 @@ chat reply into a Response, so an agent on either API runs its episodes token-in
 
 Input items map to chat messages: a `message` (or a bare `{"role", "content"}`) to itself, text
 parts joined; `function_call` items to the tool calls of an assistant message (the one before
-them, if they follow one); `function_call_output` to a `tool` message. `instructions` become the
+them, if they follow one); `function_call_output` to a `tool` message; a `reasoning` item sent
+back is left out (chat templates drop earlier reasoning). A reply's reasoning (a server's
+reasoning parser) is a `reasoning` item before its message, streamed as reasoning_text events. `instructions` become the
 system message in front; `previous_response_id` continues a response of the same episode (the
 gateway keeps the episode's conversations until it ends) with the new items after it. Only
 function tools: the model has no built-in ones. `include: ["message.output_text.logprobs"]` (and
@@ -76,13 +78,15 @@ def _add(messages: list[dict], item: dict) -> None:
             last["tool_calls"] = [*(last.get("tool_calls") or []), call]
         else:
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "reasoning":  # an earlier reply's reasoning, sent back: chat templates drop it from the history
+        return
     elif kind == "function_call_output":
         output = item.get("output")
         messages.append({"role": "tool", "tool_call_id": _str(item, "call_id"),
                          "content": output if isinstance(output, str) else _text(output)})
     else:
         raise GatewayError(400, f"input item type {kind!r} is not supported: valid are 'message', "
-                                "'function_call' and 'function_call_output'")
+                                "'function_call', 'function_call_output' and 'reasoning'")
 
 
 def _str(item: dict, key: str) -> str:
@@ -110,10 +114,14 @@ def _tool(t) -> dict:
 
 
 def response(reply: dict, body: dict) -> dict:
-    """A chat-completions reply as a Response: a message item for its text, a function_call item
-    per tool call."""
+    """A chat-completions reply as a Response: a reasoning item for a thinking model's reasoning
+    (`reasoning_content`, a server's reasoning parser), a message item for its text, a
+    function_call item per tool call."""
     choice = reply["choices"][0]
     msg, output = choice["message"], []
+    if msg.get("reasoning_content"):
+        output.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex[:24]}", "summary": [],
+                       "content": [{"type": "reasoning_text", "text": msg["reasoning_content"]}]})
     if msg.get("content"):
         part = {"type": "output_text", "text": msg["content"], "annotations": []}
         if choice.get("logprobs"):
@@ -158,7 +166,15 @@ async def events(resp: dict):
     yield {"type": "response.in_progress", "sequence_number": next(n), "response": head}
     for i, item in enumerate(resp["output"]):
         at = {"output_index": i, "item_id": item["id"]}
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            yield {"type": "response.output_item.added", "sequence_number": next(n), "output_index": i,
+                   "item": {**item, "content": []}}
+            yield {"type": "response.reasoning_text.delta", "sequence_number": next(n), **at, "content_index": 0,
+                   "delta": text}
+            yield {"type": "response.reasoning_text.done", "sequence_number": next(n), **at, "content_index": 0,
+                   "text": text}
+        elif item["type"] == "message":
             yield {"type": "response.output_item.added", "sequence_number": next(n), "output_index": i,
                    "item": {**item, "status": "in_progress", "content": []}}
             part = item["content"][0]
@@ -187,22 +203,39 @@ async def streamed_events(chunks, body: dict, done=None):
     each text delta as it comes, function calls (whole in the chat stream's last delta) and the
     completed Response at the end; `done(resp, reply)` then gets the Response and the chat reply."""
     n = iter(range(1 << 30))
-    text, calls, finish, usage, model, logprobs = [], [], None, None, body.get("model"), []
-    msg_id = f"msg_{uuid.uuid4().hex[:24]}"
+    text, thought, calls, finish, usage, model, logprobs = [], [], [], None, None, body.get("model"), []
+    msg_id, rs_id = f"msg_{uuid.uuid4().hex[:24]}", f"rs_{uuid.uuid4().hex[:24]}"
     head = {**response({"choices": [{"message": {}, "finish_reason": None}], "model": model}, body),
             "status": "in_progress", "usage": None, "completed_at": None}
     yield {"type": "response.created", "sequence_number": next(n), "response": head}
     yield {"type": "response.in_progress", "sequence_number": next(n), "response": head}
-    at = {"output_index": 0, "item_id": msg_id, "content_index": 0}
+    rs_at = {"output_index": 0, "item_id": rs_id, "content_index": 0}
+    at = {"output_index": 0, "item_id": msg_id, "content_index": 0}  # (1 after a reasoning item)
     async for c in chunks:
         model, usage = c.get("model", model), c.get("usage") or usage
         for choice in c.get("choices") or []:
             delta = choice.get("delta") or {}
             lp = (choice.get("logprobs") or {}).get("content") or []
             logprobs += lp
+            if delta.get("reasoning_content") and not text:  # (a thinking model's reasoning comes first)
+                if not thought:
+                    yield {"type": "response.output_item.added", "sequence_number": next(n), "output_index": 0,
+                           "item": {"type": "reasoning", "id": rs_id, "summary": [], "content": []}}
+                thought.append(delta["reasoning_content"])
+                yield {"type": "response.reasoning_text.delta", "sequence_number": next(n), **rs_at,
+                       "delta": delta["reasoning_content"]}
             if delta.get("content"):
                 if not text:
-                    yield {"type": "response.output_item.added", "sequence_number": next(n), "output_index": 0,
+                    if thought:  # the reasoning is over
+                        at["output_index"] = 1
+                        said = "".join(thought)
+                        yield {"type": "response.reasoning_text.done", "sequence_number": next(n), **rs_at,
+                               "text": said}
+                        yield {"type": "response.output_item.done", "sequence_number": next(n), "output_index": 0,
+                               "item": {"type": "reasoning", "id": rs_id, "summary": [],
+                                        "content": [{"type": "reasoning_text", "text": said}]}}
+                    yield {"type": "response.output_item.added", "sequence_number": next(n),
+                           "output_index": at["output_index"],
                            "item": {"type": "message", "id": msg_id, "status": "in_progress", "role": "assistant",
                                     "content": []}}
                     yield {"type": "response.content_part.added", "sequence_number": next(n), **at,
@@ -213,13 +246,19 @@ async def streamed_events(chunks, body: dict, done=None):
             calls += [{"id": t["id"], "type": "function", "function": t["function"]} for t in delta.get("tool_calls") or []]
             finish = choice.get("finish_reason") or finish
     reply = {"model": model, "usage": usage, "choices": [{"finish_reason": finish, "message": {
-        "role": "assistant", "content": "".join(text) or None, **({"tool_calls": calls} if calls else {})},
+        "role": "assistant", "content": "".join(text) or None, **({"tool_calls": calls} if calls else {}),
+        **({"reasoning_content": "".join(thought)} if thought else {})},
         "logprobs": {"content": logprobs} if logprobs else None}]}
     resp = {**response(reply, body), "id": head["id"], "created_at": head["created_at"]}
-    if text:
-        resp["output"][0]["id"] = msg_id
+    for item in resp["output"]:  # (the ids the stream gave them)
+        item["id"] = {"reasoning": rs_id, "message": msg_id}.get(item["type"], item["id"])
     for i, item in enumerate(resp["output"]):
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            if text:  # (done when the message began)
+                continue
+            yield {"type": "response.reasoning_text.done", "sequence_number": next(n), **rs_at,
+                   "text": item["content"][0]["text"]}
+        elif item["type"] == "message":
             part = item["content"][0]
             yield {"type": "response.output_text.done", "sequence_number": next(n), **at, "text": part["text"],
                    "logprobs": part.get("logprobs", [])}

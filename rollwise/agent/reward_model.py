@@ -9,8 +9,8 @@ The conversation (the task's messages, or its prompt as a user message, then the
 assistant's) is rendered with the reward model's own chat template, cut from the left to
 `max_length` tokens (the answer's end is what a reward model reads last), and the model's output
 at its last token is the reward, as it is (GRPO's groups compare answers with each other; `scale`
-and `shift` map it as `scale * score + shift`). The model is loaded once per run (an event loop)
-and scores the answers of concurrent episodes together: those waiting, by length, up to
+and `shift` map it as `scale * score + shift`). The model is loaded once per run (an event loop),
+in a worker thread while the episodes go on, and scores the answers of concurrent episodes together: those waiting, by length, up to
 `batch_size` at once in a worker thread, padded on the left, so an answer's score does not depend on
 what it was batched with (tests: equal to the model's forward of it alone).
 """
@@ -72,8 +72,11 @@ class RewardModel:
         self.forwards = 0  # (batches run: tests)
 
     @classmethod
-    def shared(cls, cfg: RewardModelConfig) -> RewardModel:
-        return loop_shared(("reward-model", cfg), lambda: cls(cfg))
+    async def shared(cls, cfg: RewardModelConfig) -> RewardModel:
+        """The run's one model of this config (per event loop), loaded in a worker thread the first
+        time: the episodes go on meanwhile, and those scoring wait for it."""
+        loading = loop_shared(("reward-model", cfg), lambda: asyncio.ensure_future(asyncio.to_thread(cls, cfg)))
+        return await asyncio.shield(loading)
 
     def encode(self, messages: list[dict]) -> list[int]:
         """The conversation's tokens as the reward model reads it, cut from the left to max_length."""

@@ -1,7 +1,7 @@
 """Users an agent talks to (verl's "interaction", tau-bench's user simulator): with `user` set, a
-tool env's reply without a tool call goes to the user instead of ending the episode, and the
-user's answer is the model's next message, until the user ends the conversation. The episode's
-reward is then the user's, or the env's score of the agent's last reply.
+tool env's reply without a tool call (or its `finish` answer) goes to the user instead of ending
+the episode, and the user's answer is the model's next message, until the user ends the
+conversation. The episode's reward is then the user's, or the env's score of the agent's last reply.
 
     env_options = { user = "feedback" }                      # wrong answers get another try
     env_options = { user = { kind = "feedback", max_attempts = 2, discount = 0.5 } }
@@ -26,6 +26,7 @@ from dataclasses import dataclass, fields
 from typing import Awaitable, Callable, Protocol
 
 from rollwise.agent.chat_client import ChatClient, bearer_key
+from rollwise.agent.env import loop_shared
 from rollwise.agent.plugins import FORM, load_object
 from rollwise.agent.tools import ServiceError
 
@@ -46,7 +47,7 @@ class FeedbackUser:
     """Another attempt after a wrong answer, as verl's GSM8K interaction asks for one."""
 
     def __init__(self, max_attempts: int = 3, discount: float = 1.0, success: float = 1.0,
-                 message: str = "That is not right. Check your work and answer again ({left} attempts left).") -> None:
+                 message: str = "That is not right. Check your work and answer again (attempts left: {left}).") -> None:
         if max_attempts < 1 or not 0.0 < discount <= 1.0:
             raise ValueError(f"user 'feedback' needs max_attempts >= 1 and 0 < discount <= 1 "
                              f"(got {max_attempts}, {discount})")
@@ -102,7 +103,6 @@ class SimulatedUser:
         self.cfg, self.replies = cfg, 0
 
     async def reply(self, task: dict, dialogue: list[dict], score: Score) -> UserReply:
-        from rollwise.agent.env import loop_shared
         cfg = self.cfg
         if cfg.instruction_key not in task:
             raise ValueError(f"task {task.get('id')!r} has no {cfg.instruction_key!r} for the simulated user "
@@ -132,8 +132,17 @@ def _nonempty(text: str) -> str:
 
 
 def _options(cls, options: dict, what: str) -> dict:
-    names = {f.name for f in fields(cls)} if hasattr(cls, "__dataclass_fields__") else \
-        set(inspect.signature(cls).parameters)
+    """The options, if `cls` (a dataclass, a class or a function) takes each of them by name."""
+    if hasattr(cls, "__dataclass_fields__"):
+        names = {f.name for f in fields(cls)}
+    else:
+        try:
+            params = inspect.signature(cls).parameters
+        except (TypeError, ValueError):  # (no signature to check against)
+            return options
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return options
+        names = set(params)
     unknown = sorted(set(options) - names)
     if unknown:
         raise ValueError(f"user {what!r}: unknown options {unknown}; valid: {sorted(names)}")

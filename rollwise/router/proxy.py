@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollwise.agent.parsing import make_parser
+from rollwise.agent.reasoning import make_reasoning_parser
 from rollwise.config import ServerConfig
 from rollwise.router.replica import HttpReplica, ReplicaError
 from rollwise.router.router import Router
@@ -98,6 +99,7 @@ class EndTrajectoryBody(BaseModel):
 def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="rollwise router", docs_url=None, redoc_url=None)
     parser = make_parser(cfg.tool_call_parser)
+    reasoning = make_reasoning_parser(cfg.reasoning_parser)
 
     install_common(app, cfg)
 
@@ -299,7 +301,7 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
                                        body.top_logprobs or 0, tok, parser), body.model)
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
         return await chat_reply(routed, body, request, runs(body, request, ids, params, rid), rid, body.model, ids,
-                                parser)
+                                parser, reasoning)
 
     install_responses(app, chat)  # the Responses API, as chat through the router
     return app

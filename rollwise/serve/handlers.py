@@ -69,19 +69,18 @@ async def completion_reply(gen, body, request: Request, samples: list[tuple], ri
 
 
 async def chat_reply(gen, body, request: Request, samples: list[tuple], rid: str, model: str, prompt_ids: list[int],
-                     parser=None):
+                     parser=None, reasoning=None):
     """/v1/chat/completions over `gen`, the chat already rendered to `prompt_ids`; tool calls in the
-    `parser`'s format (default Hermes)."""
+    `parser`'s format (default Hermes); a thinking model's reasoning apart with a `reasoning` parser."""
     parser = bind(parser or HermesParser(), body.tools)  # (the tools' schemas type qwen3_coder's values)
     if body.stream:
         finals: list = []
         return sse(await primed(with_usage(merged([
             stream_chat(gen, p, sp, rid, j, model, body.logprobs, g, parser if parses_tools(body) else None,
-                        finished=finals,
-                        return_token_ids=body.return_token_ids, **opt)
+                        finished=finals, return_token_ids=body.return_token_ids, reasoning=reasoning, **opt)
             for j, (p, sp, _, g, opt) in enumerate(samples)]), body, finals,
             {"id": rid, "object": "chat.completion.chunk", "model": model})))
     outs = await _outputs(gen, request, samples)
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": chat_choices(gen.tokenizer, body, outs, parser), "usage": usage(outs, body.n),
+            "choices": chat_choices(gen.tokenizer, body, outs, parser, reasoning), "usage": usage(outs, body.n),
             **({"prompt_token_ids": prompt_ids} if body.return_token_ids else {})}

@@ -1,10 +1,12 @@
-"""Start `rollwise serve` as a real subprocess on 127.0.0.1 and wait until it answers /health."""
+"""Start `rollwise serve` as a real subprocess on 127.0.0.1 and wait until it answers /health
+(`wait_for_http`, for any server a test or benchmark starts)."""
 from __future__ import annotations
 
 import socket
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import httpx
 
@@ -15,6 +17,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 120.0,
+                  ok: Callable[[httpx.Response], bool] = lambda r: True) -> None:
+    """Return once `url` answers a GET with a response `ok` accepts (any, by default); a
+    RuntimeError if `proc` (the server's process) exits first, with its stderr's tail if piped, and
+    a TimeoutError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = proc.stderr.read().decode(errors="replace")[-2000:] if proc.stderr else ""
+            raise RuntimeError(f"server exited with {proc.returncode}: {tail}")
+        try:
+            if ok(httpx.get(url, timeout=1.0)):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer in {timeout}s")
 
 
 class ServerProcess:
@@ -31,18 +52,11 @@ class ServerProcess:
             env["OMP_NUM_THREADS"] = str(threads)
         cmd = [sys.executable, "-m", "rollwise.cli", "serve", model_dir, "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.proc.stderr.read().decode()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"server on port {self.port} did not become healthy in {startup_timeout}s")
+        try:
+            wait_for_http(self.url + "/health", self.proc, startup_timeout, ok=lambda r: r.status_code == 200)
+        except TimeoutError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         if self.proc.poll() is None:

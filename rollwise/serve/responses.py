@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from rollwise.agent.parsing import HermesParser, ToolCallParser, openai_tool_calls as tool_calls
+from rollwise.agent.reasoning import ReasoningParser
 from rollwise.config import ServerConfig
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest
 from rollwise.types import RequestOutput, SamplingParams
@@ -176,18 +177,23 @@ def _completion_logprobs(tok, out: RequestOutput, as_ids: bool = False, echo: bo
 
 
 def chat_choices(tok, body: ChatCompletionRequest, outs: list[RequestOutput],
-                 parser: ToolCallParser | None = None) -> list[dict]:
+                 parser: ToolCallParser | None = None, reasoning: ReasoningParser | None = None) -> list[dict]:
     """OpenAI's chat choices. With tools offered (and tool_choice not "none"), the tool calls in a
     reply (the parser's format; Hermes `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
     blocks by default) become its `tool_calls` (finish_reason "tool_calls") and the rest its
-    content, as vLLM's parsers do; a reply with a malformed call stays text."""
+    content, as vLLM's parsers do; a reply with a malformed call stays text. With a `reasoning`
+    parser, a thinking model's reasoning is the message's `reasoning_content` (and `reasoning`,
+    vLLM's newer name), and the calls are read from the rest."""
     parse, parser = parses_tools(body), parser or HermesParser()
     choices = []
     for k, o in enumerate(outs):
-        message, reason = {"role": "assistant", "content": o.text}, o.finish_reason
-        calls = tool_calls(o.text, parser) if parse else None
+        thought, text = reasoning.split(o.text) if reasoning else (None, o.text)
+        message, reason = {"role": "assistant", "content": text}, o.finish_reason
+        calls = tool_calls(text, parser) if parse else None
         if calls is not None:
             message, reason = {"role": "assistant", "content": calls[0] or None, "tool_calls": calls[1]}, "tool_calls"
+        if thought is not None:
+            message.update(content=message["content"] or None, reasoning_content=thought, reasoning=thought)
         choices.append({"index": k, "message": message, "finish_reason": reason, "stop_reason": o.stop_reason,
                         **({"token_ids": o.token_ids} if body.return_token_ids else {}),
                         "logprobs": {"content": chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs)}
@@ -335,30 +341,39 @@ async def stream_completion(engine, prompt, params, rid, index: int, model, with
 
 async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs: bool, group_id: str | None,
                       tools: ToolCallParser | None = None, finished: list | None = None,
-                      return_token_ids: bool = False, **options):
+                      return_token_ids: bool = False, reasoning: ReasoningParser | None = None, **options):
     """Chat chunks. With `tools` (the parser of the model's tool calls), the content stops where a
     call may begin (Hermes: before the first `<tool_call>`, holding back what may begin one); at the
     end the reply's tool calls come as one delta, finish reason "tool_calls", or, if it has none (or
-    a malformed one), the rest of its text. With `return_token_ids`, each chunk's new token ids, and
-    the prompt's in the first chunk."""
+    a malformed one), the rest of its text. With `reasoning`, a thinking model's reasoning comes
+    first as `reasoning_content` (and `reasoning`) deltas, the tags left out, and the content after
+    it. With `return_token_ids`, each chunk's new token ids, and the prompt's in the first chunk."""
     tok = engine.tokenizer
-    first, text, sent = True, "", 0
+    first, whole, thought, sent = True, "", 0, 0
     async for new_ids, lps, tops, delta, final in _deltas(engine, ids, params, f"{rid}-{index}", group_id, **options):
         reason = final.finish_reason if final else None
         if final is not None and finished is not None:
             finished.append(final)
-        d = {"content": delta}
-        if tools:
-            text = final.text if final else text + delta
-            calls = tool_calls(text, tools) if final else None
-            if calls is not None:  # what was not sent of the text outside the tool-call blocks, and the calls
-                rest = tools.content(text)[sent:]
-                d = {"content": rest if rest.strip() else None,
-                     "tool_calls": [dict(c, index=i) for i, c in enumerate(calls[1])]}
-                reason = "tool_calls"
-            else:
-                shown = len(text) if final else tools.content_end(text)
-                d, sent = {"content": text[sent:max(shown, sent)]}, max(shown, sent)
+        whole, d = final.text if final else whole + delta, {}
+        text = whole  # the content so far: the reply past its reasoning
+        if reasoning:
+            at = reasoning.content_start(whole, final=final is not None)
+            said = reasoning.shown_reasoning(whole) if at is None else reasoning.split(whole[:at])[0] or ""
+            if len(said) > thought:
+                d = {"reasoning_content": said[thought:], "reasoning": said[thought:]}
+                thought = len(said)
+            text = "" if at is None else whole[at:]
+        calls = tool_calls(text, tools) if tools and final else None
+        if calls is not None:  # what was not sent of the text outside the tool-call blocks, and the calls
+            rest = tools.content(text)[sent:]
+            d.update(content=rest if rest.strip() else None,
+                     tool_calls=[dict(c, index=i) for i, c in enumerate(calls[1])])
+            reason = "tool_calls"
+        else:
+            shown = tools.content_end(text) if tools and not final else len(text)
+            if shown > sent or not d:
+                d["content"] = text[sent:max(shown, sent)]
+            sent = max(shown, sent)
         if first:
             d = {"role": "assistant", **d}
         first = False

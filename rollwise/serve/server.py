@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 
 from rollwise.agent.parsing import make_parser
+from rollwise.agent.reasoning import make_reasoning_parser
 from rollwise.config import ServerConfig
 from rollwise.serve.metrics import prometheus_text
 from rollwise.serve.protocol import (AddSequenceRequest, ChatCompletionRequest, CompletionRequest,
@@ -68,6 +69,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     app = FastAPI(title="rollwise", docs_url=None, redoc_url=None)
     tok = engine.tokenizer
     parser = make_parser(cfg.tool_call_parser)
+    reasoning = make_reasoning_parser(cfg.reasoning_parser)
 
     install_common(app, cfg)
     install_sglang(app, engine, cfg)
@@ -172,7 +174,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
                                                     body.top_logprobs or 0, tok, parser), body.model)
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
         return await chat_reply(engine, body, request, choice_samples([ids], params, body.n, body.group_id, rid), rid,
-                                model_name, ids, parser)
+                                model_name, ids, parser, reasoning)
 
     install_responses(app, chat)
     return app

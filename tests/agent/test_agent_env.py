@@ -296,7 +296,7 @@ def test_responses_api_continues_a_response_by_id_streams_and_rejects_what_it_ca
         url, auth = str(client.base_url).rstrip("/") + "/responses", {"Authorization": f"Bearer {client.api_key}"}
         async with httpx.AsyncClient() as h:
             for name, body in [("tool", {"input": "x", "tools": [{"type": "web_search"}]}),
-                               ("item", {"input": [{"type": "reasoning", "summary": []}]}),
+                               ("item", {"input": [{"type": "web_search_call", "id": "ws_1"}]}),
                                ("previous", {"input": "x", "previous_response_id": "resp_nope"}),
                                ("image", {"input": [{"role": "user", "content": [{"type": "input_image"}]}]})]:
                 r = await h.post(url, headers=auth, json=body)
@@ -307,7 +307,7 @@ def test_responses_api_continues_a_response_by_id_streams_and_rejects_what_it_ca
     t = asyncio.run(run_episode(_scripted(tok, ["ok"]), agent_env(wrong), {}, P))
     assert t.status == "done" and t.reward == 1.0
     assert {v[0] for v in bad.values()} == {400} and "only function tools" in bad["tool"][1]
-    assert "'reasoning' is not supported" in bad["item"][1] and "not a response of this episode" in bad["previous"][1]
+    assert "'web_search_call' is not supported" in bad["item"][1] and "not a response of this episode" in bad["previous"][1]
     assert "text parts" in bad["image"][1]
 
 

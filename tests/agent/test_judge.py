@@ -6,8 +6,6 @@ import asyncio
 import re
 
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from rollwise.agent.envs import make_env
 from rollwise.agent.episode import run_attempts, run_episode
@@ -15,48 +13,20 @@ from rollwise.agent.generator import ScriptedGenerator
 from rollwise.agent.judge import JudgeConfig, JudgeError, parse_score
 from rollwise.engine.tokenizer import Tokenizer
 from rollwise.types import SamplingParams
-from tests.agent.servers import AppServer
+from tests.agent.servers import ChatServer
 
 
-class JudgeServer(AppServer):
+class JudgeServer(ChatServer):
     """A chat-completions server that grades as a judge model would be asked to: 10 when the
     reference is in the answer, else 2; it fails its first `fail` requests (HTTP 500)."""
 
     def __init__(self, fail: int = 0, delay: float = 0.0, reply: str | None = None) -> None:
-        self.fail, self.delay, self.reply = fail, delay, reply
-        self.requests, self.in_flight, self.max_in_flight = [], 0, 0
-        app = FastAPI()
-
-        @app.get("/v1/models")
-        async def models():
-            return {"object": "list", "data": [{"id": "grader", "object": "model"}]}
-
-        @app.post("/v1/chat/completions")
-        async def chat(request: Request):
-            body = await request.json()
-            self.requests.append((request.headers.get("authorization"), body))
-            self.in_flight += 1
-            self.max_in_flight = max(self.max_in_flight, self.in_flight)
-            try:
-                await asyncio.sleep(self.delay)
-            finally:
-                self.in_flight -= 1
-            if self.fail > 0:
-                self.fail -= 1
-                return JSONResponse({"error": {"message": "overloaded"}}, status_code=500)
+        def grade(body):
             text = body["messages"][0]["content"]
             answer = re.search(r"<answer>\n(.*)\n</answer>", text, re.S).group(1)
             reference = re.search(r"Reference answer: (.*)\n", text).group(1)
-            grade = 10 if reference in answer else 2
-            content = self.reply if self.reply is not None else f"Reasoning.\nSCORE: {grade}"
-            return {"choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                                 "finish_reason": "stop"}]}
-
-        super().__init__(app)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+            return reply if reply is not None else f"Reasoning.\nSCORE: {10 if reference in answer else 2}"
+        super().__init__(grade, "grader", fail, delay)
 
 
 def _answering(tok, text):

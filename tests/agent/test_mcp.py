@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import mcp_types
 import pytest
 
@@ -17,7 +16,7 @@ from rollwise.agent.env import ToolEnv, loop_shared
 from rollwise.agent.envs import load_tasks, make_env
 from rollwise.agent.mcp_tools import MCPConnection, MCPTools, parse_servers, result_text
 from rollwise.agent.tools import ServiceError, Tool
-from rollwise.serve.process import free_port
+from rollwise.serve.process import free_port, wait_for_http
 
 SERVER = str(Path(__file__).with_name("mcp_server.py"))
 EXAMPLES = Path(__file__).parents[2] / "examples"
@@ -148,12 +147,43 @@ def test_episode_scoped_servers_start_and_stop_with_their_episode():
         parse_servers({"test": {**servers["test"], "scope": "run"}})
 
 
+def test_episode_scoped_servers_start_a_few_at_a_time(monkeypatch):
+    """max_starting bounds how many of a run's episode-scoped servers start at once; all start."""
+    servers = {"test": {"command": sys.executable, "args": [SERVER], "scope": "episode", "max_starting": 2}}
+    starting, most = 0, 0
+    connect = MCPConnection._open
+
+    async def counted(self):
+        nonlocal starting, most
+        starting += 1
+        most = max(most, starting)
+        try:
+            await connect(self)
+        finally:
+            starting -= 1
+    monkeypatch.setattr(MCPConnection, "_open", counted)
+
+    async def episode(i):
+        env = Plain(mcp=servers)
+        await env.reset({"id": i})
+        pid = int(await step(env, "pid"))
+        await env.close()
+        return pid
+
+    async def go():
+        return await asyncio.gather(*(episode(i) for i in range(6)))
+    pids = asyncio.run(go())
+    assert len(set(pids)) == 6 and most == 2
+    with pytest.raises(ValueError, match="max_starting must be a positive number"):
+        parse_servers({"test": {**servers["test"], "max_starting": 0}})
+
+
 def test_a_server_over_http_with_headers_and_a_bearer_key(monkeypatch):
     port = free_port()
     proc = subprocess.Popen([sys.executable, SERVER, "--port", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        _wait_http(port, proc)
+        wait_for_http(f"http://127.0.0.1:{port}/mcp", proc, 30.0)
         monkeypatch.setenv("TEST_MCP_KEY", "s3cret")
         servers = {"mcpServers": {"web": {"type": "http", "url": f"http://127.0.0.1:{port}/mcp",
                                           "headers": {"X-Team": "rl"}, "api_key_env": "TEST_MCP_KEY",
@@ -249,18 +279,6 @@ def _gone(pid: int, wait_s: float = 10.0) -> bool:
             pass
         time.sleep(0.05)
     return False
-
-
-def _wait_http(port: int, proc, wait_s: float = 30.0) -> None:
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the MCP server exited"
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/mcp", timeout=1.0)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise TimeoutError("the MCP server did not start")
 
 
 def test_connection_is_made_once_under_concurrent_first_calls():

@@ -20,7 +20,7 @@ def test_batched_scores_equal_each_answers_forward_alone(rm_dir):
     convs = [[{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": a}] for a in answers]
 
     async def go():
-        rm = RewardModel.shared(RewardModelConfig.from_dict({"path": rm_dir, "batch_size": 8}))
+        rm = await RewardModel.shared(RewardModelConfig.from_dict({"path": rm_dir, "batch_size": 8}))
         return rm, await asyncio.gather(*(rm.score(c) for c in convs))
     rm, got = asyncio.run(go())
     assert rm.forwards == 1  # the concurrent answers in one batch, padded on the left
@@ -40,7 +40,7 @@ def test_the_dataset_env_scores_answers_with_the_reward_model(rm_dir):
     async def go():
         await env.reset(task)
         _, reward, done, _ = await env.step("<think>hmm</think> Paris.")
-        rm = RewardModel.shared(env.reward_model)
+        rm = await RewardModel.shared(env.reward_model)
         return reward, done, rm
     reward, done, rm = asyncio.run(go())
     conv = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."}]

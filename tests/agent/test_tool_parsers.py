@@ -1,4 +1,4 @@
-"""Tool-call formats (`PARSERS`): Hermes, Llama 3's JSON calls and Qwen3-Coder's XML ones, parsed,
+"""Tool-call formats (`PARSERS`): Hermes, Llama 3's JSON calls, pythonic ones, Qwen3-Coder's and GLM-4.5's XML ones, parsed,
 streamed and enforced, in an env, and from `rollwise serve --tool-call-parser ...` on real HTTP."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from rollwise.agent.env import ToolEnv
-from rollwise.agent.parsing import (HermesParser, Llama3JsonParser, PythonicParser, Qwen3CoderParser, ToolCall, bind,
-                                   make_parser, openai_tool_calls)
+from rollwise.agent.parsing import (Glm45Parser, HermesParser, Llama3JsonParser, PythonicParser, Qwen3CoderParser,
+                                   ToolCall, bind, make_parser, openai_tool_calls)
 from rollwise.agent.tools import Tool
 from rollwise.serve.process import ServerProcess
 
@@ -26,7 +26,7 @@ def test_llama3_json_calls_are_parsed_and_text_stays_text():
     # streaming: a reply that starts as a call shows no content; text shows at once
     assert p.content_end('  {"na') == 0 == p.content_end("<|pyth") and p.content_end("Hello") == 5
     assert HermesParser().content_end("Hi <tool_c") == 0 and HermesParser().content_end("Hi there, friend") == 6
-    with pytest.raises(ValueError, match="valid: \\['hermes', 'llama3_json', 'pythonic', 'qwen3_coder'\\]"):
+    with pytest.raises(ValueError, match="valid: \\['glm45', 'hermes', 'llama3_json', 'pythonic', 'qwen3_coder'\\]"):
         make_parser("mistral")
 
 
@@ -65,6 +65,37 @@ def test_qwen3_coder_calls_are_parsed_and_typed_by_the_tools_schemas():
     assert p.content_end("Hi <tool_c") == 0 and p.content_end("Hi there, friend") == 6  # (Hermes's tag)
 
 
+def glm_call(name: str, **args) -> str:
+    return f"<tool_call>{name}\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n"
+                                            for k, v in args.items()) + "</tool_call>"
+
+
+def test_glm45_calls_are_parsed_and_typed_by_the_tools_schemas():
+    code = 'if a < b:\n    print("</x>")'
+    text = "Editing.\n" + glm_call("edit", path="src/a.py", line="12", scale="2.5", dry="true",
+                                   opts='{"x": [1, 2]}', tags="null", code=code)
+    p = bind(make_parser("glm45"), EDIT)
+    got = p.parse(text)
+    assert not got.errors and got.text == "Editing."
+    assert got.calls == [ToolCall("edit", {"path": "src/a.py", "line": 12, "scale": 2.5, "dry": True,
+                                           "opts": {"x": [1, 2]}, "tags": None, "code": code})]
+    assert Glm45Parser().parse(text).calls[0].arguments["line"] == "12"  # unbound: text
+    # GLM-4.7 writes no newlines between the pieces; a call without arguments; two calls
+    tight = ("<tool_call>edit<arg_key>path</arg_key><arg_value>b</arg_value><arg_key>line</arg_key>"
+             "<arg_value>2</arg_value></tool_call>")
+    two = p.parse(glm_call("edit", path="a", line="1") + "\n" + tight + "<tool_call>ping</tool_call>")
+    assert [(c.name, c.arguments) for c in two.calls] == [("edit", {"path": "a", "line": 1}),
+                                                          ("edit", {"path": "b", "line": 2}), ("ping", {})]
+    assert p.parse("<tool_call>edit\n<arg_key>path").errors == ["malformed tool call: missing </tool_call>"]
+    assert "expected NAME then <arg_key>" in p.parse("<tool_call>edit<arg_key>path</arg_key></tool_call>").errors[0]
+    assert "expected NAME" in p.parse("<tool_call>\n</tool_call>").errors[0]
+    calls = [ToolCall("edit", {"path": "a b", "line": 3, "opts": {"k": [True, None]}}), ToolCall("ping", {})]
+    assert p.parse(p.write(calls)).calls == calls  # what the experts write reads back
+    text, out = openai_tool_calls(glm_call("edit", path="a", line="3"), p)
+    assert text == "" and json.loads(out[0]["function"]["arguments"]) == {"path": "a", "line": 3}
+    assert p.content_end("Hi <tool_c") == 0 and p.content_end("Hi there, friend") == 6  # (Hermes's tag)
+
+
 def test_pythonic_calls_are_parsed_and_text_stays_text():
     p = make_parser("pythonic")
     got = p.parse("[get_weather(city='Paris', unit=\"C\"), add(a=1, b=2.5, ok=True, none=None, xs=[1, {'k': true}])]")
@@ -100,6 +131,7 @@ class Adder(ToolEnv):
 
 @pytest.mark.parametrize("parser,call", [("llama3_json", '{"name": "add", "parameters": {"a": 2, "b": 3}}'),
                                          ("qwen3_coder", xml_call("add", a="2", b="3")),
+                                         ("glm45", glm_call("add", a="2", b="3")),
                                          ("pythonic", "[add(a=2, b=3)]")])
 def test_an_env_reads_its_models_tool_call_format_by_name(parser, call):
     env = Adder(parser=parser)
@@ -112,7 +144,7 @@ def test_an_env_reads_its_models_tool_call_format_by_name(parser, call):
     assert not done and obs[0]["role"] == "tool" and obs[0]["content"] == "5" and end and reward == 1.0
 
 
-@pytest.mark.parametrize("parser", ["llama3_json", "qwen3_coder", "pythonic"])
+@pytest.mark.parametrize("parser", ["llama3_json", "qwen3_coder", "glm45", "pythonic"])
 def test_serve_with_a_tool_call_parser(model_dir, parser):
     tools = [{"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
@@ -134,7 +166,7 @@ def test_serve_with_a_tool_call_parser(model_dir, parser):
         assert [d["tool_calls"][0]["function"] for d in deltas if d.get("tool_calls")] == [call]
 
 
-@pytest.mark.parametrize("parser", ["llama3_json", "qwen3_coder", "pythonic"])
+@pytest.mark.parametrize("parser", ["llama3_json", "qwen3_coder", "glm45", "pythonic"])
 def test_experts_write_their_calls_in_the_envs_format(expert_rewards, parser):
     """A warm start teaches the format the policy is parsed by: every built-in env's expert writes
     its calls with the env's parser (`ToolEnv.call_text`) and solves its tasks in it; Hermes's
@@ -144,7 +176,8 @@ def test_experts_write_their_calls_in_the_envs_format(expert_rewards, parser):
         tasks = make_env(name).sample_tasks(3, seed=2)
         assert expert_rewards(lambda: make_env(name, parser=parser), tasks) == [1.0] * 3, name
         first = make_env(name, parser=parser).expert(tasks[0])[0]
-        start = {"qwen3_coder": "<tool_call>\n<function=", "llama3_json": '{"name": ', "pythonic": "["}[parser]
+        start = {"qwen3_coder": "<tool_call>\n<function=", "llama3_json": '{"name": ', "pythonic": "[",
+                 "glm45": "<tool_call>"}[parser]
         assert first.startswith(start), first
     calc = make_env("calculator")
     task = calc.sample_tasks(1, seed=0)[0]

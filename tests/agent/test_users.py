@@ -7,8 +7,6 @@ import asyncio
 import json
 
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from rollwise.agent.envs import make_env
 from rollwise.agent.episode import run_attempts, run_episode
@@ -18,7 +16,7 @@ from rollwise.engine.tokenizer import Tokenizer
 from rollwise.rl import TrainConfig, train
 from rollwise.serve.process import ServerProcess
 from rollwise.types import SamplingParams
-from tests.agent.servers import AppServer
+from tests.agent.servers import ChatServer
 
 USER_HEADER = "<|im_start|>user"  # (the test model's chat template: Qwen3's)
 TASK = {"id": "q1", "prompt": "What is the capital of France?", "answer": "Paris"}
@@ -53,46 +51,26 @@ def test_feedback_gives_another_attempt_and_discounts_the_later_ones(model_dir):
     gen = replies(tok, "Lyon", "Paris")
     t = episode(gen, make_env("dataset", user=user))
     assert t.status == "done" and len(t.turns) == 2 and t.reward == 0.5  # right at the second attempt
-    assert "That is not right" in gen.seen[1] and "(2 attempts left)" in gen.seen[1]
+    assert "That is not right" in gen.seen[1] and "(attempts left: 2)" in gen.seen[1]
     assert t.env_stats == {"user_replies": 1.0}
     t = episode(replies(tok, "Paris"), make_env("dataset", user=user))
     assert len(t.turns) == 1 and t.reward == 1.0  # right at once: no feedback
     t = episode(replies(tok, "Lyon", "Nice", "Lille", "Paris"), make_env("dataset", user=user))
     assert len(t.turns) == 3 and t.reward == 0.0 and t.env_stats == {"user_replies": 2.0}  # out of attempts
-    t = episode(replies(tok, "Lyon", "Paris"), make_env("dataset", user="feedback"))
-    assert t.reward == 1.0  # discount 1 by default
+    finish = '<tool_call>\n{"name": "finish", "arguments": {"answer": "Lyon"}}\n</tool_call>'
+    t = episode(replies(tok, finish, "Paris"), make_env("dataset", user="feedback"))
+    assert t.reward == 1.0 and len(t.turns) == 2  # discount 1 by default; `finish` answers as a reply does
     t = episode(replies(tok, "Lyon", "Paris"), make_env("dataset"))
     assert len(t.turns) == 1 and t.reward == 0.0  # no user: the first reply is the answer
 
 
-class UserServer(AppServer):
+class UserServer(ChatServer):
     """A chat-completions server playing the user: its lines in order, then the stop marker; it
     fails its first `fail` requests (HTTP 500)."""
 
     def __init__(self, lines: list[str], fail: int = 0) -> None:
-        self.lines, self.fail, self.requests = list(lines), fail, []
-        app = FastAPI()
-
-        @app.get("/v1/models")
-        async def models():
-            return {"object": "list", "data": [{"id": "user-sim", "object": "model"}]}
-
-        @app.post("/v1/chat/completions")
-        async def chat(request: Request):
-            body = await request.json()
-            self.requests.append(body)
-            if self.fail > 0:
-                self.fail -= 1
-                return JSONResponse({"error": {"message": "overloaded"}}, status_code=500)
-            content = self.lines.pop(0) if self.lines else "###STOP###"
-            return {"choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                                 "finish_reason": "stop"}]}
-
-        super().__init__(app)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        lines = list(lines)
+        super().__init__(lambda body: lines.pop(0) if lines else "###STOP###", "user-sim", fail)
 
 
 def test_a_simulated_user_reads_the_dialogue_turned_round_and_ends_it(model_dir):
@@ -105,7 +83,7 @@ def test_a_simulated_user_reads_the_dialogue_turned_round_and_ends_it(model_dir)
         t = episode(gen, env, BOOKING)
     assert t.status == "done" and t.reward == 1.0 and len(t.turns) == 3
     assert "It is HAT-170, to May 20 please." in gen.seen[1]  # the user's line is the model's next message
-    first, second = server.requests
+    (_, first), (_, second) = server.requests
     assert first["model"] == "user-sim" and first["temperature"] == 0.0
     system, *turned = first["messages"]
     assert system["role"] == "system" and BOOKING["instruction"] in system["content"] and "###STOP###" in system["content"]
@@ -212,3 +190,17 @@ def test_training_with_feedback(model_dir, tmp_path):
     episodes = [t for g in groups for t in g["trajectories"]]
     assert len(episodes) == 8 and all(t["status"] in ("done", "max_turns", "max_context") for t in episodes)
     assert any(t["env_stats"].get("user_replies") for t in episodes)  # (the warm start is weak: some are wrong)
+
+
+def test_the_warm_start_is_the_experts_alone(model_dir, tmp_path):
+    """The expert's transcripts have no user in them (the expert solves the task): a simulator
+    nobody serves is never asked, and the warm start is cached under the same key as without a user."""
+    from rollwise.rl import _sft_cache_path
+    base = {"model": model_dir, "env": "calculator", "sft_steps": 2, "sft_tasks": 8, "steps": 0, "eval_tasks": 0,
+            "progress": False, "sft_cache": str(tmp_path / "cache")}
+    user = {"user": {"url": "http://127.0.0.1:9/v1", "retries": 0}}
+    cfg = TrainConfig.from_dict({**base, "run_dir": str(tmp_path / "run"), "env_options": user})
+    report = train(cfg)
+    assert report["sft"]["expert_success"] == 1.0
+    assert _sft_cache_path(cfg) == _sft_cache_path(TrainConfig.from_dict({**base, "run_dir": str(tmp_path / "b")}))
+    assert _sft_cache_path(cfg).exists()

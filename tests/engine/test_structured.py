@@ -148,6 +148,44 @@ def test_forced_qwen3_coder_calls_parse_with_their_schemas_types(llms, model_dir
     assert not accepts(call.replace("<parameter>!", "</parameter>!"))  # (the parser would end the value there)
 
 
+def test_forced_glm45_calls_parse_with_their_schemas_types(llms, model_dir):
+    """tool_choice in GLM-4.5's format: a random model's forced calls parse, each value of its type;
+    a string value is free text up to </arg_value> (checked on llguidance's matcher)."""
+    from pathlib import Path
+
+    import llguidance
+
+    from rollwise.agent.parsing import Glm45Parser, ToolCall, forced_tool_calls
+    props = {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "check": {"type": "boolean"},
+             "mode": {"enum": ["fast", "exact"]}}
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": props, "required": ["a", "check"]}}}]
+    parser = Glm45Parser().for_tools(tools)
+    spec = forced_tool_calls(tools, {"type": "function", "function": {"name": "add"}}, True, parser)  # (one call)
+    outs = llms[0].generate(["call:"] * 4, [_p(spec, seed=i, max_tokens=120) for i in range(4)])
+    for o in outs:
+        parsed = parser.parse(o.text)
+        assert o.finish_reason == "stop" and not parsed.errors and len(parsed.calls) == 1, o.text
+        args = parsed.calls[0].arguments
+        assert type(args["a"]) is int and 0 <= args["a"] <= 9 and type(args["check"]) is bool
+        assert args.get("mode", "fast") in ("fast", "exact") and set(args) <= set(props)
+    assert len({o.text for o in outs}) > 1
+    # free text (a string's value): any text up to </arg_value> (a random model's would run on: the matcher's check)
+    tools[0]["function"]["parameters"]["properties"]["note"] = {"type": "string"}
+    parser = Glm45Parser().for_tools(tools)
+    tok = llguidance.LLTokenizer((Path(model_dir) / "tokenizer.json").read_text())
+    grammar = llguidance.LLMatcher.grammar_from_lark(forced_tool_calls(tools, "required", True, parser)["grammar"])
+
+    def accepts(text: str) -> bool:
+        m = llguidance.LLMatcher(tok, grammar)
+        ids = tok.tokenize_str(text)
+        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+    code = 'if a < b: print("</x>")'
+    call = parser.write([ToolCall("add", {"a": 3, "check": False, "mode": "fast", "note": code})])
+    assert accepts(call) and parser.parse(call).calls[0].arguments["note"] == code
+    assert not accepts(call.replace("<arg_value>3<", "<arg_value>three<"))
+
+
 def test_forced_pythonic_calls_keep_required_parameters_and_types(llms, model_dir):
     """tool_choice in the pythonic format: a random model's forced calls parse as Python, the required
     parameters always there, optional ones in order or left out, each value of its type."""

@@ -13,7 +13,8 @@ read), the task as one line of JSON on stdin; the last line it prints is the rew
 The agent asks for chat completions, runs its own tools and returns the episode's reward. Each of
 its requests is one turn of `run_episode`, so the trajectory stays token-in-token-out: the first
 request's messages are rendered once by the policy's chat template, each reply is the generated ids
-verbatim (tool calls in the policy's format, `parser`, Hermes by default, as OpenAI `tool_calls`),
+verbatim (tool calls in the policy's format, `parser`, Hermes by default, as OpenAI `tool_calls`;
+a thinking policy's reasoning as `reasoning_content`, `reasoning`, default `qwen3`),
 and each later request must send the conversation so far unchanged (the reply message appended, as
 the openai SDK's `message` or its dict) followed by new messages (tool results, user turns): only
 those are rendered, as the observation delta. A request that does not continue the conversation (an
@@ -49,6 +50,7 @@ from rollwise.agent.agent_server import AgentServer
 from rollwise.agent.env import NewContext
 from rollwise.agent.gateway import Gateway, GatewayError, Session, completion, pooled
 from rollwise.agent.parsing import bind, make_parser, openai_tool_calls
+from rollwise.agent.reasoning import make_reasoning_parser
 from rollwise.agent.plugins import load_object
 
 
@@ -58,7 +60,7 @@ class AgentEnv:
     def __init__(self, agent=None, *, command: list[str] | None = None, serve: bool = False, processes: int = 1,
                  max_turns: int = 8,
                  agent_options: dict | None = None, model: str = "policy", transport: str = "asgi",
-                 on_rewrite: str = "new_context", parser: str = "hermes") -> None:
+                 on_rewrite: str = "new_context", parser: str = "hermes", reasoning: str | None = "qwen3") -> None:
         if on_rewrite not in ("new_context", "error"):
             raise ValueError(f"on_rewrite {on_rewrite!r}: valid are 'new_context' (a request that does not continue "
                              "the conversation starts a new token sequence) and 'error' (it ends the episode)")
@@ -68,6 +70,8 @@ class AgentEnv:
         self.max_turns, self.model, self.transport, self.on_rewrite = max_turns, model, transport, on_rewrite
         self.command, self.serve, self.processes = command, serve, processes
         self.parser = make_parser(parser)  # the policy's tool-call format, read into the replies' tool_calls
+        # a thinking policy's reasoning: the reply's `reasoning_content`, its calls read past it
+        self.reasoning = make_reasoning_parser(reasoning)
         self.tools: list[_Schema] = []
         self._session: Session | None = None
         self._gateway = self._key = self._runner = self._output = None
@@ -160,10 +164,13 @@ class AgentEnv:
         cut = min((i for i in (action.find(s) for s in self._stops()) if i >= 0), default=-1)
         if cut >= 0:  # OpenAI's content ends before the stop string (the trajectory keeps its tokens)
             action = action[:cut]
+        thought, action = self.reasoning.split(action) if self.reasoning else (None, action)
         message, reason = {"role": "assistant", "content": action}, "stop"
         calls = openai_tool_calls(action, bind(self.parser, self._tool_defs)) if self._parse else None
         if calls is not None:
             message, reason = {"role": "assistant", "content": calls[0] or None, "tool_calls": calls[1]}, "tool_calls"
+        if thought is not None:  # (what the agent sends back without it still continues the tokens the model wrote)
+            message.update(content=message["content"] or None, reasoning_content=thought)
         usage = None
         if self._output is not None:
             n_prompt, out = self._output

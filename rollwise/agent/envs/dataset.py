@@ -211,7 +211,7 @@ class DatasetEnv(ToolEnv):
         question = ([m for m in conversation if m.get("role") != "system"] if conversation is not None
                     else [{"role": "user", "content": self._field(task, self.prompt_key)}])
         reply = {"role": "assistant", "content": _THINK.sub("", answer).strip()}
-        return await RewardModel.shared(self.reward_model).score([*question, reply])
+        return await (await RewardModel.shared(self.reward_model)).score([*question, reply])
 
     def _make_tool(self, spec: str) -> Tool | TaskDocsSearch:
         if spec == "python":

@@ -1,0 +1,79 @@
+"""Tool-call parsing from model text, by the format the model was trained on (`PARSERS`, vLLM's
+names): `hermes` (Qwen, Hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
+in the text), `llama3_json` (Llama 3.1+: the reply is the call, `{"name": ..., "parameters":
+{...}}`, several joined by "; ", optionally after `<|python_tag|>`), `pythonic` (Llama 3.2's and
+4's: the reply is `[name(key=value, ...)]`, Python literals), `qwen3_coder` (Qwen3-Coder's XML:
+`<tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>`, each value
+raw text, typed by the tool's schema) and `glm45` (GLM-4.5's: `<tool_call>NAME<arg_key>KEY</arg_key>
+<arg_value>value</arg_value>...</tool_call>`, typed as qwen3_coder's). Each parser also says how
+much of a reply being streamed can be shown as content (`content_end`), writes the grammar that
+holds a reply to calls of given functions (`grammar`, for tool_choice "required" or a named one)
+and writes calls as the model does (`write`, for experts' transcripts). `for_tools(tools)` gives
+the parser for a request's tools (their schemas type qwen3_coder's and glm45's values; the others
+need none). The formats live in `base` (the types, Hermes), `whole_reply` (Llama 3's JSON,
+pythonic) and `xml_calls` (qwen3_coder, glm45)."""
+from __future__ import annotations
+
+import json
+import uuid
+
+from rollwise.agent.parsing.base import HermesParser, Parsed, ToolCall, ToolCallParser
+from rollwise.agent.parsing.whole_reply import Llama3JsonParser, PythonicParser
+from rollwise.agent.parsing.xml_calls import Glm45Parser, Qwen3CoderParser
+
+__all__ = ["PARSERS", "Glm45Parser", "HermesParser", "Llama3JsonParser", "Parsed", "PythonicParser", "Qwen3CoderParser",
+           "ToolCall", "ToolCallParser", "bind", "forced_tool_calls", "make_parser", "openai_tool_calls"]
+
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "qwen3_coder": Qwen3CoderParser,
+           "glm45": Glm45Parser, "pythonic": PythonicParser}
+
+
+def bind(parser: ToolCallParser, tools: list[dict] | None) -> ToolCallParser:
+    """The parser for a request's tools (OpenAI's function schemas): `parser.for_tools(tools)`, or
+    the parser itself if it has no such method (a user's parser written before it)."""
+    for_tools = getattr(parser, "for_tools", None)
+    return parser if for_tools is None else for_tools(tools)
+
+
+def make_parser(name: str) -> ToolCallParser:
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; valid: {sorted(PARSERS)}")
+    return PARSERS[name]()
+
+
+def openai_tool_calls(text: str, parser: ToolCallParser | None = None) -> tuple[str, list[dict]] | None:
+    """A reply's Hermes tool calls as OpenAI's `tool_calls` (and the text around them), as vLLM's
+    hermes parser gives them; None if it has none or a malformed one (the reply stays text)."""
+    got = (parser or HermesParser()).parse(text)
+    if not got.calls or got.errors:
+        return None
+    return got.text, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                       "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in got.calls]
+
+
+def forced_tool_calls(tools: list[dict], tool_choice, tag_tokens: bool = False,
+                      parser: ToolCallParser | None = None) -> dict | None:
+    """The structured output (a Lark grammar, `structured_outputs`) that makes a reply tool calls in
+    the parser's format (default Hermes), for OpenAI's tool_choice "required" (one or more calls,
+    each of an offered function with its parameters' schema) or {"type": "function", "function":
+    {"name": N}} (exactly one call of N), as vLLM enforces them; None for "auto", "none" or no
+    choice. ValueError for a name not offered. `tag_tokens`: the tokenizer has `<tool_call>` and
+    `</tool_call>` as tokens of their own (Qwen's): the grammar names them as tokens, so the reply
+    is tokenized as the model writes it."""
+    if tool_choice in (None, "auto", "none"):
+        return None
+    fns = [t.get("function") or {} for t in tools if t.get("type", "function") == "function"]
+    if tool_choice == "required":
+        name = None
+    elif isinstance(tool_choice, dict) and isinstance((tool_choice.get("function") or {}).get("name"), str):
+        name = tool_choice["function"]["name"]
+        fns = [f for f in fns if f.get("name") == name]
+        if not fns:
+            raise ValueError(f"tool_choice names function {name!r}, which is not among the tools offered")
+    else:
+        raise ValueError('tool_choice must be "none", "auto", "required" or '
+                         '{"type": "function", "function": {"name": ...}}')
+    fns = [f for f in fns if f.get("name")]
+    if not fns:
+        raise ValueError("tool_choice asks for a tool call, but no function is offered")
+    return {"grammar": (parser or HermesParser()).grammar(fns, name is not None, tag_tokens)}
