@@ -57,4 +57,5 @@ class ChatClient:
             except (httpx.HTTPError, self.error, KeyError, IndexError, ValueError) as e:
                 self.stats["failures"] += 1
                 last = e
-        raise self.error(f"{self.what} at {self.url} failed {self.retries + 1} times; last: {type(last).__name__}: {last}")
+        raise self.error(f"{self.what} at {self.url} failed {self.retries + 1} times; last: "
+                         f"{type(last).__name__}: {last}")

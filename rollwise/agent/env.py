@@ -16,6 +16,7 @@ from rollwise.agent.reasoning import make_reasoning_parser
 from rollwise.agent.tools import Latency, Tool, ToolCache
 
 Observation = list[dict]  # new chat messages (role "tool" or "user") for the model
+FEEDBACK_CHARS = 1000  # of a failing run's output, as `ToolEnv.feedback` tells it (its end: the traceback's)
 
 
 class NewContext(list):
@@ -122,6 +123,11 @@ class ToolEnv:
     def score(self, task: dict, answer: str) -> float:  # or a coroutine (a verifier that waits on I/O)
         raise NotImplementedError
 
+    def feedback(self, task: dict, answer: str) -> str | None:  # or a coroutine
+        """What the env can tell the agent about a wrong answer (a failing test's output), for a
+        user giving feedback (`user = { kind = "feedback", details = true }`); None: nothing."""
+        return None
+
     def call_text(self, tool: str, /, **arguments) -> str:
         """A call of `tool` as the model writes it in the env's format (`parser`): what an
         expert's transcript says, so a warm start teaches the format the policy is parsed by."""
@@ -133,6 +139,13 @@ class ToolEnv:
         self._ended = reward
 
     async def reset(self, task: dict) -> list[dict]:
+        await self.set_up(task)
+        first = "\n".join(x for x in (self.prompt(task), self.answer_hint) if x)
+        return await self.begin_dialogue([{"role": "system", "content": self.system_prompt},
+                                          {"role": "user", "content": first}])
+
+    async def set_up(self, task: dict) -> None:
+        """The episode's state and tools (the env's own, its MCP servers', `finish`), before its messages."""
         self.task, self._ended = task, None
         own = self.make_tools(task)
         served = await self.mcp.tools(task) if self.mcp is not None else []
@@ -146,17 +159,28 @@ class ToolEnv:
             t.latency = t.latency or self.tool_latency
         self._by_name = {t.name: t for t in self.tools}
         self._parser = bind(self.parser, [t.schema for t in self.tools])  # (schemas type qwen3_coder's values)
-        first = "\n".join(x for x in (self.prompt(task), self.answer_hint) if x)
-        return self.begin_dialogue([{"role": "system", "content": self.system_prompt},
-                                    {"role": "user", "content": first}])
 
-    def begin_dialogue(self, messages: list[dict]) -> list[dict]:
-        """An episode's first messages, as the user (if any) has said them so far; a subclass that
-        writes its own first messages passes them through this."""
+    async def begin_dialogue(self, messages: list[dict]) -> list[dict]:
+        """An episode's first messages, with its user (if any) met: a user who speaks first (its
+        `opening`) writes the only user message, and what the env would have said joins the system
+        message as the agent's instructions. A subclass that writes its own first messages passes
+        them through this."""
         self._user = self._new_user() if self._new_user is not None else None
+        opening = getattr(self._user, "opening", None)
+        opening = await maybe_await(opening(self.task)) if opening is not None else None
+        if opening is not None:
+            if any(m.get("role") not in ("system", "user") for m in messages):
+                raise ValueError("a user who speaks first needs tasks without earlier assistant or tool messages")
+            told = "\n\n".join(c for m in messages if (c := (m.get("content") or "").strip()))
+            messages = [{"role": "system", "content": told}, {"role": "user", "content": opening}]
         self._dialogue = [{"role": m["role"], "content": m.get("content") or ""}
                           for m in messages if m.get("role") in ("user", "assistant")]
         return messages
+
+    @property
+    def user_opens(self) -> bool:
+        """The env's users may write the first message (a task then needs no prompt of its own)."""
+        return bool(getattr(self._new_user, "opens", False))
 
     async def step(self, action: str) -> tuple[Observation, float, bool, dict]:
         if self.reasoning is not None:
@@ -192,10 +216,16 @@ class ToolEnv:
         the user's reward (or the env's score of this reply)."""
         self._dialogue.append({"role": "assistant", "content": text})
         task = self.task
-        reply = await maybe_await(self._user.reply(task, list(self._dialogue),
-                                                   lambda answer: _as_float(self.score(task, answer))))
+
+        async def score(answer: str) -> float:
+            return float(await maybe_await(self.score(task, answer)))
+
+        async def feedback(answer: str) -> str | None:
+            return await maybe_await(self.feedback(task, answer))
+        score.feedback = feedback  # (`score.feedback(answer)`: the env's words on it)
+        reply = await maybe_await(self._user.reply(task, list(self._dialogue), score))
         if reply.content is None:
-            reward = reply.reward if reply.reward is not None else await _as_float(self.score(task, text))
+            reward = reply.reward if reply.reward is not None else await score(text)
             return [], float(reward), True, {"answer": text}
         self._dialogue.append({"role": "user", "content": reply.content})
         return [{"role": "user", "content": reply.content}], 0.0, False, {"user_replies": 1}
@@ -216,10 +246,6 @@ class ToolEnv:
         result, reused = await loop_shared("tool-cache", ToolCache).get(key, lambda: t.call(call.arguments))
         self._cache_hits += reused
         return result.content
-
-
-async def _as_float(score) -> float:
-    return float(await maybe_await(score))
 
 
 def _task_key(task: dict | None) -> str:

@@ -10,9 +10,10 @@ assistant's) is rendered with the reward model's own chat template, cut from the
 `max_length` tokens (the answer's end is what a reward model reads last), and the model's output
 at its last token is the reward, as it is (GRPO's groups compare answers with each other; `scale`
 and `shift` map it as `scale * score + shift`). The model is loaded once per run (an event loop),
-in a worker thread while the episodes go on, and scores the answers of concurrent episodes together: those waiting, by length, up to
-`batch_size` at once in a worker thread, padded on the left, so an answer's score does not depend on
-what it was batched with (tests: equal to the model's forward of it alone).
+in a worker thread while the episodes go on, and scores the answers of concurrent episodes
+together: those waiting, by length, up to `batch_size` at once in a worker thread, padded on the
+left, so an answer's score does not depend on what it was batched with (tests: equal to the
+model's forward of it alone).
 """
 from __future__ import annotations
 

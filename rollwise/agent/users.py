@@ -11,14 +11,19 @@ conversation. The episode's reward is then the user's, or the env's score of the
 `feedback` scores each answer with the env's reward and, short of `success`, asks for another
 attempt (`message`), up to `max_attempts`; the reward is the last attempt's score times
 `discount` ** (attempts - 1), so a policy may learn to correct itself and, with discount < 1, to
-be right at once. `url` simulates a user with an LLM behind an OpenAI chat-completions server:
+be right at once; with `details = true` the message is followed by what the env can say about the
+answer (`ToolEnv.feedback`: the dataset env's `unit_tests` and the bugfix env give the failing
+tests' output, as RLEF's execution feedback does). `url` simulates a user with an LLM behind an OpenAI chat-completions server:
 it is told the task's hidden goal (`instruction_key`'s field) and reads the conversation with the
 roles turned round, writes the user's next message, and ends the conversation by writing `stop`
-(or after `max_replies`); the env then scores the agent's last reply. A failing simulator is
+(or after `max_replies`); the env then scores the agent's last reply. With `opens = true` it
+speaks first (tau-bench's users do): a task then needs only its instruction, and the env's own
+first message joins the system message as the agent's instructions. A failing simulator is
 retried, then the episode ends with status `error` and runs again. A user's class is made once
 per episode with the table's other options and has `async reply(task, dialogue, score) ->
-UserReply` (or a plain function): `dialogue` holds what the two sides said to each other (no
-tool calls or results), `score(answer)` awaits the env's reward of a reply."""
+UserReply` (or a plain function) and optionally `opening(task) -> str`, its first message:
+`dialogue` holds what the two sides said to each other (no tool calls or results), `score(answer)`
+awaits the env's reward of a reply (and `score.feedback(answer)` its words on it, or None)."""
 from __future__ import annotations
 
 import inspect
@@ -42,12 +47,16 @@ class UserReply:
 class User(Protocol):
     async def reply(self, task: dict, dialogue: list[dict], score: Score) -> UserReply: ...
 
+    # optional: async opening(task) -> str, the user's first message (tau-bench's: the user speaks
+    # first); the env's own first user message then joins its system message, as instructions
+
 
 class FeedbackUser:
     """Another attempt after a wrong answer, as verl's GSM8K interaction asks for one."""
 
     def __init__(self, max_attempts: int = 3, discount: float = 1.0, success: float = 1.0,
-                 message: str = "That is not right. Check your work and answer again (attempts left: {left}).") -> None:
+                 message: str = "That is not right. Check your work and answer again (attempts left: {left}).",
+                 details: bool = False) -> None:
         if max_attempts < 1 or not 0.0 < discount <= 1.0:
             raise ValueError(f"user 'feedback' needs max_attempts >= 1 and 0 < discount <= 1 "
                              f"(got {max_attempts}, {discount})")
@@ -56,6 +65,7 @@ class FeedbackUser:
         except (KeyError, IndexError) as e:
             raise ValueError(f"user 'feedback' message has a field other than attempt, left, max_attempts: {e}") from e
         self.max_attempts, self.discount, self.success, self.message = max_attempts, discount, success, message
+        self.details = details  # the env's words on a wrong answer after the message (a failing test's output)
         self.attempts = 0
 
     async def reply(self, task: dict, dialogue: list[dict], score: Score) -> UserReply:
@@ -64,7 +74,9 @@ class FeedbackUser:
         if reward >= self.success or self.attempts >= self.max_attempts:
             return UserReply(reward=reward * self.discount ** (self.attempts - 1))
         left = self.max_attempts - self.attempts
-        return UserReply(self.message.format(attempt=self.attempts, left=left, max_attempts=self.max_attempts))
+        text = self.message.format(attempt=self.attempts, left=left, max_attempts=self.max_attempts)
+        said = await score.feedback(dialogue[-1]["content"]) if self.details and hasattr(score, "feedback") else None
+        return UserReply(f"{text}\n\n{said}" if said else text)
 
 
 PROMPT = """You are playing a person who is talking to an AI assistant. This is your goal, which the \
@@ -85,6 +97,7 @@ class SimulatedUserConfig:
     instruction_key: str = "instruction"  # the task's field with the user's hidden goal
     stop: str = "###STOP###"  # tau-bench's marker for the end of the conversation
     greeting: str = "Hi! How can I help you today?"  # the assistant's line before the user's first message
+    opens: bool = False  # the simulator writes the first user message (the task needs no prompt)
     max_replies: int = 10
     max_tokens: int = 256
     temperature: float = 1.0
@@ -102,13 +115,23 @@ class SimulatedUser:
     def __init__(self, cfg: SimulatedUserConfig) -> None:
         self.cfg, self.replies = cfg, 0
 
+    async def opening(self, task: dict) -> str | None:
+        """With `opens`, the simulator's first message, written after the assistant's greeting."""
+        return (await self._say(task, [])).replace(self.cfg.stop, "").strip() if self.cfg.opens else None
+
     async def reply(self, task: dict, dialogue: list[dict], score: Score) -> UserReply:
+        if self.replies >= self.cfg.max_replies:
+            return UserReply()
+        text = await self._say(task, dialogue)
+        self.replies += 1
+        return UserReply() if self.cfg.stop in text else UserReply(text.strip())
+
+    async def _say(self, task: dict, dialogue: list[dict]) -> str:
+        """The simulator's next line after the dialogue so far."""
         cfg = self.cfg
         if cfg.instruction_key not in task:
             raise ValueError(f"task {task.get('id')!r} has no {cfg.instruction_key!r} for the simulated user "
                              f"(fields: {sorted(task)})")
-        if self.replies >= cfg.max_replies:
-            return UserReply()
         chat = loop_shared(("user", repr(cfg)), lambda: ChatClient(
             cfg.url, model=cfg.model, api_key=cfg.api_key, api_key_env=cfg.api_key_env, timeout_s=cfg.timeout_s,
             retries=cfg.retries, backoff_s=cfg.backoff_s, max_concurrency=cfg.max_concurrency,
@@ -116,13 +139,11 @@ class SimulatedUser:
         # the simulator plays the user: the agent's messages are its "user" turns, its own are "assistant"
         turned = [{"role": "user" if m["role"] == "assistant" else "assistant", "content": m["content"]}
                   for m in dialogue]
-        if turned and turned[0]["role"] == "assistant":
+        if not turned or turned[0]["role"] == "assistant":
             turned.insert(0, {"role": "user", "content": cfg.greeting})
         system = cfg.prompt.format(instruction=task[cfg.instruction_key], stop=cfg.stop)
-        text = await chat.complete([{"role": "system", "content": system}, *turned], _nonempty,
+        return await chat.complete([{"role": "system", "content": system}, *turned], _nonempty,
                                    max_tokens=cfg.max_tokens, temperature=cfg.temperature)
-        self.replies += 1
-        return UserReply() if cfg.stop in text else UserReply(text.strip())
 
 
 def _nonempty(text: str) -> str:
@@ -149,6 +170,11 @@ def _options(cls, options: dict, what: str) -> dict:
     return options
 
 
+def _maker(make: Callable[[], User], opens: bool) -> Callable[[], User]:
+    make.opens = opens  # (its users may write the first message: a task then needs no prompt)
+    return make
+
+
 def user_factory(spec) -> Callable[[], User]:
     """What makes an episode's user from the `user` option: "feedback", a user's class (or a
     function returning a user) as 'module:Name' / 'file.py:Name', or a table with `kind` (one of
@@ -171,14 +197,14 @@ def user_factory(spec) -> Callable[[], User]:
             raise ValueError("simulated user needs max_replies >= 1, retries >= 0, max_concurrency >= 1")
         if cfg.api_key_env:  # checked now, not at the first reply
             bearer_key(cfg.api_key, cfg.api_key_env, "simulated user")
-        return lambda: SimulatedUser(cfg)
+        return _maker(lambda: SimulatedUser(cfg), cfg.opens)
     if kind == "feedback":
         _options(FeedbackUser, options, kind)
         FeedbackUser(**options)  # its options checked now
-        return lambda: FeedbackUser(**options)
+        return _maker(lambda: FeedbackUser(**options), False)
     if isinstance(kind, str) and ":" in kind:
         cls = load_object(kind, "user")
         _options(cls, options, kind)
-        return lambda: cls(**options)
+        return _maker(lambda: cls(**options), callable(getattr(cls, "opening", None)))
     raise ValueError(f"unknown user {kind!r}; valid: 'feedback', a table with url (a simulated user), "
                      f"or a user's class as {FORM}")

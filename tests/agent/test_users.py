@@ -64,6 +64,26 @@ def test_feedback_gives_another_attempt_and_discounts_the_later_ones(model_dir):
     assert len(t.turns) == 1 and t.reward == 0.0  # no user: the first reply is the answer
 
 
+def test_feedback_with_details_tells_the_failing_tests_output(model_dir):
+    """RLEF's execution feedback: with details, a wrong program's failing run (its assert's traceback)
+    follows the message; the next program passes the tests."""
+    tok = Tokenizer(model_dir)
+    task = {"id": "c1", "prompt": "Write add(a, b).", "tests": "assert add(2, 3) == 5\nassert add(-1, 1) == 0"}
+    wrong = "```python\ndef add(a, b):\n    return a * b + 1\n```"
+    right = "```python\ndef add(a, b):\n    return a + b\n```"
+    user = {"kind": "feedback", "details": True, "discount": 0.5}
+    gen = replies(tok, wrong, right)
+    t = episode(gen, make_env("dataset", reward="unit_tests", user=user), task)
+    assert t.status == "done" and t.reward == 0.5 and len(t.turns) == 2
+    told = t.messages[-2]["content"]
+    assert t.messages[-2]["role"] == "user" and told.startswith("That is not right.")
+    assert "The tests failed:" in told and "AssertionError" in told and "tests passed" not in told
+    t = episode(replies(tok, wrong, right), make_env("dataset", reward="unit_tests", user="feedback"), task)
+    assert "AssertionError" not in t.messages[-2]["content"]  # details are asked for
+    t = episode(replies(tok, "Lyon", "Paris"), make_env("dataset", user=user))
+    assert t.reward == 0.5 and t.messages[-2]["content"].endswith("(attempts left: 2).")  # an env with nothing to say
+
+
 class UserServer(ChatServer):
     """A chat-completions server playing the user: its lines in order, then the stop marker; it
     fails its first `fail` requests (HTTP 500)."""
@@ -86,7 +106,8 @@ def test_a_simulated_user_reads_the_dialogue_turned_round_and_ends_it(model_dir)
     (_, first), (_, second) = server.requests
     assert first["model"] == "user-sim" and first["temperature"] == 0.0
     system, *turned = first["messages"]
-    assert system["role"] == "system" and BOOKING["instruction"] in system["content"] and "###STOP###" in system["content"]
+    assert system["role"] == "system" and BOOKING["instruction"] in system["content"]
+    assert "###STOP###" in system["content"]
     # the agent's greeting, the user's first message (the task's prompt, with the env's hint), the agent's question
     assert [m["role"] for m in turned] == ["user", "assistant", "user"]
     assert turned[0]["content"] == "Hi! How can I help you today?"
@@ -95,6 +116,29 @@ def test_a_simulated_user_reads_the_dialogue_turned_round_and_ends_it(model_dir)
     assert [m["content"] for m in second["messages"][-2:]] == ["It is HAT-170, to May 20 please.",
                                                               "It is moved: HAT-170."]
     assert not any("lookup" in m["content"] or "2024-05-18" in m["content"] for m in second["messages"])
+
+
+def test_a_simulated_user_who_speaks_first(model_dir):
+    """opens = true (tau-bench's): the simulator writes the first user message; the env's own first
+    message joins the system message as instructions, and a task needs only the user's instruction."""
+    tok = Tokenizer(model_dir)
+    task = {"id": "b2", "instruction": BOOKING["instruction"], "answer": "HAT-170"}
+    gen = replies(tok, "Moved: HAT-170.")
+    with UserServer(["Hi, I need to move my flight HAT-170."]) as server:
+        env = make_env("dataset", reward="contains", user={"url": server.url, "opens": True},
+                       system_prompt="You are an airline agent.")
+        t = episode(gen, env, task)
+    assert t.status == "done" and t.reward == 1.0 and len(t.turns) == 1 and len(server.requests) == 2
+    (_, opening), (_, after) = server.requests
+    assert [m["role"] for m in opening["messages"]] == ["system", "user"]  # the greeting alone
+    assert [m["content"] for m in after["messages"][1:]] == ["Hi! How can I help you today?",
+                                                            "Hi, I need to move my flight HAT-170.", "Moved: HAT-170."]
+    assert t.messages[0]["role"] == "system" and t.messages[0]["content"].startswith("You are an airline agent.")
+    assert env.answer_hint in t.messages[0]["content"]  # the env's own first message: now instructions
+    assert t.messages[1] == {"role": "user", "content": "Hi, I need to move my flight HAT-170."}
+    assert gen.seen[0].count(USER_HEADER) == 1
+    with pytest.raises(ValueError, match="has no 'prompt'"):  # without opens a task still needs its prompt
+        asyncio.run(make_env("dataset", user={"url": "http://127.0.0.1:9/v1"}).reset(task))
 
 
 def test_a_failing_simulator_is_retried_then_the_episode_errs_and_is_rerun(model_dir):
@@ -154,7 +198,7 @@ def test_a_users_own_class_and_the_options_are_checked(model_dir):
     assert t.reward == 0.25
     with pytest.raises(ValueError, match="unknown user 'helpful'; valid: 'feedback'"):
         make_env("dataset", user="helpful")
-    with pytest.raises(ValueError, match=r"unknown options \['attempts'\]; valid: \['discount', 'max_attempts'"):
+    with pytest.raises(ValueError, match=r"unknown options \['attempts'\]; valid: \['details', 'discount'"):
         make_env("dataset", user={"kind": "feedback", "attempts": 2})
     with pytest.raises(ValueError, match="0 < discount <= 1"):
         make_env("dataset", user={"kind": "feedback", "discount": 0.0})

@@ -64,14 +64,19 @@ def test_bugfix_reward_needs_the_bug_fixed_under_the_original_tests():
         e = make_env("bugfix")
         await e.reset(task)
         out = [await e.step(a) for a in actions]
-        return out, e.workspace.path
+        path = e.workspace.path
+        kept = path.exists()
+        await e.close()
+        return out, (path, kept, e.feedback(task, ""))
     # gutting the tests does not count: they are restored before the reward runs them
-    steps, path = asyncio.run(episode([call("bash", command=f"echo 'print(\"all tests passed\")' > {test}"),
-                                       "Fixed."]))
-    assert steps[-1][1:3] == (0.0, True) and not path.exists()  # scored, then removed
+    steps, (path, kept, said) = asyncio.run(episode([
+        call("bash", command=f"echo 'print(\"all tests passed\")' > {test}"), "Fixed."]))
+    assert steps[-1][1:3] == (0.0, True) and kept and not path.exists()  # scored (kept), removed at the end
+    assert said.startswith("The tests still fail:") and "Error" in said  # what a user giving details says
     steps, _ = asyncio.run(episode([call("edit_file", path=test, old="x", new="y"), call("cat", path=module)]))
     assert "occurs" in steps[0][0][0]["content"] and "unknown tool 'cat'" in steps[1][0][0]["content"]
-    steps, _ = asyncio.run(episode(env.expert(task)))
+    steps, (_, _, said) = asyncio.run(episode(env.expert(task)))
+    assert said is None
     assert "all tests passed" in steps[2][0][0]["content"] and steps[-1][1:3] == (1.0, True)
     files = repo(task)
     assert set(files) == {module, test} and files[module].count("\ndef ") + 1 == len(task["functions"])

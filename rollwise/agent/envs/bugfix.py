@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from rollwise.agent.env import ToolEnv
+from rollwise.agent.env import FEEDBACK_CHARS, ToolEnv
 from rollwise.agent.sandbox import Sandbox
 from rollwise.agent.workspace import Workspace
 
@@ -72,6 +72,7 @@ class BugfixEnv(ToolEnv):
         super().__init__(**kw)
         self.sandbox = sandbox or Sandbox(timeout_s=min(5.0, self.tool_timeout / 2), memory_mb=512)
         self.workspace: Workspace | None = None
+        self._failed: str | None = None  # the tests' output at the last answer, when they failed
 
     def make_tools(self, task):
         if self.workspace is not None:
@@ -87,8 +88,20 @@ class BugfixEnv(ToolEnv):
         ws, test = self.workspace, f"test_{task['module']}.py"
         ws.file(test).write_text(repo(task)[test], encoding="utf-8")  # the tests as given, whatever was done to them
         result = await ws.bash(f"python {test}")
-        ws.close()
-        return float(result.ok and "all tests passed" in result.stdout)
+        passed = result.ok and "all tests passed" in result.stdout
+        self._failed = None if passed else result.observation()[-FEEDBACK_CHARS:]
+        return float(passed)
+
+    def feedback(self, task, answer) -> str | None:
+        """The tests' failing output at the last answer (for a user giving feedback with details)."""
+        return f"The tests still fail:\n{self._failed}" if self._failed else None
+
+    async def close(self) -> None:
+        """The episode has ended: its workspace goes (kept until then: a user may ask for more work)."""
+        await super().close()
+        if self.workspace is not None:
+            self.workspace.close()
+            self.workspace = None
 
     def sample_tasks(self, n: int, seed: int) -> list[dict]:
         rng = random.Random(seed)

@@ -42,7 +42,7 @@ import inspect
 import re
 import secrets
 
-from rollwise.agent.env import ToolEnv, exact_match, f1_score, maybe_await, number_reward
+from rollwise.agent.env import FEEDBACK_CHARS, ToolEnv, exact_match, f1_score, maybe_await, number_reward
 from rollwise.agent.judge import Judge, JudgeConfig
 from rollwise.agent.math_reward import MathVerifier, check_installed
 from rollwise.agent.plugins import FORM, load_object
@@ -133,6 +133,7 @@ class DatasetEnv(ToolEnv):
         self.prompt_key, self.answer_key = prompt_key, answer_key
         self.math_timeout_s = math_timeout_s
         self.sandbox = Sandbox(timeout_s=sandbox_timeout_s)
+        self._runs: dict[str, str | None] = {}  # unit_tests: an answer's failing run's output (None: it passed)
         self._threaded = False  # a user's plain function runs in a worker thread
         if (reward == "judge") != (judge is not None):
             raise ValueError("reward = 'judge' needs judge = { url = ..., ... } (and judge options need it)")
@@ -179,7 +180,15 @@ class DatasetEnv(ToolEnv):
         `max_output` keeps)."""
         done = f"tests passed {secrets.token_hex(8)}"
         result = await self.sandbox.run(f"{program_in(answer)}\n\n{self._field(task, 'tests')}\nprint({done!r})\n")
-        return float(result.ok and done in result.stdout.splitlines())
+        passed = result.ok and done in result.stdout.splitlines()
+        self._runs[answer] = None if passed else result.observation().replace(done, "")[-FEEDBACK_CHARS:].strip()
+        return float(passed)
+
+    def feedback(self, task: dict, answer: str) -> str | None:
+        """For `unit_tests`: the failing run's output (its traceback: the assert that failed), as a
+        user giving execution feedback tells it (`user = { kind = "feedback", details = true }`)."""
+        said = self._runs.get(answer)
+        return f"The tests failed:\n{said}" if said else None
 
     async def _math(self, task: dict, answer: str) -> float:
         """math-verify's equivalence of the answer's final expression and the task's, in a worker
@@ -230,12 +239,11 @@ class DatasetEnv(ToolEnv):
         conversation = self._conversation(task)
         if conversation is None:
             return await super().reset(task)
-        await super().reset({**task, self.prompt_key: ""})  # tools and state; the task's own conversation instead
-        self.task = task
+        await self.set_up(task)  # tools and state; the task's own conversation for messages
         msgs = list(conversation)
         if not (msgs and msgs[0].get("role") == "system"):
             msgs = [{"role": "system", "content": self.system_prompt}, *msgs]
-        return self.begin_dialogue(msgs)
+        return await self.begin_dialogue(msgs)
 
     def _conversation(self, task: dict) -> list[dict] | None:
         """The task's own messages: `messages`, or a prompt given as a list of them (verl's layout)."""
@@ -297,6 +305,8 @@ class DatasetEnv(ToolEnv):
         return value
 
     def prompt(self, task):
+        if self.user_opens and self._lookup(task, self.prompt_key) is None:
+            return ""  # (the user writes the first message: tau-bench's tasks are the user's instruction alone)
         return self._field(task, self.prompt_key)
 
     async def score(self, task, answer):
