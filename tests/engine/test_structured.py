@@ -24,6 +24,21 @@ def _p(spec, seed=0, **kw):
     return SamplingParams(**{"temperature": 1.0, "max_tokens": 120, "seed": seed, "structured_outputs": spec, **kw})
 
 
+def _accepts(model_dir, lark: str):
+    """Whether llguidance's matcher takes a text whole under the Lark grammar (the test model's tokens)."""
+    from pathlib import Path
+
+    import llguidance
+    tok = llguidance.LLTokenizer((Path(model_dir) / "tokenizer.json").read_text())
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+
+    def accepts(text: str) -> bool:
+        m = llguidance.LLMatcher(tok, grammar)
+        ids = tok.tokenize_str(text)
+        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+    return accepts
+
+
 def test_a_random_models_samples_follow_the_schema_with_or_without_speculation(llms):
     plain, spec = llms
     prompts = [f"person {i}:" for i in range(6)]
@@ -105,10 +120,6 @@ def test_forced_qwen3_coder_calls_parse_with_their_schemas_types(llms, model_dir
     """tool_choice in Qwen3-Coder's XML format: a random model's forced calls parse, each value of
     its type (bounded integers, a boolean, an enum's word, an array of JSON); free text runs to a
     </parameter>, so code with angle brackets fits (checked on llguidance's matcher)."""
-    from pathlib import Path
-
-    import llguidance
-
     from rollwise.agent.parsing import Qwen3CoderParser, forced_tool_calls
     props = {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "check": {"type": "boolean"},
              "mode": {"enum": ["fast", "exact"]}, "ids": {"type": "array", "items": {"type": "integer",
@@ -132,15 +143,8 @@ def test_forced_qwen3_coder_calls_parse_with_their_schemas_types(llms, model_dir
     edit = [{"type": "function", "function": {"name": "edit", "parameters": {
         "type": "object", "properties": {"code": {"type": "string"}, "line": {"type": "integer"}},
         "required": ["code"]}}}]
-    grammar = llguidance.LLMatcher.grammar_from_lark(forced_tool_calls(edit, "required", True,
-                                                                      Qwen3CoderParser())["grammar"])
-    tok = llguidance.LLTokenizer((Path(model_dir) / "tokenizer.json").read_text())
+    accepts = _accepts(model_dir, forced_tool_calls(edit, "required", True, Qwen3CoderParser())["grammar"])
     code = 'if a < b:\n    print("</x> <parameter>!")'
-
-    def accepts(text: str) -> bool:
-        m = llguidance.LLMatcher(tok, grammar)
-        ids = tok.tokenize_str(text)
-        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
     call = f"<tool_call>\n<function=edit>\n<parameter=code>\n{code}\n</parameter>\n</function>\n</tool_call>"
     assert accepts(call) and Qwen3CoderParser().for_tools(edit).parse(call).calls[0].arguments == {"code": code}
     assert accepts(call.replace("</function>", "<parameter=line>\n7\n</parameter>\n</function>"))
@@ -151,10 +155,6 @@ def test_forced_qwen3_coder_calls_parse_with_their_schemas_types(llms, model_dir
 def test_forced_glm45_calls_parse_with_their_schemas_types(llms, model_dir):
     """tool_choice in GLM-4.5's format: a random model's forced calls parse, each value of its type;
     a string value is free text up to </arg_value> (checked on llguidance's matcher)."""
-    from pathlib import Path
-
-    import llguidance
-
     from rollwise.agent.parsing import Glm45Parser, ToolCall, forced_tool_calls
     props = {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "check": {"type": "boolean"},
              "mode": {"enum": ["fast", "exact"]}}
@@ -173,13 +173,7 @@ def test_forced_glm45_calls_parse_with_their_schemas_types(llms, model_dir):
     # free text (a string's value): any text up to </arg_value> (a random model's would run on: the matcher's check)
     tools[0]["function"]["parameters"]["properties"]["note"] = {"type": "string"}
     parser = Glm45Parser().for_tools(tools)
-    tok = llguidance.LLTokenizer((Path(model_dir) / "tokenizer.json").read_text())
-    grammar = llguidance.LLMatcher.grammar_from_lark(forced_tool_calls(tools, "required", True, parser)["grammar"])
-
-    def accepts(text: str) -> bool:
-        m = llguidance.LLMatcher(tok, grammar)
-        ids = tok.tokenize_str(text)
-        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+    accepts = _accepts(model_dir, forced_tool_calls(tools, "required", True, parser)["grammar"])
     code = 'if a < b: print("</x>")'
     call = parser.write([ToolCall("add", {"a": 3, "check": False, "mode": "fast", "note": code})])
     assert accepts(call) and parser.parse(call).calls[0].arguments["note"] == code
@@ -189,10 +183,6 @@ def test_forced_glm45_calls_parse_with_their_schemas_types(llms, model_dir):
 def test_forced_pythonic_calls_keep_required_parameters_and_types(llms, model_dir):
     """tool_choice in the pythonic format: a random model's forced calls parse as Python, the required
     parameters always there, optional ones in order or left out, each value of its type."""
-    from pathlib import Path
-
-    import llguidance
-
     from rollwise.agent.parsing import PythonicParser, forced_tool_calls
     props = {"check": {"type": "boolean"}, "a": {"type": "integer", "minimum": 0, "maximum": 9},
              "mode": {"enum": ["fast", "exact"]}}
@@ -209,12 +199,6 @@ def test_forced_pythonic_calls_keep_required_parameters_and_types(llms, model_di
             assert call.name == "add" and type(args["a"]) is int and 0 <= args["a"] <= 9 and set(args) <= set(props)
             assert type(args.get("check", False)) is bool and args.get("mode", "fast") in ("fast", "exact")
             assert list(args) == [k for k in props if k in args]  # schema order
-    tok = llguidance.LLTokenizer((Path(model_dir) / "tokenizer.json").read_text())
-    grammar = llguidance.LLMatcher.grammar_from_lark(spec["grammar"])
-
-    def accepts(text: str) -> bool:
-        m = llguidance.LLMatcher(tok, grammar)
-        ids = tok.tokenize_str(text)
-        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+    accepts = _accepts(model_dir, spec["grammar"])
     assert accepts("[add(a=1)]") and accepts('[add(check=True, a=1, mode="exact")]') and accepts("[add(a=1), add(a=2)]")
     assert not accepts('[add(mode="fast")]') and not accepts("[add(, a=1)]") and not accepts("[add(a=1, check=true)]")

@@ -40,20 +40,26 @@ class Qwen3CoderParser(HermesParser):
             if not m.group(0).endswith("</tool_call>"):
                 errors.append("malformed tool call: missing </tool_call>")
                 continue
-            fns = list(self.function.finditer(m.group(1)))
-            if len(fns) != 1 or not fns[0].group(0).endswith("</function>") or not fns[0].group(1).strip():
-                errors.append("malformed tool call: expected one <function=NAME> ... </function> in <tool_call>")
+            got = self._read(m.group(1))
+            if isinstance(got, str):
+                errors.append(got)
                 continue
-            name, body = fns[0].group(1).strip(), fns[0].group(2)
+            name, raw = got
             props = (self.schemas.get(name) or {}).get("properties") or {}
-            args = {}
-            for p in self.parameter.finditer(body):
-                key, value = p.group(1).strip(), p.group(2)
-                value = value[1:] if value.startswith("\n") else value
-                value = value[:-1] if value.endswith("\n") else value
-                args[key] = typed(value, props.get(key))
-            calls.append(ToolCall(name, args))
+            calls.append(ToolCall(name, {key: typed(value, props.get(key)) for key, value in raw}))
         return Parsed(calls, errors, self.content(text).strip())
+
+    def _read(self, body: str) -> tuple[str, list[tuple[str, str]]] | str:
+        """A call block's function name and raw (key, value) arguments, or why it is malformed."""
+        fns = list(self.function.finditer(body))
+        if len(fns) != 1 or not fns[0].group(0).endswith("</function>") or not fns[0].group(1).strip():
+            return "malformed tool call: expected one <function=NAME> ... </function> in <tool_call>"
+        raw = []
+        for p in self.parameter.finditer(fns[0].group(2)):
+            value = p.group(2)
+            value = value[1:] if value.startswith("\n") else value
+            raw.append((p.group(1).strip(), value[:-1] if value.endswith("\n") else value))
+        return fns[0].group(1).strip(), raw
 
     text_end = "</parameter>"  # (free text ends at the first of these, as parsed)
 
@@ -102,23 +108,12 @@ class Glm45Parser(Qwen3CoderParser):
         return "\n".join(f"<tool_call>{c.name}\n{''.join(arg(k, v) for k, v in c.arguments.items())}</tool_call>"
                          for c in calls)
 
-    def parse(self, text: str) -> Parsed:
-        calls, errors = [], []
-        for m in self.pattern.finditer(text):
-            if not m.group(0).endswith("</tool_call>"):
-                errors.append("malformed tool call: missing </tool_call>")
-                continue
-            body = m.group(1)
-            at = body.find("<arg_key>")
-            name, rest = (body, "") if at < 0 else (body[:at], body[at:])
-            if not name.strip() or "<" in name or self.argument.sub("", rest).strip():
-                errors.append("malformed tool call: expected NAME then <arg_key>KEY</arg_key><arg_value>VALUE"
-                              "</arg_value> pairs in <tool_call>")
-                continue
-            props = (self.schemas.get(name.strip()) or {}).get("properties") or {}
-            args = {k.strip(): typed(v, props.get(k.strip())) for k, v in self.argument.findall(rest)}
-            calls.append(ToolCall(name.strip(), args))
-        return Parsed(calls, errors, self.content(text).strip())
+    def _read(self, body: str) -> tuple[str, list[tuple[str, str]]] | str:
+        at = body.find("<arg_key>")
+        name, rest = (body, "") if at < 0 else (body[:at], body[at:])
+        if not name.strip() or "<" in name or self.argument.sub("", rest).strip():
+            return "malformed tool call: expected NAME then <arg_key>KEY</arg_key><arg_value>VALUE</arg_value> pairs"
+        return name.strip(), [(k.strip(), v) for k, v in self.argument.findall(rest)]
 
     text_end = "</arg_value>"
 
