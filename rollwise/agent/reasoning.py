@@ -1,10 +1,10 @@
 """A thinking model's reasoning, apart from its reply (vLLM's `--reasoning-parser`): the text between
 `<think>` and `</think>` is reasoning, the rest the content, whose tool calls are parsed and whose
 answer is scored. `qwen3`: a reply that opens with `<think>` reasons up to `</think>`; one that does
-not (thinking off) is all content (a model whose template opens `<think>` in the prompt, such as
-Qwen3's 2507 thinking ones, takes `deepseek_r1`). `deepseek_r1`: the chat template opens `<think>` in the prompt,
-so a reply reasons from its first token up to `</think>` (the tag itself may be written again).
-A reply cut off while reasoning is all reasoning, no content, streamed or not."""
+not (thinking off) is all content. `deepseek_r1`: the chat template opens `<think>` in the prompt
+(R1's, and Qwen3's 2507 thinking models'), so a reply reasons from its first token up to
+`</think>` (the tag itself may be written again). A reply cut off while reasoning is all
+reasoning, no content, streamed or not."""
 from __future__ import annotations
 
 START, END = "<think>", "</think>"

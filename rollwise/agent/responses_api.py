@@ -5,12 +5,13 @@ chat reply into a Response, so an agent on either API runs its episodes token-in
 Input items map to chat messages: a `message` (or a bare `{"role", "content"}`) to itself, text
 parts joined; `function_call` items to the tool calls of an assistant message (the one before
 them, if they follow one); `function_call_output` to a `tool` message; a `reasoning` item sent
-back is left out (chat templates drop earlier reasoning). A reply's reasoning (a server's
-reasoning parser) is a `reasoning` item before its message, streamed as reasoning_text events. `instructions` become the
-system message in front; `previous_response_id` continues a response of the same episode (the
-gateway keeps the episode's conversations until it ends) with the new items after it. Only
-function tools: the model has no built-in ones. `include: ["message.output_text.logprobs"]` (and
-`top_logprobs`) give the output text's logprobs: the turn's generated tokens', as chat's.
+back is left out (chat templates drop earlier reasoning). A reply's reasoning (a reasoning parser's
+`reasoning_content`) is a `reasoning` item before its message, streamed as reasoning_text events.
+`instructions` become the system message in front; `previous_response_id` continues a response of
+the same episode (the gateway keeps the episode's conversations until it ends) with the new items
+after it. Only function tools: the model has no built-in ones. `include:
+["message.output_text.logprobs"]` (and `top_logprobs`) give the output text's logprobs: the turn's
+generated tokens', as chat's.
 """
 from __future__ import annotations
 

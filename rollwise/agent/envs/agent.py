@@ -50,8 +50,8 @@ from rollwise.agent.agent_server import AgentServer
 from rollwise.agent.env import NewContext
 from rollwise.agent.gateway import Gateway, GatewayError, Session, completion, pooled
 from rollwise.agent.parsing import bind, make_parser, openai_tool_calls
-from rollwise.agent.reasoning import make_reasoning_parser
 from rollwise.agent.plugins import load_object
+from rollwise.agent.reasoning import make_reasoning_parser
 
 
 class AgentEnv:
