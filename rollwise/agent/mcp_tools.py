@@ -120,6 +120,8 @@ def _server(name: str, cfg) -> MCPServerSpec:
     for key in ("timeout_s", "connect_timeout_s", "max_concurrency", "max_starting"):
         if key in cfg and not (isinstance(cfg[key], (int, float)) and cfg[key] > 0):
             raise ValueError(f"MCP server {name!r}: {key} must be a positive number, got {cfg[key]!r}")
+    if not isinstance(cfg.get("max_starting", 1), int):
+        raise ValueError(f"MCP server {name!r}: max_starting must be a whole number, got {cfg['max_starting']!r}")
     tools = cfg.get("tools")
     templated = [str(v) for v in (*command, *cfg.get("args", ()), *cfg.get("env", {}).values(), cfg.get("cwd"))
                  if v is not None and _TASK_FIELD.search(str(v))]
@@ -132,7 +134,7 @@ def _server(name: str, cfg) -> MCPServerSpec:
         api_key_env=cfg.get("api_key_env"), tools=None if tools is None else tuple(tools),
         timeout_s=float(cfg.get("timeout_s", 10.0)), max_concurrency=cfg.get("max_concurrency"),
         connect_timeout_s=float(cfg.get("connect_timeout_s", 30.0)), scope=scope, log=cfg.get("log"),
-        pure=cfg.get("pure"), max_starting=int(cfg.get("max_starting", 8)))
+        pure=cfg.get("pure"), max_starting=cfg.get("max_starting", 8))
 
 
 def _client_module():

@@ -176,6 +176,8 @@ def test_episode_scoped_servers_start_a_few_at_a_time(monkeypatch):
     assert len(set(pids)) == 6 and most == 2
     with pytest.raises(ValueError, match="max_starting must be a positive number"):
         parse_servers({"test": {**servers["test"], "max_starting": 0}})
+    with pytest.raises(ValueError, match="max_starting must be a whole number"):
+        parse_servers({"test": {**servers["test"], "max_starting": 2.5}})
 
 
 def test_a_server_over_http_with_headers_and_a_bearer_key(monkeypatch):
