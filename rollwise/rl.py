@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rollwise.agent.episode import collect, stable_seed
 from rollwise.agent.generator import ScriptedGenerator, expert_policy
-from rollwise.rl_config import TrainConfig, env_factory, n_train_tasks, run_identity, task_sets
+from rollwise.rl_config import TrainConfig, env_factory, env_options, n_train_tasks, run_identity, task_sets
 from rollwise.rollout.fleet import fleet_metrics, make_router, shutdown, threads
 from rollwise.rollout.pipeline import GroupQueue, read_log
 from rollwise.rollout.producer import PreRolloutFilter, produce
@@ -93,7 +93,7 @@ def _sft_cache_path(cfg: TrainConfig) -> Path | None:
     parts = ["v2", str(Path(cfg.model).resolve()), cfg.env, cfg.max_turns, cfg.sft_steps, cfg.sft_tasks,
              cfg.sft_lr, cfg.sft_batch, cfg.sft_direct_fraction, cfg.seed]
     # what else makes the transcripts (runs without these keep their keys: caches made before stay valid)
-    options = {k: v for k, v in cfg.env_options.items() if k != "user"}  # (the expert's transcripts have none)
+    options = env_options(cfg, user=False)  # (what the expert's transcripts are made with)
     if options:
         parts.append(json.dumps(options, sort_keys=True, default=str))
     if cfg.train_tasks_file:

@@ -324,13 +324,18 @@ class TrainConfig:
         return cfg
 
 
+def env_options(cfg: TrainConfig, user: bool = True) -> dict:
+    """The run's env options; without its `user` for `user = False` (the expert's transcripts for
+    the warm start, and their cache's key: the expert solves the task, with no one to talk to)."""
+    return {k: v for k, v in cfg.env_options.items() if user or k != "user"}
+
+
 def env_factory(cfg: TrainConfig, user: bool = True):
-    """What makes the run's env; without its `user` for `user = False` (the expert's transcripts
-    for the warm start: the expert solves the task, with no one to talk to)."""
+    """What makes the run's env (`env_options(cfg, user)`)."""
     lo, hi = cfg.tool_latency
     lat = Latency(lo, hi, kind=cfg.tool_latency_kind, cap=4 * hi) if hi > 0 else None
     standard = taken_options(resolve_env(cfg.env), {"max_turns": cfg.max_turns, "tool_latency": lat})
-    options = {**standard, **{k: v for k, v in cfg.env_options.items() if user or k != "user"}}
+    options = {**standard, **env_options(cfg, user)}
     return lambda: make_env(cfg.env, **options)
 
 
