@@ -56,12 +56,14 @@ def config_from_args(cls, args: argparse.Namespace, **fixed):
 
 
 def cmd_make_model(args) -> None:
+    from rollwise.agent.parsing import make_parser
     from rollwise.make_model import make_model
     out = make_model(args.out_dir, family=args.family, layers=args.layers, hidden=args.hidden, heads=args.heads,
                      kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab,
                      max_positions=args.max_positions, tie=args.tie, seed=args.seed, std=args.init_std,
                      dtype=args.dtype, experts=args.experts, experts_per_token=args.experts_per_token,
-                     moe_intermediate=args.moe_intermediate)
+                     moe_intermediate=args.moe_intermediate,
+                     special_tokens=make_parser(args.tool_tokens).tags if args.tool_tokens else ())
     print(f"wrote {args.family} model to {out}")
 
 
@@ -234,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--init-std", type=float, default=0.02)
     p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--tool-tokens", choices=["kimi_k2", "deepseek_v31", "deepseek_v3"], default=None,
+                   help="the tokenizer gets this tool-call format's markup as special tokens, as its models' have")
     p.set_defaults(fn=cmd_make_model)
 
     p = sub.add_parser("generate", help="generate from prompts on the engine")

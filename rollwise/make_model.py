@@ -59,17 +59,19 @@ def training_text(seed: int = 0) -> list[str]:
     return lines
 
 
-def train_tokenizer(vocab_size: int, seed: int = 0):
+def train_tokenizer(vocab_size: int, seed: int = 0, special_tokens: tuple[str, ...] = ()):
+    """`special_tokens`: more special tokens, after the tags (e.g. Kimi-K2's tool-call markup)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(TAG_TOKENS), special_tokens=SPECIAL_TOKENS,
-                                  show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(TAG_TOKENS) - len(special_tokens),
+                                  special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(training_text(seed), trainer=trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
     return tok
 
 
@@ -102,7 +104,8 @@ def make_model(out_dir: str | Path, *, family: str = "llama", layers: int = 2, h
                heads: int = 4, kv_heads: int = 2, intermediate: int | None = None, vocab: int = 2048,
                head_dim: int | None = None, max_positions: int = 4096, tie: bool = False, seed: int = 0,
                std: float = 0.02, dtype: str = "float32", experts: int = 8, experts_per_token: int = 2,
-               moe_intermediate: int | None = None) -> Path:
+               moe_intermediate: int | None = None, special_tokens: tuple[str, ...] = ()) -> Path:
+    """`special_tokens`: the tokenizer's special tokens besides its own (a tool-call format's markup)."""
     from rollwise.engine.models.llama import FAMILIES, CausalLM, ModelConfig
     from rollwise.engine.models.loader import save_model
 
@@ -112,7 +115,7 @@ def make_model(out_dir: str | Path, *, family: str = "llama", layers: int = 2, h
         raise ValueError(f"hidden ({hidden}) must divide by heads ({heads}), heads by kv_heads ({kv_heads})")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(vocab, seed)
+    tok = train_tokenizer(vocab, seed, tuple(special_tokens))
     if tok.get_vocab_size() > vocab:
         raise ValueError(f"vocab ({vocab}) is smaller than the tokenizer's {tok.get_vocab_size()} tokens")
     eos_id, bos_id = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")

@@ -114,6 +114,16 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return bool(self.penalties())
 
+    def text_ids(self, token_ids: list[int], finish_reason: str | None, eos_ids=()) -> list[int]:
+        """The output ids its text is decoded from: all but the stop token that ended it (an EOS
+        or one of `stop_token_ids`), unless `include_stop_str_in_output`, as vLLM does, so that
+        with `skip_special_tokens=False` the end-of-turn token's text is not in the reply."""
+        last = token_ids[-1] if token_ids else None
+        if finish_reason == "stop" and not self.include_stop_str_in_output and (
+                last in self.stop_token_ids or (not self.ignore_eos and last in eos_ids)):
+            return token_ids[:-1]
+        return token_ids
+
     def penalties(self) -> dict[str, float]:
         """The penalties that are on, by field name (what a client forwards)."""
         return {k: getattr(self, k) for k, off in PENALTIES_OFF.items() if getattr(self, k) != off}

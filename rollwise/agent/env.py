@@ -5,6 +5,7 @@ goes to the user, who answers it or ends the conversation)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 import time
@@ -135,6 +136,13 @@ class ToolEnv:
         return (write or HermesParser().write)([ToolCall(tool, arguments)])
 
     # the protocol --------------------------------------------------------------------------------
+    def turn_params(self, params):
+        """The run's sampling; with a parser whose markup is special tokens (`kimi_k2`,
+        `deepseek_v31`), each reply decoded with them kept, so that its calls can be read."""
+        if getattr(self.parser, "special_tokens", False) and params.skip_special_tokens:
+            return dataclasses.replace(params, skip_special_tokens=False)
+        return params
+
     def end(self, reward: float) -> None:
         self._ended = reward
 

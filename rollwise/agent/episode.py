@@ -135,7 +135,7 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
         _extend(traj, out.token_ids, out.logprobs)
         if out.routed_experts is not None:  # the turn's prompt and output: the context so far (encoded at the end)
             traj.routed_experts = out.routed_experts
-        text = renderer.tok.decode(out.token_ids)
+        text = renderer.tok.decode(p.text_ids(out.token_ids, out.finish_reason, eos_ids), p.skip_special_tokens)
         if continued:  # the env wrote into the model's message: this turn goes on with it
             traj.messages[-1]["content"] += text
         else:

@@ -306,8 +306,8 @@ class LLMEngine(WeightVersions):
         finished = seq.finish_reason is not None
         text = ""
         if finished:
-            text = seq.text if seq.text is not None else self.tokenizer.decode(
-                seq.output_token_ids, seq.params.skip_special_tokens)
+            text = seq.text if seq.text is not None else self.tokenizer.decode(seq.params.text_ids(
+                seq.output_token_ids, seq.finish_reason, self.eos_token_ids), seq.params.skip_special_tokens)
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids, logprobs=list(seq.logprobs), top_logprobs=list(seq.top_logprobs),

@@ -67,7 +67,9 @@ class Routed:
             out.policy_version, out.version_segments = piece.policy_version, piece.version_segments
             out.prompt_logprobs, out.prompt_top_logprobs = piece.prompt_logprobs, piece.prompt_top_logprobs
             out.routed_experts = piece.routed_experts
-            out.text = self.tokenizer.decode(out.token_ids, params.skip_special_tokens)
+            eos = {getattr(self.tokenizer, "eos_token_id", None)}
+            out.text = self.tokenizer.decode(params.text_ids(out.token_ids, out.finish_reason, eos),
+                                             params.skip_special_tokens)
             hits = [(at, x) for x in params.stop if (at := out.text.find(x)) >= 0]
             if hits:
                 at, out.stop_reason = min(hits)

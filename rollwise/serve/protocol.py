@@ -33,6 +33,8 @@ class _OpenAISampling(_Strict):
     repetition_penalty: float = 1.0  # vLLM's extension
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's keys) -> bias
     allowed_token_ids: list[int] | None = None  # vLLM's extension
+    skip_special_tokens: bool = True  # vLLM's: special tokens' text left out of the reply
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string (or stop token) that ended it kept
     # structured outputs: OpenAI's response_format ({"type": "json_object"}, {"type": "json_schema",
     # "json_schema": {"schema": ...}}), vLLM's structured_outputs ({"json" | "regex" | "choice" |
     # "grammar" | "json_object": ...}) or its older guided_* fields
@@ -56,7 +58,8 @@ class _OpenAISampling(_Strict):
                               ignore_eos=self.ignore_eos, logprobs=top_logprobs,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
-                              allowed_token_ids=self.allowed_token_ids,
+                              allowed_token_ids=self.allowed_token_ids, skip_special_tokens=self.skip_special_tokens,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
                               structured_outputs=self.structured(tokenizer, parser))
 
     def structured(self, tokenizer=None, parser=None) -> dict | None:
@@ -108,15 +111,23 @@ class ChatCompletionRequest(_OpenAISampling):
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
+    def sampling(self, max_tokens: int, top_logprobs: int = 0, tokenizer=None, parser=None) -> SamplingParams:
+        """As a completion's; and with tools offered to a `parser` whose markup is special tokens
+        (Kimi-K2's, DeepSeek's), their text is kept, as vLLM's parsers ask."""
+        params = super().sampling(max_tokens, top_logprobs, tokenizer, parser)
+        if self.tools and self.tool_choice != "none" and getattr(parser, "special_tokens", False):
+            params.skip_special_tokens = False
+        return params
+
     def structured(self, tokenizer=None, parser=None) -> dict | None:
         """tool_choice "required" or a named function holds the reply to tool calls of the offered
         functions (their parameters' schemas) in the `parser`'s format (default Hermes), as vLLM
-        does; else the request's own spec. `tokenizer`: the model's, whose own `<tool_call>` token
-        the grammar then uses."""
-        from rollwise.agent.parsing import forced_tool_calls
+        does; else the request's own spec. `tokenizer`: the model's, whose own tokens for the
+        format's tags (Qwen's `<tool_call>`) the grammar then uses."""
+        from rollwise.agent.parsing import HermesParser, forced_tool_calls
         spec = super().structured()
-        tags = tokenizer is not None and None not in (tokenizer.added_token_id("<tool_call>"),
-                                                       tokenizer.added_token_id("</tool_call>"))
+        tags = tokenizer is not None and all(tokenizer.added_token_id(t) is not None
+                                             for t in getattr(parser, "tags", HermesParser.tags))
         forced = forced_tool_calls(self.tools or [], self.tool_choice, tags, parser) if self.tools else None
         if forced is not None and spec is not None:
             raise ValueError("tool_choice 'required' or a named function already structures the reply; "

@@ -25,8 +25,10 @@ def test_llama3_json_calls_are_parsed_and_text_stays_text():
     assert text == "" and calls[0]["function"] == {"name": "add", "arguments": '{"a": 1}'}
     # streaming: a reply that starts as a call shows no content; text shows at once
     assert p.content_end('  {"na') == 0 == p.content_end("<|pyth") and p.content_end("Hello") == 5
-    assert HermesParser().content_end("Hi <tool_c") == 0 and HermesParser().content_end("Hi there, friend") == 6
-    with pytest.raises(ValueError, match="valid: \\['glm45', 'hermes', 'llama3_json', 'pythonic', 'qwen3_coder'\\]"):
+    assert HermesParser().content_end("Hi <tool_c") == 3 and HermesParser().content_end("Hi there, friend") == 16
+    assert HermesParser().content_end("a < b <") == 6 and HermesParser().content_end("x <tool_call> y") == 2
+    with pytest.raises(ValueError, match="valid: \\['deepseek_v3', 'deepseek_v31', 'glm45', 'hermes', 'kimi_k2', "
+                                         "'llama3_json', 'pythonic', 'qwen3_coder'\\]"):
         make_parser("mistral")
 
 
@@ -62,7 +64,7 @@ def test_qwen3_coder_calls_are_parsed_and_typed_by_the_tools_schemas():
     assert "expected one <function=NAME>" in p.parse("<tool_call>\nedit\n</tool_call>").errors[0]
     text, calls = openai_tool_calls(xml_call("edit", path="a", line="3"), p)
     assert text == "" and json.loads(calls[0]["function"]["arguments"]) == {"path": "a", "line": 3}
-    assert p.content_end("Hi <tool_c") == 0 and p.content_end("Hi there, friend") == 6  # (Hermes's tag)
+    assert p.content_end("Hi <tool_c") == 3 and p.content_end("Hi there, friend") == 16  # (Hermes's tag)
 
 
 def glm_call(name: str, **args) -> str:
@@ -93,7 +95,7 @@ def test_glm45_calls_are_parsed_and_typed_by_the_tools_schemas():
     assert p.parse(p.write(calls)).calls == calls  # what the experts write reads back
     text, out = openai_tool_calls(glm_call("edit", path="a", line="3"), p)
     assert text == "" and json.loads(out[0]["function"]["arguments"]) == {"path": "a", "line": 3}
-    assert p.content_end("Hi <tool_c") == 0 and p.content_end("Hi there, friend") == 6  # (Hermes's tag)
+    assert p.content_end("Hi <tool_c") == 3 and p.content_end("Hi there, friend") == 16  # (Hermes's tag)
 
 
 def test_pythonic_calls_are_parsed_and_text_stays_text():
@@ -132,6 +134,9 @@ class Adder(ToolEnv):
 @pytest.mark.parametrize("parser,call", [("llama3_json", '{"name": "add", "parameters": {"a": 2, "b": 3}}'),
                                          ("qwen3_coder", xml_call("add", a="2", b="3")),
                                          ("glm45", glm_call("add", a="2", b="3")),
+                                         ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0"
+                                          '<|tool_call_argument_begin|>{"a": 2, "b": 3}<|tool_call_end|>'
+                                          "<|tool_calls_section_end|>"),
                                          ("pythonic", "[add(a=2, b=3)]")])
 def test_an_env_reads_its_models_tool_call_format_by_name(parser, call):
     env = Adder(parser=parser)
@@ -166,7 +171,8 @@ def test_serve_with_a_tool_call_parser(model_dir, parser):
         assert [d["tool_calls"][0]["function"] for d in deltas if d.get("tool_calls")] == [call]
 
 
-@pytest.mark.parametrize("parser", ["llama3_json", "qwen3_coder", "glm45", "pythonic"])
+@pytest.mark.parametrize("parser", ["llama3_json", "qwen3_coder", "glm45", "pythonic", "kimi_k2", "deepseek_v31",
+                                    "deepseek_v3"])
 def test_experts_write_their_calls_in_the_envs_format(expert_rewards, parser):
     """A warm start teaches the format the policy is parsed by: every built-in env's expert writes
     its calls with the env's parser (`ToolEnv.call_text`) and solves its tasks in it; Hermes's
@@ -177,7 +183,8 @@ def test_experts_write_their_calls_in_the_envs_format(expert_rewards, parser):
         assert expert_rewards(lambda: make_env(name, parser=parser), tasks) == [1.0] * 3, name
         first = make_env(name, parser=parser).expert(tasks[0])[0]
         start = {"qwen3_coder": "<tool_call>\n<function=", "llama3_json": '{"name": ', "pythonic": "[",
-                 "glm45": "<tool_call>"}[parser]
+                 "glm45": "<tool_call>", "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.",
+                 "deepseek_v31": "<｜tool▁calls▁begin｜>", "deepseek_v3": "<｜tool▁calls▁begin｜>"}[parser]
         assert first.startswith(start), first
     calc = make_env("calculator")
     task = calc.sample_tasks(1, seed=0)[0]

@@ -131,11 +131,14 @@ class AgentEnv:
 
     def turn_params(self, params):
         """The run's sampling, with the request's stop strings and a lower max_tokens if it asks for
-        one (neither changes the distribution a token is sampled from)."""
+        one (neither changes the distribution a token is sampled from); special tokens kept where
+        the tool-call format's markup is made of them (`kimi_k2`) and tools are offered."""
         limit = self._body.get("max_completion_tokens") or self._body.get("max_tokens") or params.max_tokens
         top = (self._body.get("top_logprobs") or 0) if self._body.get("logprobs") else 0
+        keep = self._parse and getattr(self.parser, "special_tokens", False)
         return dataclasses.replace(params, max_tokens=min(params.max_tokens, limit),
-                                   stop=list(params.stop) + self._stops(), logprobs=max(params.logprobs, top))
+                                   stop=list(params.stop) + self._stops(), logprobs=max(params.logprobs, top),
+                                   skip_special_tokens=params.skip_special_tokens and not keep)
 
     def _stops(self) -> list[str]:
         stop = self._body.get("stop") or []

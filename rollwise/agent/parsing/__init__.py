@@ -4,28 +4,36 @@ in the text), `llama3_json` (Llama 3.1+: the reply is the call, `{"name": ..., "
 {...}}`, several joined by "; ", optionally after `<|python_tag|>`), `pythonic` (Llama 3.2's and
 4's: the reply is `[name(key=value, ...)]`, Python literals), `qwen3_coder` (Qwen3-Coder's XML:
 `<tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>`, each value
-raw text, typed by the tool's schema) and `glm45` (GLM-4.5's: `<tool_call>NAME<arg_key>KEY</arg_key>
-<arg_value>value</arg_value>...</tool_call>`, typed as qwen3_coder's). Each parser also says how
-much of a reply being streamed can be shown as content (`content_end`), writes the grammar that
-holds a reply to calls of given functions (`grammar`, for tool_choice "required" or a named one)
-and writes calls as the model does (`write`, for experts' transcripts). `for_tools(tools)` gives
-the parser for a request's tools (their schemas type qwen3_coder's and glm45's values; the others
-need none). The formats live in `base` (the types, Hermes), `whole_reply` (Llama 3's JSON,
-pythonic) and `xml_calls` (qwen3_coder, glm45)."""
+raw text, typed by the tool's schema), `glm45` (GLM-4.5's: `<tool_call>NAME<arg_key>KEY</arg_key>
+<arg_value>value</arg_value>...</tool_call>`, typed as qwen3_coder's), and the formats whose markup
+is special tokens, read from replies decoded with them kept: `kimi_k2` (`<|tool_calls_section_begin|>
+<|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}<|tool_call_end|>...`),
+`deepseek_v31` (`<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}...`) and
+`deepseek_v3` (V3's and R1's: `function<｜tool▁sep｜>NAME` and a fenced JSON block). Each parser
+also says how much of a reply being streamed can be shown as content (`content_end`), writes the
+grammar that holds a reply to calls of given functions (`grammar`, for tool_choice "required" or
+a named one) and writes calls as the model does (`write`, for experts' transcripts).
+`for_tools(tools)` gives the parser for a request's tools (their schemas type qwen3_coder's and
+glm45's values; the others need none). The formats live in `base` (the types, Hermes),
+`whole_reply` (Llama 3's JSON, pythonic), `xml_calls` (qwen3_coder, glm45) and `special_calls`
+(kimi_k2, deepseek_v31, deepseek_v3)."""
 from __future__ import annotations
 
 import json
 import uuid
 
 from rollwise.agent.parsing.base import HermesParser, Parsed, ToolCall, ToolCallParser
+from rollwise.agent.parsing.special_calls import DeepSeekV31Parser, DeepSeekV3Parser, KimiK2Parser
 from rollwise.agent.parsing.whole_reply import Llama3JsonParser, PythonicParser
 from rollwise.agent.parsing.xml_calls import Glm45Parser, Qwen3CoderParser
 
-__all__ = ["PARSERS", "Glm45Parser", "HermesParser", "Llama3JsonParser", "Parsed", "PythonicParser", "Qwen3CoderParser",
-           "ToolCall", "ToolCallParser", "bind", "forced_tool_calls", "make_parser", "openai_tool_calls"]
+__all__ = ["PARSERS", "DeepSeekV31Parser", "DeepSeekV3Parser", "Glm45Parser", "HermesParser", "KimiK2Parser",
+           "Llama3JsonParser", "Parsed", "PythonicParser", "Qwen3CoderParser", "ToolCall", "ToolCallParser", "bind",
+           "forced_tool_calls", "make_parser", "openai_tool_calls"]
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "qwen3_coder": Qwen3CoderParser,
-           "glm45": Glm45Parser, "pythonic": PythonicParser}
+           "glm45": Glm45Parser, "pythonic": PythonicParser, "kimi_k2": KimiK2Parser,
+           "deepseek_v31": DeepSeekV31Parser, "deepseek_v3": DeepSeekV3Parser}
 
 
 def bind(parser: ToolCallParser, tools: list[dict] | None) -> ToolCallParser:
@@ -47,7 +55,7 @@ def openai_tool_calls(text: str, parser: ToolCallParser | None = None) -> tuple[
     got = (parser or HermesParser()).parse(text)
     if not got.calls or got.errors:
         return None
-    return got.text, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    return got.text, [{"id": c.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                        "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in got.calls]
 
 

@@ -12,6 +12,7 @@ from typing import Protocol
 class ToolCall:
     name: str
     arguments: dict = field(default_factory=dict)
+    id: str | None = None  # the id the model wrote (Kimi-K2's `functions.NAME:INDEX`); None: one is made
 
 
 @dataclass(slots=True)
@@ -34,10 +35,16 @@ class ToolCallParser(Protocol):
 
     def write(self, calls: list[ToolCall]) -> str: ...  # the calls as the model writes them (experts' transcripts)
 
+    # optional attributes: `tags`, the markup's pieces (the grammar names them as tokens where the
+    # tokenizer has each), and `special_tokens`, true where they are special tokens (replies are
+    # then decoded with special tokens kept)
+
 
 class HermesParser:
     pattern = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
     tag = "<tool_call>"
+    tags = ("<tool_call>", "</tool_call>")  # the markup the grammar names as tokens where the tokenizer has them
+    special_tokens = False  # the markup is special tokens: decode replies with them kept
 
     def for_tools(self, tools: list[dict] | None) -> HermesParser:
         return self
@@ -75,9 +82,12 @@ class HermesParser:
         return self.pattern.sub("", text)
 
     def content_end(self, text: str) -> int:
-        """Content stops before the first `<tool_call>`, and holds back what may begin one."""
+        """Content stops before the first `<tool_call>`, and holds back an end that may begin one."""
         at = text.find(self.tag)
-        return at if at >= 0 else max(len(text) - len(self.tag) + 1, 0)
+        if at >= 0:
+            return at
+        return len(text) - next((k for k in range(min(len(self.tag) - 1, len(text)), 0, -1)
+                                 if text.endswith(self.tag[:k])), 0)
 
     def grammar(self, fns: list[dict], single: bool, tag_tokens: bool) -> str:
         """`<tool_call>` newline {"name", "arguments"} newline `</tool_call>`, one or more joined by

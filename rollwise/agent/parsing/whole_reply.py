@@ -14,6 +14,8 @@ class _WholeReply:
     """Content for the formats where the reply is the calls (Llama 3's JSON, pythonic): a reply that
     starts (or may yet start) as one of `openers` shows nothing while streamed; text shows all of it."""
     openers: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()  # (no markup the grammar names as tokens)
+    special_tokens = False
 
     def content(self, text: str) -> str:
         return "" if self.content_end(text) == 0 and text.strip() else text

@@ -1,0 +1,134 @@
+"""Tool-call formats whose markup is special tokens (Kimi-K2's, DeepSeek's): parsed, read by an env
+from an episode decoded with special tokens kept, and served by `rollwise serve --tool-call-parser`
+on a model whose tokenizer has them as special tokens, as the real ones do."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from rollwise.agent.episode import ChatRenderer, run_episode
+from rollwise.agent.generator import ScriptedGenerator
+from rollwise.agent.parsing import DeepSeekV31Parser, DeepSeekV3Parser, KimiK2Parser, ToolCall, make_parser, openai_tool_calls
+from rollwise.engine.tokenizer import Tokenizer
+from rollwise.make_model import make_model
+from rollwise.serve.process import ServerProcess
+from rollwise.types import SamplingParams
+
+from tests.agent.test_tool_parsers import Adder
+
+KIMI, V31, V3 = KimiK2Parser(), DeepSeekV31Parser(), DeepSeekV3Parser()
+
+
+@pytest.fixture(scope="module")
+def special_dir(tmp_path_factory) -> str:
+    """A Qwen3 test model whose tokenizer has Kimi-K2's and DeepSeek's tool-call markup as special tokens."""
+    return str(make_model(tmp_path_factory.mktemp("special"), family="qwen3", layers=2, hidden=64, heads=4,
+                          kv_heads=2, vocab=1024, std=0.1, seed=2, tie=True, head_dim=32,
+                          special_tokens=KIMI.tags + V31.tags))
+
+
+def test_kimi_k2_calls_are_parsed_with_their_ids():
+    text = ("Let me add.<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>"
+            '{"a": 2, "b": 3}<|tool_call_end|><|tool_call_begin|> functions.neg:1 <|tool_call_argument_begin|>'
+            '{"x": -1}<|tool_call_end|><|tool_calls_section_end|>')
+    got = KIMI.parse(text)
+    assert not got.errors and got.text == "Let me add."
+    assert got.calls == [ToolCall("add", {"a": 2, "b": 3}, "functions.add:0"), ToolCall("neg", {"x": -1}, "functions.neg:1")]
+    content, calls = openai_tool_calls(text, KIMI)  # the model's own ids, which Kimi's template writes back
+    assert content == "Let me add." and [c["id"] for c in calls] == ["functions.add:0", "functions.neg:1"]
+    calls = [ToolCall("edit", {"path": "a b", "n": [1, None]}), ToolCall("ping", {})]
+    assert [(c.name, c.arguments) for c in KIMI.parse(KIMI.write(calls)).calls] == [(c.name, c.arguments) for c in calls]
+    assert KIMI.parse("42").calls == [] and KIMI.parse("42").text == "42" and not KIMI.parse("42").errors
+    bad = {"<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>{": "invalid JSON",
+           "<|tool_calls_section_begin|><|tool_call_begin|>add<|tool_call_argument_begin|>{}<|tool_call_end|>"
+           "<|tool_calls_section_end|>": "functions.NAME:INDEX",
+           "<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0{}<|tool_call_end|><|tool_calls_section_end|>":
+               "<|tool_call_argument_begin|> between",
+           "<|tool_calls_section_begin|><|tool_calls_section_end|>": "an empty section"}
+    for text, why in bad.items():
+        errors = KIMI.parse(text + ("" if text.endswith("end|>") else "<|tool_call_end|><|tool_calls_section_end|>"))
+        assert errors.errors and why in errors.errors[0], (text, errors)
+    assert KIMI.parse("<|tool_calls_section_begin|>").errors == [
+        "malformed tool calls: missing <|tool_calls_section_end|>"]
+    # streaming: content stops where the section begins (or may begin, spelled out)
+    assert KIMI.content_end("Hi<|tool_calls_section_begin|><|tool") == 2 and KIMI.content_end("Hi <|tool_") == 3
+
+
+def test_deepseek_calls_are_parsed():
+    text = ("Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{\"a\": 2}<｜tool▁call▁end｜>"
+            "<｜tool▁call▁begin｜>ping<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+    got = V31.parse(text)
+    assert not got.errors and got.text == "Sure." and got.calls == [ToolCall("add", {"a": 2}), ToolCall("ping", {})]
+    v3 = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{\"a\": 2}\n```"
+          "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+    assert V3.parse(v3).calls == [ToolCall("add", {"a": 2})] and not V3.parse(v3).errors
+    assert "```json block" in V3.parse(text).errors[0] and "invalid JSON arguments of 'function'" in V31.parse(v3).errors[0]
+    calls = [ToolCall("edit", {"path": "a b", "n": [1, None]}), ToolCall("ping", {})]
+    assert V31.parse(V31.write(calls)).calls == calls and V3.parse(V3.write(calls)).calls == calls
+    assert make_parser("deepseek_v31").special_tokens and not make_parser("hermes").special_tokens
+
+
+@pytest.mark.parametrize("parser", ["kimi_k2", "deepseek_v31"])
+def test_an_episode_reads_calls_written_in_special_tokens(special_dir, parser):
+    """The model writes its call's markup as special tokens; the env asks for them kept
+    (`turn_params`), so the episode's text holds the call, and the end-of-turn token's text stays out."""
+    tok = Tokenizer(special_dir)
+    call = make_parser(parser).write([ToolCall("add", {"a": 2, "b": 3})])
+    markup = [tok.added_token_id(t) for t in make_parser(parser).tags]
+    assert None not in markup and set(markup) <= set(tok.encode(call, add_special_tokens=False))
+    gen = ScriptedGenerator(tok, lambda req: call if req.turn == 0 else "5")
+    traj = asyncio.run(run_episode(gen, Adder(parser=parser), {}, SamplingParams(max_tokens=64),
+                                   renderer=ChatRenderer(tok)))
+    assert traj.status == "done" and traj.reward == 1.0 and traj.num_turns == 2
+    first = traj.messages[2]
+    assert first["role"] == "assistant" and first["content"] == call  # (no <|im_end|>)
+    assert traj.messages[3] == {"role": "tool", "content": "5", **{k: traj.messages[3][k] for k in traj.messages[3]
+                                                                   if k not in ("role", "content")}}
+    # decoded as by default, the markup is gone and the call would have been read as the answer
+    assert tok.decode(tok.encode(call, add_special_tokens=False)) != call
+
+
+@pytest.mark.parametrize("parser", ["kimi_k2", "deepseek_v31", "deepseek_v3"])
+def test_serve_with_a_special_token_tool_call_parser(special_dir, parser):
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                         "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["a", "b"], "additionalProperties": False}}}]
+    body = {"messages": [{"role": "user", "content": "2 + 3?"}], "tools": tools, "max_tokens": 80, "seed": 3,
+            "tool_choice": "required", "return_token_ids": True}
+    tok = Tokenizer(special_dir)
+    markup = {tok.added_token_id(t) for t in make_parser(parser).tags}
+    with ServerProcess(special_dir, "--tool-call-parser", parser) as s:
+        r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60).json()
+        c = r["choices"][0]
+        assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None, c
+        assert markup <= set(c["token_ids"])  # the grammar wrote the markup as the special tokens
+        call = c["message"]["tool_calls"][0]
+        args = json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] == "add" and set(args) == {"a", "b"}
+        assert call["id"].startswith("functions.add:") if parser == "kimi_k2" else call["id"].startswith("call_")
+        streamed = httpx.post(s.url + "/v1/chat/completions", json=body | {"stream": True}, timeout=60).text
+        chunks = [json.loads(x[6:]) for x in streamed.splitlines() if x.startswith("data: {")]
+        deltas = [ch["choices"][0]["delta"] for ch in chunks if ch.get("choices")]
+        assert not "".join(d.get("content") or "" for d in deltas)  # the markup is never shown as content
+        assert [d["tool_calls"][0]["function"] for d in deltas if d.get("tool_calls")] == [call["function"]]
+        # without tools, special tokens are skipped as before; vLLM's two flags for a completion
+        plain = {"prompt": "2 + 3 =", "max_tokens": 8, "structured_outputs": {"choice": ["5", "6"]}, "seed": 1}
+        for extra, ends in (({}, [""]), ({"skip_special_tokens": False}, [""]),
+                            ({"skip_special_tokens": False, "include_stop_str_in_output": True},
+                             ["<|im_end|>", "<|endoftext|>"])):  # (either of the model's EOS tokens ends it)
+            got = httpx.post(s.url + "/v1/completions", json=plain | extra, timeout=60).json()["choices"][0]
+            assert got["finish_reason"] == "stop" and got["text"][:1] in "56" and got["text"][1:] in ends, (extra, got)
+
+
+def test_the_agent_gateway_keeps_special_tokens_while_tools_are_offered():
+    from rollwise.agent.envs.agent import AgentEnv
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    for parser, body, kept in (("kimi_k2", {"tools": tools}, True), ("kimi_k2", {"tools": tools, "tool_choice": "none"}, False),
+                               ("kimi_k2", {}, False), ("hermes", {"tools": tools}, False)):
+        env = AgentEnv(agent=lambda client, task: None, parser=parser)
+        env._context(body, [{"role": "user", "content": "hi"}])
+        assert env.turn_params(SamplingParams(max_tokens=8)).skip_special_tokens is not kept, (parser, body)
