@@ -11,7 +11,9 @@ give the same token ids (tests/agent/test_agent_env.py). With `memory = "notes"`
 context, as agents with long tasks do: instead of the whole history, each request sends the question
 and notes of what the tools returned so far, so every turn after a tool call starts a new context
 (rollwise trains each context's tokens with the episode's advantage). With `api = "responses"` it
-speaks OpenAI's Responses API (`client.responses.create`, the OpenAI Agents SDK's) instead.
+speaks OpenAI's Responses API (`client.responses.create`, the OpenAI Agents SDK's) instead, and with
+`api = "messages"` Anthropic's Messages API (`client.messages.create` on an anthropic client: the
+env's `client = "anthropic"`).
 """
 from __future__ import annotations
 
@@ -36,13 +38,13 @@ class PhonebookAgent:
     def __init__(self, max_turns: int = 8, memory: str = "history", api: str = "chat") -> None:
         if memory not in ("history", "notes"):
             raise ValueError(f"memory {memory!r}: valid are 'history' and 'notes'")
-        if api not in ("chat", "responses"):
-            raise ValueError(f"api {api!r}: valid are 'chat' and 'responses'")
+        if api not in ("chat", "responses", "messages"):
+            raise ValueError(f"api {api!r}: valid are 'chat', 'responses' and 'messages'")
         self.max_turns, self.memory, self.api = max_turns, memory, api
 
     async def run(self, client, task: dict) -> float:
-        if self.api == "responses":
-            return await self.run_responses(client, task)
+        if self.api != "chat":
+            return await (self.run_responses if self.api == "responses" else self.run_messages)(client, task)
         question = f"What is the {FIELDS[task['field']]} of {task['name']}?"
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{question}\n{HINT}"}]
         notes: list[str] = []
@@ -79,6 +81,27 @@ class PhonebookAgent:
                 if call.name == "finish":
                     return score(task, str(args.get("answer", "")))
                 items.append({"type": "function_call_output", "call_id": call.call_id, "output": lookup(task, args)})
+        return 0.0
+
+    async def run_messages(self, client, task: dict) -> float:
+        """The same agent on Anthropic's Messages API (an anthropic client; its whole history each time)."""
+        tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                  "input_schema": t["function"]["parameters"]} for t in TOOLS]
+        question = f"What is the {FIELDS[task['field']]} of {task['name']}?"
+        messages: list = [{"role": "user", "content": f"{question}\n{HINT}"}]
+        for _ in range(self.max_turns):
+            reply = await client.messages.create(model="policy", system=SYSTEM, messages=messages, tools=tools,
+                                                 max_tokens=1024)
+            messages.append({"role": "assistant", "content": reply.content})
+            calls = [block for block in reply.content if block.type == "tool_use"]
+            if not calls:
+                return score(task, "".join(block.text for block in reply.content if block.type == "text"))
+            results = []
+            for call in calls:
+                if call.name == "finish":
+                    return score(task, str(call.input.get("answer", "")))
+                results.append({"type": "tool_result", "tool_use_id": call.id, "content": lookup(task, call.input)})
+            messages.append({"role": "user", "content": results})
         return 0.0
 
     # training tasks and the SFT warm start's transcripts: the built-in env's

@@ -1,6 +1,7 @@
-"""An OpenAI endpoint (chat completions, and the Responses API: rollwise.agent.responses_api) through
-which an agent written against the OpenAI API (the openai SDK, the OpenAI Agents SDK, LangChain,
-LiteLLM, plain HTTP) runs its episodes on the policy: `AgentEnv`
+"""An OpenAI endpoint (chat completions, and the Responses API: rollwise.agent.responses_api; also
+Anthropic's Messages API: rollwise.agent.messages_api) through which an agent written against the
+OpenAI API (the openai SDK, the OpenAI Agents SDK, LangChain, LiteLLM, plain HTTP) or Anthropic's
+runs its episodes on the policy: `AgentEnv`
 (rollwise.agent.envs.agent) holds one `Session` per episode, and each request on the session's
 bearer key waits for the episode loop to generate the reply.
 
@@ -120,22 +121,22 @@ class Gateway:
         self.host, self.url = host, ""
         self.started = asyncio.get_running_loop().create_future()
         self.task: asyncio.Task | None = None
-        self._http = self._socket_http = None
+        self._clients: dict[tuple[str, bool], object] = {}  # (httpx package, via the socket) -> client
 
-    def http(self, via_socket: bool = False):
-        """The HTTP client every episode's openai client on this loop shares (a client of its own costs
+    def http(self, via_socket: bool = False, lib=None):
+        """The HTTP client every episode's SDK client on this loop shares (a client of its own costs
         ~30 ms, most of it an SSL context). It hands each request to the app as a call on this loop
         (ASGI) instead of through the socket: the same app, requests and replies, without the
         select wake-ups per hop, each of which can wait for the GIL behind the engine threads
-        (the demo's training run through the socket took 823 s, 4.0x the built-in env's 208 s)."""
-        import httpx
-        if via_socket:
-            if self._socket_http is None:
-                self._socket_http = pooled(httpx.AsyncClient)
-            return self._socket_http
-        if self._http is None:
-            self._http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), timeout=None)
-        return self._http
+        (the demo's training run through the socket took 823 s, 4.0x the built-in env's 208 s).
+        `lib`: the httpx package the SDK takes (default httpx; newer anthropic SDKs take httpx2)."""
+        if lib is None:
+            import httpx as lib
+        key = (lib.__name__, via_socket)
+        if key not in self._clients:
+            self._clients[key] = pooled(lib.AsyncClient, lib) if via_socket else lib.AsyncClient(
+                transport=lib.ASGITransport(app=self.app), timeout=None)
+        return self._clients[key]
 
     @classmethod
     async def running(cls) -> Gateway:
@@ -160,9 +161,8 @@ class Gateway:
             self.server.should_exit = True
             with contextlib.suppress(Exception):
                 await self.server.shutdown()
-                for client in (self._http, self._socket_http):
-                    if client is not None:
-                        await client.aclose()
+                for client in self._clients.values():
+                    await client.aclose()
             raise
         except BaseException as e:
             if not self.started.done():
@@ -191,7 +191,8 @@ class Gateway:
             return json_error(e.status, e.message, e.kind)
 
         async def opened(request) -> tuple[Session, object]:
-            auth = request.headers.get("authorization", "")
+            # the key: anthropic's SDKs send it as x-api-key, openai's as a bearer token
+            auth = request.headers.get("x-api-key") or request.headers.get("authorization", "")
             session = self.sessions.get(auth.removeprefix("Bearer ").strip())
             if session is None:
                 raise GatewayError(401, "unknown or expired API key: each episode's client has a key of its own, "
@@ -223,26 +224,50 @@ class Gateway:
             session.conversations[resp["id"]] = messages + [reply["choices"][0]["message"]]
             return sse(events(resp)) if body.get("stream") else JSONResponse(resp)
 
+        async def messages(request):  # Anthropic's Messages API, as a chat request (rollwise.agent.messages_api)
+            from rollwise.agent.messages_api import chat_body as messages_chat, error_body, events, message, named_sse
+            try:
+                session, body = await opened(request)
+                reply = await session.request(messages_chat(body))
+            except GatewayError as e:
+                return JSONResponse(error_body(e.status, e.message), status_code=e.status)
+            msg = message(reply, body)
+            return named_sse(events(msg)) if body.get("stream") else JSONResponse(msg)
+
         async def models(request):
             return JSONResponse({"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "rollwise"}]})
 
         return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
                                  Route("/v1/responses", responses, methods=["POST"]),
+                                 Route("/v1/messages", messages, methods=["POST"]),
                                  Route("/v1/models", models, methods=["GET"])])
 
 
-def pooled(client_class):
-    """An httpx client (`httpx.Client` or `httpx.AsyncClient`) for many episodes' requests to the
-    gateway's socket: connections unbounded, kept alive, no timeout of its own (the SDK's applies)."""
-    import httpx
-    return client_class(limits=httpx.Limits(max_connections=None, max_keepalive_connections=512), timeout=None)
+def pooled(client_class, lib=None):
+    """An httpx client (`httpx.Client` or `httpx.AsyncClient`; `lib`'s, another httpx package) for
+    many episodes' requests to the gateway's socket: connections unbounded, kept alive, no timeout
+    of its own (the SDK's applies)."""
+    if lib is None:
+        import httpx as lib
+    return client_class(limits=lib.Limits(max_connections=None, max_keepalive_connections=512), timeout=None)
+
+
+def httpx_of(sdk: str):
+    """The httpx package an SDK's clients take: httpx, or httpx2 (a fork newer anthropic SDKs use)."""
+    import importlib
+    import importlib.metadata
+    import re
+    needs = " ".join(importlib.metadata.requires(sdk) or [])
+    return importlib.import_module("httpx2" if re.search(r"\bhttpx2\b", needs) else "httpx")
 
 
 def completion(message: dict, finish_reason: str, model: str, usage: dict | None,
-               logprobs: list[dict] | None = None) -> dict:
-    """A chat completion; `logprobs`: its `logprobs.content` (rollwise.serve.responses.chat_logprobs)."""
+               logprobs: list[dict] | None = None, stop_reason: str | None = None) -> dict:
+    """A chat completion; `logprobs`: its `logprobs.content` (rollwise.serve.responses.chat_logprobs);
+    `stop_reason`: the stop string that ended it (vLLM's field)."""
     return {"id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
+                                         "stop_reason": stop_reason,
                                          "logprobs": None if logprobs is None else {"content": logprobs,
                                                                                     "refusal": None}}],
             "usage": usage}

@@ -58,8 +58,10 @@ class AsyncEngine:
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                request_id: str | None = None, **options) -> AsyncIterator[RequestOutput]:
-        """Yields the cumulative output after every new token; the last one has `finished=True`.
-        Closing the iterator early (e.g. a client disconnect) aborts the request."""
+        """Yields the cumulative output after every step that adds tokens; the last one has
+        `finished=True`. Before it, the same object grows in place (read it before the next), and
+        only its token ids, logprobs and top logprobs are filled in. Closing the iterator early
+        (e.g. a client disconnect) aborts the request."""
         return self._outputs(prompt, params, request_id, True, options)
 
     async def _outputs(self, prompt, params, request_id, stream: bool, options: dict) -> AsyncIterator[RequestOutput]:
@@ -73,13 +75,21 @@ class AsyncEngine:
             return rid
 
         rid = await self.call(add)
-        finished = False
+        finished, grown = False, None
         try:
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if not finished:  # a step's new tokens (LLMEngine._progress), added up here, in place
+                    if grown is None:
+                        grown = item
+                    else:
+                        grown.token_ids += item.token_ids
+                        grown.logprobs += item.logprobs
+                        grown.top_logprobs += item.top_logprobs
+                    item = grown
                 yield item
                 if finished:
                     return

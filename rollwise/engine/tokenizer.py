@@ -8,6 +8,7 @@ from pathlib import Path
 import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 
 class Tokenizer:
@@ -33,6 +34,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decoder(self, skip_special_tokens: bool = True):
+        """An output's text as it grows: each call takes the new ids and gives the new text, a
+        character split across tokens once it is whole (tokenizers' DecodeStream). A step costs the
+        same however long the output is; decoding the whole output at every step of a stream made
+        it quadratic (a 32,000-token reply: about 80 s; benchmarks/stream_decode.py)."""
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        return lambda ids: "".join(c for i in ids if (c := stream.step(self._tok, i)) is not None)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -244,11 +244,18 @@ async def _deltas(engine, prompt, params: SamplingParams, rid: str, group_id: st
     tok = engine.tokenizer
     sent_tokens, sent_text = 0, ""
     hold = max(map(len, params.stop), default=1) - 1  # text that may begin a stop string waits for the next
+    # the text so far, decoded a step's new tokens at a time (a tokenizer without `decoder`: the whole output)
+    grow, grown = (tok.decoder(params.skip_special_tokens) if hasattr(tok, "decoder") else None), ""
     async for out in engine.stream(prompt, params, rid, group_id=group_id, **options):
-        text = out.text if out.finished else tok.decode(out.token_ids, params.skip_special_tokens)
-        if not out.finished:
+        if out.finished:
+            text = out.text
+        elif grow is not None and len(out.token_ids) >= sent_tokens:
+            text = grown = grown + grow(out.token_ids[sent_tokens:])
+        else:
+            grow, text = None, tok.decode(out.token_ids, params.skip_special_tokens)
             if text.endswith("\ufffd"):  # half a multi-byte character: wait
                 continue
+        if not out.finished:
             text = text[:max(len(text) - hold, 0)]  # (the final text is cut where a stop string begins)
         new_ids, new_lps, new_tops = (x[sent_tokens:] for x in (out.token_ids, out.logprobs, out.top_logprobs))
         delta = text[len(sent_text):] if text.startswith(sent_text) else ""
@@ -378,6 +385,7 @@ async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs
             d = {"role": "assistant", **d}
         first = False
         choice = {"index": index, "delta": d, "finish_reason": reason,
+                  **({"stop_reason": final.stop_reason} if final else {}),  # (vLLM's: the stop string or token)
                   "logprobs": {"content": chat_logprobs(tok, new_ids, lps, tops)} if with_logprobs else None,
                   **({"token_ids": new_ids} if return_token_ids else {})}
         yield {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,

@@ -60,7 +60,9 @@ def install_common(app: FastAPI, cfg: ServerConfig) -> None:
     async def _auth(request: Request, call_next):
         if cfg.api_key and request.url.path not in OPEN_PATHS:
             got = request.headers.get("authorization", "")
-            if not secrets.compare_digest(got.encode(), f"Bearer {cfg.api_key}".encode()):
+            key = request.headers.get("x-api-key")  # (the anthropic SDKs' header)
+            if not (secrets.compare_digest(got.encode(), f"Bearer {cfg.api_key}".encode())
+                    or key is not None and secrets.compare_digest(key.encode(), cfg.api_key.encode())):
                 return error(401, "missing or wrong API key", "authentication_error")
         return await call_next(request)
 
@@ -177,6 +179,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
                                 model_name, ids, parser, reasoning)
 
     install_responses(app, chat)
+    install_messages(app, chat, tok)
     return app
 
 
@@ -230,6 +233,54 @@ def install_responses(app: FastAPI, chat) -> None:
         resp = response(reply, body)
         store(resp, reply)
         return resp
+
+
+def install_messages(app: FastAPI, chat, tokenizer) -> None:
+    """POST /v1/messages: Anthropic's Messages API as a chat request (rollwise.agent.messages_api),
+    streamed token by token as its events; POST /v1/messages/count_tokens: the prompt's tokens as
+    the chat template renders them (`tokenizer`; None: a router without one, refused)."""
+    from fastapi.responses import JSONResponse
+
+    from rollwise.agent.gateway import GatewayError
+    from rollwise.agent.messages_api import chat_body, error_body, message, named_sse, streamed_events
+
+    async def parsed(request: Request, count: bool = False) -> tuple[dict, dict]:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise GatewayError(400, "the body is not JSON") from None
+        if count and isinstance(body, dict):
+            body = {**body, "max_tokens": 1}  # (counting needs none)
+        return body, chat_body(body)
+
+    def refused(e: Exception) -> JSONResponse:
+        status, text = (e.status, e.message) if isinstance(e, GatewayError) else (400, str(e))
+        return JSONResponse(error_body(status, text), status_code=status)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        try:
+            body, fields = await parsed(request)
+            if body.get("stream"):
+                streamed = await chat(ChatCompletionRequest(**fields, stream=True,
+                                                            stream_options={"include_usage": True}), request)
+                return named_sse(streamed_events(_sse_chunks(streamed), body))
+            reply = await chat(ChatCompletionRequest(**fields), request)
+        except (GatewayError, ValueError) as e:
+            return refused(e)
+        return message(reply, body)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        try:
+            body, fields = await parsed(request, count=True)
+            if tokenizer is None:
+                raise ValueError("this router has no tokenizer to count with (start it with --tokenizer)")
+            req = ChatCompletionRequest(**fields)
+            ids = tokenizer.encode_chat([m.model_dump(exclude_none=True) for m in req.messages], tools=req.tools)
+        except (GatewayError, ValueError) as e:
+            return refused(e)
+        return {"input_tokens": len(ids)}
 
 
 async def _sse_chunks(streamed):

@@ -38,11 +38,11 @@ def _scripted(tok, turns):
     return ScriptedGenerator(tok, lambda req: turns[min(req.turn, len(turns) - 1)])
 
 
-@pytest.mark.parametrize("api", ["chat", "responses"])
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
 def test_an_openai_sdk_agent_gives_the_builtin_envs_token_ids_on_the_engine(model_dir, api):
     """The example agent (its own messages, tools and scoring, over the openai SDK's chat completions
-    or Responses API) and the built-in phonebook env, teacher-forced to the same expert replies on a
-    real engine: identical trajectories."""
+    or Responses API, or the anthropic SDK's Messages API) and the built-in phonebook env,
+    teacher-forced to the same expert replies on a real engine: identical trajectories."""
     tasks = phonebook().sample_tasks(3, seed=4)
     engine = AsyncEngine(model_dir, max_num_seqs=8)
     try:
@@ -51,7 +51,9 @@ def test_an_openai_sdk_agent_gives_the_builtin_envs_token_ids_on_the_engine(mode
         async def go(make):
             return [await run_episode(gen, make(), t, P, trajectory_id=f"{t['id']}/0", group_id=str(t["id"]))
                     for t in tasks]
-        native, agent = asyncio.run(go(phonebook)), asyncio.run(go(lambda: agent_env(agent_options={"api": api})))
+        client = {"client": "anthropic"} if api == "messages" else {}
+        native = asyncio.run(go(phonebook))
+        agent = asyncio.run(go(lambda: agent_env(agent_options={"api": api}, **client)))
     finally:
         engine.shutdown()
     for a, b in zip(native, agent):

@@ -11,7 +11,8 @@ import pytest
 
 from rollwise.agent.episode import ChatRenderer, run_episode
 from rollwise.agent.generator import ScriptedGenerator
-from rollwise.agent.parsing import DeepSeekV31Parser, DeepSeekV3Parser, KimiK2Parser, ToolCall, make_parser, openai_tool_calls
+from rollwise.agent.parsing import (DeepSeekV31Parser, DeepSeekV3Parser, KimiK2Parser, ToolCall, make_parser,
+                                   openai_tool_calls)
 from rollwise.engine.tokenizer import Tokenizer
 from rollwise.make_model import make_model
 from rollwise.serve.process import ServerProcess
@@ -36,18 +37,19 @@ def test_kimi_k2_calls_are_parsed_with_their_ids():
             '{"x": -1}<|tool_call_end|><|tool_calls_section_end|>')
     got = KIMI.parse(text)
     assert not got.errors and got.text == "Let me add."
-    assert got.calls == [ToolCall("add", {"a": 2, "b": 3}, "functions.add:0"), ToolCall("neg", {"x": -1}, "functions.neg:1")]
+    assert got.calls == [ToolCall("add", {"a": 2, "b": 3}, "functions.add:0"),
+                         ToolCall("neg", {"x": -1}, "functions.neg:1")]
     content, calls = openai_tool_calls(text, KIMI)  # the model's own ids, which Kimi's template writes back
     assert content == "Let me add." and [c["id"] for c in calls] == ["functions.add:0", "functions.neg:1"]
     calls = [ToolCall("edit", {"path": "a b", "n": [1, None]}), ToolCall("ping", {})]
-    assert [(c.name, c.arguments) for c in KIMI.parse(KIMI.write(calls)).calls] == [(c.name, c.arguments) for c in calls]
+    back = KIMI.parse(KIMI.write(calls)).calls
+    assert [(c.name, c.arguments) for c in back] == [(c.name, c.arguments) for c in calls]
     assert KIMI.parse("42").calls == [] and KIMI.parse("42").text == "42" and not KIMI.parse("42").errors
-    bad = {"<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>{": "invalid JSON",
-           "<|tool_calls_section_begin|><|tool_call_begin|>add<|tool_call_argument_begin|>{}<|tool_call_end|>"
-           "<|tool_calls_section_end|>": "functions.NAME:INDEX",
-           "<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0{}<|tool_call_end|><|tool_calls_section_end|>":
-               "<|tool_call_argument_begin|> between",
-           "<|tool_calls_section_begin|><|tool_calls_section_end|>": "an empty section"}
+    s, call, arg = "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>"
+    bad = {f"{s}{call}functions.add:0{arg}{{": "invalid JSON",
+           f"{s}{call}add{arg}{{}}<|tool_call_end|><|tool_calls_section_end|>": "functions.NAME:INDEX",
+           f"{s}{call}functions.add:0{{}}<|tool_call_end|><|tool_calls_section_end|>": f"{arg} between",
+           f"{s}<|tool_calls_section_end|>": "an empty section"}
     for text, why in bad.items():
         errors = KIMI.parse(text + ("" if text.endswith("end|>") else "<|tool_call_end|><|tool_calls_section_end|>"))
         assert errors.errors and why in errors.errors[0], (text, errors)
@@ -65,7 +67,8 @@ def test_deepseek_calls_are_parsed():
     v3 = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{\"a\": 2}\n```"
           "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
     assert V3.parse(v3).calls == [ToolCall("add", {"a": 2})] and not V3.parse(v3).errors
-    assert "```json block" in V3.parse(text).errors[0] and "invalid JSON arguments of 'function'" in V31.parse(v3).errors[0]
+    assert "```json block" in V3.parse(text).errors[0]
+    assert "invalid JSON arguments of 'function'" in V31.parse(v3).errors[0]
     calls = [ToolCall("edit", {"path": "a b", "n": [1, None]}), ToolCall("ping", {})]
     assert V31.parse(V31.write(calls)).calls == calls and V3.parse(V3.write(calls)).calls == calls
     assert make_parser("deepseek_v31").special_tokens and not make_parser("hermes").special_tokens
@@ -127,8 +130,9 @@ def test_serve_with_a_special_token_tool_call_parser(special_dir, parser):
 def test_the_agent_gateway_keeps_special_tokens_while_tools_are_offered():
     from rollwise.agent.envs.agent import AgentEnv
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
-    for parser, body, kept in (("kimi_k2", {"tools": tools}, True), ("kimi_k2", {"tools": tools, "tool_choice": "none"}, False),
-                               ("kimi_k2", {}, False), ("hermes", {"tools": tools}, False)):
+    for parser, body, kept in (("kimi_k2", {"tools": tools}, True), ("kimi_k2", {}, False),
+                               ("kimi_k2", {"tools": tools, "tool_choice": "none"}, False),
+                               ("hermes", {"tools": tools}, False)):
         env = AgentEnv(agent=lambda client, task: None, parser=parser)
         env._context(body, [{"role": "user", "content": "hi"}])
         assert env.turn_params(SamplingParams(max_tokens=8)).skip_special_tokens is not kept, (parser, body)

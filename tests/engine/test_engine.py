@@ -559,3 +559,36 @@ def test_async_engine_runs_the_model_with_its_own_thread_count(model_dir):
         assert torch.get_num_threads() == before
     finally:
         eng.shutdown()
+
+
+def test_a_stream_sends_each_steps_new_tokens_and_adds_them_up(model_dir):
+    """The engine's output for a streaming request holds only the tokens since its last (no copy of
+    the whole output each step); AsyncEngine.stream adds them up: cumulative outputs, ids and
+    logprobs aligned, whose last equals the request generated without streaming, speculation too."""
+    import asyncio
+
+    from rollwise import AsyncEngine
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True, logprobs=2)
+    llm = LLM(model_dir, max_num_seqs=4)
+    rid = llm.engine.add_request([5, 6, 7, 8], params, stream=True)
+    pieces = [o for _ in range(40) if llm.engine.has_unfinished for o in llm.engine.step() if o.request_id == rid]
+    assert all(len(p.token_ids) == len(p.logprobs) == len(p.top_logprobs) >= 1 for p in pieces[:-1])
+    final, ids = pieces[-1], [t for p in pieces[:-1] for t in p.token_ids]
+    assert final.finished and len(pieces) > 2 and ids == final.token_ids[:len(ids)]
+    assert [x for p in pieces[:-1] for x in p.logprobs] == final.logprobs[:len(ids)]
+    for spec in (None, "suffix"):
+        eng = AsyncEngine(model_dir, **({} if spec is None else {"speculative": spec}))
+
+        async def go():
+            seen = []
+            async for out in eng.stream([5, 6, 7, 8], params):
+                assert len(out.token_ids) == len(out.logprobs) == len(out.top_logprobs)
+                seen.append((list(out.token_ids), list(out.logprobs), out.finished))
+            return seen, await eng.generate([5, 6, 7, 8], params)
+        try:
+            seen, whole = asyncio.run(go())
+        finally:
+            eng.shutdown()
+        assert seen[-1][2] and seen[-1][0] == whole.token_ids and len(seen) > 1
+        assert all(seen[i][0] == seen[-1][0][:len(seen[i][0])] and seen[i][1] == seen[-1][1][:len(seen[i][1])]
+                   for i in range(len(seen))), spec

@@ -143,6 +143,12 @@ def test_route_proxy_over_http(servers, model_dir):
             assert chat["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "lookup"
             resp = c.post("/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 5}).json()
             assert resp["object"] == "response" and resp["usage"]["output_tokens"] <= 5  # the Responses API too
+            msg = c.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": [  # and Anthropic's
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}).json()
+            assert msg["type"] == "message" and msg["content"][0]["type"] == "text"
+            assert msg["usage"]["output_tokens"] <= 5
+            assert c.post("/v1/messages/count_tokens", json={"model": "m", "messages": [
+                {"role": "user", "content": "hi"}]}).json()["input_tokens"] == msg["usage"]["input_tokens"]
             for bad in ({"input_ids": "x"}, {"input_ids": []}, {"input_ids": [1], "sampling_params": {"max_tokens": -1}},
                         {"input_ids": [1], "bogus": 1}, {"prompt": "text"}, {"input_ids": [10**9]}):
                 r = c.post("/generate", json=bad)

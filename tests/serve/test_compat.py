@@ -337,3 +337,29 @@ def test_streamed_text_never_passes_a_stop_string(client):
         with client.stream("POST", "/v1/completions", json=cmpl | {"stream": True}) as r:
             chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
         assert "".join(c["choices"][0]["text"] for c in chunks) == whole, stop
+
+
+def test_streamed_text_is_decoded_a_step_at_a_time_and_adds_up(client, model_dir):
+    """The stream decodes each step's new tokens only (`Tokenizer.decoder`): the same text as the
+    whole output decoded at once, a character split across tokens shown once whole, special tokens
+    kept or skipped; over HTTP the pieces add up to the unstreamed text."""
+    import random
+
+    from rollwise.engine.tokenizer import Tokenizer
+    tok, rng = Tokenizer(model_dir), random.Random(1)
+    split = tok.encode("naïve café ☕ 日本", add_special_tokens=False)
+    for trial in range(200):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))] + split * (trial % 2)
+        for skip in (True, False):
+            grow, text = tok.decoder(skip), ""
+            for i in range(0, len(ids), 3):
+                text += grow(ids[i:i + 3])
+                assert "\ufffd" not in text[-1:] or "\ufffd" in tok.decode(ids[:i + 3], skip)
+            assert text == tok.decode(ids, skip).rstrip("\ufffd") or text == tok.decode(ids, skip), (ids, skip)
+    assert tok.decoder()(split) == "naïve café ☕ 日本"
+    for extra in ({}, {"skip_special_tokens": False}):
+        cmpl = {"prompt": [5, 6, 7], "temperature": 1.0, "seed": 4, "max_tokens": 48} | extra
+        whole = client.post("/v1/completions", json=cmpl).json()["choices"][0]["text"]
+        with client.stream("POST", "/v1/completions", json=cmpl | {"stream": True}) as r:
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == whole and len(chunks) > 10, extra

@@ -1,14 +1,17 @@
-"""agent: an episode is a run of the user's agent, written against the OpenAI API.
+"""agent: an episode is a run of the user's agent, written against the OpenAI API (or Anthropic's).
 
     async def run(client, task) -> float    # client: openai.AsyncOpenAI on the policy
 
-(chat completions here; the Responses API's requests are turned into the same: rollwise.agent.responses_api)
+(chat completions here; the Responses API's requests are turned into the same: rollwise.agent.responses_api;
+with `client = "anthropic"`, an anthropic.AsyncAnthropic, whose Messages API requests are too:
+rollwise.agent.messages_api)
 
 or a program in any language (`command = ["node", "agent.js"]`), run once per episode with
 OPENAI_BASE_URL and OPENAI_API_KEY set to the gateway and the episode's key (what the OpenAI SDKs
-read), the task as one line of JSON on stdin; the last line it prints is the reward. With
-`serve = true` the program instead stays up and takes every episode as a JSON line
-(`rollwise.agent.agent_server`: `processes` of them, started once).
+read; ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY too, for Anthropic's), the task as one line of JSON
+on stdin; the last line it prints is the reward. With `serve = true` the program instead stays up
+and takes every episode as a JSON line (`rollwise.agent.agent_server`: `processes` of them, started
+once).
 
 The agent asks for chat completions, runs its own tools and returns the episode's reward. Each of
 its requests is one turn of `run_episode`, so the trajectory stays token-in-token-out: the first
@@ -48,11 +51,12 @@ import threading
 
 from rollwise.agent.agent_server import AgentServer
 from rollwise.agent.env import NewContext
-from rollwise.agent.gateway import Gateway, GatewayError, Session, completion, pooled
+from rollwise.agent.gateway import Gateway, GatewayError, Session, completion, httpx_of, pooled
 from rollwise.agent.parsing import bind, make_parser, openai_tool_calls
 from rollwise.agent.plugins import load_object
 from rollwise.agent.reasoning import make_reasoning_parser
 
+CLIENTS = ("openai", "anthropic")  # the SDK client an agent function gets: openai's, or anthropic's (Messages API)
 
 class AgentEnv:
     name = "agent"
@@ -60,14 +64,18 @@ class AgentEnv:
     def __init__(self, agent=None, *, command: list[str] | None = None, serve: bool = False, processes: int = 1,
                  max_turns: int = 8,
                  agent_options: dict | None = None, model: str = "policy", transport: str = "asgi",
-                 on_rewrite: str = "new_context", parser: str = "hermes", reasoning: str | None = "qwen3") -> None:
+                 on_rewrite: str = "new_context", parser: str = "hermes", reasoning: str | None = "qwen3",
+                 client: str = "openai") -> None:
         if on_rewrite not in ("new_context", "error"):
             raise ValueError(f"on_rewrite {on_rewrite!r}: valid are 'new_context' (a request that does not continue "
                              "the conversation starts a new token sequence) and 'error' (it ends the episode)")
         if transport not in ("asgi", "http"):
             raise ValueError(f"transport {transport!r}: valid are 'asgi' (coroutine agents call the gateway's app "
                              "on the loop) and 'http' (through its socket, as plain-function agents do)")
+        if client not in CLIENTS:
+            raise ValueError(f"client {client!r}: valid are {list(CLIENTS)} (the SDK client the agent function gets)")
         self.max_turns, self.model, self.transport, self.on_rewrite = max_turns, model, transport, on_rewrite
+        self.client = client
         self.command, self.serve, self.processes = command, serve, processes
         self.parser = make_parser(parser)  # the policy's tool-call format, read into the replies' tool_calls
         # a thinking policy's reasoning: the reply's `reasoning_content`, its calls read past it
@@ -94,8 +102,8 @@ class AgentEnv:
             return
         if serve:
             raise ValueError("serve = true runs a command as a long-lived agent server: set command")
-        if importlib.util.find_spec("openai") is None:
-            raise ValueError("env 'agent' gives the agent an openai client: pip install openai")
+        if importlib.util.find_spec(client) is None:
+            raise ValueError(f"env 'agent' gives the agent an {client} client: pip install {client}")
         obj = load_object(agent, "agent") if isinstance(agent, str) else agent
         if inspect.isclass(obj):
             obj = obj(**(agent_options or {}))
@@ -164,7 +172,7 @@ class AgentEnv:
         return chat_logprobs(self._tok, out.token_ids, out.logprobs, tops)
 
     async def step(self, action: str) -> tuple[list[dict], float, bool, dict]:
-        cut = min((i for i in (action.find(s) for s in self._stops()) if i >= 0), default=-1)
+        cut, stop = min(((i, s) for s in self._stops() if (i := action.find(s)) >= 0), default=(-1, None))
         if cut >= 0:  # OpenAI's content ends before the stop string (the trajectory keeps its tokens)
             action = action[:cut]
         thought, action = self.reasoning.split(action) if self.reasoning else (None, action)
@@ -182,7 +190,7 @@ class AgentEnv:
                      "total_tokens": n_prompt + len(out.token_ids),
                      "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
         self._session.answer(completion(message, reason, self._body.get("model") or self.model, usage,
-                                        self._logprobs()))
+                                        self._logprobs(), stop if calls is None else None))
         self._known.append(_norm(message))
         kind, body = await self._session.events.get()
         if kind != "request":
@@ -244,9 +252,14 @@ class AgentEnv:
                 reward = await _run_command(self.command, gateway.url, key, task)
             elif inspect.iscoroutinefunction(self.run_agent) or inspect.iscoroutinefunction(
                     getattr(self.run_agent, "__call__", None)):
-                import openai
-                client = openai.AsyncOpenAI(base_url=gateway.url, api_key=key, max_retries=0,
-                                            http_client=gateway.http(via_socket=self.transport == "http"))
+                http = gateway.http(via_socket=self.transport == "http", lib=httpx_of(self.client))
+                if self.client == "anthropic":
+                    import anthropic
+                    client = anthropic.AsyncAnthropic(base_url=gateway.url.removesuffix("/v1"), api_key=key,
+                                                      max_retries=0, http_client=http)
+                else:
+                    import openai
+                    client = openai.AsyncOpenAI(base_url=gateway.url, api_key=key, max_retries=0, http_client=http)
                 reward = await self.run_agent(client, task)
             else:
                 reward = await _in_thread(self._run_sync, gateway.url, key, task)
@@ -257,8 +270,14 @@ class AgentEnv:
             session.events.put_nowait(("fail", e))
 
     def _run_sync(self, url: str, key: str, task: dict):
-        import openai
-        return self.run_agent(openai.OpenAI(base_url=url, api_key=key, max_retries=0, http_client=_sync_http()), task)
+        if self.client == "anthropic":
+            import anthropic
+            client = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key=key, max_retries=0,
+                                         http_client=_sync_http(httpx_of("anthropic")))
+        else:
+            import openai
+            client = openai.OpenAI(base_url=url, api_key=key, max_retries=0, http_client=_sync_http())
+        return self.run_agent(client, task)
 
 
 async def _run_command(command: list[str], url: str, key: str, task: dict) -> float:
@@ -266,7 +285,8 @@ async def _run_command(command: list[str], url: str, key: str, task: dict) -> fl
     variables the OpenAI SDKs read, the task on stdin; killed with its children if the episode ends
     first. Its last line of output is the reward; a non-zero exit is the agent's failure. (Output
     goes to files: a child it leaves running cannot hold a pipe open past its end.)"""
-    env = {**os.environ, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": key}
+    env = {**os.environ, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": key,
+           "ANTHROPIC_BASE_URL": url.removesuffix("/v1"), "ANTHROPIC_API_KEY": key}
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = await asyncio.create_subprocess_exec(*command, stdin=asyncio.subprocess.PIPE, stdout=out, stderr=err,
                                                     env=env, start_new_session=True)
@@ -290,15 +310,17 @@ async def _run_command(command: list[str], url: str, key: str, task: dict) -> fl
                         f"{(lines or [''])[-1][:200]!r}") from None
 
 
-_SYNC_HTTP: list = []
+_SYNC_HTTP: dict = {}  # httpx package -> its client
 
 
-def _sync_http():
-    """The connection pool plain-function agents' clients share (see Gateway.http)."""
-    if not _SYNC_HTTP:
-        import httpx
-        _SYNC_HTTP.append(pooled(httpx.Client))
-    return _SYNC_HTTP[0]
+def _sync_http(lib=None):
+    """The connection pool plain-function agents' clients share (see Gateway.http), of `lib` (an
+    httpx package; default httpx)."""
+    if lib is None:
+        import httpx as lib
+    if lib.__name__ not in _SYNC_HTTP:
+        _SYNC_HTTP[lib.__name__] = pooled(lib.Client, lib)
+    return _SYNC_HTTP[lib.__name__]
 
 
 class _Schema:

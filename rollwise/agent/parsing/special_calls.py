@@ -35,7 +35,8 @@ class SectionParser(HermesParser):
             if not self.call.search(body):
                 errors.append("malformed tool calls: an empty section")
             elif self.call.sub("", body).strip():
-                errors.append(f"malformed tool calls: text between calls (each is {self.call_begin} ... {self.call_end})")
+                errors.append(f"malformed tool calls: text between calls "
+                              f"(each is {self.call_begin} ... {self.call_end})")
             for c in self.call.finditer(body):
                 got = self._call(c) if c.group(0).endswith(self.call_end) else f"missing {self.call_end}"
                 if isinstance(got, str):
