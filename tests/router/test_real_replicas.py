@@ -97,11 +97,11 @@ def test_failover_loses_no_trajectory(model_dir):
         b.stop()
 
 
-def start_route(servers, model_dir, policy: str) -> tuple[subprocess.Popen, str]:
-    """`rollwise route` in front of the servers, answering /health."""
+def start_route(servers, model_dir, policy: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    """`rollwise route` in front of the servers (`extra`: more of its arguments), answering /health."""
     port = free_port()
     cmd = [sys.executable, "-m", "rollwise.cli", "route", "--port", str(port), "--policy", policy,
-           "--tokenizer", model_dir] + [x for s in servers for x in ("--replica", s.url)]
+           "--tokenizer", model_dir, *extra] + [x for s in servers for x in ("--replica", s.url)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     for _ in range(100):

@@ -161,3 +161,60 @@ def test_an_agent_gets_the_policys_reasoning_apart_and_its_history_still_continu
     assert traj.status == "done" and traj.num_turns == 2 and not traj.earlier  # one context: it continued
     assert seen == [(None, '{"a": 5}', f"not {call} yet"), ("It is 5.", "done")]
     assert tok.decode(gen.calls[1][0].prompt_token_ids).count("not") == 1  # the reasoning's tokens stay in it
+
+
+def test_route_with_a_reasoning_parser(model_dir):
+    """`rollwise route --reasoning-parser qwen3` in front of a replica without one: the route splits
+    the reasoning off, whole and streamed, in chat and as the Messages API's thinking block."""
+    from tests.router.test_real_replicas import start_route
+    think = "start: <think> /[a-z]{2,8}/ </think> /[A-Z][a-z]{2,6}/"
+    answer = {"messages": [{"role": "user", "content": "2 + 3?"}], "max_tokens": 40, "seed": 1,
+              "structured_outputs": {"grammar": think}}
+    with ServerProcess(model_dir) as replica:
+        proc, url = start_route([replica], model_dir, "round_robin", "--reasoning-parser", "qwen3")
+        try:
+            m = httpx.post(url + "/v1/chat/completions", json=answer, timeout=60).json()["choices"][0]["message"]
+            assert 2 <= len(m["reasoning_content"]) <= 8 and m["content"][0].isupper()
+            chunks = [json.loads(x[6:]) for x in httpx.post(url + "/v1/chat/completions", json=answer | {
+                "stream": True}, timeout=60).text.splitlines() if x.startswith("data: {")]
+            deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
+            assert "".join(d.get("reasoning_content") or "" for d in deltas) == m["reasoning_content"]
+            assert "".join(d.get("content") or "" for d in deltas) == m["content"]
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+def test_the_messages_api_gives_the_reasoning_a_thinking_block():
+    """A chat reply with reasoning as a Message (whole, and from a chat stream's deltas): a thinking
+    block first, then the text and the calls; a thinking block sent back is left out of the chat."""
+    from rollwise.agent.messages_api import chat_body, message, streamed_events
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 5}'}}
+    reply = {"model": "m", "usage": {"prompt_tokens": 7, "completion_tokens": 9}, "choices": [{
+        "finish_reason": "tool_calls", "message": {"role": "assistant", "content": "Adding.",
+                                                   "reasoning_content": "2 + 3", "tool_calls": [call]}}]}
+    m = message(reply, {})
+    assert [b["type"] for b in m["content"]] == ["thinking", "text", "tool_use"] and m["stop_reason"] == "tool_use"
+    assert m["content"][0]["thinking"] == "2 + 3" and m["content"][2]["input"] == {"a": 5}
+    chunks = [{"choices": [{"delta": {"reasoning_content": "2 + "}}]},
+              {"choices": [{"delta": {"reasoning_content": "3"}}]},
+              {"choices": [{"delta": {"content": "Add"}}]}, {"choices": [{"delta": {"content": "ing."}}]},
+              {"choices": [{"delta": {"tool_calls": [call]}, "finish_reason": "tool_calls"}]},
+              {"choices": [], "usage": reply["usage"]}]
+
+    async def events():
+        async def gen():
+            for c in chunks:
+                yield c
+        return [e async for e in streamed_events(gen(), {})]
+    got = asyncio.run(events())
+    starts = [d["content_block"]["type"] for name, d in got if name == "content_block_start"]
+    assert starts == ["thinking", "text", "tool_use"] and got[-1][0] == "message_stop"
+    text = "".join(d["delta"].get("thinking", "") + d["delta"].get("text", "") for name, d in got
+                   if name == "content_block_delta")
+    assert text == "2 + 3Adding." and got[-2][1]["delta"]["stop_reason"] == "tool_use"
+    assert got[-2][1]["usage"] == {"input_tokens": 7, "output_tokens": 9}
+    body = chat_body({"max_tokens": 5, "messages": [{"role": "user", "content": "2 + 3?"}, {
+        "role": "assistant", "content": [{"type": "thinking", "thinking": "2 + 3", "signature": ""},
+                                         {"type": "text", "text": "5"}]}]})
+    assert body["messages"][1] == {"role": "assistant", "content": "5"}
