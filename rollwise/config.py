@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rollwise.agent.parsing import PARSERS
 from rollwise.agent.reasoning import REASONING_PARSERS
@@ -93,6 +94,12 @@ class ServerConfig:
     tool_call_parser: str = field(default="hermes", metadata={"choices": sorted(PARSERS)})
     # a thinking model's <think> reasoning apart from its reply (vLLM's --reasoning-parser names)
     reasoning_parser: str | None = field(default=None, metadata={"choices": REASONING_PARSERS})
+    # vLLM's: the chat template (a file, or the template) in place of the tokenizer's; keyword arguments
+    # for it as a JSON object, under each request's chat_template_kwargs; and where requests' missing
+    # sampling fields come from ("auto": the model's generation_config.json; "vllm": none; or a folder)
+    chat_template: str | None = None
+    default_chat_template_kwargs: str | None = None
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in PARSERS:
@@ -101,6 +108,12 @@ class ServerConfig:
             raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        from rollwise.serve.defaults import template_kwargs, template_text
+        template_kwargs(self.default_chat_template_kwargs)
+        if self.chat_template is not None:
+            template_text(self.chat_template)
+        if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
 
     @property
     def is_loopback(self) -> bool:

@@ -1,5 +1,6 @@
-"""A model behind an OpenAI chat-completions server (vLLM, SGLang, `rollwise serve`, a hosted API)
-as a part of an environment: the LLM judge (rollwise.agent.judge) and the simulated user
+"""A model behind an OpenAI chat-completions server (vLLM, SGLang, `rollwise serve`, a hosted API),
+or with `api = "messages"` behind Anthropic's Messages API (Anthropic's, `rollwise serve`'s), as a
+part of an environment: the LLM judge (rollwise.agent.judge) and the simulated user
 (rollwise.agent.users) ask it through one `ChatClient` per event loop. A request that fails
 (connection, HTTP error, a reply its caller cannot use) is retried with a doubling wait; then the
 caller's error is raised, which ends the episode with status `error` (the service failed, not the
@@ -21,15 +22,27 @@ def bearer_key(api_key: str | None, api_key_env: str | None, what: str) -> str |
     return key
 
 
+APIS = ("chat", "messages")  # OpenAI's chat completions, Anthropic's Messages API
+ANTHROPIC_VERSION = "2023-06-01"  # the Messages API's version header
+
+
+def check_api(api: str, what: str) -> None:
+    if api not in APIS:
+        raise ValueError(f"{what} api {api!r}: valid are {list(APIS)}")
+
+
 class ChatClient:
     def __init__(self, url: str, *, model: str | None = None, api_key: str | None = None,
                  api_key_env: str | None = None, timeout_s: float = 60.0, retries: int = 2, backoff_s: float = 1.0,
-                 max_concurrency: int = 16, what: str = "model", error: type[Exception] = RuntimeError) -> None:
+                 max_concurrency: int = 16, what: str = "model", error: type[Exception] = RuntimeError,
+                 api: str = "chat") -> None:
+        check_api(api, what)
         key = bearer_key(api_key, api_key_env, what)
-        self.url, self.model, self.what, self.error = url, model, what, error
+        self.url, self.model, self.what, self.error, self.api = url, model, what, error, api
         self.retries, self.backoff_s = retries, backoff_s
-        self.client = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout_s,
-                                        headers={"Authorization": f"Bearer {key}"} if key else {})
+        headers = {"x-api-key": key or "", "anthropic-version": ANTHROPIC_VERSION} if api == "messages" else (
+            {"Authorization": f"Bearer {key}"} if key else {})
+        self.client = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout_s, headers=headers)
         self.slots = asyncio.Semaphore(max_concurrency)
         self.stats = {"requests": 0, "failures": 0}
 
@@ -50,12 +63,27 @@ class ChatClient:
             try:
                 async with self.slots:
                     self.stats["requests"] += 1
-                    r = await self.client.post("/chat/completions",
-                                               json={"model": await self._model(), "messages": messages, **body})
+                    path, payload = self._request(messages, await self._model(), body)
+                    r = await self.client.post(path, json=payload)
                 r.raise_for_status()
-                return read(r.json()["choices"][0]["message"]["content"] or "")
+                return read(self._text(r.json()))
             except (httpx.HTTPError, self.error, KeyError, IndexError, ValueError) as e:
                 self.stats["failures"] += 1
                 last = e
         raise self.error(f"{self.what} at {self.url} failed {self.retries + 1} times; last: "
                          f"{type(last).__name__}: {last}")
+
+    def _request(self, messages: list[dict], model: str, body: dict) -> tuple[str, dict]:
+        """The path and JSON of a request: chat completions', or the Messages API's (the system
+        messages its `system`, a max_tokens always: the API requires one)."""
+        if self.api == "chat":
+            return "/chat/completions", {"model": model, "messages": messages, **body}
+        system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+        rest = [m for m in messages if m["role"] != "system"]
+        return "/messages", {"model": model, "messages": rest, **({"system": system} if system else {}),
+                             "max_tokens": 1024, **body}
+
+    def _text(self, reply: dict) -> str:
+        if self.api == "chat":
+            return reply["choices"][0]["message"]["content"] or ""
+        return "".join(b.get("text", "") for b in reply["content"] if b.get("type") == "text")

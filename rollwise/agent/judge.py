@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 
-from rollwise.agent.chat_client import ChatClient
+from rollwise.agent.chat_client import ChatClient, check_api
 from rollwise.agent.env import loop_shared
 
 PROMPT = """You are grading an answer to a task. Judge whether the answer is correct, complete and \
@@ -67,6 +67,7 @@ class JudgeConfig:
     # the judge server holds its reply to the format (brief reasons, then the SCORE line) with a
     # regex: vLLM's and rollwise serve's `structured_outputs` (OpenAI's API has no such field)
     structured: bool = False
+    api: str = "chat"  # "messages": the server speaks Anthropic's Messages API (url its base, e.g. .../v1)
 
     @staticmethod
     def from_dict(d: dict) -> JudgeConfig:
@@ -80,6 +81,9 @@ class JudgeConfig:
             cfg.prompt.format(question="", answer="", reference="", max_score=0)
         except (KeyError, IndexError) as e:
             raise ValueError(f"judge prompt has a field other than question, answer, reference, max_score: {e}") from e
+        check_api(cfg.api, "judge")
+        if cfg.structured and cfg.api != "chat":
+            raise ValueError("judge structured = true needs api = 'chat' (structured_outputs is vLLM's chat field)")
         if cfg.max_score < 1 or cfg.retries < 0 or cfg.max_concurrency < 1:
             raise ValueError("judge needs max_score >= 1, retries >= 0, max_concurrency >= 1")
         return cfg
@@ -102,7 +106,7 @@ class Judge:
         self.cfg = cfg
         self.chat = ChatClient(cfg.url, model=cfg.model, api_key=cfg.api_key, api_key_env=cfg.api_key_env,
                                timeout_s=cfg.timeout_s, retries=cfg.retries, backoff_s=cfg.backoff_s,
-                               max_concurrency=cfg.max_concurrency, what="judge", error=JudgeError)
+                               max_concurrency=cfg.max_concurrency, what="judge", error=JudgeError, api=cfg.api)
         # a line of reasons (at most max_tokens / 3 characters, so at most that many tokens), then the score line
         scores = "|".join(str(n) for n in range(cfg.max_score, -1, -1))
         self._format = {"structured_outputs": {"regex": f"[^\\n]{{0,{cfg.max_tokens // 3}}}\\nSCORE: ({scores})"}} \

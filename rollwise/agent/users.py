@@ -30,7 +30,7 @@ import inspect
 from dataclasses import dataclass, fields
 from typing import Awaitable, Callable, Protocol
 
-from rollwise.agent.chat_client import ChatClient, bearer_key
+from rollwise.agent.chat_client import ChatClient, bearer_key, check_api
 from rollwise.agent.env import loop_shared
 from rollwise.agent.plugins import FORM, load_object
 from rollwise.agent.tools import ServiceError
@@ -107,6 +107,7 @@ class SimulatedUserConfig:
     retries: int = 2
     backoff_s: float = 1.0
     max_concurrency: int = 16
+    api: str = "chat"  # "messages": the server speaks Anthropic's Messages API (url its base, e.g. .../v1)
 
 
 class SimulatedUser:
@@ -135,7 +136,7 @@ class SimulatedUser:
         chat = loop_shared(("user", repr(cfg)), lambda: ChatClient(
             cfg.url, model=cfg.model, api_key=cfg.api_key, api_key_env=cfg.api_key_env, timeout_s=cfg.timeout_s,
             retries=cfg.retries, backoff_s=cfg.backoff_s, max_concurrency=cfg.max_concurrency,
-            what="simulated user", error=ServiceError))
+            what="simulated user", error=ServiceError, api=cfg.api))
         # the simulator plays the user: the agent's messages are its "user" turns, its own are "assistant"
         turned = [{"role": "user" if m["role"] == "assistant" else "assistant", "content": m["content"]}
                   for m in dialogue]
@@ -195,6 +196,7 @@ def user_factory(spec) -> Callable[[], User]:
             raise ValueError(f"simulated user prompt has a field other than instruction, stop: {e}") from e
         if cfg.max_replies < 1 or cfg.retries < 0 or cfg.max_concurrency < 1:
             raise ValueError("simulated user needs max_replies >= 1, retries >= 0, max_concurrency >= 1")
+        check_api(cfg.api, "simulated user")
         if cfg.api_key_env:  # checked now, not at the first reply
             bearer_key(cfg.api_key, cfg.api_key_env, "simulated user")
         return _maker(lambda: SimulatedUser(cfg), cfg.opens)

@@ -13,7 +13,7 @@ from tokenizers.decoders import DecodeStream
 
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
-        d = Path(model_dir)
+        d = self.model_dir = Path(model_dir)
         if not (d / "tokenizer.json").exists():
             raise ValueError(f"{d} has no tokenizer.json")
         self._tok = _HFTokenizer.from_file(str(d / "tokenizer.json"))
@@ -28,6 +28,10 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tok.get_vocab_size()
         self._template = None
+
+    def set_chat_template(self, template: str) -> None:
+        """Render chats with this Jinja template instead of the tokenizer's (`--chat-template`)."""
+        self.chat_template, self._template = template, None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -66,8 +70,10 @@ class Tokenizer:
                                      eos_token=self.eos_token or "", **kwargs)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
-        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+                    tools: list[dict] | None = None, **kwargs) -> list[int]:
+        """The chat's prompt ids; `kwargs`: more of the template's variables (`enable_thinking`: a
+        request's `chat_template_kwargs`)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
         return self.encode(text, add_special_tokens=False)
 
 

@@ -21,12 +21,14 @@ from rollwise.router.replica import HttpReplica, ReplicaError
 from rollwise.router.router import Router
 from rollwise.serve.protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest,
                                      GenerateRequest as GenerateBody, UpdateWeightsRequest)
+from rollwise.serve.defaults import Defaults
 from rollwise.serve.handlers import chat_reply, completion_reply, unless_disconnected
 from rollwise.serve.responses import (choice_samples, completion_params, error, generate_json, generate_params, primed,
                                       sglang_fields, sse, stream_generate, weights_refused)
 from rollwise.serve.server import install_common, install_messages, install_responses
 from rollwise.serve.lora import LoadLoraRequest, UnloadLoraRequest
 from rollwise.serve.sglang import PauseRequest, UpdateFromDiskRequest, load_from_disk
+from rollwise.serve.tokenize import install_tokenize
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
 
 
@@ -105,6 +107,7 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
     app = FastAPI(title="rollwise router", docs_url=None, redoc_url=None)
     parser = make_parser(cfg.tool_call_parser)
     reasoning = make_reasoning_parser(cfg.reasoning_parser)
+    defaults = Defaults(cfg, router.tokenizer)  # (the --tokenizer directory's generation config)
 
     install_common(app, cfg)
 
@@ -286,7 +289,7 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         if not prompt or not all(isinstance(t, int) for t in prompt):
             raise ValueError("prompt must be a string or one non-empty list of token ids")
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
-        samples = runs(body, request, prompt, adapted(completion_params(body), body.model), rid)
+        samples = runs(body, request, prompt, adapted(completion_params(body, defaults.sampling), body.model), rid)
         return await completion_reply(routed, body, request, samples, rid, body.model, [body.prompt],
                                       body.return_tokens_as_token_ids or router.tokenizer is None)
 
@@ -300,14 +303,15 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         if body.top_logprobs and not body.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         ids = tok.encode_chat([m.model_dump(exclude_none=True) for m in body.messages], tools=body.tools,
-                              **(body.chat_template_kwargs or {}))
+                              **defaults.kwargs(body))
         # no max_tokens: up to the replica's model length (its engine stops there)
-        params = adapted(body.sampling(body.max_completion_tokens or body.max_tokens or UNTIL_MODEL_LEN,
-                                       body.top_logprobs or 0, tok, parser), body.model)
+        limit = body.max_completion_tokens or body.max_tokens or defaults.sampling.get("max_tokens") or UNTIL_MODEL_LEN
+        params = adapted(body.sampling(limit, body.top_logprobs or 0, tok, parser, defaults.sampling), body.model)
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
         return await chat_reply(routed, body, request, runs(body, request, ids, params, rid), rid, body.model, ids,
                                 parser, reasoning)
 
     install_responses(app, chat)  # the Responses API, as chat through the router
-    install_messages(app, chat, router.tokenizer)  # and Anthropic's Messages API
+    install_messages(app, chat, router.tokenizer, defaults)  # and Anthropic's Messages API
+    install_tokenize(app, router.tokenizer, defaults, None)
     return app

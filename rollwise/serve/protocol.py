@@ -51,13 +51,18 @@ class _OpenAISampling(_Strict):
     group_id: str | None = None
     turn: int | None = None
 
-    def sampling(self, max_tokens: int, top_logprobs: int = 0, tokenizer=None, parser=None) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                              seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+    def sampling(self, max_tokens: int, top_logprobs: int = 0, tokenizer=None, parser=None,
+                 defaults: dict | None = None) -> SamplingParams:
+        """The request's sampling; `defaults` (field -> value: the model's generation config) for the
+        fields it does not set."""
+        given = {k: v for k, v in (defaults or {}).items() if k not in self.model_fields_set and k != "max_tokens"}
+        pick = lambda k: given.get(k, getattr(self, k))  # noqa: E731
+        return SamplingParams(temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"),
+                              min_p=pick("min_p"), seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
                               stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
                               ignore_eos=self.ignore_eos, logprobs=top_logprobs,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
+                              repetition_penalty=pick("repetition_penalty"), logit_bias=self.logit_bias,
                               allowed_token_ids=self.allowed_token_ids, skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               structured_outputs=self.structured(tokenizer, parser))
@@ -111,10 +116,11 @@ class ChatCompletionRequest(_OpenAISampling):
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def sampling(self, max_tokens: int, top_logprobs: int = 0, tokenizer=None, parser=None) -> SamplingParams:
+    def sampling(self, max_tokens: int, top_logprobs: int = 0, tokenizer=None, parser=None,
+                 defaults: dict | None = None) -> SamplingParams:
         """As a completion's; and with tools offered to a `parser` whose markup is special tokens
         (Kimi-K2's, DeepSeek's), their text is kept, as vLLM's parsers ask."""
-        params = super().sampling(max_tokens, top_logprobs, tokenizer, parser)
+        params = super().sampling(max_tokens, top_logprobs, tokenizer, parser, defaults)
         if self.tools and self.tool_choice != "none" and getattr(parser, "special_tokens", False):
             params.skip_special_tokens = False
         return params

@@ -145,8 +145,12 @@ def completion_tops(tok, tops: list[dict[int, float]], as_ids: bool = False) -> 
     return [None if top is None else {_piece(tok, t, as_ids): lp for t, lp in top.items()} for top in tops] if tops else None
 
 
-def completion_params(body: CompletionRequest) -> SamplingParams:
-    params = body.sampling(body.max_tokens, body.logprobs or 0)
+def completion_params(body: CompletionRequest, defaults: dict | None = None) -> SamplingParams:
+    """`defaults`: the model's generation config's sampling fields, for those the request leaves out."""
+    defaults = defaults or {}
+    given = "max_tokens" in body.model_fields_set
+    max_tokens = body.max_tokens if given else defaults.get("max_tokens", body.max_tokens)
+    params = body.sampling(max_tokens, body.logprobs or 0, defaults=defaults)
     if body.echo and body.logprobs is not None:  # e.g. lm-eval's loglikelihood: the prompt tokens' logprobs
         params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
     return params

@@ -21,6 +21,7 @@ from fastapi.responses import PlainTextResponse, Response
 from rollwise.agent.parsing import make_parser
 from rollwise.agent.reasoning import make_reasoning_parser
 from rollwise.config import ServerConfig
+from rollwise.serve.defaults import Defaults
 from rollwise.serve.metrics import prometheus_text
 from rollwise.serve.protocol import (AddSequenceRequest, ChatCompletionRequest, CompletionRequest,
                                      GenerateRequest, UpdateWeightsRequest)
@@ -29,6 +30,7 @@ from rollwise.serve.responses import (choice_samples, completion_params, error, 
                                       sglang_fields, sse, stream_generate, weights_refused)
 from rollwise.serve.lora import install_lora, with_adapter
 from rollwise.serve.sglang import install_sglang
+from rollwise.serve.tokenize import install_tokenize
 from rollwise.types import WeightsNotHeld
 from rollwise.wire import AdapterWeights
 
@@ -72,6 +74,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     tok = engine.tokenizer
     parser = make_parser(cfg.tool_call_parser)
     reasoning = make_reasoning_parser(cfg.reasoning_parser)
+    defaults = Defaults(cfg, tok)  # (--chat-template, --default-chat-template-kwargs, --generation-config)
 
     install_common(app, cfg)
     install_sglang(app, engine, cfg)
@@ -160,26 +163,28 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
             body.prompt[0], int) else [body.prompt]
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
-        samples = choice_samples(prompts, with_adapter(engine, completion_params(body), body.model), body.n,
-                                 body.group_id, rid)
+        samples = choice_samples(prompts, with_adapter(engine, completion_params(body, defaults.sampling), body.model),
+                                 body.n, body.group_id, rid)
         return await completion_reply(engine, body, request, samples, rid, model_name, prompts,
                                       body.return_tokens_as_token_ids)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        ids = tok.encode_chat(messages, tools=body.tools, **(body.chat_template_kwargs or {}))
+        ids = tok.encode_chat(messages, tools=body.tools, **defaults.kwargs(body))
         room = engine.engine.max_model_len - len(ids)
         if body.top_logprobs and not body.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        params = with_adapter(engine, body.sampling(body.max_completion_tokens or body.max_tokens or max(room, 1),
-                                                    body.top_logprobs or 0, tok, parser), body.model)
+        limit = body.max_completion_tokens or body.max_tokens or defaults.sampling.get("max_tokens") or max(room, 1)
+        params = with_adapter(engine, body.sampling(limit, body.top_logprobs or 0, tok, parser, defaults.sampling),
+                              body.model)
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
         return await chat_reply(engine, body, request, choice_samples([ids], params, body.n, body.group_id, rid), rid,
                                 model_name, ids, parser, reasoning)
 
     install_responses(app, chat)
-    install_messages(app, chat, tok)
+    install_messages(app, chat, tok, defaults)
+    install_tokenize(app, tok, defaults, engine.engine.max_model_len)
     return app
 
 
@@ -235,7 +240,7 @@ def install_responses(app: FastAPI, chat) -> None:
         return resp
 
 
-def install_messages(app: FastAPI, chat, tokenizer) -> None:
+def install_messages(app: FastAPI, chat, tokenizer, defaults: Defaults | None = None) -> None:
     """POST /v1/messages: Anthropic's Messages API as a chat request (rollwise.agent.messages_api),
     streamed token by token as its events; POST /v1/messages/count_tokens: the prompt's tokens as
     the chat template renders them (`tokenizer`; None: a router without one, refused)."""
@@ -277,7 +282,8 @@ def install_messages(app: FastAPI, chat, tokenizer) -> None:
             if tokenizer is None:
                 raise ValueError("this router has no tokenizer to count with (start it with --tokenizer)")
             req = ChatCompletionRequest(**fields)
-            ids = tokenizer.encode_chat([m.model_dump(exclude_none=True) for m in req.messages], tools=req.tools)
+            ids = tokenizer.encode_chat([m.model_dump(exclude_none=True) for m in req.messages], tools=req.tools,
+                                        **(defaults.kwargs(req) if defaults is not None else {}))
         except (GatewayError, ValueError) as e:
             return refused(e)
         return {"input_tokens": len(ids)}

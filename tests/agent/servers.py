@@ -33,9 +33,9 @@ class AppServer:
 
 
 class ChatServer(AppServer):
-    """OpenAI's chat completions (and /v1/models, listing `model`), each reply's text from
-    `reply(body)`; it keeps each request's (authorization header, body), counts those in flight, and
-    fails its first `fail` requests (HTTP 500)."""
+    """OpenAI's chat completions and Anthropic's Messages API (and /v1/models, listing `model`), each
+    reply's text from `reply(body)`; it keeps each request's (API key header, body), counts those in
+    flight, and fails its first `fail` requests (HTTP 500)."""
 
     def __init__(self, reply, model: str, fail: int = 0, delay: float = 0.0) -> None:
         self.fail, self.delay, self.requests, self.in_flight, self.max_in_flight = fail, delay, [], 0, 0
@@ -45,10 +45,9 @@ class ChatServer(AppServer):
         async def models():
             return {"object": "list", "data": [{"id": model, "object": "model"}]}
 
-        @app.post("/v1/chat/completions")
-        async def chat(request: Request):
+        async def answer(request: Request, key: str | None) -> tuple[dict, JSONResponse | None]:
             body = await request.json()
-            self.requests.append((request.headers.get("authorization"), body))
+            self.requests.append((key, body))
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             try:
@@ -57,9 +56,20 @@ class ChatServer(AppServer):
                 self.in_flight -= 1
             if self.fail > 0:
                 self.fail -= 1
-                return JSONResponse({"error": {"message": "overloaded"}}, status_code=500)
-            return {"choices": [{"index": 0, "message": {"role": "assistant", "content": reply(body)},
-                                 "finish_reason": "stop"}]}
+                return body, JSONResponse({"error": {"message": "overloaded"}}, status_code=500)
+            return body, None
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            body, failed = await answer(request, request.headers.get("authorization"))
+            return failed or {"choices": [{"index": 0, "message": {"role": "assistant", "content": reply(body)},
+                                           "finish_reason": "stop"}]}
+
+        @app.post("/v1/messages")
+        async def messages(request: Request):
+            body, failed = await answer(request, request.headers.get("x-api-key"))
+            return failed or {"type": "message", "role": "assistant", "stop_reason": "end_turn",
+                              "content": [{"type": "text", "text": reply(body)}]}
 
         super().__init__(app)
 

@@ -36,18 +36,21 @@ def _answering(tok, text):
 TASK = {"id": "q1", "prompt": "What is the capital of France?", "answer": "Paris"}
 
 
-def test_the_judge_grades_each_answer_against_the_reference(model_dir, monkeypatch):
+@pytest.mark.parametrize("api", ["chat", "messages"])
+def test_the_judge_grades_each_answer_against_the_reference(model_dir, monkeypatch, api):
+    """On chat completions, or Anthropic's Messages API (its key header, a max_tokens always)."""
     tok = Tokenizer(model_dir)
     monkeypatch.setenv("JUDGE_KEY", "sk-judge")
     with JudgeServer() as server:
-        opts = {"reward": "judge", "judge": {"url": server.url, "api_key_env": "JUDGE_KEY"}}
+        opts = {"reward": "judge", "judge": {"url": server.url, "api_key_env": "JUDGE_KEY", "api": api}}
 
         async def go(text):
             return await run_episode(_answering(tok, text), make_env("dataset", **opts), TASK, SamplingParams())
         right, wrong = asyncio.run(go("It is Paris.")), asyncio.run(go("Lyon, I think."))
     assert right.status == wrong.status == "done" and right.reward == 1.0 and wrong.reward == pytest.approx(0.2)
     key, body = server.requests[0]
-    assert key == "Bearer sk-judge" and body["model"] == "grader" and body["temperature"] == 0.0
+    assert key == ("Bearer sk-judge" if api == "chat" else "sk-judge") and body["model"] == "grader"
+    assert body["temperature"] == 0.0 and body["max_tokens"] == 512 and "system" not in body
     prompt = body["messages"][0]["content"]
     assert "What is the capital of France?" in prompt and "Reference answer: Paris" in prompt
     assert "<answer>\nIt is Paris.\n</answer>" in prompt and "SCORE: N" in prompt
@@ -95,6 +98,10 @@ def test_judge_scores_and_options_are_checked():
         JudgeConfig.from_dict({"model": "m"})
     with pytest.raises(ValueError, match="unknown.*'temp'"):
         JudgeConfig.from_dict({"url": "http://x/v1", "temp": 0})
+    with pytest.raises(ValueError, match="judge api 'gemini': valid are \\['chat', 'messages'\\]"):
+        JudgeConfig.from_dict({"url": "http://x/v1", "api": "gemini"})
+    with pytest.raises(ValueError, match="structured = true needs api = 'chat'"):
+        JudgeConfig.from_dict({"url": "http://x/v1", "api": "messages", "structured": True})
     with pytest.raises(ValueError, match="other than question"):
         JudgeConfig.from_dict({"url": "http://x/v1", "prompt": "{task} {answer}"})
     with pytest.raises(ValueError, match="needs judge"):

@@ -159,14 +159,17 @@ def test_a_failing_simulator_is_retried_then_the_episode_errs_and_is_rerun(model
         assert t.status == "error" and "has no 'instruction'" in t.error
 
 
-def test_a_model_served_by_rollwise_plays_the_user(model_dir):
+@pytest.mark.parametrize("api", ["chat", "messages"])
+def test_a_model_served_by_rollwise_plays_the_user(model_dir, api):
     """The request is one a real server takes: system prompt, alternating turns; the model's lines
-    (at temperature 0) come back as the user's messages until max_replies."""
+    (at temperature 0) come back as the user's messages until max_replies. On chat completions or
+    Anthropic's Messages API (`api = "messages"`: the system prompt its own field, x-api-key)."""
     tok = Tokenizer(model_dir)
     gen = replies(tok, "Which reservation?", "Anything else?", "Done.")
-    with ServerProcess(model_dir) as server:
+    with ServerProcess(model_dir, "--api-key", "sk-user") as server:
         env = make_env("dataset", reward="contains",
-                       user={"url": server.url + "/v1", "temperature": 0.0, "max_tokens": 12, "max_replies": 2})
+                       user={"url": server.url + "/v1", "temperature": 0.0, "max_tokens": 12, "max_replies": 2,
+                             "api": api, "api_key": "sk-user"})
         t = episode(gen, env, BOOKING)
     assert t.status == "done" and len(t.turns) == 3 and t.env_stats == {"user_replies": 2.0}
     # each of the model's later turns reads one more user message than the one before

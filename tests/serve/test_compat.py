@@ -363,3 +363,28 @@ def test_streamed_text_is_decoded_a_step_at_a_time_and_adds_up(client, model_dir
         with client.stream("POST", "/v1/completions", json=cmpl | {"stream": True}) as r:
             chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
         assert "".join(c["choices"][0]["text"] for c in chunks) == whole and len(chunks) > 10, extra
+
+
+def test_tokenize_gives_the_ids_chat_generates_from_and_detokenize_reads_them_back(client, model_dir):
+    """vLLM's /tokenize: a chat rendered exactly as /v1/chat/completions renders it (tools too), a
+    prompt as the tokenizer encodes it; /detokenize back; /version; bad input a 400."""
+    from rollwise.engine.tokenizer import Tokenizer
+    tok = Tokenizer(model_dir)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 3?"}]
+    chat = client.post("/v1/chat/completions", json={"messages": msgs, "tools": tools, "max_tokens": 2,
+                                                      "return_token_ids": True}).json()
+    got = client.post("/tokenize", json={"messages": msgs, "tools": tools}).json()
+    assert got["tokens"] == chat["prompt_token_ids"] and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == 512
+    plain = client.post("/tokenize", json={"prompt": "naïve café", "return_token_strs": True}).json()
+    assert plain["tokens"] == tok.encode("naïve café") and len(plain["token_strs"]) == plain["count"]
+    back = client.post("/detokenize", json={"tokens": got["tokens"]}).json()["prompt"]
+    assert back == tok.decode(got["tokens"], skip_special_tokens=False) and "2 + 3?" in back
+    assert client.get("/version").json()["version"]
+    for body, why in (({"prompt": "x", "messages": msgs}, "one of them"), ({}, "one of them"),
+                      ({"prompt": "x", "bogus": 1}, "bogus")):
+        r = client.post("/tokenize", json=body)
+        assert r.status_code == 400 and why in r.json()["error"]["message"], body
+    r = client.post("/detokenize", json={"tokens": [1, 10**7]})
+    assert r.status_code == 400 and "not in the vocabulary" in r.json()["error"]["message"]
