@@ -64,8 +64,11 @@ class Defaults:
         self.sampling = sampling_defaults(cfg.generation_config, getattr(tokenizer, "model_dir", None))
 
     def kwargs(self, body) -> dict:
-        """A chat request's template keyword arguments: the server's, then the request's."""
+        """A chat request's template keyword arguments: the server's, then the request's (its
+        `reasoning_effort` too, for templates that read it)."""
         got = {**self.template_kwargs, **(body.chat_template_kwargs or {})}
+        if getattr(body, "reasoning_effort", None) is not None:
+            got.setdefault("reasoning_effort", body.reasoning_effort)
         taken = sorted(set(got) & RESERVED)
         if taken:
             raise ValueError(f"chat_template_kwargs cannot set {taken}: the request itself says them")

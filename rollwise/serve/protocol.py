@@ -114,7 +114,18 @@ class ChatCompletionRequest(_OpenAISampling):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True  # false: a reply's first tool call only
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's fields that change nothing here, taken (as vLLM takes them) so that the clients
+    # which send them work: effort (a template that reads it gets it as chat_template_kwargs),
+    # storage, tiers, cache keys, user ids, verbosity
+    reasoning_effort: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    verbosity: str | None = None
 
     def sampling(self, max_tokens: int, top_logprobs: int = 0, tokenizer=None, parser=None,
                  defaults: dict | None = None) -> SamplingParams:

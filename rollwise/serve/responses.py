@@ -195,7 +195,8 @@ def chat_choices(tok, body: ChatCompletionRequest, outs: list[RequestOutput],
         message, reason = {"role": "assistant", "content": text}, o.finish_reason
         calls = tool_calls(text, parser) if parse else None
         if calls is not None:
-            message, reason = {"role": "assistant", "content": calls[0] or None, "tool_calls": calls[1]}, "tool_calls"
+            made = calls[1] if body.parallel_tool_calls else calls[1][:1]
+            message, reason = {"role": "assistant", "content": calls[0] or None, "tool_calls": made}, "tool_calls"
         if thought is not None:
             message.update(content=message["content"] or None, reasoning_content=thought, reasoning=thought)
         choices.append({"index": k, "message": message, "finish_reason": reason, "stop_reason": o.stop_reason,
@@ -352,13 +353,15 @@ async def stream_completion(engine, prompt, params, rid, index: int, model, with
 
 async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs: bool, group_id: str | None,
                       tools: ToolCallParser | None = None, finished: list | None = None,
-                      return_token_ids: bool = False, reasoning: ReasoningParser | None = None, **options):
+                      return_token_ids: bool = False, reasoning: ReasoningParser | None = None,
+                      one_call: bool = False, **options):
     """Chat chunks. With `tools` (the parser of the model's tool calls), the content stops where a
     call may begin (Hermes: before the first `<tool_call>`, holding back what may begin one); at the
     end the reply's tool calls come as one delta, finish reason "tool_calls", or, if it has none (or
     a malformed one), the rest of its text. With `reasoning`, a thinking model's reasoning comes
     first as `reasoning_content` (and `reasoning`) deltas, the tags left out, and the content after
-    it. With `return_token_ids`, each chunk's new token ids, and the prompt's in the first chunk."""
+    it. With `return_token_ids`, each chunk's new token ids, and the prompt's in the first chunk.
+    `one_call`: the request's parallel_tool_calls is false (its first call only)."""
     tok = engine.tokenizer
     first, whole, thought, sent = True, "", 0, 0
     async for new_ids, lps, tops, delta, final in _deltas(engine, ids, params, f"{rid}-{index}", group_id, **options):
@@ -378,7 +381,7 @@ async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs
         if calls is not None:  # what was not sent of the text outside the tool-call blocks, and the calls
             rest = tools.content(text)[sent:]
             d.update(content=rest if rest.strip() else None,
-                     tool_calls=[dict(c, index=i) for i, c in enumerate(calls[1])])
+                     tool_calls=[dict(c, index=i) for i, c in enumerate(calls[1][:1] if one_call else calls[1])])
             reason = "tool_calls"
         else:
             shown = tools.content_end(text) if tools and not final else len(text)

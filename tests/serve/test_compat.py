@@ -388,3 +388,28 @@ def test_tokenize_gives_the_ids_chat_generates_from_and_detokenize_reads_them_ba
         assert r.status_code == 400 and why in r.json()["error"]["message"], body
     r = client.post("/detokenize", json={"tokens": [1, 10**7]})
     assert r.status_code == 400 and "not in the vocabulary" in r.json()["error"]["message"]
+
+
+def test_openai_sdk_fields_are_taken_and_parallel_tool_calls_false_keeps_the_first_call(client):
+    """What the openai SDK may send (reasoning_effort, metadata, store, ...) is taken, not a 400;
+    parallel_tool_calls false leaves a reply's first call only, whole and streamed."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"],
+        "additionalProperties": False}}}]
+    body = {"messages": [{"role": "user", "content": "2 + 3?"}], "tools": tools, "tool_choice": "required",
+            "max_tokens": 120, "seed": 5, "reasoning_effort": "low", "metadata": {"run": "x"}, "store": False,
+            "service_tier": "auto", "prompt_cache_key": "k", "safety_identifier": "u", "verbosity": "low",
+            "structured_outputs": None}
+    call = '<tool_call> "\\n{\\"name\\": \\"add\\", \\"arguments\\": {\\"a\\": " /[0-9]/ "}}\\n" </tool_call>'
+    grammar = f'start: call "\\n" call\ncall: {call}'  # (the tags are tokens of their own: named)
+    two = {k: v for k, v in body.items() if k not in ("tool_choice", "structured_outputs")} | {
+        "structured_outputs": {"grammar": grammar}}
+    both = client.post("/v1/chat/completions", json=two).json()["choices"][0]["message"]["tool_calls"]
+    assert len(both) == 2
+    one = client.post("/v1/chat/completions", json=two | {"parallel_tool_calls": False}).json()
+    assert [c["function"] for c in one["choices"][0]["message"]["tool_calls"]] == [both[0]["function"]]
+    with client.stream("POST", "/v1/chat/completions", json=two | {"parallel_tool_calls": False, "stream": True}) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    streamed = [c for ch in chunks for c in ch["choices"][0]["delta"].get("tool_calls") or []]
+    assert [c["function"] for c in streamed] == [both[0]["function"]]
+    assert client.post("/v1/chat/completions", json=body | {"structured_outputs": None}).status_code == 200
