@@ -228,7 +228,11 @@ class Gateway:
             from rollwise.agent.messages_api import chat_body as messages_chat, error_body, events, message, named_sse
             try:
                 session, body = await opened(request)
-                reply = await session.request(messages_chat(body))
+                chat = messages_chat(body)
+                if chat.get("continue_final_message"):
+                    raise GatewayError(400, "a prefilled assistant message is not taken here: the policy writes "
+                                            "its own turns, each a whole message")
+                reply = await session.request(chat)
             except GatewayError as e:
                 return JSONResponse(error_body(e.status, e.message), status_code=e.status)
             msg = message(reply, body)

@@ -9,6 +9,7 @@ assistant message's `text` to its content and each `tool_use` to a tool call (it
 arguments); `thinking` blocks sent back are left out (chat templates drop earlier reasoning).
 `tools` are custom tools (`input_schema`); `tool_choice` `auto`, `any` (a call is required), `tool`
 (that one) and `none`; `stop_sequences`, `max_tokens` (required), `temperature`, `top_p`, `top_k`.
+A last assistant message is a prefill: the reply goes on writing it (`continue_final_message`).
 The reply is a Message: a `thinking` block for a thinking model's reasoning (a reasoning parser's),
 a `text` block, a `tool_use` block per call; `stop_reason` `end_turn`, `max_tokens`,
 `stop_sequence` (with `stop_sequence`) or `tool_use`. `output_config.format` (a JSON schema) holds
@@ -49,6 +50,10 @@ def chat_body(body) -> dict:
     for m in msgs:
         _add(messages, m)
     out = {"model": body.get("model"), "messages": messages, "max_tokens": max_tokens}
+    if msgs[-1].get("role") == "assistant":  # a prefill: the reply goes on writing it
+        if not isinstance(messages[-1].get("content"), str) or messages[-1].get("tool_calls"):
+            raise GatewayError(400, "a last assistant message (a prefill) must be text")
+        out.update(continue_final_message=True, add_generation_prompt=False)
     for k in ("temperature", "top_p", "top_k"):
         if body.get(k) is not None:
             out[k] = body[k]

@@ -70,10 +70,26 @@ class Tokenizer:
                                      eos_token=self.eos_token or "", **kwargs)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, **kwargs) -> list[int]:
+                    tools: list[dict] | None = None, continue_final_message: bool = False, **kwargs) -> list[int]:
         """The chat's prompt ids; `kwargs`: more of the template's variables (`enable_thinking`: a
-        request's `chat_template_kwargs`)."""
+        request's `chat_template_kwargs`). `continue_final_message`: the last message, an
+        assistant's, is left open for the reply to go on writing (a prefill), as transformers does:
+        the rendering is cut where that message's text ends."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
+        if continue_final_message:
+            final = messages[-1] if messages else {}
+            if final.get("role") != "assistant" or not isinstance(final.get("content"), str):
+                raise ValueError("continue_final_message needs a last message from the assistant, with text")
+            for piece in (final["content"], final["content"].strip()):
+                at = text.rfind(piece)
+                if at >= 0:
+                    text = text[:at + len(piece)]
+                    break
+            else:
+                raise ValueError("the chat template does not write the final message's text as it is: it cannot "
+                                 "be continued")
         return self.encode(text, add_special_tokens=False)
 
 

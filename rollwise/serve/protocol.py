@@ -116,6 +116,10 @@ class ChatCompletionRequest(_OpenAISampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True  # false: a reply's first tool call only
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the reply opens a new assistant turn, or (with add_generation_prompt false) goes on
+    # writing the last, an assistant's message (a prefill)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # OpenAI's fields that change nothing here, taken (as vLLM takes them) so that the clients
     # which send them work: effort (a template that reads it gets it as chat_template_kwargs),
     # storage, tiers, cache keys, user ids, verbosity

@@ -171,7 +171,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        ids = tok.encode_chat(messages, tools=body.tools, **defaults.kwargs(body))
+        ids = tok.encode_chat(messages, body.add_generation_prompt, body.tools, body.continue_final_message,
+                              **defaults.kwargs(body))
         room = engine.engine.max_model_len - len(ids)
         if body.top_logprobs and not body.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
@@ -282,7 +283,8 @@ def install_messages(app: FastAPI, chat, tokenizer, defaults: Defaults | None = 
             if tokenizer is None:
                 raise ValueError("this router has no tokenizer to count with (start it with --tokenizer)")
             req = ChatCompletionRequest(**fields)
-            ids = tokenizer.encode_chat([m.model_dump(exclude_none=True) for m in req.messages], tools=req.tools,
+            ids = tokenizer.encode_chat([m.model_dump(exclude_none=True) for m in req.messages],
+                                        req.add_generation_prompt, req.tools, req.continue_final_message,
                                         **(defaults.kwargs(req) if defaults is not None else {}))
         except (GatewayError, ValueError) as e:
             return refused(e)

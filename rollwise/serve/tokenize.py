@@ -18,6 +18,7 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None  # a chat, rendered by the chat template
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True  # (a prompt's: the tokenizer's own, e.g. a BOS)
     return_token_strs: bool = False
@@ -44,7 +45,8 @@ def install_tokenize(app: FastAPI, tokenizer, defaults, max_model_len: int | Non
             raise ValueError("give prompt (a text) or messages (a chat), one of them")
         if body.messages is not None:
             ids = tok().encode_chat([m.model_dump(exclude_none=True) for m in body.messages],
-                                    body.add_generation_prompt, body.tools, **defaults.kwargs(body))
+                                    body.add_generation_prompt, body.tools, body.continue_final_message,
+                                    **defaults.kwargs(body))
         else:
             ids = tok().encode(body.prompt, add_special_tokens=body.add_special_tokens)
         out = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}

@@ -18,7 +18,7 @@ from rollwise.make_model import make_model
 from rollwise.serve.process import ServerProcess
 from rollwise.types import SamplingParams
 
-from tests.agent.test_tool_parsers import Adder
+from tests.agent.test_tool_parsers import ADD_TOOLS, Adder
 
 KIMI, V31, V3 = KimiK2Parser(), DeepSeekV31Parser(), DeepSeekV3Parser()
 
@@ -96,11 +96,7 @@ def test_an_episode_reads_calls_written_in_special_tokens(special_dir, parser):
 
 @pytest.mark.parametrize("parser", ["kimi_k2", "deepseek_v31", "deepseek_v3"])
 def test_serve_with_a_special_token_tool_call_parser(special_dir, parser):
-    tools = [{"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
-                                         "b": {"type": "integer", "minimum": 0, "maximum": 9}},
-        "required": ["a", "b"], "additionalProperties": False}}}]
-    body = {"messages": [{"role": "user", "content": "2 + 3?"}], "tools": tools, "max_tokens": 80, "seed": 3,
+    body = {"messages": [{"role": "user", "content": "2 + 3?"}], "tools": ADD_TOOLS, "max_tokens": 80, "seed": 3,
             "tool_choice": "required", "return_token_ids": True}
     tok = Tokenizer(special_dir)
     markup = {tok.added_token_id(t) for t in make_parser(parser).tags}

@@ -149,13 +149,15 @@ def test_an_env_reads_its_models_tool_call_format_by_name(parser, call):
     assert not done and obs[0]["role"] == "tool" and obs[0]["content"] == "5" and end and reward == 1.0
 
 
+ADD_TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["a", "b"], "additionalProperties": False}}}]  # (digits: a random model's calls stay short)
+
+
 @pytest.mark.parametrize("parser", ["llama3_json", "qwen3_coder", "glm45", "pythonic"])
 def test_serve_with_a_tool_call_parser(model_dir, parser):
-    tools = [{"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
-                                         "b": {"type": "integer", "minimum": 0, "maximum": 9}},
-        "required": ["a", "b"], "additionalProperties": False}}}]
-    body = {"messages": [{"role": "user", "content": "2 + 3?"}], "tools": tools, "max_tokens": 80, "seed": 3,
+    body = {"messages": [{"role": "user", "content": "2 + 3?"}], "tools": ADD_TOOLS, "max_tokens": 80, "seed": 3,
             "tool_choice": {"type": "function", "function": {"name": "add"}}}
     with ServerProcess(model_dir, "--tool-call-parser", parser) as s:
         r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60).json()

@@ -413,3 +413,22 @@ def test_openai_sdk_fields_are_taken_and_parallel_tool_calls_false_keeps_the_fir
     streamed = [c for ch in chunks for c in ch["choices"][0]["delta"].get("tool_calls") or []]
     assert [c["function"] for c in streamed] == [both[0]["function"]]
     assert client.post("/v1/chat/completions", json=body | {"structured_outputs": None}).status_code == 200
+
+
+def test_a_reply_goes_on_writing_a_prefilled_assistant_message(client, model_dir):
+    """vLLM's continue_final_message (with add_generation_prompt false): the prompt is the chat up
+    to the last message's text, left open; /tokenize renders it the same; both flags true is a 400."""
+    from rollwise.engine.tokenizer import Tokenizer
+    tok = Tokenizer(model_dir)
+    msgs = [{"role": "user", "content": "2 + 3?"}, {"role": "assistant", "content": "The answer is"}]
+    body = {"messages": msgs, "max_tokens": 3, "return_token_ids": True, "continue_final_message": True,
+            "add_generation_prompt": False}
+    got = client.post("/v1/chat/completions", json=body).json()
+    want = tok.encode(tok.apply_chat_template(msgs[:1]) + "The answer is", add_special_tokens=False)
+    assert got["prompt_token_ids"] == want
+    assert client.post("/tokenize", json={k: body[k] for k in ("messages", "continue_final_message",
+                                                                "add_generation_prompt")}).json()["tokens"] == want
+    for bad, why in (({"add_generation_prompt": True}, "cannot both be true"),
+                     ({"messages": msgs[:1]}, "needs a last message from the assistant")):
+        r = client.post("/v1/chat/completions", json=body | bad)
+        assert r.status_code == 400 and why in r.json()["error"]["message"], bad

@@ -64,6 +64,11 @@ def test_messages_text_tools_and_results_through_the_anthropic_sdk(served, model
     stop = text[4:7]
     cut = client.messages.create(model="m", max_tokens=16, messages=msgs, **GREEDY, stop_sequences=[stop])
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop and stop not in cut.content[0].text
+    # a prefill: the reply goes on writing the last, the assistant's message
+    prefill = [*msgs, {"role": "assistant", "content": text[:5]}]
+    more = client.messages.create(model="m", max_tokens=4, messages=prefill, **GREEDY)
+    rendered = tok.encode(tok.apply_chat_template(msgs) + text[:5], add_special_tokens=False)
+    assert more.usage.input_tokens == len(rendered)
 
 
 def test_messages_stream_as_the_sdk_reads_them(served):
@@ -126,6 +131,11 @@ def test_an_anthropic_agent_on_the_gateway_streams_and_is_refused_as_the_api_ref
                 {"type": "document", "source": {}}]}])
         except anthropic.BadRequestError as e:
             got["refused"] = (e.status_code, e.body["error"]["type"], e.body["error"]["message"])
+        try:  # a prefill: the policy writes whole turns of its own
+            await client.messages.create(model="p", max_tokens=8, messages=[{"role": "user", "content": "2 + 3?"},
+                                                                            {"role": "assistant", "content": "It"}])
+        except anthropic.BadRequestError as e:
+            got["prefill"] = e.body["error"]["message"]
         reply = await client.messages.create(model="p", max_tokens=64, tools=[ADD], messages=[
             {"role": "user", "content": "2 + 3?"}, {"role": "assistant", "content": first.content},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}])
@@ -145,3 +155,4 @@ def test_an_anthropic_agent_on_the_gateway_streams_and_is_refused_as_the_api_ref
     assert got["first"] == ("tool_use", "tool_use", "add", {"a": 2, "b": 3}) and got["second"] == ("end_turn", "5")
     assert got["third"] == ("stop_sequence", "END", "It is 5 ")
     assert got["refused"][:2] == (400, "invalid_request_error") and "'document' is not supported" in got["refused"][2]
+    assert "prefilled assistant message is not taken here" in got["prefill"]
