@@ -12,7 +12,7 @@ from fastapi import Request
 
 from rollwise.agent.parsing import HermesParser, bind
 from rollwise.serve.responses import (chat_choices, completion_choices, gather_or_cancel, merged, parses_tools, primed,
-                                      sse, stream_chat, stream_completion, usage, with_usage)
+                                      sse, stream_chat, stream_completion, usage, vllm_prompt_logprobs, with_usage)
 
 
 class ClientGone(Exception):
@@ -84,4 +84,6 @@ async def chat_reply(gen, body, request: Request, samples: list[tuple], rid: str
     outs = await _outputs(gen, request, samples)
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": chat_choices(gen.tokenizer, body, outs, parser, reasoning), "usage": usage(outs, body.n),
-            **({"prompt_token_ids": prompt_ids} if body.return_token_ids else {})}
+            **({"prompt_token_ids": prompt_ids} if body.return_token_ids else {}),
+            **({"prompt_logprobs": vllm_prompt_logprobs(gen.tokenizer, outs[0])}
+               if body.prompt_logprobs is not None else {})}

@@ -46,6 +46,7 @@ class _OpenAISampling(_Strict):
     guided_grammar: str | None = None
     user: str | None = None
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids (token-in-token-out RL)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, and this many top ones (0-20)
     # session metadata for schedulers (trajectory, group, turn)
     trajectory_id: str | None = None
     group_id: str | None = None
@@ -64,6 +65,7 @@ class _OpenAISampling(_Strict):
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=pick("repetition_penalty"), logit_bias=self.logit_bias,
                               allowed_token_ids=self.allowed_token_ids, skip_special_tokens=self.skip_special_tokens,
+                              prompt_logprobs=self.prompt_logprobs,
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               structured_outputs=self.structured(tokenizer, parser))
 

@@ -152,8 +152,29 @@ def completion_params(body: CompletionRequest, defaults: dict | None = None) -> 
     max_tokens = body.max_tokens if given else defaults.get("max_tokens", body.max_tokens)
     params = body.sampling(max_tokens, body.logprobs or 0, defaults=defaults)
     if body.echo and body.logprobs is not None:  # e.g. lm-eval's loglikelihood: the prompt tokens' logprobs
-        params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
+        params = dataclasses.replace(params, prompt_logprobs=max(body.logprobs, body.prompt_logprobs or 0))
     return params
+
+
+def vllm_prompt_logprobs(tok, out: RequestOutput) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), {token id: {"logprob",
+    "rank", "decoded_token"}} for the token and the most likely ones; the rank is the token's place
+    among those (None where it is not one of them)."""
+    if out.prompt_logprobs is None:
+        return None
+    tops = out.prompt_top_logprobs or [None] * len(out.prompt_logprobs)
+    result: list[dict | None] = []
+    for t, lp, top in zip(out.prompt_token_ids, out.prompt_logprobs, tops):
+        if lp is None:
+            result.append(None)
+            continue
+        ranked = list((top or {}).items())
+        entry = {str(c): {"logprob": v, "rank": i + 1, "decoded_token": _piece(tok, c)}
+                 for i, (c, v) in enumerate(ranked)}
+        if str(t) not in entry:
+            entry = {str(t): {"logprob": lp, "rank": None, "decoded_token": _piece(tok, t)}, **entry}
+        result.append(entry)
+    return result
 
 
 def completion_choices(tok, body: CompletionRequest, prompts: list, outs: list[RequestOutput], as_ids: bool) -> list[dict]:
@@ -164,6 +185,7 @@ def completion_choices(tok, body: CompletionRequest, prompts: list, outs: list[R
     return [{"index": i, "text": echoed[i // body.n] + o.text, "finish_reason": o.finish_reason,
              "stop_reason": o.stop_reason,
              "logprobs": _completion_logprobs(tok, o, as_ids, body.echo) if body.logprobs is not None else None,
+             **({"prompt_logprobs": vllm_prompt_logprobs(tok, o)} if body.prompt_logprobs is not None else {}),
              **({"prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids} if body.return_token_ids else {})}
             for i, o in enumerate(outs)]
 

@@ -432,3 +432,23 @@ def test_a_reply_goes_on_writing_a_prefilled_assistant_message(client, model_dir
                      ({"messages": msgs[:1]}, "needs a last message from the assistant")):
         r = client.post("/v1/chat/completions", json=body | bad)
         assert r.status_code == 400 and why in r.json()["error"]["message"], bad
+
+
+def test_prompt_logprobs_as_vllm_gives_them(client):
+    """vLLM's prompt_logprobs on completions (per choice) and chat (beside the choices): None for the
+    first prompt token, then the token's logprob and the k most likely, ranked; the same numbers as
+    /generate's prompt logprobs for the same ids."""
+    ids = [5, 6, 7, 8, 9]
+    got = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}).json()
+    plp = got["choices"][0]["prompt_logprobs"]
+    gen = client.post("/generate", json={"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+                                         "top_logprobs_num": 2, "sampling_params": {"max_tokens": 1}}).json()
+    assert plp[0] is None and len(plp) == len(ids)
+    for k, (t, lp) in enumerate(zip(ids[1:], gen["prompt_logprobs"][1:]), start=1):
+        assert plp[k][str(t)]["logprob"] == pytest.approx(lp, abs=1e-5)
+        ranked = sorted((e["rank"], e["logprob"]) for e in plp[k].values() if e["rank"] is not None)
+        assert [r for r, _ in ranked] == [1, 2] and ranked[0][1] >= ranked[1][1] >= plp[k][str(t)]["logprob"] - 1e-6
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                     "prompt_logprobs": 0, "return_token_ids": True}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"])
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
