@@ -167,6 +167,13 @@ def test_stop_strings_benchmark_smoke(tmp_path):
     assert res["plain"]["decoded_per_token"] == 1.0 < res["stop"]["decoded_per_token"] and res["ratio"] > 0
 
 
+def test_stream_decode_benchmark_smoke(tmp_path):
+    res = smoke(tmp_path, "benchmarks/stream_decode.py", "--model", str(tmp_path / "model"))
+    assert res["served"]["tokens"] == res["served"]["chunks"] == 200  # (it checked both ways gave the text)
+    (length, r), = res["agent_text"].items()
+    assert int(length) == r["tokens"] == 500 and r["whole_decode_s"] > 0 and r["engine_copy_s"] > 0
+
+
 def test_grad_checkpoint_benchmark_smoke(tmp_path):
     res = smoke(tmp_path, "benchmarks/grad_checkpoint.py", "--model", str(tmp_path / "model"), "--repeats", "1")
     assert res["plain"]["tokens"] == res["checkpointed"]["tokens"] > 0  # the same micro-batch both ways
