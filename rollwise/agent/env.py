@@ -55,7 +55,8 @@ class Env(Protocol):
     # close() (may be a coroutine) runs when the episode ends, however it ends; state_key() (may be a
     # coroutine) names the env's state before each turn, kept in TurnRecord.state: GiGPO's step groups
     # then compare the turns taken from equal keys rather than from equal observation tokens;
-    # bind_tokenizer(tok) gets the policy's tokenizer before the first turn
+    # bind_tokenizer(tok) gets the policy's tokenizer before the first turn; bind_generator(generator,
+    # tok, params, trajectory_id) the episode's generator before reset (ToolEnv: a user the policy plays)
 
 
 async def maybe_await(x):
@@ -113,6 +114,7 @@ class ToolEnv:
             from rollwise.agent.users import user_factory
             self._new_user = user_factory(user)
         self._user, self._dialogue = None, []
+        self._policy = None  # (generator, tokenizer, params, trajectory id): the episode's (bind_generator)
 
     # to implement --------------------------------------------------------------------------------
     def make_tools(self, task: dict) -> list[Tool]:
@@ -136,6 +138,11 @@ class ToolEnv:
         return (write or HermesParser().write)([ToolCall(tool, arguments)])
 
     # the protocol --------------------------------------------------------------------------------
+    def bind_generator(self, generator, tok, params, trajectory_id: str) -> None:
+        """The episode's generator, the policy's tokenizer and the run's sampling, before reset (a
+        user the policy plays generates with them)."""
+        self._policy = (generator, tok, params, trajectory_id)
+
     def turn_params(self, params):
         """The run's sampling; with a parser whose markup is special tokens (`kimi_k2`,
         `deepseek_v31`), each reply decoded with them kept, so that its calls can be read."""
@@ -174,6 +181,8 @@ class ToolEnv:
         message as the agent's instructions. A subclass that writes its own first messages passes
         them through this."""
         self._user = self._new_user() if self._new_user is not None else None
+        if hasattr(self._user, "bind") and self._policy is not None:  # a user the policy plays
+            self._user.bind(*self._policy)
         opening = getattr(self._user, "opening", None)
         opening = await maybe_await(opening(self.task)) if opening is not None else None
         if opening is not None:

@@ -100,6 +100,8 @@ async def run_episode(generator: Generator, env: Env, task: dict, params: Sampli
 
 async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRenderer, max_context: int,
                 policy_version: int | None) -> None:
+    if hasattr(env, "bind_generator"):  # optional: the episode's generator, before reset (a user the policy plays)
+        env.bind_generator(generator, renderer.tok, params, traj.trajectory_id)
     messages = await maybe_await(env.reset(task))
     schemas = [t.schema for t in getattr(env, "tools", [])] or None
     observe = getattr(env, "observe", None)  # optional: sees each turn's request and output before step

@@ -38,8 +38,10 @@ def test_tasks_are_drawn_by_weight_tagged_and_each_runs_on_its_own_env(model_dir
     env = mix()
     asyncio.run(env.reset(tasks[[t["env"] for t in tasks].index("calculator")]))
     assert env.max_turns == 3 and "calculator" in [t.name for t in env.tools]  # its own options, its own tools
+    env.bind_generator("generator", "tokenizer", "params", "traj")  # (the episode loop's, before reset)
     asyncio.run(env.reset(tasks[[t["env"] for t in tasks].index("phonebook")]))
     assert env.max_turns == 5  # the run's max_turns where the env sets none
+    assert env.inner._policy == ("generator", "tokenizer", "params", "traj")  # handed on to the episode's env
 
 
 def test_bad_mixes_and_tasks_are_value_errors(model_dir):

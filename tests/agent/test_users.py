@@ -251,3 +251,48 @@ def test_the_warm_start_is_the_experts_alone(model_dir, tmp_path):
     assert report["sft"]["expert_success"] == 1.0
     assert _sft_cache_path(cfg) == _sft_cache_path(TrainConfig.from_dict({**base, "run_dir": str(tmp_path / "b")}))
     assert _sft_cache_path(cfg).exists()
+
+
+@pytest.mark.parametrize("opens", [False, True])
+def test_the_policy_plays_the_user(model_dir, opens):
+    """Self-play: `kind = "policy"` has the episode's own generator (a real engine here) write the
+    user's lines from the simulator's prompt, with the roles turned round; they are the agent's
+    next messages, observations (not trained), until max_replies."""
+    from rollwise.agent.generator import RecordingGenerator
+    from rollwise.engine.async_engine import AsyncEngine
+    tok = Tokenizer(model_dir)
+    engine = AsyncEngine(model_dir, max_num_seqs=4)
+    try:
+        gen = RecordingGenerator(engine)
+        user = {"kind": "policy", "max_tokens": 6, "max_replies": 2, "temperature": 0.0, "opens": opens}
+        t = asyncio.run(run_episode(gen, make_env("dataset", reward="contains", user=user), BOOKING,
+                                    SamplingParams(max_tokens=6, seed=1)))
+    finally:
+        engine.shutdown()
+    assert t.status == "done", t.error
+    prompts = [tok.decode(r.prompt_token_ids, skip_special_tokens=False) for r, _ in gen.calls]
+    said = [tok.decode(o.token_ids) for _, o in gen.calls]
+    users = [i for i, p in enumerate(prompts) if BOOKING["instruction"] in p]  # the simulator's requests
+    agents = [i for i in range(len(prompts)) if i not in users]
+    replied = int(t.env_stats.get("user_replies", 0))
+    assert len(agents) == len(t.turns) == replied + 1 and replied >= 1
+    assert replied + opens <= len(users) <= replied + opens + 1  # (+1: a last line that ended it)
+    if opens:
+        assert users[0] == 0 and "Hi! How can I help you today?" in prompts[0]
+    for u in users:  # each user line is the agent's next user message, as it was written
+        line = said[u].strip()
+        later = [a for a in agents if a > u]
+        if line and later:
+            assert f"{USER_HEADER}\n{line}" in prompts[later[0]]
+    loss = sum(t.loss_mask)
+    assert loss == sum(len(o.token_ids) for i, (_, o) in enumerate(gen.calls) if i in agents)  # the agent's only
+
+
+def test_a_user_the_policy_plays_is_checked():
+    with pytest.raises(ValueError, match=r"user 'policy' is played by the run's own generator: \['url'\]"):
+        make_env("dataset", user={"kind": "policy", "url": "http://127.0.0.1:9/v1"})
+    with pytest.raises(ValueError, match="valid: 'feedback', 'policy'"):
+        make_env("dataset", user={"kind": "parrot"})
+    env = make_env("dataset", user={"kind": "policy", "opens": True})
+    with pytest.raises(ValueError, match="needs the episode's generator"):
+        asyncio.run(env.reset(BOOKING))

@@ -39,7 +39,7 @@ class MixEnv:
         run = {k: v for k, v in (("max_turns", max_turns), ("tool_latency", tool_latency)) if v is not None}
         for name, opts in envs.items():  # (resolve_env: a ValueError naming the built-ins for an unknown one)
             self.options[name] = {**taken_options(resolve_env(name), run), **opts}
-        self.inner = None
+        self.inner, self.bound = None, ()
         self.max_turns = max(self._make(n).max_turns for n in envs)  # (the episode's own env's, once reset)
 
     def _make(self, name: str):
@@ -53,9 +53,15 @@ class MixEnv:
                              "(a task of a mix needs an \"env\" field)")
         return name
 
+    def bind_generator(self, *bound) -> None:
+        """The episode's generator (before reset, when the episode's env is not yet chosen): handed on."""
+        self.bound = bound
+
     async def reset(self, task: dict):
         self.inner = self._make(self.env_of(task))
         self.max_turns = self.inner.max_turns
+        if self.bound and hasattr(self.inner, "bind_generator"):
+            self.inner.bind_generator(*self.bound)
         return await maybe_await(self.inner.reset(task))
 
     def step(self, action: str):
