@@ -1,12 +1,13 @@
 """What an agent on the OpenAI API costs against a built-in env: the demo's phonebook task as the
 built-in `phonebook` env and as examples/phonebook_agent.py (the openai SDK to rollwise's agent
-gateway, on chat completions and on the Responses API), the same episodes in one run, taking turns.
+gateway, on chat completions and on the Responses API; or the anthropic SDK on the Messages API),
+the same episodes in one run, taking turns.
 
     python benchmarks/agent_gateway.py [--quick | --smoke] [--json PATH]
     python benchmarks/agent_gateway.py --sides env,agent,program,server --episodes 64   # agent programs
 
 Sides: `env` (built-in), `agent` (the openai-SDK agent in process, chat), `responses` (the same on
-the Responses API), `program` (examples/phonebook_agent_cli.py, a process per episode) and `server`
+the Responses API), `messages` (the same on Anthropic's Messages API, the anthropic SDK), `program` (examples/phonebook_agent_cli.py, a process per episode) and `server`
 (the same program, one long-lived process serving every episode: `serve = true`).
 
 Both replay each task's scripted expert (a lookup, then the answer): on an instant generator (the
@@ -39,6 +40,7 @@ AGENT = str(Path(__file__).resolve().parent.parent / "examples" / "phonebook_age
 CLI = [sys.executable, str(Path(AGENT.split(":")[0]).with_name("phonebook_agent_cli.py"))]
 SIDES = {"env": lambda: make_env("phonebook"), "agent": lambda: make_env("agent", agent=AGENT),
          "responses": lambda: make_env("agent", agent=AGENT, agent_options={"api": "responses"}),
+         "messages": lambda: make_env("agent", agent=AGENT, agent_options={"api": "messages"}, client="anthropic"),
          "program": lambda: make_env("agent", command=CLI),
          "server": lambda: make_env("agent", command=CLI + ["--serve"], serve=True)}
 
