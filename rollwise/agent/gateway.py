@@ -239,7 +239,11 @@ class Gateway:
             return named_sse(events(msg)) if body.get("stream") else JSONResponse(msg)
 
         async def models(request):
-            return JSONResponse({"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "rollwise"}]})
+            listed = {"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "rollwise"}]}
+            if "anthropic-version" in request.headers:  # the anthropic SDK's models.list()
+                from rollwise.agent.messages_api import models_page
+                listed = models_page(listed)
+            return JSONResponse(listed)
 
         return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
                                  Route("/v1/responses", responses, methods=["POST"]),

@@ -291,3 +291,12 @@ def named_sse(events):
             status = 400 if isinstance(e, ValueError) else 503
             yield f"event: error\ndata: {json.dumps(error_body(status, str(e)))}\n\n"
     return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def models_page(openai_list: dict) -> dict:
+    """An OpenAI model list (`/v1/models`) in the Messages API's shape, for a client that sent its
+    `anthropic-version` header (the anthropic SDK's `models.list()`)."""
+    data = [{"type": "model", "id": m["id"], "display_name": m["id"], "created_at": "1970-01-01T00:00:00Z"}
+            for m in openai_list.get("data", [])]
+    return {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None}

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollwise.agent.messages_api import models_page
 from rollwise.agent.parsing import make_parser
 from rollwise.agent.reasoning import make_reasoning_parser
 from rollwise.config import ServerConfig
@@ -133,8 +134,9 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         return PlainTextResponse("\n".join(lines) + "\n")
 
     @app.get("/v1/models")
-    async def models():
-        """The models the replicas serve, as a healthy one lists them (OpenAI clients ask first)."""
+    async def models(request: Request):
+        """The models the replicas serve, as a healthy one lists them (OpenAI clients ask first; in
+        the Messages API's shape for an anthropic client)."""
         for name in sorted(router.healthy):
             client = getattr(router.replicas.get(name), "client", None)
             try:
@@ -142,7 +144,7 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
             except httpx.HTTPError:
                 continue
             if r is not None and r.status_code == 200:
-                return r.json()
+                return models_page(r.json()) if "anthropic-version" in request.headers else r.json()
         return error(503, "no healthy replica listed its models", "unavailable")
 
     @app.get("/replicas")

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 
+from rollwise.agent.messages_api import models_page
 from rollwise.agent.parsing import make_parser
 from rollwise.agent.reasoning import make_reasoning_parser
 from rollwise.config import ServerConfig
@@ -87,10 +88,11 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
                 "batch_invariant": engine.engine.config.batch_invariant}
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
         base = {"object": "model", "owned_by": "rollwise", "max_model_len": engine.engine.max_model_len}
-        return {"object": "list", "data": [{"id": model_name, **base}] + [
+        listed = {"object": "list", "data": [{"id": model_name, **base}] + [
             {"id": name, **base, "parent": model_name} for name in sorted(engine.engine.loras)]}
+        return models_page(listed) if "anthropic-version" in request.headers else listed
 
     @app.get("/metrics")
     async def metrics():

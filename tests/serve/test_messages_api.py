@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -40,6 +41,9 @@ def test_messages_text_tools_and_results_through_the_anthropic_sdk(served, model
     rendered = tok.encode_chat([{"role": "system", "content": "Be brief."}, *msgs])
     assert m.usage.input_tokens == len(rendered)
     assert client.messages.count_tokens(model="m", system="Be brief.", messages=msgs).input_tokens == len(rendered)
+    listed = client.models.list()  # (the Messages API's shape for it; OpenAI's for an openai client)
+    assert [m.id for m in listed] == [m.display_name for m in listed] == [Path(model_dir).name]
+    assert httpx.get(served.url + "/v1/models", headers={"Authorization": "Bearer sk-test"}).json()["object"] == "list"
     # a forced call: a tool_use block whose input follows the schema, then its result sent back
     m = client.messages.create(model="m", max_tokens=60, messages=[{"role": "user", "content": "2 + 3?"}],
                                tools=[ADD], tool_choice={"type": "tool", "name": "add"}, **GREEDY)
