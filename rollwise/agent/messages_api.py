@@ -8,7 +8,7 @@ order given, so results come before the user's words, as the API requires them f
 assistant message's `text` to its content and each `tool_use` to a tool call (its `input` as JSON
 arguments); `thinking` blocks sent back are left out (chat templates drop earlier reasoning).
 `tools` are custom tools (`input_schema`); `tool_choice` `auto`, `any` (a call is required), `tool`
-(that one) and `none`; `stop_sequences`, `max_tokens` (required), `temperature`, `top_p`, `top_k`.
+(that one) and `none`, `disable_parallel_tool_use` keeping a reply's first call; `stop_sequences`, `max_tokens` (required), `temperature`, `top_p`, `top_k`.
 A last assistant message is a prefill: the reply goes on writing it (`continue_final_message`).
 The reply is a Message: a `thinking` block for a thinking model's reasoning (a reasoning parser's),
 a `text` block, a `tool_use` block per call; `stop_reason` `end_turn`, `max_tokens`,
@@ -69,6 +69,8 @@ def chat_body(body) -> dict:
     choice = body.get("tool_choice")
     if choice is not None:
         out["tool_choice"] = _tool_choice(choice)
+        if choice.get("disable_parallel_tool_use"):  # (chat's parallel_tool_calls: false)
+            out["parallel_tool_calls"] = False
     fmt = (body.get("output_config") or {}).get("format") if isinstance(body.get("output_config"), dict) else None
     if fmt is not None:  # structured output: {"type": "json_schema", "schema": ...}
         if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):

@@ -91,6 +91,12 @@ def test_messages_stream_as_the_sdk_reads_them(served):
         final = stream.get_final_message()
     use = final.content[-1]
     assert final.stop_reason == "tool_use" and use.type == "tool_use" and set(use.input) == {"a", "b"}
+    from rollwise.agent.messages_api import chat_body  # (chat's parallel_tool_calls: false, tested there)
+    body = {"max_tokens": 9, "messages": [{"role": "user", "content": "hi"}], "tools": [ADD]}
+    assert chat_body(body | {"tool_choice": {"type": "any", "disable_parallel_tool_use": True}}) == {
+        "model": None, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "tool_choice": "required",
+        "parallel_tool_calls": False, "tools": [{"type": "function", "function": {
+            "name": "add", "description": ADD["description"], "parameters": ADD["input_schema"]}}]}
     assert events[0] == "message_start" and events[-1] == "message_stop" and "content_block_start" in events
 
 
