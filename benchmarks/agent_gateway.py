@@ -7,8 +7,9 @@ the same episodes in one run, taking turns.
     python benchmarks/agent_gateway.py --sides env,agent,program,server --episodes 64   # agent programs
 
 Sides: `env` (built-in), `agent` (the openai-SDK agent in process, chat), `responses` (the same on
-the Responses API), `messages` (the same on Anthropic's Messages API, the anthropic SDK), `program` (examples/phonebook_agent_cli.py, a process per episode) and `server`
-(the same program, one long-lived process serving every episode: `serve = true`).
+the Responses API), `messages` (the same on Anthropic's Messages API, the anthropic SDK), `program`
+(examples/phonebook_agent_cli.py, a process per episode) and `server` (the same program, one
+long-lived process serving every episode: `serve = true`).
 
 Both replay each task's scripted expert (a lookup, then the answer): on an instant generator (the
 loops' own cost per turn) and on the real engine teacher-forced to the expert (real forwards and

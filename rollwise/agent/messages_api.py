@@ -8,8 +8,9 @@ order given, so results come before the user's words, as the API requires them f
 assistant message's `text` to its content and each `tool_use` to a tool call (its `input` as JSON
 arguments); `thinking` blocks sent back are left out (chat templates drop earlier reasoning).
 `tools` are custom tools (`input_schema`); `tool_choice` `auto`, `any` (a call is required), `tool`
-(that one) and `none`, `disable_parallel_tool_use` keeping a reply's first call; `stop_sequences`, `max_tokens` (required), `temperature`, `top_p`, `top_k`.
-A last assistant message is a prefill: the reply goes on writing it (`continue_final_message`).
+(that one) and `none`, `disable_parallel_tool_use` keeping a reply's first call; `stop_sequences`,
+`max_tokens` (required), `temperature`, `top_p`, `top_k`. A last assistant message is a prefill:
+the reply goes on writing it (`continue_final_message`).
 The reply is a Message: a `thinking` block for a thinking model's reasoning (a reasoning parser's),
 a `text` block, a `tool_use` block per call; `stop_reason` `end_turn`, `max_tokens`,
 `stop_sequence` (with `stop_sequence`) or `tool_use`. `output_config.format` (a JSON schema) holds

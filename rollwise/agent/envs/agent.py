@@ -58,6 +58,7 @@ from rollwise.agent.reasoning import make_reasoning_parser
 
 CLIENTS = ("openai", "anthropic")  # the SDK client an agent function gets: openai's, or anthropic's (Messages API)
 
+
 class AgentEnv:
     name = "agent"
 
