@@ -287,6 +287,7 @@ class GenerateOutput:
     prompt_logprobs: list[float | None] | None = None  # as in RequestOutput
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
     routed_experts: object | None = None  # as in RequestOutput (numpy [num_tokens - 1, layers, k])
+    stop_reason: str | int | None = None  # as in RequestOutput
 
     @classmethod
     def of(cls, out: RequestOutput, start: int = 0) -> GenerateOutput:
@@ -295,7 +296,8 @@ class GenerateOutput:
                    num_cached_tokens=out.num_cached_tokens, policy_version=out.policy_version,
                    request_id=out.request_id, version_segments=out.version_segments,
                    top_logprobs=out.top_logprobs[start:], prompt_logprobs=out.prompt_logprobs,
-                   prompt_top_logprobs=out.prompt_top_logprobs, routed_experts=out.routed_experts)
+                   prompt_top_logprobs=out.prompt_top_logprobs, routed_experts=out.routed_experts,
+                   stop_reason=out.stop_reason)
 
 
 TRAJECTORY_STATUSES = ("done", "max_turns", "max_context", "timeout", "error")

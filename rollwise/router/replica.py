@@ -219,7 +219,7 @@ class HttpReplica:
     def _output(b: dict) -> GenerateOutput:
         return GenerateOutput(token_ids=b["token_ids"], logprobs=b["logprobs"], finish_reason=b["finish_reason"],
                               num_cached_tokens=b["num_cached_tokens"], policy_version=b["policy_version"],
-                              request_id=b["request_id"],
+                              request_id=b["request_id"], stop_reason=b.get("stop_reason"),
                               version_segments=[tuple(x) for x in b.get("version_segments", [])],
                               top_logprobs=[{t: lp for t, lp in top} for top in b.get("top_logprobs", [])],
                               prompt_logprobs=b.get("prompt_logprobs"),

@@ -153,6 +153,14 @@ def test_route_proxy_over_http(servers, model_dir):
                         {"input_ids": [1], "bogus": 1}, {"prompt": "text"}, {"input_ids": [10**9]}):
                 r = c.post("/generate", json=bad)
                 assert r.status_code == 400 and "message" in r.json()["error"], (bad, r.text)
+            # the stop token that ended a reply comes through the router as the replica's stop_reason
+            greedy = {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                      "return_token_ids": True}
+            ids = httpx.post(servers[0].url + "/v1/completions", json=greedy).json()["choices"][0]["token_ids"]
+            stop = greedy | {"stop_token_ids": [ids[3]]}
+            direct = httpx.post(servers[0].url + "/v1/completions", json=stop).json()["choices"][0]
+            routed = c.post("/v1/completions", json=stop).json()["choices"][0]
+            assert routed["stop_reason"] == direct["stop_reason"] == ids[3] and routed["text"] == direct["text"]
             # top logprobs come through the router: the replica's own, as token ids
             top = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logprobs": 2}
             direct = httpx.post(servers[0].url + "/v1/completions", json=top | {"return_tokens_as_token_ids": True})
