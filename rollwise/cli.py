@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--init-std", type=float, default=0.02)
     p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--tool-tokens", choices=["kimi_k2", "deepseek_v31", "deepseek_v3"], default=None,
+    p.add_argument("--tool-tokens", choices=["kimi_k2", "deepseek_v31", "deepseek_v3", "mistral"], default=None,
                    help="the tokenizer gets this tool-call format's markup as special tokens, as its models' have")
     p.set_defaults(fn=cmd_make_model)
 

@@ -149,8 +149,8 @@ class ChatCompletionRequest(_OpenAISampling):
         format's tags (Qwen's `<tool_call>`) the grammar then uses."""
         from rollwise.agent.parsing import HermesParser, forced_tool_calls
         spec = super().structured()
-        tags = tokenizer is not None and all(tokenizer.added_token_id(t) is not None
-                                             for t in getattr(parser, "tags", HermesParser.tags))
+        ids = {t: tokenizer.added_token_id(t) for t in getattr(parser, "tags", HermesParser.tags)} if tokenizer else {}
+        tags = ids if ids and None not in ids.values() else False  # (the grammar names them by id)
         forced = forced_tool_calls(self.tools or [], self.tool_choice, tags, parser) if self.tools else None
         if forced is not None and spec is not None:
             raise ValueError("tool_choice 'required' or a named function already structures the reply; "

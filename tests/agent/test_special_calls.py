@@ -11,8 +11,8 @@ import pytest
 
 from rollwise.agent.episode import ChatRenderer, run_episode
 from rollwise.agent.generator import ScriptedGenerator
-from rollwise.agent.parsing import (DeepSeekV31Parser, DeepSeekV3Parser, KimiK2Parser, ToolCall, make_parser,
-                                   openai_tool_calls)
+from rollwise.agent.parsing import (DeepSeekV31Parser, DeepSeekV3Parser, KimiK2Parser, MistralParser, ToolCall,
+                                   make_parser, openai_tool_calls)
 from rollwise.engine.tokenizer import Tokenizer
 from rollwise.make_model import make_model
 from rollwise.serve.process import ServerProcess
@@ -20,7 +20,7 @@ from rollwise.types import SamplingParams
 
 from tests.agent.test_tool_parsers import ADD_TOOLS, Adder
 
-KIMI, V31, V3 = KimiK2Parser(), DeepSeekV31Parser(), DeepSeekV3Parser()
+KIMI, V31, V3, MISTRAL = KimiK2Parser(), DeepSeekV31Parser(), DeepSeekV3Parser(), MistralParser()
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def special_dir(tmp_path_factory) -> str:
     """A Qwen3 test model whose tokenizer has Kimi-K2's and DeepSeek's tool-call markup as special tokens."""
     return str(make_model(tmp_path_factory.mktemp("special"), family="qwen3", layers=2, hidden=64, heads=4,
                           kv_heads=2, vocab=1024, std=0.1, seed=2, tie=True, head_dim=32,
-                          special_tokens=KIMI.tags + V31.tags))
+                          special_tokens=KIMI.tags + V31.tags + MISTRAL.tags))
 
 
 def test_kimi_k2_calls_are_parsed_with_their_ids():
@@ -74,7 +74,25 @@ def test_deepseek_calls_are_parsed():
     assert make_parser("deepseek_v31").special_tokens and not make_parser("hermes").special_tokens
 
 
-@pytest.mark.parametrize("parser", ["kimi_k2", "deepseek_v31"])
+def test_mistral_calls_are_parsed_in_either_generation():
+    text = 'Sure.[TOOL_CALLS]add[ARGS]{"a": 2}[TOOL_CALLS]neg[CALL_ID]abcDEF123[ARGS]{"x": 1}'
+    got = MISTRAL.parse(text)
+    assert not got.errors and got.text == "Sure." and [(c.name, c.arguments) for c in got.calls] == [
+        ("add", {"a": 2}), ("neg", {"x": 1})]
+    assert got.calls[1].id == "abcDEF123" and len(got.calls[0].id) == 9 and got.calls[0].id.isalnum()  # (Mistral's ids)
+    old = MISTRAL.parse('Sure.[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2}}, {"name": "ping"}]')
+    assert [(c.name, c.arguments) for c in old.calls] == [("add", {"a": 2}), ("ping", {})] and old.text == "Sure."
+    assert "invalid JSON arguments" in MISTRAL.parse('[TOOL_CALLS]add[ARGS]{"a": ').errors[0]
+    assert "invalid JSON" in MISTRAL.parse('[TOOL_CALLS] [{"name": ').errors[0]
+    assert "expected [TOOL_CALLS]NAME[ARGS]" in MISTRAL.parse("[TOOL_CALLS]add[ARGS][1]").errors[0]
+    calls = [ToolCall("edit", {"path": "a b", "n": [1, None]}), ToolCall("ping", {})]
+    assert [(c.name, c.arguments) for c in MISTRAL.parse(MISTRAL.write(calls)).calls] == [
+        (c.name, c.arguments) for c in calls]
+    assert MISTRAL.content_end("Hi [TOOL_") == 3 and MISTRAL.content_end("Hi [x") == 5
+    assert MISTRAL.parse("42").calls == [] and MISTRAL.content("42[TOOL_CALLS]x[ARGS]{}") == "42"
+
+
+@pytest.mark.parametrize("parser", ["kimi_k2", "deepseek_v31", "mistral"])
 def test_an_episode_reads_calls_written_in_special_tokens(special_dir, parser):
     """The model writes its call's markup as special tokens; the env asks for them kept
     (`turn_params`), so the episode's text holds the call, and the end-of-turn token's text stays out."""
@@ -94,10 +112,12 @@ def test_an_episode_reads_calls_written_in_special_tokens(special_dir, parser):
     assert tok.decode(tok.encode(call, add_special_tokens=False)) != call
 
 
-@pytest.mark.parametrize("parser", ["kimi_k2", "deepseek_v31", "deepseek_v3"])
+@pytest.mark.parametrize("parser", ["kimi_k2", "deepseek_v31", "deepseek_v3", "mistral"])
 def test_serve_with_a_special_token_tool_call_parser(special_dir, parser):
+    # (Mistral's calls have no closing tag: a random model asked for "one or more" goes on calling)
+    choice = {"type": "function", "function": {"name": "add"}} if parser == "mistral" else "required"
     body = {"messages": [{"role": "user", "content": "2 + 3?"}], "tools": ADD_TOOLS, "max_tokens": 80, "seed": 3,
-            "tool_choice": "required", "return_token_ids": True}
+            "tool_choice": choice, "return_token_ids": True}
     tok = Tokenizer(special_dir)
     markup = {tok.added_token_id(t) for t in make_parser(parser).tags}
     with ServerProcess(special_dir, "--tool-call-parser", parser) as s:
@@ -108,7 +128,8 @@ def test_serve_with_a_special_token_tool_call_parser(special_dir, parser):
         call = c["message"]["tool_calls"][0]
         args = json.loads(call["function"]["arguments"])
         assert call["function"]["name"] == "add" and set(args) == {"a", "b"}
-        assert call["id"].startswith("functions.add:") if parser == "kimi_k2" else call["id"].startswith("call_")
+        ids = {"kimi_k2": lambda i: i.startswith("functions.add:"), "mistral": lambda i: len(i) == 9 and i.isalnum()}
+        assert ids.get(parser, lambda i: i.startswith("call_"))(call["id"]), call["id"]
         streamed = httpx.post(s.url + "/v1/chat/completions", json=body | {"stream": True}, timeout=60).text
         chunks = [json.loads(x[6:]) for x in streamed.splitlines() if x.startswith("data: {")]
         deltas = [ch["choices"][0]["delta"] for ch in chunks if ch.get("choices")]

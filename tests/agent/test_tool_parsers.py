@@ -28,8 +28,8 @@ def test_llama3_json_calls_are_parsed_and_text_stays_text():
     assert HermesParser().content_end("Hi <tool_c") == 3 and HermesParser().content_end("Hi there, friend") == 16
     assert HermesParser().content_end("a < b <") == 6 and HermesParser().content_end("x <tool_call> y") == 2
     with pytest.raises(ValueError, match="valid: \\['deepseek_v3', 'deepseek_v31', 'glm45', 'hermes', 'kimi_k2', "
-                                         "'llama3_json', 'pythonic', 'qwen3_coder'\\]"):
-        make_parser("mistral")
+                                         "'llama3_json', 'mistral', 'pythonic', 'qwen3_coder'\\]"):
+        make_parser("granite")
 
 
 EDIT = [{"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": {
@@ -174,7 +174,7 @@ def test_serve_with_a_tool_call_parser(model_dir, parser):
 
 
 @pytest.mark.parametrize("parser", ["llama3_json", "qwen3_coder", "glm45", "pythonic", "kimi_k2", "deepseek_v31",
-                                    "deepseek_v3"])
+                                    "deepseek_v3", "mistral"])
 def test_experts_write_their_calls_in_the_envs_format(expert_rewards, parser):
     """A warm start teaches the format the policy is parsed by: every built-in env's expert writes
     its calls with the env's parser (`ToolEnv.call_text`) and solves its tasks in it; Hermes's
@@ -186,7 +186,8 @@ def test_experts_write_their_calls_in_the_envs_format(expert_rewards, parser):
         first = make_env(name, parser=parser).expert(tasks[0])[0]
         start = {"qwen3_coder": "<tool_call>\n<function=", "llama3_json": '{"name": ', "pythonic": "[",
                  "glm45": "<tool_call>", "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.",
-                 "deepseek_v31": "<｜tool▁calls▁begin｜>", "deepseek_v3": "<｜tool▁calls▁begin｜>"}[parser]
+                 "deepseek_v31": "<｜tool▁calls▁begin｜>", "deepseek_v3": "<｜tool▁calls▁begin｜>",
+                 "mistral": "[TOOL_CALLS]"}[parser]
         assert first.startswith(start), first
     calc = make_env("calculator")
     task = calc.sample_tasks(1, seed=0)[0]

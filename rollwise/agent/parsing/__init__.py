@@ -9,31 +9,32 @@ raw text, typed by the tool's schema), `glm45` (GLM-4.5's: `<tool_call>NAME<arg_
 is special tokens, read from replies decoded with them kept: `kimi_k2` (`<|tool_calls_section_begin|>
 <|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}<|tool_call_end|>...`),
 `deepseek_v31` (`<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}...`) and
-`deepseek_v3` (V3's and R1's: `function<｜tool▁sep｜>NAME` and a fenced JSON block). Each parser
+`deepseek_v3` (V3's and R1's: `function<｜tool▁sep｜>NAME` and a fenced JSON block) and `mistral`
+(`[TOOL_CALLS]NAME[ARGS]{...}`, or older models' `[TOOL_CALLS]` and a JSON list). Each parser
 also says how much of a reply being streamed can be shown as content (`content_end`), writes the
 grammar that holds a reply to calls of given functions (`grammar`, for tool_choice "required" or
 a named one) and writes calls as the model does (`write`, for experts' transcripts).
 `for_tools(tools)` gives the parser for a request's tools (their schemas type qwen3_coder's and
 glm45's values; the others need none). The formats live in `base` (the types, Hermes),
 `whole_reply` (Llama 3's JSON, pythonic), `xml_calls` (qwen3_coder, glm45) and `special_calls`
-(kimi_k2, deepseek_v31, deepseek_v3)."""
+(kimi_k2, deepseek_v31, deepseek_v3, mistral)."""
 from __future__ import annotations
 
 import json
 import uuid
 
 from rollwise.agent.parsing.base import HermesParser, Parsed, ToolCall, ToolCallParser
-from rollwise.agent.parsing.special_calls import DeepSeekV31Parser, DeepSeekV3Parser, KimiK2Parser
+from rollwise.agent.parsing.special_calls import DeepSeekV31Parser, DeepSeekV3Parser, KimiK2Parser, MistralParser
 from rollwise.agent.parsing.whole_reply import Llama3JsonParser, PythonicParser
 from rollwise.agent.parsing.xml_calls import Glm45Parser, Qwen3CoderParser
 
 __all__ = ["PARSERS", "DeepSeekV31Parser", "DeepSeekV3Parser", "Glm45Parser", "HermesParser", "KimiK2Parser",
-           "Llama3JsonParser", "Parsed", "PythonicParser", "Qwen3CoderParser", "ToolCall", "ToolCallParser", "bind",
+           "Llama3JsonParser", "MistralParser", "Parsed", "PythonicParser", "Qwen3CoderParser", "ToolCall", "ToolCallParser", "bind",
            "forced_tool_calls", "make_parser", "openai_tool_calls"]
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "qwen3_coder": Qwen3CoderParser,
            "glm45": Glm45Parser, "pythonic": PythonicParser, "kimi_k2": KimiK2Parser,
-           "deepseek_v31": DeepSeekV31Parser, "deepseek_v3": DeepSeekV3Parser}
+           "deepseek_v31": DeepSeekV31Parser, "deepseek_v3": DeepSeekV3Parser, "mistral": MistralParser}
 
 
 def bind(parser: ToolCallParser, tools: list[dict] | None) -> ToolCallParser:
@@ -59,15 +60,16 @@ def openai_tool_calls(text: str, parser: ToolCallParser | None = None) -> tuple[
                        "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in got.calls]
 
 
-def forced_tool_calls(tools: list[dict], tool_choice, tag_tokens: bool = False,
+def forced_tool_calls(tools: list[dict], tool_choice, tag_tokens=False,
                       parser: ToolCallParser | None = None) -> dict | None:
     """The structured output (a Lark grammar, `structured_outputs`) that makes a reply tool calls in
     the parser's format (default Hermes), for OpenAI's tool_choice "required" (one or more calls,
     each of an offered function with its parameters' schema) or {"type": "function", "function":
     {"name": N}} (exactly one call of N), as vLLM enforces them; None for "auto", "none" or no
-    choice. ValueError for a name not offered. `tag_tokens`: the tokenizer has `<tool_call>` and
-    `</tool_call>` as tokens of their own (Qwen's): the grammar names them as tokens, so the reply
-    is tokenized as the model writes it."""
+    choice. ValueError for a name not offered. `tag_tokens`: the tokenizer has the format's tags
+    (Qwen's `<tool_call>`, Kimi's and Mistral's special tokens) as tokens of their own, {tag: id}
+    (or true: by name): the grammar names them as tokens (`base.tag_ref`), so the reply is
+    tokenized as the model writes it."""
     if tool_choice in (None, "auto", "none"):
         return None
     fns = [t.get("function") or {} for t in tools if t.get("type", "function") == "function"]

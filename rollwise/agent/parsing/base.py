@@ -31,7 +31,7 @@ class ToolCallParser(Protocol):
 
     def content_end(self, text: str) -> int: ...  # streaming: the prefix of the text so far that is content
 
-    def grammar(self, fns: list[dict], single: bool, tag_tokens: bool) -> str: ...  # Lark: calls of these
+    def grammar(self, fns: list[dict], single: bool, tag_tokens) -> str: ...  # Lark: calls of these (tag_ref)
 
     def write(self, calls: list[ToolCall]) -> str: ...  # the calls as the model writes them (experts' transcripts)
 
@@ -93,11 +93,20 @@ class HermesParser:
         """`<tool_call>` newline {"name", "arguments"} newline `</tool_call>`, one or more joined by
         newlines; `tag_tokens`: the tokenizer's own tag tokens (named as tokens, not spelled)."""
         schema = one_of([call_schema(f, "arguments") for f in fns])
-        tag = (lambda t: t) if tag_tokens else (lambda t: f'"{t}"')  # a token by name, or the text
+        tag = tag_ref(tag_tokens)
         nl = '"\\n"'  # a newline, as a Lark string literal
         call = f'{tag("<tool_call>")} {nl} %json {json.dumps(schema)} {nl} {tag("</tool_call>")}'
         more = "" if single else f" ({nl} call)*"
         return f"start: call{more}\ncall: {call}\n"
+
+
+def tag_ref(tag_tokens):
+    """How a grammar writes a format's tag: as the tokenizer's own token, by id where `tag_tokens`
+    maps the tags to their ids (llguidance's `<[ID]>`), by name where it is just true (llguidance
+    reads `<...>` as a token's name), or else as the text."""
+    if isinstance(tag_tokens, dict):
+        return lambda t: f"<[{tag_tokens[t]}]>"
+    return (lambda t: t) if tag_tokens else json.dumps
 
 
 def call_schema(fn: dict, args_key: str) -> dict:

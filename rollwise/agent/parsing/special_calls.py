@@ -1,15 +1,16 @@
 """Formats whose markup is the tokenizer's special tokens, JSON arguments inside: Kimi-K2's
-(`kimi_k2`), DeepSeek-V3.1's (`deepseek_v31`) and DeepSeek-V3's and R1's (`deepseek_v3`). Their
-text is only there when the reply is decoded with special tokens kept (`special_tokens`: the
-server, the envs and the gateway then decode so, as vLLM's parsers ask). A reply's calls stand in
-one section after its content: section begin, each call (begin, a header naming the function, a
-separator, the arguments, end), section end."""
+(`kimi_k2`), DeepSeek-V3.1's (`deepseek_v31`), DeepSeek-V3's and R1's (`deepseek_v3`) and
+Mistral's (`mistral`). Their text is only there when the reply is decoded with special tokens kept
+(`special_tokens`: the server, the envs and the gateway then decode so, as vLLM's parsers ask). In
+the first three a reply's calls stand in one section after its content: section begin, each call
+(begin, a header naming the function, a separator, the arguments, end), section end; Mistral's
+calls follow the content, each behind its own `[TOOL_CALLS]`."""
 from __future__ import annotations
 
 import json
 import re
 
-from rollwise.agent.parsing.base import HermesParser, Parsed, ToolCall, one_of
+from rollwise.agent.parsing.base import HermesParser, Parsed, ToolCall, one_of, tag_ref
 
 
 class SectionParser(HermesParser):
@@ -67,8 +68,8 @@ class SectionParser(HermesParser):
 
     def grammar(self, fns: list[dict], single: bool, tag_tokens: bool) -> str:
         """The section with one call (`single`) or more, each of an offered function with its
-        parameters' schema; `tag_tokens`: the markup as the tokenizer's special tokens, by name."""
-        tag = (lambda t: t) if tag_tokens else json.dumps  # a token by name, or the text
+        parameters' schema; `tag_tokens`: the markup as the tokenizer's special tokens (`tag_ref`)."""
+        tag = tag_ref(tag_tokens)
         alts = [f"{self._header_grammar(f['name'])} {tag(self.sep)} {self._args_grammar(f)}" for f in fns]
         calls = "call" if single else "call+"
         return (f"start: {tag(self.section_begin)} {calls} {tag(self.section_end)}\n"
@@ -149,3 +150,64 @@ class DeepSeekV3Parser(DeepSeekV31Parser):
     def _args_grammar(self, fn):
         return f'{json.dumps(fn["name"] + chr(10) + "```json" + chr(10))} {super()._args_grammar(fn)} "\\n```"'
 
+
+
+class MistralParser(HermesParser):
+    """Mistral's (vLLM's `mistral`; Mistral-Small 3.x, Devstral, Magistral): after the content, each
+    call is `[TOOL_CALLS]NAME[ARGS]{JSON}` (tokenizer v11+; `[CALL_ID]ID` may come before `[ARGS]`),
+    or, from older models, one `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}`. Calls get
+    Mistral's 9-character ids, which its chat template checks when they come back."""
+    special_tokens = True
+    tag, tags = "[TOOL_CALLS]", ("[TOOL_CALLS]", "[ARGS]")
+    pattern = re.compile(r"\[TOOL_CALLS\].*", re.S)
+    v11 = re.compile(r"\s*([^\[\]{}\s]+)\s*(?:\[CALL_ID\]\s*([A-Za-z0-9]+)\s*)?(?:\[ARGS\])?\s*(.*)", re.S)
+
+    def parse(self, text: str) -> Parsed:
+        at = text.find(self.tag)
+        if at < 0:
+            return Parsed([], [], text.strip())
+        calls, errors = [], []
+        pieces = text[at + len(self.tag):].split(self.tag)
+        if len(pieces) == 1 and pieces[0].lstrip().startswith("["):  # before v11: one JSON list
+            try:
+                listed = json.loads(pieces[0])
+            except json.JSONDecodeError as e:
+                return Parsed([], [f"malformed tool calls: invalid JSON ({e.msg} at char {e.pos})"], text[:at].strip())
+            got = [(c.get("name"), c.get("arguments", {}), None) for c in listed if isinstance(c, dict)]
+            if len(got) != len(listed):
+                errors.append('malformed tool calls: expected a list of {"name", "arguments"}')
+        else:
+            got = []
+            for piece in pieces:
+                m = self.v11.fullmatch(piece)
+                try:
+                    got.append((m.group(1), json.loads(m.group(3)), m.group(2)) if m else (None, None, None))
+                except json.JSONDecodeError as e:
+                    errors.append(f"malformed tool call {m.group(1)!r}: invalid JSON arguments ({e.msg} at char {e.pos})")
+        for name, args, call_id in got:
+            if not isinstance(name, str) or not isinstance(args, dict):
+                errors.append("malformed tool call: expected [TOOL_CALLS]NAME[ARGS]{JSON object}")
+            else:
+                calls.append(ToolCall(name, args, call_id or _mistral_id()))
+        return Parsed(calls, errors, text[:at].strip())
+
+    def content(self, text: str) -> str:
+        at = text.find(self.tag)
+        return text if at < 0 else text[:at]
+
+    def write(self, calls: list[ToolCall]) -> str:
+        return "".join(f"{self.tag}{c.name}[ARGS]{json.dumps(c.arguments)}" for c in calls)
+
+    def grammar(self, fns: list[dict], single: bool, tag_tokens: bool) -> str:
+        """`[TOOL_CALLS]NAME[ARGS]` then the arguments (their schema), once (`single`) or more."""
+        tag = tag_ref(tag_tokens)
+        alts = [f"{json.dumps(f['name'])} {tag('[ARGS]')} %json {json.dumps(one_of([f.get('parameters') or {}]))}"
+                for f in fns]
+        return f"start: call{'' if single else '+'}\ncall: {tag(self.tag)} ({' | '.join(alts)})\n"
+
+
+def _mistral_id() -> str:
+    """Mistral's tool-call id: 9 letters and digits."""
+    import random
+    import string
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))

@@ -6,7 +6,7 @@ import json
 import re
 
 from rollwise.agent.call_values import typed, value_grammar
-from rollwise.agent.parsing.base import HermesParser, Parsed, ToolCall
+from rollwise.agent.parsing.base import HermesParser, Parsed, ToolCall, tag_ref
 
 
 class Qwen3CoderParser(HermesParser):
@@ -79,7 +79,7 @@ class Qwen3CoderParser(HermesParser):
         """Calls of these functions, their arguments in schema order (the required ones always),
         each value written as its schema allows (`call_values.value_grammar`), free text up to the
         format's end of a value."""
-        tag = (lambda t: t) if tag_tokens else (lambda t: f'"{t}"')
+        tag = tag_ref(tag_tokens)
         rules = [f'text[suffix="{self.text_end}"]: /(.|\\n)*/']
         alts = []
         for i, fn in enumerate(fns):
