@@ -28,8 +28,10 @@ def test_llama3_json_calls_are_parsed_and_text_stays_text():
     assert HermesParser().content_end("Hi <tool_c") == 3 and HermesParser().content_end("Hi there, friend") == 16
     assert HermesParser().content_end("a < b <") == 6 and HermesParser().content_end("x <tool_call> y") == 2
     with pytest.raises(ValueError, match="valid: \\['deepseek_v3', 'deepseek_v31', 'glm45', 'hermes', 'kimi_k2', "
-                                         "'llama3_json', 'mistral', 'pythonic', 'qwen3_coder'\\]"):
+                                         "'llama3_json', 'llama4_pythonic', 'mistral', 'pythonic', 'qwen3_coder', "
+                                         "'qwen3_xml'\\]"):
         make_parser("granite")
+    assert type(make_parser("qwen3_xml")) is Qwen3CoderParser and type(make_parser("llama4_pythonic")) is PythonicParser
 
 
 EDIT = [{"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": {

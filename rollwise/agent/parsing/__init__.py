@@ -34,7 +34,9 @@ __all__ = ["PARSERS", "DeepSeekV31Parser", "DeepSeekV3Parser", "Glm45Parser", "H
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "qwen3_coder": Qwen3CoderParser,
            "glm45": Glm45Parser, "pythonic": PythonicParser, "kimi_k2": KimiK2Parser,
-           "deepseek_v31": DeepSeekV31Parser, "deepseek_v3": DeepSeekV3Parser, "mistral": MistralParser}
+           "deepseek_v31": DeepSeekV31Parser, "deepseek_v3": DeepSeekV3Parser, "mistral": MistralParser,
+           # vLLM's other names for the same formats
+           "qwen3_xml": Qwen3CoderParser, "llama4_pythonic": PythonicParser}
 
 
 def bind(parser: ToolCallParser, tools: list[dict] | None) -> ToolCallParser:
