@@ -8,7 +8,9 @@ calls follow the content, each behind its own `[TOOL_CALLS]`."""
 from __future__ import annotations
 
 import json
+import random
 import re
+import string
 
 from rollwise.agent.parsing.base import HermesParser, Parsed, ToolCall, one_of, tag_ref
 
@@ -151,7 +153,6 @@ class DeepSeekV3Parser(DeepSeekV31Parser):
         return f'{json.dumps(fn["name"] + chr(10) + "```json" + chr(10))} {super()._args_grammar(fn)} "\\n```"'
 
 
-
 class MistralParser(HermesParser):
     """Mistral's (vLLM's `mistral`; Mistral-Small 3.x, Devstral, Magistral): after the content, each
     call is `[TOOL_CALLS]NAME[ARGS]{JSON}` (tokenizer v11+; `[CALL_ID]ID` may come before `[ARGS]`),
@@ -159,7 +160,6 @@ class MistralParser(HermesParser):
     Mistral's 9-character ids, which its chat template checks when they come back."""
     special_tokens = True
     tag, tags = "[TOOL_CALLS]", ("[TOOL_CALLS]", "[ARGS]")
-    pattern = re.compile(r"\[TOOL_CALLS\].*", re.S)
     v11 = re.compile(r"\s*([^\[\]{}\s]+)\s*(?:\[CALL_ID\]\s*([A-Za-z0-9]+)\s*)?(?:\[ARGS\])?\s*(.*)", re.S)
 
     def parse(self, text: str) -> Parsed:
@@ -172,7 +172,8 @@ class MistralParser(HermesParser):
             try:
                 listed = json.loads(pieces[0])
             except json.JSONDecodeError as e:
-                return Parsed([], [f"malformed tool calls: invalid JSON ({e.msg} at char {e.pos})"], text[:at].strip())
+                why = f"malformed tool calls: invalid JSON ({e.msg} at char {e.pos})"
+                return Parsed([], [why], text[:at].strip())
             got = [(c.get("name"), c.get("arguments", {}), None) for c in listed if isinstance(c, dict)]
             if len(got) != len(listed):
                 errors.append('malformed tool calls: expected a list of {"name", "arguments"}')
@@ -183,7 +184,8 @@ class MistralParser(HermesParser):
                 try:
                     got.append((m.group(1), json.loads(m.group(3)), m.group(2)) if m else (None, None, None))
                 except json.JSONDecodeError as e:
-                    errors.append(f"malformed tool call {m.group(1)!r}: invalid JSON arguments ({e.msg} at char {e.pos})")
+                    errors.append(f"malformed tool call {m.group(1)!r}: invalid JSON arguments "
+                                  f"({e.msg} at char {e.pos})")
         for name, args, call_id in got:
             if not isinstance(name, str) or not isinstance(args, dict):
                 errors.append("malformed tool call: expected [TOOL_CALLS]NAME[ARGS]{JSON object}")
@@ -208,6 +210,4 @@ class MistralParser(HermesParser):
 
 def _mistral_id() -> str:
     """Mistral's tool-call id: 9 letters and digits."""
-    import random
-    import string
     return "".join(random.choices(string.ascii_letters + string.digits, k=9))
