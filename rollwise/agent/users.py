@@ -29,6 +29,7 @@ UserReply` (or a plain function) and optionally `opening(task) -> str`, its firs
 awaits the env's reward of a reply (and `score.feedback(answer)` its words on it, or None)."""
 from __future__ import annotations
 
+import hashlib
 import inspect
 from dataclasses import dataclass, fields
 from typing import Awaitable, Callable, Protocol
@@ -162,17 +163,21 @@ class PolicyUser(SimulatedUser):
     conversation, as `stop` does. Seeded from the run's seed, per reply."""
 
     def bind(self, generator, tok, params, trajectory_id: str) -> None:
-        self._policy = (generator, tok, params, trajectory_id)
+        self._policy, self._said = (generator, tok, params, trajectory_id), 0
 
     async def _complete(self, messages: list[dict]) -> str:
         from rollwise.types import GenerateRequest, SamplingParams
         generator, tok, params, tid = getattr(self, "_policy", None) or (None,) * 4
         if generator is None:
             raise ValueError("user 'policy' needs the episode's generator: run the env through run_episode")
-        seed = None if params.seed is None else hash((params.seed, tid, "user", self.replies)) & (2**63 - 1)
+        seed = None  # (a stable hash: Python's hash of a string differs between processes)
+        if params.seed is not None:
+            key = f"{params.seed}/{tid}/user/{self._said}".encode()
+            seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
         p = SamplingParams(temperature=self.cfg.temperature, max_tokens=self.cfg.max_tokens, seed=seed)
+        self._said += 1
         out = await generator.generate(GenerateRequest(prompt_token_ids=tok.encode_chat(messages), params=p,
-                                                       turn=self.replies))
+                                                       turn=self._said - 1))
         text = tok.decode(p.text_ids(out.token_ids, out.finish_reason, {tok.eos_token_id}))
         return text if text.strip() else self.cfg.stop
 

@@ -257,18 +257,23 @@ def test_the_warm_start_is_the_experts_alone(model_dir, tmp_path):
 def test_the_policy_plays_the_user(model_dir, opens):
     """Self-play: `kind = "policy"` has the episode's own generator (a real engine here) write the
     user's lines from the simulator's prompt, with the roles turned round; they are the agent's
-    next messages, observations (not trained), until max_replies."""
+    next messages, observations (not trained), until max_replies; seeded from the run's seed, so
+    the same episode run again says the same."""
     from rollwise.agent.generator import RecordingGenerator
     from rollwise.engine.async_engine import AsyncEngine
     tok = Tokenizer(model_dir)
     engine = AsyncEngine(model_dir, max_num_seqs=4)
     try:
-        gen = RecordingGenerator(engine)
-        user = {"kind": "policy", "max_tokens": 6, "max_replies": 2, "temperature": 0.0, "opens": opens}
-        t = asyncio.run(run_episode(gen, make_env("dataset", reward="contains", user=user), BOOKING,
-                                    SamplingParams(max_tokens=6, seed=1)))
+        runs = []
+        for _ in range(2):
+            gen = RecordingGenerator(engine)
+            user = {"kind": "policy", "max_tokens": 6, "max_replies": 2, "temperature": 1.0, "opens": opens}
+            t = asyncio.run(run_episode(gen, make_env("dataset", reward="contains", user=user), BOOKING,
+                                        SamplingParams(max_tokens=6, seed=1)))
+            runs.append([o.token_ids for _, o in gen.calls])
     finally:
         engine.shutdown()
+    assert runs[0] == runs[1]
     assert t.status == "done", t.error
     prompts = [tok.decode(r.prompt_token_ids, skip_special_tokens=False) for r, _ in gen.calls]
     said = [tok.decode(o.token_ids) for _, o in gen.calls]
