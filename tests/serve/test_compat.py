@@ -447,7 +447,9 @@ def test_prompt_logprobs_as_vllm_gives_them(client):
     for k, (t, lp) in enumerate(zip(ids[1:], gen["prompt_logprobs"][1:]), start=1):
         assert plp[k][str(t)]["logprob"] == pytest.approx(lp, abs=1e-5)
         ranked = sorted((e["rank"], e["logprob"]) for e in plp[k].values() if e["rank"] is not None)
-        assert [r for r, _ in ranked] == [1, 2] and ranked[0][1] >= ranked[1][1] >= plp[k][str(t)]["logprob"] - 1e-6
+        mine = plp[k][str(t)]  # (ranked if it is one of the 2 most likely, else below them)
+        assert [r for r, _ in ranked] == [1, 2] and ranked[0][1] >= ranked[1][1]
+        assert mine["rank"] is not None or mine["logprob"] <= ranked[1][1] + 1e-6
     chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
                                                      "prompt_logprobs": 0, "return_token_ids": True}).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"])
