@@ -1,6 +1,6 @@
-"""Tool-call formats whose markup is special tokens (Kimi-K2's, DeepSeek's): parsed, read by an env
-from an episode decoded with special tokens kept, and served by `rollwise serve --tool-call-parser`
-on a model whose tokenizer has them as special tokens, as the real ones do."""
+"""Tool-call formats whose markup is special tokens (Kimi-K2's, DeepSeek's, Mistral's): parsed, read
+by an env from an episode decoded with special tokens kept, and served by `rollwise serve
+--tool-call-parser` on a model whose tokenizer has them as special tokens, as the real ones do."""
 from __future__ import annotations
 
 import asyncio
@@ -25,7 +25,7 @@ KIMI, V31, V3, MISTRAL = KimiK2Parser(), DeepSeekV31Parser(), DeepSeekV3Parser()
 
 @pytest.fixture(scope="module")
 def special_dir(tmp_path_factory) -> str:
-    """A Qwen3 test model whose tokenizer has Kimi-K2's and DeepSeek's tool-call markup as special tokens."""
+    """A Qwen3 test model whose tokenizer has the formats' tool-call markup as special tokens."""
     return str(make_model(tmp_path_factory.mktemp("special"), family="qwen3", layers=2, hidden=64, heads=4,
                           kv_heads=2, vocab=1024, std=0.1, seed=2, tie=True, head_dim=32,
                           special_tokens=KIMI.tags + V31.tags + MISTRAL.tags))
