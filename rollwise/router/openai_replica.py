@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from rollwise.router.replica import HttpReplica
-from rollwise.types import GenerateOutput, GenerateRequest, SamplingParams
+from rollwise.types import PENALTIES_OFF, GenerateOutput, GenerateRequest, SamplingParams
 
 
 class OpenAIReplica(HttpReplica):
@@ -40,15 +40,14 @@ class OpenAIReplica(HttpReplica):
         if p.prompt_logprobs is not None:
             raise ValueError("prompt logprobs are not asked of OpenAI-API replicas (their formats differ); "
                              "use rollwise serve replicas")
+        # every sampling field, off or on: a server fills those a request leaves out from the model's
+        # generation config (vLLM's default, and rollwise serve's), which would change the distribution
+        # the trainer's logprobs assume (Qwen3's: top_k 20, top_p 0.95)
         body = {"model": self.model, "prompt": request.prompt_token_ids, "max_tokens": p.max_tokens,
                 "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed, "stop": p.stop or None,
                 "logprobs": p.logprobs, "return_tokens_as_token_ids": True, "ignore_eos": p.ignore_eos,
-                "min_tokens": p.min_tokens, "stop_token_ids": p.stop_token_ids or None}
-        if p.top_k > 0:
-            body["top_k"] = p.top_k
-        if p.min_p > 0:
-            body["min_p"] = p.min_p
-        body.update(p.penalties())
+                "min_tokens": p.min_tokens, "stop_token_ids": p.stop_token_ids or None,
+                "top_k": p.top_k if p.top_k > 0 else -1, "min_p": p.min_p, **PENALTIES_OFF, **p.penalties()}
         if p.logit_bias:
             body["logit_bias"] = {str(t): b for t, b in p.logit_bias.items()}
         body["allowed_token_ids"] = p.allowed_token_ids

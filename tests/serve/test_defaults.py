@@ -18,11 +18,13 @@ TEMPLATE = ("{{ greeting }}|{% for m in messages %}{{ m.role }}: {{ m.content }}
 
 @pytest.fixture(scope="module")
 def tuned_dir(model_dir, tmp_path_factory) -> str:
-    """The test model with sampling defaults in its generation_config.json (greedy, 5 new tokens)."""
+    """The test model with sampling defaults in its generation_config.json (greedy, 5 new tokens, a
+    repetition penalty)."""
     out = tmp_path_factory.mktemp("tuned") / "m"
     shutil.copytree(model_dir, out)
     cfg = json.loads((out / "generation_config.json").read_text())
-    (out / "generation_config.json").write_text(json.dumps(cfg | {"temperature": 0.0, "max_new_tokens": 5}))
+    (out / "generation_config.json").write_text(json.dumps(cfg | {"temperature": 0.0, "max_new_tokens": 5,
+                                                                  "top_k": 1, "repetition_penalty": 1.3}))
     return str(out)
 
 
@@ -46,7 +48,10 @@ def test_the_model_generation_config_and_the_servers_template_fill_what_requests
         r = httpx.post(s.url + "/v1/chat/completions", json=chat | {"chat_template_kwargs": {"tools": []}}, timeout=60)
         assert r.status_code == 400 and "cannot set ['tools']" in r.json()["error"]["message"]
         hot = [post("/v1/chat/completions", chat | {"temperature": 1.0, "seed": k, "max_tokens": 12})
-               for k in range(4)]
+               for k in range(4)]  # (still the config's top_k 1: greedy)
+        assert len({tuple(h["choices"][0]["token_ids"]) for h in hot}) == 1
+        hot = [post("/v1/chat/completions", chat | {"temperature": 1.0, "seed": k, "max_tokens": 12, "top_k": 0})
+               for k in range(4)]  # (top_k off, as the request says)
         assert len({tuple(h["choices"][0]["token_ids"]) for h in hot}) > 1
         assert post("/v1/completions", {"prompt": [5, 6, 7], "ignore_eos": True})["usage"]["completion_tokens"] == 5
         counted = post("/v1/messages/count_tokens", {"model": "m", "messages": msgs})["input_tokens"]
@@ -67,3 +72,22 @@ def test_server_defaults_name_their_problems(tmp_path):
     with pytest.raises(ValueError, match="'auto', 'vllm' or a folder"):
         ServerConfig(generation_config=str(tmp_path / "nowhere"))
     assert ServerConfig(chat_template="{{ messages }}").chat_template == "{{ messages }}"
+
+
+def test_an_openai_api_replica_sends_every_sampling_field(tuned_dir):
+    """The router's OpenAI-API replica (for vLLM, whose default also fills missing fields from the
+    generation config) sends each field, off or on, so the server samples from the distribution the
+    trainer assumes: the same tokens and logprobs as /generate, which takes no such defaults."""
+    import asyncio
+
+    from rollwise.router.openai_replica import OpenAIReplica
+    from rollwise.router.replica import HttpReplica
+    from rollwise.types import GenerateRequest, SamplingParams
+    req = GenerateRequest(prompt_token_ids=[11, 12, 13, 14], params=SamplingParams(
+        temperature=1.0, seed=3, max_tokens=12, ignore_eos=True))
+    with ServerProcess(tuned_dir) as s:
+        async def go():
+            return [await r.generate(req) for r in (OpenAIReplica(s.url, "m"), HttpReplica(s.url))]
+        via_openai, via_generate = asyncio.run(go())
+    assert via_openai.token_ids == via_generate.token_ids and len(set(via_openai.token_ids)) > 1
+    assert via_openai.logprobs == pytest.approx(via_generate.logprobs, abs=1e-5)
