@@ -24,11 +24,11 @@ from rollwise.serve.protocol import (AbortRequest, ChatCompletionRequest, Comple
                                      GenerateRequest as GenerateBody, UpdateWeightsRequest)
 from rollwise.serve.defaults import Defaults
 from rollwise.serve.handlers import chat_reply, completion_reply, unless_disconnected
-from rollwise.serve.responses import (choice_samples, completion_params, error, generate_json, generate_params, primed,
-                                      sglang_fields, sse, stream_generate, weights_refused)
+from rollwise.serve.responses import (choice_samples, completion_params, error, generate_json, primed, sse,
+                                      stream_generate, weights_refused)
 from rollwise.serve.server import install_common, install_messages, install_responses
 from rollwise.serve.lora import LoadLoraRequest, UnloadLoraRequest
-from rollwise.serve.sglang import PauseRequest, UpdateFromDiskRequest, load_from_disk
+from rollwise.serve.sglang import PauseRequest, UpdateFromDiskRequest, generate_params, load_from_disk, sglang_fields
 from rollwise.serve.tokenize import install_tokenize
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
 

@@ -45,64 +45,6 @@ def generate_json(out: RequestOutput) -> dict:
                 "prompt_top_logprobs": [None] + pairs(out.prompt_top_logprobs[1:])})}
 
 
-SGLANG_RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output"}
-SGLANG_IGNORED = ("spaces_between_special_tokens",)
-
-
-def generate_params(body) -> SamplingParams:
-    """/generate's sampling_params, SGLang's names too (its clients and router send only those), and
-    its logprob options: `top_logprobs_num` k asks the k most likely tokens per position, and
-    `return_logprob` with `logprob_start_len` >= 0 the prompt's logprobs."""
-    sp = {k: v for k, v in body.sampling_params.items() if k not in SGLANG_IGNORED}
-    for old, new in SGLANG_RENAMED.items():
-        if old in sp:
-            if new in sp and sp[new] != sp[old]:
-                raise ValueError(f"{new} and {old} (its SGLang name) disagree")
-            sp[new] = sp.pop(old)
-    sglang = {k: sp.pop(k) for k in ("json_schema", "regex", "ebnf") if k in sp}  # SGLang's structured outputs
-    if sglang:
-        if len(sglang) > 1 or "structured_outputs" in sp:
-            raise ValueError("give one of json_schema, regex, ebnf (SGLang's) or structured_outputs")
-        (k, v), = sglang.items()
-        if k == "ebnf":
-            raise ValueError("ebnf grammars are not taken; give structured_outputs.grammar (Lark) instead")
-        sp["structured_outputs"] = {"json" if k == "json_schema" else k: v}
-    if body.top_logprobs_num:
-        sp.setdefault("logprobs", body.top_logprobs_num)
-    if body.return_routed_experts:
-        sp["return_routed_experts"] = True
-    if body.return_logprob and body.logprob_start_len is not None and body.logprob_start_len >= 0:
-        sp.setdefault("prompt_logprobs", body.top_logprobs_num or 0)
-    return SamplingParams.from_dict(sp)
-
-
-def sglang_fields(tok, out: RequestOutput, body) -> dict:
-    """SGLang's /generate reply fields, beside ours: `output_ids` and `meta_info` (finish reason as
-    {"type", "matched" / "length"}, token counts, and with `return_logprob` the logprobs as
-    [logprob, token id, text or None] triples), as SGLang clients such as AReaL's and slime's read them."""
-    piece = (lambda t: _piece(tok, t)) if body.return_text_in_logprobs else (lambda t: None)
-    reason = None if out.finish_reason is None else {"type": out.finish_reason, **(
-        {"matched": out.stop_reason} if out.finish_reason == "stop" else
-        {"length": len(out.token_ids)} if out.finish_reason == "length" else {})}
-    meta = {"id": out.request_id, "finish_reason": reason, "prompt_tokens": len(out.prompt_token_ids),
-            "completion_tokens": len(out.token_ids), "cached_tokens": out.num_cached_tokens,
-            "weight_version": str(out.policy_version)}
-    if body.return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, piece(t)] for t, lp in zip(out.token_ids, out.logprobs)]
-        if body.top_logprobs_num:
-            meta["output_top_logprobs"] = [[[v, t, piece(t)] for t, v in top.items()] for top in out.top_logprobs]
-        if out.prompt_logprobs is not None:
-            start = body.logprob_start_len
-            meta["input_token_logprobs"] = [[lp, t, piece(t)] for t, lp in
-                                            zip(out.prompt_token_ids, out.prompt_logprobs)][start:]
-            if body.top_logprobs_num:
-                meta["input_top_logprobs"] = [None if top is None else [[v, t, piece(t)] for t, v in top.items()]
-                                              for top in out.prompt_top_logprobs][start:]
-    if body.return_routed_experts and out.routed_experts is not None:  # (asked the SGLang way: where it puts them)
-        meta["routed_experts"] = encode_routing(out.routed_experts)
-    return {"output_ids": out.token_ids, "meta_info": meta}
-
-
 def pairs(tops: list[dict[int, float]]) -> list[list[list]]:
     """Top logprobs as JSON keeps token ids: per token, [[id, logprob], ...] best first."""
     return [[[t, lp] for t, lp in top.items()] for top in tops]

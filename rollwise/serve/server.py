@@ -27,10 +27,10 @@ from rollwise.serve.metrics import prometheus_text
 from rollwise.serve.protocol import (AddSequenceRequest, ChatCompletionRequest, CompletionRequest,
                                      GenerateRequest, UpdateWeightsRequest)
 from rollwise.serve.handlers import ClientGone, chat_reply, completion_reply, unless_disconnected
-from rollwise.serve.responses import (choice_samples, completion_params, error, generate_json, generate_params, primed,
-                                      sglang_fields, sse, stream_generate, weights_refused)
+from rollwise.serve.responses import (choice_samples, completion_params, error, generate_json, primed, sse,
+                                      stream_generate, weights_refused)
 from rollwise.serve.lora import install_lora, with_adapter
-from rollwise.serve.sglang import install_sglang
+from rollwise.serve.sglang import generate_params, install_sglang, sglang_fields
 from rollwise.serve.tokenize import install_tokenize
 from rollwise.types import WeightsNotHeld
 from rollwise.wire import AdapterWeights

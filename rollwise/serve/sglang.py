@@ -1,6 +1,7 @@
 """SGLang's control endpoints, for RL frameworks that drive SGLang servers (e.g. AReaL, slime):
 abort requests, pause and continue generation (around a weight update), load new weights from
-disk, flush the prefix cache, model info.
+disk, flush the prefix cache, model info; and its /generate dialect (`generate_params`: its
+sampling names, `sglang_fields`: its reply fields).
 Their bodies and replies follow SGLang's; the work is `rollwise serve`'s own."""
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from pydantic import BaseModel, ConfigDict
 
 from rollwise.config import ServerConfig
 from rollwise.serve.protocol import AbortRequest
-from rollwise.serve.responses import weights_refused
+from rollwise.serve.responses import _piece, weights_refused
+from rollwise.types import RequestOutput, SamplingParams
+from rollwise.wire import encode_routing
 
 
 class UpdateFromDiskRequest(BaseModel):
@@ -79,3 +82,61 @@ def install_sglang(app: FastAPI, engine, cfg: ServerConfig) -> None:
     async def get_model_info():
         return {"model_path": engine.engine.config.model, "tokenizer_path": engine.engine.config.model,
                 "is_generation": True, "weight_version": str(engine.policy_version)}
+
+
+SGLANG_RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output"}
+SGLANG_IGNORED = ("spaces_between_special_tokens",)
+
+
+def generate_params(body) -> SamplingParams:
+    """/generate's sampling_params, SGLang's names too (its clients and router send only those), and
+    its logprob options: `top_logprobs_num` k asks the k most likely tokens per position, and
+    `return_logprob` with `logprob_start_len` >= 0 the prompt's logprobs."""
+    sp = {k: v for k, v in body.sampling_params.items() if k not in SGLANG_IGNORED}
+    for old, new in SGLANG_RENAMED.items():
+        if old in sp:
+            if new in sp and sp[new] != sp[old]:
+                raise ValueError(f"{new} and {old} (its SGLang name) disagree")
+            sp[new] = sp.pop(old)
+    sglang = {k: sp.pop(k) for k in ("json_schema", "regex", "ebnf") if k in sp}  # SGLang's structured outputs
+    if sglang:
+        if len(sglang) > 1 or "structured_outputs" in sp:
+            raise ValueError("give one of json_schema, regex, ebnf (SGLang's) or structured_outputs")
+        (k, v), = sglang.items()
+        if k == "ebnf":
+            raise ValueError("ebnf grammars are not taken; give structured_outputs.grammar (Lark) instead")
+        sp["structured_outputs"] = {"json" if k == "json_schema" else k: v}
+    if body.top_logprobs_num:
+        sp.setdefault("logprobs", body.top_logprobs_num)
+    if body.return_routed_experts:
+        sp["return_routed_experts"] = True
+    if body.return_logprob and body.logprob_start_len is not None and body.logprob_start_len >= 0:
+        sp.setdefault("prompt_logprobs", body.top_logprobs_num or 0)
+    return SamplingParams.from_dict(sp)
+
+
+def sglang_fields(tok, out: RequestOutput, body) -> dict:
+    """SGLang's /generate reply fields, beside ours: `output_ids` and `meta_info` (finish reason as
+    {"type", "matched" / "length"}, token counts, and with `return_logprob` the logprobs as
+    [logprob, token id, text or None] triples), as SGLang clients such as AReaL's and slime's read them."""
+    piece = (lambda t: _piece(tok, t)) if body.return_text_in_logprobs else (lambda t: None)
+    reason = None if out.finish_reason is None else {"type": out.finish_reason, **(
+        {"matched": out.stop_reason} if out.finish_reason == "stop" else
+        {"length": len(out.token_ids)} if out.finish_reason == "length" else {})}
+    meta = {"id": out.request_id, "finish_reason": reason, "prompt_tokens": len(out.prompt_token_ids),
+            "completion_tokens": len(out.token_ids), "cached_tokens": out.num_cached_tokens,
+            "weight_version": str(out.policy_version)}
+    if body.return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, piece(t)] for t, lp in zip(out.token_ids, out.logprobs)]
+        if body.top_logprobs_num:
+            meta["output_top_logprobs"] = [[[v, t, piece(t)] for t, v in top.items()] for top in out.top_logprobs]
+        if out.prompt_logprobs is not None:
+            start = body.logprob_start_len
+            meta["input_token_logprobs"] = [[lp, t, piece(t)] for t, lp in
+                                            zip(out.prompt_token_ids, out.prompt_logprobs)][start:]
+            if body.top_logprobs_num:
+                meta["input_top_logprobs"] = [None if top is None else [[v, t, piece(t)] for t, v in top.items()]
+                                              for top in out.prompt_top_logprobs][start:]
+    if body.return_routed_experts and out.routed_experts is not None:  # (asked the SGLang way: where it puts them)
+        meta["routed_experts"] = encode_routing(out.routed_experts)
+    return {"output_ids": out.token_ids, "meta_info": meta}
