@@ -26,11 +26,12 @@ from pathlib import Path
 from rollwise.agent.episode import collect, stable_seed
 from rollwise.agent.generator import ScriptedGenerator, expert_policy
 from rollwise.rl_config import TrainConfig, env_factory, env_options, n_train_tasks, run_identity, task_sets
-from rollwise.rollout.fleet import fleet_metrics, make_router, shutdown, threads
+from rollwise.rollout.fleet import fleet_metrics, make_router, shutdown
 from rollwise.rollout.pipeline import GroupQueue, read_log
 from rollwise.rollout.producer import PreRolloutFilter, produce
 from rollwise.rollout.report import Status, write_report
 from rollwise.rollout.trackers import Trackers
+from rollwise.rl_trainer import add_lora, make_policy, make_trainer, rank_threads
 from rollwise.types import SamplingParams
 from rollwise.wire import AdapterWeights
 
@@ -131,9 +132,7 @@ async def _train(cfg: TrainConfig) -> dict:
     from rollwise.engine.tokenizer import Tokenizer
     from rollwise.engine.model_runner import set_threads
     from rollwise.trainer.advantages import informative
-    from rollwise.trainer.grpo import GRPOTrainer
     from rollwise.trainer.sft import sft
-    from rollwise.trainer.policy import PolicyModel
 
     torch.manual_seed(cfg.seed)
     run = Path(cfg.run_dir)
@@ -144,16 +143,10 @@ async def _train(cfg: TrainConfig) -> dict:
     train_tasks, sft_tasks, eval_tasks = task_sets(cfg, n_train_tasks(cfg))
     if not train_tasks:
         raise ValueError(f"env {cfg.env!r} has no sample_tasks(n, seed): set train_tasks_file")
-    policy = PolicyModel(cfg.model, seed=cfg.seed)
-    policy.routing = cfg.routing_replay
-    if cfg.gradient_checkpointing:
-        policy.enable_checkpointing()
-    if cfg.true_on_policy:
-        policy.enable_exact(adapter=cfg.lora_sync == "adapter")
+    policy = make_policy(cfg)
     if cfg.routing_replay != "off" and not getattr(policy.model.config, "num_experts", 0):
         raise ValueError(f"routing_replay = {cfg.routing_replay!r} needs a model with experts (qwen3_moe); "
                          f"{cfg.model} is {policy.model.config.model_type}")
-    grpo = cfg.trainer_config()
     report: dict = {"config": dataclasses.asdict(cfg), "steps": []}
     state = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
     if state is not None:
@@ -188,15 +181,15 @@ async def _train(cfg: TrainConfig) -> dict:
                 os.replace(tmp, cached)
         if cfg.lora_rank and cfg.sft_steps > 0:  # the weights the adapter is trained on
             policy.save(str(run / "warm-start-model"))
-        _add_lora(cfg, policy)
-        trainer = GRPOTrainer(policy, grpo)  # the KL reference (if any) is the warm-started model
+        add_lora(cfg, policy)
+        trainer = make_trainer(cfg, policy)  # the KL reference (if any) is the warm-started model
         history: list[dict] = []
         consumed: list[int] = []  # groups trained on, by seq
         skipped: list[int] = []  # groups taken and not trained on (dynamic sampling)
         sft_success = None
     else:
-        _add_lora(cfg, policy)
-        trainer = GRPOTrainer(policy, grpo)
+        add_lora(cfg, policy)
+        trainer = make_trainer(cfg, policy)
         trainer.load_state(state)
         history, consumed, skipped = state["history"], state["consumed"], state.get("skipped", [])
         report.update(state.get("report", {}))
@@ -259,7 +252,7 @@ async def _train(cfg: TrainConfig) -> dict:
         steps_log = run / "steps.jsonl"  # one line per step as it happens (`tail -f`); rewritten from the checkpoint
         steps_log.write_text("".join(json.dumps(h, default=str) + "\n" for h in history))
         t_run = time.perf_counter()
-        stream, n_threads = cfg.streamed, threads(cfg)[1]
+        stream, n_threads = cfg.streamed, rank_threads(cfg)
         max_skips = cfg.max_skipped_groups or 4 * cfg.groups_per_step
 
         def training(fn, *a):  # the trainer's work, on a worker thread with its own torch threads
@@ -342,6 +335,8 @@ async def _train(cfg: TrainConfig) -> dict:
         trackers.close()
         await router.close()
         shutdown(router)
+        if cfg.trainer_processes > 1:
+            trainer.close()
     report.update(steps=history, sft_success=sft_success, rl_success=rl_success, eval_tasks=len(eval_tasks),
                   queue=queue.stats, policy_version=trainer.version)
     write_report(run / "report", report)
@@ -363,8 +358,3 @@ def _save_model(policy, root: Path, step: int, keep: int) -> None:
     saved = sorted((int(d.name.removeprefix("step-")), d) for d in root.glob("step-*") if d.name[5:].isdigit())
     for _, d in saved[:-keep] if keep else []:
         shutil.rmtree(d)
-
-
-def _add_lora(cfg: TrainConfig, policy) -> None:
-    if cfg.lora_rank:
-        policy.add_lora(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)

@@ -186,6 +186,10 @@ class TrainConfig:
     # them (replicas and trainer run at once: more threads than cores slows both)
     replica_threads: int = 0
     trainer_threads: int = 0
+    # data-parallel training (verl's data-parallel ranks; rollwise/trainer/data_parallel.py): the trainer on
+    # this many processes, each with the whole model, training its share of every step's groups, gradients
+    # summed over them before each update (gloo on 127.0.0.1); trainer_threads are split between them
+    trainer_processes: int = 1
     replica_dtype: str = "float32"  # in-process replicas' weights: "bfloat16" as most RL rollouts run
     # in-process replicas batch-invariant (EngineConfig.batch_invariant): a turn's tokens and logprobs
     # do not depend on what it was batched with, so a deterministic run repeats bit for bit however
@@ -321,6 +325,11 @@ class TrainConfig:
                              "started with --batch-invariant)")
         if cfg.replica_threads < 0 or cfg.trainer_threads < 0:
             raise ValueError("replica_threads and trainer_threads must be >= 0 (0: split the cores)")
+        if cfg.trainer_processes < 1:
+            raise ValueError(f"trainer_processes must be >= 1, got {cfg.trainer_processes}")
+        if cfg.trainer_processes > 1 and (cfg.advantage == "gae" or cfg.reward_kl_coef > 0):
+            raise ValueError("trainer_processes > 1 does not yet take advantage = 'gae' or reward_kl_coef > 0 "
+                             "(their models' passes are not split between the processes): use one")
         return cfg
 
 

@@ -180,6 +180,12 @@ def test_grad_checkpoint_benchmark_smoke(tmp_path):
     assert res["ratio"]["kept_bytes"] < 0.6 and res["ratio"]["seconds"] > 0
 
 
+def test_train_dp_benchmark_smoke(tmp_path):
+    res = smoke(tmp_path, "benchmarks/train_dp.py", "--model", str(tmp_path / "model"))["configs"]
+    assert set(res) == {"1", "2"} and res["1"]["trained_tokens_per_step"] == res["2"]["trained_tokens_per_step"] > 0
+    assert res["2"]["ranks_same_bits"] and res["2"]["max_weight_diff"] < 1e-4 and res["2"]["speedup"] > 0
+
+
 def test_pre_rollout_benchmark_smoke(tmp_path):
     res = smoke(tmp_path, "benchmarks/pre_rollout.py", "--model", str(tmp_path / "model"))
     base, filt = res["dynamic_sampling"], res["pre_rollout_filter"]

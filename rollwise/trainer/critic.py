@@ -297,10 +297,16 @@ def estimate(trajs: list[Trajectory], gamma: float, lam: float, micro_batch_toke
     return items
 
 
-def whiten(items: list[tuple]) -> tuple[float, float]:
+def whiten(items: list[tuple], comm=None) -> tuple[float, float]:
     """The mean and std (sqrt(var + 1e-8), as verl's masked_whiten) of the items' advantages over
-    their generated tokens (`estimate`'s items)."""
-    a = torch.cat([adv[b.mask > 0] for _, b, adv, _, _ in items])
+    their generated tokens (`estimate`'s items); with a data-parallel `comm`, over every rank's."""
+    a = torch.cat([adv[b.mask > 0] for _, b, adv, _, _ in items] or [torch.zeros(0)])
+    if comm is not None and comm.world > 1:  # every rank's count and sum, then squared deviations from their mean
+        a = a.double()
+        n, mean = comm.sum(torch.tensor(float(len(a)), dtype=torch.float64)), comm.sum(a.sum())
+        mean = mean / n.clamp(min=1)
+        sq = comm.sum(((a - mean) ** 2).sum())
+        return float(mean), float((sq / (n - 1).clamp(min=1) + 1e-8).sqrt()) if n >= 2 else 1.0
     if len(a) < 2:
         return float(a.mean()) if len(a) else 0.0, 1.0
     return float(a.mean()), float((a.var() + 1e-8).sqrt())

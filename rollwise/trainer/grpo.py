@@ -48,11 +48,12 @@ import torch
 from rollwise.trainer.advantages import WHITENED, advantages, token_advantages, turn_advantages
 from rollwise.trainer.config import GRPOConfig
 from rollwise.trainer.critic import Critic, estimate, whiten
+from rollwise.trainer.data_parallel import Comm
 from rollwise.trainer.kl_reward import RewardKL
 from rollwise.trainer.shaping import Overlong, penalties, rewarded
 from rollwise.trainer.snapshots import Snapshots
 from rollwise.trainer.correction import is_weights
-from rollwise.trainer.logprob_check import LogprobMismatch, check, compare
+from rollwise.trainer.logprob_check import LogprobMismatch, check, compare, merge
 from rollwise.trainer.losses import SplitGradients, aggregate, part_size, split, token_losses
 from rollwise.trainer.policy import Batch, PolicyModel, micro_batches
 from rollwise.trainer.schedule import lr_factor
@@ -67,9 +68,13 @@ def oldest_version(t: Trajectory) -> int:
 
 
 class GRPOTrainer:
-    def __init__(self, policy: PolicyModel, config: GRPOConfig | None = None) -> None:
+    def __init__(self, policy: PolicyModel, config: GRPOConfig | None = None, comm: Comm | None = None) -> None:
         self.policy, self.cfg = policy, config or GRPOConfig()
         self.cfg.check()
+        self.comm = comm or Comm()  # data parallel (data_parallel.py): this rank trains its share of each step
+        if self.comm.world > 1 and (self.cfg.advantage == "gae" or self.cfg.reward_kl_coef > 0):
+            raise ValueError("data-parallel training (trainer_processes > 1) does not yet take advantage = 'gae' "
+                             "or reward_kl_coef > 0: use one trainer process")
         self.opt = torch.optim.AdamW(policy.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         # the KL reference and the kept versions' weights ("recompute"): snapshots.py
         self.snap = Snapshots(policy, self.cfg.temperature, self.cfg.kl_coef > 0 or self.cfg.reward_kl_coef > 0)
@@ -113,6 +118,7 @@ class GRPOTrainer:
         self.policy.routing_stats.zero_()
         self.policy.expert_load.clear()
         self._acc = {"trajs": [], "items": [], "diffs": ([], {}), "stats": torch.zeros(6), "n_tokens": 0, "n_useful": 0,
+                     "loads": [0.0] * self.comm.world,
                      "entropy": [], "anchors": {}, "whiten": [], "later": [],
                      "given": n_tokens if cfg.loss_agg == "token" else n_trajectories,
                      "streamed": streamed, "early": streamed and cfg.stream_whitened and cfg.advantage in WHITENED,
@@ -126,10 +132,13 @@ class GRPOTrainer:
         in `finish`: nothing is left to overlap, and no second backward is spent."""
         cfg, acc = self.cfg, self._begun()
         trajs = [t for g in groups for t in g]
-        useful, adv = self._useful(groups, acc["anchors"])
+        useful, adv = self._useful(groups, acc["anchors"])  # (and the totals: over every rank's groups)
         acc["trajs"] += trajs
         acc["n_useful"] += len(useful)
         acc["n_tokens"] += sum(t.num_generated for t in useful)
+        if self.comm.world > 1:  # the forward and backward of this rank's share
+            mine = {id(t) for g in self.comm.shard(groups, acc["loads"]) for t in g}
+            useful = [t for t in useful if id(t) in mine]
         if cfg.advantage in WHITENED:  # per token now (a critic's values); the policy's pass once they whiten
             per_token = cfg.advantage != "reinforce_plus_plus_baseline"  # (its penalties: the episode's reward)
             pen = penalties(useful, self.reward_kl, self.overlong) if per_token else None
@@ -203,8 +212,8 @@ class GRPOTrainer:
              "is_dropped": 0.0, "behaviour_kl": 0.0, "logprob_diff": float("nan")}
         div = n_tokens if cfg.loss_agg == "token" else acc["n_useful"]
         m["lr"] = self._set_lr()
-        if acc["whiten"]:  # the batch's per-token advantages whitened
-            mean, std = whiten(acc["whiten"])
+        if cfg.advantage in WHITENED and acc["n_useful"]:  # the batch's per-token advantages whitened
+            mean, std = whiten(acc["whiten"], self.comm)
             # the passes that ran as their groups arrived: their advantages and gradients whitened now
             acc["items"] = [(b, (a - mean) / std * b.mask, *rest) for b, a, *rest in acc["items"]]
             if acc["split"] is not None:
@@ -214,15 +223,20 @@ class GRPOTrainer:
                 acc["given"] = div
             for mb, b, a, n in acc["later"]:  # then the passes that waited for the whitening
                 self._first_pass(mb, b, (a - mean) / std * b.mask, n)
-        m["entropy"] = sum(acc["entropy"]) / n_tokens if n_tokens else float("nan")  # per trained token
+        entropy = float(self.comm.sum(torch.tensor(sum(acc["entropy"]), dtype=torch.float64)))
+        m["entropy"] = entropy / n_tokens if n_tokens else float("nan")  # per trained token
         try:
             # before any update: a replica on other weights stops the step here
-            m["logprob_diff"] = check(acc["diffs"], cfg.logprob_tolerance, self.version)
+            m["logprob_diff"] = check(merge(self.comm.gather(acc["diffs"])), cfg.logprob_tolerance, self.version)
         except LogprobMismatch:
             self.opt.zero_grad(set_to_none=True)
             raise
         parts = split(acc["items"], cfg.mini_batches)
-        for epoch in range(cfg.epochs if acc["items"] else 0):
+        if self.comm.world > 1:  # the k-th parts of every rank make the k-th update
+            n_parts = max(self.comm.gather(len(parts) if acc["items"] else 0))
+            parts = (parts + [[]] * n_parts)[:n_parts] if acc["items"] else [[] for _ in range(n_parts)]
+        trains = bool(parts and parts[0]) if self.comm.world == 1 else bool(parts)  # (any rank's items)
+        for epoch in range(cfg.epochs if trains else 0):
             stats, norms = torch.zeros(6), []
             for part in parts:
                 if epoch == 0 and cfg.mini_batches == 1:  # the first pass's gradients
@@ -233,15 +247,18 @@ class GRPOTrainer:
                                 p.grad.div_(div)
                         stats[0] /= div
                 else:
-                    pdiv = div if len(parts) == 1 else part_size(part, cfg.loss_agg)
+                    pdiv = div if len(parts) == 1 else float(self.comm.sum(
+                        torch.tensor(part_size(part, cfg.loss_agg), dtype=torch.float64)))
                     for b, a, st, prox, n in part:
                         ent = [] if cfg.entropy_coef else None
                         lp = self.policy.logprobs(b, cfg.temperature, entropy=ent)
                         self._backward(lp, b, a, st, prox, pdiv, stats, n, ent[0] if ent else None)
+                self.comm.grads(self.policy.parameters())
                 norms.append(float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)))
                 if self.version >= cfg.critic_warmup or self.critic is None:
                     self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
+            stats = self.comm.sum(stats.clone())
             m.update(loss=float(stats[0]) / len(parts), grad_norm=sum(norms) / len(norms),
                      clip_frac=float(stats[1]) / n_tokens, kl=float(stats[2]) / n_tokens,
                      is_weight_mean=float(stats[3]) / n_tokens, is_dropped=float(stats[4]) / n_tokens,
@@ -255,11 +272,15 @@ class GRPOTrainer:
             m.update(self.overlong.metrics(trajs))
         if cfg.advantage == "gigpo" and acc["anchors"].get("turns"):  # turns in a step group of 2 or more
             m["anchored_turns"] = acc["anchors"].get("anchored", 0) / acc["anchors"]["turns"]
-        moved, seen = self.policy.routing_stats.tolist()
+        moved, seen = self.comm.sum(self.policy.routing_stats.clone()).tolist()
         if seen:  # MoE rollouts that returned their routing: token-layers the trainer routes otherwise
             m["routing_mismatch"] = moved / seen
+            load: dict = {}  # (every rank's)
+            for part in self.comm.gather(self.policy.expert_load):
+                for layer, c in part.items():
+                    load[layer] = load.get(layer, 0) + c
             # the busiest expert's share against an even one (1: balanced; E / k: every token on the same k)
-            m["expert_load_max"] = max(float(c.max() / c.float().mean()) for c in self.policy.expert_load.values())
+            m["expert_load_max"] = max(float(c.max() / c.float().mean()) for c in load.values())
         self.version += 1
         self.snap.end_step(self.version, cfg.keep_versions)
         self._acc = None

@@ -27,6 +27,18 @@ def compare(mb: list[Trajectory], b: Batch, prox: torch.Tensor, diffs: tuple[lis
             diffs[1].setdefault(r, []).append(d)
 
 
+def merge(parts: list[tuple[list, dict]]) -> tuple[list, dict]:
+    """Several ranks' differences (`compare`'s) as one."""
+    if len(parts) == 1:
+        return parts[0]
+    every, by_replica = [], {}
+    for e, r in parts:
+        every += e
+        for k, v in r.items():
+            by_replica.setdefault(k, []).extend(v)
+    return every, by_replica
+
+
 def check(diffs: tuple[list, dict], tolerance: float, version: int) -> float:
     """The mean difference over the samples compared (nan: none); `LogprobMismatch` naming the
     replicas whose mean is over `tolerance`."""

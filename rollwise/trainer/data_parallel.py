@@ -1,0 +1,193 @@
+"""Data-parallel training: the trainer on N processes (verl's and AReaL's data-parallel ranks; here
+torch.distributed's gloo, on 127.0.0.1).
+
+Every rank holds the whole policy and its optimizer. Every rank is given every group of a step (rank
+0, the run's process, sends them), computes what needs no model over all of them (advantages, the
+batch's totals, the episode metrics), and runs the forward and backward of its own share: whole
+groups, placed on the rank with the fewest generated tokens so far this step. Before each optimizer
+update the gradients are summed over the ranks, as are the loss statistics, the whitening sums and
+the logprob check's differences: every rank then takes the same update, so the weights stay equal
+without being sent, and the step is the one-process step's up to the order of its sums.
+
+`Comm` is what the trainer sees (one process: every collective is the identity); `Gloo` is the
+process group; `DataParallelTrainer` is rank 0's trainer, which hands each call on to the other
+ranks, worker processes started by `start`."""
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import socket
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+
+
+class Comm:
+    """One process: rank 0 of 1."""
+    rank, world = 0, 1
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def gather(self, obj: Any) -> list:
+        return [obj]
+
+    def grads(self, params) -> None:
+        """Each parameter's gradient summed over the ranks (None where no rank has one)."""
+
+    def shard(self, groups: list, loads: list[float]) -> list:
+        """The groups this rank trains (`loads`: each rank's generated tokens so far this step)."""
+        return groups
+
+
+class Gloo(Comm):
+    def __init__(self, rank: int, world: int, port: int, timeout_s: float = 1800.0) -> None:
+        import torch.distributed as dist
+        self.dist, self.rank, self.world = dist, rank, world
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        self.dist.all_reduce(t)
+        return t
+
+    def gather(self, obj: Any) -> list:
+        out: list = [None] * self.world
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    def grads(self, params) -> None:
+        params = list(params)
+        has = torch.tensor([float(p.grad is not None) for p in params])
+        flat = torch.cat([has] + [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                                  for p in params])
+        self.dist.all_reduce(flat)
+        k = len(params)
+        for i, p in enumerate(params):
+            g = flat[k:k + p.numel()].view_as(p)
+            k += p.numel()
+            if flat[i] > 0:
+                p.grad = g.clone() if p.grad is None else p.grad.copy_(g)
+
+    def shard(self, groups: list, loads: list[float]) -> list:
+        """Largest group first onto the least-loaded rank (every rank computes the same placement)."""
+        mine = []
+        for i in sorted(range(len(groups)), key=lambda i: -generated(groups[i])):
+            r = min(range(self.world), key=lambda r: (loads[r], r))
+            loads[r] += max(generated(groups[i]), 1)
+            if r == self.rank:
+                mine.append(groups[i])
+        return [g for g in groups if any(g is m for m in mine)]  # in their order
+
+    def broadcast(self, obj: Any = None) -> Any:
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def broadcast_params(self, module: torch.nn.Module) -> None:
+        for t in list(module.state_dict().values()):
+            if t.is_floating_point():
+                self.dist.broadcast(t, src=0)
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+
+
+def fingerprint(trainer) -> str:
+    h = hashlib.sha256()
+    for p in trainer.policy.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def generated(group: list) -> int:
+    return sum(t.num_generated for t in group)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DataParallelTrainer:
+    """Rank 0's trainer: each call runs here and on every worker rank, with the same arguments."""
+    CALLS = ("begin", "add", "finish", "step")
+
+    def __init__(self, trainer, comm: Gloo, workers: list) -> None:
+        self.trainer, self.comm, self.workers = trainer, comm, workers
+        self.broken = False  # a call raised here: the workers may wait in a collective that never comes
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.trainer, name)
+        if name not in self.CALLS:
+            return attr
+
+        def call(*args):
+            self.comm.broadcast((name, args))
+            try:
+                return attr(*args)
+            except BaseException:
+                self.broken = True
+                raise
+        return call
+
+    def load_state(self, state: dict) -> None:
+        """A checkpoint's state on every rank (sent from here), checked to be the same bits on each."""
+        self.comm.broadcast(("load_state", (state,)))
+        try:
+            self.trainer.load_state(state)
+        except BaseException:
+            self.broken = True
+            raise
+        prints = self.fingerprints()
+        if len(set(prints)) > 1:
+            raise RuntimeError(f"trainer ranks hold different weights after loading a checkpoint: {prints}")
+
+    def fingerprints(self) -> list[str]:
+        """Each rank's trainable weights as a hash of their bits: equal on every rank after every step."""
+        self.comm.broadcast(("fingerprints", ()))
+        return self.comm.gather(fingerprint(self.trainer))
+
+    def close(self) -> None:
+        """Stop the workers (at once, after a call that raised), then leave the group."""
+        try:
+            if not self.broken:
+                self.comm.broadcast(None)
+        finally:
+            for w in self.workers:
+                w.join(timeout=0 if self.broken else 30)
+                if w.is_alive():
+                    w.terminate()
+                    w.join()
+            self.comm.close()
+
+
+def start(world: int, build: Callable, args: tuple, threads: int):
+    """Start ranks 1..world-1, each `build(comm, *args)` -> its trainer, then join them as rank 0: the
+    caller builds its own trainer with the returned comm, broadcasts its weights (`comm.broadcast_params`)
+    and wraps it in `DataParallelTrainer`. `build` must be a module-level function (spawned processes)."""
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    workers = [ctx.Process(target=_worker, args=(r, world, port, build, args, threads), daemon=True,
+                           name=f"rollwise-trainer-rank{r}") for r in range(1, world)]
+    for w in workers:
+        w.start()
+    return Gloo(0, world, port), workers
+
+
+def _worker(rank: int, world: int, port: int, build: Callable, args: tuple, threads: int) -> None:
+    torch.set_num_threads(threads)
+    comm = Gloo(rank, world, port)
+    trainer = build(comm, *args)
+    while (cmd := comm.broadcast()) is not None:
+        name, a = cmd
+        if name == "fingerprints":
+            comm.gather(fingerprint(trainer))
+            continue
+        try:
+            getattr(trainer, name)(*a)
+        except Exception:  # rank 0 raises it too (every rank sees the same sums); the next call goes on
+            pass
+    comm.close()

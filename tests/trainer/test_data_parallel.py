@@ -1,0 +1,147 @@
+"""Data-parallel training (rollwise/trainer/data_parallel.py): two trainer processes over gloo take the
+step one process takes, on real model forwards and backwards."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rollwise import LLM, SamplingParams
+from rollwise.agent.envs import ENVS
+from rollwise.agent.envs.calculator import CalculatorEnv
+from rollwise.rl_config import TrainConfig
+from rollwise.rl_trainer import make_policy, make_trainer
+from rollwise.trainer.data_parallel import Comm, free_port
+from rollwise.types import Trajectory, TurnRecord
+
+
+def _groups(model_dir: str, n_groups: int, size: int, seed: int) -> list[list[Trajectory]]:
+    """Groups sampled by our engine, of unequal lengths (so the ranks' shares differ), rewards mixed."""
+    llm = LLM(model_dir, seed=seed)
+    groups = []
+    for g in range(n_groups):
+        prompt = [5 + g, 17, 300 + g, 42] + [60 + g] * (3 * g)
+        outs = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=4 + 3 * g, ignore_eos=True,
+                                                     seed=100 * seed + 10 * g), n=size)
+        group = []
+        for i, o in enumerate(outs):
+            turn = TurnRecord(start=len(prompt), num_generated=len(o.token_ids), num_observation=0,
+                              finish_reason="length", policy_version=0, num_cached_tokens=0, generation_s=0,
+                              tool_s=0, replica="r0")
+            group.append(Trajectory(trajectory_id=f"t{g}.{i}", group_id=f"g{g}", task={},
+                                    token_ids=prompt + o.token_ids, loss_mask=[0] * len(prompt) + [1] * len(o.token_ids),
+                                    logprobs=[0.0] * len(prompt) + o.logprobs, turns=[turn],
+                                    reward=float((i + g) % 3 == 0)))
+        groups.append(group)
+    return groups
+
+
+def _weights(trainer) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in trainer.policy.parameters()])
+
+
+@pytest.mark.parametrize("options", [
+    {},  # grpo, one update a step, whole batches (`step`) and streamed (`begin`, `add`, `finish`)
+    {"epochs": 2, "kl_coef": 0.05, "entropy_coef": 0.01, "advantage": "rloo"},
+    {"advantage": "reinforce_plus_plus", "group_size": 1},  # whitened over every rank's tokens
+], ids=["grpo", "epochs_kl_entropy", "whitened"])
+def test_two_ranks_take_the_one_process_step(model_dir, tmp_path, options):
+    cfg = TrainConfig.from_dict({"model": model_dir, "run_dir": str(tmp_path), "lr": 1e-3, "seed": 3,
+                                 "trainer_threads": 2, "trainer_processes": 2, "micro_batch_tokens": 64, **options})
+    groups = _groups(model_dir, 5, 4, seed=1)
+    one = make_trainer(dataclasses.replace(cfg, trainer_processes=1), make_policy(cfg))
+    two = make_trainer(cfg, make_policy(cfg))
+    try:
+        assert torch.equal(_weights(one), _weights(two))  # rank 0's weights, and the workers' from them
+        for streamed in (False, True):
+            if streamed:  # groups as they complete, in three calls
+                for t in (one, two):
+                    t.begin()
+                    t.add(groups[:1])
+                    t.add(groups[1:4])
+                    t.add(groups[4:], True)
+                m1, m2 = one.finish(), two.finish()
+            else:
+                m1, m2 = one.step(groups), two.step(groups)
+            assert m1["trained_tokens"] == m2["trained_tokens"] > 0
+            for k in ("loss", "grad_norm", "entropy", "kl", "is_weight_mean", "clip_frac"):
+                assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
+            w1, w2 = _weights(one), _weights(two)
+            assert (w1 - w2).abs().max() < 1e-5
+        assert two.version == one.version == 2
+        moved = (w1 - _weights(make_trainer(dataclasses.replace(cfg, trainer_processes=1), make_policy(cfg))))
+        assert moved.abs().max() > 1e-4  # (the steps did change the weights)
+    finally:
+        two.close()
+
+
+def test_each_rank_trains_its_share_and_every_rank_ends_on_the_same_bits(model_dir, tmp_path):
+    """Each rank's gradients come from its own groups (rank 0's alone give other weights), and after
+    the steps every rank holds the same weights, bit for bit (each takes the same summed gradients).
+    With mini-batches, the k-th update takes every rank's k-th part (not the one-process partition)."""
+    cfg = TrainConfig.from_dict({"model": model_dir, "run_dir": str(tmp_path), "lr": 1e-3, "seed": 3,
+                                 "trainer_threads": 2, "trainer_processes": 2, "mini_batches": 2,
+                                 "micro_batch_tokens": 64})
+    groups = _groups(model_dir, 4, 4, seed=2)
+    two = make_trainer(cfg, make_policy(cfg))
+    try:
+        for _ in range(2):
+            m = two.step(groups)
+            assert m["trained_tokens"] > 0 and m["grad_norm"] > 0 and m["loss"] == m["loss"]
+        prints = two.fingerprints()
+        assert len(prints) == 2 and prints[0] == prints[1]
+        loads = [0.0, 0.0]
+        mine = two.comm.shard(groups, loads)
+        assert 0 < len(mine) < len(groups) and min(loads) > 0  # both ranks trained a share
+        alone = make_trainer(dataclasses.replace(cfg, trainer_processes=1), make_policy(cfg))
+        for _ in range(2):
+            alone.step(mine)  # rank 0's share alone: not the steps the two ranks took
+        assert (_weights(alone) - _weights(two)).abs().max() > 1e-5
+        with pytest.raises(RuntimeError, match="no step begun"):  # a call that raises: the workers are stopped
+            two.finish()
+    finally:
+        two.close()
+    assert not any(w.is_alive() for w in two.workers)
+
+
+def test_comm_of_one_process_is_the_identity():
+    c = Comm()
+    t = torch.ones(3)
+    assert c.sum(t) is t and c.gather(5) == [5] and c.shard([[1], [2]], [0.0]) == [[1], [2]]
+    assert free_port() > 0
+
+
+def test_configs_data_parallel_does_not_take_yet(model_dir):
+    for bad in ({"advantage": "gae"}, {"reward_kl_coef": 0.01}):
+        with pytest.raises(ValueError, match="trainer_processes > 1"):
+            TrainConfig.from_dict({"model": model_dir, "trainer_processes": 2, "group_size": 2, **bad})
+    with pytest.raises(ValueError, match="trainer_processes must be >= 1"):
+        TrainConfig.from_dict({"model": model_dir, "trainer_processes": 0})
+
+
+class _ParityReward(CalculatorEnv):
+    """Rewards an untrained model's answers half the time (by length), so GRPO has work to do."""
+
+    def score(self, task: dict, answer: str) -> float:
+        return float(len(answer) % 2)
+
+
+def test_a_run_on_two_trainer_processes_trains_as_one_and_resumes(model_dir, tmp_path, monkeypatch):
+    """`rollwise train` with trainer_processes = 2: a deterministic run's first step (the same groups,
+    from the warm start) is the one-process run's, and a resumed run hands the checkpoint to every rank."""
+    from rollwise.rl import train
+    monkeypatch.setitem(ENVS, "calculator", _ParityReward)
+    tiny = dict(env="calculator", sft_steps=3, sft_tasks=8, groups_per_step=2, group_size=4, max_tokens=12,
+                max_turns=2, eval_tasks=0, max_num_seqs=16, progress=False, deterministic=True, model=model_dir,
+                trainer_threads=2, lr=1e-3)
+    one = train(TrainConfig.from_dict({**tiny, "run_dir": str(tmp_path / "one"), "steps": 1}))
+    two = train(TrainConfig.from_dict({**tiny, "run_dir": str(tmp_path / "two"), "steps": 2, "trainer_processes": 2}))
+    a, b = one["steps"][0], two["steps"][0]
+    assert a["trained_tokens"] == b["trained_tokens"] > 0
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    more = train(TrainConfig.from_dict({**tiny, "run_dir": str(tmp_path / "two"), "steps": 3, "trainer_processes": 2}))
+    assert more["policy_version"] == 3 and len(more["steps"]) == 3
+    assert [s["loss"] for s in more["steps"][:2]] == [s["loss"] for s in two["steps"]]  # (the checkpoint's)
+    assert more["steps"][2]["trained_tokens"] > 0
