@@ -102,9 +102,12 @@ def _warm_start(policy: PolicyModel, share: bool):
 
 class Critic:
     def __init__(self, policy: PolicyModel, lr: float = 1e-4, value_clip: float = 0.5, max_grad_norm: float = 1.0,
-                 weight_decay: float = 0.0, model_dir: str = "", lora: bool = False) -> None:
+                 weight_decay: float = 0.0, model_dir: str = "", lora: bool = False, comm=None) -> None:
         """`lora`: the critic trains LoRA adapters (the policy's rank, alpha and targets) and the value
-        head on the policy's own frozen base weights, shared, not copied (the policy must train LoRA)."""
+        head on the policy's own frozen base weights, shared, not copied (the policy must train LoRA).
+        `comm`: data parallel (data_parallel.py): `update` sums the ranks' tokens, losses and gradients."""
+        from rollwise.trainer.data_parallel import Comm
+        self.comm = comm or Comm()
         from transformers import AutoModelForCausalLM
         if lora and (policy.lora is None or model_dir):
             raise ValueError("critic_lora trains adapters on the policy's frozen base weights, shared: it needs "
@@ -199,7 +202,8 @@ class Critic:
         takes the actor's mini-batch size), a step's loss the mean over its part's generated tokens
         (the first epoch's gradients those `estimate` backpropagated, if it did: one part only).
         Returns the first epoch's metrics."""
-        n = sum(float(b.mask.sum()) for _, b, *_ in items)
+        comm = self.comm
+        n = float(comm.sum(torch.tensor(sum(float(b.mask.sum()) for _, b, *_ in items), dtype=torch.float64)))
         m: dict[str, float] = {}
         first, done, scale, self._first, self._done = self._first, self._done, self._scale, None, set()
         if not n:
@@ -208,10 +212,14 @@ class Critic:
         if first is not None and mini_batches > 1:
             raise ValueError("the first epoch's gradients were backpropagated for one part, not mini_batches > 1")
         parts = [[it for _, it in part] for part in split([(it[1], it) for it in items], mini_batches)]
+        if comm.world > 1:  # the k-th parts of every rank make the k-th step
+            k = max(comm.gather(len(parts) if items else 0))
+            parts = (parts + [[]] * k)[:k] if items else [[] for _ in range(k)]
         for epoch in range(epochs):
             loss_sum, clipped, norms = 0.0, 0.0, []
             for part in parts:
-                pn = n if len(parts) == 1 else sum(float(b.mask.sum()) for _, b, *_ in part)
+                pn = n if len(parts) == 1 else float(comm.sum(torch.tensor(
+                    sum(float(b.mask.sum()) for _, b, *_ in part), dtype=torch.float64)))
                 summed = epoch == 0 and first is not None  # backpropagated by `estimate`, divided by `scale`
                 part_loss, c_sum = first if summed else (0.0, 0.0)
                 for _, b, _, ret, old in part:
@@ -226,14 +234,18 @@ class Critic:
                             p.grad.div_(pn / scale)
                     part_loss /= pn / scale
                 loss_sum, clipped = loss_sum + part_loss, clipped + c_sum
+                comm.grads(self.parameters())
                 norms.append(float(torch.nn.utils.clip_grad_norm_(self.parameters(), self.max_grad_norm)))
                 self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
             if epoch == 0:
+                loss_sum, clipped = comm.sum(torch.tensor([loss_sum, clipped], dtype=torch.float64)).tolist()
                 m = {"value_loss": loss_sum / len(parts), "value_clip_frac": clipped / n,
                      "critic_grad_norm": sum(norms) / len(norms)}
         sel = [(ret[b.mask > 0], old[b.mask > 0]) for _, b, _, ret, old in items]
-        ret, old = torch.cat([r for r, _ in sel]), torch.cat([o for _, o in sel])
+        ret, old = torch.cat([r for r, _ in sel] or [torch.zeros(0)]), torch.cat([o for _, o in sel] or [torch.zeros(0)])
+        if comm.world > 1:  # (every rank's tokens)
+            ret, old = (torch.cat(x) for x in zip(*comm.gather((ret, old))))
         # how much of the returns' variance the values (before this update) explain: 1 perfect, <= 0 none
         var = float(ret.var()) if len(ret) > 1 else 0.0
         m.update(value_mean=float(old.mean()), return_mean=float(ret.mean()),

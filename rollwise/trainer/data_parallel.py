@@ -6,8 +6,10 @@ Every rank holds the whole policy and its optimizer. Every rank is given every g
 batch's totals, the episode metrics), and runs the forward and backward of its own share: whole
 groups, placed on the rank with the fewest generated tokens so far this step. Before each optimizer
 update the gradients are summed over the ranks, as are the loss statistics, the whitening sums and
-the logprob check's differences: every rank then takes the same update, so the weights stay equal
-without being sent, and the step is the one-process step's up to the order of its sums.
+the logprob check's differences (and the critic's, `advantage = "gae"`): every rank then takes the
+same update, so the weights stay equal without being sent, and the step is the one-process step's
+up to the order of its sums. With `mini_batches` > 1 the k-th update takes every rank's k-th part.
+Not with KL in the reward (`reward_kl_coef`): every episode's KL would need every rank's forward.
 
 `Comm` is what the trainer sees (one process: every collective is the identity); `Gloo` is the
 process group; `DataParallelTrainer` is rank 0's trainer, which hands each call on to the other
@@ -96,7 +98,7 @@ class Gloo(Comm):
 
 def fingerprint(trainer) -> str:
     h = hashlib.sha256()
-    for p in trainer.policy.parameters():
+    for p in [*trainer.policy.parameters(), *(trainer.critic.parameters() if trainer.critic is not None else [])]:
         h.update(p.detach().contiguous().numpy().tobytes())
     return h.hexdigest()
 
@@ -146,7 +148,7 @@ class DataParallelTrainer:
             raise RuntimeError(f"trainer ranks hold different weights after loading a checkpoint: {prints}")
 
     def fingerprints(self) -> list[str]:
-        """Each rank's trainable weights as a hash of their bits: equal on every rank after every step."""
+        """Each rank's trained weights (the critic's too) as a hash of their bits: equal on every rank."""
         self.comm.broadcast(("fingerprints", ()))
         return self.comm.gather(fingerprint(self.trainer))
 

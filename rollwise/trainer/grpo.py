@@ -72,9 +72,9 @@ class GRPOTrainer:
         self.policy, self.cfg = policy, config or GRPOConfig()
         self.cfg.check()
         self.comm = comm or Comm()  # data parallel (data_parallel.py): this rank trains its share of each step
-        if self.comm.world > 1 and (self.cfg.advantage == "gae" or self.cfg.reward_kl_coef > 0):
-            raise ValueError("data-parallel training (trainer_processes > 1) does not yet take advantage = 'gae' "
-                             "or reward_kl_coef > 0: use one trainer process")
+        if self.comm.world > 1 and self.cfg.reward_kl_coef > 0:
+            raise ValueError("data-parallel training (trainer_processes > 1) does not yet take reward_kl_coef > 0: "
+                             "use one trainer process")
         self.opt = torch.optim.AdamW(policy.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         # the KL reference and the kept versions' weights ("recompute"): snapshots.py
         self.snap = Snapshots(policy, self.cfg.temperature, self.cfg.kl_coef > 0 or self.cfg.reward_kl_coef > 0)
@@ -90,7 +90,8 @@ class GRPOTrainer:
         self.critic = None  # gae: PPO's value model
         if self.cfg.advantage == "gae":
             self.critic = Critic(policy, self.cfg.critic_lr or 10 * self.cfg.lr, self.cfg.value_clip,
-                                 self.cfg.max_grad_norm, model_dir=self.cfg.critic_model, lora=self.cfg.critic_lora)
+                                 self.cfg.max_grad_norm, model_dir=self.cfg.critic_model, lora=self.cfg.critic_lora,
+                                 comm=self.comm)
         self.version = 0  # optimizer steps taken = the policy version the replicas should serve
         self._acc: dict | None = None  # the step begun and not finished (`begin`, `add`, `finish`)
 
