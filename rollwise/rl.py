@@ -203,6 +203,8 @@ async def _train(cfg: TrainConfig) -> dict:
         router = make_router(cfg, tokenizer)
     except BaseException:
         trackers.close()
+        if cfg.trainer_processes > 1:
+            trainer.close()
         raise
     try:
         if cfg.deterministic and cfg.replica_urls:  # groups are pinned to versions up to k old

@@ -327,9 +327,6 @@ class TrainConfig:
             raise ValueError("replica_threads and trainer_threads must be >= 0 (0: split the cores)")
         if cfg.trainer_processes < 1:
             raise ValueError(f"trainer_processes must be >= 1, got {cfg.trainer_processes}")
-        if cfg.trainer_processes > 1 and cfg.reward_kl_coef > 0:
-            raise ValueError("trainer_processes > 1 does not yet take reward_kl_coef > 0 (every episode's KL "
-                             "would need every rank's forward): use one trainer process")
         return cfg
 
 

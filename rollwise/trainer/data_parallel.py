@@ -9,7 +9,8 @@ update the gradients are summed over the ranks, as are the loss statistics, the 
 the logprob check's differences (and the critic's, `advantage = "gae"`): every rank then takes the
 same update, so the weights stay equal without being sent, and the step is the one-process step's
 up to the order of its sums. With `mini_batches` > 1 the k-th update takes every rank's k-th part.
-Not with KL in the reward (`reward_kl_coef`): every episode's KL would need every rank's forward.
+KL in the reward (`reward_kl_coef`) needs every episode's KL on every rank: each rank computes a
+share and they exchange them (kl_reward.py).
 
 `Comm` is what the trainer sees (one process: every collective is the identity); `Gloo` is the
 process group; `DataParallelTrainer` is rank 0's trainer, which hands each call on to the other
@@ -82,11 +83,6 @@ class Gloo(Comm):
                 mine.append(groups[i])
         return [g for g in groups if any(g is m for m in mine)]  # in their order
 
-    def broadcast(self, obj: Any = None) -> Any:
-        box = [obj]
-        self.dist.broadcast_object_list(box, src=0)
-        return box[0]
-
     def broadcast_params(self, module: torch.nn.Module) -> None:
         for t in list(module.state_dict().values()):
             if t.is_floating_point():
@@ -114,11 +110,12 @@ def free_port() -> int:
 
 
 class DataParallelTrainer:
-    """Rank 0's trainer: each call runs here and on every worker rank, with the same arguments."""
+    """Rank 0's trainer: each call runs here and on every worker rank, with the same arguments (sent
+    down a pipe to each: a worker waits for its next call however long the rollouts take)."""
     CALLS = ("begin", "add", "finish", "step")
 
-    def __init__(self, trainer, comm: Gloo, workers: list) -> None:
-        self.trainer, self.comm, self.workers = trainer, comm, workers
+    def __init__(self, trainer, comm: Gloo, workers: list[tuple]) -> None:
+        self.trainer, self.comm, self.workers = trainer, comm, workers  # workers: (process, pipe)
         self.broken = False  # a call raised here: the workers may wait in a collective that never comes
 
     def __getattr__(self, name: str):
@@ -127,63 +124,72 @@ class DataParallelTrainer:
             return attr
 
         def call(*args):
-            self.comm.broadcast((name, args))
-            try:
-                return attr(*args)
-            except BaseException:
-                self.broken = True
-                raise
+            return self._run(name, args, lambda: attr(*args))
         return call
 
-    def load_state(self, state: dict) -> None:
-        """A checkpoint's state on every rank (sent from here), checked to be the same bits on each."""
-        self.comm.broadcast(("load_state", (state,)))
+    def _run(self, name: str, args: tuple, here: Callable):
+        for _, pipe in self.workers:
+            pipe.send((name, args))
         try:
-            self.trainer.load_state(state)
+            return here()
         except BaseException:
             self.broken = True
             raise
+
+    def load_state(self, state: dict) -> None:
+        """A checkpoint's state on every rank (sent from here), checked to be the same bits on each."""
+        self._run("load_state", (state,), lambda: self.trainer.load_state(state))
         prints = self.fingerprints()
         if len(set(prints)) > 1:
             raise RuntimeError(f"trainer ranks hold different weights after loading a checkpoint: {prints}")
 
     def fingerprints(self) -> list[str]:
         """Each rank's trained weights (the critic's too) as a hash of their bits: equal on every rank."""
-        self.comm.broadcast(("fingerprints", ()))
-        return self.comm.gather(fingerprint(self.trainer))
+        return self._run("fingerprints", (), lambda: self.comm.gather(fingerprint(self.trainer)))
 
     def close(self) -> None:
         """Stop the workers (at once, after a call that raised), then leave the group."""
-        try:
+        for proc, pipe in self.workers:
             if not self.broken:
-                self.comm.broadcast(None)
-        finally:
-            for w in self.workers:
-                w.join(timeout=0 if self.broken else 30)
-                if w.is_alive():
-                    w.terminate()
-                    w.join()
-            self.comm.close()
+                pipe.send(None)
+            pipe.close()
+        for proc, _ in self.workers:
+            proc.join(timeout=0 if self.broken else 30)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+        self.comm.close()
 
 
-def start(world: int, build: Callable, args: tuple, threads: int):
+def start(world: int, build: Callable, args: tuple, threads: int) -> tuple[Gloo, list[tuple]]:
     """Start ranks 1..world-1, each `build(comm, *args)` -> its trainer, then join them as rank 0: the
     caller builds its own trainer with the returned comm, broadcasts its weights (`comm.broadcast_params`)
     and wraps it in `DataParallelTrainer`. `build` must be a module-level function (spawned processes)."""
     port = free_port()
     ctx = mp.get_context("spawn")
-    workers = [ctx.Process(target=_worker, args=(r, world, port, build, args, threads), daemon=True,
-                           name=f"rollwise-trainer-rank{r}") for r in range(1, world)]
-    for w in workers:
-        w.start()
+    workers = []
+    for r in range(1, world):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_worker, args=(r, world, port, build, args, threads, recv), daemon=True,
+                           name=f"rollwise-trainer-rank{r}")
+        proc.start()
+        recv.close()  # (the worker's end)
+        workers.append((proc, send))
     return Gloo(0, world, port), workers
 
 
-def _worker(rank: int, world: int, port: int, build: Callable, args: tuple, threads: int) -> None:
+def _worker(rank: int, world: int, port: int, build: Callable, args: tuple, threads: int, pipe) -> None:
+    """A worker rank: its trainer, then rank 0's calls until it sends None or goes away."""
     torch.set_num_threads(threads)
     comm = Gloo(rank, world, port)
     trainer = build(comm, *args)
-    while (cmd := comm.broadcast()) is not None:
+    while True:
+        try:
+            cmd = pipe.recv()
+        except EOFError:  # rank 0 is gone
+            break
+        if cmd is None:
+            break
         name, a = cmd
         if name == "fingerprints":
             comm.gather(fingerprint(trainer))

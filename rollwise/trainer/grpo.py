@@ -72,9 +72,6 @@ class GRPOTrainer:
         self.policy, self.cfg = policy, config or GRPOConfig()
         self.cfg.check()
         self.comm = comm or Comm()  # data parallel (data_parallel.py): this rank trains its share of each step
-        if self.comm.world > 1 and self.cfg.reward_kl_coef > 0:
-            raise ValueError("data-parallel training (trainer_processes > 1) does not yet take reward_kl_coef > 0: "
-                             "use one trainer process")
         self.opt = torch.optim.AdamW(policy.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         # the KL reference and the kept versions' weights ("recompute"): snapshots.py
         self.snap = Snapshots(policy, self.cfg.temperature, self.cfg.kl_coef > 0 or self.cfg.reward_kl_coef > 0)
@@ -83,7 +80,7 @@ class GRPOTrainer:
             def kl(mb: list[Trajectory], b: Batch) -> torch.Tensor:  # k1: the policy's logprobs less the reference's
                 return policy.logprobs(b, self.cfg.temperature) - self.snap.reference(mb, b)
             self.reward_kl = RewardKL(kl, self.cfg.reward_kl_coef, self.cfg.reward_kl_target,
-                                      self.cfg.reward_kl_horizon, self.cfg.micro_batch_tokens)
+                                      self.cfg.reward_kl_horizon, self.cfg.micro_batch_tokens, self.comm)
         self.overlong = None  # DAPO's overlong punishment (shaping.py)
         if self.cfg.overlong_buffer:
             self.overlong = Overlong(self.cfg.overlong_max_tokens, self.cfg.overlong_buffer, self.cfg.overlong_penalty)
@@ -137,6 +134,8 @@ class GRPOTrainer:
         acc["trajs"] += trajs
         acc["n_useful"] += len(useful)
         acc["n_tokens"] += sum(t.num_generated for t in useful)
+        if self.reward_kl is not None and cfg.advantage in WHITENED:  # (the episode ones' `_useful` asked already:
+            self.reward_kl.token_kls(useful)  # every rank for the same trajectories, so each computes a share)
         if self.comm.world > 1:  # the forward and backward of this rank's share
             mine = {id(t) for g in self.comm.shard(groups, acc["loads"]) for t in g}
             useful = [t for t in useful if id(t) in mine]

@@ -37,22 +37,30 @@ class RewardKL:
     Batch) -> [B, L-1] each target's k1 estimate (the trainer's: its logprobs less the reference's)."""
 
     def __init__(self, kl: Callable[[list[Trajectory], Batch], torch.Tensor], coef: float, target: float = 0.0,
-                 horizon: int = 10000, micro_batch_tokens: int = 8192) -> None:
+                 horizon: int = 10000, micro_batch_tokens: int = 8192, comm=None) -> None:
         check(coef, target, horizon)
         self.kl, self.value, self.target, self.horizon, self.mbt = kl, coef, target, horizon, micro_batch_tokens
+        self.comm = comm  # data parallel: each rank computes a share of the KLs and every rank gets them all
         self._kls: dict[int, tuple[Trajectory, list[float]]] = {}  # id -> (the trajectory, its KL per token)
 
     @torch.no_grad()
     def token_kls(self, trajs: list[Trajectory]) -> dict[int, list[float]]:
-        """Each trajectory's KL per generated token (its sequences in order), by id; once a step."""
+        """Each trajectory's KL per generated token (its sequences in order), by id; once a step. With
+        data parallel, every rank must ask for the same trajectories first (the trainer's `add` does)."""
         todo = [t for t in trajs if self._kls.get(id(t), (None,))[0] is not t]
+        dp = self.comm is not None and self.comm.world > 1 and todo
+        mine = todo[self.comm.rank::self.comm.world] if dp else todo
         seq: dict[int, list[float]] = {}
-        for mb in micro_batches([s for t in todo for s in t.sequences()], self.mbt):
+        for mb in micro_batches([s for t in mine for s in t.sequences()], self.mbt):
             d = self.kl(mb, Batch.of(mb))
             for r, s in enumerate(mb):
                 seq[id(s)] = d[r, positions(s)].tolist()
-        for t in todo:
-            self._kls[id(t)] = (t, [k for s in t.sequences() for k in seq[id(s)]])
+        kls = [[k for s in t.sequences() for k in seq[id(s)]] for t in mine]
+        if dp:  # every rank's share, in `todo`'s order
+            parts = self.comm.gather(kls)
+            kls = [parts[i % self.comm.world][i // self.comm.world] for i in range(len(todo))]
+        for t, k in zip(todo, kls, strict=True):
+            self._kls[id(t)] = (t, k)
         return {id(t): self._kls[id(t)][1] for t in trajs}
 
     def penalty(self, trajs: list[Trajectory]) -> dict[int, list[float]]:

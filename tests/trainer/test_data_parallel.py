@@ -46,7 +46,9 @@ def _weights(trainer) -> torch.Tensor:
     {"epochs": 2, "kl_coef": 0.05, "entropy_coef": 0.01, "advantage": "rloo"},
     {"advantage": "reinforce_plus_plus", "group_size": 1},  # whitened over every rank's tokens
     {"advantage": "gae", "group_size": 1, "epochs": 2},  # and a critic, its gradients summed too
-], ids=["grpo", "epochs_kl_entropy", "whitened", "gae"])
+    {"reward_kl_coef": 0.05, "reward_kl_target": 0.01},  # KL in the reward: each rank computes a share
+    {"advantage": "reinforce_plus_plus", "reward_kl_coef": 0.05},
+], ids=["grpo", "epochs_kl_entropy", "whitened", "gae", "reward_kl", "reward_kl_whitened"])
 def test_two_ranks_take_the_one_process_step(model_dir, tmp_path, options):
     cfg = TrainConfig.from_dict({"model": model_dir, "run_dir": str(tmp_path), "lr": 1e-3, "seed": 3,
                                  "trainer_threads": 2, "trainer_processes": 2, "micro_batch_tokens": 64, **options})
@@ -67,12 +69,14 @@ def test_two_ranks_take_the_one_process_step(model_dir, tmp_path, options):
                 m1, m2 = one.step(groups), two.step(groups)
             assert m1["trained_tokens"] == m2["trained_tokens"] > 0
             for k in ("loss", "grad_norm", "entropy", "kl", "is_weight_mean", "clip_frac", "value_loss",
-                      "critic_grad_norm", "explained_var"):
+                      "critic_grad_norm", "explained_var", "reward_kl", "reward_kl_coef"):
                 if k not in m1:
                     continue
                 assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
             w1, w2 = _weights(one), _weights(two)
             assert (w1 - w2).abs().max() < 1e-4  # (AdamW divides by the gradients' size: rounding grows)
+            if "reward_kl_coef" in options:  # (the first step's policy is the reference: its KLs are 0)
+                assert (m1["reward_kl"] != 0) == streamed
             if options.get("advantage") == "gae":  # the critics too
                 assert "value_loss" in m1
                 c1, c2 = (torch.cat([p.detach().reshape(-1) for p in t.critic.parameters()]) for t in (one, two))
@@ -110,7 +114,7 @@ def test_each_rank_trains_its_share_and_every_rank_ends_on_the_same_bits(model_d
             two.finish()
     finally:
         two.close()
-    assert not any(w.is_alive() for w in two.workers)
+    assert not any(proc.is_alive() for proc, _ in two.workers)
 
 
 def test_comm_of_one_process_is_the_identity():
@@ -120,9 +124,7 @@ def test_comm_of_one_process_is_the_identity():
     assert free_port() > 0
 
 
-def test_configs_data_parallel_does_not_take_yet(model_dir):
-    with pytest.raises(ValueError, match="trainer_processes > 1"):
-        TrainConfig.from_dict({"model": model_dir, "trainer_processes": 2, "reward_kl_coef": 0.01})
+def test_trainer_processes_is_checked(model_dir):
     with pytest.raises(ValueError, match="trainer_processes must be >= 1"):
         TrainConfig.from_dict({"model": model_dir, "trainer_processes": 0})
 
