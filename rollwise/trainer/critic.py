@@ -29,6 +29,7 @@ import copy
 
 import torch
 
+from rollwise.trainer.data_parallel import Comm
 from rollwise.trainer.losses import split
 from rollwise.trainer.policy import (Batch, PolicyModel, cache_kw, decoder_states, enable_checkpointing, inject_lora,
                                      micro_batches)
@@ -106,9 +107,8 @@ class Critic:
         """`lora`: the critic trains LoRA adapters (the policy's rank, alpha and targets) and the value
         head on the policy's own frozen base weights, shared, not copied (the policy must train LoRA).
         `comm`: data parallel (data_parallel.py): `update` sums the ranks' tokens, losses and gradients."""
-        from rollwise.trainer.data_parallel import Comm
-        self.comm = comm or Comm()
         from transformers import AutoModelForCausalLM
+        self.comm = comm or Comm()
         if lora and (policy.lora is None or model_dir):
             raise ValueError("critic_lora trains adapters on the policy's frozen base weights, shared: it needs "
                              "the policy to train LoRA (lora_rank > 0) and no critic_model")

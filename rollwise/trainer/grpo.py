@@ -134,8 +134,10 @@ class GRPOTrainer:
         acc["trajs"] += trajs
         acc["n_useful"] += len(useful)
         acc["n_tokens"] += sum(t.num_generated for t in useful)
-        if self.reward_kl is not None and cfg.advantage in WHITENED:  # (the episode ones' `_useful` asked already:
-            self.reward_kl.token_kls(useful)  # every rank for the same trajectories, so each computes a share)
+        if self.reward_kl is not None and cfg.advantage in WHITENED:
+            # the KLs of every rank's trajectories, each rank computing a share (the episode estimators'
+            # `_useful` asked for them already)
+            self.reward_kl.token_kls(useful)
         if self.comm.world > 1:  # the forward and backward of this rank's share
             mine = {id(t) for g in self.comm.shard(groups, acc["loads"]) for t in g}
             useful = [t for t in useful if id(t) in mine]

@@ -12,7 +12,7 @@ import pytest
 from rollwise.agent.episode import ChatRenderer, run_episode
 from rollwise.agent.generator import ScriptedGenerator
 from rollwise.agent.parsing import (DeepSeekV31Parser, DeepSeekV3Parser, KimiK2Parser, MistralParser, ToolCall,
-                                   make_parser, openai_tool_calls)
+                                   make_parser, openai_tool_calls, seeded_ids)
 from rollwise.engine.tokenizer import Tokenizer
 from rollwise.make_model import make_model
 from rollwise.serve.process import ServerProcess
@@ -79,7 +79,7 @@ def test_mistral_calls_are_parsed_in_either_generation():
     got = MISTRAL.parse(text)
     assert not got.errors and got.text == "Sure." and [(c.name, c.arguments) for c in got.calls] == [
         ("add", {"a": 2}), ("neg", {"x": 1})]
-    assert got.calls[1].id == "abcDEF123" and len(got.calls[0].id) == 9 and got.calls[0].id.isalnum()  # (Mistral's ids)
+    assert got.calls[1].id == "abcDEF123" and got.calls[0].id is None  # (the model's id, or none)
     old = MISTRAL.parse('Sure.[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2}}, {"name": "ping"}]')
     assert [(c.name, c.arguments) for c in old.calls] == [("add", {"a": 2}), ("ping", {})] and old.text == "Sure."
     assert "invalid JSON arguments" in MISTRAL.parse('[TOOL_CALLS]add[ARGS]{"a": ').errors[0]
@@ -90,6 +90,45 @@ def test_mistral_calls_are_parsed_in_either_generation():
         (c.name, c.arguments) for c in calls]
     assert MISTRAL.content_end("Hi [TOOL_") == 3 and MISTRAL.content_end("Hi [x") == 5
     assert MISTRAL.parse("42").calls == [] and MISTRAL.content("42[TOOL_CALLS]x[ARGS]{}") == "42"
+
+
+def test_call_ids_the_model_wrote_none_for_are_drawn_in_the_parsers_shape():
+    text = '[TOOL_CALLS]add[ARGS]{"a": 2}[TOOL_CALLS]neg[CALL_ID]abcDEF123[ARGS]{"x": 1}'
+    first, second = (openai_tool_calls(text, MISTRAL)[1] for _ in range(2))
+    assert second[1]["id"] == first[1]["id"] == "abcDEF123"  # the model's own
+    assert len(first[0]["id"]) == 9 and first[0]["id"].isalnum() and first[0]["id"] != second[0]["id"]  # (random)
+    again = [openai_tool_calls(text, MISTRAL, seeded_ids(key))[1][0]["id"] for key in ("3:a", "3:a", "5:a")]
+    assert again[0] == again[1] != again[2]  # seeded: the same key, the same ids
+    hermes = openai_tool_calls('<tool_call>{"name": "add", "arguments": {}}</tool_call>')[1][0]["id"]
+    assert hermes.startswith("call_") and len(hermes) == 29 and int(hermes[5:], 16) >= 0
+
+
+def test_an_agents_calls_get_the_same_ids_in_a_run_that_repeats(model_dir):
+    """Mistral's template writes call ids back into the next prompt: through the agent gateway the
+    ids come from the reply and its place, so the same episode gives the same tokens."""
+    from rollwise.agent.envs import make_env
+    tok = Tokenizer(model_dir)
+    call = '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}'
+
+    def run() -> list[str]:
+        ids: list[str] = []
+
+        async def agent(client, task):
+            messages = [{"role": "user", "content": "add"}]
+            for _ in range(2):
+                reply = await client.chat.completions.create(model="p", messages=messages, tools=ADD_TOOLS)
+                m = reply.choices[0].message
+                ids.extend(c.id for c in m.tool_calls)
+                messages += [m.model_dump(exclude_none=True),
+                             {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "3"}]
+            return 1.0
+        gen = ScriptedGenerator(tok, lambda req: call)
+        env = make_env("agent", agent=agent, parser="mistral")
+        traj = asyncio.run(run_episode(gen, env, {}, SamplingParams(max_tokens=64)))
+        assert traj.status == "done", traj.status
+        return ids
+    a, b = run(), run()
+    assert a == b and len(a) == 2 and a[0] != a[1] and all(len(i) == 9 and i.isalnum() for i in a)
 
 
 @pytest.mark.parametrize("parser", ["kimi_k2", "deepseek_v31", "mistral"])

@@ -20,17 +20,18 @@ glm45's values; the others need none). The formats live in `base` (the types, He
 (kimi_k2, deepseek_v31, deepseek_v3, mistral)."""
 from __future__ import annotations
 
+import hashlib
 import json
-import uuid
+import random
 
-from rollwise.agent.parsing.base import HermesParser, Parsed, ToolCall, ToolCallParser
+from rollwise.agent.parsing.base import HermesParser, Parsed, ToolCall, ToolCallParser, openai_id
 from rollwise.agent.parsing.special_calls import DeepSeekV31Parser, DeepSeekV3Parser, KimiK2Parser, MistralParser
 from rollwise.agent.parsing.whole_reply import Llama3JsonParser, PythonicParser
 from rollwise.agent.parsing.xml_calls import Glm45Parser, Qwen3CoderParser
 
 __all__ = ["PARSERS", "DeepSeekV31Parser", "DeepSeekV3Parser", "Glm45Parser", "HermesParser", "KimiK2Parser",
            "Llama3JsonParser", "MistralParser", "Parsed", "PythonicParser", "Qwen3CoderParser", "ToolCall", "ToolCallParser", "bind",
-           "forced_tool_calls", "make_parser", "openai_tool_calls"]
+           "forced_tool_calls", "make_parser", "openai_tool_calls", "seeded_ids"]
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "qwen3_coder": Qwen3CoderParser,
            "glm45": Glm45Parser, "pythonic": PythonicParser, "kimi_k2": KimiK2Parser,
@@ -52,14 +53,29 @@ def make_parser(name: str) -> ToolCallParser:
     return PARSERS[name]()
 
 
-def openai_tool_calls(text: str, parser: ToolCallParser | None = None) -> tuple[str, list[dict]] | None:
-    """A reply's Hermes tool calls as OpenAI's `tool_calls` (and the text around them), as vLLM's
-    hermes parser gives them; None if it has none or a malformed one (the reply stays text)."""
-    got = (parser or HermesParser()).parse(text)
+def openai_tool_calls(text: str, parser: ToolCallParser | None = None,
+                      rng: random.Random | None = None) -> tuple[str, list[dict]] | None:
+    """A reply's tool calls (the parser's format, Hermes by default) as OpenAI's `tool_calls` (and the
+    text around them), as vLLM's parsers give them; None if it has none or a malformed one (the reply
+    stays text). A call the model wrote no id for gets one in the parser's shape (`new_id`) from
+    `rng`: random by default, as vLLM's; a seeded one where the ids must repeat (a template that
+    writes them back into the next prompt, in a run that must repeat)."""
+    parser = parser or HermesParser()
+    got = parser.parse(text)
     if not got.calls or got.errors:
         return None
-    return got.text, [{"id": c.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    rng = rng or _ids
+    new_id = getattr(parser, "new_id", openai_id)  # (a user's parser written before it: OpenAI's)
+    return got.text, [{"id": c.id or new_id(rng), "type": "function",
                        "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in got.calls]
+
+
+_ids = random.Random()  # (seeded from the OS)
+
+
+def seeded_ids(key: str) -> random.Random:
+    """An id source that gives the same ids for the same `key` (`openai_tool_calls`' rng)."""
+    return random.Random(hashlib.blake2b(key.encode(), digest_size=8).digest())
 
 
 def forced_tool_calls(tools: list[dict], tool_choice, tag_tokens=False,

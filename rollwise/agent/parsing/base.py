@@ -40,6 +40,11 @@ class ToolCallParser(Protocol):
     # then decoded with special tokens kept)
 
 
+def openai_id(rng) -> str:
+    """An id for a call the model wrote none for (OpenAI's shape), drawn from `rng` (`random.Random`)."""
+    return f"call_{rng.getrandbits(96):024x}"
+
+
 class HermesParser:
     pattern = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
     tag = "<tool_call>"
@@ -48,6 +53,9 @@ class HermesParser:
 
     def for_tools(self, tools: list[dict] | None) -> HermesParser:
         return self
+
+    def new_id(self, rng) -> str:
+        return openai_id(rng)
 
     def write(self, calls: list[ToolCall]) -> str:
         return "\n".join(f"<tool_call>\n{json.dumps({'name': c.name, 'arguments': c.arguments})}\n</tool_call>"

@@ -8,7 +8,6 @@ calls follow the content, each behind its own `[TOOL_CALLS]`."""
 from __future__ import annotations
 
 import json
-import random
 import re
 import string
 
@@ -190,12 +189,16 @@ class MistralParser(HermesParser):
             if not isinstance(name, str) or not isinstance(args, dict):
                 errors.append("malformed tool call: expected [TOOL_CALLS]NAME[ARGS]{JSON object}")
             else:
-                calls.append(ToolCall(name, args, call_id or _mistral_id()))
+                calls.append(ToolCall(name, args, call_id))
         return Parsed(calls, errors, text[:at].strip())
 
     def content(self, text: str) -> str:
         at = text.find(self.tag)
         return text if at < 0 else text[:at]
+
+    def new_id(self, rng) -> str:
+        """Mistral's tool-call id: 9 letters and digits."""
+        return "".join(rng.choices(string.ascii_letters + string.digits, k=9))
 
     def write(self, calls: list[ToolCall]) -> str:
         return "".join(f"{self.tag}{c.name}[ARGS]{json.dumps(c.arguments)}" for c in calls)
@@ -206,8 +209,3 @@ class MistralParser(HermesParser):
         alts = [f"{json.dumps(f['name'])} {tag('[ARGS]')} %json {json.dumps(one_of([f.get('parameters') or {}]))}"
                 for f in fns]
         return f"start: call{'' if single else '+'}\ncall: {tag(self.tag)} ({' | '.join(alts)})\n"
-
-
-def _mistral_id() -> str:
-    """Mistral's tool-call id: 9 letters and digits."""
-    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
