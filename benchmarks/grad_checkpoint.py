@@ -1,9 +1,14 @@
-"""What gradient checkpointing (`gradient_checkpointing = true`) saves and costs in the trainer: one
-micro-batch's forward and backward (`PolicyModel.logprobs`, then the loss's backward) on agent-like
-rows, a group's common prompt and then each row's own tokens (generated turns and tool output), with
-and without checkpointing, each in a process of its own.
+"""What gradient checkpointing (`gradient_checkpointing = true`) and the output head in chunks
+(`logit_chunk_tokens`) save and cost in the trainer: one micro-batch's forward and backward
+(`PolicyModel.logprobs`, then the loss's backward) on agent-like rows, a group's common prompt and
+then each row's own tokens (generated turns and tool output), each way in a process of its own.
 
     python benchmarks/grad_checkpoint.py [--smoke] [--rows 8] [--prompt 512] [--rest 1536] [--json PATH]
+        [--sides plain,checkpointed,head_chunks,both] [--vocab 151936] [--head-chunk 1024]
+
+Sides: `plain` (neither), `checkpointed` (the decoder layers), `head_chunks` (the head's logits
+recomputed `--head-chunk` positions at a time) and `both`. `--vocab`: the engine benchmarks' model
+with that vocabulary (a real one's makes the head's logits a micro-batch's largest tensors).
 
 Reported for each: the bytes autograd kept for the backward (saved tensors), the process's peak
 resident memory above what it held before the pass (VmHWM, reset before each pass), and the median
@@ -24,7 +29,7 @@ import time
 from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
-from common import engine_model  # noqa: E402  (benchmarks/common.py)
+from common import ENGINE_SIZES, cached_model, engine_model  # noqa: E402  (benchmarks/common.py)
 
 
 def _status(key: str) -> int:
@@ -36,7 +41,10 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-def measure(model: str, ckpt: bool, rows: int, prompt: int, rest: int, repeats: int) -> dict:
+SIDES = {"plain": (False, 0), "checkpointed": (True, 0), "head_chunks": (False, 1), "both": (True, 1)}
+
+
+def measure(model: str, ckpt: bool, rows: int, prompt: int, rest: int, repeats: int, head_chunk: int = 0) -> dict:
     """In this process: kept bytes, peak memory above the start and seconds of one pass, median."""
     import torch
 
@@ -56,6 +64,7 @@ def measure(model: str, ckpt: bool, rows: int, prompt: int, rest: int, repeats: 
                                 loss_mask=[0] * prompt + mask, logprobs=[0.0] * (prompt + n)))
     b = Batch.of(trajs)
     policy = PolicyModel(model)
+    policy.head_chunk = head_chunk
     if ckpt:
         policy.enable_checkpointing()
     kept, peaks, secs = [0], [], []
@@ -90,18 +99,30 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model", help="a model directory (default: the engine benchmarks' model, made once)")
     ap.add_argument("--json")
-    ap.add_argument("--child", choices=["plain", "checkpointed"], help=argparse.SUPPRESS)
+    ap.add_argument("--sides", default="plain,checkpointed", help=f"comma-separated, of {list(SIDES)}")
+    ap.add_argument("--vocab", type=int, help="the model's vocabulary (default: the engine benchmarks' model's)")
+    ap.add_argument("--head-chunk", type=int, default=1024, help="head_chunks and both: positions per chunk")
+    ap.add_argument("--child", choices=list(SIDES), help=argparse.SUPPRESS)
     args = ap.parse_args()
     rest = 96 if args.smoke else args.rest
     prompt = 40 if args.smoke else args.prompt
-    model = engine_model("smoke" if args.smoke else "bench", args.model)
+    size = "smoke" if args.smoke else "bench"
+    model = (cached_model(f"engine-{size}-vocab{args.vocab}-model", args.model, **{**ENGINE_SIZES[size],
+                                                                                  "vocab": args.vocab})
+             if args.vocab else engine_model(size, args.model))
     if args.child:
-        print(json.dumps(measure(model, args.child == "checkpointed", args.rows, prompt, rest, args.repeats)))
+        ckpt, chunked = SIDES[args.child]
+        print(json.dumps(measure(model, ckpt, args.rows, prompt, rest, args.repeats,
+                                 args.head_chunk if chunked else 0)))
         return
+    sides = args.sides.split(",")
+    if not set(sides) <= set(SIDES) or "plain" not in sides:
+        sys.exit(f"--sides: plain and any of {list(SIDES)}")
     res = {}
-    for name in ("plain", "checkpointed"):
+    for name in sides:
         cmd = [sys.executable, __file__, "--child", name, "--rows", str(args.rows), "--prompt", str(prompt),
-               "--rest", str(rest), "--repeats", str(args.repeats), "--model", model]
+               "--rest", str(rest), "--repeats", str(args.repeats), "--model", model, "--head-chunk",
+               str(args.head_chunk)]
         # tensors over 64 KiB mmapped, so freeing one returns it at once and the resident memory is the live one
         out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
         if out.returncode:
@@ -110,13 +131,19 @@ def main() -> None:
         r = res[name]
         print(f"{name:>12}: kept {r['kept_bytes'] / 2**20:8.1f} MiB, peak {r['peak_bytes'] / 2**20:8.1f} MiB, "
               f"{r['seconds']:.3f} s per forward and backward", flush=True)
-    p, c = res["plain"], res["checkpointed"]
-    res["ratio"] = {k: c[k] / p[k] for k in ("kept_bytes", "peak_bytes", "seconds")}
-    res["settings"] = {"rows": args.rows, "prompt": prompt, "rest": rest, "repeats": args.repeats,
-                       "model": "smoke" if args.smoke else "bench"}
+    p = res["plain"]
+    res["ratios"] = {name: {k: res[name][k] / p[k] for k in ("kept_bytes", "peak_bytes", "seconds")}
+                     for name in sides if name != "plain"}
+    if "checkpointed" in res:
+        res["ratio"] = res["ratios"]["checkpointed"]
+    with open(f"{model}/config.json") as f:
+        vocab = json.load(f)["vocab_size"]
+    res["settings"] = {"rows": args.rows, "prompt": prompt, "rest": rest, "repeats": args.repeats, "model": size,
+                       "vocab": vocab, "head_chunk": args.head_chunk}
     print(f"{p['tokens']:,} tokens ({p['generated_tokens']:,} generated, a {p['shared_prefix']}-token prompt "
-          f"run once): checkpointed / plain kept {res['ratio']['kept_bytes']:.3f}x, peak "
-          f"{res['ratio']['peak_bytes']:.3f}x, time {res['ratio']['seconds']:.3f}x")
+          f"run once), vocabulary {vocab:,}; against plain:")
+    for name, r in res["ratios"].items():
+        print(f"{name:>12}: kept {r['kept_bytes']:.3f}x, peak {r['peak_bytes']:.3f}x, time {r['seconds']:.3f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

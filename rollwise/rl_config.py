@@ -121,6 +121,10 @@ class TrainConfig:
     # layers' inputs, for about a third more compute (SFT, policy and critic)
     micro_batch_tokens: int = 8192
     gradient_checkpointing: bool = False
+    # the output head over the vocabulary at most this many generated positions at a time, each chunk's
+    # logits recomputed in the backward instead of kept (0: a micro-batch's at once): on a real vocabulary
+    # the [positions, vocabulary] logits and softmax are a micro-batch's largest tensors (policy.py `_head`)
+    logit_chunk_tokens: int = 4096
     # "ppo" (token ratios, clipped), "gspo" (sequence ratios: set clip = 3e-4, clip_high = 4e-4,
     # loss_agg = "sequence"), "cispo" (clipped, stopped ratios as weights: clip_high large), "clip_cov" or
     # "kl_cov" (PPO, or the unclipped gradient, holding back the tokens whose logprob and advantage covary
@@ -325,6 +329,8 @@ class TrainConfig:
                              "started with --batch-invariant)")
         if cfg.replica_threads < 0 or cfg.trainer_threads < 0:
             raise ValueError("replica_threads and trainer_threads must be >= 0 (0: split the cores)")
+        if cfg.logit_chunk_tokens < 0:
+            raise ValueError(f"logit_chunk_tokens must be >= 0 (0: no chunks), got {cfg.logit_chunk_tokens}")
         if cfg.trainer_processes < 1:
             raise ValueError(f"trainer_processes must be >= 1, got {cfg.trainer_processes}")
         return cfg

@@ -11,6 +11,7 @@ def make_policy(cfg: TrainConfig):
     from rollwise.trainer.policy import PolicyModel
     policy = PolicyModel(cfg.model, seed=cfg.seed)
     policy.routing = cfg.routing_replay
+    policy.head_chunk = cfg.logit_chunk_tokens
     if cfg.gradient_checkpointing:
         policy.enable_checkpointing()
     if cfg.true_on_policy:

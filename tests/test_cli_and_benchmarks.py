@@ -175,9 +175,11 @@ def test_stream_decode_benchmark_smoke(tmp_path):
 
 
 def test_grad_checkpoint_benchmark_smoke(tmp_path):
-    res = smoke(tmp_path, "benchmarks/grad_checkpoint.py", "--model", str(tmp_path / "model"), "--repeats", "1")
-    assert res["plain"]["tokens"] == res["checkpointed"]["tokens"] > 0  # the same micro-batch both ways
+    res = smoke(tmp_path, "benchmarks/grad_checkpoint.py", "--model", str(tmp_path / "model"), "--repeats", "1",
+                "--sides", "plain,checkpointed,head_chunks", "--head-chunk", "16")
+    assert res["plain"]["tokens"] == res["checkpointed"]["tokens"] == res["head_chunks"]["tokens"] > 0  # (the same)
     assert res["ratio"]["kept_bytes"] < 0.6 and res["ratio"]["seconds"] > 0
+    assert res["ratios"]["head_chunks"]["kept_bytes"] < 0.9 and res["settings"]["head_chunk"] == 16
 
 
 def test_train_dp_benchmark_smoke(tmp_path):

@@ -31,8 +31,8 @@ import torch
 
 from rollwise.trainer.data_parallel import Comm
 from rollwise.trainer.losses import split
-from rollwise.trainer.policy import (Batch, PolicyModel, cache_kw, decoder_states, enable_checkpointing, inject_lora,
-                                     micro_batches)
+from rollwise.trainer.policy import Batch, PolicyModel, cache_kw, enable_checkpointing, inject_lora, micro_batches
+from rollwise.trainer.prefix import decoder_states
 from rollwise.types import Trajectory
 
 

@@ -12,11 +12,13 @@ import json
 import shutil
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from functools import cache, partial
+from functools import partial
 from pathlib import Path
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
+from rollwise.trainer.prefix import decoder_states
 from rollwise.types import Trajectory
 from rollwise.wire import AdapterWeights
 
@@ -87,6 +89,7 @@ class PolicyModel:
         self.checkpointing = False  # gradient checkpointing (`enable_checkpointing`)
         self.exact = None  # the engine's forward for the logprobs' values (`enable_exact`, exact.py)
         self.routing = "off"  # MoE: what to do with a batch's rollout routing (ROUTING_MODES)
+        self.head_chunk = 4096  # generated positions through the output head at once (`_head`; 0: all)
         # (token-layers whose own top-k experts differ from the rollout's, token-layers compared)
         self.routing_stats = torch.zeros(2)
         self.expert_load: dict[int, torch.Tensor] = {}  # layer -> tokens the rollout routed to each expert
@@ -172,16 +175,21 @@ class PolicyModel:
 
     def _head(self, h: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float,
               entropy: list | None = None) -> torch.Tensor:
+        """The generated positions' logprobs (and entropies) through the output head, `head_chunk`
+        positions at a time beyond that many: each chunk's logits are recomputed in the backward
+        instead of kept (verl's chunked entropy; a micro-batch's [positions, vocabulary] logits,
+        softmax and their gradients in fp32 are otherwise its largest tensors on a real vocabulary)."""
         sel = mask > 0
-        logits = self.model.get_output_embeddings()(h[sel]).float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        logp = torch.log_softmax(logits, dim=-1)
-        out = torch.zeros(targets.shape, dtype=logits.dtype)
-        out[sel] = logp.gather(-1, targets[sel].unsqueeze(-1)).squeeze(-1)
-        if entropy is not None:
-            ent = torch.zeros(targets.shape, dtype=logits.dtype)
-            ent[sel] = -(logp.exp() * logp).sum(-1)
+        hs, ts, want, head = h[sel], targets[sel], entropy is not None, self.model.get_output_embeddings()
+        step = self.head_chunk or max(len(hs), 1)
+        run = partial(checkpoint, use_reentrant=False) if len(hs) > step and torch.is_grad_enabled() else _call
+        rows = [run(_head_rows, head, hs[a:a + step], ts[a:a + step], temperature, want)
+                for a in range(0, max(len(hs), 1), step)]
+        out = torch.zeros(targets.shape, dtype=torch.float32)
+        out[sel] = torch.cat([lp for lp, _ in rows])
+        if want:
+            ent = torch.zeros(targets.shape, dtype=torch.float32)
+            ent[sel] = torch.cat([e for _, e in rows])
             entropy.append(ent)
         return out
 
@@ -273,6 +281,20 @@ class PolicyModel:
         return [p for p in self.model.parameters() if p.requires_grad]
 
 
+def _call(f, *args):
+    return f(*args)
+
+
+def _head_rows(head, hs: torch.Tensor, ts: torch.Tensor, temperature: float, entropy: bool):
+    """Rows' logprob of their target (and the distribution's entropy, else None) at `temperature`."""
+    logits = head(hs).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    lp = logp.gather(-1, ts.unsqueeze(-1)).squeeze(-1)
+    return lp, -(logp.exp() * logp).sum(-1) if entropy else None
+
+
 def inject_lora(model, config) -> None:
     """peft's LoRA layers of `config` put into `model` in place; every other weight frozen."""
     from peft import inject_adapter_in_model
@@ -298,70 +320,6 @@ def enable_checkpointing(model) -> None:
 def cache_kw(model) -> str:
     """The name of a model's forward's KV-cache argument (transformers 5.24 renamed past_key_values to cache)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def decoder_states(body, batch: Batch, cache_kw: str, min_shared: int = 32,
-                   route=lambda rows, cols: nullcontext()) -> tuple[torch.Tensor, int]:
-    """The decoder's last hidden states that predict targets `off`..L-2 of the batch, and `off`. Rows
-    that start with the same tokens (`batch.shared`: a GRPO group's prompt; every episode's system
-    prompt and tool schemas) have that prefix run once and its KV shared by the batch: exact (the
-    same states, and gradients flow back through the shared KV), several times cheaper when the
-    prompt dominates; `off` is then the prefix's length less one (no target before it is generated).
-    `route(rows, cols)`: a context to run the forward of those rows and positions in (MoE routing).
-    Under gradient checkpointing (`enable_checkpointing`) the prefix runs whole (one row) and the rest
-    checkpointed, reading the prefix's KV from layers that do not grow, so that a layer's replay in
-    the backward sees the keys its forward saw."""
-    from transformers import DynamicCache
-    p, n = batch.shared, batch.input_ids.shape[0]
-    kv = DynamicCache(config=body.config) if p >= min_shared and batch.input_ids.shape[1] - p >= 1 else None
-    replay = kv is not None and torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False)
-                                                                 for m in body.modules())
-    if kv is None or replay and any(type(layer) is not _cache_layers()[0] for layer in kv.layers):
-        # (no shared prefix; or sliding-window layers, which drop keys as they go, checkpointed)
-        with route(slice(None), slice(None)):
-            return body(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state[:, :-1], 0
-    with route(slice(0, 1), slice(0, p)), _checkpointing(body, False) if replay else nullcontext():
-        pre = body(input_ids=batch.input_ids[:1, :p], use_cache=True, **{cache_kw: kv}).last_hidden_state
-    kv.batch_repeat_interleave(n)
-    if replay:  # the prefix's KV read by the checkpointed layers, which replay in the backward
-        kv.layers = [_read_only(layer) for layer in kv.layers]
-    with route(slice(None), slice(p, None)):
-        rest = body(input_ids=batch.input_ids[:, p:], attention_mask=batch.attention_mask, use_cache=not replay,
-                    **{cache_kw: kv}).last_hidden_state  # position p.. -> targets p..
-    return torch.cat([pre[:, -1:].expand(n, 1, -1), rest[:, :-1]], dim=1), p - 1  # targets p-1..L-2
-
-
-@contextmanager
-def _checkpointing(body, on: bool):
-    """The decoder's layers checkpointed or not while inside."""
-    mods = [m for m in body.modules() if hasattr(m, "gradient_checkpointing")]
-    was = [m.gradient_checkpointing for m in mods]
-    try:
-        for m in mods:
-            m.gradient_checkpointing = on
-        yield
-    finally:
-        for m, w in zip(mods, was):
-            m.gradient_checkpointing = w
-
-
-def _read_only(layer):
-    """The layer's keys and values in a cache layer that gives them followed by a forward's own without
-    keeping those: a layer's forward and its replay in the backward see the same keys."""
-    ro = _cache_layers()[1]()
-    ro.__dict__.update(layer.__dict__)
-    return ro
-
-
-@cache
-def _cache_layers():
-    """transformers' DynamicLayer and its read-only subclass (transformers imported on first use)."""
-    from transformers.cache_utils import DynamicLayer
-
-    class ReadOnlyLayer(DynamicLayer):
-        def update(self, key_states, value_states, *args, **kwargs):
-            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
-    return DynamicLayer, ReadOnlyLayer
 
 
 @contextmanager

@@ -56,6 +56,38 @@ def test_checkpointing_gives_the_same_gradients_and_keeps_fewer_activations(mode
     assert ckpt[2] < 0.6 * plain[2]  # the layers' inputs kept, not their activations
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_the_output_head_in_chunks_gives_the_same_logprobs_entropies_and_gradients(model_dirs, family):
+    """`head_chunk`: the generated positions through the output head a few at a time, each chunk's
+    logits recomputed in the backward; the same values as all at once (up to the GEMM's rounding),
+    and only the chunks' inputs kept for the backward, not their logits."""
+    b = Batch.of(_trajs())
+
+    def run(chunk: int):
+        policy = PolicyModel(model_dirs[family])
+        policy.head_chunk = chunk
+        kept = [0]
+
+        def pack(t):
+            kept[0] += t.numel() * t.element_size()
+            return t
+        ent: list = []
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            lp = policy.logprobs(b, temperature=0.7, entropy=ent)
+        (-(lp * b.mask).sum() - ent[0].sum()).backward()
+        with torch.no_grad():
+            ref = policy.logprobs(b, temperature=0.7)  # (no graph: the chunks one after another)
+        return lp.detach(), ent[0].detach(), [p.grad for p in policy.parameters()], kept[0], ref
+    whole, chunked = run(0), run(7)  # 7: the 78 generated positions in 12 chunks, the last one short
+    assert torch.allclose(chunked[0], whole[0], atol=1e-6) and torch.allclose(chunked[1], whole[1], atol=1e-5)
+    assert all(torch.allclose(x, y, rtol=1e-4, atol=1e-5) for x, y in zip(chunked[2], whole[2]))  # (sums reordered)
+    assert torch.allclose(chunked[4], whole[4], atol=1e-6) and torch.allclose(chunked[4], chunked[0], atol=1e-6)
+    assert chunked[3] < whole[3]  # no [positions, vocabulary] logits kept
+    assert (b.mask.sum(), whole[0].ne(0).sum()) == (78, 78)
+    with pytest.raises(ValueError, match="logit_chunk_tokens must be >= 0"):
+        TrainConfig.from_dict({"model": model_dirs[family], "logit_chunk_tokens": -1})
+
+
 def test_checkpointing_trains_lora_adapters_alike(model_dir):
     b = Batch.of(_trajs(seed=1))
     out = []
