@@ -17,9 +17,11 @@ process group; `DataParallelTrainer` is rank 0's trainer, which hands each call 
 ranks, worker processes started by `start`."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing as mp
 import socket
+import time
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -44,12 +46,20 @@ class Comm:
         return groups
 
 
+TIMEOUT = timedelta(seconds=1800)  # a collective's wait for the other ranks (their share of a step)
+
+
+def store(port: int, world: int, master: bool):
+    """The group's rendezvous: a TCP store on 127.0.0.1 (rank 0's)."""
+    import torch.distributed as dist
+    return dist.TCPStore("127.0.0.1", port, world, is_master=master, wait_for_workers=False, timeout=TIMEOUT)
+
+
 class Gloo(Comm):
-    def __init__(self, rank: int, world: int, port: int, timeout_s: float = 1800.0) -> None:
+    def __init__(self, rank: int, world: int, kv) -> None:
         import torch.distributed as dist
         self.dist, self.rank, self.world = dist, rank, world
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", store=kv, rank=rank, world_size=world, timeout=TIMEOUT)
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         self.dist.all_reduce(t)
@@ -75,13 +85,13 @@ class Gloo(Comm):
 
     def shard(self, groups: list, loads: list[float]) -> list:
         """Largest group first onto the least-loaded rank (every rank computes the same placement)."""
-        mine = []
+        mine = set()
         for i in sorted(range(len(groups)), key=lambda i: -generated(groups[i])):
             r = min(range(self.world), key=lambda r: (loads[r], r))
             loads[r] += max(generated(groups[i]), 1)
             if r == self.rank:
-                mine.append(groups[i])
-        return [g for g in groups if any(g is m for m in mine)]  # in their order
+                mine.add(i)
+        return [g for i, g in enumerate(groups) if i in mine]  # in their order
 
     def broadcast_params(self, module: torch.nn.Module) -> None:
         for t in list(module.state_dict().values()):
@@ -150,9 +160,10 @@ class DataParallelTrainer:
     def close(self) -> None:
         """Stop the workers (at once, after a call that raised), then leave the group."""
         for proc, pipe in self.workers:
-            if not self.broken:
-                pipe.send(None)
-            pipe.close()
+            with contextlib.suppress(OSError):  # (a worker that is gone)
+                if not self.broken:
+                    pipe.send(None)
+                pipe.close()
         for proc, _ in self.workers:
             proc.join(timeout=0 if self.broken else 30)
             if proc.is_alive():
@@ -166,6 +177,7 @@ def start(world: int, build: Callable, args: tuple, threads: int) -> tuple[Gloo,
     caller builds its own trainer with the returned comm, broadcasts its weights (`comm.broadcast_params`)
     and wraps it in `DataParallelTrainer`. `build` must be a module-level function (spawned processes)."""
     port = free_port()
+    kv = store(port, world, master=True)
     ctx = mp.get_context("spawn")
     workers = []
     for r in range(1, world):
@@ -175,13 +187,24 @@ def start(world: int, build: Callable, args: tuple, threads: int) -> tuple[Gloo,
         proc.start()
         recv.close()  # (the worker's end)
         workers.append((proc, send))
-    return Gloo(0, world, port), workers
+    # the workers' arrival, watched: one that dies first fails the start at once
+    while not kv.check([f"joined/{r}" for r in range(1, world)]):
+        dead = [proc for proc, _ in workers if not proc.is_alive()]
+        if dead:
+            for proc, _ in workers:
+                proc.terminate()
+            raise RuntimeError(f"trainer process {dead[0].name} exited ({dead[0].exitcode}) before joining the "
+                               "data-parallel group; its error is above")
+        time.sleep(0.05)
+    return Gloo(0, world, kv), workers
 
 
 def _worker(rank: int, world: int, port: int, build: Callable, args: tuple, threads: int, pipe) -> None:
     """A worker rank: its trainer, then rank 0's calls until it sends None or goes away."""
     torch.set_num_threads(threads)
-    comm = Gloo(rank, world, port)
+    kv = store(port, world, master=False)
+    kv.set(f"joined/{rank}", "1")
+    comm = Gloo(rank, world, kv)
     trainer = build(comm, *args)
     while True:
         try:

@@ -117,6 +117,14 @@ def test_each_rank_trains_its_share_and_every_rank_ends_on_the_same_bits(model_d
     assert not any(proc.is_alive() for proc, _ in two.workers)
 
 
+def test_a_worker_that_dies_before_joining_fails_the_start_at_once(model_dir, tmp_path):
+    from rollwise.rl_trainer import trainer_rank
+    from rollwise.trainer.data_parallel import start
+    cfg = TrainConfig.from_dict({"model": model_dir, "run_dir": str(tmp_path)})
+    with pytest.raises(RuntimeError, match="rollwise-trainer-rank1 exited"):
+        start(2, trainer_rank, (cfg,), threads=0)  # (torch.set_num_threads(0) raises in the worker)
+
+
 def test_comm_of_one_process_is_the_identity():
     c = Comm()
     t = torch.ones(3)
