@@ -102,7 +102,8 @@ def main() -> None:
           f"{args.gen} generated tokens each), {cores} cores split between the trainer processes")
     out: dict = {"model": model, "cores": cores, "configs": {}}
     base = None
-    print(f"{'processes':>9}{'threads':>8}{'s/step':>9}{'tokens/s':>10}{'vs 1':>7}{'max |w - w1|':>14}{'same bits':>10}")
+    print(f"{'processes':>9}{'threads':>8}{'s/step':>9}{'tokens/s':>10}{'vs 1':>7}{'max |w - w1|':>14}"
+          f"{'same bits':>10}")
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig.from_dict({"model": model, "run_dir": tmp, "lr": 1e-4, "trainer_threads": cores,
                                      "micro_batch_tokens": 4096})

@@ -243,7 +243,8 @@ class Critic:
                 m = {"value_loss": loss_sum / len(parts), "value_clip_frac": clipped / n,
                      "critic_grad_norm": sum(norms) / len(norms)}
         sel = [(ret[b.mask > 0], old[b.mask > 0]) for _, b, _, ret, old in items]
-        ret, old = torch.cat([r for r, _ in sel] or [torch.zeros(0)]), torch.cat([o for _, o in sel] or [torch.zeros(0)])
+        none = [torch.zeros(0)]  # (a rank with no tokens)
+        ret, old = torch.cat([r for r, _ in sel] or none), torch.cat([o for _, o in sel] or none)
         if comm.world > 1:  # (every rank's tokens)
             ret, old = (torch.cat(x) for x in zip(*comm.gather((ret, old))))
         # how much of the returns' variance the values (before this update) explain: 1 perfect, <= 0 none

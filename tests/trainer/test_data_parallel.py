@@ -30,7 +30,8 @@ def _groups(model_dir: str, n_groups: int, size: int, seed: int) -> list[list[Tr
                               finish_reason="length", policy_version=0, num_cached_tokens=0, generation_s=0,
                               tool_s=0, replica="r0")
             group.append(Trajectory(trajectory_id=f"t{g}.{i}", group_id=f"g{g}", task={},
-                                    token_ids=prompt + o.token_ids, loss_mask=[0] * len(prompt) + [1] * len(o.token_ids),
+                                    token_ids=prompt + o.token_ids,
+                                    loss_mask=[0] * len(prompt) + [1] * len(o.token_ids),
                                     logprobs=[0.0] * len(prompt) + o.logprobs, turns=[turn],
                                     reward=float((i + g) % 3 == 0)))
         groups.append(group)
