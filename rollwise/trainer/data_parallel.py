@@ -20,12 +20,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import multiprocessing as mp
-import socket
 import time
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+
+from rollwise.serve.process import free_port
 
 
 class Comm:
@@ -111,12 +112,6 @@ def fingerprint(trainer) -> str:
 
 def generated(group: list) -> int:
     return sum(t.num_generated for t in group)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class DataParallelTrainer:

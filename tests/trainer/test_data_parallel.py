@@ -12,7 +12,7 @@ from rollwise.agent.envs import ENVS
 from rollwise.agent.envs.calculator import CalculatorEnv
 from rollwise.rl_config import TrainConfig
 from rollwise.rl_trainer import make_policy, make_trainer
-from rollwise.trainer.data_parallel import Comm, free_port
+from rollwise.trainer.data_parallel import Comm
 from rollwise.types import Trajectory, TurnRecord
 
 
@@ -130,7 +130,6 @@ def test_comm_of_one_process_is_the_identity():
     c = Comm()
     t = torch.ones(3)
     assert c.sum(t) is t and c.gather(5) == [5] and c.shard([[1], [2]], [0.0]) == [[1], [2]]
-    assert free_port() > 0
 
 
 def test_trainer_processes_is_checked(model_dir):
