@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 
 import httpx
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from rollwise.agent.episode import ChatRenderer, run_episode
 from rollwise.agent.generator import ScriptedGenerator
 from rollwise.agent.parsing import (DeepSeekV31Parser, DeepSeekV3Parser, KimiK2Parser, MistralParser, ToolCall,
-                                   make_parser, openai_tool_calls, seeded_ids)
+                                   make_parser, openai_tool_calls)
 from rollwise.engine.tokenizer import Tokenizer
 from rollwise.make_model import make_model
 from rollwise.serve.process import ServerProcess
@@ -97,7 +98,7 @@ def test_call_ids_the_model_wrote_none_for_are_drawn_in_the_parsers_shape():
     first, second = (openai_tool_calls(text, MISTRAL)[1] for _ in range(2))
     assert second[1]["id"] == first[1]["id"] == "abcDEF123"  # the model's own
     assert len(first[0]["id"]) == 9 and first[0]["id"].isalnum() and first[0]["id"] != second[0]["id"]  # (random)
-    again = [openai_tool_calls(text, MISTRAL, seeded_ids(key))[1][0]["id"] for key in ("3:a", "3:a", "5:a")]
+    again = [openai_tool_calls(text, MISTRAL, random.Random(key))[1][0]["id"] for key in (3, 3, 5)]
     assert again[0] == again[1] != again[2]  # seeded: the same key, the same ids
     hermes = openai_tool_calls('<tool_call>{"name": "add", "arguments": {}}</tool_call>')[1][0]["id"]
     assert hermes.startswith("call_") and len(hermes) == 29 and int(hermes[5:], 16) >= 0

@@ -44,6 +44,7 @@ import importlib.util
 import inspect
 import json
 import os
+import random
 import shutil
 import signal
 import tempfile
@@ -51,8 +52,9 @@ import threading
 
 from rollwise.agent.agent_server import AgentServer
 from rollwise.agent.env import NewContext
+from rollwise.agent.episode import stable_seed
 from rollwise.agent.gateway import Gateway, GatewayError, Session, completion, httpx_of, pooled
-from rollwise.agent.parsing import bind, make_parser, openai_tool_calls, seeded_ids
+from rollwise.agent.parsing import bind, make_parser, openai_tool_calls
 from rollwise.agent.plugins import load_object
 from rollwise.agent.reasoning import make_reasoning_parser
 
@@ -180,7 +182,7 @@ class AgentEnv:
         message, reason = {"role": "assistant", "content": action}, "stop"
         # ids the model wrote none for: from the reply and its place (a template that writes them back,
         # Mistral's, then reads the same tokens in a run that repeats)
-        rng = seeded_ids(f"{len(self._body.get('messages') or [])}:{action}")
+        rng = random.Random(stable_seed(len(self._body.get("messages") or []), action))
         calls = openai_tool_calls(action, bind(self.parser, self._tool_defs), rng) if self._parse else None
         if calls is not None:
             message, reason = {"role": "assistant", "content": calls[0] or None, "tool_calls": calls[1]}, "tool_calls"

@@ -20,7 +20,6 @@ glm45's values; the others need none). The formats live in `base` (the types, He
 (kimi_k2, deepseek_v31, deepseek_v3, mistral)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 
@@ -31,7 +30,7 @@ from rollwise.agent.parsing.xml_calls import Glm45Parser, Qwen3CoderParser
 
 __all__ = ["PARSERS", "DeepSeekV31Parser", "DeepSeekV3Parser", "Glm45Parser", "HermesParser", "KimiK2Parser",
            "Llama3JsonParser", "MistralParser", "Parsed", "PythonicParser", "Qwen3CoderParser", "ToolCall", "ToolCallParser", "bind",
-           "forced_tool_calls", "make_parser", "openai_tool_calls", "seeded_ids"]
+           "forced_tool_calls", "make_parser", "openai_tool_calls"]
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "qwen3_coder": Qwen3CoderParser,
            "glm45": Glm45Parser, "pythonic": PythonicParser, "kimi_k2": KimiK2Parser,
@@ -71,11 +70,6 @@ def openai_tool_calls(text: str, parser: ToolCallParser | None = None,
 
 
 _ids = random.Random()  # (seeded from the OS)
-
-
-def seeded_ids(key: str) -> random.Random:
-    """An id source that gives the same ids for the same `key` (`openai_tool_calls`' rng)."""
-    return random.Random(hashlib.blake2b(key.encode(), digest_size=8).digest())
 
 
 def forced_tool_calls(tools: list[dict], tool_choice, tag_tokens=False,
