@@ -110,6 +110,14 @@ def fingerprint(trainer) -> str:
     return h.hexdigest()
 
 
+def exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        import signal
+        name = signal.Signals(-code).name
+        return f"{name}" + (": out of memory?" if -code == signal.SIGKILL else "")
+    return f"exit code {code}"
+
+
 def generated(group: list) -> int:
     return sum(t.num_generated for t in group)
 
@@ -133,13 +141,26 @@ class DataParallelTrainer:
         return call
 
     def _run(self, name: str, args: tuple, here: Callable):
-        for _, pipe in self.workers:
-            pipe.send((name, args))
         try:
+            for _, pipe in self.workers:
+                pipe.send((name, args))
             return here()
-        except BaseException:
+        except BaseException as e:
             self.broken = True
+            dead = self._dead(wait=2.0 if isinstance(e, OSError) or "gloo" in str(e) else 0.0)
+            if dead:  # (rank 0's own error is then gloo's "connection reset" or a broken pipe)
+                raise RuntimeError(f"trainer process {dead.name} exited ({exit_reason(dead.exitcode)}) "
+                                   f"during `{name}`; the run stops here and resumes from its last checkpoint "
+                                   "(the same run_dir)") from e
             raise
+
+    def _dead(self, wait: float):
+        """A worker that has exited (given `wait` s on a broken connection: it closes before the exit)."""
+        for proc, _ in self.workers:
+            proc.join(timeout=wait)
+            if not proc.is_alive():
+                return proc
+        return None
 
     def load_state(self, state: dict) -> None:
         """A checkpoint's state on every rank (sent from here), checked to be the same bits on each."""

@@ -162,3 +162,33 @@ def test_a_run_on_two_trainer_processes_trains_as_one_and_resumes(model_dir, tmp
     assert more["policy_version"] == 3 and len(more["steps"]) == 3
     assert [s["loss"] for s in more["steps"][:2]] == [s["loss"] for s in two["steps"]]  # (the checkpoint's)
     assert more["steps"][2]["trained_tokens"] > 0
+
+
+def test_a_worker_that_dies_mid_run_stops_it_with_a_clear_error(model_dir, tmp_path):
+    """A worker killed (e.g. by the OOM killer) inside a step's collective, or between calls: rank 0
+    raises at once, naming the process and its signal, instead of gloo's connection error."""
+    import os
+    import signal
+    cfg = TrainConfig.from_dict({"model": model_dir, "run_dir": str(tmp_path), "lr": 1e-3, "seed": 3,
+                                 "trainer_threads": 2, "trainer_processes": 2, "micro_batch_tokens": 64})
+    groups = _groups(model_dir, 2, 4, seed=2)
+    for between_calls in (False, True):
+        two = make_trainer(cfg, make_policy(cfg))
+        proc = two.workers[0][0]
+        try:
+            two.step(groups)
+            if between_calls:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join()
+            else:  # rank 0 reaches the gradients' sum after the worker died
+                summed = two.comm.grads
+
+                def grads(params):
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.join()
+                    summed(params)
+                two.comm.grads = grads
+            with pytest.raises(RuntimeError, match=r"rollwise-trainer-rank1 exited \(SIGKILL.*during `step`.*resumes"):
+                two.step(groups)
+        finally:
+            two.close()
