@@ -219,9 +219,11 @@ class RequestOutput:
     # (partial rollout); empty: every token at policy_version
     version_segments: list[tuple[int, int]] = field(default_factory=list)
     # with SamplingParams.prompt_logprobs: each prompt token's logprob (None for the first) and the
-    # most likely tokens at its position ({token id: logprob}; None for the first, {} with k = 0)
+    # most likely tokens at its position ({token id: logprob}; None for the first, {} with k = 0), and
+    # its rank there (1 + how many tokens are more likely; None for the first)
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
     # with SamplingParams.return_routed_experts, once finished: int32 numpy [num_tokens - 1, layers, k],
     # the experts each token of prompt + output but the last was routed to in each decoder layer
     # (-1 in a layer without experts), as SGLang and vLLM return them
@@ -286,6 +288,7 @@ class GenerateOutput:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # as in RequestOutput
     prompt_logprobs: list[float | None] | None = None  # as in RequestOutput
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
     routed_experts: object | None = None  # as in RequestOutput (numpy [num_tokens - 1, layers, k])
     stop_reason: str | int | None = None  # as in RequestOutput
 
@@ -296,8 +299,8 @@ class GenerateOutput:
                    num_cached_tokens=out.num_cached_tokens, policy_version=out.policy_version,
                    request_id=out.request_id, version_segments=out.version_segments,
                    top_logprobs=out.top_logprobs[start:], prompt_logprobs=out.prompt_logprobs,
-                   prompt_top_logprobs=out.prompt_top_logprobs, routed_experts=out.routed_experts,
-                   stop_reason=out.stop_reason)
+                   prompt_top_logprobs=out.prompt_top_logprobs, prompt_logprob_ranks=out.prompt_logprob_ranks,
+                   routed_experts=out.routed_experts, stop_reason=out.stop_reason)
 
 
 TRAJECTORY_STATUSES = ("done", "max_turns", "max_context", "timeout", "error")

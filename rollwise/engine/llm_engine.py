@@ -327,7 +327,8 @@ class LLMEngine(WeightVersions):
             version_segments=list(seq.version_segments), routed_experts=seq.routed_experts,
             **({} if seq.prompt_logprobs is None else {
                 "prompt_logprobs": [x and x[0] for x in seq.prompt_logprobs],
-                "prompt_top_logprobs": [x and x[1] for x in seq.prompt_logprobs]}))
+                "prompt_top_logprobs": [x and x[1] for x in seq.prompt_logprobs],
+                "prompt_logprob_ranks": [x and x[2] for x in seq.prompt_logprobs]}))
 
     # metrics -------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:

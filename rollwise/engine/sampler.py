@@ -138,14 +138,16 @@ def penalize(logits: torch.Tensor, params: SamplingParams, tokens: list[int], nu
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], params: SamplingParams
-                    ) -> list[tuple[float, dict[int, float]]]:
+                    ) -> list[tuple[float, dict[int, float], int]]:
     """Prompt positions' logits [R, V] -> per row, (the logprob of the prompt token that follows,
-    its params.prompt_logprobs most likely {token id: logprob}), at the request's temperature."""
+    its params.prompt_logprobs most likely {token id: logprob}, the token's rank in the vocabulary:
+    1 + how many are more likely, as vLLM counts it), at the request's temperature."""
     temp = params.temperature if params.temperature > 0 else 1.0
     lp = torch.log_softmax(logits.float() / temp, dim=-1)
-    chosen = lp.gather(1, torch.tensor(targets)[:, None]).squeeze(1).tolist()
+    chosen = lp.gather(1, torch.tensor(targets)[:, None])
+    ranks = ((lp > chosen).sum(-1) + 1).tolist()
     tops = top_logprobs(lp, [params.prompt_logprobs] * len(targets)) if params.prompt_logprobs else [{}] * len(targets)
-    return list(zip(chosen, tops))
+    return list(zip(chosen.squeeze(1).tolist(), tops, ranks))
 
 
 def top_logprobs(logprobs: torch.Tensor, ks: list[int]) -> list[dict[int, float] | None]:

@@ -22,8 +22,8 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # with params.logprobs > 0
-    # with params.prompt_logprobs: per prompt token so far, (its logprob, the top ones); the first has none
-    prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
+    # with params.prompt_logprobs: per prompt token so far, (its logprob, the top ones, its rank); the first has none
+    prompt_logprobs: list[tuple[float, dict[int, float], int] | None] | None = None
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)

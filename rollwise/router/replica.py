@@ -223,6 +223,7 @@ class HttpReplica:
                               version_segments=[tuple(x) for x in b.get("version_segments", [])],
                               top_logprobs=[{t: lp for t, lp in top} for top in b.get("top_logprobs", [])],
                               prompt_logprobs=b.get("prompt_logprobs"),
+                              prompt_logprob_ranks=b.get("prompt_logprob_ranks"),
                               routed_experts=None if b.get("routed_experts") is None else decode_routing(
                                   b["routed_experts"], b["routed_experts_shape"]),
                               prompt_top_logprobs=None if b.get("prompt_top_logprobs") is None else [

@@ -371,4 +371,5 @@ def joined(pieces: list[GenerateOutput]) -> GenerateOutput:
                           policy_version=last.policy_version, request_id=last.request_id, replica=last.replica,
                           version_segments=last.version_segments, top_logprobs=[t for p in pieces for t in p.top_logprobs],
                           prompt_logprobs=last.prompt_logprobs, prompt_top_logprobs=last.prompt_top_logprobs,
+                          prompt_logprob_ranks=last.prompt_logprob_ranks,
                           routed_experts=last.routed_experts, stop_reason=last.stop_reason)

@@ -42,7 +42,8 @@ def generate_json(out: RequestOutput) -> dict:
                 "routed_experts_shape": list(out.routed_experts.shape)}),
             **({} if out.prompt_logprobs is None else {
                 "prompt_logprobs": out.prompt_logprobs,
-                "prompt_top_logprobs": [None] + pairs(out.prompt_top_logprobs[1:])})}
+                "prompt_top_logprobs": [None] + pairs(out.prompt_top_logprobs[1:]),
+                "prompt_logprob_ranks": out.prompt_logprob_ranks})}
 
 
 def pairs(tops: list[dict[int, float]]) -> list[list[list]]:
@@ -100,13 +101,14 @@ def completion_params(body: CompletionRequest, defaults: dict | None = None) -> 
 
 def vllm_prompt_logprobs(tok, out: RequestOutput) -> list[dict | None] | None:
     """vLLM's `prompt_logprobs`: per prompt token (None for the first), {token id: {"logprob",
-    "rank", "decoded_token"}} for the token and the most likely ones; the rank is the token's place
-    among those (None where it is not one of them)."""
+    "rank", "decoded_token"}} for the token and the most likely ones; the rank is the place in the
+    vocabulary (1 + how many tokens are more likely; the most likely ones are 1..k)."""
     if out.prompt_logprobs is None:
         return None
     tops = out.prompt_top_logprobs or [None] * len(out.prompt_logprobs)
+    ranks = out.prompt_logprob_ranks or [None] * len(out.prompt_logprobs)
     result: list[dict | None] = []
-    for t, lp, top in zip(out.prompt_token_ids, out.prompt_logprobs, tops):
+    for t, lp, top, rank in zip(out.prompt_token_ids, out.prompt_logprobs, tops, ranks):
         if lp is None:
             result.append(None)
             continue
@@ -114,7 +116,7 @@ def vllm_prompt_logprobs(tok, out: RequestOutput) -> list[dict | None] | None:
         entry = {str(c): {"logprob": v, "rank": i + 1, "decoded_token": _piece(tok, c)}
                  for i, (c, v) in enumerate(ranked)}
         if str(t) not in entry:
-            entry = {str(t): {"logprob": lp, "rank": None, "decoded_token": _piece(tok, t)}, **entry}
+            entry = {str(t): {"logprob": lp, "rank": rank, "decoded_token": _piece(tok, t)}, **entry}
         result.append(entry)
     return result
 

@@ -222,6 +222,10 @@ def test_prompt_logprobs_equal_a_direct_forward_and_bypass_the_prefix_cache(mode
     want = lp.gather(1, torch.tensor(p[1:])[:, None]).squeeze(1).tolist()
     assert out.prompt_logprobs[1:] == pytest.approx(want, abs=1e-4)
     assert [list(t) for t in out.prompt_top_logprobs[1:]] == lp.topk(2).indices.tolist()
+    order = lp.argsort(-1, descending=True)  # each prompt token's place in the vocabulary, from 1
+    assert out.prompt_logprob_ranks[0] is None
+    assert out.prompt_logprob_ranks[1:] == [int((order[i] == t).nonzero()) + 1 for i, t in enumerate(p[1:])]
+    assert max(out.prompt_logprob_ranks[1:]) > 2  # (some below the top 2)
     again = llm.generate([p], dataclasses.replace(params, prompt_logprobs=0))[0]
     assert again.num_cached_tokens == 0 and again.prompt_logprobs == pytest.approx(out.prompt_logprobs, abs=1e-5)
     assert again.prompt_top_logprobs[1:] == [{}] * (len(p) - 1)

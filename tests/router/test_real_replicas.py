@@ -176,6 +176,8 @@ def test_route_proxy_over_http(servers, model_dir):
             direct = httpx.post(servers[0].url + "/generate", json=pl, timeout=60).json()
             routed = c.post("/generate", json=pl).json()
             assert routed["prompt_logprobs"] == pytest.approx(direct["prompt_logprobs"], abs=1e-5)
+            assert routed["prompt_logprob_ranks"] == direct["prompt_logprob_ranks"]
+            assert direct["prompt_logprob_ranks"][0] is None and min(direct["prompt_logprob_ranks"][1:]) >= 1
             assert routed["prompt_top_logprobs"][1:] == [[[t, pytest.approx(v, abs=1e-5)] for t, v in x]
                                                          for x in direct["prompt_top_logprobs"][1:]]
             echo = {"prompt": "The agent", "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
