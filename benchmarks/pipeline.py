@@ -7,14 +7,16 @@ finishing under the old ones), and the lockstep (reproducible, `deterministic=Tr
 staleness 1, which the demo runs.
 
     python benchmarks/pipeline.py [--quick | --smoke] [--advantage NAME] [--configs A,B] [--set KEY=VALUE]
-                                  [--repeats N] [--json PATH] [--plot PNG]
+                                  [--compare KEY=VALUE] [--repeats N] [--json PATH] [--plot PNG]
 
 `--advantage` trains every configuration with that estimator (default grpo). With a whitened one
 (gae, reinforce_plus_plus[_baseline]) two more run, `sync_after` and `async_k1_after`, whose first
 pass waits for the batch's last group (`stream_whitened = false`), beside `sync` and `async_k1`, which
 run each group's pass as it arrives and whiten its gradients at the end. `--configs`: run only these;
 `--set`: a TrainConfig key for every configuration (e.g. replicas=1, replica_threads=1,
-trainer_threads=1: the replica and the trainer each on a core of their own). `--repeats N`: the
+trainer_threads=1: the replica and the trainer each on a core of their own). `--compare KEY=VALUE`:
+each configuration also with that key (named `CONFIG+KEY=VALUE`, run beside it: e.g.
+`trainer_apart=true`, the trainer in a process of its own). `--repeats N`: the
 configurations N times, interleaved (A B A B ...), each figure the median run's (by seconds per
 step; of an even N, the faster middle one), with every run's seconds per step (`runs_step_s`).
 
@@ -49,7 +51,7 @@ from rollwise.trainer.advantages import ADVANTAGES, WHITENED  # noqa: E402
 
 
 def run(k: int, args, deterministic: bool = False, partial: bool = False, stream: bool = True,
-        early: bool = True) -> dict:
+        early: bool = True, more: tuple[str, ...] = ()) -> dict:
     with tempfile.TemporaryDirectory(prefix="rollwise-pipeline-") as tmp:
         cfg = TrainConfig.from_dict({**dict(
             model=demo_model(), run_dir=tmp, env="phonebook", sft_cache=DEMO_SFT_CACHE, **args.sft, steps=args.steps,
@@ -57,7 +59,7 @@ def run(k: int, args, deterministic: bool = False, partial: bool = False, stream
             deterministic=deterministic, partial_rollout=partial, stream_trainer=stream, tool_latency=(0.05, 0.5),
             tool_latency_kind="lognormal", advantage=args.advantage, stream_whitened=early,
             eval_tasks=args.eval_tasks, max_concurrent_groups=args.groups * 3, progress=False, seed=0),
-            **_overrides(args.set)})
+            **_overrides(args.set + list(more))})
         t0 = time.perf_counter()
         rep = train(cfg)
         total = time.perf_counter() - t0
@@ -87,6 +89,8 @@ def main() -> None:
     ap.add_argument("--configs", help="comma-separated: run only these configurations")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a TrainConfig key for every configuration")
+    ap.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE",
+                    help="each configuration also with this TrainConfig key (CONFIG+KEY=VALUE)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--json")
     ap.add_argument("--plot", help="PNG: seconds per step of each configuration, split into the trainer's waiting "
@@ -106,25 +110,37 @@ def main() -> None:
         configs[4:4] = [("async_k1_after", 1, False, False, True, False)]
     if args.configs:
         configs = [c for c in configs if c[0] in args.configs.split(",")]
-    print(f"{'config':<17}{'s/step':>8}{'traj/s':>8}{'train s':>8}{'tail s':>7}{'sync s':>7}{'trainer idle':>13}"
+    configs = [(*c, ()) for c in configs]
+    if args.compare:  # each beside its twin
+        configs = [x for c in configs for x in (c, (f"{c[0]}+{'+'.join(args.compare)}", *c[1:-1], tuple(args.compare)))]
+    w = max(17, *(len(c[0]) + 1 for c in configs))  # the names' column
+    print(f"{'config':<{w}}{'s/step':>8}{'traj/s':>8}{'train s':>8}{'tail s':>7}{'sync s':>7}{'trainer idle':>13}"
           f"{'rollout idle':>13}"
           f"{'gen tokens':>11}{'trained':>8}{'reward':>7}{'stale':>6}")
     runs: dict[str, list[dict]] = {}
     for rep in range(args.repeats):
-        for name, k, det, partial, stream, early in configs:
-            runs.setdefault(name, []).append(run(k, args, det, partial, stream, early))
+        for name, k, det, partial, stream, early, more in configs:
+            runs.setdefault(name, []).append(run(k, args, det, partial, stream, early, more))
             if args.repeats > 1:
                 print(f"  {name}, run {rep + 1} of {args.repeats}: {runs[name][-1]['step_s']:.2f} s/step", flush=True)
     for name, *_ in configs:
         r = dict(sorted(runs[name], key=lambda x: x["step_s"])[(len(runs[name]) - 1) // 2])  # the median run
         r["runs_step_s"] = [x["step_s"] for x in runs[name]]
         out["configs"][name] = r
-        print(f"{name:<17}{r['step_s']:>8.2f}{r['trajectories_per_s']:>8.1f}{r['train_s_per_step']:>8.2f}"
+        print(f"{name:<{w}}{r['step_s']:>8.2f}{r['trajectories_per_s']:>8.1f}{r['train_s_per_step']:>8.2f}"
               f"{r['tail_s_per_step']:>7.2f}"
               f"{r['sync_s_per_step']:>7.3f}"
               f"{r['trainer_idle_frac']:>13.2f}{r['rollout_idle_frac']:>13.2f}{int(r['generated_tokens']):>11}"
               f"{r['trained_trajectories']:>8}{r['reward_mean']:>7.2f}{r['max_staleness_seen']:>6}", flush=True)
     c = out["configs"]
+    for name in [n for n in c if "+" in n]:
+        a, r = c[name.split("+")[0]], c[name]
+        r["speedup_vs_without"] = a["step_s"] / r["step_s"]
+        print(f"{name}: {r['speedup_vs_without']:.2f}x per step vs without ({r['step_s']:.2f} vs {a['step_s']:.2f} s; "
+              f"generated tokens {int(r['generated_tokens'])} vs {int(a['generated_tokens'])}; trainer's own "
+              f"{r['train_s_per_step']:.2f} vs {a['train_s_per_step']:.2f} s/step)"
+              + (f" (runs, s/step: {[round(x, 2) for x in r['runs_step_s']]} vs "
+                 f"{[round(x, 2) for x in a['runs_step_s']]})" if args.repeats > 1 else ""))
     for name in ("sync", "async_k1"):
         if name in c and name + "_after" in c:
             a, r = c[name + "_after"], c[name]

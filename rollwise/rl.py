@@ -116,10 +116,7 @@ def _check_resume(cfg: TrainConfig, state: dict) -> None:
 
 
 def _save_checkpoint(path: Path, trainer, consumed: list[int], history: list[dict], extra: dict) -> None:
-    import torch
-    tmp = path.with_suffix(".tmp")
-    torch.save({**trainer.state(), "consumed": consumed, "history": history, **extra}, tmp)
-    os.replace(tmp, path)  # atomic: a crash leaves the previous checkpoint
+    trainer.save_checkpoint(str(path), {"consumed": consumed, "history": history, **extra})  # (atomic)
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -190,7 +187,7 @@ async def _train(cfg: TrainConfig) -> dict:
     else:
         add_lora(cfg, policy)
         trainer = make_trainer(cfg, policy)
-        trainer.load_state(state)
+        trainer.load_checkpoint(str(ckpt_path), state)  # (other trainer processes load the file)
         history, consumed, skipped = state["history"], state["consumed"], state.get("skipped", [])
         report.update(state.get("report", {}))
         sft_success = state.get("sft_success")
@@ -203,7 +200,7 @@ async def _train(cfg: TrainConfig) -> dict:
         router = make_router(cfg, tokenizer)
     except BaseException:
         trackers.close()
-        if cfg.trainer_processes > 1:
+        if cfg.trainer_processes > 1 or cfg.trainer_apart:
             trainer.close()
         raise
     try:
@@ -337,7 +334,7 @@ async def _train(cfg: TrainConfig) -> dict:
         trackers.close()
         await router.close()
         shutdown(router)
-        if cfg.trainer_processes > 1:
+        if cfg.trainer_processes > 1 or cfg.trainer_apart:
             trainer.close()
     report.update(steps=history, sft_success=sft_success, rl_success=rl_success, eval_tasks=len(eval_tasks),
                   queue=queue.stats, policy_version=trainer.version)

@@ -194,6 +194,10 @@ class TrainConfig:
     # this many processes, each with the whole model, training its share of every step's groups, gradients
     # summed over them before each update (gloo on 127.0.0.1); trainer_threads are split between them
     trainer_processes: int = 1
+    # the trainer in processes of its own, rank 0 too (AReaL's split): this process keeps the rollouts,
+    # agents and in-process replicas, and reads the weights rank 0 trains from shared memory, so its
+    # Python (and GIL) no longer shares a step with the trainer's
+    trainer_apart: bool = False
     replica_dtype: str = "float32"  # in-process replicas' weights: "bfloat16" as most RL rollouts run
     # in-process replicas batch-invariant (EngineConfig.batch_invariant): a turn's tokens and logprobs
     # do not depend on what it was batched with, so a deterministic run repeats bit for bit however

@@ -24,6 +24,11 @@ def make_trainer(cfg: TrainConfig, policy):
     data-parallel group whose other ranks start here (rollwise/trainer/data_parallel.py), each on
     its share of the trainer's threads, and take these weights."""
     from rollwise.trainer.grpo import GRPOTrainer
+    if cfg.trainer_apart:  # every rank a process of its own; rank 0 trains these weights in place
+        from rollwise.trainer.data_parallel import share_weights, start_apart
+        shared = share_weights(policy.model)
+        policy.exact = None  # (its values are the trainer's to compute)
+        return start_apart(cfg.trainer_processes, trainer_rank, (cfg,), rank_threads(cfg), shared)
     if cfg.trainer_processes == 1:
         return GRPOTrainer(policy, cfg.trainer_config())
     from rollwise.trainer.data_parallel import DataParallelTrainer, start
@@ -32,11 +37,15 @@ def make_trainer(cfg: TrainConfig, policy):
     return DataParallelTrainer(GRPOTrainer(policy, cfg.trainer_config(), comm), comm, workers)
 
 
-def trainer_rank(comm, cfg: TrainConfig):
-    """A data-parallel worker rank's trainer: the policy loaded as rank 0's was, then rank 0's weights."""
+def trainer_rank(comm, cfg: TrainConfig, shared: tuple | None = None):
+    """A worker rank's trainer: the policy loaded as rank 0's was, then rank 0's weights (`shared`:
+    this is rank 0 of a trainer apart, and they are the run's, in shared memory)."""
+    from rollwise.trainer.data_parallel import adopt_weights
     from rollwise.trainer.grpo import GRPOTrainer
     policy = make_policy(cfg)
     add_lora(cfg, policy)
+    if shared is not None:
+        adopt_weights(policy.model, shared)
     comm.broadcast_params(policy.model)
     return GRPOTrainer(policy, cfg.trainer_config(), comm)
 

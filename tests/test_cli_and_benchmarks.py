@@ -319,9 +319,22 @@ def test_pipeline_benchmark_whitened_smoke(tmp_path):
     assert all(c["step_s"] in c["runs_step_s"] for c in res["configs"].values())  # a run's, the median's
 
 
+def test_pipeline_benchmark_compares_each_configuration_with_a_key(tmp_path):
+    """--compare KEY=VALUE: each configuration also runs with it (here the trainer apart), beside it."""
+    out = tmp_path / "pipeline.json"
+    r = run("benchmarks/pipeline.py", "--smoke", "--configs", "sync", "--compare", "trainer_apart=true",
+            "--json", str(out), timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())["configs"]
+    assert set(res) == {"sync", "sync+trainer_apart=true"}
+    assert res["sync"]["trajectories"] == res["sync+trainer_apart=true"]["trajectories"] > 0  # (the same work)
+    assert res["sync+trainer_apart=true"]["speedup_vs_without"] > 0 and "x per step vs without" in r.stdout
+
+
 def test_demo_smoke(tmp_path):
+    """The demo's run, here with the trainer apart valuing logprobs with the engine's kernels."""
     r = run("-m", "rollwise.cli", "demo", "--smoke", "--run-dir", str(tmp_path / "run"), "--set",
-            "replica_batch_invariant=true", "--set", "true_on_policy=true", timeout=900,
+            "replica_batch_invariant=true", "--set", "true_on_policy=true", "--set", "trainer_apart=true", timeout=900,
             env=dict(ENV, ROLLWISE_CACHE=str(tmp_path / "cache")))
     assert r.returncode == 0, r.stderr[-3000:]
     last = r.stdout.strip().splitlines()[-1]
@@ -329,7 +342,7 @@ def test_demo_smoke(tmp_path):
     assert last.startswith("sft_success=") and 0 <= sft <= 1 and 0 <= rl <= 1
     assert (tmp_path / "run" / "report" / "curves.png").exists()
     config = json.loads((tmp_path / "run" / "report" / "metrics.json").read_text())["config"]
-    assert config["true_on_policy"] and config["replica_batch_invariant"]  # --set reached the run
+    assert config["true_on_policy"] and config["replica_batch_invariant"] and config["trainer_apart"]
 
 
 def test_war_sweep_smoke_and_validation(tmp_path):

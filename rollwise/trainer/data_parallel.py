@@ -46,6 +46,9 @@ class Comm:
         """The groups this rank trains (`loads`: each rank's generated tokens so far this step)."""
         return groups
 
+    def broadcast_params(self, module: torch.nn.Module) -> None:
+        """Rank 0's weights to every rank (here: none other)."""
+
 
 TIMEOUT = timedelta(seconds=1800)  # a collective's wait for the other ranks (their share of a step)
 
@@ -123,16 +126,29 @@ def generated(group: list) -> int:
 
 
 class DataParallelTrainer:
-    """Rank 0's trainer: each call runs here and on every worker rank, with the same arguments (sent
-    down a pipe to each: a worker waits for its next call however long the rollouts take)."""
+    """The trainer on processes of its own. Rank 0 here (`trainer`): each call runs here and on every
+    worker rank, with the same arguments (sent down a pipe to each: a worker waits for its next call
+    however long the rollouts take). Or apart (`trainer` None, `trainer_apart`): every rank is a
+    worker, rank 0 the one that trains this process's weights in shared memory (`share_weights`), and
+    its results come back up `reply`; the run's process keeps its GIL for the rollouts."""
     CALLS = ("begin", "add", "finish", "step")
 
-    def __init__(self, trainer, comm: Gloo, workers: list[tuple]) -> None:
-        self.trainer, self.comm, self.workers = trainer, comm, workers  # workers: (process, pipe)
+    def __init__(self, trainer, comm: Gloo | None, workers: list[tuple], reply=None, version: int = 0) -> None:
+        self.trainer, self.comm, self.workers, self.reply = trainer, comm, workers, reply  # workers: (process, pipe)
         self.broken = False  # a call raised here: the workers may wait in a collective that never comes
+        self.kv = None  # apart: the group's rendezvous (a TCP store), served from here
+        if trainer is None:
+            self.version = version  # rank 0's, as its last reply gave it
 
     def __getattr__(self, name: str):
-        attr = getattr(self.trainer, name)
+        trainer = self.__dict__.get("trainer")
+        if trainer is None:
+            if name in self.CALLS:
+                return lambda *args: self._run(name, args, self._reply)
+            raise AttributeError(f"{name!r} is not reachable from the run's process: the trainer runs apart "
+                                 f"(trainer_apart); it answers {', '.join(self.CALLS)}, save_checkpoint and "
+                                 "load_checkpoint")
+        attr = getattr(trainer, name)
         if name not in self.CALLS:
             return attr
 
@@ -140,14 +156,23 @@ class DataParallelTrainer:
             return self._run(name, args, lambda: attr(*args))
         return call
 
-    def _run(self, name: str, args: tuple, here: Callable):
+    def _reply(self):
+        """Rank 0's result of the call sent to it (raised, if it raised)."""
+        kind, out, self.version = self.reply.recv()
+        if kind == "error":
+            raise out
+        return out
+
+    def _run(self, name: str, args: tuple, here: Callable, everyone: bool = True):
+        """`name(*args)` on every rank (`everyone`) or on rank 0 alone (here, or its worker when apart)."""
+        ranks = self.workers if everyone else [] if self.trainer is not None else self.workers[:1]
         try:
-            for _, pipe in self.workers:
+            for _, pipe in ranks:
                 pipe.send((name, args))
             return here()
         except BaseException as e:
             self.broken = True
-            dead = self._dead(wait=2.0 if isinstance(e, OSError) or "gloo" in str(e) else 0.0)
+            dead = self._dead(wait=2.0 if isinstance(e, (OSError, EOFError)) or "gloo" in str(e) else 0.0)
             if dead:  # (rank 0's own error is then gloo's "connection reset" or a broken pipe)
                 raise RuntimeError(f"trainer process {dead.name} exited ({exit_reason(dead.exitcode)}) "
                                    f"during `{name}`; the run stops here and resumes from its last checkpoint "
@@ -162,16 +187,31 @@ class DataParallelTrainer:
                 return proc
         return None
 
-    def load_state(self, state: dict) -> None:
-        """A checkpoint's state on every rank (sent from here), checked to be the same bits on each."""
-        self._run("load_state", (state,), lambda: self.trainer.load_state(state))
+    def save_checkpoint(self, path: str, extra: dict) -> None:
+        """Rank 0's state (every rank holds the same) and `extra`, written by rank 0."""
+        here = self._reply if self.trainer is None else lambda: self.trainer.save_checkpoint(path, extra)
+        self._run("save_checkpoint", (path, extra), here, everyone=False)
+
+    def load_checkpoint(self, path: str, state: dict | None = None) -> None:
+        """A checkpoint on every rank, each loading the file itself (`state`: the file's contents,
+        already loaded here), checked to be the same bits on each."""
+        here = self._reply if self.trainer is None else lambda: self.trainer.load_checkpoint(path, state)
+        self._run("load_checkpoint", (path,), here)
         prints = self.fingerprints()
         if len(set(prints)) > 1:
             raise RuntimeError(f"trainer ranks hold different weights after loading a checkpoint: {prints}")
 
+    def load_state(self, state: dict) -> None:
+        """A state on every rank, through a file (tensors down pipes would each hold a file descriptor)."""
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix="rollwise-state-") as tmp:
+            torch.save(state, f"{tmp}/state.pt")
+            self.load_checkpoint(f"{tmp}/state.pt", state)
+
     def fingerprints(self) -> list[str]:
         """Each rank's trained weights (the critic's too) as a hash of their bits: equal on every rank."""
-        return self._run("fingerprints", (), lambda: self.comm.gather(fingerprint(self.trainer)))
+        here = self._reply if self.trainer is None else lambda: self.comm.gather(fingerprint(self.trainer))
+        return self._run("fingerprints", (), here)
 
     def close(self) -> None:
         """Stop the workers (at once, after a call that raised), then leave the group."""
@@ -185,7 +225,43 @@ class DataParallelTrainer:
             if proc.is_alive():
                 proc.terminate()
                 proc.join()
-        self.comm.close()
+        if self.comm is not None:
+            self.comm.close()
+        if self.reply is not None:
+            self.reply.close()
+
+
+def share_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[tuple]]:
+    """The model's parameters moved into shared memory, one buffer per dtype (each parameter becomes
+    a view of it), and where each lies: a trainer apart takes them (`adopt_weights`) and updates them
+    in place, so this process reads each step's weights without a copy crossing."""
+    params = list(model.named_parameters())
+    buffers, layout = {}, []
+    for dtype in sorted({p.dtype for _, p in params}, key=str):
+        mine = [(n, p) for n, p in params if p.dtype == dtype]
+        flat = torch.empty(sum(p.numel() for _, p in mine), dtype=dtype).share_memory_()
+        at = 0
+        for n, p in mine:
+            view = flat[at:at + p.numel()].view(p.shape)
+            view.copy_(p.detach())
+            p.data = view
+            layout.append((n, str(dtype), at, tuple(p.shape)))
+            at += p.numel()
+        buffers[str(dtype)] = flat
+    return buffers, layout
+
+
+def adopt_weights(model: torch.nn.Module, shared: tuple[dict, list]) -> None:
+    """`model`'s parameters (built alike) become views of the shared buffers `share_weights` made."""
+    buffers, layout = shared
+    params = dict(model.named_parameters())
+    differ = sorted(set(params) ^ {n for n, *_ in layout})
+    if differ:
+        raise RuntimeError(f"the trainer's model differs from the run's in {differ}")
+    for n, dtype, at, shape in layout:
+        if tuple(params[n].shape) != shape:
+            raise RuntimeError(f"the trainer's {n} is {tuple(params[n].shape)}, the run's {shape}")
+        params[n].data = buffers[dtype][at:at + params[n].numel()].view(shape)
 
 
 def start(world: int, build: Callable, args: tuple, threads: int) -> tuple[Gloo, list[tuple]]:
@@ -194,47 +270,96 @@ def start(world: int, build: Callable, args: tuple, threads: int) -> tuple[Gloo,
     and wraps it in `DataParallelTrainer`. `build` must be a module-level function (spawned processes)."""
     port = free_port()
     kv = store(port, world, master=True)
-    ctx = mp.get_context("spawn")
-    workers = []
-    for r in range(1, world):
-        recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_worker, args=(r, world, port, build, args, threads, recv), daemon=True,
-                           name=f"rollwise-trainer-rank{r}")
-        proc.start()
-        recv.close()  # (the worker's end)
-        workers.append((proc, send))
+    workers = [_spawn(r, world, port, build, args, threads) for r in range(1, world)]
     # the workers' arrival, watched: one that dies first fails the start at once
-    while not kv.check([f"joined/{r}" for r in range(1, world)]):
+    _watch(workers, lambda: kv.check([f"joined/{r}" for r in range(1, world)]))
+    return Gloo(0, world, kv), workers
+
+
+def start_apart(world: int, build: Callable, args: tuple, threads: int, shared: tuple) -> DataParallelTrainer:
+    """Start ranks 0..world-1, each `build(comm, *args)` -> its trainer (rank 0's with `shared` last:
+    this process's weights, `share_weights`), and return rank 0's trainer as seen from here."""
+    port = free_port()
+    kv = store(port, world, master=True) if world > 1 else None  # (the group's rendezvous, held here)
+    ctx = mp.get_context("spawn")
+    reply, their_end = ctx.Pipe(duplex=False)
+    workers = [_spawn(0, world, port, build, (*args, shared), threads, their_end)]
+    their_end.close()
+    workers += [_spawn(r, world, port, build, args, threads) for r in range(1, world)]
+    _watch(workers, lambda: reply.poll())  # rank 0 answers once every rank has its trainer
+    try:
+        _, _, version = reply.recv()  # ("ok", None, its version)
+    except EOFError:  # rank 0 exited
+        _watch(workers, lambda: False)
+    trainer = DataParallelTrainer(None, None, workers, reply, version)
+    trainer.kv = kv
+    return trainer
+
+
+def _spawn(rank: int, world: int, port: int, build: Callable, args: tuple, threads: int, reply=None) -> tuple:
+    ctx = mp.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_worker, args=(rank, world, port, build, args, threads, recv, reply), daemon=True,
+                       name=f"rollwise-trainer-rank{rank}")
+    proc.start()
+    recv.close()  # (the worker's end)
+    return proc, send
+
+
+def _watch(workers: list[tuple], ready: Callable[[], bool]) -> None:
+    """Wait for `ready()`; a worker that dies first fails the start at once (its error is above)."""
+    while not ready():
         dead = [proc for proc, _ in workers if not proc.is_alive()]
         if dead:
             for proc, _ in workers:
                 proc.terminate()
-            raise RuntimeError(f"trainer process {dead[0].name} exited ({dead[0].exitcode}) before joining the "
-                               "data-parallel group; its error is above")
+            raise RuntimeError(f"trainer process {dead[0].name} exited ({exit_reason(dead[0].exitcode)}) before "
+                               "joining the data-parallel group; its error is above")
         time.sleep(0.05)
-    return Gloo(0, world, kv), workers
 
 
-def _worker(rank: int, world: int, port: int, build: Callable, args: tuple, threads: int, pipe) -> None:
-    """A worker rank: its trainer, then rank 0's calls until it sends None or goes away."""
+def _worker(rank: int, world: int, port: int, build: Callable, args: tuple, threads: int, pipe, reply=None) -> None:
+    """A worker rank: its trainer, then the run's calls until it sends None or goes away. With
+    `reply` (rank 0 of a trainer apart) each call's result, or its exception, goes back up it."""
     torch.set_num_threads(threads)
-    kv = store(port, world, master=False)
-    kv.set(f"joined/{rank}", "1")
-    comm = Gloo(rank, world, kv)
+    if world > 1:
+        kv = store(port, world, master=False)
+        kv.set(f"joined/{rank}", "1")
+        comm: Comm = Gloo(rank, world, kv)
+    else:
+        comm = Comm()
     trainer = build(comm, *args)
+    if reply is not None:
+        reply.send(("ok", None, trainer.version))
     while True:
         try:
             cmd = pipe.recv()
-        except EOFError:  # rank 0 is gone
+        except EOFError:  # the run's process is gone
             break
         if cmd is None:
             break
         name, a = cmd
-        if name == "fingerprints":
-            comm.gather(fingerprint(trainer))
-            continue
         try:
-            getattr(trainer, name)(*a)
-        except Exception:  # rank 0 raises it too (every rank sees the same sums); the next call goes on
-            pass
-    comm.close()
+            out = comm.gather(fingerprint(trainer)) if name == "fingerprints" else getattr(trainer, name)(*a)
+            answer = ("ok", out, trainer.version)
+        except Exception as e:  # every rank raises it (each sees the same sums); the next call goes on
+            answer = ("error", _portable(e), trainer.version)
+        if reply is not None:
+            reply.send(answer)
+    if reply is not None:
+        reply.close()
+    if world > 1:
+        comm.close()
+
+
+def _portable(e: Exception) -> Exception:
+    """`e` as it can cross to the run's process: itself with its traceback as a note, or a RuntimeError
+    naming it where it does not pickle."""
+    import pickle
+    import traceback
+    e.add_note("in the trainer process:\n" + "".join(traceback.format_exception(e)).rstrip())
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {e}\n" + "\n".join(getattr(e, "__notes__", [])))

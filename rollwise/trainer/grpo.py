@@ -41,6 +41,7 @@ on-policy logprobs (`PolicyModel.enable_exact`, exact.py) the tolerance is 0: th
 """
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 
 import torch
@@ -372,6 +373,16 @@ class GRPOTrainer:
                 "ref": self.snap.ref.state_dict() if self.snap.ref is not None else None, "kept": self.snap.kept,
                 "critic": self.critic.state() if self.critic is not None else None,
                 "reward_kl_coef": self.reward_kl.value if self.reward_kl is not None else None}
+
+    def save_checkpoint(self, path: str, extra: dict) -> None:
+        """The state and `extra` in one file, written aside, then renamed (a crash leaves the last one)."""
+        tmp = f"{path}.tmp"
+        torch.save({**self.state(), **extra}, tmp)
+        os.replace(tmp, path)
+
+    def load_checkpoint(self, path: str, state: dict | None = None) -> None:
+        """The state in the checkpoint at `path` (`state`: its contents, if already loaded)."""
+        self.load_state(state if state is not None else torch.load(path, weights_only=False))
 
     def load_state(self, state: dict) -> None:
         self.policy.model.load_state_dict(state["model"])

@@ -3,6 +3,7 @@ step one process takes, on real model forwards and backwards."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -120,10 +121,12 @@ def test_each_rank_trains_its_share_and_every_rank_ends_on_the_same_bits(model_d
 
 def test_a_worker_that_dies_before_joining_fails_the_start_at_once(model_dir, tmp_path):
     from rollwise.rl_trainer import trainer_rank
-    from rollwise.trainer.data_parallel import start
+    from rollwise.trainer.data_parallel import share_weights, start, start_apart
     cfg = TrainConfig.from_dict({"model": model_dir, "run_dir": str(tmp_path)})
     with pytest.raises(RuntimeError, match="rollwise-trainer-rank1 exited"):
         start(2, trainer_rank, (cfg,), threads=0)  # (torch.set_num_threads(0) raises in the worker)
+    with pytest.raises(RuntimeError, match=r"rollwise-trainer-rank0 exited \(exit code 1\) before joining"):
+        start_apart(1, trainer_rank, (cfg,), 0, share_weights(make_policy(cfg).model))
 
 
 def test_comm_of_one_process_is_the_identity():
@@ -144,21 +147,30 @@ class _ParityReward(CalculatorEnv):
         return float(len(answer) % 2)
 
 
-def test_a_run_on_two_trainer_processes_trains_as_one_and_resumes(model_dir, tmp_path, monkeypatch):
-    """`rollwise train` with trainer_processes = 2: a deterministic run's first step (the same groups,
-    from the warm start) is the one-process run's, and a resumed run hands the checkpoint to every rank."""
+@pytest.mark.parametrize("options", [{"trainer_processes": 2}, {"trainer_apart": True}], ids=["two_ranks", "apart"])
+def test_a_run_on_trainer_processes_trains_as_one_and_resumes(model_dir, tmp_path, monkeypatch, options):
+    """`rollwise train` with trainer_processes = 2, or with the trainer apart: a deterministic run's
+    steps (the same groups, from the warm start) are the one-process run's, the model the run saves
+    holds what the trainer trained, and a resumed run hands the checkpoint to every rank."""
+    from safetensors.torch import load_file
+
     from rollwise.rl import train
     monkeypatch.setitem(ENVS, "calculator", _ParityReward)
     tiny = dict(env="calculator", sft_steps=3, sft_tasks=8, groups_per_step=2, group_size=4, max_tokens=12,
                 max_turns=2, eval_tasks=0, max_num_seqs=16, progress=False, deterministic=True, model=model_dir,
                 trainer_threads=2, lr=1e-3)
-    one = train(TrainConfig.from_dict({**tiny, "run_dir": str(tmp_path / "one"), "steps": 1}))
-    two = train(TrainConfig.from_dict({**tiny, "run_dir": str(tmp_path / "two"), "steps": 2, "trainer_processes": 2}))
-    a, b = one["steps"][0], two["steps"][0]
-    assert a["trained_tokens"] == b["trained_tokens"] > 0
-    assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
-    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
-    more = train(TrainConfig.from_dict({**tiny, "run_dir": str(tmp_path / "two"), "steps": 3, "trainer_processes": 2}))
+    one = train(TrainConfig.from_dict({**tiny, "run_dir": str(tmp_path / "one"), "steps": 2}))
+    two = train(TrainConfig.from_dict({**tiny, "run_dir": str(tmp_path / "two"), "steps": 2, **options}))
+    for a, b in zip(one["steps"], two["steps"]):
+        assert a["trained_tokens"] == b["trained_tokens"] > 0
+        if "trainer_apart" in options:  # one process, apart: the same arithmetic
+            assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    w1, w2 = (load_file(str(tmp_path / d / "final-model" / "model.safetensors")) for d in ("one", "two"))
+    # (saved by the run's process: apart, from the weights rank 0 trained in shared memory)
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < (1e-9 if "trainer_apart" in options else 1e-4)
+    more = train(TrainConfig.from_dict({**tiny, "run_dir": str(tmp_path / "two"), "steps": 3, **options}))
     assert more["policy_version"] == 3 and len(more["steps"]) == 3
     assert [s["loss"] for s in more["steps"][:2]] == [s["loss"] for s in two["steps"]]  # (the checkpoint's)
     assert more["steps"][2]["trained_tokens"] > 0
@@ -192,3 +204,62 @@ def test_a_worker_that_dies_mid_run_stops_it_with_a_clear_error(model_dir, tmp_p
                 two.step(groups)
         finally:
             two.close()
+    apart = make_trainer(dataclasses.replace(cfg, trainer_processes=1, trainer_apart=True), make_policy(cfg))
+    try:  # the trainer apart's one process: its reply never comes
+        os.kill(apart.workers[0][0].pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=r"rollwise-trainer-rank0 exited \(SIGKILL.*during `step`"):
+            apart.step(groups)
+    finally:
+        apart.close()
+
+
+@pytest.mark.parametrize("processes,lora", [(1, 0), (2, 0), (1, 4)], ids=["one", "two_ranks", "lora"])
+def test_a_trainer_apart_takes_the_steps_and_this_process_reads_its_weights(model_dir, tmp_path, processes, lora):
+    """trainer_apart: every rank a process of its own. Rank 0 trains this process's weights in shared
+    memory, so after each step the policy here holds them (one process apart: the in-process
+    trainer's bits; with LoRA, the adapters, and the merged weights the replicas get); its errors
+    come back with their type and the worker's traceback; checkpoints are written and read by the
+    ranks themselves."""
+    from rollwise.rl_trainer import add_lora
+    cfg = TrainConfig.from_dict({"model": model_dir, "run_dir": str(tmp_path), "lr": 1e-3, "seed": 3,
+                                 "trainer_threads": 2, "trainer_processes": processes, "trainer_apart": True,
+                                 "micro_batch_tokens": 64, "lora_rank": lora})
+    groups = _groups(model_dir, 4, 4, seed=2)
+    mine = make_policy(cfg)
+    add_lora(cfg, mine)
+    one = make_trainer(dataclasses.replace(cfg, trainer_processes=1, trainer_apart=False), mine)
+    policy = make_policy(cfg)
+    add_lora(cfg, policy)
+    apart = make_trainer(cfg, policy)
+    apart_view = SimpleNamespace(policy=policy)  # (this process's policy, as `_weights` reads a trainer's)
+    try:
+        assert apart.trainer is None and len(apart.workers) == processes and apart.version == 0
+        before = _weights(apart_view).clone()
+        for _ in range(2):
+            m1, m2 = one.step(groups), apart.step(groups)
+            assert m1["trained_tokens"] == m2["trained_tokens"] > 0
+            assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-4, abs=1e-6)
+        assert apart.version == 2
+        here = _weights(apart_view)
+        assert (here - before).abs().max() > 1e-4  # (this process's view moved with rank 0's steps)
+        assert (here - _weights(one)).abs().max() < (1e-9 if processes == 1 else 1e-4)
+        if lora:  # (the replicas' merged linears, read here)
+            merged, want = policy.engine_weights(changed_only=True), mine.engine_weights(changed_only=True)
+            assert merged.keys() == want.keys() and all(torch.equal(merged[k], want[k]) for k in want)
+        assert len(set(apart.fingerprints())) == 1
+        apart.save_checkpoint(str(tmp_path / "ckpt.pt"), {"history": ["x"]})
+        state = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+        assert state["version"] == 2 and state["history"] == ["x"]
+        trained = [k for k, p in policy.model.named_parameters() if p.requires_grad]
+        assert torch.equal(torch.cat([state["model"][k].reshape(-1) for k in trained]), here)
+        apart.step(groups)
+        apart.load_checkpoint(str(tmp_path / "ckpt.pt"))  # every rank back to version 2
+        assert apart.version == 2 and torch.equal(_weights(apart_view), here)
+        with pytest.raises(AttributeError, match="trainer runs apart"):
+            apart.state()
+        with pytest.raises(RuntimeError, match="no step begun") as raised:
+            apart.finish()
+        assert "in the trainer process" in "".join(raised.value.__notes__)
+    finally:
+        apart.close()
+    assert not any(proc.is_alive() for proc, _ in apart.workers)
