@@ -288,7 +288,8 @@ async def _train(cfg: TrainConfig) -> dict:
             train_s += t3 - t2
             tail_s = t3 - t1  # from the batch's last group to new weights: training not hidden by rollouts
             # (with LoRA: the merged linears alone, or the adapter alone)
-            weights = policy.adapter_weights() if cfg.lora_sync == "adapter" else policy.engine_weights(changed_only=True)
+            weights = await asyncio.to_thread(policy.adapter_weights) if cfg.lora_sync == "adapter" else \
+                await asyncio.to_thread(policy.engine_weights, True)  # (copies: the agents go on meanwhile)
             await router.update_weights(weights, trainer.version, cfg.partial_rollout)
             sync_s = time.perf_counter() - t3  # weights to every replica
             await queue.commit(trainer.version)
@@ -307,16 +308,19 @@ async def _train(cfg: TrainConfig) -> dict:
             if skips is not None:  # tasks skipped before their rollouts since the last step
                 m["pre_rollout_skipped"] = skips.take_count()
             history.append(m)
-            _save_checkpoint(ckpt_path, trainer, consumed, history,
-                             {"sft_success": sft_success, "skipped": skipped, "identity": identity,
-                              "report": {k: v for k, v in report.items() if k in ("sft", "sft_greedy_success", "sft_success_by_env")}})
+            # (on a thread: the agents and replicas go on meanwhile; the trainer waits, so the state holds still)
+            await asyncio.to_thread(_save_checkpoint, ckpt_path, trainer, consumed, history,
+                                    {"sft_success": sft_success, "skipped": skipped, "identity": identity,
+                                     "report": {k: v for k, v in report.items()
+                                                if k in ("sft", "sft_greedy_success", "sft_success_by_env")}})
             with open(steps_log, "a") as f:
                 f.write(json.dumps(m, default=str) + "\n")
             trackers.log(m, len(history))  # (step n's metrics under n + 1: the SFT model's evaluation is 0)
             if cfg.save_every and len(history) % cfg.save_every == 0:  # rollouts go on meanwhile
                 await asyncio.to_thread(_save_model, policy, run / "models", len(history), cfg.keep_saved)
-            if len(history) % 10 == 0:  # the curves so far
-                write_report(run / "report", {**report, "steps": history, "sft_success": sft_success})
+            if len(history) % 10 == 0:  # the curves so far (drawn on a thread, as the checkpoint)
+                await asyncio.to_thread(write_report, run / "report", {**report, "steps": list(history),
+                                                                      "sft_success": sft_success})
             bar.update(m)
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)

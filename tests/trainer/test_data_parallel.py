@@ -213,17 +213,19 @@ def test_a_worker_that_dies_mid_run_stops_it_with_a_clear_error(model_dir, tmp_p
         apart.close()
 
 
-@pytest.mark.parametrize("processes,lora", [(1, 0), (2, 0), (1, 4)], ids=["one", "two_ranks", "lora"])
-def test_a_trainer_apart_takes_the_steps_and_this_process_reads_its_weights(model_dir, tmp_path, processes, lora):
+@pytest.mark.parametrize("processes,options", [(1, {}), (2, {}), (1, {"lora_rank": 4}),
+                                               (1, {"advantage": "gae", "group_size": 1})],
+                         ids=["one", "two_ranks", "lora", "gae"])
+def test_a_trainer_apart_takes_the_steps_and_this_process_reads_its_weights(model_dir, tmp_path, processes, options):
     """trainer_apart: every rank a process of its own. Rank 0 trains this process's weights in shared
     memory, so after each step the policy here holds them (one process apart: the in-process
-    trainer's bits; with LoRA, the adapters, and the merged weights the replicas get); its errors
-    come back with their type and the worker's traceback; checkpoints are written and read by the
-    ranks themselves."""
+    trainer's bits; with LoRA, the adapters, and the merged weights the replicas get; PPO's critic
+    trains there too, checkpointed with it); its errors come back with their type and the worker's
+    traceback; checkpoints are written and read by the ranks themselves."""
     from rollwise.rl_trainer import add_lora
     cfg = TrainConfig.from_dict({"model": model_dir, "run_dir": str(tmp_path), "lr": 1e-3, "seed": 3,
                                  "trainer_threads": 2, "trainer_processes": processes, "trainer_apart": True,
-                                 "micro_batch_tokens": 64, "lora_rank": lora})
+                                 "micro_batch_tokens": 64, **options})
     groups = _groups(model_dir, 4, 4, seed=2)
     mine = make_policy(cfg)
     add_lora(cfg, mine)
@@ -239,17 +241,20 @@ def test_a_trainer_apart_takes_the_steps_and_this_process_reads_its_weights(mode
             m1, m2 = one.step(groups), apart.step(groups)
             assert m1["trained_tokens"] == m2["trained_tokens"] > 0
             assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-4, abs=1e-6)
+            if "advantage" in options:
+                assert m2["value_loss"] == pytest.approx(m1["value_loss"], rel=1e-4) and m1["value_loss"] > 0
         assert apart.version == 2
         here = _weights(apart_view)
         assert (here - before).abs().max() > 1e-4  # (this process's view moved with rank 0's steps)
         assert (here - _weights(one)).abs().max() < (1e-9 if processes == 1 else 1e-4)
-        if lora:  # (the replicas' merged linears, read here)
+        if "lora_rank" in options:  # (the replicas' merged linears, read here)
             merged, want = policy.engine_weights(changed_only=True), mine.engine_weights(changed_only=True)
             assert merged.keys() == want.keys() and all(torch.equal(merged[k], want[k]) for k in want)
         assert len(set(apart.fingerprints())) == 1
         apart.save_checkpoint(str(tmp_path / "ckpt.pt"), {"history": ["x"]})
         state = torch.load(tmp_path / "ckpt.pt", weights_only=False)
         assert state["version"] == 2 and state["history"] == ["x"]
+        assert (state["critic"] is not None) == ("advantage" in options)
         trained = [k for k, p in policy.model.named_parameters() if p.requires_grad]
         assert torch.equal(torch.cat([state["model"][k].reshape(-1) for k in trained]), here)
         apart.step(groups)
