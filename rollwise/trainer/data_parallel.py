@@ -320,7 +320,10 @@ def _watch(workers: list[tuple], ready: Callable[[], bool]) -> None:
 
 def _worker(rank: int, world: int, port: int, build: Callable, args: tuple, threads: int, pipe, reply=None) -> None:
     """A worker rank: its trainer, then the run's calls until it sends None or goes away. With
-    `reply` (rank 0 of a trainer apart) each call's result, or its exception, goes back up it."""
+    `reply` (rank 0 of a trainer apart) each call's result, or its exception, goes back up it. Ctrl-C
+    is the run's process's to handle: it stops the workers (or they find its pipe closed)."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     if world > 1:
         kv = store(port, world, master=False)
