@@ -241,12 +241,13 @@ async def _train(cfg: TrainConfig) -> dict:
             return informative(trajs, cfg.advantage, cfg.step_advantage_weight, cfg.gamma, cfg.gigpo_mode,
                                cfg.gigpo_similarity)
         skips = None  # GRESO's pre-rollout filter (producer.py), its decisions kept beside the log
-        if cfg.pre_rollout_explore < 1:
-            skips = PreRolloutFilter(len(train_tasks), cfg.pre_rollout_explore, cfg.seed, run / "pre_rollout.jsonl")
-            skips.restore({g.task_index: teaches(g.trajectories) for g in logged})
+        if cfg.pre_rollout_explore < 1 or cfg.pre_rollout_target > 0:
+            skips = PreRolloutFilter(len(train_tasks), cfg.pre_rollout_explore, cfg.seed, run / "pre_rollout.jsonl",
+                                     cfg.pre_rollout_target, teaches)
+            skips.restore({g.task_index: skips.outcome(g.trajectories) for g in logged},
+                          (state or {}).get("pre_rollout_explore"))
         done_tasks = {g.task_index for g in logged} | (skips.skipped if skips else set())  # never run twice
-        producer = asyncio.create_task(produce(cfg, queue, router, make_env, train_tasks, 0, done_tasks, teaches,
-                                               skips))
+        producer = asyncio.create_task(produce(cfg, queue, router, make_env, train_tasks, 0, done_tasks, skips))
         bar = status.bar(cfg.steps, initial=len(history))
         steps_log = run / "steps.jsonl"  # one line per step as it happens (`tail -f`); rewritten from the checkpoint
         steps_log.write_text("".join(json.dumps(h, default=str) + "\n" for h in history))
@@ -268,7 +269,7 @@ async def _train(cfg: TrainConfig) -> dict:
                 while True:  # every group that arrived meanwhile: one pass
                     if cfg.dynamic_sampling and len(dropped) < max_skips and not teaches(g.trajectories):
                         await queue.skip(g)
-                        dropped.append(g.seq)
+                        dropped.append(g)
                     else:
                         new.append(g)
                     if not queue.has_next(len(batch) + len(new)):
@@ -292,9 +293,11 @@ async def _train(cfg: TrainConfig) -> dict:
                 await asyncio.to_thread(policy.engine_weights, True)  # (copies: the agents go on meanwhile)
             await router.update_weights(weights, trainer.version, cfg.partial_rollout)
             sync_s = time.perf_counter() - t3  # weights to every replica
+            if skips is not None:  # (GRESO's adaptive explore, before the version admits groups)
+                m.update(skips.adapt(trainer.version, [skips.outcome(g.trajectories) for g in batch + dropped]))
             await queue.commit(trainer.version)
             consumed += [g.seq for g in batch]
-            skipped += dropped
+            skipped += [g.seq for g in dropped]
             if cfg.eval_every and eval_tasks and (len(history) + 1) % cfg.eval_every == 0:
                 t4 = time.perf_counter()  # the weights just synced, on the held-out tasks (rollouts go on meanwhile)
                 m.update(eval_success=await evaluate(router, make_env, eval_tasks, cfg),
@@ -311,6 +314,7 @@ async def _train(cfg: TrainConfig) -> dict:
             # (on a thread: the agents and replicas go on meanwhile; the trainer waits, so the state holds still)
             await asyncio.to_thread(_save_checkpoint, ckpt_path, trainer, consumed, history,
                                     {"sft_success": sft_success, "skipped": skipped, "identity": identity,
+                                     "pre_rollout_explore": skips.by_version if skips is not None else None,
                                      "report": {k: v for k, v in report.items()
                                                 if k in ("sft", "sft_greedy_success", "sft_success_by_env")}})
             with open(steps_log, "a") as f:

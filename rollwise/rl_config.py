@@ -160,6 +160,10 @@ class TrainConfig:
     # rollouts are spent on tasks the policy always or never solves, yet each is tried now and then
     # (1: off; e.g. 0.5; rollwise/rollout/producer.py)
     pre_rollout_explore: float = 1.0
+    # GRESO's adaptive explore: the share of a step's groups that may teach nothing (e.g. 0.25; 0: explore fixed);
+    # tasks last solved by every episode and by none each get a probability, from pre_rollout_explore, moved
+    # 0.01 a step toward a third of that share for the first and two thirds for the second
+    pre_rollout_target: float = 0.0
     # turns in flight at a weight update: finish under the old weights (False; replicas hold both
     # versions meanwhile) or are interrupted and continue under the new ones (True: recomputed,
     # tokens and logprobs kept, each token labelled with its version)
@@ -290,9 +294,9 @@ class TrainConfig:
         if cfg.advantage in NO_GROUP and cfg.dynamic_sampling:
             raise ValueError(f"dynamic_sampling skips groups whose rewards are all equal, but {cfg.advantage} "
                              "trains them too (its advantages do not cancel in a group): set one of them")
-        if cfg.advantage in NO_GROUP and cfg.pre_rollout_explore < 1:
+        if cfg.advantage in NO_GROUP and (cfg.pre_rollout_explore < 1 or cfg.pre_rollout_target > 0):
             raise ValueError(f"pre_rollout_explore skips tasks whose groups' rewards were all equal, but "
-                             f"{cfg.advantage} trains such groups too: leave it at 1")
+                             f"{cfg.advantage} trains such groups too: leave it at 1 (and pre_rollout_target at 0)")
         smallest = 1 if cfg.advantage in NO_GROUP else 2  # a group-relative advantage needs two episodes
         if cfg.max_staleness < 0 or cfg.steps < 0 or cfg.groups_per_step < 1 or cfg.group_size < smallest:
             raise ValueError(f"need max_staleness >= 0, steps >= 0, groups_per_step >= 1, group_size >= {smallest} "
@@ -302,6 +306,8 @@ class TrainConfig:
             raise ValueError(f"episode_retries must be >= 0, got {cfg.episode_retries}")
         if not 0 < cfg.pre_rollout_explore <= 1:
             raise ValueError(f"pre_rollout_explore must be in (0, 1] (1: never skip), got {cfg.pre_rollout_explore}")
+        if not 0 <= cfg.pre_rollout_target < 1:
+            raise ValueError(f"pre_rollout_target must be in [0, 1) (0: a fixed explore), got {cfg.pre_rollout_target}")
         if cfg.max_skipped_groups < 0:
             raise ValueError(f"max_skipped_groups must be >= 0 (0: 4 x groups_per_step), got {cfg.max_skipped_groups}")
         if cfg.save_every < 0 or cfg.keep_saved < 0:

@@ -189,10 +189,13 @@ def test_train_dp_benchmark_smoke(tmp_path):
 
 
 def test_pre_rollout_benchmark_smoke(tmp_path):
-    res = smoke(tmp_path, "benchmarks/pre_rollout.py", "--model", str(tmp_path / "model"))
-    base, filt = res["dynamic_sampling"], res["pre_rollout_filter"]
-    assert base["trained_groups"] == filt["trained_groups"] > 0 and base["skipped_before_running"] == 0
+    res = smoke(tmp_path, "benchmarks/pre_rollout.py", "--model", str(tmp_path / "model"), "--target", "0.25")
+    base, filt, adaptive = res["dynamic_sampling"], res["pre_rollout_filter"], res["adaptive"]
+    assert base["trained_groups"] == filt["trained_groups"] == adaptive["trained_groups"] > 0
+    assert base["skipped_before_running"] == 0
     assert filt["skipped_before_running"] > 0  # (the untrained model's rewards are all 0: nothing teaches)
+    # (every group hard: its explore moves down, the easy one's up, a step at a time)
+    assert adaptive["p_hard_last"] < 0.5 < adaptive["p_easy_last"] and res["ratio_adaptive"]["episodes"] > 0
 
 
 def test_bench_spec_cli_smoke(tmp_path):

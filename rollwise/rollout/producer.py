@@ -12,6 +12,13 @@ taught nothing; with z > 0 the task is skipped (no rollouts at all) with probabi
 at most 1 - MIN_RUN, so it is still tried now and then and comes back once it teaches again.
 `explore` = 1 never skips.
 
+GRESO's adaptive exploration (`target` > 0, `pre_rollout_target`): the probability is kept apart for
+tasks whose last such group was solved by every episode (easy: the common reward > 0) and by none
+(hard), both starting at `explore`, and after each step each moves by STEP toward letting that
+kind be target/3 (easy) or 2 target/3 (hard) of the groups the step took: lower (skip more) when
+they were more. The values after step v are kept by version, and a group admitted under version v
+is decided with v's: a deterministic run still decides alike however it is timed.
+
 Every decision is a function of the run's seed, the task's place in the task stream (the cursor) and
 the outcomes of the same task's earlier groups, which it waits for while they run: a deterministic run
 makes the same decisions however it is timed. Skipped places are appended to a file beside the run's
@@ -30,15 +37,21 @@ from rollwise.types import SamplingParams
 
 
 MIN_RUN = 0.05  # a task is run at least this often, however long its streak (one visit in 20)
+STEP = 0.01  # GRESO's adjustment of an exploration probability per step
 
 
 class PreRolloutFilter:
-    def __init__(self, num_tasks: int, explore: float, seed: int = 0, path: str | Path | None = None) -> None:
+    def __init__(self, num_tasks: int, explore: float, seed: int = 0, path: str | Path | None = None,
+                 target: float = 0.0, teaches=None) -> None:
         if not 0.0 < explore <= 1.0:
             raise ValueError(f"pre_rollout_explore must be in (0, 1] (1: never skip), got {explore}")
-        self.n, self.explore, self.seed = num_tasks, explore, seed
+        if not 0.0 <= target < 1.0:
+            raise ValueError(f"pre_rollout_target must be in [0, 1) (0: a fixed explore), got {target}")
+        self.n, self.explore, self.seed, self.target, self.teaches = num_tasks, explore, seed, target, teaches
+        self.by_version: dict[int, dict[str, float]] = {0: {"easy": explore, "hard": explore}}  # (adaptive)
         self.path = None if path is None else Path(path)
-        self.history: dict[int, dict[int, bool]] = {}  # task -> {cursor: whether its group taught something}
+        # task -> {cursor: True if its group taught something, else "easy" or "hard" (False: "hard")}
+        self.history: dict[int, dict[int, bool | str]] = {}
         self.running: dict[int, set[int]] = {}  # task -> cursors of its groups in flight
         self.skipped: set[int] = set()  # cursors skipped
         self.new_skips = 0  # since `take_count` last ran
@@ -46,34 +59,58 @@ class PreRolloutFilter:
         if self.path is not None and self.path.exists():
             self.skipped = {json.loads(line)["task_index"] for line in self.path.read_text().splitlines() if line}
 
-    def restore(self, outcomes: dict[int, bool]) -> None:
-        """The logged groups' outcomes (cursor -> taught something), from before a resume."""
+    def outcome(self, trajs: list) -> bool | str:
+        """A group's outcome: True if it teaches, else "easy" (every episode's reward the same and > 0)
+        or "hard"."""
+        return True if self.teaches(trajs) else "easy" if trajs[0].reward > 0 else "hard"
+
+    def restore(self, outcomes: dict[int, bool | str], by_version: dict | None = None) -> None:
+        """The logged groups' outcomes (cursor -> `outcome`) and the adaptive probabilities by version
+        (the checkpoint's), from before a resume."""
         for idx, taught in outcomes.items():
             self.history.setdefault(idx % self.n, {})[idx] = taught
+        self.by_version.update({int(v): p for v, p in (by_version or {}).items()})
 
-    def streak(self, idx: int) -> int:
-        """The task's groups before `idx`, in a row back from the latest, that taught nothing."""
-        z = 0
+    def streak(self, idx: int) -> tuple[int, str]:
+        """The task's groups before `idx`, in a row back from the latest, that taught nothing, and the
+        latest one's kind ("easy" or "hard")."""
+        z, kind = 0, "hard"
         earlier = sorted(((i, t) for i, t in self.history.get(idx % self.n, {}).items() if i < idx), reverse=True)
         for _, taught in earlier:
-            if taught:
+            if taught is True:
                 break
+            kind = kind if z else taught or "hard"
             z += 1
-        return z
+        return z, kind
 
-    def decide(self, idx: int, z: int) -> bool:
-        """Skip the group at `idx` after `z` groups in a row that taught nothing? Probability 1 - explore^z
-        (at most 1 - MIN_RUN), drawn from the run's seed and `idx` alone."""
-        run = max(self.explore ** z, MIN_RUN)
-        return z > 0 and random.Random(stable_seed(self.seed, idx, "pre-rollout")).random() >= run
+    def decide(self, idx: int, z: int, kind: str = "hard", version: int = 0) -> bool:
+        """Skip the group at `idx` after `z` groups in a row that taught nothing? Probability 1 - p^z
+        (at most 1 - MIN_RUN), p the explore (adaptive: the kind's, as of `version`), drawn from the
+        run's seed and `idx` alone."""
+        p = self.by_version[max(v for v in self.by_version if v <= version)][kind] if self.target else self.explore
+        return z > 0 and random.Random(stable_seed(self.seed, idx, "pre-rollout")).random() >= max(p ** z, MIN_RUN)
 
-    async def skip(self, idx: int) -> bool:
-        """Whether to skip the group at cursor `idx` (recorded if so); waits for the task's earlier groups."""
+    def adapt(self, version: int, outcomes: list[bool | str]) -> dict[str, float]:
+        """After the step that made `version`, from the outcomes of the groups it took: each kind's
+        probability one STEP down if its share was over its target, else up (in [MIN_RUN, 1])."""
+        if not self.target or not outcomes:
+            return {}
+        was = self.by_version[max(v for v in self.by_version if v < version)] if version else self.by_version[0]
+        now = {}
+        for kind, aim in (("easy", self.target / 3), ("hard", self.target * 2 / 3)):
+            share = sum(o == kind for o in outcomes) / len(outcomes)
+            now[kind] = min(1.0, max(MIN_RUN, was[kind] + (-STEP if share > aim else STEP)))
+        self.by_version[version] = now
+        return {"pre_rollout_p_easy": now["easy"], "pre_rollout_p_hard": now["hard"]}
+
+    async def skip(self, idx: int, version: int = 0) -> bool:
+        """Whether to skip the group at cursor `idx`, admitted under `version` (recorded if so); waits
+        for the task's earlier groups."""
         task = idx % self.n
         async with self._changed:
             await self._changed.wait_for(lambda: not any(i < idx for i in self.running.get(task, ())))
-        z = self.streak(idx)
-        if not self.decide(idx, z):
+        z, kind = self.streak(idx)
+        if not self.decide(idx, z, kind, version):
             self.running.setdefault(task, set()).add(idx)
             return False
         self.skipped.add(idx)
@@ -83,8 +120,8 @@ class PreRolloutFilter:
                 f.write(json.dumps({"task_index": idx, "streak": z}) + "\n")
         return True
 
-    async def done(self, idx: int, taught: bool | None) -> None:
-        """The group at `idx` completed (`taught`: whether it teaches), or failed (None: no outcome)."""
+    async def done(self, idx: int, taught: bool | str | None) -> None:
+        """The group at `idx` completed (`taught`: its `outcome`), or failed (None: no outcome)."""
         task = idx % self.n
         if taught is not None:
             self.history.setdefault(task, {})[idx] = taught
@@ -99,10 +136,9 @@ class PreRolloutFilter:
 
 
 async def produce(cfg, queue, router, make_env, tasks: list[dict], cursor: int, done: set[int],
-                  teaches=None, skips: PreRolloutFilter | None = None) -> None:
+                  skips: PreRolloutFilter | None = None) -> None:
     """Admit groups under the staleness bound and run them; a complete group goes to the queue.
-    `done`: cursors not to run (logged before a resume, or skipped); `teaches(group)`: whether a group
-    teaches anything, for `skips`, the pre-rollout filter."""
+    `done`: cursors not to run (logged before a resume, or skipped); `skips`: the pre-rollout filter."""
     slots = asyncio.Semaphore(cfg.max_concurrent_groups)
     running: set[asyncio.Task] = set()
 
@@ -119,7 +155,7 @@ async def produce(cfg, queue, router, make_env, tasks: list[dict], cursor: int, 
                              trajectory_id=f"{gid}/{k}", group_id=gid, deadline_s=cfg.episode_deadline_s,
                              policy_version=version if cfg.deterministic else None)
                 for k in range(cfg.group_size)))
-            taught = teaches(list(trajs)) if skips is not None else None
+            taught = skips.outcome(list(trajs)) if skips is not None else None
             await queue.put(Group(seq, idx, task, version, list(trajs)))
         except Exception as e:  # noqa: BLE001 - surfaces in the trainer instead of hanging it
             await queue.fail(e)
@@ -132,7 +168,7 @@ async def produce(cfg, queue, router, make_env, tasks: list[dict], cursor: int, 
         while True:
             await slots.acquire()
             seq, version = await queue.admit()
-            while cursor in done or (skips is not None and await skips.skip(cursor)):  # logged, or skipped
+            while cursor in done or (skips is not None and await skips.skip(cursor, version)):  # logged, or skipped
                 cursor += 1
             t = asyncio.create_task(group(seq, version, cursor))
             cursor += 1

@@ -3,6 +3,7 @@ timings: the bound holds for every group (per turn), k = 0 is exactly on-policy,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -257,9 +258,9 @@ def test_the_pre_rollout_filter_skips_by_streak_waits_for_earlier_groups_and_res
             await f.done(3, True)
         return first
     first = asyncio.run(go())
-    assert f.streak(3) == 1 and f.streak(6) == (1 if first else 0)  # a skipped cursor adds no outcome
+    assert f.streak(3) == (1, "hard") and f.streak(6)[0] == (1 if first else 0)  # a skipped cursor adds no outcome
     f.restore({1: False, 4: False, 7: True, 10: False})  # task 1's logged groups (a resume)
-    assert [f.streak(i) for i in (1, 4, 7, 10, 13)] == [0, 1, 2, 0, 1]
+    assert [f.streak(i)[0] for i in (1, 4, 7, 10, 13)] == [0, 1, 2, 0, 1]
     n = 0
     for i in range(16, 16 + 3 * 40, 3):  # task 1 at z >= 1 on and on: some skipped, written down
         n += asyncio.run(f.skip(i))
@@ -270,3 +271,34 @@ def test_the_pre_rollout_filter_skips_by_streak_waits_for_earlier_groups_and_res
     assert again.skipped == f.skipped and len(again.skipped) == n + first
     with pytest.raises(ValueError, match=r"pre_rollout_explore must be in \(0, 1\]"):
         PreRolloutFilter(3, 0.0)
+    with pytest.raises(ValueError, match=r"pre_rollout_target must be in \[0, 1\)"):
+        PreRolloutFilter(3, 0.5, target=1.0)
+
+
+def test_greso_adaptive_explore_moves_each_kind_toward_its_share_by_version():
+    """pre_rollout_target: easy (all solved) and hard (none solved) tasks have probabilities of their
+    own, each moved 0.01 a step toward its share of the target (a third, two thirds) of the groups the
+    step took; a decision takes the values of the version its group was admitted under."""
+    from rollwise.rollout.producer import MIN_RUN, PreRolloutFilter
+    f = PreRolloutFilter(3, 0.5, seed=1, target=0.3, teaches=lambda trajs: len({t.reward for t in trajs}) > 1)
+    def ep(reward: float):
+        return dataclasses.replace(_traj([1]), reward=reward)
+    assert f.outcome([ep(1.0)] * 2) == "easy" and f.outcome([ep(0.0)] * 2) == "hard" and f.outcome([ep(1), ep(0)])
+    # 10 groups: 3 easy (0.3 > 0.1: skip more), 1 hard (0.1 < 0.2: skip less)
+    got = f.adapt(1, ["easy"] * 3 + ["hard"] + [True] * 6)
+    assert got == {"pre_rollout_p_easy": pytest.approx(0.49), "pre_rollout_p_hard": pytest.approx(0.51)}
+    f.adapt(2, ["easy"] * 3 + ["hard"] + [True] * 6)
+    assert f.by_version[2] == {"easy": pytest.approx(0.48), "hard": pytest.approx(0.52)}
+    assert f.adapt(3, []) == {} and 3 not in f.by_version  # (no groups: the values stand)
+    for v in range(4, 200):  # bounded: [MIN_RUN, 1]
+        f.adapt(v, ["easy"] * 10)
+    assert f.by_version[199] == {"easy": MIN_RUN, "hard": 1.0}
+    # decisions by the admitting version's values: at version 199 hard tasks always run, easy ones mostly not
+    assert not any(f.decide(i, 3, "hard", 199) for i in range(200))
+    assert sum(f.decide(i, 3, "easy", 199) for i in range(1000)) > 900
+    assert [f.decide(i, 1, "easy", 2) for i in range(200)] == [f.decide(i, 1, "easy", 3) for i in range(200)]
+    f.history[0] = {0: True, 3: "easy", 6: "hard"}
+    assert f.streak(9) == (2, "hard") and f.streak(6) == (1, "easy")  # the latest group's kind
+    again = PreRolloutFilter(3, 0.5, seed=1, target=0.3)  # a resume takes the checkpoint's values
+    again.restore({}, {str(v): p for v, p in f.by_version.items()})
+    assert again.by_version == f.by_version

@@ -530,7 +530,10 @@ def test_the_pre_rollout_filter_skips_tasks_that_taught_nothing_before_running_t
         TrainConfig.from_dict({"model": model_dir, "pre_rollout_explore": 0.5, "advantage": "gae"})
 
 
-def test_a_deterministic_run_with_the_pre_rollout_filter_repeats_its_decisions(model_dir, tmp_path):
+@pytest.mark.parametrize("target", [0.0, 0.3], ids=["fixed", "adaptive"])
+def test_a_deterministic_run_with_the_pre_rollout_filter_repeats_its_decisions(model_dir, tmp_path, target):
+    """The same tasks run and skipped, the same weights; with GRESO's adaptive explore too, whose
+    probabilities each step reports and the checkpoint keeps by version."""
     (tmp_path / "r.py").write_text("def score(task, answer):\n"
                                    "    return 1.0 if task['n'] % 2 == 0 else float(len(answer) % 2)\n")
     (tmp_path / "t.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}.", "n": i}) + "\n" for i in range(3)))
@@ -538,9 +541,13 @@ def test_a_deterministic_run_with_the_pre_rollout_filter_repeats_its_decisions(m
     for name in ("a", "b"):
         cfg = {**TINY, "env": "dataset", "env_options": {"reward": f"{tmp_path}/r.py:score"}, "sft_steps": 0,
                "train_tasks_file": str(tmp_path / "t.jsonl"), "eval_tasks": 0, "group_size": 4, "steps": 5,
-               "deterministic": True, "pre_rollout_explore": 0.3, "model": model_dir, "run_dir": str(tmp_path / name)}
+               "deterministic": True, "pre_rollout_explore": 0.3, "pre_rollout_target": target, "model": model_dir,
+               "run_dir": str(tmp_path / name)}
         train(TrainConfig.from_dict(cfg))
         state = torch.load(tmp_path / name / "checkpoint.pt", weights_only=False)
+        if target:
+            assert sorted(state["pre_rollout_explore"]) == list(range(6))  # (version 0's, then each step's)
+            assert all({"pre_rollout_p_easy", "pre_rollout_p_hard"} <= set(h) for h in state["history"])
         used = {g.seq: g.task_index for g in read_log(tmp_path / name / "groups.jsonl") if g.seq in state["consumed"]}
         skips = [json.loads(x)["task_index"] for x in (tmp_path / name / "pre_rollout.jsonl").read_text().splitlines()]
         runs.append((used, [i for i in skips if i < max(used.values())], state["model"]))  # (decided by then)
