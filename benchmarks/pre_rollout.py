@@ -100,7 +100,8 @@ def main() -> None:
           f"{res['ratio']['episodes']:.2f}x fewer episodes run, for {args.steps} steps of the same size")
     if args.target:
         a = res["adaptive"]
-        res["ratio_adaptive"] = {"rl_wall_s": b["rl_wall_s"] / a["rl_wall_s"], "episodes": b["episodes"] / a["episodes"]}
+        res["ratio_adaptive"] = {"rl_wall_s": b["rl_wall_s"] / a["rl_wall_s"],
+                                 "episodes": b["episodes"] / a["episodes"]}
         print(f"adaptive against dynamic sampling alone: {res['ratio_adaptive']['rl_wall_s']:.2f}x less RL time, "
               f"{res['ratio_adaptive']['episodes']:.2f}x fewer episodes (explore at the end: easy "
               f"{a['p_easy_last']:.2f}, hard {a['p_hard_last']:.2f})")
