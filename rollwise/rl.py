@@ -294,7 +294,7 @@ async def _train(cfg: TrainConfig) -> dict:
             await router.update_weights(weights, trainer.version, cfg.partial_rollout)
             sync_s = time.perf_counter() - t3  # weights to every replica
             if skips is not None:  # (GRESO's adaptive explore, before the version admits groups)
-                m.update(skips.adapt(trainer.version, [skips.outcome(g.trajectories) for g in batch + dropped]))
+                m.update(skips.adapt(trainer.version, [g.trajectories for g in batch + dropped]))
             await queue.commit(trainer.version)
             consumed += [g.seq for g in batch]
             skipped += [g.seq for g in dropped]

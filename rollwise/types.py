@@ -219,11 +219,10 @@ class RequestOutput:
     # (partial rollout); empty: every token at policy_version
     version_segments: list[tuple[int, int]] = field(default_factory=list)
     # with SamplingParams.prompt_logprobs: each prompt token's logprob (None for the first) and the
-    # most likely tokens at its position ({token id: logprob}; None for the first, {} with k = 0), and
-    # its rank there (1 + how many tokens are more likely; None for the first)
+    # most likely tokens at its position ({token id: logprob}; None for the first, {} with k = 0)
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
-    prompt_logprob_ranks: list[int | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None  # each one's rank: 1 + how many are likelier
     # with SamplingParams.return_routed_experts, once finished: int32 numpy [num_tokens - 1, layers, k],
     # the experts each token of prompt + output but the last was routed to in each decoder layer
     # (-1 in a layer without experts), as SGLang and vLLM return them
@@ -294,13 +293,10 @@ class GenerateOutput:
 
     @classmethod
     def of(cls, out: RequestOutput, start: int = 0) -> GenerateOutput:
-        """An engine's output from its `start`-th token on (a streamed piece: the tokens since the last)."""
-        return cls(token_ids=out.token_ids[start:], logprobs=out.logprobs[start:], finish_reason=out.finish_reason,
-                   num_cached_tokens=out.num_cached_tokens, policy_version=out.policy_version,
-                   request_id=out.request_id, version_segments=out.version_segments,
-                   top_logprobs=out.top_logprobs[start:], prompt_logprobs=out.prompt_logprobs,
-                   prompt_top_logprobs=out.prompt_top_logprobs, prompt_logprob_ranks=out.prompt_logprob_ranks,
-                   routed_experts=out.routed_experts, stop_reason=out.stop_reason)
+        """An engine's output from its `start`-th token on (a streamed piece: the tokens since the last):
+        every field the two share, the per-token ones sliced."""
+        shared = {f.name: getattr(out, f.name) for f in fields(cls) if hasattr(out, f.name)}
+        return cls(**{**shared, **{k: getattr(out, k)[start:] for k in ("token_ids", "logprobs", "top_logprobs")}})
 
 
 TRAJECTORY_STATUSES = ("done", "max_turns", "max_context", "timeout", "error")

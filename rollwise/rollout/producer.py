@@ -90,11 +90,13 @@ class PreRolloutFilter:
         p = self.by_version[max(v for v in self.by_version if v <= version)][kind] if self.target else self.explore
         return z > 0 and random.Random(stable_seed(self.seed, idx, "pre-rollout")).random() >= max(p ** z, MIN_RUN)
 
-    def adapt(self, version: int, outcomes: list[bool | str]) -> dict[str, float]:
-        """After the step that made `version`, from the outcomes of the groups it took: each kind's
-        probability one STEP down if its share was over its target, else up (in [MIN_RUN, 1])."""
-        if not self.target or not outcomes:
+    def adapt(self, version: int, groups: list[list]) -> dict[str, float]:
+        """After the step that made `version`, from the outcomes of the groups it took (each a list of
+        trajectories): each kind's probability one STEP down if its share was over its target, else up
+        (in [MIN_RUN, 1])."""
+        if not self.target or not groups:
             return {}
+        outcomes = [self.outcome(g) for g in groups]
         was = self.by_version[max(v for v in self.by_version if v < version)] if version else self.by_version[0]
         now = {}
         for kind, aim in (("easy", self.target / 3), ("hard", self.target * 2 / 3)):

@@ -284,14 +284,15 @@ def test_greso_adaptive_explore_moves_each_kind_toward_its_share_by_version():
     def ep(reward: float):
         return dataclasses.replace(_traj([1]), reward=reward)
     assert f.outcome([ep(1.0)] * 2) == "easy" and f.outcome([ep(0.0)] * 2) == "hard" and f.outcome([ep(1), ep(0)])
+    easy, hard, taught = [ep(1.0)] * 2, [ep(0.0)] * 2, [ep(1.0), ep(0.0)]
     # 10 groups: 3 easy (0.3 > 0.1: skip more), 1 hard (0.1 < 0.2: skip less)
-    got = f.adapt(1, ["easy"] * 3 + ["hard"] + [True] * 6)
+    got = f.adapt(1, [easy] * 3 + [hard] + [taught] * 6)
     assert got == {"pre_rollout_p_easy": pytest.approx(0.49), "pre_rollout_p_hard": pytest.approx(0.51)}
-    f.adapt(2, ["easy"] * 3 + ["hard"] + [True] * 6)
+    f.adapt(2, [easy] * 3 + [hard] + [taught] * 6)
     assert f.by_version[2] == {"easy": pytest.approx(0.48), "hard": pytest.approx(0.52)}
     assert f.adapt(3, []) == {} and 3 not in f.by_version  # (no groups: the values stand)
     for v in range(4, 200):  # bounded: [MIN_RUN, 1]
-        f.adapt(v, ["easy"] * 10)
+        f.adapt(v, [easy] * 10)
     assert f.by_version[199] == {"easy": MIN_RUN, "hard": 1.0}
     # decisions by the admitting version's values: at version 199 hard tasks always run, easy ones mostly not
     assert not any(f.decide(i, 3, "hard", 199) for i in range(200))

@@ -204,6 +204,9 @@ def test_n_samples_per_prompt(client):
 
 def test_models_and_metrics(client):
     assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 512
+    # (tokens of its own: with xdist's work stealing this test may be the module's first on its worker)
+    r = client.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}})
+    assert r.status_code == 200
     text = client.get("/metrics").text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:generation_tokens_total"):
