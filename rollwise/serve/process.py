@@ -19,6 +19,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def exit_reason(code: int | None) -> str:
+    """A process's exit code in words: the signal that killed it (SIGKILL: most often the OOM killer)."""
+    if code is not None and code < 0:
+        import signal
+        name = signal.Signals(-code).name
+        return name + (": out of memory?" if -code == signal.SIGKILL else "")
+    return f"exit code {code}"
+
+
 def wait_for_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 120.0,
                   ok: Callable[[httpx.Response], bool] = lambda r: True) -> None:
     """Return once `url` answers a GET with a response `ok` accepts (any, by default); a

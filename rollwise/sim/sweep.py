@@ -11,6 +11,7 @@ import time
 from multiprocessing.connection import wait
 from pathlib import Path
 
+from rollwise.serve.process import exit_reason
 from rollwise.sim.run import SimConfig, simulate
 from rollwise.sim.workload import mooncake_step, task_pool, tau_groups, war_step
 
@@ -54,7 +55,7 @@ def _collect(handle):
         ok, value = recv.recv()
     except EOFError:
         proc.join()
-        raise RuntimeError(f"the simulation's process died (exit code {proc.exitcode}; -9: out of memory?)") from None
+        raise RuntimeError(f"the simulation's process died ({exit_reason(proc.exitcode)})") from None
     finally:
         recv.close()
     proc.join()

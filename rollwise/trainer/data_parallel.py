@@ -13,8 +13,9 @@ KL in the reward (`reward_kl_coef`) needs every episode's KL on every rank: each
 share and they exchange them (kl_reward.py).
 
 `Comm` is what the trainer sees (one process: every collective is the identity); `Gloo` is the
-process group; `DataParallelTrainer` is rank 0's trainer, which hands each call on to the other
-ranks, worker processes started by `start`."""
+process group; `DataParallelTrainer` is the trainer as the run sees it: rank 0 in the run's process,
+handing each call on to the other ranks (worker processes started by `start`), or with the trainer
+apart (`start_apart`) every rank a worker, rank 0 training the run's weights in shared memory."""
 from __future__ import annotations
 
 import contextlib
@@ -26,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from rollwise.serve.process import free_port
+from rollwise.serve.process import exit_reason, free_port
 
 
 class Comm:
@@ -113,14 +114,6 @@ def fingerprint(trainer) -> str:
     return h.hexdigest()
 
 
-def exit_reason(code: int | None) -> str:
-    if code is not None and code < 0:
-        import signal
-        name = signal.Signals(-code).name
-        return f"{name}" + (": out of memory?" if -code == signal.SIGKILL else "")
-    return f"exit code {code}"
-
-
 def generated(group: list) -> int:
     return sum(t.num_generated for t in group)
 
@@ -133,10 +126,11 @@ class DataParallelTrainer:
     its results come back up `reply`; the run's process keeps its GIL for the rollouts."""
     CALLS = ("begin", "add", "finish", "step")
 
-    def __init__(self, trainer, comm: Gloo | None, workers: list[tuple], reply=None, version: int = 0) -> None:
+    def __init__(self, trainer, comm: Gloo | None, workers: list[tuple], reply=None, version: int = 0,
+                 kv=None) -> None:
         self.trainer, self.comm, self.workers, self.reply = trainer, comm, workers, reply  # workers: (process, pipe)
         self.broken = False  # a call raised here: the workers may wait in a collective that never comes
-        self.kv = None  # apart: the group's rendezvous (a TCP store), served from here
+        self.kv = kv  # apart: the group's rendezvous (a TCP store), served from here
         if trainer is None:
             self.version = version  # rank 0's, as its last reply gave it
 
@@ -291,9 +285,7 @@ def start_apart(world: int, build: Callable, args: tuple, threads: int, shared: 
         _, _, version = reply.recv()  # ("ok", None, its version)
     except EOFError:  # rank 0 exited
         _watch(workers, lambda: False)
-    trainer = DataParallelTrainer(None, None, workers, reply, version)
-    trainer.kv = kv
-    return trainer
+    return DataParallelTrainer(None, None, workers, reply, version, kv)
 
 
 def _spawn(rank: int, world: int, port: int, build: Callable, args: tuple, threads: int, reply=None) -> tuple:
