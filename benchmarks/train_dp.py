@@ -1,7 +1,8 @@
 """Data-parallel training (`trainer_processes`): the same GRPO steps on one trainer process and on N,
-the machine's cores split between the processes (rollwise/trainer/data_parallel.py).
+the machine's cores split between the processes (rollwise/trainer/data_parallel.py); with `--sft`,
+the SFT warm start's steps instead (`TrainerRanks.sft`: each rank its share of every batch).
 
-    python benchmarks/train_dp.py [--smoke] [--processes 1,2] [--steps 3] [--json PATH]
+    python benchmarks/train_dp.py [--smoke] [--sft] [--processes 1,2] [--steps 3] [--json PATH]
 
 Each configuration trains the same groups (agent-like rows: a prompt shared by a group, then each
 row's own generated tokens) from the same weights, through `make_trainer` as `rollwise train` builds
@@ -27,7 +28,7 @@ import torch  # noqa: E402
 
 from common import engine_model  # noqa: E402  (benchmarks/common.py)
 from rollwise.rl_config import TrainConfig  # noqa: E402
-from rollwise.rl_trainer import make_policy, make_trainer  # noqa: E402
+from rollwise.rl_trainer import TrainerRanks, make_policy, make_trainer  # noqa: E402
 from rollwise.trainer.policy import Batch  # noqa: E402
 from rollwise.types import Trajectory, TurnRecord  # noqa: E402
 
@@ -80,11 +81,33 @@ def run(cfg: TrainConfig, groups: list, steps: int) -> dict:
             "ranks_same_bits": same, "weights": weights}
 
 
+def run_sft(cfg: TrainConfig, groups: list, steps: int) -> dict:
+    """`steps` + 1 SFT steps, each on every row of `groups` (the first: warm-up)."""
+    rows = [t for g in groups for t in g]
+    cfg = dataclasses.replace(cfg, sft_steps=steps + 1, sft_batch=len(rows), sft_lr=1e-4)
+    policy = make_policy(cfg)
+    ranks = TrainerRanks(cfg, policy)
+    try:
+        marks = [time.perf_counter()]
+        losses = ranks.sft(rows, lambda s, loss: marks.append(time.perf_counter()))
+        trainer = ranks.trainer()
+        same = len(set(trainer.fingerprints())) == 1 if cfg.trainer_processes > 1 else True
+    finally:
+        ranks.close()
+    times = [b - a for a, b in zip(marks[1:], marks[2:])]
+    tokens = sum(t.num_generated for t in rows)  # (a batch draws rows with replacement: about this many)
+    return {"processes": cfg.trainer_processes, "threads_each": max(1, cfg.trainer_threads // cfg.trainer_processes),
+            "step_s": statistics.median(times), "runs_step_s": times, "trained_tokens_per_step": tokens,
+            "tokens_per_s": tokens / statistics.median(times), "loss": losses, "ranks_same_bits": same,
+            "weights": torch.cat([p.detach().reshape(-1) for p in policy.model.parameters()])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--processes", default="1,2")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--sft", action="store_true", help="the SFT warm start's steps instead of GRPO's")
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=384)
@@ -98,9 +121,9 @@ def main() -> None:
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
     cores = len(os.sched_getaffinity(0))
     groups = make_groups(model, args.groups, args.group_size, args.prompt, args.gen, vocab, seed=0)
-    print(f"{args.steps} GRPO steps of {args.groups} groups x {args.group_size} rows (prompt {args.prompt}, about "
+    print(f"{args.steps} {'SFT' if args.sft else 'GRPO'} steps of {args.groups} groups x {args.group_size} rows (prompt {args.prompt}, about "
           f"{args.gen} generated tokens each), {cores} cores split between the trainer processes")
-    out: dict = {"model": model, "cores": cores, "configs": {}}
+    out: dict = {"model": model, "cores": cores, "phase": "sft" if args.sft else "grpo", "configs": {}}
     base = None
     print(f"{'processes':>9}{'threads':>8}{'s/step':>9}{'tokens/s':>10}{'vs 1':>7}{'max |w - w1|':>14}"
           f"{'same bits':>10}")
@@ -108,7 +131,7 @@ def main() -> None:
         cfg = TrainConfig.from_dict({"model": model, "run_dir": tmp, "lr": 1e-4, "trainer_threads": cores,
                                      "micro_batch_tokens": 4096})
         for n in [int(x) for x in args.processes.split(",")]:
-            r = run(dataclasses.replace(cfg, trainer_processes=n), groups, args.steps)
+            r = (run_sft if args.sft else run)(dataclasses.replace(cfg, trainer_processes=n), groups, args.steps)
             w = r.pop("weights")
             base = base or (r, w)
             r["speedup"] = base[0]["step_s"] / r["step_s"]

@@ -31,7 +31,7 @@ from rollwise.rollout.pipeline import GroupQueue, read_log
 from rollwise.rollout.producer import PreRolloutFilter, produce
 from rollwise.rollout.report import Status, write_report
 from rollwise.rollout.trackers import Trackers
-from rollwise.rl_trainer import add_lora, make_policy, make_trainer, rank_threads
+from rollwise.rl_trainer import TrainerRanks, make_policy, rank_threads
 from rollwise.types import SamplingParams
 from rollwise.wire import AdapterWeights
 
@@ -99,6 +99,9 @@ def _sft_cache_path(cfg: TrainConfig) -> Path | None:
         parts.append(json.dumps(options, sort_keys=True, default=str))
     if cfg.train_tasks_file:
         parts.append(hashlib.sha256(Path(cfg.train_tasks_file).read_bytes()).hexdigest())
+    default_micro = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "micro_batch_tokens")
+    if cfg.trainer_processes > 1 or cfg.micro_batch_tokens != default_micro:  # (the order of the warm start's sums)
+        parts += ["ranks", cfg.trainer_processes, cfg.micro_batch_tokens]
     key = stable_seed(*parts)
     return Path(cfg.sft_cache) / f"sft-{key:016x}.pt"
 
@@ -119,6 +122,38 @@ def _save_checkpoint(path: Path, trainer, consumed: list[int], history: list[dic
     trainer.save_checkpoint(str(path), {"consumed": consumed, "history": history, **extra})  # (atomic)
 
 
+async def warm_start(cfg: TrainConfig, policy, ranks, tokenizer, sft_tasks: list[dict], report: dict, status):
+    """The SFT warm start on the trainer's ranks (or its cached result), then the trainer on it."""
+    import torch
+    cached = _sft_cache_path(cfg)
+    if cached is not None and cached.exists():
+        policy.model.load_state_dict(torch.load(cached, weights_only=True))  # (ranks.trainer() hands it on)
+        report["sft"] = {"steps": cfg.sft_steps, "cached": str(cached)}
+        status.done(f"SFT warm start: reusing {cached}")
+    elif cfg.sft_steps > 0:
+        if not callable(getattr(env_factory(cfg)(), "expert", None)):
+            raise ValueError(f"env {cfg.env!r} has no expert(task) to warm-start from: set sft_steps = 0")
+        demos = await expert_trajectories(tokenizer, env_factory(cfg, user=False), sft_tasks,
+                                          cfg.sft_direct_fraction, cfg.seed)
+        t0 = time.perf_counter()
+        losses = ranks.sft(demos, lambda s, loss: status.line(f"SFT step {s + 1}/{cfg.sft_steps} loss {loss:.3f}"))
+        report["sft"] = {"steps": cfg.sft_steps, "loss_first": losses[0], "loss_last": losses[-1],
+                         "seconds": time.perf_counter() - t0, "examples": len(demos),
+                         "direct_answers": sum(t.num_turns == 1 for t in demos),
+                         "expert_success": sum(t.reward >= 1.0 for t in demos) / max(1, len(demos)),
+                         "contexts": sum(len(t.sequences()) for t in demos), "ranks": cfg.trainer_processes}
+        status.done(f"SFT: {cfg.sft_steps} steps on {len(demos)} transcripts in {report['sft']['seconds']:.0f}s, "
+                    f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(f".{os.getpid()}.tmp")  # runs sharing the cache may write it at once
+            torch.save(policy.model.state_dict(), tmp)
+            os.replace(tmp, cached)
+    if cfg.lora_rank and cfg.sft_steps > 0:  # the weights the adapter is trained on
+        policy.save(str(Path(cfg.run_dir) / "warm-start-model"))
+    return ranks.trainer()  # the KL reference (if any) is the warm-started model
+
+
 def train(cfg: TrainConfig) -> dict:
     return asyncio.run(_train(cfg))
 
@@ -129,7 +164,6 @@ async def _train(cfg: TrainConfig) -> dict:
     from rollwise.engine.tokenizer import Tokenizer
     from rollwise.engine.model_runner import set_threads
     from rollwise.trainer.advantages import informative
-    from rollwise.trainer.sft import sft
 
     torch.manual_seed(cfg.seed)
     run = Path(cfg.run_dir)
@@ -150,44 +184,22 @@ async def _train(cfg: TrainConfig) -> dict:
         _check_resume(cfg, state)
     status = Status(cfg.progress)
 
-    if state is None:  # a fresh run: SFT warm start, then evaluate it
-        cached = _sft_cache_path(cfg)
-        if cached is not None and cached.exists():
-            policy.model.load_state_dict(torch.load(cached, weights_only=True))
-            report["sft"] = {"steps": cfg.sft_steps, "cached": str(cached)}
-            status.done(f"SFT warm start: reusing {cached}")
-        elif cfg.sft_steps > 0:
-            if not callable(getattr(make_env(), "expert", None)):
-                raise ValueError(f"env {cfg.env!r} has no expert(task) to warm-start from: set sft_steps = 0")
-            demos = await expert_trajectories(tokenizer, env_factory(cfg, user=False), sft_tasks,
-                                              cfg.sft_direct_fraction, cfg.seed)
-            t0 = time.perf_counter()
-            losses = sft(policy, demos, steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch, seed=cfg.seed,
-                         progress=lambda s, loss: status.line(f"SFT step {s + 1}/{cfg.sft_steps} loss {loss:.3f}"))
-            report["sft"] = {"steps": cfg.sft_steps, "loss_first": losses[0], "loss_last": losses[-1],
-                             "seconds": time.perf_counter() - t0, "examples": len(demos),
-                             "direct_answers": sum(t.num_turns == 1 for t in demos),
-                             "expert_success": sum(t.reward >= 1.0 for t in demos) / max(1, len(demos)),
-                             "contexts": sum(len(t.sequences()) for t in demos)}
-            status.done(f"SFT: {cfg.sft_steps} steps on {len(demos)} transcripts in {report['sft']['seconds']:.0f}s, "
-                        f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-            if cached is not None:
-                cached.parent.mkdir(parents=True, exist_ok=True)
-                tmp = cached.with_suffix(f".{os.getpid()}.tmp")  # runs sharing the cache may write it at once
-                torch.save(policy.model.state_dict(), tmp)
-                os.replace(tmp, cached)
-        if cfg.lora_rank and cfg.sft_steps > 0:  # the weights the adapter is trained on
-            policy.save(str(run / "warm-start-model"))
-        add_lora(cfg, policy)
-        trainer = make_trainer(cfg, policy)  # the KL reference (if any) is the warm-started model
+    ranks = TrainerRanks(cfg, policy)  # (the warm start runs on the trainer's ranks too)
+    try:
+        if state is None:
+            trainer = await warm_start(cfg, policy, ranks, tokenizer, sft_tasks, report, status)
+        else:
+            trainer = ranks.trainer()
+            trainer.load_checkpoint(str(ckpt_path), state)  # (other trainer processes load the file)
+    except BaseException:
+        ranks.close()
+        raise
+    if state is None:  # a fresh run: the warm start is evaluated below
         history: list[dict] = []
         consumed: list[int] = []  # groups trained on, by seq
         skipped: list[int] = []  # groups taken and not trained on (dynamic sampling)
         sft_success = None
     else:
-        add_lora(cfg, policy)
-        trainer = make_trainer(cfg, policy)
-        trainer.load_checkpoint(str(ckpt_path), state)  # (other trainer processes load the file)
         history, consumed, skipped = state["history"], state["consumed"], state.get("skipped", [])
         report.update(state.get("report", {}))
         sft_success = state.get("sft_success")
@@ -200,8 +212,7 @@ async def _train(cfg: TrainConfig) -> dict:
         router = make_router(cfg, tokenizer)
     except BaseException:
         trackers.close()
-        if cfg.trainer_processes > 1 or cfg.trainer_apart:
-            trainer.close()
+        ranks.close()
         raise
     try:
         if cfg.deterministic and cfg.replica_urls:  # groups are pinned to versions up to k old
@@ -342,8 +353,7 @@ async def _train(cfg: TrainConfig) -> dict:
         trackers.close()
         await router.close()
         shutdown(router)
-        if cfg.trainer_processes > 1 or cfg.trainer_apart:
-            trainer.close()
+        ranks.close()
     report.update(steps=history, sft_success=sft_success, rl_success=rl_success, eval_tasks=len(eval_tasks),
                   queue=queue.stats, policy_version=trainer.version)
     write_report(run / "report", report)

@@ -118,7 +118,7 @@ class TrainConfig:
     # the trainer's micro-batches: padded tokens (rows x the longest) per forward and backward (verl's
     # ppo_max_token_len_per_gpu); gradient_checkpointing recomputes each decoder layer's activations in the
     # backward instead of keeping them (verl's enable_gradient_checkpointing): a micro-batch's memory is its
-    # layers' inputs, for about a third more compute (SFT, policy and critic)
+    # layers' inputs, for about a third more compute (SFT, policy and critic; the SFT's batches too)
     micro_batch_tokens: int = 8192
     gradient_checkpointing: bool = False
     # the output head over the vocabulary at most this many generated positions at a time, each chunk's

@@ -182,8 +182,9 @@ def test_grad_checkpoint_benchmark_smoke(tmp_path):
     assert res["ratios"]["head_chunks"]["kept_bytes"] < 0.9 and res["settings"]["head_chunk"] == 16
 
 
-def test_train_dp_benchmark_smoke(tmp_path):
-    res = smoke(tmp_path, "benchmarks/train_dp.py", "--model", str(tmp_path / "model"))["configs"]
+@pytest.mark.parametrize("phase", [[], ["--sft"]], ids=["grpo", "sft"])
+def test_train_dp_benchmark_smoke(tmp_path, phase):
+    res = smoke(tmp_path, "benchmarks/train_dp.py", "--model", str(tmp_path / "model"), *phase)["configs"]
     assert set(res) == {"1", "2"} and res["1"]["trained_tokens_per_step"] == res["2"]["trained_tokens_per_step"] > 0
     assert res["2"]["ranks_same_bits"] and res["2"]["max_weight_diff"] < 1e-4 and res["2"]["speedup"] > 0
 

@@ -124,7 +124,7 @@ class DataParallelTrainer:
     however long the rollouts take). Or apart (`trainer` None, `trainer_apart`): every rank is a
     worker, rank 0 the one that trains this process's weights in shared memory (`share_weights`), and
     its results come back up `reply`; the run's process keeps its GIL for the rollouts."""
-    CALLS = ("begin", "add", "finish", "step")
+    CALLS = ("begin", "add", "finish", "step", "sft_begin", "sft_step")
 
     def __init__(self, trainer, comm: Gloo | None, workers: list[tuple], reply=None, version: int = 0,
                  kv=None) -> None:
@@ -180,6 +180,13 @@ class DataParallelTrainer:
             if not proc.is_alive():
                 return proc
         return None
+
+    def become(self, shared: tuple | None = None) -> DataParallelTrainer:
+        """Every rank's trainer on its warm-started policy, in place of its `Rank` (rl_trainer.py)."""
+        def here():
+            self.trainer = self.trainer.become(shared)
+        self._run("become", (shared,), self._reply if self.trainer is None else here)
+        return self
 
     def save_checkpoint(self, path: str, extra: dict) -> None:
         """Rank 0's state (every rank holds the same) and `extra`, written by rank 0."""
@@ -259,7 +266,8 @@ def adopt_weights(model: torch.nn.Module, shared: tuple[dict, list]) -> None:
 
 
 def start(world: int, build: Callable, args: tuple, threads: int) -> tuple[Gloo, list[tuple]]:
-    """Start ranks 1..world-1, each `build(comm, *args)` -> its trainer, then join them as rank 0: the
+    """Start ranks 1..world-1, each `build(comm, *args)` -> its trainer (or a rank that `become`s one:
+    rollwise.rl_trainer.Rank, which warm-starts first), then join them as rank 0: the
     caller builds its own trainer with the returned comm, broadcasts its weights (`comm.broadcast_params`)
     and wraps it in `DataParallelTrainer`. `build` must be a module-level function (spawned processes)."""
     port = free_port()
@@ -311,7 +319,7 @@ def _watch(workers: list[tuple], ready: Callable[[], bool]) -> None:
 
 
 def _worker(rank: int, world: int, port: int, build: Callable, args: tuple, threads: int, pipe, reply=None) -> None:
-    """A worker rank: its trainer, then the run's calls until it sends None or goes away. With
+    """A worker rank: its rank (`build`), then the run's calls until it sends None or goes away. With
     `reply` (rank 0 of a trainer apart) each call's result, or its exception, goes back up it. Ctrl-C
     is the run's process's to handle: it stops the workers (or they find its pipe closed)."""
     import signal
@@ -335,7 +343,10 @@ def _worker(rank: int, world: int, port: int, build: Callable, args: tuple, thre
             break
         name, a = cmd
         try:
-            out = comm.gather(fingerprint(trainer)) if name == "fingerprints" else getattr(trainer, name)(*a)
+            if name == "become":  # (the trainer on the warm-started policy, in place of its rank)
+                trainer, out = trainer.become(*a), None
+            else:
+                out = comm.gather(fingerprint(trainer)) if name == "fingerprints" else getattr(trainer, name)(*a)
             answer = ("ok", out, trainer.version)
         except Exception as e:  # every rank raises it (each sees the same sums); the next call goes on
             answer = ("error", _portable(e), trainer.version)

@@ -222,17 +222,14 @@ def test_a_trainer_apart_takes_the_steps_and_this_process_reads_its_weights(mode
     trainer's bits; with LoRA, the adapters, and the merged weights the replicas get; PPO's critic
     trains there too, checkpointed with it); its errors come back with their type and the worker's
     traceback; checkpoints are written and read by the ranks themselves."""
-    from rollwise.rl_trainer import add_lora
     cfg = TrainConfig.from_dict({"model": model_dir, "run_dir": str(tmp_path), "lr": 1e-3, "seed": 3,
                                  "trainer_threads": 2, "trainer_processes": processes, "trainer_apart": True,
                                  "micro_batch_tokens": 64, **options})
     groups = _groups(model_dir, 4, 4, seed=2)
     mine = make_policy(cfg)
-    add_lora(cfg, mine)
     one = make_trainer(dataclasses.replace(cfg, trainer_processes=1, trainer_apart=False), mine)
     policy = make_policy(cfg)
-    add_lora(cfg, policy)
-    apart = make_trainer(cfg, policy)
+    apart = make_trainer(cfg, policy)  # (LoRA added to this process's policy, and shared with rank 0)
     apart_view = SimpleNamespace(policy=policy)  # (this process's policy, as `_weights` reads a trainer's)
     try:
         assert apart.trainer is None and len(apart.workers) == processes and apart.version == 0
@@ -268,3 +265,48 @@ def test_a_trainer_apart_takes_the_steps_and_this_process_reads_its_weights(mode
     finally:
         apart.close()
     assert not any(proc.is_alive() for proc, _ in apart.workers)
+
+
+@pytest.mark.parametrize("processes,apart", [(2, False), (1, True), (2, True)], ids=["two_ranks", "apart", "apart_two"])
+def test_the_warm_start_runs_on_the_trainer_ranks(model_dir, tmp_path, processes, apart):
+    """SFT on the trainer's ranks (`TrainerRanks.sft`): each rank trains its share of every batch
+    (a batch of 3 rows on 2 ranks: 2 and 1), the summed gradients take the one-process step (losses
+    and weights within 1e-4; one process apart: bit for bit), every rank ends on the same bits, and
+    the trainer is then built on the warm-started weights on every rank, LoRA added after it (apart:
+    the adapters shared with rank 0, so the merged weights read here are the trained ones)."""
+    import asyncio
+
+    from rollwise.engine.tokenizer import Tokenizer
+    from rollwise.rl import expert_trajectories
+    from rollwise.rl_trainer import TrainerRanks
+    env = CalculatorEnv()
+    demos = asyncio.run(expert_trajectories(Tokenizer(model_dir), CalculatorEnv, env.sample_tasks(6, seed=0)))
+    cfg = TrainConfig.from_dict({"model": model_dir, "run_dir": str(tmp_path), "lr": 1e-3, "seed": 3,
+                                 "trainer_threads": 2, "trainer_processes": processes, "trainer_apart": apart,
+                                 "sft_steps": 4, "sft_batch": 3, "sft_lr": 3e-3, "lora_rank": 4,
+                                 "micro_batch_tokens": 256, "logprob_tolerance": 1.0})  # (groups: the base model's)
+    alone = make_policy(cfg)  # (one process, through its rank: the SFT's threads set as apart)
+    want = TrainerRanks(dataclasses.replace(cfg, trainer_processes=1, trainer_apart=False), alone).sft(demos)
+    policy = make_policy(cfg)
+    before = torch.cat([p.detach().reshape(-1).clone() for p in policy.model.parameters()])
+    ranks = TrainerRanks(cfg, policy)
+    try:
+        seen = []
+        got = ranks.sft(demos, lambda s, loss: seen.append(s))
+        assert seen == [0, 1, 2, 3] and got == pytest.approx(want, rel=1e-4)
+        if processes == 1:
+            assert got == want
+        here = torch.cat([p.detach().reshape(-1) for p in policy.model.parameters()])  # (apart: rank 0's)
+        ref = torch.cat([p.detach().reshape(-1) for p in alone.model.parameters()])
+        assert (here - before).abs().max() > 5e-4  # (warm-up: the first steps are small)
+        assert (here - ref).abs().max() <= (0 if processes == 1 else 1e-4)
+        trainer = ranks.trainer()
+        assert policy.lora is not None and trainer.version == 0
+        assert len(set(trainer.fingerprints())) == 1  # every rank on the same warm-started bits
+        groups = _groups(model_dir, 2, 4, seed=2)
+        assert trainer.step(groups)["trained_tokens"] > 0
+        merged = policy.engine_weights(changed_only=True)  # (apart: read here, trained there)
+        base = {k: v for k, v in alone.model.state_dict().items()}
+        assert max(float((merged[k] - base[k]).abs().max()) for k in merged) > 0
+    finally:
+        ranks.close()

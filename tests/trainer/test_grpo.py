@@ -115,6 +115,28 @@ def test_sft_on_expert_transcripts_lowers_the_loss(model_dir):
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
 
 
+def test_sft_in_micro_batches_takes_the_whole_batch_step(model_dir):
+    """`micro_batch_tokens`: a batch too big for one forward runs in parts, gradients accumulated
+    (the same loss and weights up to the order of the sums); a batch that fits runs whole, as before."""
+    tok = Tokenizer(model_dir)
+    env = make_env("calculator")
+    demos = asyncio.run(expert_trajectories(tok, lambda: make_env("calculator"), env.sample_tasks(8, seed=1)))
+    longest = max(len(t.token_ids) for t in demos)
+    runs, forwards = {}, {}
+    for micro in (None, 2 * longest, 100 * longest):  # whole; parts of at most 2 rows; fits: whole
+        policy = PolicyModel(model_dir)
+        rows = forwards[micro] = []
+        forward = policy.logprobs
+        policy.logprobs = lambda b, *a, **kw: rows.append(b.input_ids.shape[0]) or forward(b, *a, **kw)
+        runs[micro] = (sft(policy, demos, steps=3, lr=3e-3, batch_size=6, micro_batch_tokens=micro),
+                       torch.cat([p.detach().reshape(-1) for p in policy.model.parameters()]))
+    (whole, w), (parts, wp), (fits, wf) = runs.values()
+    assert forwards[None] == forwards[100 * longest] == [6, 6, 6]
+    assert len(forwards[2 * longest]) >= 9 and max(forwards[2 * longest]) <= 2 and sum(forwards[2 * longest]) == 18
+    assert parts == pytest.approx(whole, rel=1e-5) and (wp - w).abs().max() < 1e-5
+    assert fits == whole and torch.equal(wf, w)
+
+
 def test_shared_prefix_forward_is_exact(model_dir):
     """Running the batch's common prompt once (KV shared) gives the same logprobs and gradients."""
     tok = Tokenizer(model_dir)
