@@ -174,7 +174,7 @@ async def _train(cfg: TrainConfig) -> dict:
     train_tasks, sft_tasks, eval_tasks = task_sets(cfg, n_train_tasks(cfg))
     if not train_tasks:
         raise ValueError(f"env {cfg.env!r} has no sample_tasks(n, seed): set train_tasks_file")
-    policy = make_policy(cfg)
+    policy = make_policy(cfg, trains=not cfg.trainer_apart)
     if cfg.routing_replay != "off" and not getattr(policy.model.config, "num_experts", 0):
         raise ValueError(f"routing_replay = {cfg.routing_replay!r} needs a model with experts (qwen3_moe); "
                          f"{cfg.model} is {policy.model.config.model_type}")

@@ -6,15 +6,17 @@ from rollwise.rl_config import TrainConfig
 from rollwise.rollout.fleet import cores, threads
 
 
-def make_policy(cfg: TrainConfig):
-    """The policy as the run loads it, before its warm start."""
+def make_policy(cfg: TrainConfig, trains: bool = True, load: bool = True):
+    """The policy as the run loads it, before its warm start. `trains` False: the run's process of a
+    trainer apart, which reads the weights and computes no logprobs (no engine model for exact ones).
+    `load` False: without its weights, which a worker rank takes from rank 0."""
     from rollwise.trainer.policy import PolicyModel
-    policy = PolicyModel(cfg.model, seed=cfg.seed)
+    policy = PolicyModel(cfg.model, seed=cfg.seed, load=load)
     policy.routing = cfg.routing_replay
     policy.head_chunk = cfg.logit_chunk_tokens
     if cfg.gradient_checkpointing:
         policy.enable_checkpointing()
-    if cfg.true_on_policy:
+    if cfg.true_on_policy and trains:
         policy.enable_exact(adapter=cfg.lora_sync == "adapter")
     return policy
 
@@ -38,7 +40,7 @@ class TrainerRanks:
         self.cfg, self.policy, self.apart = cfg, policy, cfg.trainer_apart
         if cfg.trainer_apart:  # every rank a process of its own; rank 0 trains these weights in place
             shared = share_weights(policy.model)
-            policy.exact = None  # (its values are the trainer's to compute)
+            policy.exact = None  # (its values are the trainer's to compute: `make_policy(cfg, trains=False)`)
             self.ranks = start_apart(cfg.trainer_processes, trainer_rank, (cfg,), rank_threads(cfg), shared)
         elif cfg.trainer_processes > 1:
             comm, workers = start(cfg.trainer_processes, trainer_rank, (cfg,), rank_threads(cfg))
@@ -113,10 +115,10 @@ class Rank:
 
 
 def trainer_rank(comm, cfg: TrainConfig, shared: tuple | None = None) -> Rank:
-    """A worker rank: the policy loaded as rank 0's was, then rank 0's weights (`shared`: this is
-    rank 0 of a trainer apart, and they are the run's, in shared memory)."""
+    """A worker rank: the policy built as rank 0's was, then rank 0's weights (`shared`: this is rank
+    0 of a trainer apart, and they are the run's, in shared memory; else broadcast by rank 0)."""
     from rollwise.trainer.data_parallel import adopt_weights
-    policy = make_policy(cfg)
+    policy = make_policy(cfg, load=False)  # (not read from disk again: rank 0's weights come next)
     if shared is not None:
         adopt_weights(policy.model, shared)
     return Rank(comm, cfg, policy)

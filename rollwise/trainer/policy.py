@@ -76,13 +76,21 @@ ROUTING_MODES = ("off", "record", "replay")
 
 
 class PolicyModel:
-    def __init__(self, model_dir: str, *, seed: int = 0, threads: int | None = None) -> None:
-        from transformers import AutoModelForCausalLM
+    def __init__(self, model_dir: str, *, seed: int = 0, threads: int | None = None, load: bool = True) -> None:
+        """`load` False: the model built without its weights (uninitialized memory), for a trainer rank
+        that takes another's next (data_parallel.py: adopted from shared memory, or broadcast)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.initialization import no_init_weights
         torch.manual_seed(seed)
         if threads:
             torch.set_num_threads(threads)
         self.model_dir = model_dir
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if load:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        else:
+            with no_init_weights():
+                self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+            self.model.tie_weights()  # (as loading does: a tied head is the embedding)
         self.model.config.use_cache = False
         self.model.train()
         self.lora = None  # peft's LoraConfig once `add_lora` has run
