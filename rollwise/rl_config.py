@@ -62,6 +62,7 @@ class TrainConfig:
     is_low: float = 0.0
     is_veto: float = 0.0
     kl_coef: float = 0.0
+    kl_loss_type: str = "k3"  # k1, k2, k3, abs, or k1+ / k3+ / abs+: that value, k2's gradient (verl's names too)
     # KL in the reward (verl's use_kl_in_reward): each generated token's reward less beta x its KL to the
     # reference (k1); beta starts at reward_kl_coef (0: off) and, with reward_kl_target > 0, adapts toward
     # that per-token KL over reward_kl_horizon episodes, else stays (rollwise/trainer/kl_reward.py)

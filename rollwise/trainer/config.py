@@ -34,6 +34,7 @@ class GRPOConfig:
     is_low: float = 0.0  # "mask": the lower bound of the kept ratios
     is_veto: float = 0.0  # > 0: a sequence with a token ratio under it carries no loss
     kl_coef: float = 0.0
+    kl_loss_type: str = "k3"  # the KL loss's estimator (losses.py KL_ESTIMATORS; verl's kl_loss_type)
     # KL in the reward (kl_reward.py; verl's use_kl_in_reward): each generated token's reward less beta x its
     # k1 KL to the reference; beta starts at reward_kl_coef (0: off), adapted toward a per-token KL of
     # reward_kl_target when > 0 (horizon reward_kl_horizon episodes), else fixed
@@ -93,7 +94,8 @@ class GRPOConfig:
 
     def check(self) -> None:
         """A ValueError naming the first setting out of range (and the valid ones, where they are a list)."""
-        check_loss(self.loss_agg, self.loss_scale_tokens, self.dual_clip, self.epochs, self.mini_batches)
+        check_loss(self.loss_agg, self.loss_scale_tokens, self.dual_clip, self.epochs, self.mini_batches,
+                   self.kl_loss_type)
         check_schedule(self.lr_schedule, self.lr_warmup_steps, self.min_lr_ratio)
         if self.policy_loss not in POLICY_LOSSES:
             raise ValueError(f"unknown policy_loss {self.policy_loss!r}; valid: {list(POLICY_LOSSES)}")

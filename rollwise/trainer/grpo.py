@@ -55,7 +55,7 @@ from rollwise.trainer.shaping import Overlong, penalties, rewarded
 from rollwise.trainer.snapshots import Snapshots
 from rollwise.trainer.correction import is_weights
 from rollwise.trainer.logprob_check import LogprobMismatch, check, compare, merge
-from rollwise.trainer.losses import SplitGradients, aggregate, part_size, split, token_losses
+from rollwise.trainer.losses import SplitGradients, aggregate, kl_estimate, part_size, split, token_losses
 from rollwise.trainer.policy import Batch, PolicyModel, micro_batches
 from rollwise.trainer.schedule import lr_factor
 from rollwise.trainer.stats import episode_stats
@@ -340,11 +340,11 @@ class GRPOTrainer:
             draw = torch.Generator().manual_seed(seed)
         pg, ratio = token_losses(cfg.policy_loss, lp, prox, A, w, b.mask, cfg.clip_range, cfg.dual_clip, cov, draw)
         extra = None  # the loss's terms that do not depend on the advantage
-        if cfg.kl_coef > 0:
-            d = b.ref_logprobs - lp  # (the first pass put them there)
-            kl = torch.exp(d) - d - 1
+        if cfg.kl_coef > 0:  # (the reference's logprobs: the first pass put them there)
+            kl = kl_estimate(lp, b.ref_logprobs, cfg.kl_loss_type)
             extra = cfg.kl_coef * kl
-            stats[2] += float((kl.detach() * b.mask).sum())
+            k3 = kl if cfg.kl_loss_type in ("k3", "low_var_kl") else kl_estimate(lp.detach(), b.ref_logprobs)
+            stats[2] += float((k3.detach() * b.mask).sum())  # (the metric: k3's, whichever the loss takes)
         if cfg.entropy_coef and ent is not None:
             extra = -cfg.entropy_coef * ent if extra is None else extra - cfg.entropy_coef * ent
 

@@ -26,10 +26,41 @@ import torch
 
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "clip_cov", "kl_cov")
 LOSS_AGGS = ("token", "sequence", "constant")
+# the KL loss's estimator per token (Schulman's k1, k2, k3; verl's kl_loss_type, its names too), "+": the
+# estimator's value with k2's gradient, the KL's gradient in expectation (a straight-through estimator)
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+", "abs+")
+KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
 
-def check(agg: str, scale_tokens: int, dual_clip: float = 0.0, epochs: int = 1, mini_batches: int = 1) -> None:
+def kl_estimate(lp: torch.Tensor, ref: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Each token's estimate of KL(policy || reference) from its logprob under each (sampled from the
+    policy): k1 = lp - ref; k2 = (lp - ref)^2 / 2; k3 = e^(ref - lp) - (ref - lp) - 1, non-negative and of
+    low variance (its log-ratio held to +-20 and its value to 10, as verl does); abs = |lp - ref|."""
+    kind = KL_ALIASES.get(kind, kind)
+    d = lp - ref
+    base = kind.rstrip("+")
+    if base == "k1":
+        out = d
+    elif base == "abs":
+        out = d.abs()
+    elif base == "k2":
+        out = 0.5 * d.square()
+    elif base == "k3":
+        r = (-d).clamp(-20, 20)
+        out = (torch.exp(r) - r - 1).clamp(max=10)
+    else:
+        check("token", 1, kl_loss_type=kind)  # (raises)
+    if kind.endswith("+"):
+        k2 = 0.5 * d.square()
+        out = k2 - k2.detach() + out.detach()
+    return out
+
+
+def check(agg: str, scale_tokens: int, dual_clip: float = 0.0, epochs: int = 1, mini_batches: int = 1,
+          kl_loss_type: str = "k3") -> None:
     """A ValueError naming the loss setting that is out of range."""
+    if KL_ALIASES.get(kl_loss_type, kl_loss_type) not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_loss_type {kl_loss_type!r}; valid: {list(KL_ESTIMATORS) + list(KL_ALIASES)}")
     if agg not in LOSS_AGGS:
         raise ValueError(f"unknown loss_agg {agg!r}; valid: {list(LOSS_AGGS)}")
     if agg == "constant" and scale_tokens < 1:

@@ -620,3 +620,47 @@ def test_covariance_losses_train_and_repeat(model_dir, policy_loss):
         runs.append(policy.model.state_dict())
     assert any(not torch.equal(before[k], runs[0][k]) for k in before)
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
+def test_kl_estimators_follow_their_formulas_and_the_plus_ones_take_k2s_gradient():
+    from rollwise.trainer.losses import kl_estimate
+    lp = torch.tensor([-1.0, -2.5, -0.1, -30.0], requires_grad=True)
+    ref = torch.tensor([-1.5, -2.0, -0.1, -1.0])
+    d = (lp - ref).detach()
+    want = {"k1": d, "k2": 0.5 * d**2, "abs": d.abs(),
+            "k3": torch.minimum(torch.exp(-d.clamp(-20, 20)) + d.clamp(-20, 20) - 1, torch.tensor(10.0))}
+    assert want["k3"][3] == 10  # (held at 10, as verl's low_var_kl: e^29 otherwise)
+    for kind, value in want.items():
+        assert torch.allclose(kl_estimate(lp, ref, kind), value)
+    for alias, kind in {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}.items():
+        assert torch.equal(kl_estimate(lp, ref, alias), kl_estimate(lp, ref, kind))
+    k2_grad = torch.autograd.grad(kl_estimate(lp, ref, "k2").sum(), lp)[0]
+    for kind in ("k1+", "k3+", "abs+"):  # the estimator's value, k2's gradient (the KL's, in expectation)
+        out = kl_estimate(lp, ref, kind)
+        assert torch.allclose(out, want[kind[:-1]])
+        assert torch.allclose(torch.autograd.grad(out.sum(), lp)[0], k2_grad)
+    with pytest.raises(ValueError, match=r"unknown kl_loss_type 'k4'; valid: \['k1', 'k2', 'k3'"):
+        kl_estimate(lp, ref, "k4")
+    with pytest.raises(ValueError, match="unknown kl_loss_type 'k4'"):
+        TrainConfig.from_dict({"model": "m", "kl_loss_type": "k4"})
+
+
+def test_the_kl_loss_type_chooses_the_gradient(model_dir):
+    """At the reference (step 1) k2's and k3's gradients are zero and k1's is not; once the policy
+    moved (step 2) the "+" estimators take k2's gradient, and k3 its own. The step metric `kl` is
+    k3's whichever the loss takes."""
+    trajs = _sampled(model_dir, 4, seed=5)
+    for t in trajs:
+        t.reward = float(t.trajectory_id.endswith(("0", "1")))
+    norms, kls = {}, {}
+    for kind in ("k1", "k2", "k3", "k1+", "k3+"):
+        trainer = GRPOTrainer(PolicyModel(model_dir), GRPOConfig(lr=1e-2, kl_coef=1.0, kl_loss_type=kind))
+        ms = [trainer.step([trajs]) for _ in range(2)]
+        norms[kind], kls[kind] = [m["grad_norm"] for m in ms], ms[1]["kl"]
+    for kind in ("k3", "k1+", "k3+"):
+        assert norms[kind][0] == pytest.approx(norms["k2"][0], rel=1e-6)
+    assert abs(norms["k1"][0] - norms["k2"][0]) > 1e-3 * norms["k2"][0]
+    for kind in ("k1+", "k3+"):
+        assert norms[kind][1] == pytest.approx(norms["k2"][1], rel=1e-5)
+        assert kls[kind] == pytest.approx(kls["k2"], rel=1e-5) and kls[kind] > 0
+    assert abs(norms["k3"][1] - norms["k2"][1]) > 0.1 * norms["k2"][1]  # (lr 1e-2: far off the reference)
