@@ -95,6 +95,7 @@ class TrainConfig:
     # otherwise (step metric routing_mismatch); "off". HTTP replicas need --enable-return-routed-experts
     routing_replay: str = "off"
     # "grpo" (group mean and std), "dr_grpo" (group mean only), "rloo" (the mean of the group's others),
+    # "opo" (the mean weighted by generated tokens), "grpo_passk" (the best episode alone, over the second),
     # "gigpo" (grpo's plus, per turn, step_advantage_weight x its gamma-discounted return against those of
     # the group's turns from the same state: what the model read before them; rollwise/trainer/advantages.py)
     # "gae" (PPO's: a critic, the policy's decoder and a value head, and GAE per generated token with

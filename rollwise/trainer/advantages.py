@@ -4,8 +4,13 @@ per-token ones whitened over the batch (PPO's GAE, REINFORCE++) are in critic.py
 "grpo": each group's rewards minus the group mean, divided by the group's std; "dr_grpo": not
 divided (Dr. GRPO: the std favours groups that are nearly all right or all wrong); "rloo": each reward
 minus the mean of the group's others (REINFORCE leave-one-out, an unbiased baseline: n / (n - 1)
-times dr_grpo's). The same for every generated token of a trajectory (of each of its token sequences,
-when the episode ran in several contexts: `Trajectory.earlier`).
+times dr_grpo's); "opo" (OPO, Hao et al. 2025, verl's): each reward minus the group's mean weighted by
+the episodes' generated tokens, the baseline that minimises the gradient's variance for exact
+on-policy training; "grpo_passk" (Pass@k training, Chen et al. 2025, verl's): only the group's best
+episode (the first, on a tie) gets an advantage, its reward minus the second best's, over the group's
+std, so a group is credited for solving the task once rather than on average. The same for every
+generated token of a trajectory (of each of its token sequences, when the episode ran in several
+contexts: `Trajectory.earlier`).
 
 "gigpo" (GiGPO, Feng et al. 2025, "Group-in-Group Policy Optimization for LLM Agent Training"): the
 episode's grpo advantage plus `step_weight` times a step advantage per turn. The turns of a group's
@@ -36,7 +41,7 @@ GIGPO_MODES = ("mean_std_norm", "mean_norm")
 
 # "gae" (PPO's, from a critic) and REINFORCE++'s: per token, whitened over the batch (critic.py)
 WHITENED = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-EPISODE_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gigpo")  # those computed here, from the group's rewards
+EPISODE_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gigpo", "opo", "grpo_passk")  # computed here, from rewards
 ADVANTAGES = EPISODE_ADVANTAGES + WHITENED
 NO_GROUP = ("gae", "reinforce_plus_plus")  # need no group (a group of one trains; every group teaches)
 
@@ -62,6 +67,14 @@ def advantages(groups: list[list[Trajectory]], estimator: str = "grpo") -> list[
             a = a / (r.std() + 1e-6)
         elif len(g) > 1 and estimator == "rloo":
             a = a * len(g) / (len(g) - 1)
+        elif estimator == "opo":
+            n = torch.tensor([t.num_generated for t in g], dtype=torch.float64)
+            a = r - (n * r).sum() / n.sum().clamp(min=1)
+        elif estimator == "grpo_passk":
+            a = torch.zeros_like(r)
+            if len(g) > 1:
+                best = int(r.argmax())
+                a[best] = (r[best] - torch.cat([r[:best], r[best + 1:]]).max()) / (r.std() + 1e-6)
         out.extend(a.tolist())
     return out
 

@@ -47,7 +47,18 @@ def test_advantages_are_group_relative():
     rewards = [0.5, 0.0, 1.0, 0.25, 1.0]  # RLOO: each reward minus the mean of the others
     loo = [r - (sum(rewards) - r) / (len(rewards) - 1) for r in rewards]
     assert advantages([[t(r) for r in rewards], [t(3)]], "rloo") == pytest.approx(loo + [0.0])
-    with pytest.raises(ValueError, match="valid.*grpo.*dr_grpo.*rloo"):
+    # OPO: each reward minus the group's mean weighted by the episodes' generated tokens
+    def sized(r, n):
+        return Trajectory(trajectory_id="x", group_id="g", task={}, reward=r, loss_mask=[0] + [1] * n)
+    group, sizes = [sized(1.0, 10), sized(0.0, 30), sized(1.0, 20), sized(0.5, 40)], [10, 30, 20, 40]
+    base = sum(n * s.reward for n, s in zip(sizes, group)) / sum(sizes)  # 0.5: not the plain mean, 0.625
+    assert advantages([group], "opo") == pytest.approx([s.reward - base for s in group])
+    # Pass@k: the best episode alone, its reward over the second best's, divided by the group's std
+    assert advantages([[t(0.2), t(0.9), t(0.5), t(0.9)]], "grpo_passk") == [0.0] * 4  # (a tie: none better)
+    assert advantages([[t(0.2), t(0.9), t(0.5), t(0.7)]], "grpo_passk") == pytest.approx(
+        [0.0, 0.2 / torch.tensor([0.2, 0.9, 0.5, 0.7]).std().item(), 0.0, 0.0], rel=1e-5)  # (std + 1e-6)
+    assert advantages([[t(1.0)]], "grpo_passk") == [0.0]
+    with pytest.raises(ValueError, match="valid.*grpo.*dr_grpo.*rloo.*opo.*grpo_passk"):
         advantages([[t(1)]], "ppo")
     with pytest.raises(ValueError, match="unknown advantage"):
         TrainConfig.from_dict({"model": "m", "advantage": "vtrace"})
@@ -220,7 +231,8 @@ def test_recomputed_behaviour_of_stale_samples_uses_the_weights_that_generated_t
 @pytest.mark.parametrize("cfg", [dict(), dict(loss_agg="sequence"), dict(epochs=2, kl_coef=0.1, micro_batch_tokens=30),
                                  dict(behaviour="recompute", keep_versions=1),
                                  dict(epochs=2, policy_loss="gspo", loss_agg="sequence", clip=3e-4, clip_high=4e-4),
-                                 dict(epochs=2, policy_loss="cispo", clip_high=5.0)])
+                                 dict(epochs=2, policy_loss="cispo", clip_high=5.0),
+                                 dict(advantage="opo"), dict(advantage="grpo_passk", kl_coef=0.1, kl_loss_type="k3+")])
 def test_a_streamed_step_equals_the_whole_batch_step(model_dir, cfg):
     """Groups added as they arrive (in any order, any number at a time) give the step the whole
     batch gives: the same metrics, and the same weights up to float summation order (AdamW's
@@ -238,7 +250,8 @@ def test_a_streamed_step_equals_the_whole_batch_step(model_dir, cfg):
             b.add(chunk)
         mb = b.finish()
         assert a.version == b.version
-        assert ma.keys() == mb.keys() and ma["trained_trajectories"] == mb["trained_trajectories"] == 8
+        trained = 4 if cfg.get("advantage") == "grpo_passk" else 8  # (passk: the best of each pair alone)
+        assert ma.keys() == mb.keys() and ma["trained_trajectories"] == mb["trained_trajectories"] == trained
         for k in ma:
             assert mb[k] == pytest.approx(ma[k], rel=1e-4, abs=1e-6, nan_ok=True), k
         assert all(torch.allclose(x, y, atol=1e-4) for x, y in zip(_weights(whole), _weights(streamed)))
