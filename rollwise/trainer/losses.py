@@ -13,7 +13,13 @@ drawn at random among those whose covariance term lies in [`clip_cov_lb`, `clip_
 the unclipped policy gradient and adds `kl_cov_coef` x |logprob - proximal logprob| at the tokens of
 largest covariance (zero, with a zero gradient, where the ratio is 1: it acts with epochs or
 mini-batches > 1, or stale samples). Each token's covariance term is (A - mean A) (logprob - mean
-logprob) over the micro-batch's generated tokens. `w`: the importance weights proximal / behaviour (correction.py).
+logprob) over the micro-batch's generated tokens. "gmpo" (GMPO, Zhao et al. 2025; verl's geo_mean): the
+sequence's loss is -A x the geometric mean of its token ratios (GSPO's sequence ratio, where GRPO
+takes their arithmetic mean), but each token's log-ratio is clipped before the mean, to [log(1 - clip),
+log(1 + clip_high)] in the direction its advantage pushes (a clipped token carries no gradient), not
+the sequence's ratio after it; the paper's range is wider, e.g. clip = clip_high = 0.4. In token form
+(each token the sequence's value, its own gradient): loss_agg = "sequence" gives the paper's mean over
+sequences. `w`: the importance weights proximal / behaviour (correction.py).
 
 `loss_agg`: "token", the mean over the batch's generated tokens; "sequence", each trajectory's mean,
 then theirs; "constant", each trajectory's token sum over a fixed count, then the mean (Dr. GRPO's,
@@ -22,9 +28,11 @@ per token than a short one).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "clip_cov", "kl_cov")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "clip_cov", "kl_cov", "gmpo")
 LOSS_AGGS = ("token", "sequence", "constant")
 # the KL loss's estimator per token (Schulman's k1, k2, k3; verl's kl_loss_type, its names too), "+": the
 # estimator's value with k2's gradient, the KL's gradient in expectation (a straight-through estimator)
@@ -88,6 +96,11 @@ def token_losses(kind: str, lp: torch.Tensor, prox: torch.Tensor, A: torch.Tenso
         ratio = torch.exp(lp - prox)
     if kind == "cispo":
         return -ratio.detach().clamp(lo, hi) * A * lp * w, ratio
+    if kind == "gmpo":  # the geometric mean of token ratios, each first clipped (in log space) against its A's sign
+        d, s = lp - prox, torch.sign(A)
+        held = s * torch.minimum(s * d, s * d.clamp(math.log(lo), math.log(hi)))
+        seq = torch.exp((held * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1))
+        return -seq.detach() * torch.exp(held - held.detach()) * A * w, ratio
     pg = -torch.minimum(ratio * A, ratio.clamp(lo, hi) * A)
     if dual_clip and kind == "ppo":  # a negative advantage's loss at most dual_clip x |A|
         pg = torch.where(A < 0, torch.minimum(pg, -A * dual_clip), pg)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -232,7 +233,8 @@ def test_recomputed_behaviour_of_stale_samples_uses_the_weights_that_generated_t
                                  dict(behaviour="recompute", keep_versions=1),
                                  dict(epochs=2, policy_loss="gspo", loss_agg="sequence", clip=3e-4, clip_high=4e-4),
                                  dict(epochs=2, policy_loss="cispo", clip_high=5.0),
-                                 dict(advantage="opo"), dict(advantage="grpo_passk", kl_coef=0.1, kl_loss_type="k3+")])
+                                 dict(advantage="opo"), dict(advantage="grpo_passk", kl_coef=0.1, kl_loss_type="k3+"),
+                                 dict(epochs=2, policy_loss="gmpo", loss_agg="sequence", clip=0.4, clip_high=0.4)])
 def test_a_streamed_step_equals_the_whole_batch_step(model_dir, cfg):
     """Groups added as they arrive (in any order, any number at a time) give the step the whole
     batch gives: the same metrics, and the same weights up to float summation order (AdamW's
@@ -540,11 +542,12 @@ def test_dual_clip_bounds_a_negative_advantages_loss(model_dir):
         GRPOTrainer(PolicyModel(model_dir), GRPOConfig(dual_clip=0.5))
 
 
-@pytest.mark.parametrize("policy_loss", ["ppo", "gspo", "cispo"])
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo", "cispo", "gmpo"])
 def test_policy_losses_against_their_formulas(model_dir, policy_loss):
     """Each loss on made-up logprobs, its value and gradient against the formula written out:
     PPO clips each token's ratio, GSPO the sequence's geometric mean (each token's gradient the
-    sequence ratio times its own), CISPO weights each token's logprob by its clipped, stopped ratio."""
+    sequence ratio times its own), CISPO weights each token's logprob by its clipped, stopped ratio,
+    GMPO takes the geometric mean of token ratios each clipped in log space against its advantage."""
     torch.manual_seed(0)
     mask = torch.tensor([[0.0, 1, 1, 1], [0, 0, 1, 1]])
     prox = -torch.rand(2, 4) * 2
@@ -568,13 +571,21 @@ def test_policy_losses_against_their_formulas(model_dir, policy_loss):
     c = r.clamp(0.9, 1.15)
     if policy_loss == "cispo":  # -sg(clip(r)) A w logp
         grad, value = -c * A * w, -c * A * w * lp0
+    elif policy_loss == "gmpo":  # row 0 (A > 0): log-ratios over log 1.15 held there; row 1 (A < 0): under log 0.9
+        d = lp0 - prox
+        kept = torch.tensor([[True, False, True, True], [True, True, True, False]])  # (0.3 > 0.14, -0.4 < -0.105)
+        held = torch.where(kept, d, torch.tensor([[0.0, math.log(1.15), 0, 0], [0, 0, 0, math.log(0.9)]]))
+        seq = torch.exp((held * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True))
+        grad, value = -seq * A * w * kept, -seq * A * w
     else:  # -min(r A, clip(r) A) w: the gradient flows where the unclipped term is the min
         grad, value = -(r * A) * (r * A <= c * A).float() * w, -torch.minimum(r * A, c * A) * w
     assert torch.allclose(lp.grad, grad * mask / 5.0, atol=1e-6)
     assert float(stats[0]) == pytest.approx(float((value * mask).sum() / 5.0), abs=1e-6)
-    if policy_loss != "cispo":  # row 1 moved outside the range against its advantage: clipped, no gradient
+    if policy_loss in ("ppo", "gspo"):  # row 1 moved outside the range against its advantage: clipped, no gradient
         assert (lp.grad[1] == 0).all() == (policy_loss == "gspo") and (lp.grad[0] != 0).any()
-    with pytest.raises(ValueError, match="valid: \\['ppo', 'gspo', 'cispo', 'clip_cov', 'kl_cov'\\]"):
+    if policy_loss == "gmpo":  # the clipped tokens alone carry no gradient
+        assert lp.grad[0, 1] == 0 and lp.grad[1, 3] == 0 and (lp.grad[0, 2:] != 0).all() and lp.grad[1, 2] != 0
+    with pytest.raises(ValueError, match="valid: \\['ppo', 'gspo', 'cispo', 'clip_cov', 'kl_cov', 'gmpo'\\]"):
         GRPOTrainer(PolicyModel(model_dir), GRPOConfig(policy_loss="dpo"))
 
 
