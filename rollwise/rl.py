@@ -99,6 +99,8 @@ def _sft_cache_path(cfg: TrainConfig) -> Path | None:
         parts.append(json.dumps(options, sort_keys=True, default=str))
     if cfg.train_tasks_file:
         parts.append(hashlib.sha256(Path(cfg.train_tasks_file).read_bytes()).hexdigest())
+    if cfg.sft_file:
+        parts += ["sft_file", hashlib.sha256(Path(cfg.sft_file).read_bytes()).hexdigest()]
     default_micro = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "micro_batch_tokens")
     if cfg.trainer_processes > 1 or cfg.micro_batch_tokens != default_micro:  # (the order of the warm start's sums)
         parts += ["ranks", cfg.trainer_processes, cfg.micro_batch_tokens]
@@ -131,10 +133,16 @@ async def warm_start(cfg: TrainConfig, policy, ranks, tokenizer, sft_tasks: list
         report["sft"] = {"steps": cfg.sft_steps, "cached": str(cached)}
         status.done(f"SFT warm start: reusing {cached}")
     elif cfg.sft_steps > 0:
-        if not callable(getattr(env_factory(cfg)(), "expert", None)):
-            raise ValueError(f"env {cfg.env!r} has no expert(task) to warm-start from: set sft_steps = 0")
-        demos = await expert_trajectories(tokenizer, env_factory(cfg, user=False), sft_tasks,
-                                          cfg.sft_direct_fraction, cfg.seed)
+        env = env_factory(cfg)()
+        if cfg.sft_file:  # a teacher's conversations, tokenized as episodes are
+            from rollwise.trainer.sft_data import transcripts
+            limit = json.loads((Path(cfg.model) / "config.json").read_text()).get("max_position_embeddings")
+            demos = transcripts(cfg.sft_file, tokenizer, getattr(env, "parser", "hermes"), limit)
+        elif not callable(getattr(env, "expert", None)):
+            raise ValueError(f"env {cfg.env!r} has no expert(task) to warm-start from: set sft_file, or sft_steps = 0")
+        else:
+            demos = await expert_trajectories(tokenizer, env_factory(cfg, user=False), sft_tasks,
+                                              cfg.sft_direct_fraction, cfg.seed)
         t0 = time.perf_counter()
         losses = ranks.sft(demos, lambda s, loss: status.line(f"SFT step {s + 1}/{cfg.sft_steps} loss {loss:.3f}"))
         report["sft"] = {"steps": cfg.sft_steps, "loss_first": losses[0], "loss_last": losses[-1],

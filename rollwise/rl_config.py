@@ -27,18 +27,20 @@ class TrainConfig:
     # or a function returning one), made with max_turns and tool_latency where it takes them, plus env_options
     env: str = "calculator"
     env_options: dict = field(default_factory=dict)
-    # tasks from files (JSON lines, or a JSON list of objects) instead of the env's sample_tasks: the
-    # training tasks, cycled in order, and the held-out ones (the first eval_tasks of them)
+    # tasks from files (JSON lines, JSON list, Parquet) instead of the env's sample_tasks: the training
+    # tasks, cycled in order, and the held-out ones (the first eval_tasks of them)
     train_tasks_file: str | None = None
     eval_tasks_file: str | None = None
     seed: int = 0
-    # supervised warm start on the environment's expert transcripts (0 steps: none)
+    # supervised warm start on the environment's expert transcripts (0 steps: none), or on a file's
+    # conversations (`sft_file`: chat messages, or prompt + response; rollwise/trainer/sft_data.py)
+    sft_file: str | None = None
     sft_steps: int = 300
     sft_tasks: int = 512
     sft_lr: float = 3e-3
     sft_batch: int = 16
-    # share of SFT transcripts in which the demonstrator skips the tools and states the (right) answer
-    # at once, as a stronger teacher does: a small model imitating that can only guess
+    # share of SFT transcripts in which the demonstrator states the (right) answer at once, without the
+    # tools, as a stronger teacher does (a small model imitating that can only guess)
     sft_direct_fraction: float = 0.0
     sft_cache: str | None = None  # directory keeping warm-started weights, keyed by the SFT settings
     # GRPO
@@ -117,15 +119,13 @@ class TrainConfig:
     # the critic trains LoRA adapters (lora_rank, lora_alpha, lora_targets) and its head on the policy's frozen
     # base weights, shared: no second copy of the model (needs lora_rank > 0; verl's critic lora_rank)
     critic_lora: bool = False
-    # the trainer's micro-batches: padded tokens (rows x the longest) per forward and backward (verl's
-    # ppo_max_token_len_per_gpu); gradient_checkpointing recomputes each decoder layer's activations in the
-    # backward instead of keeping them (verl's enable_gradient_checkpointing): a micro-batch's memory is its
-    # layers' inputs, for about a third more compute (SFT, policy and critic; the SFT's batches too)
+    # the trainer's and the SFT's micro-batches: padded tokens (rows x the longest) per forward and backward
+    # (verl's ppo_max_token_len_per_gpu); gradient_checkpointing recomputes each decoder layer in the backward
+    # (verl's enable_gradient_checkpointing): its inputs alone kept, for a third more compute (SFT, policy, critic)
     micro_batch_tokens: int = 8192
     gradient_checkpointing: bool = False
-    # the output head over the vocabulary at most this many generated positions at a time, each chunk's
-    # logits recomputed in the backward instead of kept (0: a micro-batch's at once): on a real vocabulary
-    # the [positions, vocabulary] logits and softmax are a micro-batch's largest tensors (policy.py `_head`)
+    # the output head over the vocabulary at most this many generated positions at a time, each chunk's logits
+    # recomputed in the backward (0: all at once): a real vocabulary's logits are the largest tensors (policy.py)
     logit_chunk_tokens: int = 4096
     # "ppo" (token ratios, clipped), "gspo" (sequence ratios: set clip = 3e-4, clip_high = 4e-4,
     # loss_agg = "sequence"), "cispo" (clipped, stopped ratios as weights: clip_high large), "clip_cov" or

@@ -189,6 +189,13 @@ def test_train_dp_benchmark_smoke(tmp_path, phase):
     assert res["2"]["ranks_same_bits"] and res["2"]["max_weight_diff"] < 1e-4 and res["2"]["speedup"] > 0
 
 
+def test_sft_file_benchmark_smoke(tmp_path):
+    """The warm start on the tau-bench conversations: trains, and reports held-out NLL both sides."""
+    res = smoke(tmp_path, "benchmarks/sft_file.py", "--model", str(tmp_path / "model"), "--plot", str(tmp_path / "p.png"))
+    assert res["train_assistant_tokens"] > 0 and res["held_out_conversations"] == 2 and len(res["losses"]) == 2
+    assert 0 < res["held_out_nll_after"] < res["held_out_nll_before"] and (tmp_path / "p.png").stat().st_size > 5000
+
+
 def test_pre_rollout_benchmark_smoke(tmp_path):
     res = smoke(tmp_path, "benchmarks/pre_rollout.py", "--model", str(tmp_path / "model"), "--target", "0.25")
     base, filt, adaptive = res["dynamic_sampling"], res["pre_rollout_filter"], res["adaptive"]
