@@ -149,7 +149,8 @@ async def warm_start(cfg: TrainConfig, policy, ranks, tokenizer, sft_tasks: list
                          "seconds": time.perf_counter() - t0, "examples": len(demos),
                          "direct_answers": sum(t.num_turns == 1 for t in demos),
                          "expert_success": sum(t.reward >= 1.0 for t in demos) / max(1, len(demos)),
-                         "contexts": sum(len(t.sequences()) for t in demos), "ranks": cfg.trainer_processes}
+                         "contexts": sum(len(t.sequences()) for t in demos), "ranks": cfg.trainer_processes,
+                         "source": cfg.sft_file or "expert"}
         status.done(f"SFT: {cfg.sft_steps} steps on {len(demos)} transcripts in {report['sft']['seconds']:.0f}s, "
                     f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
         if cached is not None:

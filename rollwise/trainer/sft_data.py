@@ -50,7 +50,10 @@ def assistant_text(message: dict, parser) -> str:
 
 def _arguments(fn: dict) -> dict:
     args = fn.get("arguments", {})
-    return json.loads(args) if isinstance(args, str) else args
+    try:
+        return json.loads(args) if isinstance(args, str) else args
+    except json.JSONDecodeError as e:
+        raise ValueError(f"tool call {fn.get('name')!r}: its arguments are not JSON ({e}): {args[:200]!r}") from e
 
 
 def transcripts(path: str, tokenizer, parser: str | object = "hermes", max_tokens: int | None = None) -> list:

@@ -59,8 +59,12 @@ def test_tool_calls_prompt_response_pairs_and_bad_records(model_dir, tmp_path):
     assert calls.token_ids[-1] == tok.eos_token_id and calls.loss_mask[-1] == 1
     assert tok.decode([i for i, m in zip(pair.token_ids, pair.loss_mask) if m]) == "hi"
     assert "Say hi." in tok.decode(pair.token_ids)
+    broken = dict(call, function={"name": "add", "arguments": "{a: 1"})
     for bad, message in (({"id": "x", "text": "hi"}, "has no 'messages', 'turns' or 'prompt' \\+ 'response'"),
-                         ({"id": "y", "messages": [{"role": "user", "content": "hi"}]}, "no assistant message")):
+                         ({"id": "y", "messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
+                         ({"id": "z", "messages": [{"role": "user", "content": "hi"},
+                                                   {"role": "assistant", "tool_calls": [broken]}]},
+                          "tool call 'add': its arguments are not JSON")):
         path.write_text(json.dumps([bad]))
         with pytest.raises(ValueError, match=message):
             transcripts(str(path), tok)
@@ -78,4 +82,5 @@ def test_a_run_warm_starts_on_a_file(model_dir, tmp_path, monkeypatch):
         sft_batch=2, steps=1, groups_per_step=2, group_size=2, max_tokens=12, max_turns=2, eval_tasks=0,
         progress=False)))
     assert report["sft"]["examples"] == 4 and report["sft"]["steps"] == 3 and report["sft"]["loss_first"] > 0
+    assert report["sft"]["source"] == str(path)
     assert report["policy_version"] == 1
