@@ -17,10 +17,10 @@ def threads(cfg: TrainConfig) -> tuple[int, int]:
     may use split between the replicas and the trainer, at least one each. A trainer that never runs
     beside the rollouts (synchronous, whole batches) or beside no replica of this process (HTTP
     replicas) gets every core."""
-    n = 0 if cfg.replica_urls else cfg.replicas
-    per = cfg.replica_threads or max(1, cores() // (n + 1))
+    n, have = 0 if cfg.replica_urls else cfg.replicas, cores()
+    per = cfg.replica_threads or max(1, have // (n + 1))
     alone = n == 0 or (cfg.max_staleness == 0 and not cfg.streamed)
-    return per, cfg.trainer_threads or (cores() if alone else max(1, cores() - n * per))
+    return per, cfg.trainer_threads or (have if alone else max(1, have - n * per))
 
 
 def cores() -> int:

@@ -80,7 +80,6 @@ class PolicyModel:
         """`load` False: the model built without its weights (uninitialized memory), for a trainer rank
         that takes another's next (data_parallel.py: adopted from shared memory, or broadcast)."""
         from transformers import AutoConfig, AutoModelForCausalLM
-        from transformers.initialization import no_init_weights
         torch.manual_seed(seed)
         if threads:
             torch.set_num_threads(threads)
@@ -88,6 +87,10 @@ class PolicyModel:
         if load:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         else:
+            try:  # (transformers 5; 4.x kept it in modeling_utils)
+                from transformers.initialization import no_init_weights
+            except ImportError:
+                from transformers.modeling_utils import no_init_weights
             with no_init_weights():
                 self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
             self.model.tie_weights()  # (as loading does: a tied head is the embedding)
