@@ -181,7 +181,7 @@ async def _train(cfg: TrainConfig) -> dict:
     tokenizer = Tokenizer(cfg.model)
     make_env = env_factory(cfg)
     train_tasks, sft_tasks, eval_tasks = task_sets(cfg, n_train_tasks(cfg))
-    if not train_tasks:
+    if not train_tasks and (cfg.steps > 0 or not cfg.sft_file):  # (steps = 0 on a file: the warm start alone)
         raise ValueError(f"env {cfg.env!r} has no sample_tasks(n, seed): set train_tasks_file")
     policy = make_policy(cfg, trains=not cfg.trainer_apart)
     if cfg.routing_replay != "off" and not getattr(policy.model.config, "num_experts", 0):
@@ -267,7 +267,8 @@ async def _train(cfg: TrainConfig) -> dict:
             skips.restore({g.task_index: skips.outcome(g.trajectories) for g in logged},
                           (state or {}).get("pre_rollout_explore"))
         done_tasks = {g.task_index for g in logged} | (skips.skipped if skips else set())  # never run twice
-        producer = asyncio.create_task(produce(cfg, queue, router, make_env, train_tasks, 0, done_tasks, skips))
+        producer = asyncio.create_task(produce(cfg, queue, router, make_env, train_tasks, 0, done_tasks, skips)
+                                       if train_tasks else asyncio.sleep(0))
         bar = status.bar(cfg.steps, initial=len(history))
         steps_log = run / "steps.jsonl"  # one line per step as it happens (`tail -f`); rewritten from the checkpoint
         steps_log.write_text("".join(json.dumps(h, default=str) + "\n" for h in history))

@@ -84,3 +84,22 @@ def test_a_run_warm_starts_on_a_file(model_dir, tmp_path, monkeypatch):
     assert report["sft"]["examples"] == 4 and report["sft"]["steps"] == 3 and report["sft"]["loss_first"] > 0
     assert report["sft"]["source"] == str(path)
     assert report["policy_version"] == 1
+
+
+def test_steps_0_on_a_file_is_the_warm_start_alone(model_dir, tmp_path):
+    """An env with no tasks of its own (the dataset env, no task file): `steps = 0` with `sft_file`
+    trains the warm start alone and saves it; without the file, the run still asks for tasks."""
+    from safetensors.torch import load_file
+
+    from rollwise.rl import train
+    from rollwise.rl_config import TrainConfig
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i} + {i}?", "response": str(2 * i)}) + "\n" for i in range(6)))
+    base = dict(model=model_dir, env="dataset", sft_steps=3, sft_batch=2, steps=0, progress=False)
+    report = train(TrainConfig.from_dict(dict(base, run_dir=str(tmp_path / "run"), sft_file=str(path))))
+    assert report["sft"]["examples"] == 6 and report["policy_version"] == 0 and report["steps"] == []
+    saved = load_file(str(tmp_path / "run" / "final-model" / "model.safetensors"))
+    start = load_file(f"{model_dir}/model.safetensors")
+    assert max(float((saved[k] - start[k]).abs().max()) for k in start) > 0  # (the warm start's weights)
+    with pytest.raises(ValueError, match="set train_tasks_file"):
+        train(TrainConfig.from_dict(dict(base, run_dir=str(tmp_path / "other"))))
