@@ -136,8 +136,8 @@ async def warm_start(cfg: TrainConfig, policy, ranks, tokenizer, sft_tasks: list
         env = env_factory(cfg)()
         if cfg.sft_file:  # a teacher's conversations, tokenized as episodes are
             from rollwise.trainer.sft_data import transcripts
-            limit = json.loads((Path(cfg.model) / "config.json").read_text()).get("max_position_embeddings")
-            demos = transcripts(cfg.sft_file, tokenizer, getattr(env, "parser", "hermes"), limit)
+            demos = transcripts(cfg.sft_file, tokenizer, getattr(env, "parser", "hermes"),
+                                getattr(policy.model.config, "max_position_embeddings", None))
         elif not callable(getattr(env, "expert", None)):
             raise ValueError(f"env {cfg.env!r} has no expert(task) to warm-start from: set sft_file, or sft_steps = 0")
         else:

@@ -73,13 +73,17 @@ def transcripts(path: str, tokenizer, parser: str | object = "hermes", max_token
         while i < len(msgs):
             if roles[i] == "assistant":
                 gen = tokenizer.encode(assistant_text(msgs[i], parser), add_special_tokens=False) + [eos]
-                ids, mask, i = ids + gen, mask + [1] * len(gen), i + 1
+                ids.extend(gen)
+                mask.extend([1] * len(gen))
+                i += 1
                 continue
             j = next((k for k in range(i, len(msgs)) if roles[k] == "assistant"), len(msgs))
             if j == len(msgs):  # (after the last assistant message: nothing to learn from)
                 break
             delta = renderer.delta_ids(msgs[i:j], ended_with_eos=True)
-            ids, mask, i = ids + delta, mask + [0] * len(delta), j
+            ids.extend(delta)
+            mask.extend([0] * len(delta))
+            i = j
         if max_tokens:
             ids, mask = ids[:max_tokens], mask[:max_tokens]
         if any(mask):
