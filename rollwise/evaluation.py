@@ -15,7 +15,8 @@ from collections import Counter
 from pathlib import Path
 
 from rollwise.rl import eval_episodes
-from rollwise.rl_config import TrainConfig, env_factory, n_train_tasks, task_sets
+from rollwise.rl_config import TrainConfig, env_factory
+from rollwise.rollout.task_sets import n_train_tasks, task_sets
 from rollwise.rollout.fleet import make_router, shutdown
 from rollwise.rollout.report import Status
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from rollwise.agent.episode import collect, stable_seed
 from rollwise.agent.generator import ScriptedGenerator, expert_policy
-from rollwise.rl_config import TrainConfig, env_factory, env_options, n_train_tasks, run_identity, task_sets
+from rollwise.rl_config import TrainConfig, env_factory, env_options, run_identity
+from rollwise.rollout.task_sets import n_train_tasks, task_sets
 from rollwise.rollout.fleet import fleet_metrics, make_router, shutdown
 from rollwise.rollout.pipeline import GroupQueue, read_log
 from rollwise.rollout.producer import PreRolloutFilter, produce
@@ -303,15 +304,17 @@ async def _train(cfg: TrainConfig) -> dict:
                     await asyncio.to_thread(training, trainer.add, [g.trajectories for g in new],
                                             len(batch) >= cfg.groups_per_step)
                     train_s += time.perf_counter() - t1
-            t2 = time.perf_counter()
+            t2 = time.perf_counter()  # (sleep mode: idle replicas give their memory to the trainer meanwhile)
+            slept = await router.sleep(cfg.replica_sleep) if cfg.replica_sleep and not queue.in_flight else []
             m = await asyncio.to_thread(training, trainer.finish) if stream else \
                 await asyncio.to_thread(training, trainer.step, [g.trajectories for g in batch])
+            await router.wake_up(slept)
             t3 = time.perf_counter()
             train_s += t3 - t2
             tail_s = t3 - t1  # from the batch's last group to new weights: training not hidden by rollouts
             # (with LoRA: the merged linears alone, or the adapter alone)
             weights = await asyncio.to_thread(policy.adapter_weights) if cfg.lora_sync == "adapter" else \
-                await asyncio.to_thread(policy.engine_weights, True)  # (copies: the agents go on meanwhile)
+                await asyncio.to_thread(policy.engine_weights, cfg.replica_sleep < 2)  # (copies: the agents go on)
             await router.update_weights(weights, trainer.version, cfg.partial_rollout)
             sync_s = time.perf_counter() - t3  # weights to every replica
             if skips is not None:  # (GRESO's adaptive explore, before the version admits groups)
@@ -328,7 +331,8 @@ async def _train(cfg: TrainConfig) -> dict:
                      sync_mb=(weights.nbytes if isinstance(weights, AdapterWeights) else
                               sum(w.nbytes for w in weights.values())) / 2**20,
                      wall_s=time.perf_counter() - t_run,
-                     group_versions=[g.version for g in batch], skipped_groups=len(dropped), **lm)
+                     group_versions=[g.version for g in batch], skipped_groups=len(dropped), **lm,
+                     **({"replicas_slept": len(slept)} if cfg.replica_sleep else {}))
             if skips is not None:  # tasks skipped before their rollouts since the last step
                 m["pre_rollout_skipped"] = skips.take_count()
             history.append(m)

@@ -1,5 +1,6 @@
 """What a training run is: its config (`TrainConfig`, the keys of `rollwise train`'s TOML, checked
-when read), the environment it makes and the task sets it draws (training, SFT, held-out)."""
+when read), the environment it makes and what identifies its logged groups (the task sets it draws:
+rollwise/rollout/task_sets.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -8,7 +9,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from rollwise.agent.envs import load_tasks, make_env, resolve_env, taken_options
+from rollwise.agent.envs import make_env, resolve_env, taken_options
 from rollwise.agent.tools import Latency
 from rollwise.router.policies import POLICIES
 from rollwise.rollout.trackers import check_trackers
@@ -209,6 +210,9 @@ class TrainConfig:
     # do not depend on what it was batched with, so a deterministic run repeats bit for bit however
     # it is timed, with any number of replicas (fp32 replicas only)
     replica_batch_invariant: bool = False
+    # sleep mode while the trainer trains (verl's colocated hybrid engine): 1, the replicas give back their KV
+    # pools; 2, their weights too (each update then sends every weight). Synchronous, unstreamed runs only
+    replica_sleep: int = 0
     # true on-policy: the trainer values every logprob with the engine's batch-invariant kernels, so
     # its logprobs of fresh samples are the rollout's bit for bit (an on-policy ratio is exactly 1;
     # the gradients are transformers'), and the check of fresh samples asks for equality. Needs
@@ -343,6 +347,12 @@ class TrainConfig:
             raise ValueError("replica_threads and trainer_threads must be >= 0 (0: split the cores)")
         if cfg.logit_chunk_tokens < 0:
             raise ValueError(f"logit_chunk_tokens must be >= 0 (0: no chunks), got {cfg.logit_chunk_tokens}")
+        if cfg.replica_sleep not in (0, 1, 2) or cfg.replica_sleep and (cfg.max_staleness or cfg.streamed):
+            raise ValueError(f"replica_sleep is 0, 1 (KV pools) or 2 (and weights), and replicas sleep while no rollout "
+                             f"runs: max_staleness = 0 and stream_trainer = false; got {cfg.replica_sleep}, "
+                             f"{cfg.max_staleness}, {cfg.stream_trainer}")
+        if cfg.replica_sleep == 2 and cfg.lora_sync == "adapter":
+            raise ValueError("replica_sleep = 2 gives the weights back; lora_sync = 'adapter' sends the adapter alone")
         if cfg.trainer_processes < 1:
             raise ValueError(f"trainer_processes must be >= 1, got {cfg.trainer_processes}")
         return cfg
@@ -361,33 +371,6 @@ def env_factory(cfg: TrainConfig, user: bool = True):
     standard = taken_options(resolve_env(cfg.env), {"max_turns": cfg.max_turns, "tool_latency": lat})
     options = {**standard, **env_options(cfg, user)}
     return lambda: make_env(cfg.env, **options)
-
-
-def n_train_tasks(cfg: TrainConfig) -> int:
-    """Training tasks a run draws from the env (twice what its steps take, at least 64)."""
-    return max(cfg.steps * cfg.groups_per_step * 2, 64)
-
-
-def task_sets(cfg: TrainConfig, n_train: int) -> tuple[list[dict], list[dict], list[dict]]:
-    """Training, SFT and held-out evaluation tasks: from the task files where given, else drawn by the
-    env's `sample_tasks` (different seeds; any question also in the training or SFT set is dropped
-    from evaluation). SFT transcripts are the expert's on the env's own tasks, or on the training
-    file's when the env draws none."""
-    env = env_factory(cfg)()
-    sample = getattr(env, "sample_tasks", None)
-    if cfg.train_tasks_file:
-        train = load_tasks(cfg.train_tasks_file)
-    else:
-        train = sample(n_train, seed=cfg.seed) if sample else []  # (none: `train` asks for a file)
-    sft = sample(cfg.sft_tasks, seed=cfg.seed + 1) if sample and cfg.sft_steps > 0 else train[: cfg.sft_tasks]
-    if cfg.eval_tasks_file:
-        return train, sft, load_tasks(cfg.eval_tasks_file)[: cfg.eval_tasks]
-    if sample is None:
-        return train, sft, []
-    seen = {json.dumps({k: v for k, v in t.items() if k != "id"}, sort_keys=True) for t in train + sft}
-    held = [t for t in sample(cfg.eval_tasks * 2, seed=cfg.seed + 2)
-            if json.dumps({k: v for k, v in t.items() if k != "id"}, sort_keys=True) not in seen]
-    return train, sft, held[: cfg.eval_tasks]
 
 
 def run_identity(cfg: TrainConfig) -> dict:

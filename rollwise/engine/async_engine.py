@@ -121,6 +121,20 @@ class AsyncEngine:
         """New weights between two steps (`LLMEngine.update_weights`); returns the new policy version."""
         return await self.call(lambda: self.engine.update_weights(weights, version, partial_rollout))
 
+    async def sleep(self, level: int = 1) -> None:
+        """Give back the KV pool (level 1), and the weights (level 2), of an idle engine (sleep.py)."""
+        await self.call(lambda: self.engine.sleep(level))
+
+    async def release_memory(self, tags=None) -> None:
+        await self.call(lambda: self.engine.release_memory(tags))
+
+    async def wake_up(self, tags=None) -> None:
+        await self.call(lambda: self.engine.wake_up(tags))
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
     def metrics(self) -> dict[str, float]:
         return self.engine.metrics()
 

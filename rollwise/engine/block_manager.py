@@ -123,6 +123,15 @@ class BlockManager:
         self._lru.clear()
         return n
 
+    def reset(self) -> None:
+        """Every block fresh, nothing cached (the KV pool was given back: sleep mode). No block may be held."""
+        if any(self.ref_count):
+            raise RuntimeError("blocks are held: the KV pool cannot be reset under running sequences")
+        self.block_hash = [None] * self.num_blocks
+        self._spare, self._fresh = [], 0
+        self._lru.clear()
+        self.cached.clear()
+
     def truncate(self, block_table: list[int], keep: int) -> None:
         """Release the blocks past the first `keep` (e.g. ones reserved for rejected draft tokens)."""
         if len(block_table) > keep:

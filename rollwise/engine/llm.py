@@ -76,5 +76,12 @@ class LLM:
     def update_weights(self, weights, partial_rollout: bool = False) -> int:
         return self.engine.update_weights(weights, partial_rollout=partial_rollout)
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's: give back the KV pool (level 1), and the weights (level 2; load them before generating)."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.engine.wake_up(tags)
+
     def metrics(self) -> dict[str, float]:
         return self.engine.metrics()

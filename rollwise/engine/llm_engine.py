@@ -19,12 +19,13 @@ from rollwise.engine import grammar
 from rollwise.engine.sampler import Sampler, SampleRow
 from rollwise.engine.scheduler import Scheduler
 from rollwise.engine.sequence import Sequence
+from rollwise.engine.sleep import SleepMode
 from rollwise.engine.weights import WeightVersions
 from rollwise.engine.tokenizer import Tokenizer
 from rollwise.types import RequestOutput, SamplingParams, WeightsNotHeld
 
 
-class LLMEngine(WeightVersions):
+class LLMEngine(WeightVersions, SleepMode):
     def __init__(self, cfg: EngineConfig) -> None:
         self.config = cfg
         self.tokenizer = Tokenizer(cfg.model)
@@ -52,6 +53,8 @@ class LLMEngine(WeightVersions):
         self._adapters: dict[int, object] = {}  # versions that are the weights plus a LoRA adapter: theirs
         self._lora_uids = itertools.count(1)
         self._ids = itertools.count()
+        self.asleep: set[str] = set()  # sleep mode (sleep.py): "kv_cache" / "weights" given back
+        self.weights_lost = False
         self.stats = dict.fromkeys(("num_steps", "prompt_tokens", "prefill_tokens", "decode_tokens", "generated_tokens",
                                     "step_time_s", "num_finished", "num_aborted", "num_interrupted"), 0)
         # $ROLLWISE_STEP_TRACE=DIR: every step's shape and seconds to DIR/steps-PID.jsonl (the
@@ -83,6 +86,7 @@ class LLMEngine(WeightVersions):
         still runs on) instead of the newest."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        self._check_awake()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         if not isinstance(ids, list) or not ids:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
@@ -347,5 +351,6 @@ class LLMEngine(WeightVersions):
             "num_evictions": float(self.blocks.num_evictions),
             "policy_version": float(self.policy_version),
             "weight_versions": float(len(self._loaded)),  # held at once (each a copy of the weights)
+            "is_sleeping": float(self.is_sleeping),
             **(self.spec.metrics() if self.spec is not None else {}),
         }

@@ -44,6 +44,7 @@ class ModelRunner:
             self.model.prepack()
         self.versions: dict[int, CausalLM] = {0: self.model}  # weights by policy version; self.model: the newest
         self._spare: list[CausalLM] = []  # dropped versions' models, reused for the next ones
+        self._emptied: list = []  # (parameter, shape) given back by a level-2 sleep
         mc = self.model.config
         self.block_size = cfg.block_size
         na = cfg.native_attention  # None: where the kernel's vector path runs (batch invariance: always)
@@ -51,20 +52,17 @@ class ModelRunner:
         dtype = TORCH_DTYPES[cfg.dtype]
         bytes_per_block = 2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
         self.num_blocks = cfg.num_kv_blocks or max(2, int(cfg.kv_cache_gb * 2**30 // bytes_per_block))
-        shape = (mc.num_layers, self.num_blocks * cfg.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_cache = (torch.zeros(shape, dtype=dtype, device=self.device),
-                         torch.zeros(shape, dtype=dtype, device=self.device))
+        self._kv_shape = (mc.num_layers, self.num_blocks * cfg.block_size, mc.num_kv_heads, mc.head_dim)
+        self._kv_dtype, self._routed = dtype, cfg.enable_return_routed_experts
+        if cfg.enable_return_routed_experts and not mc.moe_layers:
+            raise ValueError(f"enable_return_routed_experts needs a model with experts (qwen3_moe); "
+                             f"{cfg.model} is {mc.family} without any")
         # Rollout Routing Replay: each KV slot's experts per layer ([layers, slots, k], -1: none),
         # written by every forward, so cached prefixes carry the routing that made their KV
         self.routing: torch.Tensor | None = None
-        if cfg.enable_return_routed_experts:
-            if not mc.moe_layers:
-                raise ValueError(f"enable_return_routed_experts needs a model with experts (qwen3_moe); "
-                                 f"{cfg.model} is {mc.family} without any")
-            self.routing = torch.full((mc.num_layers, shape[1], mc.experts_per_token), -1, dtype=torch.int16,
-                                      device=self.device)
-            for m in self.model.moe_layers():
-                m.record = True
+        self.alloc_kv()
+        for m in self.model.moe_layers() if self._routed else ():
+            m.record = True
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int], dict[int, list]]:
@@ -162,6 +160,41 @@ class ModelRunner:
         self.kv_cache, self.routing = (), None
         self.versions.clear()
         self._spare.clear()
+
+    # sleep mode (sleep.py): the KV pool and the weights given back to the OS, and taken again -------
+    def alloc_kv(self) -> None:
+        """The KV pool (and the routing pool, when kept), zeroed."""
+        self.kv_cache = tuple(torch.zeros(self._kv_shape, dtype=self._kv_dtype, device=self.device) for _ in range(2))
+        if self._routed:
+            mc = self.model.config
+            self.routing = torch.full((mc.num_layers, self._kv_shape[1], mc.experts_per_token), -1,
+                                      dtype=torch.int16, device=self.device)
+
+    def free_kv(self) -> None:
+        self.kv_cache, self.routing = (), None
+
+    def free_weights(self) -> None:
+        """Every version but the newest dropped, the newest's parameters' memory given back (each
+        parameter's tensor swapped for an empty one; its shape kept here) and its packed copies
+        dropped: until `alloc_weights` and a load of every weight, the model cannot run."""
+        self.versions = {v: m for v, m in self.versions.items() if m is self.model}
+        self._spare.clear()
+        for m in self.model.modules():
+            if isinstance(m, (Linear, Experts)):
+                m.packed = None
+        # (not their storage resized: the native kernels' numpy views pin it. A tied parameter is listed
+        # once; a model copied for a weight update holds inference tensors, and gets them back)
+        self._emptied = [(p, p.shape, p.is_inference()) for p in self.model.parameters()]
+        for p, _, inference in self._emptied:
+            with torch.inference_mode(inference):
+                p.data = p.data.new_empty(0)
+
+    def alloc_weights(self) -> None:
+        """Memory for the newest model's parameters again (its values undefined until loaded)."""
+        for p, shape, inference in self._emptied:
+            with torch.inference_mode(inference):
+                p.data = p.data.new_empty(shape)
+        self._emptied = []
 
     @torch.inference_mode()
     def move_kv(self, block_table: list[int], src: list[int], dst: list[int]) -> None:

@@ -109,6 +109,14 @@ class LocalReplica:
         requests in flight finish under the old ones, or with `partial_rollout` continue under these."""
         return await self.engine.update_weights(weights, version, partial_rollout)
 
+    async def sleep(self, level: int) -> bool:
+        """The engine gives back its memory (sleep mode) if it is idle; whether it did."""
+        eng = self.engine.engine
+        return await self.engine.call(lambda: not eng.seqs and (eng.sleep(level) or True))
+
+    async def wake_up(self) -> None:
+        await self.engine.wake_up()
+
     async def add_sequence(self, token_ids: list[int], group_id: str | None) -> None:
         spec = getattr(self.engine.engine, "spec", None)
         if spec is not None:
@@ -293,6 +301,19 @@ class HttpReplica:
         if r.status_code != 200:
             raise ReplicaError(f"{self.name}: weight update failed: HTTP {r.status_code}: {r.text[:200]}")
         return int(r.json()["policy_version"])
+
+    async def sleep(self, level: int) -> bool:
+        """POST /sleep?level=N (sleep mode); False if the server is busy (400) or has no such endpoint."""
+        r = await self._post("/sleep", params={"level": level})
+        if r.status_code not in (200, 400, 404):
+            raise ReplicaError(f"{self.name}: sleep failed: HTTP {r.status_code}: {r.text[:200]}")
+        return r.status_code == 200
+
+    async def wake_up(self) -> None:
+        """POST /wake_up (every tag; a server awake, or without sleep mode, is left as it is)."""
+        r = await self._post("/wake_up")
+        if r.status_code not in (200, 404):
+            raise ReplicaError(f"{self.name}: wake_up failed: HTTP {r.status_code}: {r.text[:200]}")
 
     async def health(self) -> bool:
         try:

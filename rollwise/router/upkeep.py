@@ -76,6 +76,26 @@ class Upkeep:
         self.policy_version = version
         return out
 
+    async def sleep(self, level: int) -> list[str]:
+        """Every idle replica gives back its KV pool (level 1), and its weights (level 2: the next
+        update must bring every weight), as vLLM's sleep mode does; the names of those that did (a
+        busy or unreachable one stays as it is). What they cached is forgotten here too."""
+        names = [n for n, r in self.replicas.items() if hasattr(r, "sleep")]  # (optional, as update_weights)
+        res = await asyncio.gather(*(self.replicas[n].sleep(level) for n in names), return_exceptions=True)
+        slept = [n for n, r in zip(names, res) if r is True]
+        for n in slept:
+            self._forget_contents(n)
+        return slept
+
+    async def wake_up(self, names: list[str]) -> None:
+        """The replicas named take their memory again; one that fails to is out of routing (stale)
+        until the health loop has woken it and given it the latest weights."""
+        res = await asyncio.gather(*(self.replicas[n].wake_up() for n in names), return_exceptions=True)
+        for n, r in zip(names, res):
+            if isinstance(r, BaseException):
+                self._mark_down(n)
+                self.stale.add(n)
+
     def _mark_down(self, name: str) -> None:
         if name in self.healthy:
             self.healthy.discard(name)
@@ -94,6 +114,8 @@ class Upkeep:
                 ok = await r.health()
                 if ok and name in self.stale and self._latest is not None:
                     try:
+                        if hasattr(r, "wake_up"):  # (if it slept: sleep mode)
+                            await r.wake_up()
                         await r.update_weights(*self._latest)
                         if self._latest_adapter is not None:
                             await r.update_weights(*self._latest_adapter)

@@ -20,6 +20,7 @@ METRICS = [
     ("num_kv_blocks", "rollwise:num_kv_blocks", "gauge", "KV blocks in the pool"),
     ("kv_capacity_tokens", "rollwise:kv_capacity_tokens", "gauge", "Tokens the KV pool holds"),
     ("policy_version", "rollwise:policy_version", "gauge", "Weights version of requests admitted now"),
+    ("is_sleeping", "rollwise:is_sleeping", "gauge", "1 while the KV pool or weights are given back (sleep mode)"),
     ("weights_pending", "rollwise:weights_pending", "gauge", "1 while new weights wait for requests in flight to finish"),
     ("num_interrupted", "rollwise:interrupted_requests_total", "counter",
      "Requests interrupted by a weight update (partial rollout) and continued under the new weights"),

@@ -31,8 +31,9 @@ from rollwise.serve.responses import (choice_samples, completion_params, error, 
                                       stream_generate, weights_refused)
 from rollwise.serve.lora import install_lora, with_adapter
 from rollwise.serve.sglang import generate_params, install_sglang, sglang_fields
+from rollwise.serve.sleep import install_sleep
 from rollwise.serve.tokenize import install_tokenize
-from rollwise.types import WeightsNotHeld
+from rollwise.types import EngineAsleep, WeightsNotHeld
 from rollwise.wire import AdapterWeights
 
 OPEN_PATHS = {"/health", "/metrics"}
@@ -59,6 +60,10 @@ def install_common(app: FastAPI, cfg: ServerConfig) -> None:
     async def _not_held(_: Request, exc: WeightsNotHeld):
         return error(400, str(exc), "weights_not_held")
 
+    @app.exception_handler(EngineAsleep)
+    async def _asleep(_: Request, exc: EngineAsleep):
+        return error(503, str(exc), "engine_asleep")
+
     @app.middleware("http")
     async def _auth(request: Request, call_next):
         if cfg.api_key and request.url.path not in OPEN_PATHS:
@@ -80,12 +85,13 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     install_common(app, cfg)
     install_sglang(app, engine, cfg)
     install_lora(app, engine, cfg)
+    install_sleep(app, engine, cfg)
 
     @app.get("/health")
     async def health():
         return {"status": "ok", "policy_version": engine.policy_version, "paused": engine.paused,
                 "keep_weight_versions": engine.engine.config.keep_weight_versions,
-                "batch_invariant": engine.engine.config.batch_invariant}
+                "batch_invariant": engine.engine.config.batch_invariant, "sleeping": sorted(engine.engine.asleep)}
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -18,7 +18,8 @@ from rollwise.agent.envs import ENVS, make_env
 from rollwise.agent.envs.calculator import CalculatorEnv
 from rollwise.omp import passive_env
 from rollwise.rl import TrainConfig, _sft_cache_path, train
-from rollwise.rl_config import env_factory, task_sets
+from rollwise.rl_config import env_factory
+from rollwise.rollout.task_sets import task_sets
 from rollwise.rollout.pipeline import read_log
 from rollwise.trainer.grpo import GRPOConfig
 from rollwise.trainer.policy import PolicyModel
@@ -90,6 +91,32 @@ def test_deterministic_runs_repeat_bit_for_bit(model_dir, tmp_path, monkeypatch)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert [s["loss"] for s in ra["steps"]] == [s["loss"] for s in rb["steps"]]
     assert ra["rl_success"] == rb["rl_success"]
+
+
+def test_replicas_asleep_while_the_trainer_trains_leave_a_run_as_it_was(model_dir, tmp_path, monkeypatch):
+    """Sleep mode in synchronous runs: at each step's training every replica gives back its KV pool
+    (1) or its weights too (2; every weight is then sent), and takes them back for the next step's
+    rollouts. A deterministic run's weights are those of the run without it, bit for bit; the
+    rollouts of a run whose replicas lost their weights still check against the trainer's logprobs."""
+    monkeypatch.setitem(ENVS, "calculator", _ParityReward)
+    weights = []
+    for level, deterministic in ((0, True), (2, True), (1, False)):
+        cfg = TrainConfig.from_dict({**TINY, "model": model_dir, "run_dir": str(tmp_path / str(level)), "steps": 3,
+                                     "max_staleness": 0, "deterministic": deterministic, "stream_trainer": False,
+                                     "replica_sleep": level, "eval_tasks": 0})
+        steps = train(cfg)["steps"]
+        assert [s.get("replicas_slept") for s in steps] == [level and 2 or None] * 3
+        weights.append(torch.load(Path(cfg.run_dir) / "checkpoint.pt", weights_only=False)["model"])
+        # the trainer checked fresh samples' logprobs (a mismatch stops the run): the replicas served its weights
+        assert any(s["logprob_diff"] < 0.02 for s in steps)
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    for bad, why in (({"replica_sleep": 1, "max_staleness": 1, "stream_trainer": False}, "max_staleness = 0"),
+                     ({"replica_sleep": 1, "max_staleness": 0}, "stream_trainer = false"),
+                     ({"replica_sleep": 3, "max_staleness": 0, "stream_trainer": False}, "0, 1 .KV pools. or 2"),
+                     ({"replica_sleep": 2, "max_staleness": 0, "stream_trainer": False, "lora_rank": 4,
+                       "lora_sync": "adapter"}, "adapter alone")):
+        with pytest.raises(ValueError, match=why):
+            TrainConfig.from_dict({"model": model_dir, **bad})
 
 
 def test_a_gae_run_trains_groups_of_one_resumes_with_its_critic_and_saves_models(model_dir, tmp_path, monkeypatch):

@@ -1,0 +1,93 @@
+"""Sleep mode (rollwise/engine/sleep.py): an idle engine gives its KV pool (level 1) and its weights
+(level 2) back to the OS, refuses requests meanwhile, and once woken (and at level 2 given every
+weight again) serves the same tokens as before."""
+from __future__ import annotations
+
+import pytest
+
+from rollwise.config import EngineConfig
+from rollwise.engine.llm import LLM
+from rollwise.engine.llm_engine import LLMEngine
+from rollwise.engine.models.loader import load_state_dict
+from rollwise.types import EngineAsleep, SamplingParams, WeightsNotHeld
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 4, [40, 41, 42]]
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_level_one_gives_the_kv_pool_back_and_wakes_to_the_same_tokens(model_dir):
+    llm = LLM(model_dir, kv_cache_gb=0.25)
+    before = _greedy(llm)
+    assert llm.generate(PROMPTS[0], GREEDY)[0].num_cached_tokens > 0  # its prefix is cached
+    rss = _rss_mib()
+    llm.sleep(1)
+    assert rss - _rss_mib() > 0.8 * 256  # the pool's 256 MiB went back to the OS
+    assert llm.engine.is_sleeping and llm.metrics()["is_sleeping"] == 1.0
+    with pytest.raises(EngineAsleep, match="wake it up"):
+        llm.generate(PROMPTS[1], GREEDY)
+    llm.wake_up()
+    assert not llm.engine.is_sleeping and llm.metrics()["is_sleeping"] == 0.0
+    assert not any(c.any() for c in llm.engine.runner.kv_cache)  # a fresh, zeroed pool
+    again = llm.generate(PROMPTS[0], GREEDY)[0]
+    assert again.num_cached_tokens == 0 and again.token_ids == before[0]  # what was cached is forgotten
+    assert _greedy(llm) == before
+    llm.engine.scheduler.check_integrity()
+
+
+def test_only_an_idle_engine_sleeps_and_bad_levels_and_tags_are_named(model_dir):
+    eng = LLMEngine(EngineConfig(model=model_dir, kv_cache_gb=0.05))
+    with pytest.raises(ValueError, match="level must be 1"):
+        eng.sleep(3)
+    with pytest.raises(ValueError, match=r"\['weights', 'kv_cache'\]"):
+        eng.release_memory(["gpu"])
+    eng.add_request(PROMPTS[1], GREEDY, request_id="r")
+    with pytest.raises(ValueError, match="in flight.*'r'"):
+        eng.sleep(1)
+    assert not eng.is_sleeping  # nothing was given back: the request still runs
+    outs = []
+    while eng.has_unfinished:
+        outs += eng.step()
+    assert len(outs[-1].token_ids) == 12
+    eng.release_memory(["kv_cache"])
+    eng.wake_up(["weights"])  # not asleep: nothing changes
+    assert eng.asleep == {"kv_cache"}
+    eng.wake_up("kv_cache")
+    assert not eng.is_sleeping
+
+
+@pytest.mark.parametrize("family,invariant", [("qwen3", False), ("qwen3_moe", True)])
+def test_level_two_serves_again_once_every_weight_is_loaded(model_dirs, family, invariant):
+    d = model_dirs[family]
+    llm = LLM(d, kv_cache_gb=0.05, keep_weight_versions=2, batch_invariant=invariant,
+              enable_return_routed_experts=family == "qwen3_moe")
+    before = _greedy(llm)
+    state = load_state_dict(d)
+    assert llm.update_weights(state) == 1 and llm.engine._loaded == [0, 1]
+    llm.sleep(2)
+    assert llm.engine._loaded == [1] and all(p.numel() == 0 for p in llm.engine.runner.model.parameters())
+    with pytest.raises(EngineAsleep, match="wake_up"):
+        llm.update_weights(state)
+    llm.wake_up(["weights"])
+    with pytest.raises(EngineAsleep, match="kv_cache"):
+        llm.generate(PROMPTS[1], GREEDY)
+    llm.wake_up()
+    with pytest.raises(EngineAsleep, match="level-2"):  # woken weights have no values yet
+        llm.generate(PROMPTS[1], GREEDY)
+    with pytest.raises(ValueError, match="every one: missing weights"):
+        llm.update_weights(dict(list(state.items())[:3]))
+    assert llm.update_weights(state) == 2 and llm.engine._loaded == [2]  # into the emptied model: no copy
+    assert _greedy(llm) == before
+    with pytest.raises(WeightsNotHeld):  # the versions before the sleep are gone
+        llm.engine.add_request(PROMPTS[1], GREEDY, policy_version=0)
+    if family == "qwen3_moe":
+        out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=4, return_routed_experts=True))[0]
+        assert out.routed_experts.shape == (len(PROMPTS[1]) + 3, 2, 2) and (out.routed_experts >= 0).all()
