@@ -230,6 +230,7 @@ class TrainConfig:
     speculative: str | None = "suffix"
     spec_controller: str = "adaptive"
     max_num_seqs: int = 128
+    replica_kv_cache_gb: float = 1.0  # each in-process replica's KV pool (its memory is taken as blocks are first used)
     # evaluation on held-out tasks, before and after RL (sampled at `temperature`, and greedy)
     eval_tasks: int = 200
     # and every eval_every steps during it (sampled; metric eval_success, drawn on the curves). 0: not
@@ -343,13 +344,15 @@ class TrainConfig:
         if cfg.true_on_policy and not (cfg.replica_batch_invariant or cfg.replica_urls):
             raise ValueError("true_on_policy needs replica_batch_invariant = true (or replica_urls of servers "
                              "started with --batch-invariant)")
+        if cfg.replica_kv_cache_gb <= 0:
+            raise ValueError(f"replica_kv_cache_gb must be > 0, got {cfg.replica_kv_cache_gb}")
         if cfg.replica_threads < 0 or cfg.trainer_threads < 0:
             raise ValueError("replica_threads and trainer_threads must be >= 0 (0: split the cores)")
         if cfg.logit_chunk_tokens < 0:
             raise ValueError(f"logit_chunk_tokens must be >= 0 (0: no chunks), got {cfg.logit_chunk_tokens}")
         if cfg.replica_sleep not in (0, 1, 2) or cfg.replica_sleep and (cfg.max_staleness or cfg.streamed):
-            raise ValueError(f"replica_sleep is 0, 1 (KV pools) or 2 (and weights), and replicas sleep while no rollout "
-                             f"runs: max_staleness = 0 and stream_trainer = false; got {cfg.replica_sleep}, "
+            raise ValueError(f"replica_sleep is 0, 1 (KV pools) or 2 (and weights), and replicas sleep while no "
+                             f"rollout runs: max_staleness = 0 and stream_trainer = false; got {cfg.replica_sleep}, "
                              f"{cfg.max_staleness}, {cfg.stream_trainer}")
         if cfg.replica_sleep == 2 and cfg.lora_sync == "adapter":
             raise ValueError("replica_sleep = 2 gives the weights back; lora_sync = 'adapter' sends the adapter alone")

@@ -6,6 +6,8 @@ weights while new ones start under the new weights, in the same steps."""
 from __future__ import annotations
 
 import copy
+import math
+import mmap
 import time
 
 import torch
@@ -164,7 +166,7 @@ class ModelRunner:
     # sleep mode (sleep.py): the KV pool and the weights given back to the OS, and taken again -------
     def alloc_kv(self) -> None:
         """The KV pool (and the routing pool, when kept), zeroed."""
-        self.kv_cache = tuple(torch.zeros(self._kv_shape, dtype=self._kv_dtype, device=self.device) for _ in range(2))
+        self.kv_cache = tuple(_zeros(self._kv_shape, self._kv_dtype, self.device) for _ in range(2))
         if self._routed:
             mc = self.model.config
             self.routing = torch.full((mc.num_layers, self._kv_shape[1], mc.experts_per_token), -1,
@@ -297,6 +299,16 @@ def _check_batch_invariant(cfg: EngineConfig, model: CausalLM) -> None:
         if not check_invariant(lambda x: packed_linear(x, packed), w):
             raise RuntimeError(f"batch_invariant: oneDNN's GEMM on this CPU gives a row of {name} "
                                f"{tuple(w.shape)} other bits among other rows")
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros; on the CPU in anonymous memory, which the OS zeroes a page at a time as it is
+    first written: a pool costs nothing to make (torch.zeros writes every page: 0.5 s a GiB) and
+    holds memory for the blocks used so far. Freed (unmapped) with the tensor."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    n = math.prod(shape)
+    return torch.frombuffer(mmap.mmap(-1, max(n * dtype.itemsize, 1)), dtype=dtype, count=n).view(shape)
 
 
 def _clone(model: CausalLM) -> CausalLM:

@@ -35,8 +35,8 @@ def make_router(cfg: TrainConfig, tokenizer):
     else:
         from rollwise.engine.async_engine import AsyncEngine
         replicas = [LocalReplica(f"replica{i}", AsyncEngine(
-            cfg.model, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed + i, speculative=cfg.speculative,
-            spec_controller=cfg.spec_controller, keep_weight_versions=cfg.weight_versions,
+            cfg.model, max_num_seqs=cfg.max_num_seqs, kv_cache_gb=cfg.replica_kv_cache_gb, seed=cfg.seed + i,
+            speculative=cfg.speculative, spec_controller=cfg.spec_controller, keep_weight_versions=cfg.weight_versions,
             num_threads=threads(cfg)[0], dtype=cfg.replica_dtype, batch_invariant=cfg.replica_batch_invariant,
             enable_return_routed_experts=cfg.routing_replay != "off",
             enable_lora=cfg.lora_sync == "adapter", max_lora_rank=max(cfg.lora_rank, 1)))

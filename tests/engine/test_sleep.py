@@ -20,6 +20,11 @@ def _rss_mib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
+def _touch(pool) -> None:
+    for cache in pool:
+        cache.add_(0.0)
+
+
 def _greedy(llm: LLM) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
@@ -28,6 +33,9 @@ def test_level_one_gives_the_kv_pool_back_and_wakes_to_the_same_tokens(model_dir
     llm = LLM(model_dir, kv_cache_gb=0.25)
     before = _greedy(llm)
     assert llm.generate(PROMPTS[0], GREEDY)[0].num_cached_tokens > 0  # its prefix is cached
+    rss = _rss_mib()
+    _touch(llm.engine.runner.kv_cache)  # every page of the pool written, as a long run's would be
+    assert _rss_mib() - rss > 0.8 * 256  # (the OS commits its pages as they are first written)
     rss = _rss_mib()
     llm.sleep(1)
     assert rss - _rss_mib() > 0.8 * 256  # the pool's 256 MiB went back to the OS

@@ -1,0 +1,146 @@
+"""Sleep mode in a synchronous run (`replica_sleep`): what the in-process replicas give back while
+the trainer trains, and what it costs per step. The same run (the demo's environment, model and
+SFT warm start; synchronous, the whole batch trained once complete: verl's step) with the replicas
+awake (0), their KV pools given back (1) and their weights too (2), each level in a fresh process.
+
+    python benchmarks/replica_sleep.py [--steps N] [--kv-gb G] [--levels 0,1,2] [--smoke] [--json PATH] [--plot PNG]
+
+Per level: the process's resident memory when training starts, its peak during training and its
+peak during the rollouts and weight sync before (VmHWM, reset at each boundary; medians over the
+steps after the first), seconds per step, the trainer's own seconds (sleep and wake included) and
+the tokens generated. The plot draws resident memory over the run for each level.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from rollwise.omp import passive_env, passive_unless_chosen
+passive_unless_chosen()  # before torch loads
+
+GIB = 2**30
+
+
+def _status(key: str) -> int:
+    """A /proc/self/status figure in bytes (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # (Linux: VmHWM starts again from VmRSS)
+        f.write("5")
+
+
+def child(level: int, steps: int, smoke: bool, kv_gb: float) -> dict:
+    """One run in this process, its memory watched: every step's boundaries from the trainer's `step`."""
+    from rollwise.cli import DEMO_FULL, DEMO_SFT, DEMO_SFT_CACHE, demo_model
+    from rollwise.rl import TrainConfig, train
+    from rollwise.trainer.grpo import GRPOTrainer
+
+    phases, trace, t0 = [], [], time.perf_counter()
+    step = GRPOTrainer.step
+
+    def watched(self, groups):  # (the whole-batch step: rollouts before it, training in it)
+        rollout_peak, start = _status("VmHWM"), _status("VmRSS")
+        _reset_peak()
+        try:
+            return step(self, groups)
+        finally:
+            phases.append({"rollout_peak": rollout_peak, "train_start": start, "train_peak": _status("VmHWM")})
+            _reset_peak()
+    GRPOTrainer.step = watched
+    done = threading.Event()
+
+    def sample():
+        while not done.wait(0.05):
+            trace.append((time.perf_counter() - t0, _status("VmRSS") / GIB))
+    threading.Thread(target=sample, daemon=True).start()
+    sft = dict(sft_steps=5, sft_tasks=8) if smoke else {k: DEMO_FULL[k] for k in DEMO_SFT}
+    with tempfile.TemporaryDirectory(prefix="rollwise-sleep-") as tmp:
+        cfg = TrainConfig.from_dict(dict(
+            model=demo_model(), run_dir=tmp, env="phonebook", sft_cache=DEMO_SFT_CACHE, **sft, steps=steps,
+            groups_per_step=2 if smoke else 8, group_size=2 if smoke else 8, lr=DEMO_FULL["lr"], max_staleness=0,
+            stream_trainer=False, replica_sleep=level, replica_kv_cache_gb=kv_gb, eval_tasks=0, progress=False, seed=0))
+        rep = train(cfg)
+    done.set()
+    st = rep["steps"]
+    s = st[1:] or st  # (after the first step: warm)
+    med = lambda xs: sorted(xs)[(len(xs) - 1) // 2]  # noqa: E731
+    later = phases[1:] or phases
+    return {"level": level, "steps": len(st),
+            "train_start_gib": med([p["train_start"] for p in later]) / GIB,
+            "train_peak_gib": med([p["train_peak"] for p in later]) / GIB,
+            "rollout_peak_gib": med([p["rollout_peak"] for p in later]) / GIB,
+            "step_s": (st[-1]["wall_s"] - st[0]["wall_s"]) / (len(st) - 1) if len(st) > 1 else st[0]["wall_s"],
+            "train_s": sum(x["train_s"] for x in s) / len(s),
+            "generated_tokens": st[-1].get("generated_tokens", 0.0),
+            "replicas_slept": [x.get("replicas_slept", 0) for x in st],
+            "reward_mean": sum(x["reward"] for x in st) / len(st), "trace": trace}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--kv-gb", type=float, default=1.0, help="each replica's KV pool (replica_kv_cache_gb)")
+    ap.add_argument("--levels", default="0,1,2")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--plot")
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child is not None:
+        print("RESULT " + json.dumps(child(args.child, args.steps, args.smoke, args.kv_gb)), flush=True)
+        return
+    levels = [int(x) for x in args.levels.split(",")]
+    print(f"{args.steps} synchronous steps of the demo's run (phonebook), whole batches; replicas asleep while "
+          "training at each level")
+    print(f"{'level':>5}{'train start GiB':>16}{'train peak GiB':>15}{'rollout peak GiB':>17}{'s/step':>8}"
+          f"{'train s':>8}{'gen tokens':>11}")
+    out = {"steps": args.steps, "replica_kv_cache_gb": args.kv_gb, "levels": {}}
+    for level in levels:
+        cmd = [sys.executable, __file__, "--child", str(level), "--steps", str(args.steps), "--kv-gb", str(args.kv_gb),
+               *(["--smoke"] * args.smoke)]
+        proc = subprocess.run(cmd, env=passive_env(), capture_output=True, text=True)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            sys.exit(f"level {level} failed:\n{proc.stderr[-3000:]}")
+        r = out["levels"][level] = json.loads(line[7:])
+        print(f"{level:>5}{r['train_start_gib']:>16.2f}{r['train_peak_gib']:>15.2f}{r['rollout_peak_gib']:>17.2f}"
+              f"{r['step_s']:>8.2f}{r['train_s']:>8.2f}{int(r['generated_tokens']):>11}", flush=True)
+    if 0 in out["levels"]:
+        base = out["levels"][0]
+        for level, r in out["levels"].items():
+            if level:
+                r["train_peak_vs_awake"] = r["train_peak_gib"] / base["train_peak_gib"]
+                r["step_s_vs_awake"] = r["step_s"] / base["step_s"]
+                print(f"level {level}: training's peak {r['train_peak_vs_awake']:.2f}x the awake run's "
+                      f"({r['train_peak_gib']:.2f} vs {base['train_peak_gib']:.2f} GiB), "
+                      f"{r['step_s_vs_awake']:.2f}x its seconds per step")
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for level, r in out["levels"].items():
+            ax.plot(*zip(*r["trace"]), label=f"replica_sleep = {level}", lw=1)
+        ax.set_xlabel("seconds into the run")
+        ax.set_ylabel("resident memory (GiB)")
+        ax.set_title("Synchronous RL, in-process replicas asleep while the trainer trains")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+    for r in out["levels"].values():
+        r["trace"] = [(round(t, 2), round(g, 4)) for t, g in r["trace"][::4]]  # (every 0.2 s in the file)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
