@@ -24,7 +24,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     block_size: int = 16
     num_kv_blocks: int | None = None  # default: derived from kv_cache_gb
-    kv_cache_gb: float = 1.0
+    kv_cache_gb: float = 1.0  # the KV pool (on the CPU its memory is taken page by page as blocks are first used)
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; default: torch's choice
     # the native paged attention kernel for every row (CPU, fp32; README "Native kernels": decode

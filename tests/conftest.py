@@ -38,8 +38,8 @@ def rm_dir(model_dir, tmp_path_factory) -> str:
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_engines():
-    """Engines a module's tests made (each holds its KV pool, 1 GB by default) freed before the next
-    module's, reference cycles included: the suite runs in one process."""
+    """Engines a module's tests made (each holds its KV pool's used pages, up to 1 GB by default) freed
+    before the next module's, reference cycles included: the suite runs in one process."""
     yield
     import gc
     gc.collect()

@@ -12,9 +12,21 @@ trains, and takes them again before it serves.
 A part of LLMEngine (`SleepMode`), kept apart to keep the loop short."""
 from __future__ import annotations
 
+import ctypes
+
 from rollwise.types import EngineAsleep
 
 SLEEP_TAGS = ("weights", "kv_cache")
+
+
+def trim_allocator() -> None:
+    """Hand the C allocator's free pages back to the OS. glibc keeps freed chunks in its arenas, so
+    weights freed by a sleep (allocated again at each wake, on whichever thread) would stay resident:
+    without this, level 2 gave back 100 of a model's 210 MB and the process grew by 130 MB a cycle."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def sleep_tags(tags) -> set[str]:
@@ -54,6 +66,7 @@ class SleepMode:
             self.runner.free_weights()
             self.weights_lost = True
         self.asleep |= tags
+        trim_allocator()
 
     def wake_up(self, tags=None) -> None:
         """Take the memory of the tags named (None: every one asleep) again. Weights woken after a
@@ -78,11 +91,12 @@ class SleepMode:
             raise EngineAsleep("the engine's weights were given back by a level-2 sleep: load every weight "
                                "(update_weights) before it serves")
 
-    def _check_weights_update(self, state: dict) -> None:
-        """After a level-2 sleep an update must bring every weight (ValueError otherwise)."""
+    def _check_weights_update(self, state: dict | None = None) -> None:
+        """EngineAsleep while the weights sleep; after a level-2 sleep, ValueError unless `state` (an
+        update's checked weights) brings every one."""
         if "weights" in self.asleep:
             raise EngineAsleep("the engine's weights are asleep: wake_up(tags=['weights']) before updating them")
-        if self.weights_lost:
+        if self.weights_lost and state is not None:
             from rollwise.engine.models.loader import check_weights
             try:
                 check_weights(self.runner.model, state, partial=False)

@@ -29,8 +29,7 @@ class WeightVersions:
         `weights` may instead be a LoRA adapter (AdapterWeights, or a peft directory): the new version
         is then the newest weights plus that adapter, held without a copy of the weights (a LoRA run's
         update: a few MB of adapter, not the model)."""
-        if "weights" in self.asleep:
-            self._check_weights_update({})
+        self._check_weights_update()  # (sleep mode: the weights awake, and after a level-2 sleep every one)
         adapter = self._policy_adapter(weights)
         if adapter is not None:
             if self.weights_lost:

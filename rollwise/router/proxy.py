@@ -248,6 +248,28 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
             return [rid for r in await fan_out("/abort_request", {"abort_all": True}) for rid in r["aborted"]]
         return await load_from_disk(body, cfg, update, abort_all)
 
+    @app.post("/sleep")
+    async def sleep(request: Request):
+        """Every idle replica sleeps (vLLM's sleep mode; `Router.sleep`): out of routing until /wake_up."""
+        if refused := weights_refused(cfg):
+            return refused
+        level = request.query_params.get("level", "1")
+        if level not in ("1", "2"):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        return {"status": "ok", "asleep": await router.sleep(int(level))}
+
+    @app.post("/wake_up")
+    async def wake_up():
+        if refused := weights_refused(cfg):
+            return refused
+        names = sorted(router.asleep)
+        await router.wake_up(names)
+        return {"status": "ok", "woken": names}
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        return {"is_sleeping": bool(router.asleep), "asleep": sorted(router.asleep)}
+
     @app.post("/end_trajectory")
     async def end_trajectory(body: EndTrajectoryBody):
         await router.end_trajectory(body.trajectory_id, body.group_id, body.token_ids, body.num_turns)

@@ -55,6 +55,7 @@ class Router(Upkeep):
         self._cands: dict[str, Candidate] = {}  # one per replica, kept current
         self.policy_version = 0  # of the weights every healthy replica serves
         self.stale: set[str] = set()  # replicas that missed a weight update (kept out of routing)
+        self.asleep: set[str] = set()  # replicas whose memory is given back (sleep mode; out of routing)
         self._latest: tuple | None = None  # (weights, version) of the last update
         self._latest_adapter: tuple | None = None  # (adapter, version) sent on those weights since, if any
         self._sharing: set[asyncio.Future] = set()

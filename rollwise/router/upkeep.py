@@ -36,6 +36,7 @@ class Upkeep:
         self._cands.pop(name, None)
         self._drafters = None
         self.healthy.discard(name)
+        self.asleep.discard(name)
         self._unpark(name)
         self._forget_contents(name)
         self.sticky.drop_replica(name)
@@ -79,22 +80,29 @@ class Upkeep:
     async def sleep(self, level: int) -> list[str]:
         """Every idle replica gives back its KV pool (level 1), and its weights (level 2: the next
         update must bring every weight), as vLLM's sleep mode does; the names of those that did (a
-        busy or unreachable one stays as it is). What they cached is forgotten here too."""
+        busy or unreachable one stays as it is). They are out of routing until `wake_up` (requests
+        wait for a replica meanwhile), and what they cached is forgotten here too."""
         names = [n for n, r in self.replicas.items() if hasattr(r, "sleep")]  # (optional, as update_weights)
         res = await asyncio.gather(*(self.replicas[n].sleep(level) for n in names), return_exceptions=True)
         slept = [n for n, r in zip(names, res) if r is True]
         for n in slept:
             self._forget_contents(n)
+            self.healthy.discard(n)
+            self.asleep.add(n)
         return slept
 
     async def wake_up(self, names: list[str]) -> None:
-        """The replicas named take their memory again; one that fails to is out of routing (stale)
-        until the health loop has woken it and given it the latest weights."""
+        """The replicas named take their memory again and are routed to; one that fails to is out of
+        routing (stale) until the health loop has woken it and given it the latest weights."""
         res = await asyncio.gather(*(self.replicas[n].wake_up() for n in names), return_exceptions=True)
         for n, r in zip(names, res):
+            self.asleep.discard(n)
             if isinstance(r, BaseException):
                 self._mark_down(n)
                 self.stale.add(n)
+            elif n not in self.stale:
+                self.healthy.add(n)
+        self._pump()
 
     def _mark_down(self, name: str) -> None:
         if name in self.healthy:
@@ -122,7 +130,7 @@ class Upkeep:
                         self.stale.discard(name)
                     except (ReplicaError, OSError, ValueError):
                         continue
-                if ok and name not in self.healthy and name not in self.stale:
+                if ok and name not in self.healthy and name not in self.stale and name not in self.asleep:
                     self.healthy.add(name)
                     self._pump()
                 elif not ok and name in self.healthy:

@@ -99,3 +99,32 @@ def test_level_two_serves_again_once_every_weight_is_loaded(model_dirs, family, 
     if family == "qwen3_moe":
         out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=4, return_routed_experts=True))[0]
         assert out.routed_experts.shape == (len(PROMPTS[1]) + 3, 2, 2) and (out.routed_experts >= 0).all()
+
+
+def test_level_two_gives_the_weights_memory_back_cycle_after_cycle(tmp_path):
+    """A 12M-parameter model (48 MB, and its packed copies) through three RL-like cycles, each woken
+    and loaded on a thread of its own: each sleep gives the weights' memory back to the OS, and the
+    process does not grow from cycle to cycle (glibc's arenas would keep what a wake allocated)."""
+    import threading
+
+    from rollwise.make_model import make_model
+    d = make_model(tmp_path / "m", family="qwen3", layers=4, hidden=512, heads=8, kv_heads=4, vocab=1024, seed=5)
+    llm = LLM(str(d), kv_cache_gb=0.01)
+    size = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters()) / 2**20
+    state = load_state_dict(str(d))
+    before = _greedy(llm)
+    awake, asleep = [], []
+
+    def cycle():
+        awake.append(_rss_mib())
+        llm.sleep(2)
+        asleep.append(_rss_mib())
+        llm.wake_up()
+        llm.update_weights(state)
+    for _ in range(3):
+        t = threading.Thread(target=cycle)
+        t.start()
+        t.join()
+    assert size > 40 and all(a - b > 0.9 * size for a, b in zip(awake, asleep)), (size, awake, asleep)
+    assert awake[2] - awake[1] < 0.2 * size and asleep[2] - asleep[1] < 0.2 * size, (awake, asleep)
+    assert _greedy(llm) == before

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import subprocess
@@ -292,7 +293,6 @@ def test_a_client_leaving_the_route_aborts_the_replica_request(servers, model_di
 def test_abort_request_through_the_route(servers, model_dir):
     """/abort_request on the route reaches the replica running the request; the routed caller gets
     what it has, finish reason "abort"."""
-    import concurrent.futures
     proc, url = start_route(servers, model_dir, "round_robin")
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -413,6 +413,16 @@ def test_weights_through_the_route(model_dir):
                 got = c.post("/update_weights_from_disk", json={"model_path": model_dir}).json()
                 assert got["success"] is True and got["weight_version"] == "2"
                 assert c.post("/update_weights_from_disk", json={"model_path": "/nonexistent"}).json()["success"] is False
+                # sleep mode through the route: the replica sleeps, out of routing; a request waits for it
+                assert c.post("/sleep", params={"level": 1}).json()["asleep"] == [a.url]
+                assert httpx.get(a.url + "/is_sleeping").json()["is_sleeping"] and c.get("/is_sleeping").json()["asleep"]
+                body = {"input_ids": [5], "sampling_params": {"max_tokens": 2}}
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    late = pool.submit(httpx.post, url + "/generate", json=body, timeout=60)
+                    time.sleep(1.5)  # (the route's health loop runs every second: it leaves a sleeper out)
+                    assert not late.done() and c.get("/replicas").json()["healthy"] == []
+                    assert c.post("/wake_up").json()["woken"] == [a.url]
+                    assert late.result().status_code == 200 and not httpx.get(a.url + "/is_sleeping").json()["is_sleeping"]
         finally:
             proc.terminate()
             proc.wait(timeout=10)
