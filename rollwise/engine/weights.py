@@ -62,6 +62,8 @@ class WeightVersions:
             self._adapters.pop(v, None)
         self.weight_updates += 1
         self._roots[v] = self.weight_updates  # salt: KV of earlier weights never matches
+        if self.config.keep_weight_versions == 1:  # nor will a request pinned to them come: their cached blocks
+            self.blocks.evict_cached()  # are reused first, and the pool's memory stays its working set's
         self._loaded = [u for u in self._loaded if u != v] + [v]
         self.policy_version = v
         if partial_rollout:

@@ -385,9 +385,11 @@ def test_update_weights_bumps_version_and_invalidates_prefixes(model_dir):
     state = {k: v.clone() for k, v in llm.engine.runner.model.hf_tensors().items()}
     state["model.norm.weight"] = state["model.norm.weight"] * -1.0
     assert llm.update_weights(state) == 1
+    assert not llm.engine.blocks.cached  # KV of the old weights: forgotten, its blocks free to reuse first
+    used = llm.engine.blocks._fresh  # (blocks ever used: the pool holds memory for these alone)
     after = llm.generate([p], GREEDY)[0]
     assert after.num_cached_tokens == 0 and after.policy_version == 1
-    assert after.token_ids != before.token_ids
+    assert after.token_ids != before.token_ids and llm.engine.blocks._fresh == used
     fresh = LLM(model_dir)
     fresh.update_weights(state)
     assert fresh.generate([p], GREEDY)[0].token_ids == after.token_ids
