@@ -260,10 +260,6 @@ class WeightsNotHeld(ValueError):
     """A request pinned to a weights version its replica does not hold (another replica may)."""
 
 
-class EngineAsleep(RuntimeError):
-    """A request to an engine whose KV pool or weights are given back (sleep mode; another replica may serve it)."""
-
-
 @dataclass(slots=True, kw_only=True)
 class GenerateRequest:
     """One generation call of an episode: token ids in, with the session metadata schedulers use."""

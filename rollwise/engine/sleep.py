@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import ctypes
 
-from rollwise.types import EngineAsleep
-
 SLEEP_TAGS = ("weights", "kv_cache")
+
+
+class EngineAsleep(RuntimeError):
+    """A request to an engine whose KV pool or weights are given back (another replica may serve it)."""
 
 
 def trim_allocator() -> None:

@@ -112,7 +112,13 @@ class LocalReplica:
     async def sleep(self, level: int) -> bool:
         """The engine gives back its memory (sleep mode) if it is idle; whether it did."""
         eng = self.engine.engine
-        return await self.engine.call(lambda: not eng.seqs and (eng.sleep(level) or True))
+
+        def go() -> bool:  # (on the engine's thread: nothing is admitted between the check and the sleep)
+            if eng.seqs:
+                return False
+            eng.sleep(level)
+            return True
+        return await self.engine.call(go)
 
     async def wake_up(self) -> None:
         await self.engine.wake_up()

@@ -33,7 +33,8 @@ from rollwise.serve.lora import install_lora, with_adapter
 from rollwise.serve.sglang import generate_params, install_sglang, sglang_fields
 from rollwise.serve.sleep import install_sleep
 from rollwise.serve.tokenize import install_tokenize
-from rollwise.types import EngineAsleep, WeightsNotHeld
+from rollwise.engine.sleep import EngineAsleep
+from rollwise.types import WeightsNotHeld
 from rollwise.wire import AdapterWeights
 
 OPEN_PATHS = {"/health", "/metrics"}

@@ -9,7 +9,8 @@ from rollwise.config import EngineConfig
 from rollwise.engine.llm import LLM
 from rollwise.engine.llm_engine import LLMEngine
 from rollwise.engine.models.loader import load_state_dict
-from rollwise.types import EngineAsleep, SamplingParams, WeightsNotHeld
+from rollwise.engine.sleep import EngineAsleep
+from rollwise.types import SamplingParams, WeightsNotHeld
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 4, [40, 41, 42]]

@@ -415,14 +415,15 @@ def test_weights_through_the_route(model_dir):
                 assert c.post("/update_weights_from_disk", json={"model_path": "/nonexistent"}).json()["success"] is False
                 # sleep mode through the route: the replica sleeps, out of routing; a request waits for it
                 assert c.post("/sleep", params={"level": 1}).json()["asleep"] == [a.url]
-                assert httpx.get(a.url + "/is_sleeping").json()["is_sleeping"] and c.get("/is_sleeping").json()["asleep"]
+                sleeping = lambda: httpx.get(a.url + "/is_sleeping").json()["is_sleeping"]  # noqa: E731
+                assert sleeping() and c.get("/is_sleeping").json()["asleep"] == [a.url]
                 body = {"input_ids": [5], "sampling_params": {"max_tokens": 2}}
                 with concurrent.futures.ThreadPoolExecutor(1) as pool:
                     late = pool.submit(httpx.post, url + "/generate", json=body, timeout=60)
                     time.sleep(1.5)  # (the route's health loop runs every second: it leaves a sleeper out)
                     assert not late.done() and c.get("/replicas").json()["healthy"] == []
                     assert c.post("/wake_up").json()["woken"] == [a.url]
-                    assert late.result().status_code == 200 and not httpx.get(a.url + "/is_sleeping").json()["is_sleeping"]
+                    assert late.result().status_code == 200 and not sleeping()
         finally:
             proc.terminate()
             proc.wait(timeout=10)

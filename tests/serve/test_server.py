@@ -373,7 +373,8 @@ def test_weight_updates_off_loopback_need_an_api_key(model_dir):
     try:
         open_app = TestClient(build_app(engine, ServerConfig(host="0.0.0.0"), "m"))
         for path, body in (("/update_weights", {"model_dir": model_dir}), ("/sleep", None),
-                           ("/update_weights_from_disk", {"model_path": model_dir}), ("/release_memory_occupation", {})):
+                           ("/update_weights_from_disk", {"model_path": model_dir}),
+                           ("/release_memory_occupation", {})):
             r = open_app.post(path, json=body)
             assert r.status_code == 403 and "api-key" in r.json()["error"]["message"], path
         assert engine.policy_version == 0 and not engine.is_sleeping
