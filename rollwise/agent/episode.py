@@ -32,6 +32,16 @@ class Generator(Protocol):
     async def generate(self, request: GenerateRequest) -> GenerateOutput: ...
 
 
+def text_content(content) -> str | None:
+    """A chat message's content as text: a string as it is, None as "", a list of text parts
+    (OpenAI's `{"type": "text", "text": ...}`, Anthropic's text blocks) joined; None for anything else."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    return None
+
+
 class ChatRenderer:
     """Renders a conversation's first prompt and, later, only the delta of new messages."""
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import uuid
 
+from rollwise.agent.episode import text_content
 from rollwise.agent.gateway import GatewayError
 
 FIELDS = ("model", "max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences", "temperature",
@@ -125,11 +126,10 @@ def _str(block: dict, key: str) -> str:
 
 
 def _text(content, what: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content):
-        return "".join(str(b.get("text", "")) for b in content)
-    raise GatewayError(400, f"{what} must be a string or a list of text blocks")
+    text = None if content is None else text_content(content)
+    if text is None:
+        raise GatewayError(400, f"{what} must be a string or a list of text blocks")
+    return text
 
 
 def _tool(t) -> dict:

@@ -5,7 +5,8 @@ the rollouts see the same layout.
 A record (JSON lines, a JSON list or Parquet, as task files: `load_tasks`) is a conversation, under
 `messages` (OpenAI's chat messages: verl's multi-turn SFT files) or `turns` (the agent-trajectory
 corpus's), with its tool schemas under `tools` if any; or a `prompt` (text, or messages) and its
-`response` (verl's single-turn SFT files). The prompt is the messages before the first assistant
+`response` (verl's single-turn SFT files). A message's content is text, or a list of text parts
+(joined). The prompt is the messages before the first assistant
 message, rendered by the chat template with the generation prompt. Each assistant message is its
 text, tool calls written as the model writes them (`parser`: the env's), then EOS: the tokens trained
 on, as a scripted expert's turn is. The messages between two assistant messages (tool results, the
@@ -17,7 +18,7 @@ from __future__ import annotations
 import json
 
 from rollwise.agent.envs import load_tasks
-from rollwise.agent.episode import ChatRenderer
+from rollwise.agent.episode import ChatRenderer, text_content
 from rollwise.agent.parsing import make_parser
 from rollwise.agent.parsing.base import ToolCall
 from rollwise.types import Trajectory
@@ -34,6 +35,15 @@ def conversation(record: dict) -> list[dict]:
         return head + [{"role": "assistant", "content": record["response"]}]
     raise ValueError(f"SFT record {record.get('id')!r} has no 'messages', 'turns' or 'prompt' + 'response' "
                      f"(fields: {sorted(record)})")
+
+
+def _message(m: dict, record_id) -> dict:
+    """The message with its content as text (a list of text parts joined), or ValueError."""
+    text = text_content(m.get("content"))
+    if text is None:
+        raise ValueError(f"SFT record {record_id!r}: a {m.get('role')} message's content is neither text nor a list "
+                         f"of text parts: {str(m.get('content'))[:200]}")
+    return {**m, "content": text}
 
 
 def assistant_text(message: dict, parser) -> str:
@@ -62,7 +72,7 @@ def transcripts(path: str, tokenizer, parser: str | object = "hermes", max_token
     renderer, eos = ChatRenderer(tokenizer), tokenizer.eos_token_id
     out = []
     for record in load_tasks(path):
-        msgs = conversation(record)
+        msgs = [_message(m, record.get("id")) for m in conversation(record)]
         roles = [m.get("role") for m in msgs]
         if "assistant" not in roles:
             raise ValueError(f"SFT record {record['id']!r} has no assistant message to train on")

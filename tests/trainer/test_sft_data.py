@@ -59,12 +59,22 @@ def test_tool_calls_prompt_response_pairs_and_bad_records(model_dir, tmp_path):
     assert calls.token_ids[-1] == tok.eos_token_id and calls.loss_mask[-1] == 1
     assert tok.decode([i for i, m in zip(pair.token_ids, pair.loss_mask) if m]) == "hi"
     assert "Say hi." in tok.decode(pair.token_ids)
+    parts = lambda *xs: [{"type": "text", "text": x} for x in xs]  # noqa: E731  (OpenAI's content parts)
+    path.write_text(json.dumps([{"id": "parts", "messages": [{"role": "user", "content": parts("1 + ", "2?")},
+                                                             {"role": "assistant", "content": parts("3")}]},
+                                {"id": "plain", "messages": [{"role": "user", "content": "1 + 2?"},
+                                                             {"role": "assistant", "content": "3"}]}]))
+    joined, plain = transcripts(str(path), tok)
+    assert joined.token_ids == plain.token_ids and joined.loss_mask == plain.loss_mask
     broken = dict(call, function={"name": "add", "arguments": "{a: 1"})
     for bad, message in (({"id": "x", "text": "hi"}, "has no 'messages', 'turns' or 'prompt' \\+ 'response'"),
                          ({"id": "y", "messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
                          ({"id": "z", "messages": [{"role": "user", "content": "hi"},
                                                    {"role": "assistant", "tool_calls": [broken]}]},
-                          "tool call 'add': its arguments are not JSON")):
+                          "tool call 'add': its arguments are not JSON"),
+                         ({"id": "w", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]},
+                                                   {"role": "assistant", "content": "a cat"}]},
+                          "record 'w': a user message's content is neither text nor a list of text parts")):
         path.write_text(json.dumps([bad]))
         with pytest.raises(ValueError, match=message):
             transcripts(str(path), tok)

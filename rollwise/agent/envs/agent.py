@@ -52,7 +52,7 @@ import threading
 
 from rollwise.agent.agent_server import AgentServer
 from rollwise.agent.env import NewContext
-from rollwise.agent.episode import stable_seed
+from rollwise.agent.episode import stable_seed, text_content
 from rollwise.agent.gateway import Gateway, GatewayError, Session, completion, httpx_of, pooled
 from rollwise.agent.parsing import bind, make_parser, openai_tool_calls
 from rollwise.agent.plugins import load_object
@@ -345,11 +345,10 @@ def _ending(kind: str, value) -> str:
 
 
 def _text(content) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise GatewayError(400, "message content must be a string or a list of text parts")
+    text = text_content(content)
+    if text is None:
+        raise GatewayError(400, "message content must be a string or a list of text parts")
+    return text
 
 
 def _render(m: dict) -> dict:
