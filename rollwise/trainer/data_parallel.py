@@ -43,8 +43,9 @@ class Comm:
     def grads(self, params) -> None:
         """Each parameter's gradient summed over the ranks (None where no rank has one)."""
 
-    def shard(self, groups: list, loads: list[float]) -> list:
-        """The groups this rank trains (`loads`: each rank's generated tokens so far this step)."""
+    def shard(self, groups: list, loads: list[float], size=None) -> list:
+        """The groups this rank trains (`loads`: each rank's generated tokens so far this step; `size`:
+        an item's measure, default its generated tokens)."""
         return groups
 
     def broadcast_params(self, module: torch.nn.Module) -> None:
@@ -88,12 +89,12 @@ class Gloo(Comm):
             if flat[i] > 0:
                 p.grad = g.clone() if p.grad is None else p.grad.copy_(g)
 
-    def shard(self, groups: list, loads: list[float]) -> list:
+    def shard(self, groups: list, loads: list[float], size=None) -> list:
         """Largest group first onto the least-loaded rank (every rank computes the same placement)."""
-        mine = set()
-        for i in sorted(range(len(groups)), key=lambda i: -generated(groups[i])):
+        size, mine = size or generated, set()
+        for i in sorted(range(len(groups)), key=lambda i: -size(groups[i])):
             r = min(range(self.world), key=lambda r: (loads[r], r))
-            loads[r] += max(generated(groups[i]), 1)
+            loads[r] += max(size(groups[i]), 1)
             if r == self.rank:
                 mine.add(i)
         return [g for i, g in enumerate(groups) if i in mine]  # in their order

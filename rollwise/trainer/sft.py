@@ -15,7 +15,7 @@ from rollwise.types import Trajectory
 
 class SFT:
     """The warm start, one `step()` at a time. Every rank draws the same batch (the same seed) and
-    trains its share of it (rows rank, rank + world, ...); the loss is normalized by the whole
+    trains its share of it (its rows dealt by tokens); the loss is normalized by the whole
     batch's generated tokens, so the summed gradients are the one-process step's up to the order of
     their sums, and every rank takes the same update."""
 
@@ -36,7 +36,8 @@ class SFT:
         """One update; the batch's loss (every rank's share summed)."""
         idx = torch.randint(len(self.seqs), (self.batch_size,), generator=self.g).tolist()
         total = float(sum(sum(self.seqs[i].loss_mask[1:]) for i in idx))  # the batch's generated tokens
-        mine = [self.seqs[i] for i in idx[self.comm.rank::self.comm.world]]
+        # this rank's rows: the longest first onto the rank with the fewest tokens (as the GRPO step's groups)
+        mine = self.comm.shard([self.seqs[i] for i in idx], [0.0] * self.comm.world, size=lambda t: len(t.token_ids))
         loss = torch.zeros(())
         fits = not mine or not self.micro or len(mine) * max(len(t.token_ids) for t in mine) <= self.micro
         for rows in [mine] if fits else micro_batches(mine, self.micro):  # (whole: in the batch's order)

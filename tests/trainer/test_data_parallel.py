@@ -13,7 +13,7 @@ from rollwise.agent.envs import ENVS
 from rollwise.agent.envs.calculator import CalculatorEnv
 from rollwise.rl_config import TrainConfig
 from rollwise.rl_trainer import make_policy, make_trainer
-from rollwise.trainer.data_parallel import Comm
+from rollwise.trainer.data_parallel import Comm, Gloo
 from rollwise.types import Trajectory, TurnRecord
 
 
@@ -310,3 +310,14 @@ def test_the_warm_start_runs_on_the_trainer_ranks(model_dir, tmp_path, processes
         assert max(float((merged[k] - base[k]).abs().max()) for k in merged) > 0
     finally:
         ranks.close()
+
+
+def test_rows_are_dealt_by_size_longest_first_onto_the_lightest_rank():
+    """The warm start's rows (and the GRPO step's groups) go to ranks by size, not by position: rows of
+    50, 40, 30, 20, 10, 10 tokens give each of 2 ranks 80 (by position, 90 and 70); every rank deals
+    alike, so the shares cover the batch once; one process keeps it all, in order."""
+    rows = [[0] * n for n in (50, 40, 30, 20, 10, 10)]
+    shares = [Gloo.shard(SimpleNamespace(rank=r, world=2), rows, [0.0, 0.0], size=len) for r in (0, 1)]
+    assert [sum(map(len, s)) for s in shares] == [80, 80]
+    assert sorted(map(id, shares[0] + shares[1])) == sorted(map(id, rows))
+    assert Comm().shard(rows, [0.0], size=len) == rows
