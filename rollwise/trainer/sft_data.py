@@ -6,12 +6,12 @@ A record (JSON lines, a JSON list or Parquet, as task files: `load_tasks`) is a 
 `messages` (OpenAI's chat messages: verl's multi-turn SFT files) or `turns` (the agent-trajectory
 corpus's), with its tool schemas under `tools` if any; or a `prompt` (text, or messages) and its
 `response` (verl's single-turn SFT files). A message's content is text, or a list of text parts
-(joined). The prompt is the messages before the first assistant
-message, rendered by the chat template with the generation prompt. Each assistant message is its
-text, tool calls written as the model writes them (`parser`: the env's), then EOS: the tokens trained
-on, as a scripted expert's turn is. The messages between two assistant messages (tool results, the
-user) are the rendered delta the episode loop appends, not trained on; those after the last one are
-dropped. A transcript longer than `max_tokens` is cut there.
+(joined). The prompt is the messages before the first assistant message, rendered by the chat
+template with the generation prompt. Each assistant message is its text, tool calls written as the
+model writes them (`parser`: the env's), then EOS: the tokens trained on, as a scripted expert's
+turn is. The messages between two assistant messages (tool results, the user) are the rendered
+delta the episode loop appends, not trained on; those after the last one are dropped. A transcript
+longer than `max_tokens` is cut there.
 """
 from __future__ import annotations
 
