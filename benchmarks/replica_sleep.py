@@ -5,8 +5,8 @@ weights too (2), each level in a fresh process. `--model demo`: the demo's envir
 SFT warm start, 8 groups of 8 a step; `bench`: the engine benchmarks' 8-layer model (16 KiB of KV
 a token, the demo's 1 KiB), untrained, so every turn runs to its 256 tokens, 4 groups of 4.
 
-    python benchmarks/replica_sleep.py [--model demo|bench] [--steps N] [--kv-gb G] [--levels 0,1,2] [--smoke]
-                                      [--json PATH] [--plot PNG]
+    python benchmarks/replica_sleep.py [--model demo|bench] [--steps N] [--kv-gb G] [--levels 0,1,2]
+                                      [--json PATH] [--plot PNG] [--smoke [--model-dir DIR]]
 
 Per level: the replicas' KV pools in memory when each step's training starts (the pools' own
 mappings' resident pages: the pools are taken page by page as blocks are first used, so an awake
@@ -63,7 +63,7 @@ def kv_resident() -> int:
     return total
 
 
-def child(level: int, steps: int, smoke: bool, kv_gb: float, model: str) -> dict:
+def child(level: int, steps: int, smoke: bool, kv_gb: float, model: str, model_dir: str | None) -> dict:
     """One run in this process, its memory watched: every step's boundaries from the trainer's `step`."""
     from common import engine_model
     from rollwise.cli import DEMO_FULL, DEMO_SFT, DEMO_SFT_CACHE, demo_model
@@ -89,11 +89,12 @@ def child(level: int, steps: int, smoke: bool, kv_gb: float, model: str) -> dict
         while not done.wait(0.05):
             trace.append((time.perf_counter() - t0, _status("VmRSS") / GIB))
     threading.Thread(target=sample, daemon=True).start()
-    sft = dict(sft_steps=5, sft_tasks=8) if smoke else {k: DEMO_FULL[k] for k in DEMO_SFT}
-    groups = 2 if smoke else 8
-    run = dict(model=demo_model(), sft_cache=DEMO_SFT_CACHE, **sft)
-    if model == "bench":  # 16 KiB of KV a token (the demo's: 1 KiB), untrained: every turn its max_tokens
+    if smoke:  # the 2-layer engine model (made once, where --model-dir says), a few SFT steps, nothing cached
+        run, groups = dict(model=engine_model("smoke", model_dir), sft_steps=5, sft_tasks=8), 2
+    elif model == "bench":  # 16 KiB of KV a token (the demo's: 1 KiB), untrained: every turn its max_tokens
         run, groups = dict(model=engine_model("bench"), sft_steps=0, max_tokens=256), 4
+    else:
+        run, groups = dict(model=demo_model(), sft_cache=DEMO_SFT_CACHE, **{k: DEMO_FULL[k] for k in DEMO_SFT}), 8
     with tempfile.TemporaryDirectory(prefix="rollwise-sleep-") as tmp:
         cfg = TrainConfig.from_dict(dict(
             **run, run_dir=tmp, env="phonebook", steps=steps, groups_per_step=groups, group_size=groups,
@@ -122,7 +123,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--kv-gb", type=float, default=1.0, help="each replica's KV pool (replica_kv_cache_gb)")
     ap.add_argument("--levels", default="0,1,2")
-    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="a seconds-long run for tests")
+    ap.add_argument("--model-dir", help="with --smoke: where its model is (made if absent)")
     ap.add_argument("--model", default="demo", choices=("demo", "bench"),
                     help="bench: the engine benchmarks' 8-layer model, untrained, 4 groups of 4 a step")
     ap.add_argument("--json")
@@ -130,17 +132,19 @@ def main() -> None:
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
-        print("RESULT " + json.dumps(child(args.child, args.steps, args.smoke, args.kv_gb, args.model)), flush=True)
+        r = child(args.child, args.steps, args.smoke, args.kv_gb, args.model, args.model_dir)
+        print("RESULT " + json.dumps(r), flush=True)
         return
     levels = [int(x) for x in args.levels.split(",")]
     print(f"{args.steps} synchronous steps ({args.model} model, phonebook), whole batches; replicas asleep while "
           "training at each level")
-    print(f"{'level':>5}{'KV at training GiB':>19}{'train start GiB':>16}{'train peak GiB':>15}{'rollout peak GiB':>17}"
-          f"{'s/step':>8}{'train s':>8}{'gen tokens':>11}")
+    print(f"{'level':>5}{'KV at training GiB':>19}{'train start GiB':>16}{'train peak GiB':>15}"
+          f"{'rollout peak GiB':>17}{'s/step':>8}{'train s':>8}{'gen tokens':>11}")
     out = {"steps": args.steps, "model": args.model, "replica_kv_cache_gb": args.kv_gb, "levels": {}}
     for level in levels:
         cmd = [sys.executable, __file__, "--child", str(level), "--steps", str(args.steps), "--kv-gb", str(args.kv_gb),
-               "--model", args.model, *(["--smoke"] * args.smoke)]
+               "--model", args.model, *(["--smoke"] * args.smoke),
+               *(["--model-dir", args.model_dir] if args.model_dir else [])]
         proc = subprocess.run(cmd, env=passive_env(), capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:

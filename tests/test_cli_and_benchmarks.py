@@ -196,6 +196,16 @@ def test_sft_file_benchmark_smoke(tmp_path):
     assert 0 < res["held_out_nll_after"] < res["held_out_nll_before"] and (tmp_path / "p.png").stat().st_size > 5000
 
 
+def test_replica_sleep_benchmark_smoke(tmp_path):
+    """Each level in a process of its own: asleep, the replicas' pools are out of memory while the trainer trains."""
+    res = smoke(tmp_path, "benchmarks/replica_sleep.py", "--model-dir", str(tmp_path / "model"), "--steps", "2",
+                "--levels", "0,2", "--plot", str(tmp_path / "p.png"))
+    awake, asleep = res["levels"]["0"], res["levels"]["2"]
+    assert awake["replicas_slept"] == [0, 0] and asleep["replicas_slept"] == [2, 2]
+    assert awake["kv_resident_gib"][-1] > 0 and asleep["kv_resident_gib"] == [0.0, 0.0]
+    assert awake["generated_tokens"] == asleep["generated_tokens"] > 0 and (tmp_path / "p.png").stat().st_size > 5000
+
+
 def test_pre_rollout_benchmark_smoke(tmp_path):
     res = smoke(tmp_path, "benchmarks/pre_rollout.py", "--model", str(tmp_path / "model"), "--target", "0.25")
     base, filt, adaptive = res["dynamic_sampling"], res["pre_rollout_filter"], res["adaptive"]
