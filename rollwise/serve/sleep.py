@@ -19,7 +19,8 @@ class MemoryRequest(BaseModel):
 
 
 def _tags(tags: list[str] | None) -> list[str] | None:
-    return None if tags is None else [t for t in tags if t != "cuda_graph"] or None
+    """The tags that name memory here (None: all; [] when only "cuda_graph" was named: nothing to do)."""
+    return None if tags is None else [t for t in tags if t != "cuda_graph"]
 
 
 def install_sleep(app: FastAPI, engine, cfg: ServerConfig) -> None:
@@ -48,12 +49,14 @@ def install_sleep(app: FastAPI, engine, cfg: ServerConfig) -> None:
     async def release_memory_occupation(body: MemoryRequest | None = None):
         if refused := weights_refused(cfg):
             return refused
-        await engine.release_memory(_tags((body or MemoryRequest()).tags))
+        if (tags := _tags((body or MemoryRequest()).tags)) != []:
+            await engine.release_memory(tags)
         return {"success": True, "message": "Memory released."}
 
     @app.post("/resume_memory_occupation")
     async def resume_memory_occupation(body: MemoryRequest | None = None):
         if refused := weights_refused(cfg):
             return refused
-        await engine.wake_up(_tags((body or MemoryRequest()).tags))
+        if (tags := _tags((body or MemoryRequest()).tags)) != []:
+            await engine.wake_up(tags)
         return {"success": True, "message": "Memory resumed."}

@@ -44,7 +44,9 @@ def test_sleep_endpoints_give_memory_back_and_serve_the_same_tokens_after(server
     got = client.post("/resume_memory_occupation", json={"tags": ["kv_cache", "cuda_graph"]}).json()
     assert got["success"] and not client.get("/is_sleeping").json()["is_sleeping"]
     assert client.post("/generate", json=BODY).json()["token_ids"] == before
-    # SGLang's names, no tags: both; woken weights serve nothing until loaded
+    # SGLang's names: a CUDA graph alone names nothing here; no tags, both; woken weights serve nothing until loaded
+    assert client.post("/release_memory_occupation", json={"tags": ["cuda_graph"]}).json()["success"]
+    assert not client.get("/is_sleeping").json()["is_sleeping"]
     assert client.post("/release_memory_occupation", json={}).json()["success"]
     assert client.get("/health").json()["sleeping"] == ["kv_cache", "weights"]
     assert client.post("/resume_memory_occupation").json()["success"]
