@@ -25,6 +25,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks  # set once full and registered in the cache
+        self.block_tag: list = [None] * num_blocks  # what a cached block was computed under (its weights version)
         # The free list, in reuse order, kept in three parts so a large pool costs nothing to create:
         # blocks freed with nothing cached (last freed first), then never-used blocks in id order, then
         # cached blocks, least recently freed first (LRU eviction).
@@ -93,10 +94,12 @@ class BlockManager:
             ref[b] = 1
             block_table.append(b)
 
-    def register(self, block_id: int, block_hash: int) -> None:
-        """Publish a full block's contents for reuse; a duplicate of a cached prefix stays private."""
+    def register(self, block_id: int, block_hash: int, tag=None) -> None:
+        """Publish a full block's contents for reuse (`tag`: what it was computed under, for
+        `evict_cached`); a duplicate of a cached prefix stays private."""
         if self.enable_prefix_caching and self.block_hash[block_id] is None and block_hash not in self.cached:
             self.block_hash[block_id] = block_hash
+            self.block_tag[block_id] = tag
             self.cached[block_hash] = block_id
 
     def free_table(self, block_table: list[int]) -> None:
@@ -113,21 +116,22 @@ class BlockManager:
                     lru[b] = None
         block_table.clear()
 
-    def evict_cached(self) -> int:
-        """Forget every cached prefix block no sequence holds (they become plain free blocks); how many."""
-        n = len(self._lru)
-        for b in self._lru:
+    def evict_cached(self, tags=None) -> int:
+        """Forget the cached prefix blocks no sequence holds (every one, or those registered with one
+        of `tags`): they become plain free blocks, reused first. How many."""
+        dead = list(self._lru) if tags is None else [b for b in self._lru if self.block_tag[b] in tags]
+        for b in dead:
             del self.cached[self.block_hash[b]]
             self.block_hash[b] = None
+            del self._lru[b]
             self._spare.append(b)
-        self._lru.clear()
-        return n
+        return len(dead)
 
     def reset(self) -> None:
         """Every block fresh, nothing cached (the KV pool was given back: sleep mode). No block may be held."""
         if any(self.ref_count):
             raise RuntimeError("blocks are held: the KV pool cannot be reset under running sequences")
-        self.block_hash = [None] * self.num_blocks
+        self.block_hash, self.block_tag = [None] * self.num_blocks, [None] * self.num_blocks
         self._spare, self._fresh = [], 0
         self._lru.clear()
         self.cached.clear()

@@ -162,7 +162,7 @@ class Scheduler:
             if n_full > seq.num_registered_blocks:
                 hashes = seq.full_block_hashes(bs)
                 for k in range(seq.num_registered_blocks, n_full):
-                    self.blocks.register(seq.block_table[k], hashes[k])
+                    self.blocks.register(seq.block_table[k], hashes[k], seq.weights_version)
                 seq.num_registered_blocks = n_full
 
     def finish(self, seq: Sequence) -> None:

@@ -65,6 +65,7 @@ class SleepMode:
                 self._roots.pop(u, None)
                 self._adapters.pop(u, None)
             self._loaded = [newest]
+            self.blocks.evict_cached()  # (with the KV pool kept: nothing it cached is of weights held now)
             self.runner.free_weights()
             self.weights_lost = True
         self.asleep |= tags

@@ -48,6 +48,8 @@ class WeightVersions:
         if self.weights_lost:  # (the emptied model takes them: the version it held has no values)
             reuse, self.weights_lost = self._loaded[-1], False
         self.runner.add_weights(v, state, reuse)
+        if reuse is not None:  # its weights are overwritten: what it cached is never matched again
+            self.blocks.evict_cached({reuse})
         self._roots.pop(reuse, None)
         self._adapters.pop(reuse, None)
         self._loaded = [u for u in self._loaded if u != reuse]
@@ -60,10 +62,15 @@ class WeightVersions:
             self._adapters[v] = adapter
         else:
             self._adapters.pop(v, None)
+        # KV cached under weights no request will run on again is forgotten now (its blocks are reused
+        # first, and the pool's memory stays its working set's): with one version kept, every older
+        # version's; otherwise a version's when it is dropped or its number comes again
+        if self.config.keep_weight_versions == 1:
+            self.blocks.evict_cached()
+        elif v in self._roots:
+            self.blocks.evict_cached({v})
         self.weight_updates += 1
         self._roots[v] = self.weight_updates  # salt: KV of earlier weights never matches
-        if self.config.keep_weight_versions == 1:  # nor will a request pinned to them come: their cached blocks
-            self.blocks.evict_cached()  # are reused first, and the pool's memory stays its working set's
         self._loaded = [u for u in self._loaded if u != v] + [v]
         self.policy_version = v
         if partial_rollout:
@@ -132,8 +139,10 @@ class WeightVersions:
             return
         used = {s.weights_version for s in self.seqs.values()}
         keep = set(self._loaded[-self.config.keep_weight_versions:]) | used
-        for u in [u for u in self._loaded if u not in keep]:
+        dropped = [u for u in self._loaded if u not in keep]
+        for u in dropped:
             self.runner.drop_weights(u)
             self._loaded.remove(u)
             del self._roots[u]
             self._adapters.pop(u, None)
+        self.blocks.evict_cached(set(dropped))

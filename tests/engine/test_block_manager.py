@@ -57,6 +57,23 @@ def test_evict_cached_forgets_only_unheld_blocks():
     bm.check_integrity([held])
 
 
+def test_evict_cached_by_tag_forgets_only_that_versions_blocks():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    hashes = {v: chain_hashes(list(range(10 * v, 10 * v + 8)), 4) for v in (0, 1, 2)}
+    for v, h in hashes.items():
+        table = []
+        bm.allocate(table, 2)
+        for b, hh in zip(table, h):
+            bm.register(b, hh, tag=v)
+        bm.free_table(table)
+    assert bm.evict_cached({0, 2}) == 4 and bm.num_free_blocks == 8
+    assert bm.match_prefix(hashes[0]) == bm.match_prefix(hashes[2]) == [] and len(bm.match_prefix(hashes[1])) == 2
+    table = []
+    bm.allocate(table, 4)  # the forgotten blocks are reused before the pool's fresh ones
+    assert bm._fresh == 6 and len(bm.match_prefix(hashes[1])) == 2
+    bm.check_integrity([table])
+
+
 def test_can_allocate_counts_revived_blocks():
     bm = BlockManager(num_blocks=2, block_size=4)
     t: list[int] = []

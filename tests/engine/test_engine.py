@@ -458,18 +458,25 @@ def test_kept_weight_versions_serve_pinned_requests(model_dir):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     p = _prompts(1, seed=7)[0]
     llm = LLM(model_dir, keep_weight_versions=2)
+    eng = llm.engine
+    cached = lambda: sorted(eng.blocks.block_tag[b] for b in eng.blocks.cached.values())  # noqa: E731
     old = llm.generate([p], params)[0]
     state = _flipped(llm)
     llm.update_weights(state)
-    eng = llm.engine
     assert eng.metrics()["weight_versions"] == 2  # version 0 kept though nothing runs on it
+    assert set(cached()) == {0}  # and what it cached: a request pinned to it may come
     r = eng.add_request(p, params, policy_version=0)
-    assert _run(eng, {r})[r].token_ids == old.token_ids
+    pinned = _run(eng, {r})[r]
+    assert pinned.token_ids == old.token_ids and pinned.num_cached_tokens > 0
+    llm.generate([p], params)
+    assert set(cached()) == {0, 1} and cached().count(1) == cached().count(0)
     llm.update_weights(state)  # version 2: version 0 goes, 1 and 2 stay
     with pytest.raises(ValueError, match=r"held: \[1, 2\]"):
         eng.add_request(p, params, policy_version=0)
+    assert set(cached()) == {1}  # version 0's cached blocks forgotten with it (reused first)
     eng.update_weights(state, 1)  # a version already held is overwritten in place, the others kept
     assert eng.metrics()["weight_versions"] == 2 and sorted(eng.runner.versions) == [1, 2] == sorted(eng._roots)
+    assert cached() == []  # what version 1 cached was of its former weights
 
 
 @pytest.mark.parametrize("spec", [None, "suffix"])
