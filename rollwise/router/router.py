@@ -37,6 +37,7 @@ class _Waiter:
     work: int
     future: asyncio.Future
     tried: set[str] = field(default_factory=set)
+    weights: int = 0  # its replica's weight-update count when placed there
 
 
 class Router(Upkeep):
@@ -56,6 +57,7 @@ class Router(Upkeep):
         self.policy_version = 0  # of the weights every healthy replica serves
         self.stale: set[str] = set()  # replicas that missed a weight update (kept out of routing)
         self.asleep: set[str] = set()  # replicas whose memory is given back (sleep mode; out of routing)
+        self.weight_updates: dict[str, int] = {}  # replica -> updates it took (what it cached before: never matched)
         self._latest: tuple | None = None  # (weights, version) of the last update
         self._latest_adapter: tuple | None = None  # (adapter, version) sent on those weights since, if any
         self._sharing: set[asyncio.Future] = set()
@@ -283,6 +285,7 @@ class Router(Upkeep):
         self.inflight_tokens[name] += w.work
         self._sync(name)
         self.stats["matched_tokens"] += min(matched[name], w.info.prompt_len)
+        w.weights = self.weight_updates.get(name, 0)
         self.index.insert(name, w.hashes)  # predicted: siblings arriving next see it as cached
         if self.residency is not None and req.trajectory_id is not None:
             self.residency.admit(req.trajectory_id, name, w.info.prompt_len, req.group_id,
@@ -335,7 +338,7 @@ class Router(Upkeep):
     def _record(self, name: str, w: _Waiter, req: GenerateRequest, out: GenerateOutput) -> None:
         self.stats["cached_tokens"] += out.num_cached_tokens
         self.mean_new_tokens = 0.9 * self.mean_new_tokens + 0.1 * len(out.token_ids)
-        if name in self.replicas:
+        if name in self.replicas and self.weight_updates.get(name, 0) == w.weights:  # (else: KV of older weights)
             self.index.reconcile(name, w.hashes, out.num_cached_tokens)
             self.index.insert(name, self.index.hashes(req.prompt_token_ids + out.token_ids, req.trajectory_id))
         if req.trajectory_id is not None:

@@ -42,6 +42,12 @@ class Upkeep:
         self.sticky.drop_replica(name)
         self._pump()
 
+    def _new_weights(self, name: str) -> None:
+        """The replica took new weights: the prefixes it cached under older ones are never matched
+        again (an engine forgets them; requests in flight under them do not add theirs here)."""
+        self.weight_updates[name] = self.weight_updates.get(name, 0) + 1
+        self.index.remove_replica(name)
+
     def _forget_contents(self, name: str) -> None:
         """What the replica held is gone (it left or went down): its prefixes and KV residents."""
         self.index.remove_replica(name)
@@ -72,6 +78,7 @@ class Upkeep:
             else:
                 self.stale.discard(n)
                 out[n] = r
+                self._new_weights(n)
         if not out:
             raise ReplicaError(f"no replica took the new weights: {dict(zip(names, map(str, res)))}")
         self.policy_version = version
@@ -128,6 +135,7 @@ class Upkeep:
                         if self._latest_adapter is not None:
                             await r.update_weights(*self._latest_adapter)
                         self.stale.discard(name)
+                        self._new_weights(name)
                     except (ReplicaError, OSError, ValueError):
                         continue
                 if ok and name not in self.healthy and name not in self.stale and name not in self.asleep:

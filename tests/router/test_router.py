@@ -90,6 +90,30 @@ def test_a_replica_that_missed_updates_of_a_subset_gets_every_tensor_sent_since(
     asyncio.run(go())
 
 
+def test_new_weights_forget_the_prefixes_the_replicas_cached_under_older_ones():
+    """After a weight update no replica is credited with a prefix of the old weights, not even one a
+    request in flight across the update (finishing under the old weights) brings back."""
+    class Weights(FakeReplica):
+        async def update_weights(self, weights, version, partial_rollout=False):
+            return version
+
+    async def go():
+        router = Router([Weights("a", delay=0.05), Weights("b", delay=0.05)], "rollwise")
+        held = lambda: sum(router.index.num_blocks(n) for n in "ab")  # noqa: E731
+        await router.generate(req(1))
+        assert held() > 0
+        across = asyncio.create_task(router.generate(req(2)))
+        await asyncio.sleep(0.01)  # placed, in flight
+        await router.update_weights({"w": 1}, 1)
+        assert held() == 0
+        await across
+        assert held() == 0 and router.weight_updates == {"a": 1, "b": 1}
+        await router.generate(req(3))
+        assert held() > 0  # the new weights' prefixes are
+        await router.close()
+    asyncio.run(go())
+
+
 def test_all_replicas_down_is_an_error_not_a_hang():
     async def go():
         router = Router([FakeReplica("a", fail_after=0)], "least_load", max_retries=2, queue_timeout_s=0.3)
