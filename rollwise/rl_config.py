@@ -99,6 +99,7 @@ class TrainConfig:
     routing_replay: str = "off"
     # "grpo" (group mean and std), "dr_grpo" (group mean only), "rloo" (the mean of the group's others),
     # "opo" (the mean weighted by generated tokens), "grpo_passk" (the best episode alone, over the second),
+    # "remax" (the reward of one more episode per group, run greedily and not trained on; group_size may be 1),
     # "gigpo" (grpo's plus, per turn, step_advantage_weight x its gamma-discounted return against those of
     # the group's turns from the same state: what the model read before them; rollwise/trainer/advantages.py)
     # "gae" (PPO's: a critic, the policy's decoder and a value head, and GAE per generated token with
@@ -304,7 +305,7 @@ class TrainConfig:
         if cfg.advantage in NO_GROUP and (cfg.pre_rollout_explore < 1 or cfg.pre_rollout_target > 0):
             raise ValueError(f"pre_rollout_explore skips tasks whose groups' rewards were all equal, but "
                              f"{cfg.advantage} trains such groups too: leave it at 1 (and pre_rollout_target at 0)")
-        smallest = 1 if cfg.advantage in NO_GROUP else 2  # a group-relative advantage needs two episodes
+        smallest = 1 if cfg.advantage in NO_GROUP + ("remax",) else 2  # a group-relative advantage needs two
         if cfg.max_staleness < 0 or cfg.steps < 0 or cfg.groups_per_step < 1 or cfg.group_size < smallest:
             raise ValueError(f"need max_staleness >= 0, steps >= 0, groups_per_step >= 1, group_size >= {smallest} "
                              f"(advantage {cfg.advantage!r})")

@@ -370,6 +370,7 @@ class Trajectory:
     # {"shape": [n, layers, k], "data": rollwise.wire.encode_routing(...)}, from the last turn that returned them
     # (the turn's numpy array while the episode runs)
     routed_experts: dict | object | None = None
+    baseline: float | None = None  # ReMax: the reward of its group's greedy episode (not trained on)
 
     def sequences(self) -> list[Trajectory]:
         """The episode's token sequences, one per context, in order (just this one, usually)."""

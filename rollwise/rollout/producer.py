@@ -147,18 +147,25 @@ async def produce(cfg, queue, router, make_env, tasks: list[dict], cursor: int, 
     async def group(seq: int, version: int, idx: int) -> None:
         task = tasks[idx % len(tasks)]
         gid, taught = f"s{seq}", None
+        n = cfg.group_size + (cfg.advantage == "remax")  # ReMax's baseline: one more episode, greedy, not trained on
+
+        def episode(k: int):
+            greedy = k == cfg.group_size
+            params = SamplingParams(temperature=0.0 if greedy else cfg.temperature, max_tokens=cfg.max_tokens,
+                                    seed=stable_seed(cfg.seed, idx, k),
+                                    return_routed_experts=cfg.routing_replay != "off" and not greedy)
+            return run_attempts(router, make_env, task, params, retries=cfg.episode_retries,
+                                retry_on=tuple(cfg.retry_statuses), trajectory_id=f"{gid}/{'greedy' if greedy else k}",
+                                group_id=gid, deadline_s=cfg.episode_deadline_s,
+                                policy_version=version if cfg.deterministic else None)
         try:
-            trajs = await asyncio.gather(*(
-                run_attempts(router, make_env, task,
-                             SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                            seed=stable_seed(cfg.seed, idx, k),
-                                            return_routed_experts=cfg.routing_replay != "off"),
-                             retries=cfg.episode_retries, retry_on=tuple(cfg.retry_statuses),
-                             trajectory_id=f"{gid}/{k}", group_id=gid, deadline_s=cfg.episode_deadline_s,
-                             policy_version=version if cfg.deterministic else None)
-                for k in range(cfg.group_size)))
-            taught = skips.outcome(list(trajs)) if skips is not None else None
-            await queue.put(Group(seq, idx, task, version, list(trajs)))
+            trajs = list(await asyncio.gather(*map(episode, range(n))))
+            if n > cfg.group_size:
+                baseline = trajs.pop()
+                for t in trajs:
+                    t.baseline = baseline.reward
+            taught = skips.outcome(trajs) if skips is not None else None
+            await queue.put(Group(seq, idx, task, version, trajs))
         except Exception as e:  # noqa: BLE001 - surfaces in the trainer instead of hanging it
             await queue.fail(e)
         finally:

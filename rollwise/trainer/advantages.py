@@ -6,9 +6,12 @@ divided (Dr. GRPO: the std favours groups that are nearly all right or all wrong
 minus the mean of the group's others (REINFORCE leave-one-out, an unbiased baseline: n / (n - 1)
 times dr_grpo's); "opo" (OPO, Hao et al. 2025, verl's): each reward minus the group's mean weighted by
 the episodes' generated tokens, the baseline that minimises the gradient's variance for exact
-on-policy training; "grpo_passk" (Pass@k training, Chen et al. 2025, verl's): only the group's best
-episode (the first, on a tie) gets an advantage, its reward minus the second best's, over the group's
-std, so a group is credited for solving the task once rather than on average. The same for every
+on-policy training; "remax" (ReMax, Li et al. 2024, verl's): each reward minus that of an episode
+the policy ran greedily on the same task (`Trajectory.baseline`; the rollout runs one per group, not
+trained on), so a group of one trains; "grpo_passk" (Pass@k training, Chen et al. 2025, verl's):
+only the group's best episode (the first, on a tie) gets an advantage, its reward minus the second
+best's, over the group's std, so a group is credited for solving the task once rather than on
+average. The same for every
 generated token of a trajectory (of each of its token sequences, when the episode ran in several
 contexts: `Trajectory.earlier`).
 
@@ -41,7 +44,7 @@ GIGPO_MODES = ("mean_std_norm", "mean_norm")
 
 # "gae" (PPO's, from a critic) and REINFORCE++'s: per token, whitened over the batch (critic.py)
 WHITENED = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-EPISODE_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gigpo", "opo", "grpo_passk")  # computed here, from rewards
+EPISODE_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gigpo", "opo", "grpo_passk", "remax")  # here, from rewards
 ADVANTAGES = EPISODE_ADVANTAGES + WHITENED
 NO_GROUP = ("gae", "reinforce_plus_plus")  # need no group (a group of one trains; every group teaches)
 
@@ -70,6 +73,11 @@ def advantages(groups: list[list[Trajectory]], estimator: str = "grpo") -> list[
         elif estimator == "opo":
             n = torch.tensor([t.num_generated for t in g], dtype=torch.float64)
             a = r - (n * r).sum() / n.sum().clamp(min=1)
+        elif estimator == "remax":
+            if g[0].baseline is None:
+                raise ValueError("remax advantages need each group's greedy episode's reward (Trajectory.baseline): "
+                                 "a run with advantage = 'remax' rolls one out per group")
+            a = r - g[0].baseline
         elif estimator == "grpo_passk":
             a = torch.zeros_like(r)
             if len(g) > 1:
@@ -161,9 +169,12 @@ def turn_advantages(groups: list[list[Trajectory]], estimator: str = "grpo", ste
 def informative(group: list[Trajectory], estimator: str = "grpo", step_weight: float = 1.0,
                 gamma: float = 0.95, mode: str = "mean_std_norm", similarity: float = 1.0) -> bool:
     """Whether a group teaches anything: its rewards differ, or (gigpo) a turn's step advantage is not 0,
-    or (`NO_GROUP`) always: their advantages do not cancel in a group. DAPO's dynamic sampling skips the others."""
+    or (`NO_GROUP`) always: their advantages do not cancel in a group, or (remax) one differs from the
+    greedy episode's. DAPO's dynamic sampling skips the others."""
     if len({t.reward for t in group}) > 1 or estimator in NO_GROUP:
         return True
+    if estimator == "remax":
+        return group[0].reward != group[0].baseline
     return estimator == "gigpo" and any(abs(a) > 1e-9 for per in turn_advantages(
         [group], estimator, step_weight, gamma, mode=mode, similarity=similarity) for a in per)
 

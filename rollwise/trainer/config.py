@@ -47,7 +47,7 @@ class GRPOConfig:
     overlong_penalty: float = 1.0
     overlong_max_tokens: int = 0  # the most tokens a turn may generate (the run's max_tokens)
     entropy_coef: float = 0.0  # the loss less this times each token's entropy (verl's entropy_coeff)
-    # or "dr_grpo", "rloo", "gigpo", "opo", "grpo_passk", "gae", "reinforce_plus_plus[_baseline]" (`ADVANTAGES`)
+    # or "dr_grpo", "rloo", "gigpo", "opo", "grpo_passk", "remax", "gae", "reinforce_plus_plus[_baseline]"
     advantage: str = "grpo"
     step_advantage_weight: float = 1.0  # gigpo: the step advantage's weight beside the episode's
     gamma: float = 0.95  # gigpo: the discount of the turn returns its step groups compare

@@ -142,6 +142,32 @@ def test_a_gae_run_trains_groups_of_one_resumes_with_its_critic_and_saves_models
     assert (models / "step-2" / "tokenizer.json").exists()  # a model directory that serves as it is
 
 
+def test_a_remax_run_trains_groups_of_one_against_a_greedy_episode_per_group(model_dir, tmp_path, monkeypatch):
+    """ReMax: each group runs one more episode at temperature 0, not trained on or logged; its reward is
+    each episode's baseline, and an episode trains where its reward differs from it."""
+    import rollwise.rollout.producer as producer
+    monkeypatch.setitem(ENVS, "calculator", _ParityReward)
+    ran, run_attempts = {}, producer.run_attempts
+
+    async def recorded(router, make_env, task, params, **kw):
+        t = await run_attempts(router, make_env, task, params, **kw)
+        ran[kw["trajectory_id"]] = (params.temperature, t.reward)
+        return t
+    monkeypatch.setattr(producer, "run_attempts", recorded)
+    cfg = {**TINY, "model": model_dir, "run_dir": str(tmp_path / "run"), "advantage": "remax", "group_size": 1,
+           "groups_per_step": 4, "eval_tasks": 0, "steps": 2, "temperature": 1.0, "max_staleness": 0}
+    steps = train(TrainConfig.from_dict(cfg))["steps"]
+    assert [s["trajectories"] for s in steps] == [4, 4] and all("greedy_reward" in s for s in steps)
+    groups = read_log(tmp_path / "run" / "groups.jsonl")
+    assert len(groups) == 8 and all(len(g.trajectories) == 1 for g in groups)
+    for g in groups:
+        t = g.trajectories[0]
+        gid = t.trajectory_id.split("/")[0]
+        assert ran[t.trajectory_id] == (1.0, t.reward) and ran[f"{gid}/greedy"] == (0.0, t.baseline)
+    differ = sum(t.reward != t.baseline for g in groups for t in g.trajectories)
+    assert 0 < differ == sum(s["trained_trajectories"] for s in steps)
+
+
 def test_a_streamed_run_trains_whitened_advantages_as_groups_arrive(model_dir, tmp_path, monkeypatch):
     """Streamed (not deterministic) with stream_whitened, gae's and REINFORCE++'s first passes run as each
     group but the last arrives and the step whitens their gradients at the end (SplitGradients.apply,

@@ -12,7 +12,7 @@ from rollwise.agent.envs import make_env
 from rollwise.rl import expert_trajectories
 from rollwise.engine.tokenizer import Tokenizer
 from rollwise.rl_config import TrainConfig
-from rollwise.trainer.advantages import advantages
+from rollwise.trainer.advantages import advantages, informative
 from rollwise.trainer.grpo import GRPOConfig, GRPOTrainer, LogprobMismatch
 from rollwise.trainer.sft import sft
 from rollwise.trainer.stats import episode_stats
@@ -59,6 +59,13 @@ def test_advantages_are_group_relative():
     assert advantages([[t(0.2), t(0.9), t(0.5), t(0.7)]], "grpo_passk") == pytest.approx(
         [0.0, 0.2 / torch.tensor([0.2, 0.9, 0.5, 0.7]).std().item(), 0.0, 0.0], rel=1e-5)  # (std + 1e-6)
     assert advantages([[t(1.0)]], "grpo_passk") == [0.0]
+    # ReMax: each reward minus the group's greedy episode's (a group of one trains; equal rewards may too)
+    def based(r, b):
+        return Trajectory(trajectory_id="x", group_id="g", task={}, reward=r, baseline=b)
+    assert advantages([[based(1.0, 0.25), based(0.0, 0.25)], [based(1.0, 0.0)]], "remax") == [0.75, -0.25, 1.0]
+    assert informative([based(1.0, 0.0), based(1.0, 0.0)], "remax") and not informative([based(1.0, 1.0)], "remax")
+    with pytest.raises(ValueError, match="greedy episode"):
+        advantages([[t(1.0)]], "remax")
     with pytest.raises(ValueError, match="valid.*grpo.*dr_grpo.*rloo.*opo.*grpo_passk"):
         advantages([[t(1)]], "ppo")
     with pytest.raises(ValueError, match="unknown advantage"):
