@@ -132,7 +132,8 @@ class TrainConfig:
     # "ppo" (token ratios, clipped), "gspo" (sequence ratios: set clip = 3e-4, clip_high = 4e-4,
     # loss_agg = "sequence"), "cispo" (clipped, stopped ratios as weights: clip_high large), "clip_cov" or
     # "kl_cov" (PPO, or the unclipped gradient, holding back the tokens whose logprob and advantage covary
-    # most: entropy kept up), "gmpo" (the geometric mean of token ratios clipped each; rollwise.trainer.losses)
+    # most: entropy kept up), "gmpo" (the geometric mean of token ratios clipped each), "gpg" (-A x logprob, no
+    # ratio: on-policy batches; rollwise.trainer.losses)
     policy_loss: str = "ppo"
     cov_fraction: float = 2e-4  # clip_cov / kl_cov: the share of a micro-batch's tokens held back
     clip_cov_lb: float = 1.0  # clip_cov: the covariance range its tokens are drawn from

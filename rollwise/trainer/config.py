@@ -76,7 +76,7 @@ class GRPOConfig:
     # no length normalisation, so a long wrong answer is not penalised less per token than a short one)
     loss_agg: str = "token"
     loss_scale_tokens: int = 0  # "constant": the divisor (e.g. the most tokens an episode may generate)
-    policy_loss: str = "ppo"  # or "gspo", "cispo", "clip_cov", "kl_cov", "gmpo" (`POLICY_LOSSES`)
+    policy_loss: str = "ppo"  # or "gspo", "cispo", "clip_cov", "kl_cov", "gmpo", "gpg" (`POLICY_LOSSES`)
     # clip_cov / kl_cov: the share of a micro-batch's tokens held back, Clip-Cov's covariance bounds, KL-Cov's
     # coefficient (verl's clip_cov_ratio, clip_cov_lb, clip_cov_ub; kl_cov_ratio, ppo_kl_coef)
     cov_fraction: float = 2e-4

@@ -5,7 +5,9 @@ dual-clip (Ye et al. 2020; verl's clip_ratio_c): under a negative advantage a to
 `dual_clip` x |A| however far its ratio went up; "gspo", GSPO's sequence-level ratio (the geometric
 mean of its tokens' ratios, clipped per sequence), in its token form, so each token's gradient is the
 sequence ratio times its own; "cispo", CISPO's REINFORCE with the ratio clipped and stopped (every
-token keeps a gradient, the weight is capped). The three agree at ratio 1. "clip_cov" and "kl_cov"
+token keeps a gradient, the weight is capped). The three agree at ratio 1. "gpg" (GPG, Chu et al.
+2025; verl's): plain REINFORCE, -A x logprob, no ratio and no clip (for on-policy batches: one epoch
+and one mini-batch; its clip_frac is 0). "clip_cov" and "kl_cov"
 (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"; verl's names): entropy falls where
 a token's logprob and advantage covary most, so a few such tokens (`cov_fraction` of the
 micro-batch's) are held back: Clip-Cov takes PPO's loss and stops the gradient of that many tokens
@@ -32,7 +34,7 @@ import math
 
 import torch
 
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "clip_cov", "kl_cov", "gmpo")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "clip_cov", "kl_cov", "gmpo", "gpg")
 LOSS_AGGS = ("token", "sequence", "constant")
 # the KL loss's estimator per token (Schulman's k1, k2, k3; verl's kl_loss_type, its names too), "+": the
 # estimator's value with k2's gradient, the KL's gradient in expectation (a straight-through estimator)
@@ -87,6 +89,8 @@ def token_losses(kind: str, lp: torch.Tensor, prox: torch.Tensor, A: torch.Tenso
     current / proximal that were clipped against. `A`: [B, 1] or [B, L-1] advantages. `cov`:
     clip_cov's and kl_cov's (cov_fraction, clip_cov_lb, clip_cov_ub, kl_cov_coef); `generator`: clip_cov's draw."""
     lo, hi = clip_range
+    if kind == "gpg":  # (the ratio to itself: 1, nothing clipped)
+        return -A * lp * w, torch.ones_like(lp)
     if kind in ("clip_cov", "kl_cov"):
         return _cov_losses(kind, lp, prox, A, w, mask, clip_range, *cov, generator=generator)
     if kind == "gspo":  # each row's sequence ratio, carried by every token with its own gradient

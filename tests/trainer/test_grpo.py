@@ -241,7 +241,8 @@ def test_recomputed_behaviour_of_stale_samples_uses_the_weights_that_generated_t
                                  dict(epochs=2, policy_loss="gspo", loss_agg="sequence", clip=3e-4, clip_high=4e-4),
                                  dict(epochs=2, policy_loss="cispo", clip_high=5.0),
                                  dict(advantage="opo"), dict(advantage="grpo_passk", kl_coef=0.1, kl_loss_type="k3+"),
-                                 dict(epochs=2, policy_loss="gmpo", loss_agg="sequence", clip=0.4, clip_high=0.4)])
+                                 dict(epochs=2, policy_loss="gmpo", loss_agg="sequence", clip=0.4, clip_high=0.4),
+                                 dict(policy_loss="gpg", advantage="dr_grpo")])
 def test_a_streamed_step_equals_the_whole_batch_step(model_dir, cfg):
     """Groups added as they arrive (in any order, any number at a time) give the step the whole
     batch gives: the same metrics, and the same weights up to float summation order (AdamW's
@@ -549,7 +550,7 @@ def test_dual_clip_bounds_a_negative_advantages_loss(model_dir):
         GRPOTrainer(PolicyModel(model_dir), GRPOConfig(dual_clip=0.5))
 
 
-@pytest.mark.parametrize("policy_loss", ["ppo", "gspo", "cispo", "gmpo"])
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo", "cispo", "gmpo", "gpg"])
 def test_policy_losses_against_their_formulas(model_dir, policy_loss):
     """Each loss on made-up logprobs, its value and gradient against the formula written out:
     PPO clips each token's ratio, GSPO the sequence's geometric mean (each token's gradient the
@@ -578,6 +579,8 @@ def test_policy_losses_against_their_formulas(model_dir, policy_loss):
     c = r.clamp(0.9, 1.15)
     if policy_loss == "cispo":  # -sg(clip(r)) A w logp
         grad, value = -c * A * w, -c * A * w * lp0
+    elif policy_loss == "gpg":  # -A w logp: no ratio, nothing clipped
+        grad, value = -A * w, -A * w * lp0
     elif policy_loss == "gmpo":  # row 0 (A > 0): log-ratios over log 1.15 held there; row 1 (A < 0): under log 0.9
         d = lp0 - prox
         kept = torch.tensor([[True, False, True, True], [True, True, True, False]])  # (0.3 > 0.14, -0.4 < -0.105)
@@ -590,9 +593,11 @@ def test_policy_losses_against_their_formulas(model_dir, policy_loss):
     assert float(stats[0]) == pytest.approx(float((value * mask).sum() / 5.0), abs=1e-6)
     if policy_loss in ("ppo", "gspo"):  # row 1 moved outside the range against its advantage: clipped, no gradient
         assert (lp.grad[1] == 0).all() == (policy_loss == "gspo") and (lp.grad[0] != 0).any()
+    if policy_loss == "gpg":
+        assert float(stats[1]) == 0 and (lp.grad[mask.bool()] != 0).all()
     if policy_loss == "gmpo":  # the clipped tokens alone carry no gradient
         assert lp.grad[0, 1] == 0 and lp.grad[1, 3] == 0 and (lp.grad[0, 2:] != 0).all() and lp.grad[1, 2] != 0
-    with pytest.raises(ValueError, match="valid: \\['ppo', 'gspo', 'cispo', 'clip_cov', 'kl_cov', 'gmpo'\\]"):
+    with pytest.raises(ValueError, match="valid: \\['ppo', 'gspo', 'cispo', 'clip_cov', 'kl_cov', 'gmpo', 'gpg'\\]"):
         GRPOTrainer(PolicyModel(model_dir), GRPOConfig(policy_loss="dpo"))
 
 
