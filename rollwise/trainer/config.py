@@ -8,7 +8,7 @@ from rollwise.trainer.advantages import ADVANTAGES, check_gigpo
 from rollwise.trainer.correction import check as check_correction
 from rollwise.trainer.critic import check as check_critic
 from rollwise.trainer.kl_reward import check as check_reward_kl
-from rollwise.trainer.losses import POLICY_LOSSES, check as check_loss
+from rollwise.trainer.losses import LOSS_AGG_ALIASES, POLICY_LOSSES, check as check_loss
 from rollwise.trainer.schedule import check as check_schedule
 from rollwise.trainer.shaping import check as check_overlong
 from rollwise.types import check_cut_off
@@ -73,7 +73,8 @@ class GRPOConfig:
     logprob_tolerance: float = 0.02  # mean |trainer - rollout| logprob allowed on fresh samples
     # "token": mean over all generated tokens; "sequence": per trajectory, then mean; "constant": each
     # trajectory's token sum over loss_scale_tokens, then mean (Dr. GRPO's, verl's seq-mean-token-sum-norm:
-    # no length normalisation, so a long wrong answer is not penalised less per token than a short one)
+    # no length normalisation, so a long wrong answer is not penalised less per token than a short one);
+    # verl's names too: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm, seq-mean-token-sum (over 1)
     loss_agg: str = "token"
     loss_scale_tokens: int = 0  # "constant": the divisor (e.g. the most tokens an episode may generate)
     policy_loss: str = "ppo"  # or "gspo", "cispo", "clip_cov", "kl_cov", "gmpo", "gpg" (`POLICY_LOSSES`)
@@ -88,6 +89,11 @@ class GRPOConfig:
     # episodes with these statuses (cut off by a limit, not ended by the policy) carry no loss, as in
     # DAPO's overlong filtering; they still count in their group's advantage baseline
     exclude_statuses: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:  # verl's loss_agg_mode names (losses.py)
+        if self.loss_agg == "seq-mean-token-sum":
+            self.loss_scale_tokens = 1
+        self.loss_agg = LOSS_AGG_ALIASES.get(self.loss_agg, self.loss_agg)
 
     @property
     def clip_range(self) -> tuple[float, float]:

@@ -36,6 +36,9 @@ import torch
 
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "clip_cov", "kl_cov", "gmpo", "gpg")
 LOSS_AGGS = ("token", "sequence", "constant")
+# verl's loss_agg_mode names: seq-mean-token-sum is "constant" over 1 token (GRPOConfig sets it)
+LOSS_AGG_ALIASES = {"token-mean": "token", "seq-mean-token-mean": "sequence", "seq-mean-token-sum-norm": "constant",
+                    "seq-mean-token-sum": "constant"}
 # the KL loss's estimator per token (Schulman's k1, k2, k3; verl's kl_loss_type, its names too), "+": the
 # estimator's value with k2's gradient, the KL's gradient in expectation (a straight-through estimator)
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+", "abs+")
@@ -72,7 +75,7 @@ def check(agg: str, scale_tokens: int, dual_clip: float = 0.0, epochs: int = 1, 
     if KL_ALIASES.get(kl_loss_type, kl_loss_type) not in KL_ESTIMATORS:
         raise ValueError(f"unknown kl_loss_type {kl_loss_type!r}; valid: {list(KL_ESTIMATORS) + list(KL_ALIASES)}")
     if agg not in LOSS_AGGS:
-        raise ValueError(f"unknown loss_agg {agg!r}; valid: {list(LOSS_AGGS)}")
+        raise ValueError(f"unknown loss_agg {agg!r}; valid: {list(LOSS_AGGS) + list(LOSS_AGG_ALIASES)}")
     if agg == "constant" and scale_tokens < 1:
         raise ValueError(f"loss_agg = 'constant' divides each trajectory's token sum by loss_scale_tokens, which "
                          f"must be >= 1, got {scale_tokens}")

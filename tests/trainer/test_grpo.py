@@ -343,6 +343,14 @@ def test_constant_loss_agg_sums_each_trajectory_over_a_fixed_count(model_dir):
     with pytest.raises(ValueError, match="valid.*constant"):
         TrainConfig.from_dict({"model": "m", "loss_agg": "mean"})
     assert TrainConfig.from_dict({"model": "m", "loss_agg": "constant"}).loss_scale_tokens == 0  # max_tokens x turns
+    # verl's names: seq-mean-token-sum is the sum over each trajectory's tokens (over 1), then the mean
+    summed = GRPOTrainer(PolicyModel(model_dir), GRPOConfig(loss_agg="seq-mean-token-sum", loss_scale_tokens=40))
+    assert (summed.cfg.loss_agg, summed.cfg.loss_scale_tokens) == ("constant", 1)
+    assert summed.step(groups)["loss"] == pytest.approx(40 * want, rel=1e-3)
+    rl = TrainConfig.from_dict({"model": "m", "loss_agg": "seq-mean-token-sum-norm", "max_tokens": 10, "max_turns": 3})
+    assert (rl.trainer_config().loss_agg, rl.trainer_config().loss_scale_tokens) == ("constant", 30)
+    assert GRPOConfig(loss_agg="seq-mean-token-mean").loss_agg == "sequence"
+    assert GRPOConfig(loss_agg="token-mean").loss_agg == "token"
 
 
 @pytest.mark.parametrize("loss_agg", ["token", "sequence"])
