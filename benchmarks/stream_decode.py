@@ -11,6 +11,12 @@ this work for every stream it serves, between every other request's chunks.
    shows that too, so part 2 takes the work from real text.) Beside it, the engine thread's output
    for the same stream each step: a copy of the whole output so far (before) against the step's
    new token only (now), its lists growing as a request's do.
+3. The chat stream's text work on the same agent text, a thinking model's (`<think>` its first half
+   `</think>` its second), served with a reasoning parser (qwen3) and a tool-call parser (hermes):
+   the real `stream_chat` (the server's code, fed the tokens by a replay of the engine's side) against
+   what it did before, each chunk the whole-text methods on the reply so far (`content_start`,
+   `shown_reasoning`, `split`, `content_end`) and the whole text re-cut for stop strings. Both
+   decode the tokens the same way; both must give the same reasoning and content.
 
     python benchmarks/stream_decode.py [--smoke] [--tokens 1000] [--lengths 2000,8000,32000] [--model DIR]
         [--json PATH]
@@ -18,6 +24,7 @@ this work for every stream it serves, between every other request's chunks.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
@@ -25,8 +32,12 @@ from pathlib import Path
 
 import httpx
 
+from rollwise.agent.parsing import HermesParser, openai_tool_calls
+from rollwise.agent.reasoning import ReasoningParser
 from rollwise.engine.tokenizer import Tokenizer
 from rollwise.serve.process import ServerProcess
+from rollwise.serve.responses import stream_chat
+from rollwise.types import RequestOutput, SamplingParams
 
 from common import engine_model  # (benchmarks/common.py)
 
@@ -100,6 +111,77 @@ def engine_outputs(ids: list[int], prompt: int = 2000) -> tuple[float, float]:
     return seconds[0], seconds[1]
 
 
+class _Replay:
+    """The engine's side of a stream, replayed: the output grown in place a token a step, then the
+    final one (the model's time is not what is measured here)."""
+
+    def __init__(self, tok: Tokenizer, ids: list[int]) -> None:
+        self.tokenizer, self.ids = tok, ids
+
+    async def stream(self, prompt, params, rid, group_id=None, **options):
+        out = RequestOutput(request_id=rid, prompt_token_ids=prompt)
+        for t in self.ids:
+            out.token_ids.append(t)
+            out.logprobs.append(0.0)
+            out.top_logprobs.append({})
+            yield out
+        yield RequestOutput(request_id=rid, prompt_token_ids=prompt, token_ids=list(self.ids),
+                            text=self.tokenizer.decode(self.ids), finished=True,
+                            finish_reason="length")
+
+
+def chat_before(tok: Tokenizer, ids: list[int], reasoning: ReasoningParser, tools: HermesParser) -> tuple[str, str]:
+    """The chat stream's text work as the server did it before, a token a chunk: (reasoning, content)."""
+    grow, grown, sent_text, whole, thought, sent, said_all, content_all = tok.decoder(), "", "", "", 0, 0, "", ""
+    for k, t in enumerate(ids):
+        final = k == len(ids) - 1
+        text = grown = grown + grow([t])  # (the stream's deltas: no stop strings, nothing held back)
+        delta = text[len(sent_text):] if text.startswith(sent_text) else ""
+        sent_text = text
+        whole = whole + delta
+        at = reasoning.content_start(whole, final=final)
+        said = reasoning.shown_reasoning(whole) if at is None else reasoning.split(whole[:at])[0] or ""
+        if len(said) > thought:
+            said_all, thought = said_all + said[thought:], len(said)
+        text = "" if at is None else whole[at:]
+        calls = openai_tool_calls(text, tools) if final else None
+        if calls is not None:  # (at the end, as now: the text outside the calls that was not shown)
+            rest = tools.content(text)[sent:]
+            content_all += rest if rest.strip() else ""
+            break
+        shown = tools.content_end(text) if not final else len(text)
+        content_all += text[sent:max(shown, sent)]
+        sent = max(shown, sent)
+    return said_all, content_all
+
+
+def chat_now(tok: Tokenizer, ids: list[int], reasoning: ReasoningParser, tools: HermesParser) -> tuple[str, str]:
+    """The server's `stream_chat` over the same tokens: (reasoning, content)."""
+    async def go():
+        said, content = "", ""
+        async for chunk in stream_chat(_Replay(tok, ids), [1], SamplingParams(max_tokens=len(ids)), "r", 0, "m",
+                                       False, None, tools=tools, reasoning=reasoning):
+            d = chunk["choices"][0]["delta"]
+            said, content = said + (d.get("reasoning_content") or ""), content + (d.get("content") or "")
+        return said, content
+    return asyncio.run(go())
+
+
+def chat_text(tok: Tokenizer, length: int) -> dict:
+    half = agent_text(tok, length)
+    ids = tok.encode("<think>", add_special_tokens=False) + half[:length // 2] + \
+        tok.encode("</think>", add_special_tokens=False) + half[length // 2:]
+    reasoning, tools, out = ReasoningParser("qwen3"), HermesParser(), {}
+    for name, fn in (("before", chat_before), ("now", chat_now)):
+        t0 = time.perf_counter()
+        out[name] = fn(tok, ids, reasoning, tools)
+        out[f"{name}_s"] = time.perf_counter() - t0
+    assert out["before"] == out["now"] and out["now"][0] and out["now"][1], "the two ways differ"
+    return {"tokens": len(ids), "before_s": out["before_s"], "now_s": out["now_s"],
+            "ratio": out["before_s"] / out["now_s"], "reasoning_chars": len(out["now"][0]),
+            "content_chars": len(out["now"][1])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="the 2-layer model, short replies")
@@ -136,6 +218,12 @@ def main() -> None:
               f"({r['whole_s'] / length * 1e3:.2f} ms a token), new tokens only {r['steps_s']:.3f} s "
               f"({r['whole_s'] / r['steps_s']:.0f}x less); the engine's outputs: a copy each step "
               f"{copy_s:.2f} s, the new token only {step_s:.3f} s ({copy_s / step_s:.0f}x less)")
+    res["chat_text"] = {}
+    for length in lengths:
+        r = res["chat_text"][length] = chat_text(tok, length)
+        print(f"chat stream's text, {r['tokens']} tokens (reasoning, then content) a token a chunk: before "
+              f"{r['before_s']:.2f} s ({r['before_s'] / r['tokens'] * 1e3:.3f} ms a token), now {r['now_s']:.2f} s "
+              f"({r['now_s'] / r['tokens'] * 1e3:.3f} ms a token, chunks built too): {r['ratio']:.1f}x, the same text")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

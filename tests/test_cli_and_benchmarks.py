@@ -172,6 +172,8 @@ def test_stream_decode_benchmark_smoke(tmp_path):
     assert res["served"]["tokens"] == res["served"]["chunks"] == 200  # (it checked both ways gave the text)
     (length, r), = res["agent_text"].items()
     assert int(length) == r["tokens"] == 500 and r["whole_decode_s"] > 0 and r["engine_copy_s"] > 0
+    (length, r), = res["chat_text"].items()  # (it checked both ways gave the same reasoning and content)
+    assert int(length) == 500 and r["tokens"] > 500 and r["reasoning_chars"] > 0 and r["content_chars"] > 0
 
 
 def test_grad_checkpoint_benchmark_smoke(tmp_path):

@@ -51,6 +51,46 @@ class ReasoningParser:
         return body
 
 
+class ReasoningStream:
+    """A reply's reasoning as it streams, each piece's work bounded by the piece rather than the reply
+    so far (the whole-text methods scan it all: quadratic over a long stream). `feed` the reply so far
+    (it only grows) after each piece: the reasoning not yet shown, and where the content starts (None
+    while reasoning). The same as `content_start`, `shown_reasoning` and `split` on the whole reply."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.parser = parser
+        self.body: int | None = None  # where the reasoning begins (past an opening tag), once known
+        self.at: int | None = None  # where the content begins, once known
+        self.shown = 0  # reasoning characters given out
+        self.searched = 0  # the reply up to here holds no `</think>` starting before its last len(END) - 1
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, int | None]:
+        if self.at is not None:
+            return "", self.at
+        if self.body is None:  # does the reply reason, and from where? (a few characters decide it)
+            lead = text.lstrip()
+            if lead.startswith(START):
+                self.body = len(text) - len(lead) + len(START)
+            elif START.startswith(lead) and not final:
+                return "", None  # ("", or "<thi": it may yet open a think block)
+            elif not self.parser.opens_in_prompt:
+                self.at = 0
+                return "", 0
+            else:
+                self.body = 0
+        found = text.find(END, max(self.searched - len(END) + 1, 0))
+        self.searched = len(text)
+        if found >= 0 or final:
+            end = found if found >= 0 else len(text)
+            self.at = end + len(END) if found >= 0 else end
+        else:  # hold back an end that may be `</think>` being written
+            end = len(text) - next((k for k in range(min(len(END) - 1, len(text) - self.body), 0, -1)
+                                    if END.startswith(text[len(text) - k:])), 0)
+        new = text[self.body + self.shown:end]
+        self.shown += len(new)
+        return new, self.at
+
+
 REASONING_PARSERS = ["deepseek_r1", "qwen3"]
 
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from rollwise.agent.parsing import HermesParser, ToolCallParser, openai_tool_calls as tool_calls
-from rollwise.agent.reasoning import ReasoningParser
+from rollwise.agent.reasoning import ReasoningParser, ReasoningStream
 from rollwise.config import ServerConfig
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest
 from rollwise.types import RequestOutput, SamplingParams
@@ -213,24 +213,28 @@ def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 async def _deltas(engine, prompt, params: SamplingParams, rid: str, group_id: str | None = None, **options):
     """(new token ids, their logprobs, their top logprobs, new text, final output or None) per engine step."""
     tok = engine.tokenizer
-    sent_tokens, sent_text = 0, ""
+    sent_tokens, sent, held = 0, [], ""  # the text given out (in pieces), and what is held back of the rest
     hold = max(map(len, params.stop), default=1) - 1  # text that may begin a stop string waits for the next
-    # the text so far, decoded a step's new tokens at a time (a tokenizer without `decoder`: the whole output)
-    grow, grown = (tok.decoder(params.skip_special_tokens) if hasattr(tok, "decoder") else None), ""
+    # a step's new tokens decoded alone (a tokenizer without `decoder`: the whole output each step); each
+    # step's work is its own tokens', not the output so far (a long reply streams in linear time)
+    grow = tok.decoder(params.skip_special_tokens) if hasattr(tok, "decoder") else None
     async for out in engine.stream(prompt, params, rid, group_id=group_id, **options):
-        if out.finished:
+        if not out.finished and grow is not None and len(out.token_ids) >= sent_tokens:
+            held += grow(out.token_ids[sent_tokens:])
+            cut = max(len(held) - hold, 0)
+            delta, held = held[:cut], held[cut:]
+            sent.append(delta)
+        else:  # the final text (cut where a stop string begins), or the whole output decoded again
             text = out.text
-        elif grow is not None and len(out.token_ids) >= sent_tokens:
-            text = grown = grown + grow(out.token_ids[sent_tokens:])
-        else:
-            grow, text = None, tok.decode(out.token_ids, params.skip_special_tokens)
-            if text.endswith("\ufffd"):  # half a multi-byte character: wait
-                continue
-        if not out.finished:
-            text = text[:max(len(text) - hold, 0)]  # (the final text is cut where a stop string begins)
+            if not out.finished:
+                grow, text = None, tok.decode(out.token_ids, params.skip_special_tokens)
+                if text.endswith("\ufffd"):  # half a multi-byte character: wait
+                    continue
+                text = text[:max(len(text) - hold, 0)]
+            before = "".join(sent)
+            delta, sent = text[len(before):] if text.startswith(before) else "", [text]
         new_ids, new_lps, new_tops = (x[sent_tokens:] for x in (out.token_ids, out.logprobs, out.top_logprobs))
-        delta = text[len(sent_text):] if text.startswith(sent_text) else ""
-        sent_tokens, sent_text = len(out.token_ids), text
+        sent_tokens = len(out.token_ids)
         yield new_ids, new_lps, new_tops, delta, out if out.finished else None
 
 
@@ -329,20 +333,22 @@ async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs
     it. With `return_token_ids`, each chunk's new token ids, and the prompt's in the first chunk.
     `one_call`: the request's parallel_tool_calls is false (its first call only)."""
     tok = engine.tokenizer
-    first, whole, thought, sent = True, "", 0, 0
+    # each chunk's work is bounded by its own text, not the reply so far (a long reply streams in linear time)
+    first, whole, text, sent, content_began = True, "", "", 0, False
+    thinking = ReasoningStream(reasoning) if reasoning else None
     async for new_ids, lps, tops, delta, final in _deltas(engine, ids, params, f"{rid}-{index}", group_id, **options):
         reason = final.finish_reason if final else None
         if final is not None and finished is not None:
             finished.append(final)
-        whole, d = final.text if final else whole + delta, {}
-        text = whole  # the content so far: the reply past its reasoning
-        if reasoning:
-            at = reasoning.content_start(whole, final=final is not None)
-            said = reasoning.shown_reasoning(whole) if at is None else reasoning.split(whole[:at])[0] or ""
-            if len(said) > thought:
-                d = {"reasoning_content": said[thought:], "reasoning": said[thought:]}
-                thought = len(said)
-            text = "" if at is None else whole[at:]
+        d, whole = {}, final.text if final else whole + delta
+        if thinking:  # the content so far: the reply past its reasoning
+            said, at = thinking.feed(whole, final=final is not None)
+            if said:
+                d = {"reasoning_content": said, "reasoning": said}
+            text = "" if at is None else text + delta if content_began and not final else whole[at:]
+            content_began = at is not None
+        else:
+            text = whole
         calls = tool_calls(text, tools) if tools and final else None
         if calls is not None:  # what was not sent of the text outside the tool-call blocks, and the calls
             rest = tools.content(text)[sent:]
@@ -350,7 +356,7 @@ async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs
                      tool_calls=[dict(c, index=i) for i, c in enumerate(calls[1][:1] if one_call else calls[1])])
             reason = "tool_calls"
         else:
-            shown = tools.content_end(text) if tools and not final else len(text)
+            shown = tools.content_end(text, sent) if tools and not final else len(text)
             if shown > sent or not d:
                 d["content"] = text[sent:max(shown, sent)]
             sent = max(shown, sent)

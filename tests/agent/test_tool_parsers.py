@@ -10,9 +10,26 @@ import pytest
 
 from rollwise.agent.env import ToolEnv
 from rollwise.agent.parsing import (Glm45Parser, HermesParser, Llama3JsonParser, PythonicParser, Qwen3CoderParser,
-                                   ToolCall, bind, make_parser, openai_tool_calls)
+                                   PARSERS, ToolCall, bind, make_parser, openai_tool_calls)
 from rollwise.agent.tools import Tool
 from rollwise.serve.process import ServerProcess
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_streamed_content_ends_alike_from_where_it_was_shown(name):
+    """content_end(text, start), `start` the end shown before (the stream's linear-time form), gives
+    what content_end(text) gives, over random replies of the format's markup cut at random places."""
+    import random
+    p, rng = make_parser(name), random.Random(name)
+    marks = [m for m in (getattr(p, "tag", None), *getattr(p, "openers", ())) if m]
+    pieces = [x for m in marks for x in (m, m[:len(m) // 2], m[len(m) // 2:]) if x] + [" ", "\n", "Hi", "<", "[", "{"]
+    for _ in range(2000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 8)))
+        shown_whole = shown = 0
+        for i in sorted(set(rng.sample(range(1, len(text) + 1), rng.randint(1, len(text))))):
+            shown_whole = max(p.content_end(text[:i]), shown_whole)
+            shown = max(p.content_end(text[:i], shown), shown)
+            assert shown == shown_whole, (text, i)
 
 
 def test_llama3_json_calls_are_parsed_and_text_stays_text():

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from rollwise.agent.reasoning import ReasoningParser
+from rollwise.agent.reasoning import ReasoningParser, ReasoningStream
 from rollwise.config import ServerConfig
 from rollwise.serve.process import ServerProcess
 from tests.agent.test_tool_parsers import Adder
@@ -45,6 +45,27 @@ def test_replies_split_alike_whole_and_streamed(text, qwen3, r1):
         ReasoningParser("o1")
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         ServerConfig(reasoning_parser="o1")
+
+
+def test_the_incremental_stream_shows_what_the_whole_text_methods_show():
+    """ReasoningStream (each piece's work bounded by the piece) against content_start / shown_reasoning /
+    split on the whole reply so far, over random replies of tag fragments cut at random places."""
+    import random
+    rng = random.Random(0)
+    pieces = ["<think>", "</think>", "<th", "ink>", "</th", "<", "/", ">", " ", "\n", "abc", "think", "k>"]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8)))
+        cuts = sorted(set(rng.sample(range(1, len(text) + 1), rng.randint(0, len(text))) + [len(text)]))
+        for name in ("qwen3", "deepseek_r1"):
+            p = ReasoningParser(name)
+            stream, thought, want, got = ReasoningStream(p), 0, "", ""
+            for i in cuts:
+                at = p.content_start(text[:i], final=i == len(text))
+                said = p.shown_reasoning(text[:i]) if at is None else p.split(text[:i][:at])[0] or ""
+                want, thought = want + said[thought:], max(thought, len(said))
+                new, at_now = stream.feed(text[:i], final=i == len(text))
+                got += new
+                assert (at_now, got) == (at, want), (name, text, cuts, i)
 
 
 def test_an_env_reads_calls_and_answers_past_the_reasoning():

@@ -29,7 +29,8 @@ class ToolCallParser(Protocol):
 
     def content(self, text: str) -> str: ...  # the text outside the calls (unstripped)
 
-    def content_end(self, text: str) -> int: ...  # streaming: the prefix of the text so far that is content
+    # streaming: the prefix of the text so far that is content (`start`: the end it gave before, which only grows)
+    def content_end(self, text: str, start: int = 0) -> int: ...
 
     def grammar(self, fns: list[dict], single: bool, tag_tokens) -> str: ...  # Lark: calls of these (tag_ref)
 
@@ -89,9 +90,9 @@ class HermesParser:
     def content(self, text: str) -> str:
         return self.pattern.sub("", text)
 
-    def content_end(self, text: str) -> int:
+    def content_end(self, text: str, start: int = 0) -> int:
         """Content stops before the first `<tool_call>`, and holds back an end that may begin one."""
-        at = text.find(self.tag)
+        at = text.find(self.tag, start)  # (none before `start`: content up to there)
         if at >= 0:
             return at
         return len(text) - next((k for k in range(min(len(self.tag) - 1, len(text)), 0, -1)

@@ -20,7 +20,9 @@ class _WholeReply:
     def content(self, text: str) -> str:
         return "" if self.content_end(text) == 0 and text.strip() else text
 
-    def content_end(self, text: str) -> int:
+    def content_end(self, text: str, start: int = 0) -> int:
+        if start:  # (it was content: no longer the beginning of a call, it never becomes one)
+            return len(text)
         s = text.lstrip()
         maybe_call = s.startswith(self.openers) or any(o.startswith(s) for o in self.openers)
         return 0 if maybe_call else len(text)
