@@ -130,41 +130,50 @@ class _Replay:
                             finish_reason="length")
 
 
-def chat_before(tok: Tokenizer, ids: list[int], reasoning: ReasoningParser, tools: HermesParser) -> tuple[str, str]:
-    """The chat stream's text work as the server did it before, a token a chunk: (reasoning, content)."""
-    grow, grown, sent_text, whole, thought, sent, said_all, content_all = tok.decoder(), "", "", "", 0, 0, "", ""
-    for k, t in enumerate(ids):
-        final = k == len(ids) - 1
-        text = grown = grown + grow([t])  # (the stream's deltas: no stop strings, nothing held back)
-        delta = text[len(sent_text):] if text.startswith(sent_text) else ""
-        sent_text = text
-        whole = whole + delta
+async def chat_before(engine: _Replay, reasoning: ReasoningParser, tools: HermesParser):
+    """The chat stream's chunks as the server built them before (a step's new tokens decoded alone, as
+    now): each chunk cut the whole text so far for stop strings and ran the whole-text methods on it."""
+    grow, grown, sent_text, whole, thought, sent, n = engine.tokenizer.decoder(), "", "", "", 0, 0, 0
+    async for out in engine.stream([1], None, "r"):
+        final = out.finished
+        if final:
+            text = out.text
+        else:
+            text = grown = grown + grow(out.token_ids[n:])  # (no stop string: nothing held back)
+        n, delta = len(out.token_ids), text[len(sent_text):] if text.startswith(sent_text) else ""
+        sent_text, d = text, {}
+        whole = text if final else whole + delta
         at = reasoning.content_start(whole, final=final)
         said = reasoning.shown_reasoning(whole) if at is None else reasoning.split(whole[:at])[0] or ""
         if len(said) > thought:
-            said_all, thought = said_all + said[thought:], len(said)
+            d = {"reasoning_content": said[thought:], "reasoning": said[thought:]}
+            thought = len(said)
         text = "" if at is None else whole[at:]
         calls = openai_tool_calls(text, tools) if final else None
-        if calls is not None:  # (at the end, as now: the text outside the calls that was not shown)
+        if calls is not None:  # (the text outside the calls that was not shown; the calls left out here)
             rest = tools.content(text)[sent:]
-            content_all += rest if rest.strip() else ""
-            break
-        shown = tools.content_end(text) if not final else len(text)
-        content_all += text[sent:max(shown, sent)]
-        sent = max(shown, sent)
-    return said_all, content_all
+            d.update(content=rest if rest.strip() else None)
+        else:
+            shown = tools.content_end(text) if not final else len(text)
+            if shown > sent or not d:
+                d["content"] = text[sent:max(shown, sent)]
+            sent = max(shown, sent)
+        yield {"id": "r", "object": "chat.completion.chunk", "created": int(time.time()), "model": "m",
+               "choices": [{"index": 0, "delta": d, "finish_reason": None, "logprobs": None}]}
 
 
-def chat_now(tok: Tokenizer, ids: list[int], reasoning: ReasoningParser, tools: HermesParser) -> tuple[str, str]:
-    """The server's `stream_chat` over the same tokens: (reasoning, content)."""
-    async def go():
-        said, content = "", ""
-        async for chunk in stream_chat(_Replay(tok, ids), [1], SamplingParams(max_tokens=len(ids)), "r", 0, "m",
-                                       False, None, tools=tools, reasoning=reasoning):
-            d = chunk["choices"][0]["delta"]
-            said, content = said + (d.get("reasoning_content") or ""), content + (d.get("content") or "")
-        return said, content
-    return asyncio.run(go())
+def chat_now(engine: _Replay, reasoning: ReasoningParser, tools: HermesParser):
+    """The server's `stream_chat`."""
+    return stream_chat(engine, [1], SamplingParams(max_tokens=len(engine.ids)), "r", 0, "m", False, None,
+                       tools=tools, reasoning=reasoning)
+
+
+async def _collect(chunks) -> tuple[str, str]:
+    said, content = "", ""
+    async for chunk in chunks:
+        d = chunk["choices"][0]["delta"]
+        said, content = said + (d.get("reasoning_content") or ""), content + (d.get("content") or "")
+    return said, content
 
 
 def chat_text(tok: Tokenizer, length: int) -> dict:
@@ -172,9 +181,9 @@ def chat_text(tok: Tokenizer, length: int) -> dict:
     ids = tok.encode("<think>", add_special_tokens=False) + half[:length // 2] + \
         tok.encode("</think>", add_special_tokens=False) + half[length // 2:]
     reasoning, tools, out = ReasoningParser("qwen3"), HermesParser(), {}
-    for name, fn in (("before", chat_before), ("now", chat_now)):
+    for name, chunks in (("before", chat_before), ("now", chat_now)):
         t0 = time.perf_counter()
-        out[name] = fn(tok, ids, reasoning, tools)
+        out[name] = asyncio.run(_collect(chunks(_Replay(tok, ids), reasoning, tools)))
         out[f"{name}_s"] = time.perf_counter() - t0
     assert out["before"] == out["now"] and out["now"][0] and out["now"][1], "the two ways differ"
     return {"tokens": len(ids), "before_s": out["before_s"], "now_s": out["now_s"],

@@ -340,15 +340,26 @@ async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs
         reason = final.finish_reason if final else None
         if final is not None and finished is not None:
             finished.append(final)
-        d, whole = {}, final.text if final else whole + delta
+        d = {}
         if thinking:  # the content so far: the reply past its reasoning
+            if final:
+                whole = final.text
+            else:
+                whole += delta  # (extended in place: nothing else holds the string)
             said, at = thinking.feed(whole, final=final is not None)
             if said:
                 d = {"reasoning_content": said, "reasoning": said}
-            text = "" if at is None else text + delta if content_began and not final else whole[at:]
+            if at is None:
+                text = ""
+            elif content_began and not final:
+                text += delta
+            else:
+                text = whole[at:]
             content_began = at is not None
+        elif final:
+            text = final.text
         else:
-            text = whole
+            text += delta
         calls = tool_calls(text, tools) if tools and final else None
         if calls is not None:  # what was not sent of the text outside the tool-call blocks, and the calls
             rest = tools.content(text)[sent:]
