@@ -89,7 +89,7 @@ def run(advantage: str, seed: int, args) -> dict:
 
 
 COLORS = {"grpo": "tab:blue", "gigpo": "tab:orange", "gae": "tab:green", "rloo": "tab:red", "dr_grpo": "tab:purple",
-          "reinforce_plus_plus": "tab:brown", "reinforce_plus_plus_baseline": "tab:pink"}
+          "reinforce_plus_plus": "tab:brown", "reinforce_plus_plus_baseline": "tab:pink", "remax": "tab:olive"}
 
 
 def plot(runs: list[dict], path: str) -> None:
