@@ -5,7 +5,6 @@ Imports no torch: the control plane (router, rollout, spec) uses these types too
 from __future__ import annotations
 
 import json
-
 from dataclasses import dataclass, field, fields, replace
 
 from rollwise.wire import decode_routing
@@ -49,6 +48,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None  # added to those tokens' logits ([-100, 100]), before penalties
     allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # vLLM's: words not to write (a token completing one is banned; no drafts)
     # the output held to one of: {"json": schema}, {"json_object": true}, {"regex": r}, {"choice": [s, ...]},
     # {"grammar": lark} (vLLM's names; rollwise.engine.grammar); no speculation for such a request
     structured_outputs: dict | None = None

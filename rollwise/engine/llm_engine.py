@@ -114,6 +114,8 @@ class LLMEngine(WeightVersions, SleepMode):
         if rid in self.seqs:
             raise ValueError(f"request_id {rid!r} is already in flight")
         seq = Sequence(rid, list(ids), params, forced=list(forced_output) if forced_output else None)
+        if params.bad_words:
+            seq.bad_words = self._bad_words(params.bad_words)
         if params.structured_outputs is not None:
             if forced_output is not None:
                 raise ValueError("structured_outputs and forced_output cannot go together")
@@ -273,10 +275,27 @@ class LLMEngine(WeightVersions, SleepMode):
             seq.routed_experts = self.runner.routed_experts(seq.block_table, seq.num_computed_tokens, seq.num_tokens)
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:
-        p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
-            return ()
-        return tuple(sorted((set() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids)))
+        """The tokens it may not sample next: EOS and stop tokens before min_tokens, and the last token
+        of a bad word whose other tokens the output ends with (vLLM's rule)."""
+        p, n = seq.params, seq.num_output_tokens
+        out = set() if n >= p.min_tokens else (set() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids)
+        for ids in seq.bad_words or ():
+            k = len(ids) - 1
+            if n >= k and (not k or seq.token_ids[len(seq.token_ids) - k:] == ids[:-1]):
+                out.add(ids[-1])
+        return tuple(sorted(out))
+
+    def _bad_words(self, words) -> list[list[int]]:
+        """Each bad word's token ids as written and after a space (vLLM's two spellings), once each."""
+        if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise ValueError("bad_words must be a list of non-empty strings")
+        out = []
+        for w in words:
+            for spelled in (w.lstrip(), " " + w.lstrip()):
+                ids = self.tokenizer.encode(spelled, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def _check_stop(self, seq: Sequence, tok: int) -> None:
         p = seq.params

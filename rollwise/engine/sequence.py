@@ -37,6 +37,7 @@ class Sequence:
     text: str | None = None  # set when a stop string truncates the output
     forced: list[int] | None = None  # trace replay: the output tokens to emit
     grammar: object | None = None  # structured outputs: its llguidance matcher (rollwise.engine.grammar)
+    bad_words: list[list[int]] | None = None  # params.bad_words' token ids, as written and after a space
     policy_version: int = 0  # weights version of its first token (the oldest)
     weights_version: int = 0  # the weights it runs under now
     pinned: bool = False  # the caller chose weights_version: a partial-rollout update leaves it there

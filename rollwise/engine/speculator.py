@@ -48,7 +48,7 @@ class Speculator:
     # the step ------------------------------------------------------------------------------------
     def propose(self, batch: list[ScheduledSeq], scheduler: Scheduler, token_budget: int, max_model_len: int) -> None:
         cands = [s for s in batch if s.is_decode and s.seq.num_output_tokens >= s.seq.params.min_tokens
-                 and s.seq.grammar is None]  # (a structured output's mask is known one token at a time)
+                 and s.seq.grammar is None and not s.seq.bad_words]  # (their masks are known a token at a time)
         if not cands or not self.controller.wants_drafts(len(scheduler.running)):
             return
         t0 = time.perf_counter()

@@ -50,7 +50,7 @@ class OpenAIReplica(HttpReplica):
                 "top_k": p.top_k if p.top_k > 0 else -1, "min_p": p.min_p, **PENALTIES_OFF, **p.penalties()}
         if p.logit_bias:
             body["logit_bias"] = {str(t): b for t, b in p.logit_bias.items()}
-        body["allowed_token_ids"] = p.allowed_token_ids
+        body["allowed_token_ids"], body["bad_words"] = p.allowed_token_ids, p.bad_words
         body["structured_outputs"] = p.structured_outputs  # (vLLM's name)
         return {k: v for k, v in body.items() if v is not None}
 

@@ -225,6 +225,7 @@ class HttpReplica:
                                     **({} if p.prompt_logprobs is None else {"prompt_logprobs": p.prompt_logprobs}),
                                     **({"logit_bias": p.logit_bias} if p.logit_bias else {}),
                                     **({} if p.allowed_token_ids is None else {"allowed_token_ids": p.allowed_token_ids}),
+                                    **({"bad_words": p.bad_words} if p.bad_words else {}),
                                     **({} if p.structured_outputs is None else {"structured_outputs": p.structured_outputs}),
                                     **({"return_routed_experts": True} if p.return_routed_experts else {}),
                                     **({} if p.lora is None else {"lora": p.lora})}}

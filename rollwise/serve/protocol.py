@@ -33,6 +33,7 @@ class _OpenAISampling(_Strict):
     repetition_penalty: float = 1.0  # vLLM's extension
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's keys) -> bias
     allowed_token_ids: list[int] | None = None  # vLLM's extension
+    bad_words: list[str] | None = None  # vLLM's: words the reply may not contain
     skip_special_tokens: bool = True  # vLLM's: special tokens' text left out of the reply
     include_stop_str_in_output: bool = False  # vLLM's: the stop string (or stop token) that ended it kept
     # structured outputs: OpenAI's response_format ({"type": "json_object"}, {"type": "json_schema",
@@ -64,7 +65,8 @@ class _OpenAISampling(_Strict):
                               ignore_eos=self.ignore_eos, logprobs=top_logprobs,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=pick("repetition_penalty"), logit_bias=self.logit_bias,
-                              allowed_token_ids=self.allowed_token_ids, skip_special_tokens=self.skip_special_tokens,
+                              allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                              skip_special_tokens=self.skip_special_tokens,
                               prompt_logprobs=self.prompt_logprobs,
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               structured_outputs=self.structured(tokenizer, parser))

@@ -238,6 +238,30 @@ def test_prompt_logprobs_equal_a_direct_forward_and_bypass_the_prefix_cache(mode
             SamplingParams(prompt_logprobs=bad)
 
 
+def test_bad_words_are_never_written(model_dir, llm):
+    """vLLM's bad_words: the token that would complete a word (as written, or after a space) is
+    banned once the output ends with the word's other tokens; until then the output is the same."""
+    tok, p = llm.engine.tokenizer, _prompts(1, seed=3)[0]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    out = llm.generate([p], params)[0].token_ids
+    i = next(i for i in range(len(out) - 1)  # a word it writes, whose text tokenizes back to its ids
+             if tok.encode(tok.decode(out[i:i + 2]), add_special_tokens=False) == out[i:i + 2])
+    word = tok.decode(out[i:i + 2])
+    spellings = llm.engine._bad_words([word])
+    assert out[i:i + 2] in spellings
+
+    def completes(seq: list[int]) -> list[int]:  # where a spelling of the word ends in seq
+        return [j + len(w) - 1 for w in spellings for j in range(len(seq) - len(w) + 1) if seq[j:j + len(w)] == w]
+    got = llm.generate([p], dataclasses.replace(params, bad_words=[word]))[0].token_ids
+    first = min(completes(out))
+    assert not completes(got) and got[:first] == out[:first] and got[first] != out[first]
+    spec = LLM(model_dir, speculative="suffix", spec_controller="always")  # (such a request is not drafted for)
+    assert spec.generate([p], dataclasses.replace(params, bad_words=[word]))[0].token_ids == got
+    for bad in ([""], ["  "], "word", [3]):
+        with pytest.raises(ValueError, match="bad_words must be a list of non-empty strings"):
+            llm.generate([p], dataclasses.replace(params, bad_words=bad))
+
+
 def test_logit_bias_and_allowed_token_ids(model_dir, llm):
     """logit_bias shifts the logits it names (the logprobs are taken after it), allowed_token_ids
     masks the rest; both are the same at every position, so speculation gives the same tokens."""

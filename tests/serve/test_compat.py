@@ -86,6 +86,10 @@ def test_logit_bias_and_allowed_token_ids_in_every_api(client):
     gen = client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {
         "temperature": 0, "max_tokens": 4, "logit_bias": {"12": 100}}}).json()
     assert gen["token_ids"] == [12] * 4
+    # vLLM's bad_words: token 11's text as a bad word bans it, however likely
+    piece = client.post("/detokenize", json={"tokens": [11]}).json()["prompt"]
+    got = client.post("/v1/completions", json={**body, "bad_words": [piece]}).json()["choices"][0]["logprobs"]
+    assert len(got["token_ids"]) == 6 and 11 not in got["token_ids"]
 
 
 def test_sglang_control_endpoints(model_dir):
