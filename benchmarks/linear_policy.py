@@ -1,13 +1,15 @@
-"""Which kernel takes a linear's rows, side by side in one run: the engine's policy against the one
-before 2026-12-03 (oneDNN from 4 rows, MKL below, every product on all threads).
+"""Which kernel takes a linear's rows, side by side in one run: the policy measured on this machine
+against the two fixed ones (rollwise/engine/models/linear.py).
 
     python benchmarks/linear_policy.py [--smoke] [--json PATH]
 
-Now: oneDNN from 2 rows, and for one row once the weight has 2^18 entries (MKL's GEMV below);
-products under 16 MFLOP on one thread (rollwise/engine/models/linear.py). Decode tokens/s, greedy,
-48 new tokens a request, at batch 1, 2, 3, 8 and 32, on the engine benchmark's model (llama, 8
-layers, hidden 512) and the RL demo's (qwen3, 2 layers, hidden 128); the two policies take turns
-within every repetition (median of 3), on the same engine.
+"mkl": MKL below 4 rows, every product on all threads (the engine's policy before 2026-12-03);
+"onednn": oneDNN from 2 rows, and for one row from 2^18 weight entries, products under 16 MFLOP on
+one thread (2026-12-03 to 2026-12-05, fixed from one machine's timings); "measured": timed on this
+machine once and cached (the default since 2026-12-05). Decode tokens/s, greedy, 48 new tokens a
+request, at batch 1, 2, 3, 8 and 32, on the engine benchmark's model (llama, 8 layers, hidden 512)
+and the RL demo's (qwen3, 2 layers, hidden 128); the policies take turns within every repetition
+(median of 3), on the same engine, and give the same tokens or nearly (their kernels round apart).
 """
 from __future__ import annotations
 
@@ -27,9 +29,6 @@ from common import engine_model  # noqa: E402
 from rollwise import LLM, SamplingParams  # noqa: E402
 from rollwise.engine.models import linear  # noqa: E402
 
-POLICIES = {"before": dict(GEMM_MIN_ROWS=4, GEMV_MAX_WEIGHTS=float("inf"), SERIAL_FLOPS=0),
-            "now": {k: getattr(linear, k) for k in ("GEMM_MIN_ROWS", "GEMV_MAX_WEIGHTS", "SERIAL_FLOPS")}}
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,28 +38,30 @@ def main() -> None:
     from rollwise.cli import demo_model
     models = [engine_model("smoke" if args.smoke else "bench"), demo_model()]
     new, reps = (8, 2) if args.smoke else (48, 4)
-    out: dict = {}
-    print("| model | batch | tokens | before tok/s | now tok/s | speedup |\n| --- | --- | --- | --- | --- | --- |")
+    policies = {**linear.FIXED, "measured": linear.policy()}
+    out: dict = {"policies": policies, "models": {}}
+    print(f"measured on this machine: {policies['measured']}")
+    print("| model | batch | tokens | mkl tok/s | onednn tok/s | measured tok/s | measured / mkl | measured / onednn |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- |")
     for m in models:
         llm = LLM(m, max_num_seqs=64, enable_prefix_caching=False, kv_cache_gb=0.25)
         for b in (1, 2, 3, 8, 32):
             prompts = [[7 + i, 300 + i, 42, 99] * 4 for i in range(b)]
             sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-            times: dict[str, list[float]] = {k: [] for k in POLICIES}
+            times: dict[str, list[float]] = {k: [] for k in policies}
             for rep in range(reps):
-                for name, knobs in POLICIES.items():
-                    for k, v in knobs.items():
-                        setattr(linear, k, v)
+                for name, knobs in policies.items():
+                    linear._policy = knobs
                     t0 = time.perf_counter()
                     llm.generate(prompts, sp)
                     if rep:  # the first round warms up
                         times[name].append(time.perf_counter() - t0)
             tps = {k: b * new / statistics.median(v) for k, v in times.items()}
-            out.setdefault(m, {})[b] = {"tokens": b * new, "tok_s": tps, "speedup": tps["now"] / tps["before"]}
-            print(f"| {Path(m).name} | {b} | {b * new} | {tps['before']:.0f} | {tps['now']:.0f} | "
-                  f"{tps['now'] / tps['before']:.2f}x |", flush=True)
-    for k, v in POLICIES["now"].items():
-        setattr(linear, k, v)
+            r = {k: tps["measured"] / tps[k] for k in linear.FIXED}
+            out["models"].setdefault(m, {})[b] = {"tokens": b * new, "tok_s": tps, "measured_over": r}
+            print(f"| {Path(m).name} | {b} | {b * new} | {tps['mkl']:.0f} | {tps['onednn']:.0f} | "
+                  f"{tps['measured']:.0f} | {r['mkl']:.2f}x | {r['onednn']:.2f}x |", flush=True)
+    linear._policy = policies["measured"]
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 

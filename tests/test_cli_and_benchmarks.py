@@ -284,8 +284,11 @@ def test_batch_invariance_benchmark_smoke(tmp_path):
 
 def test_linear_policy_benchmark_smoke(tmp_path):
     res = smoke(tmp_path, "benchmarks/linear_policy.py")
-    assert len(res) == 2 and all(set(v) == {"1", "2", "3", "8", "32"} for v in res.values())
-    assert all(b["speedup"] > 0 and b["tokens"] > 0 for v in res.values() for b in v.values())
+    models = res["models"]
+    assert len(models) == 2 and all(set(v) == {"1", "2", "3", "8", "32"} for v in models.values())
+    assert all(set(b["measured_over"]) == {"mkl", "onednn"} and b["tokens"] > 0 for v in models.values()
+               for b in v.values())
+    assert set(res["policies"]) == {"mkl", "onednn", "measured"}
 
 
 def test_router_benchmark_smoke(tmp_path):

@@ -145,4 +145,5 @@ class WeightVersions:
             self._loaded.remove(u)
             del self._roots[u]
             self._adapters.pop(u, None)
-        self.blocks.evict_cached(set(dropped))
+        if dropped:  # (called as requests end: walk the cached blocks only when a version went)
+            self.blocks.evict_cached(set(dropped))

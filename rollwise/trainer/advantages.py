@@ -11,9 +11,8 @@ the policy ran greedily on the same task (`Trajectory.baseline`; the rollout run
 trained on), so a group of one trains; "grpo_passk" (Pass@k training, Chen et al. 2025, verl's):
 only the group's best episode (the first, on a tie) gets an advantage, its reward minus the second
 best's, over the group's std, so a group is credited for solving the task once rather than on
-average. The same for every
-generated token of a trajectory (of each of its token sequences, when the episode ran in several
-contexts: `Trajectory.earlier`).
+average. The same for every generated token of a trajectory (of each of its token sequences, when
+the episode ran in several contexts: `Trajectory.earlier`).
 
 "gigpo" (GiGPO, Feng et al. 2025, "Group-in-Group Policy Optimization for LLM Agent Training"): the
 episode's grpo advantage plus `step_weight` times a step advantage per turn. The turns of a group's
