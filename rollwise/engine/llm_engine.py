@@ -278,6 +278,8 @@ class LLMEngine(WeightVersions, SleepMode):
         """The tokens it may not sample next: EOS and stop tokens before min_tokens, and the last token
         of a bad word whose other tokens the output ends with (vLLM's rule)."""
         p, n = seq.params, seq.num_output_tokens
+        if n >= p.min_tokens and not seq.bad_words:
+            return ()
         out = set() if n >= p.min_tokens else (set() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids)
         for ids in seq.bad_words or ():
             k = len(ids) - 1
