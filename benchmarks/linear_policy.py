@@ -41,8 +41,8 @@ def main() -> None:
     policies = {**linear.FIXED, "measured": linear.policy()}
     out: dict = {"policies": policies, "models": {}}
     print(f"measured on this machine: {policies['measured']}")
-    print("| model | batch | tokens | mkl tok/s | onednn tok/s | measured tok/s | measured / mkl | measured / onednn |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | batch | tokens | mkl tok/s | onednn tok/s | measured tok/s | measured / mkl "
+          "| measured / onednn |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
     for m in models:
         llm = LLM(m, max_num_seqs=64, enable_prefix_caching=False, kv_cache_gb=0.25)
         for b in (1, 2, 3, 8, 32):
