@@ -36,6 +36,13 @@ def test_the_measured_policy_is_kept_in_a_file_that_later_processes_read(fresh, 
     assert linear.policy() == got
 
 
+def test_a_cache_file_that_does_not_parse_is_measured_again_and_rewritten(fresh):
+    fresh.parent.mkdir(parents=True, exist_ok=True)
+    fresh.write_text("{not json")
+    got = linear.policy()
+    assert list(json.loads(fresh.read_text()).values()) == [got]
+
+
 def test_a_fixed_policy_by_name_and_a_bad_name_refused(fresh, monkeypatch):
     for name in FIXED:
         monkeypatch.setattr(linear, "_policy", None)

@@ -111,7 +111,12 @@ def _measured() -> dict:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            known = json.loads(path.read_text()) if path.exists() else {}
+            try:
+                known = json.loads(path.read_text()) if path.exists() else {}
+            except ValueError:
+                known = None
+            if not isinstance(known, dict) or not isinstance(known.get(key, {}), dict):
+                known = {}  # not this module's file (edited by hand?): measured again and rewritten
             if key not in known:
                 known[key] = measure()
                 tmp = path.with_suffix(".tmp")
