@@ -311,6 +311,13 @@ def test_linear_policy_benchmark_smoke(tmp_path):
     assert set(res["policies"]) == {"mkl", "onednn", "measured"}
 
 
+def test_attention_threads_benchmark_smoke(tmp_path):
+    res = smoke(tmp_path, "benchmarks/attention_threads.py")
+    assert [(r["batch"], r["prompt"]) for r in res["runs"]] == [(1, 16), (4, 16)]
+    assert all(r["same_tokens"] and r["decode_tokens"] == 4 * r["batch"] and r["ratio"] > 0 for r in res["runs"])
+    assert 2048 <= res["parallel_pairs"] <= 65536 and res["old"] == 65536
+
+
 def test_router_benchmark_smoke(tmp_path):
     res = smoke(tmp_path, "benchmarks/router.py", "--policies", "verl,rollwise")
     a, b = res["policies"]["verl"], res["policies"]["rollwise"]

@@ -125,6 +125,17 @@ def _native_queries(q, c, s, valid_q, trees) -> NativeQueries:
                          masks[valid_q].numpy())
 
 
+def parallel_pairs() -> int:
+    """The (key, query head) pairs from which the native kernel splits a call across threads. The
+    linear policy measured on this machine (models/linear.py) names the flops from which a GEMM gains
+    from waking a second thread (`serial_flops`); one thread does a decode pair in about the time it
+    does 2,000 of a GEMM's flops (~20 ns against ~100 GFLOP/s), so the same wake-up pays from
+    serial_flops / 2048 pairs. Within [2048, 65536]: 4,096 on 2026-12-05's machine, where the split
+    at batch 16-64 decoded 10-15% faster than the fixed 65,536 before."""
+    from rollwise.engine.models.linear import policy
+    return int(min(65536, max(2048, policy()["serial_flops"] / 2048)))
+
+
 def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
     """q [T, H, D]; k, v [T, Hkv, D]; caches [S, Hkv, D]. Writes k, v to the cache, returns [T, H, D]."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
@@ -143,7 +154,7 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch
             nq = g.native
             native._C.paged_attention(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(),
                                       g.block_tables.numpy(), nq.rows, nq.seqs, nq.prefix, nq.masks, out.numpy(),
-                                      meta.block_size, d ** -0.5)
+                                      meta.block_size, d ** -0.5, parallel_pairs())
             continue
         # index_select copies whole rows and is ~2x faster than advanced indexing here
         qg = q.index_select(0, g.q_index.flatten()).view(b, lq, -1, d).transpose(1, 2)  # [B, H, Lq, D]

@@ -267,10 +267,6 @@ ROLLWISE_CLONES void attend_tile_v(const Tile& tl, int H, int g, const float* __
 }
 
 constexpr int64_t kPart = 256;  // keys per work item, rounded down to whole blocks
-// below this many (key, query head) pairs one thread does the call: waking a sleeping OpenMP
-// thread (OMP_WAIT_POLICY=PASSIVE) cost 200-300 us on the 2-core machines this was measured on,
-// more than the work (one thread: 5 ns a pair in prefill tiles, 12 ns in decodes)
-constexpr int64_t kParallelPairs = 65536;
 
 // Calls f(std::integral_constant<int, d / 16>) if d is one of the list's head sizes (the vector
 // kernel's C as a type, one instantiation per size); false if none.
@@ -289,10 +285,13 @@ inline int64_t keys_end(int64_t prefix, uint64_t mask) { return prefix + (mask ?
 // first prefix[i] cached keys (the step's new keys already written) and, of the next 64, those
 // in masks[i] (causal rows: prefix = position + 1, mask 0; tree drafts: the ancestors); its
 // output goes to row rows[i] of out. A query's result depends only on what it sees, not on the
-// rest of the batch: runs that compute a row in different batches agree bit for bit.
+// rest of the batch or the threads: runs that compute a row in different batches agree bit for bit.
+// Below parallel_pairs (key, query head) pairs one thread does the call: waking a sleeping OpenMP
+// thread (OMP_WAIT_POLICY=PASSIVE) can cost more than the work (one thread: 5-20 ns a pair);
+// attention.py derives it from the machine's measured linear policy.
 void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const i64& block_tables, const i64& rows_a,
                      const i64& seqs_a, const i64& prefix_a, const i64& masks_a, f32& out, int64_t block_size,
-                     double scale) {
+                     double scale, int64_t parallel_pairs) {
     const auto check = [](bool ok, const std::string& what) { need(ok, "paged_attention: " + what); };
     check(q.ndim() == 3 && out.ndim() == 3 && k_cache.ndim() == 3 && v_cache.ndim() == 3, "q, out and caches are 3-d");
     const int64_t T = q.shape(0), H = q.shape(1), D = q.shape(2);
@@ -354,7 +353,7 @@ void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const
     float* op = out.mutable_data();
     const float sc = float(scale);
     py::gil_scoped_release nogil;
-#pragma omp parallel if (pairs >= kParallelPairs)
+#pragma omp parallel if (pairs >= parallel_pairs)
     {
         FlushDenormals ftz;
         std::vector<float> scores(size_t(std::max<int64_t>(h, tile * g)) * part);

@@ -55,7 +55,7 @@ def test_decode_matches_torch_path(torch_path, heads, kv_heads, d, bs):
     """Random lengths (1 key, block edges, several of the kernel's 256-key partitions), blocks in
     random order."""
     rng = random.Random(heads * 100 + d)
-    for batch in (1, 3, 17, 48):  # 48 long sequences: over kParallelPairs, the threaded path
+    for batch in (1, 3, 17, 48):  # 48 long sequences: over parallel_pairs(), the threaded path
         ctx = [rng.choice([0, bs - 1, bs, 2 * bs + 1, rng.randrange(200), rng.randrange(256, 900)])
                for _ in range(batch)]
         tables, num_blocks = random_tables([1] * batch, ctx, bs, rng, spare=5)
@@ -68,6 +68,33 @@ def test_decode_matches_torch_path(torch_path, heads, kv_heads, d, bs):
         # the new keys and values were written to their slots, as the torch path writes them
         slot = meta.slot_mapping
         assert torch.equal(kc[slot], k) and torch.equal(vc[slot], v)
+
+
+@pytest.mark.parametrize("d", [16, 64])
+def test_threads_do_not_change_the_bits(monkeypatch, d):
+    """The same call on one thread and split across threads gives the same bits (each work item's
+    arithmetic is fixed); the split starts where the machine's linear policy puts it."""
+    from rollwise.engine.models import linear
+    rng = random.Random(d)
+    bs, h, hkv = 16, 8, 4
+    q_lens = [1] * 20 + [7, 1, 33]  # decodes, a short chunk, a prefill chunk
+    ctx = [rng.randrange(1, 700) for _ in q_lens]
+    tables, num_blocks = random_tables(q_lens, ctx, bs, rng, spare=3)
+    kc, vc = make_pool(num_blocks, bs, hkv, d, 7)
+    q = torch.randn(sum(q_lens), h, d)
+    meta = A.build_metadata(q_lens, ctx, tables, bs, torch.device("cpu"), use_native=True)
+    outs = []
+    for pairs in (0, 1 << 40):
+        out = torch.empty_like(q)
+        for g in meta.groups:
+            nq = g.native
+            native._C.paged_attention(q.numpy(), kc.numpy(), vc.numpy(), g.block_tables.numpy(), nq.rows, nq.seqs,
+                                      nq.prefix, nq.masks, out.numpy(), bs, d ** -0.5, pairs)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and bool(outs[0].abs().sum() > 0)
+    for serial, pairs in ((8.4e6, 4101), (16e6, 7812), (0.0, 2048), (1e12, 65536)):
+        monkeypatch.setattr(linear, "_policy", {"onednn_from": [0, 0, 0], "serial_flops": serial})
+        assert A.parallel_pairs() == pairs
 
 
 @pytest.mark.parametrize("d", [16, 64])
