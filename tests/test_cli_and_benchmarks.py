@@ -112,11 +112,11 @@ def test_processes_sharing_a_model_cache_build_it_once_and_read_it_whole(tmp_pat
 def test_settle_waits_for_a_busy_child_process():
     # side-by-side timings wait for the servers to go idle: a process whose child burns a core for
     # 1.2 s is waited for about that long; an idle one for one window
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from common import settle
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("benchmarks_common", ROOT / "benchmarks" / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    settle = common.settle
     busy = subprocess.Popen(["sh", "-c", "timeout 1.2 sh -c 'while :; do :; done'; sleep 60"])
     idle = subprocess.Popen(["sleep", "60"])
     try:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from rollwise.engine import native
+from rollwise.engine.models import linear
 
 # head sizes the native kernel's vector path takes (32, 64, 128; its loop path takes the rest): the
 # default for EngineConfig.native_attention; none when the kernels are not built
@@ -132,8 +133,7 @@ def parallel_pairs() -> int:
     does 2,000 of a GEMM's flops (~20 ns against ~100 GFLOP/s), so the same wake-up pays from
     serial_flops / 2048 pairs. Within [2048, 65536]: 4,096 on 2026-12-05's machine, where the split
     at batch 16-64 decoded 10-15% faster than the fixed 65,536 before."""
-    from rollwise.engine.models.linear import policy
-    return int(min(65536, max(2048, policy()["serial_flops"] / 2048)))
+    return int(min(65536, max(2048, linear.policy()["serial_flops"] / 2048)))
 
 
 def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
