@@ -8,8 +8,8 @@ Decode tokens/s, greedy, on the engine benchmark's model (llama, 8 layers, hidde
 4 kv heads of 64), at batch 1 / 4 / 16 / 32 / 64 with prompts of 32 tokens and batch 1 / 4 / 16
 with 512 (past that both split); the two take turns within every repetition on the same engine
 (median of 5 after a warm-up round) and must give the same tokens (the kernel's bits do not depend
-on its threads). Where both sides run the same path (batch 1 at 32 tokens: under either threshold)
-the ratio is the machine's noise.
+on its threads). Where both sides run the same path (batch 1 and 4 at 32 tokens: under either
+threshold; batch 16 at 512: over both) the ratio is the machine's noise.
 """
 from __future__ import annotations
 

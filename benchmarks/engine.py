@@ -212,8 +212,8 @@ def bench_http(servers: dict, batches: list[int], prompt_len: int, new: int, voc
         asyncio.run(_http_batch(url, rand_prompts(2, prompt_len, vocab, 99), new, name))
     for b in batches:
         prompts = rand_prompts(b, prompt_len, vocab, b)
-        r = paired({k: (lambda u=u, m=m: asyncio.run(_http_batch(u, prompts, new, m))) for k, (u, m) in servers.items()},
-                   pids)
+        fns = {k: (lambda u=u, m=m: asyncio.run(_http_batch(u, prompts, new, m))) for k, (u, m) in servers.items()}
+        r = paired(fns, pids)
         for k, (n, dt) in r.items():
             res[k][b] = {"tok_s": n / dt, "tokens": n, "seconds": dt}
     return res
