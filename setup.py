@@ -15,7 +15,7 @@ setup(
         # Optional: without it the engine runs torch ops alone
         Pybind11Extension("rollwise.engine._C",
                           ["rollwise/engine/_C.cpp", "rollwise/engine/paged_attention.cpp",
-                           "rollwise/engine/small_ops.cpp"],
+                           "rollwise/engine/small_ops.cpp", "rollwise/engine/sampling.cpp"],
                           depends=["rollwise/engine/kernels.h"], cxx_std=17, optional=True,
                           extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=fast", "-fno-trapping-math"],
                           extra_link_args=["-fopenmp"]),

@@ -318,6 +318,14 @@ def test_attention_threads_benchmark_smoke(tmp_path):
     assert 2048 <= res["parallel_pairs"] <= 65536 and res["old"] == 65536
 
 
+def test_sampler_benchmark_smoke(tmp_path):
+    res = smoke(tmp_path, "benchmarks/sampler.py")
+    assert [(r["batch"], r["vocab"]) for r in res["alone"]] == [(1, 1024), (4, 1024)]
+    assert [r["batch"] for r in res["engine"]] == [1, 4]
+    assert all(r["same_tokens"] and r["ratio"] > 0 for r in res["alone"] + res["engine"])
+    assert all(r["decode_tokens"] == 4 * r["batch"] for r in res["engine"])
+
+
 def test_router_benchmark_smoke(tmp_path):
     res = smoke(tmp_path, "benchmarks/router.py", "--policies", "verl,rollwise")
     a, b = res["policies"]["verl"], res["policies"]["rollwise"]

@@ -8,8 +8,8 @@
 using namespace rollwise;
 
 PYBIND11_MODULE(_C, m) {
-    m.doc() = "Native kernels: paged attention, RMSNorm, SiLU-and-multiply, RoPE (torch twins in attention.py and "
-              "models/llama.py)";
+    m.doc() = "Native kernels: paged attention, RMSNorm, SiLU-and-multiply, RoPE, sampling's inverse CDF (torch twins "
+              "in attention.py, models/llama.py and sampler.py)";
     m.def("paged_attention", &paged_attention, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
           py::arg("v_cache").noconvert(), py::arg("block_tables").noconvert(), py::arg("rows").noconvert(),
           py::arg("seqs").noconvert(), py::arg("prefix").noconvert(), py::arg("masks").noconvert(),
@@ -22,4 +22,6 @@ PYBIND11_MODULE(_C, m) {
     m.def("silu_and_mul", &silu_and_mul, py::arg("x").noconvert(), py::arg("out").noconvert());
     m.def("rope_", &rope_, py::arg("x").noconvert(), py::arg("c0"), py::arg("heads"), py::arg("cos").noconvert(),
           py::arg("sin").noconvert());
+    m.def("inverse_cdf", &inverse_cdf, py::arg("probs").noconvert(), py::arg("u").noconvert(),
+          py::arg("out").noconvert());
 }

@@ -1,4 +1,4 @@
-// What the engine's native kernels share (paged_attention.cpp, small_ops.cpp; bound to Python in
+// What the engine's native kernels share (paged_attention.cpp, small_ops.cpp, sampling.cpp; bound to Python in
 // _C.cpp): the instruction-set clones, the denormal flush, a vectorizable exp, 16-float vectors.
 #pragma once
 #include <pybind11/numpy.h>
@@ -102,12 +102,13 @@ inline void need(bool ok, const std::string& what) {
     if (!ok) throw std::invalid_argument(what);
 }
 
-// The entry points (paged_attention.cpp, small_ops.cpp), with their contracts there.
+// The entry points (paged_attention.cpp, small_ops.cpp, sampling.cpp), with their contracts there.
 void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const i64& block_tables, const i64& rows,
                      const i64& seqs, const i64& prefix, const i64& masks, f32& out, int64_t block_size, double scale,
                      int64_t parallel_pairs);
 void rms_norm(const f32& x, const f32& w, double eps, f32& out);
 void silu_and_mul(const f32& x, f32& out);
 void rope_(f32& x, int64_t c0, int64_t heads, const f32& cos, const f32& sin);
+void inverse_cdf(const f32& probs, const py::array_t<double, py::array::c_style>& u, i64& out);
 
 }  // namespace rollwise

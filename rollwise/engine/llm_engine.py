@@ -235,7 +235,9 @@ class LLMEngine(WeightVersions, SleepMode):
         if plain:
             rows = [self._row(batch[b].seq) for b in plain]
             self._constrain(rows, [batch[b].seq for b in plain])
-            toks, lps, tops = self.sampler(logits[[starts[b] for b in plain]], rows)
+            at = [starts[b] for b in plain]
+            # a decode batch samples every row in order: no copy of a [B, V] block
+            toks, lps, tops = self.sampler(logits if at == list(range(len(logits))) else logits[at], rows)
             emitted = {batch[b]: ([t], [lp], [top]) for b, t, lp, top in zip(plain, toks, lps, tops)}
         for b, s in enumerate(batch):
             if s.draft is not None:

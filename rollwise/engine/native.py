@@ -40,3 +40,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = x.new_empty(x.shape[0], x.shape[1] // 2)
     _C.silu_and_mul(x.numpy(), out.numpy())
     return out
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """sampler.inverse_cdf's tokens (probs [B, V] float32, contiguous, on the CPU; u [B] float64),
+    without its float64 cumulative sums."""
+    out = torch.empty(probs.shape[0], dtype=torch.long)
+    _C.inverse_cdf(probs.detach().numpy(), u.contiguous().numpy(), out.numpy())
+    return out

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollwise.engine import native
 from rollwise.types import SamplingParams
 
 
@@ -40,7 +41,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]
                  ) -> tuple[list[int], list[float], list[dict[int, float] | None]]:
         """logits [B, V] float32 -> sampled token ids, their logprobs, and each row's top logprobs
-        (`SamplingParams.logprobs` of them; None for a row that asks for none)."""
+        (`SamplingParams.logprobs` of them; None for a row that asks for none). Bans, biases and
+        structured-output masks are written into `logits` in place when it is float32 on the CPU."""
         logits = logits.float().cpu()
         for i, r in enumerate(rows):
             if r.params.has_logit_rules or r.params.has_penalties:
@@ -50,13 +52,17 @@ class Sampler:
         held = [i for i, r in enumerate(rows) if r.allowed is not None]  # structured outputs, masked at once
         if held:
             logits[held] = logits[held].masked_fill(~torch.stack([rows[i].allowed for i in held]), float("-inf"))
-        temps = torch.tensor([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows])
-        scaled = logits / temps[:, None]
+        temps = [r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows]
+        # x / 1.0 is x: at the usual temperatures 0 and 1 no pass over [B, V]; the same bits either way
+        scaled = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps)[:, None]
         logprobs = torch.log_softmax(scaled, dim=-1)
-        tokens = logprobs.argmax(dim=-1)
         rand = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+        tokens = torch.empty(len(rows), dtype=torch.long)  # each row's argmax alone: one pass a row, where asked
+        if greedy:
+            tokens[greedy] = (logprobs if not rand else logprobs[greedy]).argmax(dim=-1)
         if rand:
-            tokens[rand] = self._sample(scaled[rand], [rows[i] for i in rand])
+            tokens[rand] = self._sample(scaled if not greedy else scaled[rand], [rows[i] for i in rand])
         for i, r in enumerate(rows):
             if r.forced is not None:
                 tokens[i] = r.forced
@@ -164,7 +170,16 @@ def top_logprobs(logprobs: torch.Tensor, ks: list[int]) -> list[dict[int, float]
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """probs [B, V] (unnormalized is fine), u [B] float64 in [0, 1) -> [B] token ids: the first token
-    whose cumulative sum exceeds u * total. A token of probability 0 is never drawn."""
+    whose cumulative sum (float64, left to right) exceeds u * total. A token of probability 0 is never
+    drawn. The native kernel where it takes them (the same tokens), else `inverse_cdf_torch`."""
+    if (native.ENABLED and probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.is_contiguous()
+            and probs.shape[1] > 0 and u.dtype == torch.float64):  # (token ids: no autograd to keep)
+        return native.inverse_cdf(probs, u)
+    return inverse_cdf_torch(probs, u)
+
+
+def inverse_cdf_torch(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """inverse_cdf in torch ops: the native kernel's oracle."""
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     total = cdf[:, -1:].contiguous()
     tok = torch.searchsorted(cdf, u[:, None] * total, right=True)

@@ -129,3 +129,55 @@ def test_model_forward_same_with_and_without_native_ops(model_dirs, monkeypatch)
                 meta = build_metadata([len(ids)], [0], [[0, 1, 2]], 16, torch.device("cpu"), use_native=True)
                 logits[on] = model.logits(model(ids, torch.arange(len(ids)), meta, kv))
         torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 7), (5, 300), (4, 256), (2, 257), (64, 8192), (3, 40_000)])
+def test_inverse_cdf_matches_torch_bit_for_bit(rows, vocab):
+    from rollwise.engine.sampler import inverse_cdf, inverse_cdf_torch
+    g = torch.Generator().manual_seed(vocab)
+    for trial in range(12):
+        logits = torch.randn(rows, vocab, generator=g) * (1 + 4 * (trial % 4))
+        if trial % 3 == 0:
+            logits[:, vocab // 2 + 1:] = float("-inf")  # zeros at the end: never drawn
+        if trial % 4 == 1:
+            logits[:, :vocab // 3] = float("-inf")  # zeros at the start
+        probs = torch.softmax(logits, -1) * (1.0 if trial % 2 else 7.3)  # unnormalized too
+        u = torch.rand(rows, dtype=torch.float64, generator=g)
+        u[0] = (0.0, 1 - 2**-53, float(u[0]))[trial % 3]  # the ends of [0, 1)
+        assert inverse_cdf(probs, u).tolist() == inverse_cdf_torch(probs, u).tolist(), trial
+    # a probability too small to move the float64 sum is never the answer at the top end, as in torch
+    p = torch.tensor([[0.0, 1.0, 1e-30, 0.0], [0.0] * 4])
+    u = torch.tensor([1 - 2**-53, 0.5], dtype=torch.float64)
+    assert inverse_cdf(p, u).tolist() == inverse_cdf_torch(p, u).tolist() == [1, 0]
+
+
+def test_inverse_cdf_bad_input_is_a_clear_error():
+    p, u, out = np.ones((2, 5), np.float32), np.zeros(2), np.zeros(2, np.int64)
+    with pytest.raises(ValueError, match="inverse_cdf: u and out of probs' B rows"):
+        native._C.inverse_cdf(p, np.zeros(3), out)
+    with pytest.raises(ValueError, match="V > 0"):
+        native._C.inverse_cdf(np.ones((2, 0), np.float32), u, out)
+    with pytest.raises(TypeError):  # float32 u: would be a silent copy; refused
+        native._C.inverse_cdf(p, u.astype(np.float32), out)
+
+
+def test_sampler_rows_mixed_greedy_and_sampled(monkeypatch):
+    """Greedy rows take their argmax, sampled rows a seeded draw that does not depend on the batch;
+    every logprob is log_softmax(logits / temperature) at the token; the torch twin gives the same."""
+    from rollwise.engine.sampler import Sampler, SampleRow
+    from rollwise.types import SamplingParams
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 3000, generator=g) * 3
+    params = [SamplingParams(temperature=t, seed=s) for t, s in
+              [(0, None), (1.0, 11), (0.7, 12), (0, None), (1.0, 13), (1.3, 14)]]
+
+    def run(rows_at):
+        return Sampler(0)(logits[rows_at].clone(), [SampleRow(params[i], position=3) for i in rows_at])
+    toks, lps, _ = run(list(range(6)))
+    for i in range(6):
+        temp = params[i].temperature or 1.0
+        assert lps[i] == pytest.approx(float(torch.log_softmax(logits[i] / temp, -1)[toks[i]]), abs=1e-6)
+        assert run([i])[0] == [toks[i]]  # alone: the same token
+    assert toks[0] == int(logits[0].argmax()) and toks[3] == int(logits[3].argmax())
+    monkeypatch.setattr(native, "ENABLED", False)
+    assert run(list(range(6)))[:2] == (toks, lps)

@@ -1,0 +1,108 @@
+"""Sampling's inverse CDF, native kernel against its torch twin, side by side in one run.
+
+    python benchmarks/sampler.py [--smoke] [--json PATH]
+
+The twin (sampler.inverse_cdf_torch) turns a batch's probabilities into a [B, V] float64 cumulative
+sum and searches it; the kernel (sampling.cpp) adds in the same order without storing the sums, so
+both draw the same tokens. Two tables:
+
+- the sampler alone: one call on random logits at temperature 1 (seeded rows), batch 1 / 16 / 64 at
+  vocabularies of 8,192 and 151,936 (Qwen's), median of 7;
+- the engine: decode tokens/s at temperature 1 with a seed per request, batch 1 / 16 / 64, on the
+  engine benchmark's model with Qwen's vocabulary (llama, 8 layers, hidden 512, vocab 151,936); the
+  two take turns on one engine (median of 3 after a warm-up round) and must give the same tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from rollwise.omp import passive_unless_chosen
+passive_unless_chosen()  # before torch loads
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import engine_model  # noqa: E402
+
+import torch  # noqa: E402
+
+from rollwise import LLM, SamplingParams  # noqa: E402
+from rollwise.engine import sampler  # noqa: E402
+
+SIDES = {"native": sampler.inverse_cdf, "torch": sampler.inverse_cdf_torch}
+
+
+def use(side: str) -> None:
+    sampler.inverse_cdf = SIDES[side]  # what Sampler._sample calls
+
+
+def alone(batches, vocabs, reps: int) -> list[dict]:
+    rows = []
+    for v in vocabs:
+        for b in batches:
+            logits = torch.randn(b, v, generator=torch.Generator().manual_seed(b))
+            sr = [sampler.SampleRow(SamplingParams(temperature=1.0, seed=i), position=0) for i in range(b)]
+            times: dict[str, list[float]] = {k: [] for k in SIDES}
+            tokens = {}
+            for _ in range(reps):
+                for side in SIDES:
+                    use(side)
+                    t0 = time.perf_counter()
+                    tokens[side] = sampler.Sampler(0)(logits.clone(), sr)[0]
+                    times[side].append(time.perf_counter() - t0)
+            ms = {k: statistics.median(t) * 1e3 for k, t in times.items()}
+            rows.append({"batch": b, "vocab": v, "ms": ms, "ratio": ms["torch"] / ms["native"],
+                         "same_tokens": tokens["native"] == tokens["torch"]})
+            print(f"| {b} | {v} | {ms['native']:.2f} | {ms['torch']:.2f} | {rows[-1]['ratio']:.2f}x | "
+                  f"{rows[-1]['same_tokens']} |", flush=True)
+    return rows
+
+
+def engine(model: str, batches, new: int, reps: int) -> list[dict]:
+    llm = LLM(model, max_num_seqs=64, enable_prefix_caching=False)
+    rows = []
+    for b in batches:
+        prompts = [[(7 + 31 * i + 3 * j) % 1000 + 5 for j in range(32)] for i in range(b)]
+        sps = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=new, ignore_eos=True) for i in range(b)]
+        times: dict[str, list[float]] = {k: [] for k in SIDES}
+        tokens = {}
+        for rep in range(reps + 1):
+            for side in SIDES:
+                use(side)
+                t0 = time.perf_counter()
+                res = llm.generate(prompts, sps)
+                if rep:  # the first round warms up
+                    times[side].append(time.perf_counter() - t0)
+                tokens[side] = [o.token_ids for o in res]
+        tps = {k: b * new / statistics.median(t) for k, t in times.items()}
+        rows.append({"batch": b, "decode_tokens": b * new, "tok_s": tps, "ratio": tps["native"] / tps["torch"],
+                     "same_tokens": tokens["native"] == tokens["torch"]})
+        print(f"| {b} | {b * new} | {tps['native']:.0f} | {tps['torch']:.0f} | {rows[-1]['ratio']:.2f}x | "
+              f"{rows[-1]['same_tokens']} |", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    model = engine_model("smoke" if args.smoke else "qwen-vocab")
+    out: dict = {"model": model}
+    print("sampler alone (ms a call):\n| batch | vocab | native | torch | speedup | same tokens |\n"
+          "| --- | --- | --- | --- | --- | --- |")
+    out["alone"] = alone((1, 4) if args.smoke else (1, 16, 64), (1024,) if args.smoke else (8192, 151936),
+                         2 if args.smoke else 7)
+    print("engine decode at temperature 1 (tok/s):\n| batch | decode tokens | native | torch | ratio | same tokens |\n"
+          "| --- | --- | --- | --- | --- | --- |")
+    out["engine"] = engine(model, (1, 4) if args.smoke else (1, 16, 64), 4 if args.smoke else 32, 1 if args.smoke else 3)
+    use("native")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
