@@ -313,9 +313,11 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
             prompt = router.tokenizer.encode(prompt)
         if not prompt or not all(isinstance(t, int) for t in prompt):
             raise ValueError("prompt must be a string or one non-empty list of token ids")
+        prompt = body.truncated(prompt, None)  # (-1 keeps it all: a replica refuses a prompt past its length)
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
         samples = runs(body, request, prompt, adapted(completion_params(body, defaults.sampling), body.model), rid)
-        return await completion_reply(routed, body, request, samples, rid, body.model, [body.prompt],
+        echoed = body.prompt if body.truncate_prompt_tokens is None else prompt
+        return await completion_reply(routed, body, request, samples, rid, body.model, [echoed],
                                       body.return_tokens_as_token_ids or router.tokenizer is None)
 
     @app.post("/v1/chat/completions")
@@ -327,8 +329,9 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
             raise ValueError("this router has no tokenizer (--tokenizer): chat needs its chat template")
         if body.top_logprobs and not body.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        ids = tok.encode_chat([m.model_dump(exclude_none=True) for m in body.messages], body.add_generation_prompt,
-                              body.tools, body.continue_final_message, **defaults.kwargs(body))
+        ids = body.truncated(tok.encode_chat([m.model_dump(exclude_none=True) for m in body.messages],
+                                             body.add_generation_prompt, body.tools, body.continue_final_message,
+                                             **defaults.kwargs(body)), None)
         # no max_tokens: up to the replica's model length (its engine stops there)
         limit = body.max_completion_tokens or body.max_tokens or defaults.sampling.get("max_tokens") or UNTIL_MODEL_LEN
         params = adapted(body.sampling(limit, body.top_logprobs or 0, tok, parser, defaults.sampling), body.model)

@@ -48,6 +48,7 @@ class _OpenAISampling(_Strict):
     user: str | None = None
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids (token-in-token-out RL)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, and this many top ones (0-20)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: the prompt's last k tokens (-1: model length)
     # session metadata for schedulers (trajectory, group, turn)
     trajectory_id: str | None = None
     group_id: str | None = None
@@ -70,6 +71,19 @@ class _OpenAISampling(_Strict):
                               prompt_logprobs=self.prompt_logprobs,
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               structured_outputs=self.structured(tokenizer, parser))
+
+    def truncated(self, ids: list[int], max_model_len: int | None) -> list[int]:
+        """The prompt's ids cut to their last `truncate_prompt_tokens`, as vLLM cuts them: -1 is the
+        model's length, more than it an error. `max_model_len` None (a router): -1 leaves the ids."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (the model's length) or at least 1")
+        if max_model_len is not None and k > max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({k}) is more than the model's length ({max_model_len})")
+        k = (max_model_len or len(ids)) if k == -1 else k
+        return ids[-k:]
 
     def structured(self, tokenizer=None, parser=None) -> dict | None:
         """The request's structured-output spec, from whichever of its fields names one (one at most)."""

@@ -171,6 +171,9 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
             body.prompt[0], int) else [body.prompt]
+        if body.truncate_prompt_tokens is not None:  # (echo then shows what was kept, as in vLLM)
+            prompts = [body.truncated(tok.encode(p) if isinstance(p, str) else p, engine.engine.max_model_len)
+                       for p in prompts]
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
         samples = choice_samples(prompts, with_adapter(engine, completion_params(body, defaults.sampling), body.model),
                                  body.n, body.group_id, rid)
@@ -180,8 +183,9 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        ids = tok.encode_chat(messages, body.add_generation_prompt, body.tools, body.continue_final_message,
-                              **defaults.kwargs(body))
+        ids = body.truncated(tok.encode_chat(messages, body.add_generation_prompt, body.tools,
+                                             body.continue_final_message, **defaults.kwargs(body)),
+                             engine.engine.max_model_len)
         room = engine.engine.max_model_len - len(ids)
         if body.top_logprobs and not body.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")

@@ -208,6 +208,14 @@ def test_route_proxy_over_http(servers, model_dir):
             got = c.post("/v1/chat/completions", json=ids_chat).json()
             assert got["prompt_token_ids"] == want["prompt_token_ids"]
             assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+            # truncate_prompt_tokens: the router cuts the prompt (chat's rendered ids too) as a replica does
+            for path, cut in (("/v1/chat/completions", ids_chat), ("/v1/completions", echo | {"return_token_ids": True})):
+                cut = cut | {"truncate_prompt_tokens": 2}
+                want = httpx.post(servers[0].url + path, json=cut, timeout=60).json()
+                got = c.post(path, json=cut).json()
+                assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"] == 2, path
+                assert got["choices"][0].get("text") == want["choices"][0].get("text")  # echo: the 2 tokens kept
+            assert c.post("/v1/completions", json=echo | {"truncate_prompt_tokens": 0}).status_code == 400
             assert c.post("/v1/chat/completions", json={"messages": msgs, "top_logprobs": 2}).status_code == 400
             assert c.post("/generate", content=b"{oops", headers={"content-type": "application/json"}).status_code == 400
             assert c.get("/v1/models").json() == httpx.get(servers[0].url + "/v1/models").json()

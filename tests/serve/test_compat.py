@@ -461,3 +461,27 @@ def test_prompt_logprobs_as_vllm_gives_them(client):
                                                      "prompt_logprobs": 0, "return_token_ids": True}).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"])
     assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, model_dir):
+    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: up to the model's length,
+    here 512); more than the model's length, 0, or below -1 is a 400 and the server keeps serving."""
+    tok = LLM(model_dir).engine.tokenizer
+    text = "The agent looked up the order and then the refund policy"
+    ids = tok.encode(text)
+    body = {"prompt": text, "temperature": 0, "max_tokens": 3, "return_token_ids": True, "truncate_prompt_tokens": 4}
+    got = client.post("/v1/completions", json=body).json()
+    assert got["choices"][0]["prompt_token_ids"] == ids[-4:] and got["usage"]["prompt_tokens"] == 4
+    same = client.post("/v1/completions", json=body | {"prompt": ids[-4:], "truncate_prompt_tokens": None}).json()
+    assert same["choices"][0]["token_ids"] == got["choices"][0]["token_ids"]  # as if only those were sent
+    echo = client.post("/v1/completions", json=body | {"echo": True}).json()["choices"][0]["text"]
+    assert echo.startswith(tok.decode(ids[-4:], skip_special_tokens=False)) and not echo.startswith(text)
+    whole = client.post("/v1/completions", json=body | {"truncate_prompt_tokens": -1}).json()
+    assert whole["choices"][0]["prompt_token_ids"] == ids
+    msgs = [{"role": "user", "content": text}]
+    chat = {"messages": msgs, "temperature": 0, "max_tokens": 2, "return_token_ids": True, "truncate_prompt_tokens": 5}
+    assert client.post("/v1/chat/completions", json=chat).json()["prompt_token_ids"] == tok.encode_chat(msgs)[-5:]
+    for bad, why in [(513, "more than the model's length"), (0, "at least 1"), (-2, "greater than or equal to -1")]:
+        r = client.post("/v1/completions", json=body | {"truncate_prompt_tokens": bad})
+        assert r.status_code == 400 and why in r.text, r.text
+    _alive(client)
