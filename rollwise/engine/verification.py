@@ -61,7 +61,7 @@ def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, position:
     if params.has_logit_rules or params.has_penalties:
         logits = processed(logits, params, tokens, position, [[]] + draft_paths(draft))
     temp = params.temperature if params.temperature > 0 else 1.0
-    scaled = logits / temp
+    scaled = logits if temp == 1.0 else logits / temp  # (x / 1.0 is x: no pass over [1 + k, V] for it)
     logprobs = torch.log_softmax(scaled, dim=-1)
     kids = children_of(draft.parents)
     accepted, tokens, lps = [], [], []
