@@ -1,5 +1,5 @@
-// What the engine's native kernels share (paged_attention.cpp, small_ops.cpp, sampling.cpp; bound to Python in
-// _C.cpp): the instruction-set clones, the denormal flush, a vectorizable exp, 16-float vectors.
+// What the engine's native kernels share (paged_attention.cpp, small_ops.cpp, sampling.cpp; bound to
+// Python in _C.cpp): the instruction-set clones, the denormal flush, a vectorizable exp, 16-float vectors.
 #pragma once
 #include <pybind11/numpy.h>
 

@@ -1,8 +1,8 @@
 // Sampling's inverse CDF without the [B, V] float64 cumulative sum: the torch twin, sampler.py's
 // inverse_cdf, converts a batch-64 step's probabilities at a 152k vocabulary to 78 MB of float64 and
-// scans them (~80 ms on 2 cores); this reads them twice and allocates a few KB a row. It adds in
-// the same order as torch's cumsum (one float64 accumulator, left to right), so it picks the same
-// token bit for bit: the twin stays its oracle.
+// scans them (~80 ms on 2 cores); this reads them once (and one block of 256 again) and keeps a
+// running sum a block, a few KB a row. It adds in the same order as torch's cumsum (one float64
+// accumulator, left to right), so it picks the same token bit for bit: the twin stays its oracle.
 #include <vector>
 
 #include "kernels.h"

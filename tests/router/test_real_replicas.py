@@ -209,7 +209,8 @@ def test_route_proxy_over_http(servers, model_dir):
             assert got["prompt_token_ids"] == want["prompt_token_ids"]
             assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
             # truncate_prompt_tokens: the router cuts the prompt (chat's rendered ids too) as a replica does
-            for path, cut in (("/v1/chat/completions", ids_chat), ("/v1/completions", echo | {"return_token_ids": True})):
+            for path, cut in (("/v1/chat/completions", ids_chat),
+                              ("/v1/completions", echo | {"return_token_ids": True})):
                 cut = cut | {"truncate_prompt_tokens": 2}
                 want = httpx.post(servers[0].url + path, json=cut, timeout=60).json()
                 got = c.post(path, json=cut).json()
