@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_model  # noqa: E402
+from common import engine_model, paired  # noqa: E402
 
 from rollwise import LLM, SamplingParams  # noqa: E402
 from rollwise.engine import attention  # noqa: E402
@@ -38,7 +36,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     model = engine_model("smoke" if args.smoke else "bench")
-    new, reps = (4, 2) if args.smoke else (48, 6)
+    new, reps = (4, 1) if args.smoke else (48, 5)
     cases = [(16, 1), (16, 4)] if args.smoke else [(32, b) for b in (1, 4, 16, 32, 64)] + [(512, b) for b in (1, 4, 16)]
     measured = attention.parallel_pairs
     sides = {"machine": measured, "fixed_65536": lambda: OLD}
@@ -50,19 +48,14 @@ def main() -> None:
     for ctx, b in cases:
         prompts = [[(7 + 31 * i + 3 * j) % 1000 + 5 for j in range(ctx)] for i in range(b)]
         sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-        times: dict[str, list[float]] = {k: [] for k in sides}
-        tokens: dict[str, list] = {}
-        for rep in range(reps):
-            for name, fn in sides.items():
-                attention.parallel_pairs = fn
-                t0 = time.perf_counter()
-                res = llm.generate(prompts, sp)
-                if rep:  # the first round warms up
-                    times[name].append(time.perf_counter() - t0)
-                tokens[name] = [o.token_ids for o in res]
+
+        def run(fn):
+            attention.parallel_pairs = fn
+            return [o.token_ids for o in llm.generate(prompts, sp)]
+        r = paired({k: (lambda fn=fn: run(fn)) for k, fn in sides.items()}, reps, warmup=True)
         attention.parallel_pairs = measured
-        tps = {k: b * new / statistics.median(v) for k, v in times.items()}
-        same = tokens["machine"] == tokens["fixed_65536"]
+        tps = {k: b * new / dt for k, (_, dt) in r.items()}
+        same = r["machine"][0] == r["fixed_65536"][0]
         row = {"batch": b, "prompt": ctx, "decode_tokens": b * new, "tok_s": tps,
                "ratio": tps["machine"] / tps["fixed_65536"], "same_tokens": same}
         out["runs"].append(row)

@@ -89,3 +89,21 @@ def settle(pids: list[int], idle: float = 0.05, window: float = 0.25, timeout: f
         if (sum(_cpu_ticks(p) for p in pids) - before) / tick < idle * window:
             break
     return time.perf_counter() - t0
+
+
+def paired(fns: dict, reps: int, quiet: list[int] = (), warmup: bool = False) -> dict:
+    """Run each of `fns` `reps` times, taking turns: this machine's speed drifts by about ±15% within
+    minutes, so each ratio compares runs made moments apart. `warmup`: one untimed round first.
+    Before each run, the processes `quiet` (servers) are waited for until idle (`settle`). Returns
+    name -> (the last run's output, median s)."""
+    runs: dict = {k: [] for k in fns}
+    outs: dict = {}
+    for rep in range(reps + warmup):
+        for k, fn in fns.items():
+            if quiet:
+                settle(list(quiet))
+            t0 = time.perf_counter()
+            outs[k] = fn()
+            if rep >= warmup:
+                runs[k].append(time.perf_counter() - t0)
+    return {k: (outs[k], sorted(r)[len(r) // 2]) for k, r in runs.items()}

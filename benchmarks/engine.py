@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import random
-import time
 from pathlib import Path
 
 from rollwise.omp import passive_unless_chosen
@@ -36,7 +35,8 @@ from rollwise import LLM, SamplingParams  # noqa: E402
 from rollwise.engine.models.loader import load_model  # noqa: E402
 from rollwise.serve.process import ServerProcess  # noqa: E402
 
-from common import engine_model, settle, start_vllm  # noqa: E402  (benchmarks/common.py)
+import common  # noqa: E402  (benchmarks/common.py)
+from common import engine_model, start_vllm  # noqa: E402
 
 
 
@@ -50,19 +50,8 @@ REPS = 3  # every timing is the median of REPS runs (the machine is shared and n
 
 
 def paired(fns: dict, quiet: list[int] = ()) -> dict:
-    """Run each of `fns` REPS times, taking turns: this machine's speed drifts by about ±15% within
-    minutes, so each ratio compares runs made moments apart. Before each run, the processes `quiet`
-    (servers) are waited for until idle (common.settle). Returns name -> (output, median s)."""
-    runs: dict = {k: [] for k in fns}
-    outs: dict = {}
-    for _ in range(REPS):
-        for k, fn in fns.items():
-            if quiet:
-                settle(list(quiet))
-            t0 = time.perf_counter()
-            outs[k] = fn()
-            runs[k].append(time.perf_counter() - t0)
-    return {k: (outs[k], sorted(r)[len(r) // 2]) for k, r in runs.items()}
+    """common.paired with this benchmark's REPS (set by --reps / --smoke)."""
+    return common.paired(fns, REPS, quiet)
 
 
 # decode with the native kernels vs the torch path, same engine, taking turns ---------------------

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_model  # noqa: E402
+from common import engine_model, paired  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -45,18 +43,14 @@ def alone(batches, vocabs, reps: int) -> list[dict]:
         for b in batches:
             logits = torch.randn(b, v, generator=torch.Generator().manual_seed(b))
             sr = [sampler.SampleRow(SamplingParams(temperature=1.0, seed=i), position=0) for i in range(b)]
-            times: dict[str, list[float]] = {k: [] for k in SIDES}
-            tokens = {}
-            for _ in range(reps):
-                for side in SIDES:
-                    use(side)
-                    fresh = logits.clone()  # (the sampler writes bans into its logits; none here, but as the engine's)
-                    t0 = time.perf_counter()
-                    tokens[side] = sampler.Sampler(0)(fresh, sr)[0]
-                    times[side].append(time.perf_counter() - t0)
-            ms = {k: statistics.median(t) * 1e3 for k, t in times.items()}
+
+            def call(side):  # (no row bans a token or sets a rule: the sampler leaves `logits` as it is)
+                use(side)
+                return sampler.Sampler(0)(logits, sr)[0]
+            r = paired({side: (lambda side=side: call(side)) for side in SIDES}, reps)
+            ms = {k: dt * 1e3 for k, (_, dt) in r.items()}
             rows.append({"batch": b, "vocab": v, "ms": ms, "ratio": ms["torch"] / ms["native"],
-                         "same_tokens": tokens["native"] == tokens["torch"]})
+                         "same_tokens": r["native"][0] == r["torch"][0]})
             print(f"| {b} | {v} | {ms['native']:.2f} | {ms['torch']:.2f} | {rows[-1]['ratio']:.2f}x | "
                   f"{rows[-1]['same_tokens']} |", flush=True)
     return rows
@@ -68,19 +62,14 @@ def engine(model: str, batches, new: int, reps: int) -> list[dict]:
     for b in batches:
         prompts = [[(7 + 31 * i + 3 * j) % 1000 + 5 for j in range(32)] for i in range(b)]
         sps = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=new, ignore_eos=True) for i in range(b)]
-        times: dict[str, list[float]] = {k: [] for k in SIDES}
-        tokens = {}
-        for rep in range(reps + 1):
-            for side in SIDES:
-                use(side)
-                t0 = time.perf_counter()
-                res = llm.generate(prompts, sps)
-                if rep:  # the first round warms up
-                    times[side].append(time.perf_counter() - t0)
-                tokens[side] = [o.token_ids for o in res]
-        tps = {k: b * new / statistics.median(t) for k, t in times.items()}
+
+        def run(side):
+            use(side)
+            return [o.token_ids for o in llm.generate(prompts, sps)]
+        r = paired({side: (lambda side=side: run(side)) for side in SIDES}, reps, warmup=True)
+        tps = {k: b * new / dt for k, (_, dt) in r.items()}
         rows.append({"batch": b, "decode_tokens": b * new, "tok_s": tps, "ratio": tps["native"] / tps["torch"],
-                     "same_tokens": tokens["native"] == tokens["torch"]})
+                     "same_tokens": r["native"][0] == r["torch"][0]})
         print(f"| {b} | {b * new} | {tps['native']:.0f} | {tps['torch']:.0f} | {rows[-1]['ratio']:.2f}x | "
               f"{rows[-1]['same_tokens']} |", flush=True)
     return rows
