@@ -326,6 +326,14 @@ def test_sampler_benchmark_smoke(tmp_path):
     assert all(r["decode_tokens"] == 4 * r["batch"] for r in res["engine"])
 
 
+def test_top_p_benchmark_smoke(tmp_path):
+    res = smoke(tmp_path, "benchmarks/top_p.py")
+    assert len(res["alone"]) == 2 * 3 * 2 and [r["batch"] for r in res["engine"]] == [1, 4]
+    assert all(r["ratio"] > 0 and 1 <= r["kept_median"] <= 1024 for r in res["alone"])
+    assert all(r["same_kept"] for r in res["alone"] if r["spread"] == 8)  # (flat rows: the edge may round apart)
+    assert all(r["same_tokens"] and r["decode_tokens"] == 4 * r["batch"] for r in res["engine"])
+
+
 def test_router_benchmark_smoke(tmp_path):
     res = smoke(tmp_path, "benchmarks/router.py", "--policies", "verl,rollwise")
     a, b = res["policies"]["verl"], res["policies"]["rollwise"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rollwise.engine import native
@@ -200,25 +201,60 @@ def seeded_stream(seed: int, position: int) -> int:
 
 def top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float],
                 min_p: list[float] | None = None) -> torch.Tensor:
-    """Logits [B, V] with what each row's min-p, then top-k and top-p, leave out set to -inf."""
+    """Logits [B, V] with what each row's min-p, then top-k, then top-p leave out set to -inf (a new
+    tensor where any row filters). Top-k keeps the logits at least the k-th largest; top-p keeps the
+    tokens whose probability (after top-k) is at least that of the last token of the nucleus: in
+    descending order, the last whose mass strictly before it is below p. Tokens tied with the last
+    one kept are kept too, so the kept set does not depend on how a sort orders ties, and a row's
+    set does not depend on the other rows. A row's k-th largest comes from a top-k and its nucleus
+    from its top `NUCLEUS_FIRST` probabilities; only a row whose nucleus may be larger is sorted.
+    (Sorting every row, as this did before, took 0.6 s a step at batch 64 and Qwen's vocabulary.)"""
     if min_p is not None and any(m > 0 for m in min_p):  # (vLLM's order: min-p first)
         probs = torch.softmax(logits, dim=-1)
         floor = torch.tensor(min_p, dtype=probs.dtype)[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
-    use_k = any(k > 0 for k in top_k)
-    use_p = any(p < 1.0 for p in top_p)
-    if not (use_k or use_p):
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[1]
-    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if use_k:
-        k = torch.tensor([kk if kk > 0 else vocab for kk in top_k])
-        remove |= torch.arange(vocab)[None, :] >= k[:, None]
-    if use_p:
-        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-        remove |= before >= torch.tensor(top_p)[:, None]
-    remove[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    ks = [k if 0 < k < vocab else 0 for k in top_k]  # 0: no top-k
+    if any(ks):
+        kth = logits.topk(max(ks), dim=-1).values.gather(1, torch.tensor([max(k - 1, 0) for k in ks])[:, None])
+        kth[torch.tensor([k == 0 for k in ks])] = float("-inf")
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    nucleus = [i for i, p in enumerate(top_p) if p < 1.0]
+    if nucleus:
+        rows = logits if len(nucleus) == len(top_p) else logits[nucleus]
+        probs = torch.softmax(rows, dim=-1)
+        cut = probs < nucleus_floor(probs, torch.tensor([top_p[i] for i in nucleus], dtype=probs.dtype))[:, None]
+        if rows is not logits:
+            cut = torch.zeros_like(logits, dtype=torch.bool).index_copy_(0, torch.tensor(nucleus), cut)
+        logits = logits.masked_fill(cut, float("-inf"))
+    return logits
+
+
+NUCLEUS_FIRST = 256  # the top probabilities a row's nucleus is first looked for in
+
+
+def nucleus_floor(probs: torch.Tensor, p: torch.Tensor, first: int | None = None) -> torch.Tensor:
+    """probs [R, V], p [R] in (0, 1) -> [R]: the probability of each row's last nucleus token (see
+    top_k_top_p). Looks in the top `first` (default NUCLEUS_FIRST), then sorts the whole row for the
+    rows whose nucleus may go past them."""
+    vocab = probs.shape[1]
+    k = min(first or NUCLEUS_FIRST, vocab)
+    top = probs.topk(k, dim=-1).values if k < vocab else descending(probs)
+    before = top.cumsum(dim=-1) - top  # mass strictly before each (as a sort's cumulative sum: a prefix)
+    inside = before < p[:, None]
+    floor = top.gather(1, inside.sum(-1, keepdim=True).clamp(min=1) - 1).squeeze(1)  # (before[0] = 0 < p)
+    if k < vocab:  # the nucleus may go past these k unless a mass before reaches p or the rest are 0
+        more = inside[:, -1] & (top[:, -1] > 0)
+        if more.all():
+            return nucleus_floor(probs, p, vocab)
+        if more.any():
+            floor[more] = nucleus_floor(probs[more], p[more], vocab)
+    return floor
+
+
+def descending(x: torch.Tensor) -> torch.Tensor:
+    """x [R, V] with each row's values sorted, largest first. On the CPU numpy's sort (AVX-512 where
+    the CPU has it): values only, 14x faster than torch.sort here at [64, 151936] (40 against 552 ms)."""
+    if x.device.type != "cpu":
+        return x.sort(dim=-1, descending=True).values
+    return torch.from_numpy(np.ascontiguousarray(np.sort(x.detach().numpy(), axis=-1)[:, ::-1]))

@@ -1,0 +1,117 @@
+"""Top-k / top-p at Qwen's vocabulary: the filter now (a top-k, then a top-256, a row sorted only when
+its nucleus may be larger) against the one before it (a torch sort of every row), side by side.
+
+    python benchmarks/top_p.py [--smoke] [--json PATH]
+
+Qwen3's generation_config.json asks for top_k 20 and top_p 0.95, and serving applies it to every
+request that does not say otherwise, so this filter runs on every sampled decode step. Two tables:
+
+- the filter alone: one call at batch 1 / 16 / 64 and vocabulary 151,936, on random logits of two
+  spreads (normal x 8: a nucleus of a few tokens, as a trained model's usually is; normal x 0.5: a
+  nucleus of most of the vocabulary, the case that still sorts), median of 7, and whether the two
+  keep the same tokens (with no tied logits their definitions agree);
+- the engine: decode tokens/s with top_k 20, top_p 0.95 at temperature 1 and a seed per request,
+  batch 1 / 16 / 64, on the engine benchmark's model with Qwen's vocabulary (llama, 8 layers, hidden
+  512); the two take turns on one engine (median of 5 after a warm-up round) and must give the same
+  tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rollwise.omp import passive_unless_chosen
+passive_unless_chosen()  # before torch loads
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import engine_model, paired  # noqa: E402
+
+import torch  # noqa: E402
+
+from rollwise import LLM, SamplingParams  # noqa: E402
+from rollwise.engine import sampler  # noqa: E402
+
+
+def sorted_filter(logits: torch.Tensor, top_k: list[int], top_p: list[float],
+                  min_p: list[float] | None = None) -> torch.Tensor:
+    """The filter before this one (min-p left out: no row here uses it): every row sorted."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if any(k > 0 for k in top_k):
+        remove |= torch.arange(vocab)[None, :] >= torch.tensor([k if k > 0 else vocab for k in top_k])[:, None]
+    if any(p < 1.0 for p in top_p):
+        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        remove |= probs.cumsum(dim=-1) - probs >= torch.tensor(top_p)[:, None]
+    remove[:, 0] = False
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(remove, float("-inf")))
+
+
+SIDES = {"now": sampler.top_k_top_p, "sort": sorted_filter}
+CASES = {"top_k 20, top_p 0.95 (Qwen3's)": (20, 0.95), "top_p 0.9": (0, 0.9), "top_k 50": (50, 1.0)}
+
+
+def use(side: str) -> None:
+    sampler.top_k_top_p = SIDES[side]  # what Sampler._sample calls
+
+
+def alone(batches, vocab: int, reps: int) -> list[dict]:
+    rows = []
+    for spread in (8.0, 0.5):
+        for case, (k, p) in CASES.items():
+            for b in batches:
+                logits = torch.randn(b, vocab, generator=torch.Generator().manual_seed(b)) * spread
+                r = paired({s: (lambda f=f: torch.isfinite(f(logits, [k] * b, [p] * b))) for s, f in SIDES.items()},
+                           reps)
+                ms = {s: dt * 1e3 for s, (_, dt) in r.items()}
+                kept = int(r["now"][0].sum(-1).float().median())
+                rows.append({"spread": spread, "case": case, "batch": b, "vocab": vocab, "kept_median": kept, "ms": ms,
+                             "ratio": ms["sort"] / ms["now"], "same_kept": bool(torch.equal(r["now"][0], r["sort"][0]))})
+                print(f"| x{spread} | {case} | {b} | {kept} | {ms['now']:.1f} | {ms['sort']:.1f} | "
+                      f"{rows[-1]['ratio']:.2f}x | {rows[-1]['same_kept']} |", flush=True)
+    return rows
+
+
+def engine(model: str, batches, new: int, reps: int) -> list[dict]:
+    llm = LLM(model, max_num_seqs=64, enable_prefix_caching=False)
+    rows = []
+    for b in batches:
+        prompts = [[(7 + 31 * i + 3 * j) % 1000 + 5 for j in range(32)] for i in range(b)]
+        sps = [SamplingParams(temperature=1.0, top_k=20, top_p=0.95, seed=100 + i, max_tokens=new, ignore_eos=True)
+               for i in range(b)]
+
+        def run(side):
+            use(side)
+            return [o.token_ids for o in llm.generate(prompts, sps)]
+        r = paired({side: (lambda side=side: run(side)) for side in SIDES}, reps, warmup=True)
+        tps = {k: b * new / dt for k, (_, dt) in r.items()}
+        rows.append({"batch": b, "decode_tokens": b * new, "tok_s": tps, "ratio": tps["now"] / tps["sort"],
+                     "same_tokens": r["now"][0] == r["sort"][0]})
+        print(f"| {b} | {b * new} | {tps['now']:.0f} | {tps['sort']:.0f} | {rows[-1]['ratio']:.2f}x | "
+              f"{rows[-1]['same_tokens']} |", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    model = engine_model("smoke" if args.smoke else "qwen-vocab")
+    out: dict = {"model": model}
+    print("the filter alone (ms a call):\n| logits | case | batch | tokens kept (median) | now | sort | speedup "
+          "| same kept |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+    out["alone"] = alone((1, 4) if args.smoke else (1, 16, 64), 1024 if args.smoke else 151936, 2 if args.smoke else 7)
+    print("engine decode, top_k 20, top_p 0.95, temperature 1 (tok/s):\n"
+          "| batch | decode tokens | now | sort | ratio | same tokens |\n| --- | --- | --- | --- | --- | --- |")
+    out["engine"] = engine(model, (1, 4) if args.smoke else (1, 16, 64), 4 if args.smoke else 32,
+                           1 if args.smoke else 5)
+    use("now")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""top_k_top_p against a row-by-row oracle written from its definition (one full sort of each row)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rollwise.engine import sampler
+from rollwise.engine.sampler import top_k_top_p
+
+NEG = float("-inf")
+
+
+def oracle(row: torch.Tensor, k: int, p: float, m: float) -> torch.Tensor:
+    """The tokens one row keeps: min-p, then the logits at least the k-th largest, then the tokens at
+    least as likely as the nucleus's last (the last, best first, whose mass before it is below p)."""
+    keep = torch.isfinite(row)
+    if m > 0:
+        probs = torch.softmax(row, -1)
+        keep &= probs >= m * probs.max()
+    x = row.masked_fill(~keep, NEG)
+    if 0 < k < len(row):
+        keep &= x >= x.sort(descending=True).values[k - 1]
+    if p < 1:
+        probs = torch.softmax(x.masked_fill(~keep, NEG), -1)
+        desc = probs.sort(descending=True).values.numpy()
+        before = np.cumsum(desc, dtype=np.float64).astype(np.float32) - desc
+        last = max(i for i in range(len(desc)) if before[i] < np.float32(p))
+        keep &= probs >= float(desc[last])
+    return keep
+
+
+def kept(logits: torch.Tensor, ks, ps, ms=None) -> torch.Tensor:
+    return torch.isfinite(top_k_top_p(logits, ks, ps, ms))
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 4.0, 12.0])  # flat (the nucleus is most of the row) to peaked
+def test_matches_the_oracle_at_every_rung(monkeypatch, scale):
+    monkeypatch.setattr(sampler, "NUCLEUS_FIRST", 8)  # the top 8, then the whole row
+    g = torch.Generator().manual_seed(int(scale * 100))
+    vocab = 5000
+    logits = torch.randn(12, vocab, generator=g) * scale
+    logits[3, 100:] = NEG  # a row with 100 candidates
+    logits[4, 1:] = NEG  # one candidate
+    logits[5, :4000] = NEG
+    ks = [0, 0, 50, 0, 0, 20, 7, 0, vocab, 3000, 0, 1]
+    ps = [0.9, 0.5, 0.95, 0.99, 0.3, 1.0, 0.8, 0.999, 0.7, 0.9, 1e-6, 0.9]
+    ms = [0.0] * 8 + [0.0, 0.0, 0.2, 0.0]
+    got = kept(logits, ks, ps, ms)
+    for i in range(len(ks)):
+        want = oracle(logits[i], ks[i], ps[i], ms[i])
+        assert torch.equal(got[i], want), (i, int(got[i].sum()), int(want.sum()))
+        alone = kept(logits[i:i + 1], ks[i:i + 1], ps[i:i + 1], ms[i:i + 1])[0]
+        assert torch.equal(alone, want), i  # a row's set does not depend on the rest of the batch
+    assert got[4].sum() == 1 and got[11].sum() == 1 and got[10].sum() == 1
+
+
+def test_ties_at_the_boundary_are_kept():
+    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0, NEG]])
+    assert kept(logits, [2], [1.0]).tolist() == [[True, True, True, True, False, False]]
+    # probabilities 0.4, 0.2, 0.2, 0.2: the nucleus for p = 0.5 ends at the first 0.2, and its ties stay
+    probs = torch.tensor([[0.4, 0.2, 0.2, 0.2]])
+    assert kept(probs.log(), [0], [0.5]).tolist() == [[True, True, True, True]]
+    assert kept(probs.log(), [0], [0.4]).tolist() == [[True, False, False, False]]
+
+
+def test_unfiltered_rows_keep_a_tail_whose_mass_rounds_to_one():
+    """With top_p = 1 a row keeps every finite token, even where float32's running sum has reached 1
+    before the row ends (the sort-based filter this replaced cut those when another row used top_p)."""
+    row = torch.full((1, 1000), -30.0)
+    row[0, 0] = 10.0  # the rest have probability ~1e-17: their mass before is 1.0 in float32
+    logits = torch.cat([row, torch.randn(1, 1000)])
+    out = top_k_top_p(logits, [0, 0], [1.0, 0.5])
+    assert torch.isfinite(out[0]).all()
+    assert torch.equal(out[0], logits[0]) and not torch.isfinite(out[1]).all()
+
+
+def test_nothing_to_filter_returns_the_logits():
+    logits = torch.randn(3, 50)
+    assert top_k_top_p(logits, [0, 50, 99], [1.0, 1.0, 1.0]) is logits
