@@ -292,7 +292,8 @@ def test_a_client_leaving_the_route_aborts_the_replica_request(servers, model_di
             time.sleep(0.05)
         assert all(_replica_metric(s, "vllm:num_requests_running") == 0 for s in servers)
         assert 0 < sum(_replica_metric(s, "vllm:generation_tokens_total") for s in servers) - before < 1000
-        r = httpx.post(url + "/generate", json={"input_ids": [5], "sampling_params": {"max_tokens": 3}}, timeout=30)
+        after = {"input_ids": [5], "sampling_params": {"max_tokens": 3, "ignore_eos": True}}  # (unseeded: EOS ~1%)
+        r = httpx.post(url + "/generate", json=after, timeout=30)
         assert r.status_code == 200 and len(r.json()["token_ids"]) == 3
     finally:
         proc.terminate()
