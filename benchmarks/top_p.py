@@ -1,15 +1,17 @@
-"""Top-k / top-p at Qwen's vocabulary: the filter now (a top-k, then a top-256, a row sorted only when
-its nucleus may be larger) against the one before it (a torch sort of every row), side by side.
+"""Top-k / top-p at Qwen's vocabulary: the probabilities a sampled step draws from, now (a top-k, its
+nucleus from the top-k's ids or the top 256, a row sorted only when its nucleus may be larger, one
+softmax) against before (a torch sort of every row, then a softmax of the filtered logits), side by
+side.
 
     python benchmarks/top_p.py [--smoke] [--json PATH]
 
 Qwen3's generation_config.json asks for top_k 20 and top_p 0.95, and serving applies it to every
 request that does not say otherwise, so this filter runs on every sampled decode step. Two tables:
 
-- the filter alone: one call at batch 1 / 16 / 64 and vocabulary 151,936, on random logits of two
+- the filter alone (with its softmax): one call at batch 1 / 16 / 64 and vocabulary 151,936, on random logits of two
   spreads (normal x 8: a nucleus of a few tokens, as a trained model's usually is; normal x 0.5: a
   nucleus of most of the vocabulary, the case that still sorts), median of 7, and whether the two
-  keep the same tokens (with no tied logits their definitions agree);
+  give the same tokens a probability above 0 (with no tied logits their definitions agree);
 - the engine: decode tokens/s with top_k 20, top_p 0.95 at temperature 1 and a seed per request,
   batch 1 / 16 / 64, on the engine benchmark's model with Qwen's vocabulary (llama, 8 layers, hidden
   512); the two take turns on one engine (median of 5 after a warm-up round) and must give the same
@@ -49,12 +51,16 @@ def sorted_filter(logits: torch.Tensor, top_k: list[int], top_p: list[float],
     return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(remove, float("-inf")))
 
 
-SIDES = {"now": sampler.top_k_top_p, "sort": sorted_filter}
+def sorted_probs(logits, top_k, top_p, min_p=None):
+    return torch.softmax(sorted_filter(logits, top_k, top_p, min_p), dim=-1)
+
+
+SIDES = {"now": sampler.sampling_probs, "sort": sorted_probs}
 CASES = {"top_k 20, top_p 0.95 (Qwen3's)": (20, 0.95), "top_p 0.9": (0, 0.9), "top_k 50": (50, 1.0)}
 
 
 def use(side: str) -> None:
-    sampler.top_k_top_p = SIDES[side]  # what Sampler._sample calls
+    sampler.sampling_probs = SIDES[side]  # what Sampler._sample calls
 
 
 def alone(batches, vocab: int, reps: int) -> list[dict]:
@@ -63,8 +69,7 @@ def alone(batches, vocab: int, reps: int) -> list[dict]:
         for case, (k, p) in CASES.items():
             for b in batches:
                 logits = torch.randn(b, vocab, generator=torch.Generator().manual_seed(b)) * spread
-                r = paired({s: (lambda f=f: torch.isfinite(f(logits, [k] * b, [p] * b))) for s, f in SIDES.items()},
-                           reps)
+                r = paired({s: (lambda f=f: f(logits, [k] * b, [p] * b) > 0) for s, f in SIDES.items()}, reps)
                 ms = {s: dt * 1e3 for s, (_, dt) in r.items()}
                 kept = int(r["now"][0].sum(-1).float().median())
                 rows.append({"spread": spread, "case": case, "batch": b, "vocab": vocab, "kept_median": kept, "ms": ms,

@@ -71,8 +71,8 @@ class Sampler:
         return tokens.tolist(), chosen.tolist(), top_logprobs(logprobs, [r.params.logprobs for r in rows])
 
     def _sample(self, scaled: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        probs = torch.softmax(top_k_top_p(scaled, [r.params.top_k for r in rows], [r.params.top_p for r in rows],
-                                          [r.params.min_p for r in rows]), dim=-1)
+        probs = sampling_probs(scaled, [r.params.top_k for r in rows], [r.params.top_p for r in rows],
+                               [r.params.min_p for r in rows])
         u = torch.empty(len(rows), dtype=torch.float64)
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
         if unseeded:
@@ -207,39 +207,68 @@ def top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float],
     descending order, the last whose mass strictly before it is below p. Tokens tied with the last
     one kept are kept too, so the kept set does not depend on how a sort orders ties, and a row's
     set does not depend on the other rows. A row's k-th largest comes from a top-k and its nucleus
-    from its top `NUCLEUS_FIRST` probabilities; only a row whose nucleus may be larger is sorted.
-    (Sorting every row, as this did before, took 0.6 s a step at batch 64 and Qwen's vocabulary.)"""
+    from its top `NUCLEUS_FIRST` probabilities (or its top-k's); only a row whose nucleus may be
+    larger is sorted. (Sorting every row, as this did before, took 0.6 s a step at batch 64 and
+    Qwen's vocabulary.)"""
+    logits, _, cut = _cut(logits, top_k, top_p, min_p)
+    return logits if cut is None else logits.masked_fill(cut, float("-inf"))
+
+
+def sampling_probs(logits: torch.Tensor, top_k: list[int], top_p: list[float],
+                   min_p: list[float] | None = None) -> torch.Tensor:
+    """What the sampler and speculation's verification draw from: [B, V] probabilities, each row's
+    softmax after min-p and top-k with the tokens outside its nucleus set to 0 (top_k_top_p's kept
+    set; unnormalized, as inverse_cdf and rejection sampling take them). One softmax a step, not a
+    second over the nucleus."""
+    logits, probs, cut = _cut(logits, top_k, top_p, min_p)
+    if probs is None:
+        return torch.softmax(logits, dim=-1)
+    return probs if cut is None else probs.masked_fill_(cut, 0.0)
+
+
+def _cut(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float] | None
+         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(logits with min-p's and top-k's cuts at -inf, their softmax where top-p needed it, top-p's
+    cut [B, V] bool or None)."""
     if min_p is not None and any(m > 0 for m in min_p):  # (vLLM's order: min-p first)
         probs = torch.softmax(logits, dim=-1)
         floor = torch.tensor(min_p, dtype=probs.dtype)[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
     vocab = logits.shape[1]
     ks = [k if 0 < k < vocab else 0 for k in top_k]  # 0: no top-k
+    nucleus = [i for i, p in enumerate(top_p) if p < 1.0]
+    ranked = None  # the top max(k) + 1 logits' ids, best first: where a top-k row's nucleus ends
     if any(ks):
-        kth = logits.topk(max(ks), dim=-1).values.gather(1, torch.tensor([max(k - 1, 0) for k in ks])[:, None])
+        values, ranked = logits.topk(min(max(ks) + 1, vocab), dim=-1)
+        kth = values.gather(1, torch.tensor([max(k - 1, 0) for k in ks])[:, None])
         kth[torch.tensor([k == 0 for k in ks])] = float("-inf")
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    nucleus = [i for i, p in enumerate(top_p) if p < 1.0]
-    if nucleus:
-        rows = logits if len(nucleus) == len(top_p) else logits[nucleus]
-        probs = torch.softmax(rows, dim=-1)
-        cut = probs < nucleus_floor(probs, torch.tensor([top_p[i] for i in nucleus], dtype=probs.dtype))[:, None]
-        if rows is not logits:
-            cut = torch.zeros_like(logits, dtype=torch.bool).index_copy_(0, torch.tensor(nucleus), cut)
-        logits = logits.masked_fill(cut, float("-inf"))
-    return logits
+    if not nucleus:
+        return logits, None, None
+    probs = torch.softmax(logits, dim=-1)
+    rows = torch.tensor(nucleus)
+    sub = probs if len(nucleus) == len(top_p) else probs[rows]
+    # (a row past its top-k has probability 0: so the top-k's ids rank its nucleus, largest first)
+    top = sub.gather(1, ranked[rows]) if ranked is not None and all(ks[i] for i in nucleus) else None
+    cut = sub < nucleus_floor(sub, torch.tensor([top_p[i] for i in nucleus], dtype=probs.dtype), top=top)[:, None]
+    if len(nucleus) < len(top_p):
+        cut = torch.zeros_like(probs, dtype=torch.bool).index_copy_(0, rows, cut)
+    return logits, probs, cut
 
 
 NUCLEUS_FIRST = 256  # the top probabilities a row's nucleus is first looked for in
 
 
-def nucleus_floor(probs: torch.Tensor, p: torch.Tensor, first: int | None = None) -> torch.Tensor:
+def nucleus_floor(probs: torch.Tensor, p: torch.Tensor, first: int | None = None,
+                  top: torch.Tensor | None = None) -> torch.Tensor:
     """probs [R, V], p [R] in (0, 1) -> [R]: the probability of each row's last nucleus token (see
-    top_k_top_p). Looks in the top `first` (default NUCLEUS_FIRST), then sorts the whole row for the
-    rows whose nucleus may go past them."""
+    top_k_top_p). Looks in the top `first` (default NUCLEUS_FIRST), or in `top` (each row's largest
+    probabilities, descending, when the caller has them), then sorts the whole row for the rows
+    whose nucleus may go past them."""
     vocab = probs.shape[1]
-    k = min(first or NUCLEUS_FIRST, vocab)
-    top = probs.topk(k, dim=-1).values if k < vocab else descending(probs)
+    k = top.shape[1] if top is not None else min(first or NUCLEUS_FIRST, vocab)
+    if top is None:
+        top = probs.topk(k, dim=-1).values if k < vocab else descending(probs)
     before = top.cumsum(dim=-1) - top  # mass strictly before each (as a sort's cumulative sum: a prefix)
     inside = before < p[:, None]
     floor = top.gather(1, inside.sum(-1, keepdim=True).clamp(min=1) - 1).squeeze(1)  # (before[0] = 0 < p)

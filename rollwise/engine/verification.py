@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollwise.engine.sampler import inverse_cdf, processed, seeded_uniform, top_k_top_p, top_logprobs
+from rollwise.engine.sampler import inverse_cdf, processed, sampling_probs, seeded_uniform, top_logprobs
 from rollwise.types import Draft, SamplingParams
 
 
@@ -78,8 +78,8 @@ def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, position:
                 return _verdict(accepted, tokens, lps, logprobs, params)
             accepted.append(nxt)
             node = nxt
-    probs = torch.softmax(top_k_top_p(scaled, [params.top_k] * len(scaled), [params.top_p] * len(scaled),
-                                      [params.min_p] * len(scaled)), dim=-1)
+    probs = sampling_probs(scaled, [params.top_k] * len(scaled), [params.top_p] * len(scaled),
+                           [params.min_p] * len(scaled))  # (unnormalized rows)
     if params.seed is not None:
         while True:
             row = node + 1

@@ -1,4 +1,5 @@
-"""top_k_top_p against a row-by-row oracle written from its definition (one full sort of each row)."""
+"""top_k_top_p and sampling_probs against a row-by-row oracle written from the filter's definition
+(one full sort of each row)."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from rollwise.engine import sampler
-from rollwise.engine.sampler import top_k_top_p
+from rollwise.engine.sampler import sampling_probs, top_k_top_p
 
 NEG = float("-inf")
 
@@ -31,7 +32,12 @@ def oracle(row: torch.Tensor, k: int, p: float, m: float) -> torch.Tensor:
 
 
 def kept(logits: torch.Tensor, ks, ps, ms=None) -> torch.Tensor:
-    return torch.isfinite(top_k_top_p(logits, ks, ps, ms))
+    """top_k_top_p's kept tokens, after checking that sampling_probs draws from them in proportion."""
+    filtered = top_k_top_p(logits, ks, ps, ms)
+    probs = sampling_probs(logits, ks, ps, ms)
+    assert torch.allclose(probs / probs.sum(-1, keepdim=True), torch.softmax(filtered, -1), rtol=1e-5, atol=1e-12)
+    assert not (probs[~torch.isfinite(filtered)] > 0).any()
+    return torch.isfinite(filtered)
 
 
 @pytest.mark.parametrize("scale", [0.05, 1.0, 4.0, 12.0])  # flat (the nucleus is most of the row) to peaked
@@ -53,6 +59,22 @@ def test_matches_the_oracle_at_every_rung(monkeypatch, scale):
         alone = kept(logits[i:i + 1], ks[i:i + 1], ps[i:i + 1], ms[i:i + 1])[0]
         assert torch.equal(alone, want), i  # a row's set does not depend on the rest of the batch
     assert got[4].sum() == 1 and got[11].sum() == 1 and got[10].sum() == 1
+
+
+def test_top_k_rows_find_their_nucleus_in_their_top_k(monkeypatch):
+    """Where every top-p row also has a top-k, its nucleus is read from the top-k's ids (no top-256);
+    a row whose k-th logit is tied past the top-k's ids still gets its whole nucleus (a sort)."""
+    sorts = []
+    monkeypatch.setattr(sampler, "descending", lambda x: sorts.append(len(x)) or x.sort(-1, descending=True).values)
+    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(0)) * 2
+    logits[2, :30] = 10.0  # 30 tokens tied for first: top_k 20 keeps all 30
+    ks, ps = [20, 5, 20, 3], [0.95, 0.5, 0.999, 0.9]
+    got = kept(logits, ks, ps)
+    for i in range(4):
+        assert torch.equal(got[i], oracle(logits[i], ks[i], ps[i], 0.0)), i
+    assert got[2].sum() == 30 and sorts == [1, 1]  # only the tied row sorted (by each of the two functions)
+    kept(logits[:2], ks[:2], ps[:2])
+    assert sorts == [1, 1]
 
 
 def test_ties_at_the_boundary_are_kept():
