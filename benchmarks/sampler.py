@@ -1,4 +1,5 @@
-"""Sampling's inverse CDF, native kernel against its torch twin, side by side in one run.
+"""Sampling's inverse CDF, native kernel against its torch twin, and greedy's argmax, numpy's against
+torch's, side by side in one run.
 
     python benchmarks/sampler.py [--smoke] [--json PATH]
 
@@ -10,7 +11,9 @@ both draw the same tokens. Two tables:
   vocabularies of 8,192 and 151,936 (Qwen's), median of 7;
 - the engine: decode tokens/s at temperature 1 with a seed per request, batch 1 / 16 / 64, on the
   engine benchmark's model with Qwen's vocabulary (llama, 8 layers, hidden 512, vocab 151,936); the
-  two take turns on one engine (median of 5 after a warm-up round) and must give the same tokens.
+  two take turns on one engine (median of 5 after a warm-up round) and must give the same tokens;
+- the engine greedy: the same decode at temperature 0, numpy's argmax against torch's (both the
+  first largest entry: the same tokens).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from rollwise import LLM, SamplingParams  # noqa: E402
 from rollwise.engine import sampler  # noqa: E402
 
 SIDES = {"native": sampler.inverse_cdf, "torch": sampler.inverse_cdf_torch}
+ARGMAX = {"numpy": sampler.argmax, "torch": lambda x: x.argmax(dim=-1)}
 
 
 def use(side: str) -> None:
@@ -56,22 +60,29 @@ def alone(batches, vocabs, reps: int) -> list[dict]:
     return rows
 
 
-def engine(model: str, batches, new: int, reps: int) -> list[dict]:
-    llm = LLM(model, max_num_seqs=64, enable_prefix_caching=False)
+def engine(llm: LLM, batches, new: int, reps: int, greedy: bool = False) -> list[dict]:
+    """Decode tok/s, the two inverse CDFs (or with `greedy`, the two argmaxes) taking turns."""
+    sides = ARGMAX if greedy else SIDES
     rows = []
     for b in batches:
         prompts = [[(7 + 31 * i + 3 * j) % 1000 + 5 for j in range(32)] for i in range(b)]
-        sps = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=new, ignore_eos=True) for i in range(b)]
+        sps = [SamplingParams(temperature=0.0 if greedy else 1.0, seed=100 + i, max_tokens=new, ignore_eos=True)
+               for i in range(b)]
 
         def run(side):
-            use(side)
+            if greedy:
+                sampler.argmax = ARGMAX[side]
+            else:
+                use(side)
             return [o.token_ids for o in llm.generate(prompts, sps)]
-        r = paired({side: (lambda side=side: run(side)) for side in SIDES}, reps, warmup=True)
+        r = paired({side: (lambda side=side: run(side)) for side in sides}, reps, warmup=True)
+        a, z = sides
         tps = {k: b * new / dt for k, (_, dt) in r.items()}
-        rows.append({"batch": b, "decode_tokens": b * new, "tok_s": tps, "ratio": tps["native"] / tps["torch"],
-                     "same_tokens": r["native"][0] == r["torch"][0]})
-        print(f"| {b} | {b * new} | {tps['native']:.0f} | {tps['torch']:.0f} | {rows[-1]['ratio']:.2f}x | "
+        rows.append({"batch": b, "decode_tokens": b * new, "tok_s": tps, "ratio": tps[a] / tps[z],
+                     "same_tokens": r[a][0] == r[z][0]})
+        print(f"| {b} | {b * new} | {tps[a]:.0f} | {tps[z]:.0f} | {rows[-1]['ratio']:.2f}x | "
               f"{rows[-1]['same_tokens']} |", flush=True)
+    sampler.argmax = ARGMAX["numpy"]
     return rows
 
 
@@ -88,8 +99,12 @@ def main() -> None:
                          2 if args.smoke else 7)
     print("engine decode at temperature 1 (tok/s):\n| batch | decode tokens | native | torch | ratio | same tokens |\n"
           "| --- | --- | --- | --- | --- | --- |")
-    out["engine"] = engine(model, (1, 4) if args.smoke else (1, 16, 64), 4 if args.smoke else 32,
-                           1 if args.smoke else 5)
+    llm = LLM(model, max_num_seqs=64, enable_prefix_caching=False)
+    batches, new, reps = ((1, 4), 4, 1) if args.smoke else ((1, 16, 64), 32, 5)
+    out["engine"] = engine(llm, batches, new, reps)
+    print("engine greedy decode (tok/s):\n| batch | decode tokens | numpy argmax | torch argmax | ratio | same tokens |\n"
+          "| --- | --- | --- | --- | --- | --- |")
+    out["engine_greedy"] = engine(llm, batches, new, reps, greedy=True)
     use("native")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollwise.engine.sampler import inverse_cdf, processed, sampling_probs, seeded_uniform, top_logprobs
+from rollwise.engine.sampler import argmax, inverse_cdf, processed, sampling_probs, seeded_uniform, top_logprobs
 from rollwise.types import Draft, SamplingParams
 
 
@@ -67,7 +67,7 @@ def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, position:
     accepted, tokens, lps = [], [], []
     node = -1  # the sequence's last token
     if forced is not None or params.is_greedy:
-        targets = logprobs.argmax(dim=-1).tolist() if forced is None else None
+        targets = argmax(logprobs).tolist() if forced is None else None
         while True:
             row = node + 1
             want = targets[row] if forced is None else forced[position + len(tokens)]

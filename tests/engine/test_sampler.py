@@ -100,3 +100,15 @@ def test_unfiltered_rows_keep_a_tail_whose_mass_rounds_to_one():
 def test_nothing_to_filter_returns_the_logits():
     logits = torch.randn(3, 50)
     assert top_k_top_p(logits, [0, 50, 99], [1.0, 1.0, 1.0]) is logits
+
+
+def test_argmax_is_torchs_first_largest():
+    x = torch.randn(6, 3000, generator=torch.Generator().manual_seed(1))
+    x[1, [5, 700, 2999]] = 50.0  # ties: the first
+    x[2] = NEG
+    x[3, [9, 40]] = float("nan")  # a NaN counts as largest: the first
+    x[4, :] = 0.0
+    x[5, -1] = float("inf")
+    for t in (x, x[:, ::2], x[::2]):  # strided views too
+        assert torch.equal(sampler.argmax(t), t.argmax(dim=-1))
+    assert sampler.argmax(x).tolist()[:5] == [int(x[0].argmax()), 5, 0, 9, 0]
