@@ -102,8 +102,8 @@ def main() -> None:
     llm = LLM(model, max_num_seqs=64, enable_prefix_caching=False)
     batches, new, reps = ((1, 4), 4, 1) if args.smoke else ((1, 16, 64), 32, 5)
     out["engine"] = engine(llm, batches, new, reps)
-    print("engine greedy decode (tok/s):\n| batch | decode tokens | numpy argmax | torch argmax | ratio | same tokens |\n"
-          "| --- | --- | --- | --- | --- | --- |")
+    print("engine greedy decode (tok/s):\n| batch | decode tokens | numpy argmax | torch argmax | ratio "
+          "| same tokens |\n| --- | --- | --- | --- | --- | --- |")
     out["engine_greedy"] = engine(llm, batches, new, reps, greedy=True)
     use("native")
     if args.json:

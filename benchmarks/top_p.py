@@ -72,8 +72,9 @@ def alone(batches, vocab: int, reps: int) -> list[dict]:
                 r = paired({s: (lambda f=f: f(logits, [k] * b, [p] * b) > 0) for s, f in SIDES.items()}, reps)
                 ms = {s: dt * 1e3 for s, (_, dt) in r.items()}
                 kept = int(r["now"][0].sum(-1).float().median())
+                same = bool(torch.equal(r["now"][0], r["sort"][0]))
                 rows.append({"spread": spread, "case": case, "batch": b, "vocab": vocab, "kept_median": kept, "ms": ms,
-                             "ratio": ms["sort"] / ms["now"], "same_kept": bool(torch.equal(r["now"][0], r["sort"][0]))})
+                             "ratio": ms["sort"] / ms["now"], "same_kept": same})
                 print(f"| x{spread} | {case} | {b} | {kept} | {ms['now']:.1f} | {ms['sort']:.1f} | "
                       f"{rows[-1]['ratio']:.2f}x | {rows[-1]['same_kept']} |", flush=True)
     return rows
