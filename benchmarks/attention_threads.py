@@ -22,7 +22,7 @@ from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_model, paired  # noqa: E402
+from common import decode_prompts, engine_model, paired  # noqa: E402
 
 from rollwise import LLM, SamplingParams  # noqa: E402
 from rollwise.engine import attention  # noqa: E402
@@ -46,7 +46,7 @@ def main() -> None:
     print("| batch | prompt | decode tokens | machine tok/s | fixed 65,536 tok/s | ratio | same tokens |\n"
           "| --- | --- | --- | --- | --- | --- | --- |")
     for ctx, b in cases:
-        prompts = [[(7 + 31 * i + 3 * j) % 1000 + 5 for j in range(ctx)] for i in range(b)]
+        prompts = decode_prompts(b, ctx)
         sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
 
         def run(fn):

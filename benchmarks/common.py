@@ -107,3 +107,30 @@ def paired(fns: dict, reps: int, quiet: list[int] = (), warmup: bool = False) ->
             if rep >= warmup:
                 runs[k].append(time.perf_counter() - t0)
     return {k: (outs[k], sorted(r)[len(r) // 2]) for k, r in runs.items()}
+
+
+def decode_prompts(b: int, length: int = 32) -> list[list[int]]:
+    """`b` distinct prompts of token ids 5-1004: what the sampler benchmarks decode from."""
+    return [[(7 + 31 * i + 3 * j) % 1000 + 5 for j in range(length)] for i in range(b)]
+
+
+def decode_sides(llm, sides: dict, batches, new: int, reps: int, params) -> list[dict]:
+    """Decode tok/s of two sides taking turns on one engine (median of `reps` after a warm-up round):
+    `sides` maps a name to what switches the engine to it; params(b, new) is a batch's
+    SamplingParams. A row per batch: both tok/s, the first side's over the second's, and whether
+    they gave the same tokens; each printed as a table row."""
+    rows = []
+    for b in batches:
+        prompts, sps = decode_prompts(b), params(b, new)
+
+        def run(switch):
+            switch()
+            return [o.token_ids for o in llm.generate(prompts, sps)]
+        r = paired({k: (lambda s=s: run(s)) for k, s in sides.items()}, reps, warmup=True)
+        a, z = sides
+        tps = {k: b * new / dt for k, (_, dt) in r.items()}
+        rows.append({"batch": b, "decode_tokens": b * new, "tok_s": tps, "ratio": tps[a] / tps[z],
+                     "same_tokens": r[a][0] == r[z][0]})
+        print(f"| {b} | {b * new} | {tps[a]:.0f} | {tps[z]:.0f} | {rows[-1]['ratio']:.2f}x | "
+              f"{rows[-1]['same_tokens']} |", flush=True)
+    return rows

@@ -26,7 +26,7 @@ from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_model, paired  # noqa: E402
+from common import decode_sides, engine_model, paired  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -62,26 +62,17 @@ def alone(batches, vocabs, reps: int) -> list[dict]:
 
 def engine(llm: LLM, batches, new: int, reps: int, greedy: bool = False) -> list[dict]:
     """Decode tok/s, the two inverse CDFs (or with `greedy`, the two argmaxes) taking turns."""
-    sides = ARGMAX if greedy else SIDES
-    rows = []
-    for b in batches:
-        prompts = [[(7 + 31 * i + 3 * j) % 1000 + 5 for j in range(32)] for i in range(b)]
-        sps = [SamplingParams(temperature=0.0 if greedy else 1.0, seed=100 + i, max_tokens=new, ignore_eos=True)
-               for i in range(b)]
+    def params(b, new):
+        return [SamplingParams(temperature=0.0 if greedy else 1.0, seed=100 + i, max_tokens=new, ignore_eos=True)
+                for i in range(b)]
 
-        def run(side):
-            if greedy:
-                sampler.argmax = ARGMAX[side]
-            else:
-                use(side)
-            return [o.token_ids for o in llm.generate(prompts, sps)]
-        r = paired({side: (lambda side=side: run(side)) for side in sides}, reps, warmup=True)
-        a, z = sides
-        tps = {k: b * new / dt for k, (_, dt) in r.items()}
-        rows.append({"batch": b, "decode_tokens": b * new, "tok_s": tps, "ratio": tps[a] / tps[z],
-                     "same_tokens": r[a][0] == r[z][0]})
-        print(f"| {b} | {b * new} | {tps[a]:.0f} | {tps[z]:.0f} | {rows[-1]['ratio']:.2f}x | "
-              f"{rows[-1]['same_tokens']} |", flush=True)
+    def switch(side):
+        if greedy:
+            sampler.argmax = ARGMAX[side]
+        else:
+            use(side)
+    rows = decode_sides(llm, {side: (lambda side=side: switch(side)) for side in (ARGMAX if greedy else SIDES)},
+                        batches, new, reps, params)
     sampler.argmax = ARGMAX["numpy"]
     return rows
 

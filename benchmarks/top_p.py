@@ -34,7 +34,7 @@ from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_model, paired, start_vllm  # noqa: E402
+from common import decode_prompts, decode_sides, engine_model, paired, start_vllm  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -89,34 +89,21 @@ def alone(batches, vocab: int, reps: int) -> list[dict]:
 
 def engine(model: str, batches, new: int, reps: int) -> list[dict]:
     llm = LLM(model, max_num_seqs=64, enable_prefix_caching=False)
-    rows = []
-    for b in batches:
-        prompts = [[(7 + 31 * i + 3 * j) % 1000 + 5 for j in range(32)] for i in range(b)]
-        sps = [SamplingParams(temperature=1.0, top_k=20, top_p=0.95, seed=100 + i, max_tokens=new, ignore_eos=True)
-               for i in range(b)]
-
-        def run(side):
-            use(side)
-            return [o.token_ids for o in llm.generate(prompts, sps)]
-        r = paired({side: (lambda side=side: run(side)) for side in SIDES}, reps, warmup=True)
-        tps = {k: b * new / dt for k, (_, dt) in r.items()}
-        rows.append({"batch": b, "decode_tokens": b * new, "tok_s": tps, "ratio": tps["now"] / tps["sort"],
-                     "same_tokens": r["now"][0] == r["sort"][0]})
-        print(f"| {b} | {b * new} | {tps['now']:.0f} | {tps['sort']:.0f} | {rows[-1]['ratio']:.2f}x | "
-              f"{rows[-1]['same_tokens']} |", flush=True)
-    return rows
+    return decode_sides(llm, {side: (lambda side=side: use(side)) for side in SIDES}, batches, new, reps,
+                        lambda b, new: [SamplingParams(temperature=1.0, top_k=20, top_p=0.95, seed=100 + i,
+                                                       max_tokens=new, ignore_eos=True) for i in range(b)])
 
 
 async def _batch(url: str, model: str, b: int, new: int, filters: dict) -> int:
     import httpx
     async with httpx.AsyncClient(timeout=600) as c:
-        async def one(i: int) -> int:
-            body = {"model": model, "prompt": [(7 + 31 * i + 3 * j) % 1000 + 5 for j in range(32)], "max_tokens": new,
-                    "temperature": 1.0, "ignore_eos": True, "min_tokens": new, **filters}
+        async def one(prompt: list[int]) -> int:
+            body = {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 1.0, "ignore_eos": True,
+                    "min_tokens": new, **filters}
             r = await c.post(url + "/v1/completions", json=body)
             r.raise_for_status()
             return r.json()["usage"]["completion_tokens"]
-        return sum(await asyncio.gather(*(one(i) for i in range(b))))
+        return sum(await asyncio.gather(*(one(p) for p in decode_prompts(b))))
 
 
 def http(model: str, batches, new: int, reps: int) -> list[dict]:
