@@ -136,10 +136,12 @@ def test_sampling_distribution_is_unchanged(model_dir, tree, pen):
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_seeded_sampling_gives_the_same_tokens_with_speculation(model_dir, baseline, tree):
-    """A seeded request's tokens do not depend on what was drafted (or on the batch)."""
+    """A seeded request's tokens do not depend on what was drafted (or on the batch). Half the rows
+    also have a top-k: verification then finds a row's nucleus among its top-k's ids, the sampler's
+    mixed batch among its top 256 probabilities; both must end it at the same token."""
     prompts = _prompts(16, seed=7)
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, ignore_eos=True, seed=100 + i,
-                             min_p=0.05 * (i % 3)) for i in range(16)]
+                             min_p=0.05 * (i % 3), top_k=(0, 20)[i % 2]) for i in range(16)]
     ref = baseline.generate(prompts, params)
     llm = LLM(model_dir, max_num_seqs=64, speculative="suffix", spec_controller="always", spec_tree=tree,
               spec_min_token_prob=0.0)
