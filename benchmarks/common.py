@@ -19,7 +19,7 @@ PEERS = Path(os.environ.get("ROLLWISE_PEERS", Path.home() / ".cache" / "rollwise
 ENGINE_SIZES = {  # make_model arguments of the engine benchmarks' models
     "bench": dict(family="llama", layers=8, hidden=512, heads=8, kv_heads=4, vocab=8192, seed=0),
     "smoke": dict(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=1024, seed=0),
-    # bench with Qwen3's vocabulary (benchmarks/sampler.py)
+    # bench with Qwen3's vocabulary (benchmarks/sampler.py, top_p.py)
     "qwen-vocab": dict(family="llama", layers=8, hidden=512, heads=8, kv_heads=4, vocab=151936, seed=0),
 }
 
