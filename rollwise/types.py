@@ -62,6 +62,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop or [], (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids or [], (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check_number("temperature", self.temperature, lo=0.0, hi=100.0)

@@ -20,6 +20,7 @@ import time
 import uuid
 
 from rollwise.agent.env import loop_forget, loop_shared
+from rollwise.agent.episode import text_content
 from rollwise.types import MAX_LOGPROBS
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -74,6 +75,10 @@ def check_request(body) -> None:
     bad = sorted({str(m.get("role")) for m in msgs} - set(ROLES))
     if bad:
         raise GatewayError(400, f"unknown message roles {bad}; valid: {list(ROLES)}")
+    for i, m in enumerate(msgs):  # (here, not in the episode: a malformed message is the agent's to fix)
+        _check_message(i, m)
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise GatewayError(400, "model must be a string")
     if body.get("n", 1) != 1:
         raise GatewayError(400, "n must be 1: each request is one turn of one episode (the group's other "
                                 "episodes are other agents)")
@@ -94,6 +99,30 @@ def check_request(body) -> None:
     for k in ("max_tokens", "max_completion_tokens"):
         if body.get(k) is not None and (isinstance(body[k], bool) or not isinstance(body[k], int) or body[k] < 1):
             raise GatewayError(400, f"{k} must be a positive integer")
+
+
+def loads(raw: bytes | str):
+    """A request body parsed as strict JSON: NaN and Infinity (which Python's json takes, but JSON has
+    not, nor can a reply that echoes them be written) are a ValueError like any other bad JSON."""
+    def constant(name: str):
+        raise ValueError(f"{name} is not a JSON value")
+    return json.loads(raw, parse_constant=constant)
+
+
+def _check_message(i: int, m: dict) -> None:
+    """A message the chat template can take: text content (a string, or text parts), and an
+    assistant's tool calls each a function with a name and its arguments (a JSON string or object)."""
+    if text_content(m.get("content")) is None:
+        raise GatewayError(400, f"message {i}: content must be a string or a list of text parts")
+    calls = m.get("tool_calls")
+    if calls is None:
+        return
+    fn = lambda c: c.get("function") if isinstance(c, dict) else None  # noqa: E731
+    if not isinstance(calls, list) or not all(isinstance(fn(c), dict) and isinstance(fn(c).get("name"), str)
+                                              and isinstance(fn(c).get("arguments", "{}"), (str, dict))
+                                              for c in calls):
+        raise GatewayError(400, f'message {i}: tool_calls must be a list of {{"type": "function", "function": '
+                                '{"name": ..., "arguments": "..."}}')
 
 
 class Gateway:
@@ -198,9 +227,9 @@ class Gateway:
                 raise GatewayError(401, "unknown or expired API key: each episode's client has a key of its own, "
                                         "valid until the episode ends", "authentication_error")
             try:
-                return session, json.loads(await request.body())
-            except ValueError:
-                raise GatewayError(400, "the body is not JSON") from None
+                return session, loads(await request.body())
+            except ValueError as e:
+                raise GatewayError(400, f"the body is not JSON: {e}") from None
 
         async def chat(request):
             try:

@@ -49,6 +49,8 @@ def chat_body(body, conversations: dict[str, list[dict]]) -> tuple[dict, list[di
             raise GatewayError(400, "instructions must be a string")
         out["messages"] = [{"role": "system", "content": instructions}] + messages
     if body.get("tools"):
+        if not isinstance(body["tools"], list):
+            raise GatewayError(400, "tools must be a list of tools")
         out["tools"] = [_tool(t) for t in body["tools"]]
     if body.get("tool_choice") is not None:
         out["tool_choice"] = body["tool_choice"] if isinstance(body["tool_choice"], str) else "auto"

@@ -36,6 +36,7 @@ class Adapter:
 
 
 def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
     p = Path(path)
     if not (p / "adapter_config.json").is_file():
@@ -44,9 +45,12 @@ def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     if not files:
         raise ValueError(f"{path} has no adapter_model.safetensors")
     state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return json.loads((p / "adapter_config.json").read_text()), state
+    try:
+        for f in files:
+            state.update(load_file(str(f)))
+        return json.loads((p / "adapter_config.json").read_text()), state
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"cannot read the LoRA adapter in {path}: {e}") from e
 
 
 def build(model, name: str, config: dict, state: dict[str, torch.Tensor], uid: int, max_rank: int) -> Adapter:

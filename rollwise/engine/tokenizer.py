@@ -65,9 +65,13 @@ class Tokenizer:
             env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
             env.globals["raise_exception"] = _raise
             self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     tools=tools, bos_token=self.bos_token or "",
-                                     eos_token=self.eos_token or "", **kwargs)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         tools=tools, bos_token=self.bos_token or "",
+                                         eos_token=self.eos_token or "", **kwargs)
+        except (jinja2.TemplateError, TypeError, AttributeError, KeyError, IndexError) as e:
+            # what the client sent does not fit the template (a field of the wrong type or shape)
+            raise ValueError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, continue_final_message: bool = False, **kwargs) -> list[int]:

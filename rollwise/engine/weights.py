@@ -88,7 +88,7 @@ class WeightVersions:
         from rollwise.engine import lora
         if isinstance(weights, AdapterWeights):
             config, state = weights.config, weights.tensors
-        elif isinstance(weights, (str, Path)) and (Path(weights) / "adapter_config.json").is_file():
+        elif isinstance(weights, (str, Path)) and _is_file(Path(weights) / "adapter_config.json"):
             config, state = lora.read_adapter(weights)
         else:
             return None
@@ -147,3 +147,10 @@ class WeightVersions:
             self._adapters.pop(u, None)
         if dropped:  # (called as requests end: walk the cached blocks only when a version went)
             self.blocks.evict_cached(set(dropped))
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError as e:  # (a name too long, say: is_file raises where the path cannot be looked at)
+        raise ValueError(f"cannot read {path}: {e}") from e

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollwise.types import SamplingParams
 
@@ -118,10 +118,39 @@ class CompletionRequest(_OpenAISampling):
     return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs.tokens as "token_id:N"
 
 
-class ChatMessage(BaseModel):
+class ToolCallFunction(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | None = None
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI's: a JSON string (templates take an object too)
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(BaseModel):
+    """A chat message as the chat template takes it: text `content` (a list of text parts, OpenAI's
+    `[{"type": "text", "text": ...}]`, joined with newlines, as vLLM joins them), `developer` (OpenAI's
+    name for the system prompt of newer models) as `system`, tool calls checked for the fields the
+    template reads. Other fields (name, tool_call_id, reasoning_content) pass through."""
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+
+    @model_validator(mode="after")
+    def _as_template_takes_it(self) -> ChatMessage:
+        if self.role == "developer":
+            self.role = "system"
+        if isinstance(self.content, list):
+            if not all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in self.content):
+                raise ValueError("content must be a string or a list of text parts ({'type': 'text', 'text': "
+                                 "...}): the model reads text only")
+            self.content = "\n".join(p["text"] for p in self.content)
+        return self
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -148,6 +177,19 @@ class ChatCompletionRequest(_OpenAISampling):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     verbosity: str | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _function_tools(cls, tools: list[dict] | None) -> list[dict] | None:
+        """A function tool (type "function", the default) needs its function as an object with a name
+        (what the chat template and tool_choice read); tools of other types pass as they are."""
+        for t in tools or []:
+            fn = t.get("function")
+            if t.get("type", "function") == "function" and not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                                                               and isinstance(fn.get("parameters", {}), dict)):
+                raise ValueError('a function tool is {"type": "function", "function": {"name": ..., "parameters": '
+                                 '{...}}}')
+        return tools
 
     def sampling(self, max_tokens: int, top_logprobs: int = 0, tokenizer=None, parser=None,
                  defaults: dict | None = None) -> SamplingParams:

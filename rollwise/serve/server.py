@@ -215,21 +215,25 @@ def install_responses(app: FastAPI, chat) -> None:
     stream gives them)."""
     from collections import OrderedDict
 
-    from rollwise.agent.gateway import GatewayError
+    from rollwise.agent.gateway import GatewayError, loads
     from rollwise.agent.responses_api import chat_body, response, streamed_events
     conversations: OrderedDict[str, list[dict]] = OrderedDict()
 
     @app.post("/v1/responses")
     async def responses(request: Request):
         try:
-            body = json.loads(await request.body())
-        except ValueError:
-            return error(400, "the body is not JSON")
+            body = loads(await request.body())
+        except ValueError as e:
+            return error(400, f"the body is not JSON: {e}")
         try:
             body_chat, messages = chat_body(body, conversations)
         except GatewayError as e:
             return error(e.status, e.message, e.kind)
-        fmt = (body.get("text") or {}).get("format") or {"type": "text"}
+        text = body.get("text") or {}
+        if not isinstance(text, dict) or not isinstance(text.get("format") or {}, dict):
+            return error(400, 'text must be an object, its format {"type": "text" | "json_object" | '
+                              '"json_schema", ...}')
+        fmt = text.get("format") or {"type": "text"}
         if fmt.get("type") == "json_schema":
             body_chat["response_format"] = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
         elif fmt.get("type") != "text":
@@ -260,14 +264,14 @@ def install_messages(app: FastAPI, chat, tokenizer, defaults: Defaults | None = 
     the chat template renders them (`tokenizer`; None: a router without one, refused)."""
     from fastapi.responses import JSONResponse
 
-    from rollwise.agent.gateway import GatewayError
+    from rollwise.agent.gateway import GatewayError, loads
     from rollwise.agent.messages_api import chat_body, error_body, message, named_sse, streamed_events
 
     async def parsed(request: Request, count: bool = False) -> tuple[dict, dict]:
         try:
-            body = json.loads(await request.body())
-        except ValueError:
-            raise GatewayError(400, "the body is not JSON") from None
+            body = loads(await request.body())
+        except ValueError as e:
+            raise GatewayError(400, f"the body is not JSON: {e}") from None
         if count and isinstance(body, dict):
             body = {**body, "max_tokens": 1}  # (counting needs none)
         return body, chat_body(body)

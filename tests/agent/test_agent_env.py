@@ -218,10 +218,15 @@ def test_the_endpoint_rejects_bad_requests_with_json_errors_and_streams(model_di
     async def agent(client, task):
         url, auth = str(client.base_url).rstrip("/"), {"Authorization": f"Bearer {client.api_key}"}
         async with httpx.AsyncClient() as h:
+            # (a malformed message is refused here, before the episode sees it: the agent may send another)
             for name, body in [("n", {"messages": [{"role": "user", "content": "x"}], "n": 2}),
                                ("role", {"messages": [{"role": "robot", "content": "x"}]}),
-                               ("empty", {"messages": []}), ("json", None)]:
-                r = await (h.post(url + "/chat/completions", headers=auth, content=b"{not json") if body is None
+                               ("empty", {"messages": []}), ("json", b"{not json"),
+                               ("content", {"messages": [{"role": "user", "content": 5}]}),
+                               ("call", {"messages": [{"role": "user", "content": "x"},
+                                                      {"role": "assistant", "tool_calls": [{"function": True}]}]}),
+                               ("nan", b'{"model": NaN, "messages": [{"role": "user", "content": "x"}]}')]:
+                r = await (h.post(url + "/chat/completions", headers=auth, content=body) if isinstance(body, bytes)
                            else h.post(url + "/chat/completions", headers=auth, json=body))
                 got[name] = (r.status_code, r.json()["error"]["message"])
             got["models"] = (await h.get(url + "/models")).json()["data"][0]["id"]
@@ -241,6 +246,9 @@ def test_the_endpoint_rejects_bad_requests_with_json_errors_and_streams(model_di
     assert got["n"][0] == got["role"][0] == got["empty"][0] == got["json"][0] == 400
     assert "n must be 1" in got["n"][1] and "unknown message roles ['robot']" in got["role"][1]
     assert "non-empty list" in got["empty"][1] and "not JSON" in got["json"][1]
+    assert got["content"] == (400, "message 0: content must be a string or a list of text parts")
+    assert got["call"][0] == 400 and got["call"][1].startswith("message 1: tool_calls must be")
+    assert got["nan"][0] == 400 and "NaN is not a JSON value" in got["nan"][1]
     assert got["models"] == "policy"
     assert got["calls"] == [("lookup", json.dumps({"name": "Ana Berg"}))] and got["finish"] == ["tool_calls"]
     assert got["usage"] == len(tok.encode(call, add_special_tokens=False)) + 1

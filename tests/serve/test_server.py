@@ -251,6 +251,21 @@ def test_models_and_metrics(client):
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}),
     ("/v1/chat/completions", {"messages": "hello"}),
     ("/update_weights", {"model_dir": "/nonexistent"}),
+    ("/update_weights", {"model_dir": "a" * 5000}),  # a name too long to look at (OSError, not ValueError)
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"stop": 5}}),  # not a string or a list
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": True}}),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [10**9], "min_tokens": 2}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": 5}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": True}]}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": True}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"function": True},
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}),
+    ("/v1/responses", {"input": "hi", "tools": 5}),
+    ("/v1/responses", {"input": "hi", "text": "x"}),
+    ("/v1/responses", {"input": "hi", "text": {"format": 5}}),
 ])
 def test_bad_input_gets_400_and_server_keeps_serving(client, path, body):
     r = client.post(path, json=body)
@@ -289,7 +304,104 @@ def test_unheld_weights_get_a_typed_400(client):
 def test_malformed_json_is_400(client):
     r = client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
+    # NaN is not JSON: Python's parser takes it, and the Responses API's reply (which echoes the tools) could
+    # not be written
+    nan = b'{"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": NaN}}]}'
+    for path in ("/v1/responses", "/v1/messages"):
+        r = client.post(path, content=nan, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "NaN" in r.text, (path, r.status_code, r.text)
     _alive(client)
+
+
+def test_unreadable_weights_get_400(client, tmp_path):
+    """A directory whose safetensors file is not one (a failed copy): 400, the weights unchanged."""
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    r = client.post("/update_weights", json={"model_dir": str(tmp_path)})
+    assert r.status_code == 400 and "cannot read" in r.json()["error"]["message"], r.text
+    r = client.post("/update_weights_from_disk", json={"model_path": "a" * 5000})  # (SGLang's reply)
+    assert r.status_code == 400 and r.json()["success"] is False and "cannot read" in r.json()["message"], r.text
+    assert client.get("/health").json()["policy_version"] == 0
+    _alive(client)
+
+
+JUNK = [None, True, -1, 2**63, 1.5, "x", [], {}, [10**9], [{"x": 1}]]
+VALID = {  # a body of each kind, with a field of every kind; each field is replaced by each JUNK value in turn
+    "/generate": {"input_ids": [1, 2, 3], "sampling_params": {"max_tokens": 3, "top_k": 5, "top_p": 0.9, "seed": 1,
+                                                             "stop": ["a"], "stop_token_ids": [5], "min_tokens": 1,
+                                                             "logit_bias": {"5": 1.0}, "logprobs": 1}},
+    "/v1/chat/completions": {"messages": [{"role": "developer", "content": [{"type": "text", "text": "s"}]},
+                                          {"role": "user", "content": "hi"},
+                                          {"role": "assistant", "content": None, "tool_calls": [
+                                              {"id": "c", "type": "function",
+                                               "function": {"name": "f", "arguments": "{}"}}]},
+                                          {"role": "tool", "tool_call_id": "c", "content": "r"}],
+                             "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                                 "type": "object", "properties": {}}}}],
+                             "tool_choice": {"type": "function", "function": {"name": "f"}}, "max_tokens": 3},
+    "/v1/responses": {"input": [{"role": "user", "content": "hi"}], "max_output_tokens": 3,
+                      "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+                      "text": {"format": {"type": "json_object"}}},
+}
+
+
+def _fields(obj, at=()):
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        yield at + (k,)
+        yield from _fields(v, at + (k,))
+
+
+def _with(body, at, value):
+    body = json.loads(json.dumps(body))
+    inner = body
+    for k in at[:-1]:
+        inner = inner[k]
+    inner[at[-1]] = value
+    return body
+
+
+@pytest.mark.parametrize("path", sorted(VALID))
+def test_junk_in_any_field_is_a_4xx_never_a_500(client, path):
+    """Every field of a valid body (nested ones too) replaced by values of every other type: a reply, or
+    a 4xx with a JSON error; never a 500, and the server keeps serving."""
+    assert client.post(path, json=VALID[path]).status_code == 200
+    failed = []
+    for at in _fields(VALID[path]):
+        for value in JUNK:
+            r = client.post(path, json=_with(VALID[path], at, value))
+            if r.status_code >= 500 or r.status_code >= 400 and "message" not in r.json()["error"]:
+                failed.append((at, value, r.status_code, r.text[:200]))
+    assert not failed, failed
+    _alive(client)
+
+
+def test_a_bad_request_does_not_fail_the_requests_in_flight(client, server):
+    """A stop token id past the vocabulary with min_tokens once reached the sampler (which bans stop
+    tokens before min_tokens) and failed the step: every request in it. It is refused up front."""
+    def long():
+        return client.post("/generate", json={"input_ids": [4, 5, 6], "sampling_params": {
+            "max_tokens": 64, "ignore_eos": True, "temperature": 0}})
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(long)
+        time.sleep(0.3)
+        with httpx.Client(base_url=server.url, timeout=60) as other:
+            bad = other.post("/generate", json={"input_ids": [1, 2], "sampling_params": {
+                "stop_token_ids": [10**9], "min_tokens": 2, "max_tokens": 4}})
+        assert bad.status_code == 400 and "stop_token_ids" in bad.json()["error"]["message"]
+        done = running.result()
+    assert done.status_code == 200 and len(done.json()["token_ids"]) == 64
+
+
+def test_chat_content_parts_and_the_developer_role(client):
+    """OpenAI's content parts (text ones, joined with newlines, as vLLM joins them) and `developer` (the
+    system prompt's name for newer models) give the prompt of the plain message."""
+    def ids(messages):
+        r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()["prompt_token_ids"]
+    parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
+    assert ids([{"role": "developer", "content": "be brief"}, {"role": "user", "content": parts}]) == \
+        ids([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi\nthere"}])
 
 
 def test_concurrent_requests(client, server):

@@ -87,7 +87,8 @@ def forced_tool_calls(tools: list[dict], tool_choice, tag_tokens=False,
     fns = [t.get("function") or {} for t in tools if t.get("type", "function") == "function"]
     if tool_choice == "required":
         name = None
-    elif isinstance(tool_choice, dict) and isinstance((tool_choice.get("function") or {}).get("name"), str):
+    elif isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict) \
+            and isinstance(tool_choice["function"].get("name"), str):
         name = tool_choice["function"]["name"]
         fns = [f for f in fns if f.get("name") == name]
         if not fns:

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rollwise.engine.models.llama import FAMILIES, CausalLM, ModelConfig, RotaryEmbedding, expert_views
@@ -20,12 +21,17 @@ def read_hf_config(model_dir: str | Path) -> dict:
 
 
 def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir} has no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
+    """The tensors of a directory's *.safetensors files; ValueError if it has none or one cannot be read
+    (a path a client gave: its mistake, not the server's)."""
+    try:
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{model_dir} has no *.safetensors weights")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"cannot read the weights in {model_dir}: {e}") from e
     return state
 
 
