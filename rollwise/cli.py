@@ -205,6 +205,9 @@ def cmd_sim(args) -> None:
 
 def _overrides(pairs: list[str]) -> dict:
     """`--set KEY=VALUE` options as config keys, each value read as TOML (else as a string)."""
+    bad = [kv for kv in pairs if "=" not in kv]
+    if bad:
+        raise ValueError(f"--set takes KEY=VALUE, got {bad[0]!r}")
     return {k: _parse_value(v) for k, v in (kv.split("=", 1) for kv in pairs)}
 
 

@@ -118,3 +118,61 @@ class ServerConfig:
     @property
     def is_loopback(self) -> bool:
         return self.host in ("127.0.0.1", "localhost", "::1") or self.host.startswith("127.")
+
+
+def read_toml(path: str | Path) -> dict:
+    """A TOML config file's keys; ValueError (not a traceback) for a file that is missing or not TOML."""
+    import tomllib
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read config file {path}: {e.strerror or e}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path} is not TOML: {e}") from e
+
+
+def check_field_types(cls, values: dict, what: str = "config") -> None:
+    """Each of `values` (a config file's or `--set`'s, by field name of dataclass `cls`) of its field's
+    annotated type (int, float, str, bool, dict, list / tuple, a union or Optional of them): a
+    ValueError naming the key, what it takes and what it got, before anything runs (a learning rate
+    of "abc" used to be found after the warm start, a float step count never)."""
+    import typing
+    hints = typing.get_type_hints(cls)
+    for k, v in values.items():
+        if k in hints and not _fits(v, hints[k]):
+            raise ValueError(f"{what} key {k!r} takes {_type_name(hints[k])}, got {v!r}")
+
+
+def _fits(v, t) -> bool:
+    import types
+    import typing
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(v, a) for a in args)
+    if origin is typing.Literal:
+        return v in args
+    if t is type(None):
+        return v is None
+    if t is bool:
+        return isinstance(v, bool)
+    if t is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if t is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if origin in (list, tuple) or t in (list, tuple):  # (TOML has arrays only)
+        if not isinstance(v, (list, tuple)):
+            return False
+        each = args[0] if args and (origin is list or args[-1] is Ellipsis) else None
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return len(v) == len(args) and all(_fits(x, a) for x, a in zip(v, args))
+        return each is None or all(_fits(x, each) for x in v)
+    if origin is dict or t is dict:
+        return isinstance(v, dict)
+    return not isinstance(t, type) or isinstance(v, t)  # (Any and the like: not checked)
+
+
+def _type_name(t) -> str:
+    import typing
+    if typing.get_origin(t) is typing.Literal:
+        return " or ".join(repr(a) for a in typing.get_args(t))
+    return str(t).replace("typing.", "").replace("<class '", "").replace("'>", "").replace("NoneType", "None")

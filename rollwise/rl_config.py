@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from rollwise.agent.envs import make_env, resolve_env, taken_options
 from rollwise.agent.tools import Latency
+from rollwise.config import check_field_types, read_toml
 from rollwise.router.policies import POLICIES
 from rollwise.rollout.trackers import check_trackers
 from rollwise.router.replica import WEIGHTS_VIA
@@ -272,8 +272,7 @@ class TrainConfig:
 
     @staticmethod
     def from_toml(path: str | Path, **overrides) -> TrainConfig:
-        data = tomllib.loads(Path(path).read_text())
-        return TrainConfig.from_dict({**data, **overrides})
+        return TrainConfig.from_dict({**read_toml(path), **overrides})
 
     @staticmethod
     def from_dict(d: dict) -> TrainConfig:
@@ -281,6 +280,11 @@ class TrainConfig:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown config keys {unknown}; valid: {sorted(names)}")
+        missing = [f.name for f in fields(TrainConfig) if f.name not in d
+                   and f.default is MISSING and f.default_factory is MISSING]
+        if missing:
+            raise ValueError(f"the config needs {missing} (e.g. --set model=DIR: a model directory)")
+        check_field_types(TrainConfig, d)
         if "tool_latency" in d:
             d = {**d, "tool_latency": tuple(d["tool_latency"])}
         cfg = TrainConfig(**d)

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollwise.config import check_field_types, read_toml
 from rollwise.router.router import Router
 from rollwise.router.workload import run_step
 from rollwise.sim.clock import run as run_virtual
@@ -72,15 +73,19 @@ class SimConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path, overrides: dict | None = None) -> SimConfig:
-        return cls.from_toml_text(Path(path).read_text(), overrides)
+        return cls.from_dict({**read_toml(path), **(overrides or {})})
 
     @classmethod
     def from_toml_text(cls, text: str, overrides: dict | None = None) -> SimConfig:
-        d = {**tomllib.loads(text), **(overrides or {})}
+        return cls.from_dict({**tomllib.loads(text), **(overrides or {})})
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SimConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names
         if unknown:
             raise ValueError(f"unknown sim config keys {sorted(unknown)}; valid: {sorted(names)}")
+        check_field_types(cls, d, "sim config")
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 

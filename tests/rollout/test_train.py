@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -726,3 +727,38 @@ def test_deterministic_run_over_http_pins_groups_to_versions_the_servers_keep(mo
     for g in read_log(Path(cfg.run_dir) / "groups.jsonl"):  # every turn under its group's pinned version
         assert g.admitted_version == max(0, g.seq // 2 - 1)
         assert {v for t in g.trajectories for v in t.policy_versions} <= {g.admitted_version}
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("lr", "abc", "'lr' takes float, got 'abc'"),  # (used to be found after the warm start)
+    ("steps", 2.5, "'steps' takes int, got 2.5"),  # (used to run)
+    ("deterministic", 1, "'deterministic' takes bool"),
+    ("max_staleness", "x", "'max_staleness' takes int"),
+    ("env_options", 5, "'env_options' takes dict"),
+    ("tool_latency", [1, 2, 3], "'tool_latency' takes tuple[float, float]"),
+    ("lora_targets", [1], "'lora_targets' takes str | list[str]"),
+    ("exclude_statuses", "error", "'exclude_statuses' takes list[str]"),
+    ("critic_model", 3, "'critic_model' takes str"),
+    ("sft_file", 3, "'sft_file' takes str | None"),
+])
+def test_a_config_value_of_the_wrong_type_is_named_before_anything_runs(key, value, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        TrainConfig.from_dict({"model": "m", key: value})
+
+
+def test_config_files_the_examples_and_what_is_missing(tmp_path):
+    from rollwise.sim.run import SimConfig
+    examples = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
+    assert len(examples) > 5
+    for f in examples:  # every example's values are of their fields' types
+        SimConfig.from_toml(f) if f.name.startswith("sim") else TrainConfig.from_toml(f, model="m")
+    assert TrainConfig.from_dict({"model": "m", "lr": 1, "tool_latency": [0.1, 0.5]}).lr == 1  # an int is a float
+    with pytest.raises(ValueError, match=re.escape("the config needs ['model']")):
+        TrainConfig.from_dict({"lr": 1e-5})
+    with pytest.raises(ValueError, match="cannot read config file"):
+        TrainConfig.from_toml(tmp_path / "missing.toml")
+    (tmp_path / "bad.toml").write_text("lr = [\n")
+    with pytest.raises(ValueError, match="is not TOML"):
+        TrainConfig.from_toml(tmp_path / "bad.toml")
+    with pytest.raises(ValueError, match="'replicas' takes int"):
+        SimConfig.from_toml_text("replicas = 'four'")
