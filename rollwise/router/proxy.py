@@ -154,14 +154,27 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
 
     @app.post("/replicas")
     async def add_replica(body: ReplicaBody):
+        """A new member (http(s)://HOST[:PORT]); one that does not answer /health yet joins unhealthy
+        and is routed to once the health loop hears it (`healthy` in the reply says which)."""
         replica = HttpReplica(body.url, replica_api_key)
+        if replica.name in router.replicas:
+            await replica.close()
+            raise ValueError(f"replica {replica.name!r} is already a member")
+        up = await replica.health()
+        if adapters and not up:
+            await replica.close()
+            raise ValueError(f"{body.url} does not answer, so it cannot load the route's LoRA adapters "
+                             f"{sorted(adapters)}: add it once it is up")
         for name, path in adapters.items():  # the adapters loaded through the route, before it takes requests
-            r = await replica.client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+            try:
+                r = await replica.client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+            except httpx.HTTPError as e:
+                r = httpx.Response(503, text=f"{type(e).__name__}: {e}")
             if r.status_code != 200:
                 await replica.close()
                 raise ValueError(f"{body.url} did not load LoRA adapter {name!r} ({path}): {r.text[:300]}")
-        router.add_replica(replica)
-        return {"replicas": sorted(router.replicas)}
+        router.add_replica(replica, healthy=up)
+        return {"replicas": sorted(router.replicas), "healthy": up}
 
     @app.delete("/replicas")
     async def remove_replica(body: ReplicaBody):

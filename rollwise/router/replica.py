@@ -183,6 +183,12 @@ class HttpReplica:
         or "auto": "file" for a server on this host's loopback, else "stream"."""
         if weights_via not in WEIGHTS_VIA:
             raise ValueError(f"weights_via must be one of {WEIGHTS_VIA}, got {weights_via!r}")
+        try:
+            parsed = httpx.URL(url)
+        except (httpx.InvalidURL, TypeError) as e:
+            raise ValueError(f"replica url must be http(s)://HOST[:PORT], got {url!r}") from e
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise ValueError(f"replica url must be http(s)://HOST[:PORT], got {url!r}")
         self.name = self.url = url.rstrip("/")
         if weights_via == "auto":
             weights_via = "file" if httpx.URL(self.url).host in ("127.0.0.1", "localhost", "::1") else "stream"

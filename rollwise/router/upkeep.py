@@ -15,11 +15,13 @@ class Upkeep:
     """Membership, failover, weights and the background loops of a `Router` (the queue and
     placement that these keep fed are in router.py: `_pump`, `_sync`, `_unpark`, `_unhold`)."""
 
-    def add_replica(self, replica) -> None:
+    def add_replica(self, replica, healthy: bool = True) -> None:
+        """A new member; `healthy` false: routed to once the health loop hears it answer."""
         if replica.name in self.replicas:
             raise ValueError(f"replica {replica.name!r} is already a member")
         self.replicas[replica.name] = replica
-        self.healthy.add(replica.name)
+        if healthy:
+            self.healthy.add(replica.name)
         for d in (self.inflight, self.inflight_tokens, self.assigned):
             d.setdefault(replica.name, 0)
         self.loads[replica.name] = None
