@@ -225,14 +225,15 @@ def test_route_proxy_over_http(servers, model_dir):
             assert c.request("DELETE", "/replicas", json={"url": "http://nowhere"}).status_code == 400
             assert c.post("/replicas", json={"url": servers[1].url}).json() == {
                 "replicas": sorted(s.url for s in servers), "healthy": True}
-            for junk in ("not a url", "ftp://x", "http://", "http://[::1"):  # refused: never a member, let alone healthy
+            for junk in ("not a url", "ftp://x", "http://", "http://[::1"):  # refused: never a member
                 r = c.post("/replicas", json={"url": junk})
                 assert r.status_code == 400 and "http(s)://HOST[:PORT]" in r.json()["error"]["message"], junk
             # a server that does not answer yet joins unhealthy (routed to once it answers /health)
             assert c.post("/replicas", json={"url": "http://127.0.0.1:9"}).json()["healthy"] is False
             listed = c.get("/replicas").json()
             assert len(listed["replicas"]) == 3 and listed["healthy"] == sorted(s.url for s in servers)
-            assert c.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_tokens": 2}}).status_code == 200
+            r = c.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_tokens": 2}})
+            assert r.status_code == 200
             c.request("DELETE", "/replicas", json={"url": "http://127.0.0.1:9"})
             assert "rollwise_router:requests" in c.get("/metrics").text
             assert c.get("/health").json()["status"] == "ok"
