@@ -3,6 +3,8 @@ from __future__ import annotations
 from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
+import json  # noqa: E402
+
 import pytest  # noqa: E402
 
 from rollwise.make_model import make_model  # noqa: E402
@@ -43,3 +45,57 @@ def _free_engines():
     yield
     import gc
     gc.collect()
+
+
+# Bad input: every field of a valid body (nested ones too) replaced by values of other types
+JUNK = [None, True, -1, 2**63, 1.5, "x", [], {}, [10**9], [{"x": 1}]]
+VALID = {  # a body of each kind, with a field of every kind; each field is replaced by each JUNK value in turn
+    "/generate": {"input_ids": [1, 2, 3], "sampling_params": {"max_tokens": 3, "top_k": 5, "top_p": 0.9, "seed": 1,
+                                                             "stop": ["a"], "stop_token_ids": [5], "min_tokens": 1,
+                                                             "logit_bias": {"5": 1.0}, "logprobs": 1}},
+    "/v1/chat/completions": {"messages": [{"role": "developer", "content": [{"type": "text", "text": "s"}]},
+                                          {"role": "user", "content": "hi"},
+                                          {"role": "assistant", "content": None, "tool_calls": [
+                                              {"id": "c", "type": "function",
+                                               "function": {"name": "f", "arguments": "{}"}}]},
+                                          {"role": "tool", "tool_call_id": "c", "content": "r"}],
+                             "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                                 "type": "object", "properties": {}}}}],
+                             "tool_choice": {"type": "function", "function": {"name": "f"}}, "max_tokens": 3},
+    "/v1/responses": {"input": [{"role": "user", "content": "hi"}], "max_output_tokens": 3,
+                      "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+                      "text": {"format": {"type": "json_object"}}},
+}
+
+
+def _fields(obj, at=()):
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        yield at + (k,)
+        yield from _fields(v, at + (k,))
+
+
+def _with(body, at, value):
+    body = json.loads(json.dumps(body))
+    inner = body
+    for k in at[:-1]:
+        inner = inner[k]
+    inner[at[-1]] = value
+    return body
+
+
+@pytest.fixture(scope="session")
+def junk_failures():
+    """`(client, path) -> failures`: VALID[path] (answered 200), then each of its fields replaced by each
+    JUNK value; a failure is a reply that is a 5xx or a 4xx without a JSON error message."""
+    def check(client, path: str) -> list:
+        ok = client.post(path, json=VALID[path])
+        assert ok.status_code == 200, ok.text
+        failed = []
+        for at in _fields(VALID[path]):
+            for value in JUNK:
+                r = client.post(path, json=_with(VALID[path], at, value))
+                if r.status_code >= 500 or r.status_code >= 400 and "message" not in r.json()["error"]:
+                    failed.append((at, value, r.status_code, r.text[:200]))
+        return failed
+    return check

@@ -115,7 +115,7 @@ def start_route(servers, model_dir, policy: str, *extra: str) -> tuple[subproces
     raise TimeoutError(f"rollwise route did not answer: {proc.stderr.read().decode()[-2000:]}")
 
 
-def test_route_proxy_over_http(servers, model_dir):
+def test_route_proxy_over_http(servers, model_dir, junk_failures):
     proc, url = start_route(servers, model_dir, "sticky_least_load")
     try:
         with httpx.Client(base_url=url, timeout=60) as c:
@@ -236,6 +236,9 @@ def test_route_proxy_over_http(servers, model_dir):
             assert r.status_code == 200
             c.request("DELETE", "/replicas", json={"url": "http://127.0.0.1:9"})
             assert "rollwise_router:requests" in c.get("/metrics").text
+            for path in ("/generate", "/v1/chat/completions"):  # a replica's 400 comes back a 400, the route up
+                assert junk_failures(c, path) == [], path
+            assert c.get("/replicas").json()["healthy"] == sorted(s.url for s in servers)  # none blamed for it
             assert c.get("/health").json()["status"] == "ok"
     finally:
         proc.terminate()
