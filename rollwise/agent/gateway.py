@@ -106,7 +106,10 @@ def loads(raw: bytes | str):
     not, nor can a reply that echoes them be written) are a ValueError like any other bad JSON."""
     def constant(name: str):
         raise ValueError(f"{name} is not a JSON value")
-    return json.loads(raw, parse_constant=constant)
+    try:
+        return json.loads(raw, parse_constant=constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def _check_message(i: int, m: dict) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollwise.agent.messages_api import models_page
 from rollwise.agent.parsing import make_parser
@@ -56,6 +57,13 @@ def install_common(app: FastAPI, cfg: ServerConfig) -> None:
     @app.exception_handler(ValueError)
     async def _value(_: Request, exc: ValueError):
         return error(400, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):  # (a body that cannot be parsed, 404, 405)
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(exc.status_code, "invalid_request_error")
+        reply = error(exc.status_code, str(exc.detail), kind)
+        reply.headers.update(exc.headers or {})
+        return reply
 
     @app.exception_handler(WeightsNotHeld)
     async def _not_held(_: Request, exc: WeightsNotHeld):

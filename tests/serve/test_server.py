@@ -313,6 +313,20 @@ def test_malformed_json_is_400(client):
     _alive(client)
 
 
+def test_a_body_nested_too_deeply_and_unknown_paths_get_json_errors(client):
+    """JSON nested past Python's recursion limit: a 400 in the API's error shape on every route (the
+    Responses and Messages routes parse their own bodies: a RecursionError there was a 500); 404 and
+    405 in the same shape."""
+    deep = b'{"prompt": "hi", "input": "hi", "max_tokens": 2, "user": ' + b"[" * 50000 + b"]" * 50000 + b"}"
+    for path in ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses", "/v1/messages"):
+        r = client.post(path, content=deep, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"], (path, r.status_code, r.text[:200])
+    assert client.get("/nowhere").json()["error"] == {"message": "Not Found", "type": "not_found_error", "code": 404}
+    r = client.get("/generate")
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"] == 405
+    _alive(client)
+
+
 def test_unreadable_weights_get_400(client, tmp_path):
     """A directory whose safetensors file is not one (a failed copy): 400, the weights unchanged."""
     (tmp_path / "model.safetensors").write_bytes(b"garbage")
