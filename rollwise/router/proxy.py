@@ -168,11 +168,12 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         for name, path in adapters.items():  # the adapters loaded through the route, before it takes requests
             try:
                 r = await replica.client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+                why = None if r.status_code == 200 else r.text[:300]
             except httpx.HTTPError as e:
-                r = httpx.Response(503, text=f"{type(e).__name__}: {e}")
-            if r.status_code != 200:
+                why = f"{type(e).__name__}: {e}"
+            if why is not None:
                 await replica.close()
-                raise ValueError(f"{body.url} did not load LoRA adapter {name!r} ({path}): {r.text[:300]}")
+                raise ValueError(f"{body.url} did not load LoRA adapter {name!r} ({path}): {why}")
         router.add_replica(replica, healthy=up)
         return {"replicas": sorted(router.replicas), "healthy": up}
 

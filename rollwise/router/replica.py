@@ -191,7 +191,7 @@ class HttpReplica:
             raise ValueError(f"replica url must be http(s)://HOST[:PORT], got {url!r}")
         self.name = self.url = url.rstrip("/")
         if weights_via == "auto":
-            weights_via = "file" if httpx.URL(self.url).host in ("127.0.0.1", "localhost", "::1") else "stream"
+            weights_via = "file" if parsed.host in ("127.0.0.1", "localhost", "::1") else "stream"
         self.weights_via = weights_via
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout,
