@@ -34,11 +34,13 @@ class Generator(Protocol):
 
 def text_content(content) -> str | None:
     """A chat message's content as text: a string as it is, None as "", a list of text parts
-    (OpenAI's `{"type": "text", "text": ...}`, Anthropic's text blocks) joined; None for anything else."""
+    (OpenAI's `{"type": "text", "text": ...}`, Anthropic's text blocks) joined with newlines, as vLLM
+    joins them (so a policy trains on the prompt a vLLM deployment of it, or `rollwise serve`, renders);
+    None for anything else."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
+        return "\n".join(str(p.get("text", "")) for p in content)
     return None
 
 

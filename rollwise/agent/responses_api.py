@@ -104,7 +104,7 @@ def _text(content) -> str:
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
                                          for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
+        return "\n".join(str(p.get("text", "")) for p in content)  # (as text_content: vLLM's join)
     raise GatewayError(400, "message content must be a string or a list of text parts (input_text, output_text)")
 
 

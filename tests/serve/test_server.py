@@ -371,6 +371,10 @@ def test_chat_content_parts_and_the_developer_role(client):
         assert r.status_code == 200, r.text
         return r.json()["prompt_token_ids"]
     parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
+    # the agent gateway, the Responses and Messages APIs and SFT transcripts join them the same way
+    from rollwise.agent.episode import text_content
+    from rollwise.agent.responses_api import _text
+    assert text_content(parts) == _text([dict(p, type="input_text") for p in parts]) == "hi\nthere"
     assert ids([{"role": "developer", "content": "be brief"}, {"role": "user", "content": parts}]) == \
         ids([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi\nthere"}])
 

@@ -62,7 +62,7 @@ def test_tool_calls_prompt_response_pairs_and_bad_records(model_dir, tmp_path):
     parts = lambda *xs: [{"type": "text", "text": x} for x in xs]  # noqa: E731  (OpenAI's content parts)
     path.write_text(json.dumps([{"id": "parts", "messages": [{"role": "user", "content": parts("1 + ", "2?")},
                                                              {"role": "assistant", "content": parts("3")}]},
-                                {"id": "plain", "messages": [{"role": "user", "content": "1 + 2?"},
+                                {"id": "plain", "messages": [{"role": "user", "content": "1 + \n2?"},
                                                              {"role": "assistant", "content": "3"}]}]))
     joined, plain = transcripts(str(path), tok)
     assert joined.token_ids == plain.token_ids and joined.loss_mask == plain.loss_mask
