@@ -60,14 +60,8 @@ class SamplingParams:
     lora: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not isinstance(self.stop or [], (list, tuple)):
-            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
-        if not isinstance(self.stop_token_ids or [], (list, tuple)):
-            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = [self.stop] if isinstance(self.stop, str) else self.stop or []  # (checked and listed below)
+        self.stop_token_ids = self.stop_token_ids or []
         _check_number("temperature", self.temperature, lo=0.0, hi=100.0)
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
             raise ValueError(f"lora must be the name of a loaded LoRA adapter, got {self.lora!r}")
@@ -100,10 +94,12 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.seed is not None:
             _check_int("seed", self.seed, lo=-(2**63), hi=2**63 - 1)
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("stop must be a list of non-empty strings")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
 
     @property
     def is_greedy(self) -> bool:
