@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 
 import torch
 
 from rollwise.config import EngineConfig
+from rollwise.engine.isolation import StepFailed
 from rollwise.engine.llm_engine import LLMEngine
 from rollwise.engine.model_runner import set_threads
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
+
+log = logging.getLogger("rollwise.engine")
 
 
 class AsyncEngine:
@@ -196,8 +200,8 @@ class AsyncEngine:
             if self.engine.has_unfinished and not self.paused:
                 try:
                     self._deliver(self.engine.step())
-                except Exception as e:  # noqa: BLE001 - fail in-flight requests, keep serving
-                    self._fail_all(e)
+                except Exception as e:  # noqa: BLE001 - fail the request that caused it, keep serving
+                    self._step_failed(e)
         self._fail_all(RuntimeError("engine shut down"))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -214,6 +218,23 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # that caller's loop is closed
                 pass
+
+    def _step_failed(self, exc: Exception) -> None:
+        """A step raised: the engine takes it apart (isolation.py); the request found to cause it
+        (the step's only one) gets the error, the others go on."""
+        log.error("engine step failed", exc_info=exc)
+        outputs, culprits = self.engine.isolation.failed()
+        self._deliver(outputs)
+        for rid in culprits:
+            self.engine.abort(rid)
+            target = self._streams.pop(rid, None)
+            if target is not None:
+                err = StepFailed(f"request {rid} failed the engine step: {exc!r}")
+                err.__cause__ = exc
+                try:
+                    target[0].call_soon_threadsafe(target[1].put_nowait, err)
+                except RuntimeError:  # that caller's loop is closed
+                    pass
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid in list(self.engine.seqs):

@@ -16,6 +16,7 @@ from rollwise.config import EngineConfig
 from rollwise.engine.block_manager import BlockManager
 from rollwise.engine.model_runner import ModelRunner
 from rollwise.engine import grammar
+from rollwise.engine.isolation import Isolation
 from rollwise.engine.sampler import Sampler, SampleRow
 from rollwise.engine.scheduler import Scheduler
 from rollwise.engine.sequence import Sequence
@@ -39,6 +40,7 @@ class LLMEngine(WeightVersions, SleepMode):
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.sampler = Sampler(cfg.seed)
+        self.isolation = Isolation(self)  # a failed step fails the request that caused it (isolation.py)
         self.spec = None
         if cfg.speculative == "suffix":
             from rollwise.engine.speculator import Speculator
@@ -56,7 +58,8 @@ class LLMEngine(WeightVersions, SleepMode):
         self.asleep: set[str] = set()  # sleep mode (sleep.py): "kv_cache" / "weights" given back
         self.weights_lost = False
         self.stats = dict.fromkeys(("num_steps", "prompt_tokens", "prefill_tokens", "decode_tokens", "generated_tokens",
-                                    "step_time_s", "num_finished", "num_aborted", "num_interrupted"), 0)
+                                    "step_time_s", "num_finished", "num_aborted", "num_interrupted",
+                                    "num_failed_steps"), 0)
         # $ROLLWISE_STEP_TRACE=DIR: every step's shape and seconds to DIR/steps-PID.jsonl (the
         # simulator's cost profile is fitted from these, recorded under real serving conditions)
         trace = os.environ.get("ROLLWISE_STEP_TRACE")
@@ -165,7 +168,7 @@ class LLMEngine(WeightVersions, SleepMode):
         """schedule -> propose -> run -> verify -> postprocess. Returns the outputs of requests that
         finished, and the current output of streaming requests that got new tokens."""
         t_sched = time.perf_counter()
-        batch = self.scheduler.schedule()
+        batch = self.isolation.schedule()  # (after a failed step: its requests one at a time)
         if not batch:
             return []
         t0 = time.perf_counter()
@@ -226,6 +229,7 @@ class LLMEngine(WeightVersions, SleepMode):
             self._trace.write(json.dumps({"e": shape, "s": time.perf_counter() - t_sched}) + "\n")
         if outputs and len(self._loaded) > 1:
             self._drop_unused()
+        self.isolation.passed(batch)
         return outputs
 
     def _sample(self, batch, logits, starts) -> dict:

@@ -107,6 +107,18 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return out
 
+    def schedule_only(self, seq: Sequence) -> list[ScheduledSeq]:
+        """A step of `seq` alone (running or waiting; isolation.py's probe of a failed step's
+        requests): the others keep their KV and their places."""
+        running, waiting = self.running, self.waiting
+        alone = seq.status is Status.RUNNING
+        self.running, self.waiting = ([seq], deque()) if alone else ([], deque([seq]))
+        try:
+            return self.schedule()
+        finally:
+            self.running = [s for s in running if s is not seq] + self.running
+            self.waiting.extend(s for s in waiting if s is not seq)
+
     def _computing(self) -> set[int]:
         """Hashes of the full blocks that running sequences have still to compute (their prefills).
         A waiting sequence whose next uncached block is among them waits for it rather than

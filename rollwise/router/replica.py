@@ -12,6 +12,7 @@ from typing import Protocol
 
 import httpx
 
+from rollwise.engine.isolation import StepFailed
 from rollwise.types import GenerateOutput, GenerateRequest, WeightsNotHeld
 from rollwise.wire import AdapterWeights, decode_routing
 
@@ -252,15 +253,20 @@ class HttpReplica:
 
     def _check(self, status: int, text: str) -> None:
         """A 400 is the request's fault (ValueError, or WeightsNotHeld: another replica may serve it);
-        any other failure the replica's (ReplicaError: retried elsewhere)."""
+        "request_failed" the request's too (StepFailed: the replica serves on); any other failure the
+        replica's (ReplicaError: retried elsewhere)."""
+        if status == 200:
+            return
+        try:
+            err = json.loads(text).get("error", {})
+        except (ValueError, AttributeError):
+            err = {}
+        err = err if isinstance(err, dict) else {}
         if status == 400:
-            try:
-                err = json.loads(text).get("error", {})
-            except ValueError:
-                err = {}
             raise (WeightsNotHeld if err.get("type") == "weights_not_held" else ValueError)(err.get("message", text[:500]))
-        if status != 200:
-            raise ReplicaError(f"{self.name}: HTTP {status}: {text[:200]}")
+        if err.get("type") == "request_failed":  # the request's failure: the replica serves on
+            raise StepFailed(err.get("message", text[:500]))
+        raise ReplicaError(f"{self.name}: HTTP {status}: {text[:200]}")
 
     async def _events(self, path: str, body: dict) -> AsyncIterator[dict]:
         """POST a streaming request; its server-sent events as dicts (an error event raises)."""

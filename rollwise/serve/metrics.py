@@ -24,6 +24,8 @@ METRICS = [
     ("weights_pending", "rollwise:weights_pending", "gauge", "1 while new weights wait for requests in flight to finish"),
     ("num_interrupted", "rollwise:interrupted_requests_total", "counter",
      "Requests interrupted by a weight update (partial rollout) and continued under the new weights"),
+    ("num_failed_steps", "rollwise:failed_engine_steps_total", "counter",
+     "Engine steps that raised (each failed only the request that caused it)"),
     ("spec_verifications", "vllm:spec_decode_num_drafts_total", "counter", "Drafts verified"),
     ("spec_drafted_tokens", "vllm:spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified"),
     ("spec_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted"),

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from rollwise.agent.parsing import HermesParser, ToolCallParser, openai_tool_calls as tool_calls
 from rollwise.agent.reasoning import ReasoningParser, ReasoningStream
 from rollwise.config import ServerConfig
+from rollwise.engine.isolation import StepFailed
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest
 from rollwise.types import RequestOutput, SamplingParams
 from rollwise.wire import encode_routing
@@ -204,6 +205,8 @@ def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
                 yield f"data: {json.dumps(c)}\n\n"
         except ValueError as e:
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'invalid_request_error', 'code': 400}})}\n\n"
+        except StepFailed as e:  # this request failed the engine step (the server serves on)
+            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'request_failed', 'code': 500}})}\n\n"
         except RuntimeError as e:  # e.g. a router's replica failed mid-stream: say so rather than cut the stream
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'unavailable', 'code': 503}})}\n\n"
         yield "data: [DONE]\n\n"

@@ -34,6 +34,7 @@ from rollwise.serve.lora import install_lora, with_adapter
 from rollwise.serve.sglang import generate_params, install_sglang, sglang_fields
 from rollwise.serve.sleep import install_sleep
 from rollwise.serve.tokenize import install_tokenize
+from rollwise.engine.isolation import StepFailed
 from rollwise.engine.sleep import EngineAsleep
 from rollwise.types import WeightsNotHeld
 from rollwise.wire import AdapterWeights
@@ -68,6 +69,14 @@ def install_common(app: FastAPI, cfg: ServerConfig) -> None:
     @app.exception_handler(WeightsNotHeld)
     async def _not_held(_: Request, exc: WeightsNotHeld):
         return error(400, str(exc), "weights_not_held")
+
+    @app.exception_handler(StepFailed)
+    async def _step_failed(_: Request, exc: StepFailed):
+        return error(500, str(exc), "request_failed")
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception):  # a bug (logged by the server): JSON all the same
+        return error(500, str(exc) or type(exc).__name__, "internal_server_error")
 
     @app.exception_handler(EngineAsleep)
     async def _asleep(_: Request, exc: EngineAsleep):

@@ -123,6 +123,38 @@ def test_all_replicas_down_is_an_error_not_a_hang():
     asyncio.run(go())
 
 
+def test_a_request_that_failed_the_engine_step_is_not_the_replicas_fault():
+    """A replica's "request_failed" (isolation.py: the request failed an engine step alone) reaches the
+    caller as StepFailed: not retried, and the replica is neither marked down nor blamed."""
+    from rollwise.engine.isolation import StepFailed
+    from rollwise.router.replica import HttpReplica
+
+    class Culprit(FakeReplica):
+        async def generate(self, r):
+            if r.request_id == "r1":
+                self.calls += 1
+                raise StepFailed("request r1 failed the engine step")
+            return await super().generate(r)
+
+    async def go():
+        reps = [Culprit("a"), Culprit("b")]
+        router = Router(reps, "round_robin")
+        with pytest.raises(StepFailed):
+            await router.generate(req(1))
+        assert sum(r.calls for r in reps) == 1 and router.healthy == {"a", "b"}
+        assert len((await router.generate(req(2))).token_ids) == 2
+        await router.close()
+    asyncio.run(go())
+    rep = HttpReplica("http://127.0.0.1:9")
+    with pytest.raises(StepFailed, match="r1 failed"):
+        rep._check(500, '{"error": {"message": "r1 failed", "type": "request_failed", "code": 500}}')
+    for status, text in ((500, '{"error": {"message": "x", "type": "internal_server_error"}}'), (500, "oops"),
+                         (503, "[1]")):
+        with pytest.raises(ReplicaError):
+            rep._check(status, text)
+    rep._check(200, "not even json")
+
+
 def test_capacity_bounds_in_flight_and_the_queue_drains():
     async def go():
         reps = [FakeReplica("a", delay=0.02), FakeReplica("b", delay=0.02)]

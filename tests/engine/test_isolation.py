@@ -1,0 +1,137 @@
+"""A failed engine step fails the request that caused it; the others finish with the tokens they
+would have had (rollwise/engine/isolation.py)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from rollwise import LLM, SamplingParams
+from rollwise.engine.async_engine import AsyncEngine
+
+PROMPTS = [[5 + i, 9, 14 + 3 * i, 2, 7] * (1 + i % 3) for i in range(6)]
+PARAMS = [SamplingParams(temperature=0, max_tokens=20 + 3 * i, ignore_eos=True) if i % 2 else
+          SamplingParams(temperature=1.0, seed=100 + i, max_tokens=16 + 2 * i, ignore_eos=True, logprobs=1)
+          for i in range(6)]
+CULPRIT = SamplingParams(temperature=1.0, seed=13, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return [o.token_ids for o in LLM(model_dir, max_num_seqs=8).generate(PROMPTS, PARAMS)]
+
+
+def _culprit_in(rows) -> bool:  # seed 13 fails at once, seed 15 at its third token
+    return any(r.params.seed == 13 or r.params.seed == 15 and r.position >= 2 for r in rows)
+
+
+def _faults(eng: AsyncEngine, where: str, failed: list) -> None:
+    """Make the engine's steps raise: `sampler` whenever the culprit's row is sampled; `postprocess`
+    when its token is checked for a stop, after the tokens of the requests before it in the batch
+    were appended (a step half done); `big_batch` once, on the first step of more than 4 rows
+    (memory running out, say: no request is to blame). `failed` gets each failed step's size."""
+    inner = eng.engine
+    if where == "postprocess":
+        check = inner._check_stop
+
+        def bad_check(seq, tok):
+            if seq.params.seed == 13:
+                failed.append(len(inner.isolation.batch))
+                raise IndexError("boom in postprocess")
+            return check(seq, tok)
+        inner._check_stop = bad_check
+        return
+    real = inner.sampler
+
+    class Faulty:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def __call__(self, logits, rows):
+            if where == "sampler" and _culprit_in(rows) or where == "big_batch" and len(rows) > 4 and not failed:
+                failed.append(len(inner.isolation.batch))
+                raise (IndexError("boom in the sampler") if where == "sampler" else
+                       MemoryError("out of memory on a big batch"))
+            return real(logits, rows)
+    inner.sampler = Faulty()
+
+
+@pytest.mark.parametrize("where,spec", [("sampler", None), ("postprocess", None), ("big_batch", None),
+                                        ("sampler", "suffix")])
+def test_a_failed_step_fails_only_its_culprit(model_dir, reference, where, spec):
+    eng = AsyncEngine(model_dir, max_num_seqs=8, **({} if spec is None else {"speculative": spec,
+                                                                              "spec_controller": "always"}))
+    failed: list = []
+    _faults(eng, where, failed)
+
+    async def go():
+        runs = [asyncio.ensure_future(eng.generate(p, sp)) for p, sp in zip(PROMPTS, PARAMS)]
+        await asyncio.sleep(0.05)  # the others are running when the culprit comes
+        culprit = None
+        if where != "big_batch":
+            culprit = asyncio.ensure_future(eng.generate([3, 4, 5, 6], CULPRIT))
+            runs.append(culprit)
+        outs = await asyncio.gather(*runs, return_exceptions=True)
+        after = await eng.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        return outs, culprit, after
+    try:
+        outs, culprit, after = asyncio.run(asyncio.wait_for(go(), 120))
+        m = eng.metrics()
+        eng.engine.scheduler.check_integrity()
+        assert not eng.engine.seqs and not eng.engine.isolation.suspects
+    finally:
+        eng.shutdown()
+    # the first failure was a step shared with others that were running; a culprit then fails alone
+    assert m["num_failed_steps"] == len(failed) and failed[0] > 1, failed
+    if culprit is not None:
+        assert failed[-1] == 1
+        err = outs[-1]
+        assert isinstance(err, RuntimeError) and "failed the engine step" in str(err), err
+        assert isinstance(err.__cause__, IndexError)
+        outs = outs[:-1]
+    assert [o.token_ids for o in outs] == reference  # nobody else lost or changed a token
+    assert all(o.finish_reason == "length" for o in outs)
+    assert len(after.token_ids) == 4  # and the engine keeps serving
+
+
+def test_a_step_that_fails_alone_fails_its_request(model_dir):
+    """A lone request whose every step fails gets the error; nothing is left behind in the engine."""
+    eng = AsyncEngine(model_dir)
+    _faults(eng, "sampler", [])
+    try:
+        with pytest.raises(RuntimeError, match="failed the engine step"):
+            asyncio.run(asyncio.wait_for(eng.generate([3, 4, 5, 6], CULPRIT), 60))
+        assert not eng.engine.seqs and not eng.engine.isolation.suspects
+        eng.engine.scheduler.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_the_server_answers_a_failed_request_with_a_json_500_and_keeps_serving(model_dir):
+    from fastapi.testclient import TestClient
+
+    from rollwise.config import ServerConfig
+    from rollwise.serve.server import build_app
+    eng = AsyncEngine(model_dir)
+    _faults(eng, "sampler", [])
+    try:
+        client = TestClient(build_app(eng, ServerConfig(), "m"), raise_server_exceptions=False)
+        bad = client.post("/generate", json={"input_ids": [3, 4, 5], "sampling_params": {
+            "temperature": 1.0, "seed": 13, "max_tokens": 4}})
+        assert bad.status_code == 500 and "failed the engine step" in bad.json()["error"]["message"]
+        def streamed(seed):
+            r = client.post("/generate", json={"input_ids": [3, 4, 5], "stream": True, "sampling_params": {
+                "temperature": 1.0, "seed": seed, "max_tokens": 4, "ignore_eos": True}})
+            return r, [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+        r, _ = streamed(13)  # before its first token: a plain 500 (a stream sends its headers with it)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "request_failed"
+        r, events = streamed(15)  # after its first tokens: the stream's last event says so
+        assert r.status_code == 200 and events[-1]["error"]["type"] == "request_failed"
+        assert events[0]["token_ids"] and r.text.endswith("data: [DONE]\n\n")
+        good = client.post("/generate", json={"input_ids": [3, 4, 5], "sampling_params": {
+            "temperature": 1.0, "seed": 14, "max_tokens": 4, "ignore_eos": True}})
+        assert good.status_code == 200 and len(good.json()["token_ids"]) == 4
+        assert "rollwise:failed_engine_steps_total{model_name=\"m\"} 3.0" in client.get("/metrics").text
+    finally:
+        eng.shutdown()
