@@ -37,6 +37,7 @@ class AsyncEngine:
         self._wake = threading.Condition()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
+        self._exited = False  # the engine thread has ended (shut down, or died of a bug)
         self.paused = False  # no engine steps (requests wait; commands such as weight updates still run)
         self._thread = threading.Thread(target=self._loop, name="rollwise-engine", daemon=True)
         self._thread.start()
@@ -159,14 +160,14 @@ class AsyncEngine:
     # engine thread -------------------------------------------------------------------------------
     @property
     def is_running(self) -> bool:
-        return not self._stopped
+        return not self._stopped and not self._exited
 
     async def call(self, fn: Callable):
         """Run fn() on the engine thread between two steps (engine state is single-threaded)."""
-        if self._stopped:
-            raise RuntimeError("engine is shut down")
         fut: cf.Future = cf.Future()
         with self._wake:
+            if not self.is_running:
+                raise RuntimeError("engine is shut down" if self._stopped else "the engine thread died")
             self._commands.append((fn, fut))
             self._wake.notify()
         return await asyncio.wrap_future(fut)
@@ -181,6 +182,21 @@ class AsyncEngine:
         return out is not None
 
     def _loop(self) -> None:
+        why = RuntimeError("engine shut down")
+        try:
+            self._run()
+        except BaseException as e:  # noqa: BLE001 - a bug in the loop itself: tell everyone waiting
+            log.critical("the engine thread died", exc_info=e)
+            why = RuntimeError(f"the engine thread died: {e!r}")
+        with self._wake:
+            self._exited = True
+            commands, self._commands = self._commands, []
+        for _, fut in commands:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(why)
+        self._fail_all(why)
+
+    def _run(self) -> None:
         if self.engine.config.num_threads:  # per thread: this one runs the model
             set_threads(self.engine.config.num_threads)
         while True:
@@ -201,8 +217,11 @@ class AsyncEngine:
                 try:
                     self._deliver(self.engine.step())
                 except Exception as e:  # noqa: BLE001 - fail the request that caused it, keep serving
-                    self._step_failed(e)
-        self._fail_all(RuntimeError("engine shut down"))
+                    try:
+                        self._step_failed(e)
+                    except Exception as again:  # noqa: BLE001 - the engine's state is in doubt: fail them all
+                        log.error("taking the failed step apart failed", exc_info=again)
+                        self._fail_all(again)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
@@ -238,7 +257,11 @@ class AsyncEngine:
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid in list(self.engine.seqs):
-            self.engine.abort(rid)
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001 - its state is broken: drop it, tell its caller all the same
+                log.exception("aborting %s failed", rid)
+                self.engine.seqs.pop(rid, None)
         streams, self._streams = self._streams, {}
         for loop, q in streams.values():
             try:

@@ -73,7 +73,7 @@ class LocalReplica:
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         try:
             return await self.engine.generate(request)
-        except ValueError:
+        except (ValueError, StepFailed):  # the request's failure, not the engine's
             raise
         except RuntimeError as e:
             raise ReplicaError(f"{self.name}: {e}") from e
@@ -87,7 +87,7 @@ class LocalReplica:
                                                 session=request.trajectory_id, policy_version=request.policy_version):
                 yield GenerateOutput.of(out, sent)
                 sent = len(out.token_ids)
-        except ValueError:
+        except (ValueError, StepFailed):  # the request's failure, not the engine's
             raise
         except RuntimeError as e:
             raise ReplicaError(f"{self.name}: {e}") from e

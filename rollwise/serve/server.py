@@ -107,6 +107,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if not engine.is_running:  # its thread died: a load balancer should stop sending it requests
+            return error(503, "the engine is not running", "unavailable")
         return {"status": "ok", "policy_version": engine.policy_version, "paused": engine.paused,
                 "keep_weight_versions": engine.engine.config.keep_weight_versions,
                 "batch_invariant": engine.engine.config.batch_invariant, "sleeping": sorted(engine.engine.asleep)}

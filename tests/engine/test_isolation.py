@@ -135,3 +135,56 @@ def test_the_server_answers_a_failed_request_with_a_json_500_and_keeps_serving(m
         assert "rollwise:failed_engine_steps_total{model_name=\"m\"} 3.0" in client.get("/metrics").text
     finally:
         eng.shutdown()
+
+
+def test_when_taking_a_step_apart_fails_every_request_fails_and_the_engine_serves_on(model_dir):
+    eng = AsyncEngine(model_dir)
+    _faults(eng, "big_batch", [])
+
+    def broken():
+        raise KeyError("isolation bug")
+    eng.engine.isolation.failed = broken
+
+    async def go():
+        runs = [eng.generate(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
+        outs = await asyncio.gather(*runs, return_exceptions=True)
+        return outs, await eng.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    try:
+        outs, after = asyncio.run(asyncio.wait_for(go(), 60))
+        assert all(isinstance(o, KeyError) for o in outs) and len(after.token_ids) == 4 and eng.is_running
+    finally:
+        eng.shutdown()
+
+
+def test_a_dead_engine_thread_fails_its_callers_instead_of_hanging_them(model_dir):
+    """A bug that kills the engine loop itself (here SystemExit, which the step's guard does not
+    catch): requests in flight and calls queued get an error, later calls one at once, the server's
+    /health a 503."""
+    from fastapi.testclient import TestClient
+
+    from rollwise.config import ServerConfig
+    from rollwise.serve.server import build_app
+    eng = AsyncEngine(model_dir)
+    step = eng.engine.step
+
+    def dying():
+        if len(eng.engine.seqs) > 1:
+            raise SystemExit("loop bug")
+        return step()
+    eng.engine.step = dying
+    client = TestClient(build_app(eng, ServerConfig(), "m"), raise_server_exceptions=False)
+    assert client.get("/health").status_code == 200
+
+    async def go():
+        runs = [eng.generate(p, sp) for p, sp in zip(PROMPTS[:3], PARAMS[:3])]
+        return await asyncio.gather(*runs, return_exceptions=True)
+    try:
+        outs = asyncio.run(asyncio.wait_for(go(), 60))
+        assert all(isinstance(o, RuntimeError) and "engine thread died" in str(o) for o in outs), outs
+        assert not eng.is_running
+        with pytest.raises(RuntimeError, match="engine thread died"):
+            asyncio.run(asyncio.wait_for(eng.generate([1, 2], SamplingParams(max_tokens=2)), 10))
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable"
+    finally:
+        eng.shutdown()

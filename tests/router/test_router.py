@@ -127,7 +127,7 @@ def test_a_request_that_failed_the_engine_step_is_not_the_replicas_fault():
     """A replica's "request_failed" (isolation.py: the request failed an engine step alone) reaches the
     caller as StepFailed: not retried, and the replica is neither marked down nor blamed."""
     from rollwise.engine.isolation import StepFailed
-    from rollwise.router.replica import HttpReplica
+    from rollwise.router.replica import HttpReplica, LocalReplica
 
     class Culprit(FakeReplica):
         async def generate(self, r):
@@ -153,6 +153,28 @@ def test_a_request_that_failed_the_engine_step_is_not_the_replicas_fault():
         with pytest.raises(ReplicaError):
             rep._check(status, text)
     rep._check(200, "not even json")
+
+    class Engine:  # an in-process replica's engine, as AsyncEngine fails a culprit or dies
+        def __init__(self, exc):
+            self.exc = exc
+
+        async def generate(self, request):
+            raise self.exc
+
+        async def stream(self, *a, **k):
+            raise self.exc
+            yield
+
+    async def local(exc):
+        outcomes = []
+        for call in (lambda r: r.generate(req(1)), lambda r: r.stream(req(1)).__anext__()):
+            try:
+                await call(LocalReplica("x", Engine(exc)))
+            except Exception as e:  # noqa: BLE001
+                outcomes.append(type(e))
+        return outcomes
+    assert asyncio.run(local(StepFailed("r1 failed the engine step"))) == [StepFailed, StepFailed]
+    assert asyncio.run(local(RuntimeError("the engine thread died"))) == [ReplicaError, ReplicaError]
 
 
 def test_capacity_bounds_in_flight_and_the_queue_drains():
