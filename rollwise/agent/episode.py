@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
@@ -170,6 +171,8 @@ async def _loop(generator, env, task, params, traj: Trajectory, renderer: ChatRe
             if isinstance(v, (int, float)):
                 traj.env_stats[k] = traj.env_stats.get(k, 0.0) + float(v)
         record.reward = float(reward or 0.0)
+        if not math.isfinite(record.reward):  # NaN would reach every advantage of the group, then the weights
+            raise ValueError(f"the environment's reward is {record.reward}, not a finite number")
         traj.reward += record.reward  # the return: every step's reward (an env may reward steps on the way)
         if done:
             traj.status = "done"

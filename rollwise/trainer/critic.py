@@ -31,6 +31,7 @@ import torch
 
 from rollwise.trainer.data_parallel import Comm
 from rollwise.trainer.losses import split
+from rollwise.trainer.optim import clipped_step, skipped
 from rollwise.trainer.policy import Batch, PolicyModel, cache_kw, enable_checkpointing, inject_lora, micro_batches
 from rollwise.trainer.prefix import decoder_states
 from rollwise.types import Trajectory
@@ -235,13 +236,11 @@ class Critic:
                     part_loss /= pn / scale
                 loss_sum, clipped = loss_sum + part_loss, clipped + c_sum
                 comm.grads(self.parameters())
-                norms.append(float(torch.nn.utils.clip_grad_norm_(self.parameters(), self.max_grad_norm)))
-                self.opt.step()
-                self.opt.zero_grad(set_to_none=True)
+                norms.append(clipped_step(self.parameters(), self.opt, self.max_grad_norm))
             if epoch == 0:
                 loss_sum, clipped = comm.sum(torch.tensor([loss_sum, clipped], dtype=torch.float64)).tolist()
                 m = {"value_loss": loss_sum / len(parts), "value_clip_frac": clipped / n,
-                     "critic_grad_norm": sum(norms) / len(norms)}
+                     "critic_grad_norm": sum(norms) / len(norms), "critic_skipped_updates": skipped(norms)}
         sel = [(ret[b.mask > 0], old[b.mask > 0]) for _, b, _, ret, old in items]
         none = [torch.zeros(0)]  # (a rank with no tokens)
         ret, old = torch.cat([r for r, _ in sel] or none), torch.cat([o for _, o in sel] or none)

@@ -54,6 +54,7 @@ from rollwise.trainer.kl_reward import RewardKL
 from rollwise.trainer.shaping import Overlong, penalties, rewarded
 from rollwise.trainer.snapshots import Snapshots
 from rollwise.trainer.correction import is_weights
+from rollwise.trainer.optim import clipped_step, skipped
 from rollwise.trainer.logprob_check import LogprobMismatch, check, compare, merge
 from rollwise.trainer.losses import SplitGradients, aggregate, kl_estimate, part_size, split, token_losses
 from rollwise.trainer.policy import Batch, PolicyModel, micro_batches
@@ -257,15 +258,11 @@ class GRPOTrainer:
                         lp = self.policy.logprobs(b, cfg.temperature, entropy=ent)
                         self._backward(lp, b, a, st, prox, pdiv, stats, n, ent[0] if ent else None)
                 self.comm.grads(self.policy.parameters())
-                norms.append(float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)))
-                if self.version >= cfg.critic_warmup or self.critic is None:
-                    self.opt.step()
-                self.opt.zero_grad(set_to_none=True)
-            stats = self.comm.sum(stats.clone())
-            m.update(loss=float(stats[0]) / len(parts), grad_norm=sum(norms) / len(norms),
-                     clip_frac=float(stats[1]) / n_tokens, kl=float(stats[2]) / n_tokens,
-                     is_weight_mean=float(stats[3]) / n_tokens, is_dropped=float(stats[4]) / n_tokens,
-                     behaviour_kl=float(stats[5]) / n_tokens)
+                norms.append(clipped_step(self.policy.parameters(), self.opt, cfg.max_grad_norm,
+                                          update=self.version >= cfg.critic_warmup or self.critic is None))
+            st = (self.comm.sum(stats.clone()).double() / torch.tensor([len(parts)] + [n_tokens] * 5).double()).tolist()
+            m.update(loss=st[0], grad_norm=sum(norms) / len(norms), skipped_updates=skipped(norms), clip_frac=st[1],
+                     kl=st[2], is_weight_mean=st[3], is_dropped=st[4], behaviour_kl=st[5])
         if self.critic is not None:
             m.update(self.critic.update(acc["whiten"], cfg.epochs, cfg.mini_batches),
                      critic_warmup=float(self.version < cfg.critic_warmup))

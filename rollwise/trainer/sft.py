@@ -9,6 +9,7 @@ import math
 import torch
 
 from rollwise.trainer.data_parallel import Comm
+from rollwise.trainer.optim import clipped_step
 from rollwise.trainer.policy import Batch, PolicyModel, micro_batches
 from rollwise.types import Trajectory
 
@@ -47,10 +48,8 @@ class SFT:
                 part.backward()
                 loss = loss + part.detach()
         self.comm.grads(self.policy.parameters())
-        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)
-        self.opt.step()
+        clipped_step(self.policy.parameters(), self.opt, 1.0)
         self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
         return float(self.comm.sum(loss.detach().reshape(1))[0])
 
 

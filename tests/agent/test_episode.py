@@ -146,6 +146,13 @@ def test_statuses_max_turns_max_context_timeout_error(model_dir):
     t = asyncio.run(run_episode(_scripted(tok, ["x"]), Broken(), {}, p))
     assert t.status == "error" and "env bug" in t.error
 
+    for bad in (float("nan"), float("inf"), "-inf"):  # an env's reward that would poison the group's advantages
+        class NaN(FlakyEnv):
+            async def step(self, action):
+                return [], bad, True, {}
+        t = asyncio.run(run_episode(_scripted(tok, ["x"]), NaN(), {}, p))
+        assert t.status == "error" and "not a finite number" in t.error and t.reward == 0.0, bad
+
 
 class Summarizing:
     """Each step starts a new context: the question and a running summary (the turn count)."""

@@ -109,6 +109,25 @@ def test_grpo_step_moves_probability_toward_rewarded_samples(model_dir):
     assert m["max_staleness"] == 0 and m["reward"] == 0.5
 
 
+def test_an_update_whose_gradients_are_not_finite_is_dropped_and_training_goes_on(model_dir):
+    """A NaN gradient (an overflow, say; here one parameter's, made so) makes the global norm NaN: the
+    update is skipped, so the weights stay as they were (not NaN), the step says so, and the next
+    step trains. (A NaN reward never gets this far: its group is not informative.)"""
+    trajs = _sampled(model_dir, 8, seed=2)
+    policy = PolicyModel(model_dir)
+    trainer = GRPOTrainer(policy, GRPOConfig(lr=5e-3))
+    before = _weights(policy)
+    hook = next(iter(policy.parameters())).register_hook(lambda g: torch.full_like(g, math.nan))
+    m = trainer.step([trajs[i:i + 2] for i in range(0, 8, 2)])
+    hook.remove()
+    assert m["skipped_updates"] == 1 and math.isnan(m["grad_norm"]) and trainer.version == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, _weights(policy)))
+    m = trainer.step([trajs[i:i + 2] for i in range(0, 8, 2)])
+    after = _weights(policy)
+    assert m["skipped_updates"] == 0 and math.isfinite(m["grad_norm"]) and trainer.version == 2
+    assert all(torch.isfinite(a).all() for a in after) and not all(torch.equal(a, b) for a, b in zip(before, after))
+
+
 def test_logprob_check_flags_a_replica_on_other_weights(model_dir):
     policy = PolicyModel(model_dir)
     trainer = GRPOTrainer(policy, GRPOConfig())
