@@ -11,6 +11,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE = (None, "suffix")
 SPEC_CONTROLLERS = ("off", "always", "threshold", "adaptive")
 DEVICES = ("cpu", "cuda")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -21,6 +22,9 @@ class EngineConfig:
     seed: int = 0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024  # per-step token budget (chunked prefill)
+    # vLLM's --scheduling-policy: "priority" admits waiting requests by (priority, arrival), lowest
+    # first, and preempts the running one with the highest; "fcfs" takes no priority but 0
+    scheduling_policy: str = field(default="fcfs", metadata={"choices": SCHEDULING_POLICIES})
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     block_size: int = 16
     num_kv_blocks: int | None = None  # default: derived from kv_cache_gb
@@ -68,6 +72,8 @@ class EngineConfig:
             raise ValueError(f"spec_controller must be one of {SPEC_CONTROLLERS}, got {self.spec_controller!r}")
         if self.spec_max_tokens < 0 or self.spec_threshold < 0:
             raise ValueError("spec_max_tokens and spec_threshold must be >= 0")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device.split(":")[0] not in DEVICES:

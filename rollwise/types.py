@@ -263,7 +263,6 @@ class WeightsNotHeld(ValueError):
 @dataclass(slots=True, kw_only=True)
 class GenerateRequest:
     """One generation call of an episode: token ids in, with the session metadata schedulers use."""
-
     prompt_token_ids: list[int]
     params: SamplingParams
     request_id: str | None = None
@@ -272,6 +271,7 @@ class GenerateRequest:
     turn: int = 0
     forced_output: list[int] | None = None  # trace replay: emit these tokens (the forward still runs)
     policy_version: int | None = None  # run under these weights (a replica must hold them); None: the newest
+    priority: int = 0  # a replica's scheduling priority (its "priority" policy; lower first)
 
 
 @dataclass(slots=True, kw_only=True)

@@ -326,6 +326,14 @@ def test_sampler_benchmark_smoke(tmp_path):
     assert all(r["decode_tokens"] == 4 * r["batch"] for r in res["engine"] + res["engine_greedy"])
 
 
+def test_priority_benchmark_smoke(tmp_path):
+    res = smoke(tmp_path, "benchmarks/priority.py")
+    fcfs, prio = res["fcfs"], res["priority"]
+    assert fcfs["generated_tokens"] == prio["generated_tokens"] == 12 * 24 + 4 * 16  # equal work
+    # (in engine steps, not seconds: the scheduling, not the machine's speed)
+    assert prio["urgent_mean_steps"] < fcfs["urgent_mean_steps"]
+
+
 def test_top_p_benchmark_smoke(tmp_path):
     res = smoke(tmp_path, "benchmarks/top_p.py")
     assert len(res["alone"]) == 2 * 3 * 2 and [r["batch"] for r in res["engine"]] == [1, 4]

@@ -54,7 +54,7 @@ class AsyncEngine:
             req = prompt
             out = await self.generate(req.prompt_token_ids, req.params, req.request_id, group_id=req.group_id,
                                       forced_output=req.forced_output, session=req.trajectory_id,
-                                      policy_version=req.policy_version)
+                                      policy_version=req.policy_version, priority=req.priority)
             return GenerateOutput.of(out)
         out = None
         async for out in self._outputs(prompt, params, request_id, False, options):

@@ -19,12 +19,14 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[int] | list, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False, group_ids: list[str | None] | None = None, n: int = 1) -> list[RequestOutput]:
+                 use_tqdm: bool = False, group_ids: list[str | None] | None = None, n: int = 1,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """prompts: strings or token-id lists (one prompt alone is accepted too); params: one for all
         or one per prompt; group_ids: the prompt group of each (siblings draft from each other).
         n: samples per prompt (a GRPO group): prompt i's come at i*n .. i*n+n-1, sample j seeded
         seed + j (`SamplingParams.for_sample`), its prompt computed once, and they form a group for
-        drafting unless `group_ids` names one. Returns outputs in prompt order."""
+        drafting unless `group_ids` names one. priority: one per prompt (vLLM's; the engine's
+        scheduling_policy must be "priority" for any but 0). Returns outputs in prompt order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -36,14 +38,18 @@ class LLM:
             raise ValueError(f"got {len(groups)} group_ids for {len(prompts)} prompts")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        prios = [0] * len(prompts) if priority is None else list(priority)
+        if len(prios) != len(prompts):
+            raise ValueError(f"got {len(prios)} priorities for {len(prompts)} prompts")
         if n > 1:
             groups = [g if g is not None else f"llm-{uuid.uuid4().hex[:12]}" for g in groups]
             prompts, groups = [p for p in prompts for _ in range(n)], [g for g in groups for _ in range(n)]
+            prios = [q for q in prios for _ in range(n)]
             plist = [sp.for_sample(j) for sp in plist for j in range(n)]
         ids: list[str] = []
         try:
-            for p, sp, g in zip(prompts, plist, groups):
-                ids.append(self.engine.add_request(p, sp, group_id=g))
+            for p, sp, g, q in zip(prompts, plist, groups, prios):
+                ids.append(self.engine.add_request(p, sp, group_id=g, priority=q))
         except ValueError:  # all or nothing: take back the ones already queued
             for rid in ids:
                 self.engine.abort(rid)

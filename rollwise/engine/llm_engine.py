@@ -38,7 +38,7 @@ class LLMEngine(WeightVersions, SleepMode):
         self.eos_token_ids = self._eos_ids(cfg.model)
         self.grammars = grammar.Grammars(cfg.model, self.vocab_size, self.eos_token_ids)  # (built when first used)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.scheduling_policy)
         self.sampler = Sampler(cfg.seed)
         self.isolation = Isolation(self)  # a failed step fails the request that caused it (isolation.py)
         self.spec = None
@@ -54,7 +54,7 @@ class LLMEngine(WeightVersions, SleepMode):
         self.loras: dict[str, object] = {}  # LoRA adapters by name (rollwise.engine.lora.Adapter)
         self._adapters: dict[int, object] = {}  # versions that are the weights plus a LoRA adapter: theirs
         self._lora_uids = itertools.count(1)
-        self._ids = itertools.count()
+        self._ids, self._arrivals = itertools.count(), itertools.count()
         self.asleep: set[str] = set()  # sleep mode (sleep.py): "kv_cache" / "weights" given back
         self.weights_lost = False
         self.stats = dict.fromkeys(("num_steps", "prompt_tokens", "prefill_tokens", "decode_tokens", "generated_tokens",
@@ -79,14 +79,15 @@ class LLMEngine(WeightVersions, SleepMode):
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     stream: bool = False, group_id: str | None = None,
                     forced_output: list[int] | None = None, session: str | None = None,
-                    policy_version: int | None = None) -> str:
+                    policy_version: int | None = None, priority: int = 0) -> str:
         """Validate and queue a request; raises ValueError for input the engine cannot serve.
         `stream`: step() reports it after every token, not only when it finishes. `group_id`: its
         prompt group (siblings draft from each other). `forced_output`: trace replay — the model
         runs for real but these tokens are emitted (and max_tokens is their number). `session`: the
         trajectory, whose next request's drafting tree extends this one's. `policy_version`: run
         under that version's weights (held: the newest `keep_weight_versions`, and any a request
-        still runs on) instead of the newest."""
+        still runs on) instead of the newest. `priority`: under the "priority" scheduling policy,
+        lower is admitted first and preempted last (vLLM's)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         self._check_awake()
@@ -117,7 +118,12 @@ class LLMEngine(WeightVersions, SleepMode):
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.seqs:
             raise ValueError(f"request_id {rid!r} is already in flight")
-        seq = Sequence(rid, list(ids), params, forced=list(forced_output) if forced_output else None)
+        if isinstance(priority, bool) or not isinstance(priority, int) or (
+                priority and self.config.scheduling_policy != "priority"):
+            raise ValueError(f"priority {priority!r}: an integer, and other than 0 only under scheduling_policy "
+                             f"'priority' (this engine's is {self.config.scheduling_policy!r})")
+        seq = Sequence(rid, list(ids), params, forced=list(forced_output) if forced_output else None,
+                       priority=priority, arrival=next(self._arrivals))
         if params.bad_words:
             seq.bad_words = self._bad_words(params.bad_words)
         if params.structured_outputs is not None:

@@ -5,7 +5,9 @@ prefill continues in chunks); waiting ones are admitted while budget, `max_num_s
 allow, reusing cached prefix blocks (one whose prefix a running sequence is computing waits
 for it instead of computing it too). When a running sequence needs a block and none is free, the
 most recently admitted sequence is preempted: its blocks are released (they stay in the prefix cache
-while nothing reuses them) and it is recomputed later.
+while nothing reuses them) and it is recomputed later. Under the "priority" policy (vLLM's) waiting
+sequences are admitted by (priority, arrival), lowest first, and the running sequence with the
+highest is the one preempted (given back its budget if it was already scheduled this step).
 """
 from __future__ import annotations
 
@@ -37,8 +39,10 @@ class ScheduledSeq:
 class Scheduler:
     share_computing_prefix = True  # False: admit a sibling beside the one computing its prefix (an A/B baseline)
 
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs") -> None:
         self.blocks = blocks
+        self.by_priority = policy == "priority"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -54,15 +58,26 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         preempted = False
+        if self.by_priority and len(self.waiting) > 1:  # (nearly sorted already: a linear pass)
+            self.waiting = deque(sorted(self.waiting, key=_rank))
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = self.blocks.num_blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
-            while not self.blocks.can_allocate(need) and self.running[-1] is not seq:
-                self._preempt(self.running.pop())
+            while not self.blocks.can_allocate(need):
+                victim = max(self.running, key=_rank) if self.by_priority else self.running[-1]
+                if victim is seq:
+                    break
+                j = self.running.index(victim)
+                del self.running[j]
+                if j < i:  # scheduled already this step: its tokens go back to the budget
+                    i -= 1
+                    k = next(k for k, s in enumerate(out) if s.seq is victim)
+                    budget += out.pop(k).num_new_tokens
+                self._preempt(victim)
                 preempted = True
-            if not self.blocks.can_allocate(need):  # alone and still too big: wait for others to finish
+            if not self.blocks.can_allocate(need):  # it is the one to preempt (the last, or alone and too big)
                 self._preempt(self.running.pop(i))
                 preempted = True
                 continue
@@ -192,3 +207,7 @@ class Scheduler:
         for s in self.waiting:
             assert not s.block_table, f"waiting sequence {s.request_id} holds blocks"
         assert len(self.running) <= self.max_num_seqs
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    return seq.priority, seq.arrival

@@ -32,6 +32,8 @@ class Sequence:
     num_registered_blocks: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     num_preemptions: int = 0
+    priority: int = 0  # under the "priority" scheduling policy: lower runs first (vLLM's)
+    arrival: int = 0  # its place in the order requests were added (ties of priority)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str | None = None  # set when a stop string truncates the output

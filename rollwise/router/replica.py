@@ -84,7 +84,8 @@ class LocalReplica:
         try:
             async for out in self.engine.stream(request.prompt_token_ids, request.params, request.request_id,
                                                 group_id=request.group_id, forced_output=request.forced_output,
-                                                session=request.trajectory_id, policy_version=request.policy_version):
+                                                session=request.trajectory_id, policy_version=request.policy_version,
+                                                **({"priority": request.priority} if request.priority else {})):
                 yield GenerateOutput.of(out, sent)
                 sent = len(out.token_ids)
         except (ValueError, StepFailed):  # the request's failure, not the engine's
@@ -224,6 +225,7 @@ class HttpReplica:
                 "trajectory_id": request.trajectory_id, "group_id": request.group_id, "turn": request.turn,
                 "forced_output": request.forced_output,
                 **({} if request.policy_version is None else {"policy_version": request.policy_version}),
+                **({"priority": request.priority} if request.priority else {}),
                 "sampling_params": {"max_new_tokens": p.max_tokens,  # SGLang's name; `rollwise serve` takes both
                                     **{k: getattr(p, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed",
                                                                   "min_tokens", "stop", "stop_token_ids", "ignore_eos")},

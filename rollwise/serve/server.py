@@ -172,10 +172,10 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         if body.stream:
             return sse(await primed(stream_generate(engine, prompt, params, rid, body.group_id,
                                                     policy_version=body.policy_version, session=body.trajectory_id,
-                                                    forced_output=body.forced_output)))
+                                                    forced_output=body.forced_output, priority=body.priority)))
         out = await unless_disconnected(request, engine.generate(
             prompt, params, rid, group_id=body.group_id, forced_output=body.forced_output,
-            session=body.trajectory_id, policy_version=body.policy_version))
+            session=body.trajectory_id, policy_version=body.policy_version, priority=body.priority))
         return generate_json(out) | sglang_fields(tok, out, body)
 
     @app.post("/spec/add_sequence")
@@ -195,7 +195,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
                        for p in prompts]
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
         samples = choice_samples(prompts, with_adapter(engine, completion_params(body, defaults.sampling), body.model),
-                                 body.n, body.group_id, rid)
+                                 body.n, body.group_id, rid, lambda j: {"priority": body.priority})
         return await completion_reply(engine, body, request, samples, rid, model_name, prompts,
                                       body.return_tokens_as_token_ids)
 
@@ -212,8 +212,9 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         params = with_adapter(engine, body.sampling(limit, body.top_logprobs or 0, tok, parser, defaults.sampling),
                               body.model)
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
-        return await chat_reply(engine, body, request, choice_samples([ids], params, body.n, body.group_id, rid), rid,
-                                model_name, ids, parser, reasoning)
+        return await chat_reply(engine, body, request, choice_samples([ids], params, body.n, body.group_id, rid,
+                                                                      lambda j: {"priority": body.priority}),
+                                rid, model_name, ids, parser, reasoning)
 
     install_responses(app, chat)
     install_messages(app, chat, tok, defaults)

@@ -127,18 +127,20 @@ def test_random_block_ops_keep_integrity(seed):
     assert bm.num_free_blocks == bm.num_blocks  # nothing leaked
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("seed", range(10))
-def test_random_scheduler_ops_with_preemption(seed):
+def test_random_scheduler_ops_with_preemption(seed, policy):
     """Schedule / step / finish / abort with a tiny pool so preemption happens; no leaks."""
     rng = random.Random(seed)
     bm = BlockManager(num_blocks=10, block_size=4)
-    sch = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=16)
+    sch = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=16, policy=policy)
     shared = [rng.randrange(50) for _ in range(8)]
     n = 0
     for step in range(300):
         if rng.random() < 0.4 and n < 60:
             prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(50) for _ in range(rng.randint(1, 10))]
-            sch.add(Sequence(f"s{n}", prompt, SamplingParams(max_tokens=12)))
+            sch.add(Sequence(f"s{n}", prompt, SamplingParams(max_tokens=12), arrival=n,
+                             priority=rng.randrange(3) if policy == "priority" else 0))
             n += 1
         batch = sch.schedule()
         sch.after_step(batch)
@@ -156,6 +158,50 @@ def test_random_scheduler_ops_with_preemption(seed):
         sch.finish(s)
     sch.check_integrity()
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def _seq(rid: str, n: int, priority: int, arrival: int) -> Sequence:
+    first = 100 * arrival + 1  # (no prefix shared between them)
+    return Sequence(rid, list(range(first, first + n)), SamplingParams(max_tokens=8), priority=priority,
+                    arrival=arrival)
+
+
+def _step(sch: Scheduler) -> list[str]:
+    """One step: scheduled, KV recorded, a token sampled where one is; the ids scheduled."""
+    batch = sch.schedule()
+    sch.after_step(batch)
+    for s in batch:
+        if s.samples:
+            s.seq.token_ids.append(7)
+    return [s.seq.request_id for s in batch]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_priority_admits_lowest_first_and_preempts_the_highest_even_if_scheduled(policy):
+    """vLLM's priority policy: waiting sequences by (priority, arrival), lowest first; out of KV,
+    the running one with the highest (priority, arrival) is preempted, even if it was scheduled
+    earlier in the step (it leaves the batch and gives its tokens back). FCFS admits in arrival
+    order and preempts the last admitted."""
+    sch = Scheduler(BlockManager(num_blocks=16, block_size=4), max_num_seqs=1, max_num_batched_tokens=64,
+                    policy=policy)
+    for rid, prio, arrival in (("a", 5, 0), ("c", 0, 2), ("b", 0, 1)):
+        sch.add(_seq(rid, 4, prio if policy == "priority" else 0, arrival))
+    assert _step(sch) == (["b"] if policy == "priority" else ["a"])
+
+    sch = Scheduler(BlockManager(num_blocks=4, block_size=4), max_num_seqs=4, max_num_batched_tokens=64,
+                    policy=policy)
+    low, high = _seq("low", 6, 5, 0), _seq("high", 8, 0, 1)
+    sch.add(low)
+    assert _step(sch) == ["low"]  # low: 7 tokens, 2 blocks
+    sch.add(high)
+    assert _step(sch) == ["low", "high"]  # low 8 tokens (2 blocks), high 9 (2 blocks, a third wanted)
+    batch = sch.schedule()  # low decodes in its blocks; high needs a block and none is free
+    if policy == "priority":  # low, scheduled first, is the one preempted
+        assert [s.seq.request_id for s in batch] == ["high"] and low.num_preemptions == 1 and not high.num_preemptions
+        assert sum(s.num_new_tokens for s in batch) == 1 and list(sch.waiting) == [low]
+    else:  # the last admitted: high itself
+        assert [s.seq.request_id for s in batch] == ["low"] and high.num_preemptions == 1 and not low.num_preemptions
+    sch.check_integrity()
 
 
 class _OneFreeList:

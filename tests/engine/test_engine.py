@@ -629,3 +629,28 @@ def test_a_stream_sends_each_steps_new_tokens_and_adds_them_up(model_dir):
         assert seen[-1][2] and seen[-1][0] == whole.token_ids and len(seen) > 1
         assert all(seen[i][0] == seen[-1][0][:len(seen[i][0])] and seen[i][1] == seen[-1][1][:len(seen[i][1])]
                    for i in range(len(seen))), spec
+
+
+def test_priority_scheduling_serves_lower_priorities_first_with_the_same_tokens(model_dir, llm):
+    """vLLM's scheduling_policy="priority": with one slot, requests run in (priority, arrival)
+    order; each gets the tokens it gets alone. An FCFS engine refuses a priority but 0."""
+    from rollwise.engine.llm_engine import LLMEngine
+    from rollwise.config import EngineConfig
+    prompts, prios = _prompts(5, seed=3), [3, 0, 3, -1, 0]
+    eng = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=1, scheduling_policy="priority"))
+    rids = [eng.add_request(p, GREEDY, priority=q) for p, q in zip(prompts, prios)]
+    done = []
+    while eng.has_unfinished:
+        done += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in done] == [rids[i] for i in (3, 1, 4, 0, 2)]
+    alone = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in sorted(done, key=lambda o: rids.index(o.request_id))] == [a.token_ids for a in alone]
+    outs = LLM(model_dir, scheduling_policy="priority").generate(prompts, GREEDY, priority=prios)
+    assert [o.token_ids for o in outs] == [a.token_ids for a in alone]
+    with pytest.raises(ValueError, match="scheduling_policy 'priority'"):
+        llm.generate(prompts[:1], GREEDY, priority=[1])
+    for bad in (True, 1.5, "1"):
+        with pytest.raises(ValueError, match="priority"):
+            eng.add_request(prompts[0], GREEDY, priority=bad)
+    with pytest.raises(ValueError, match="'fcfs', 'priority'"):
+        EngineConfig(model=model_dir, scheduling_policy="sjf")

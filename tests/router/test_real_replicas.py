@@ -150,6 +150,13 @@ def test_route_proxy_over_http(servers, model_dir, junk_failures):
             assert msg["usage"]["output_tokens"] <= 5
             assert c.post("/v1/messages/count_tokens", json={"model": "m", "messages": [
                 {"role": "user", "content": "hi"}]}).json()["input_tokens"] == msg["usage"]["input_tokens"]
+            # a priority goes through to the replicas, whose FCFS policy refuses it (a 400, as theirs)
+            for path, body in (("/generate", {"input_ids": [5, 6], "priority": 2}),
+                               ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "priority": 2}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "priority": 2})):
+                r = c.post(path, json=body)
+                assert r.status_code == 400 and "scheduling_policy" in r.json()["error"]["message"], (path, r.text)
             for bad in ({"input_ids": "x"}, {"input_ids": []}, {"input_ids": [1], "sampling_params": {"max_tokens": -1}},
                         {"input_ids": [1], "bogus": 1}, {"prompt": "text"}, {"input_ids": [10**9]}):
                 r = c.post("/generate", json=bad)

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
 from rollwise.router.replica import LoadSnapshot, ReplicaError
 from rollwise.router.router import Router
-from rollwise.types import GenerateOutput, GenerateRequest, SamplingParams
+from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
 
 
 class FakeReplica:
@@ -396,3 +397,32 @@ def test_streaming_through_the_router_retries_only_before_the_first_piece():
         assert [p.token_ids for p in got] == [[7, 8]] and got[0].replica == "b"
         await router.close()
     asyncio.run(go())
+
+
+def test_a_turns_priority_reaches_the_replicas_engine():
+    """GenerateRequest.priority (a replica's --scheduling-policy priority) goes in an HTTP replica's body
+    and to an in-process replica's engine; 0, the default, is not sent (a replica of any policy takes it)."""
+    from rollwise.router.replica import HttpReplica, LocalReplica
+    rep = HttpReplica("http://127.0.0.1:9")
+    assert rep._body(dataclasses.replace(req(1), priority=-2))["priority"] == -2 and "priority" not in rep._body(req(1))
+    seen = []
+
+    class Engine:
+        async def generate(self, request):
+            seen.append(request.priority)
+            return GenerateOutput(token_ids=[1], logprobs=[0.0], finish_reason="length")
+
+        async def stream(self, *a, **k):
+            seen.append(k.get("priority", 0))
+            yield RequestOutput(request_id="r", prompt_token_ids=[1], token_ids=[1], logprobs=[0.0], finished=True,
+                                finish_reason="length")
+
+    async def go():
+        local = LocalReplica("x", Engine())
+        await local.generate(dataclasses.replace(req(1), priority=3))
+        async for _ in local.stream(dataclasses.replace(req(1), priority=4)):
+            pass
+        async for _ in local.stream(req(1)):
+            pass
+    asyncio.run(go())
+    assert seen == [3, 4, 0]

@@ -449,6 +449,36 @@ def _generated(url: str, headers: dict) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:generation_tokens_total"))
 
 
+def test_priority_needs_the_priority_policy_and_reaches_the_engine(client, model_dir):
+    """vLLM's `priority` field: a 400 naming the policy on an FCFS server (the module's); on a server
+    with --scheduling-policy priority (in-process app) each endpoint hands it to the engine."""
+    bodies = {"/generate": {"input_ids": [4, 5, 6], "sampling_params": {"max_tokens": 2}},
+              "/v1/completions": {"prompt": [4, 5, 6], "max_tokens": 2},
+              "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
+    for path, body in bodies.items():
+        r = client.post(path, json=body | {"priority": 2})
+        assert r.status_code == 400 and "scheduling_policy 'priority'" in r.json()["error"]["message"], path
+        assert client.post(path, json=body | {"priority": 0}).status_code == 200, path
+        assert client.post(path, json=body | {"priority": "2"}).status_code == 400, path
+    from fastapi.testclient import TestClient
+
+    from rollwise.config import ServerConfig
+    from rollwise.engine.async_engine import AsyncEngine
+    from rollwise.serve.server import build_app
+    engine = AsyncEngine(model_dir, scheduling_policy="priority")
+    seen = []
+    add = engine.engine.add_request
+    engine.engine.add_request = lambda *a, **k: seen.append(k.get("priority")) or add(*a, **k)
+    try:
+        app = TestClient(build_app(engine, ServerConfig(), "m"))
+        for path, body in bodies.items():
+            assert app.post(path, json=body | {"priority": -3}).status_code == 200, path
+            assert app.post(path, json=body | {"stream": True, "priority": 4}).status_code == 200, path
+    finally:
+        engine.shutdown()
+    assert seen == [-3, 4] * 3
+
+
 def test_weight_updates_off_loopback_need_an_api_key(model_dir):
     """A server bound off loopback without --api-key refuses weight updates, ours and SGLang's
     (in-process app)."""
