@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollwise.agent.messages_api import models_page
@@ -211,6 +211,19 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
     async def continue_generation():
         got = await fan_out("/continue_generation", {})
         return {"success": bool(got), "replicas": len(got)}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        """Every replica's unheld prefix blocks dropped, and what the router knew of them."""
+        got = await fan_out("/flush_cache", {})
+        for name in list(router.replicas):
+            router.index.remove_replica(name)
+        return {"success": bool(got), "replicas": len(got), "evicted_blocks": sum(r["evicted_blocks"] for r in got)}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():  # vLLM's name for it
+        await flush_cache()
+        return Response(status_code=200)
 
     adapters: dict[str, str] = {}  # LoRA adapters loaded through the route: name -> path every replica reads
 

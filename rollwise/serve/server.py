@@ -39,7 +39,7 @@ from rollwise.engine.sleep import EngineAsleep
 from rollwise.types import WeightsNotHeld
 from rollwise.wire import AdapterWeights
 
-OPEN_PATHS = {"/health", "/metrics"}
+OPEN_PATHS = {"/health", "/ping", "/metrics"}
 _WRITE_BYTES = 4 << 20  # a streamed weight update goes to disk in writes of about this size
 
 
@@ -106,6 +106,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     install_sleep(app, engine, cfg)
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) name for it
     async def health():
         if not engine.is_running:  # its thread died: a load balancer should stop sending it requests
             return error(503, "the engine is not running", "unavailable")

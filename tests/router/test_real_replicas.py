@@ -341,6 +341,18 @@ def test_abort_request_through_the_route(servers, model_dir):
         assert all(httpx.get(s.url + "/health").json()["paused"] for s in servers)
         assert httpx.post(url + "/continue_generation").json()["replicas"] == 2
         assert not any(httpx.get(s.url + "/health").json()["paused"] for s in servers)
+        # so does a cache flush (SGLang's /flush_cache, vLLM's /reset_prefix_cache): a prefix cached on
+        # both replicas is cached on neither after it
+        again = {"input_ids": list(range(100, 150)), "sampling_params": {"max_new_tokens": 1}}
+        for s in servers:
+            httpx.post(s.url + "/generate", json=again)
+        assert all(httpx.post(s.url + "/generate", json=again).json()["num_cached_tokens"] == 48 for s in servers)
+        flushed = httpx.post(url + "/flush_cache").json()
+        assert flushed["replicas"] == 2 and flushed["evicted_blocks"] >= 6
+        assert all(httpx.post(s.url + "/generate", json=again).json()["num_cached_tokens"] == 0 for s in servers)
+        r = httpx.post(url + "/reset_prefix_cache")
+        assert r.status_code == 200 and not r.content
+        assert all(httpx.post(s.url + "/generate", json=again).json()["num_cached_tokens"] == 0 for s in servers)
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -95,7 +95,7 @@ def test_logit_bias_and_allowed_token_ids_in_every_api(client):
 def test_sglang_control_endpoints(model_dir):
     """SGLang's /abort_request: by rid, or every request in flight; each caller gets its tokens so
     far with finish reason "abort" (meta_info's type "abort"). Then /get_model_info, /flush_cache
-    and /update_weights_from_disk."""
+    (and vLLM's /reset_prefix_cache) and /update_weights_from_disk."""
     long = {"sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
     with ServerProcess(model_dir, "--max-model-len", "4096") as s, httpx.Client(base_url=s.url, timeout=60) as c:
         def running(n):
@@ -146,6 +146,10 @@ def test_sglang_control_endpoints(model_dir):
         c.post("/generate", json=again)
         assert c.post("/generate", json=again).json()["num_cached_tokens"] == 48
         assert c.post("/flush_cache").json()["evicted_blocks"] > 0
+        assert c.post("/generate", json=again).json()["num_cached_tokens"] == 0
+        assert c.post("/generate", json=again).json()["num_cached_tokens"] == 48
+        r = c.post("/reset_prefix_cache")  # vLLM's name for it
+        assert r.status_code == 200 and not r.content
         assert c.post("/generate", json=again).json()["num_cached_tokens"] == 0
         got = c.post("/update_weights_from_disk", json={"model_path": model_dir, "load_format": "auto"}).json()
         assert got["success"] is True and got["weight_version"] == "1" and c.get("/health").json()["policy_version"] == 1

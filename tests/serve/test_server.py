@@ -407,6 +407,7 @@ def test_api_key_and_update_weights(model_dir):
     with ServerProcess(model_dir, "--api-key", "sekret") as s:
         assert httpx.post(s.url + "/generate", json={"input_ids": [1]}).status_code == 401
         assert httpx.get(s.url + "/health").status_code == 200
+        assert httpx.get(s.url + "/ping").json()["status"] == httpx.post(s.url + "/ping").json()["status"] == "ok"
         h = {"Authorization": "Bearer sekret"}
         req = {"input_ids": [3, 4, 5], "sampling_params": {"temperature": 0, "max_tokens": 6, "ignore_eos": True}}
         before = httpx.post(s.url + "/generate", json=req, headers=h).json()
