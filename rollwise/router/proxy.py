@@ -212,6 +212,15 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         got = await fan_out("/continue_generation", {})
         return {"success": bool(got), "replicas": len(got)}
 
+    @app.post("/pause")
+    async def pause(request: Request):  # vLLM's (rlhf.py), its query passed on to every replica
+        got = await fan_out(f"/pause?{request.url.query}" if request.url.query else "/pause", {})
+        return {"status": "paused", "replicas": len(got)}
+
+    @app.post("/resume")
+    async def resume():
+        return {"status": "resumed", "replicas": len(await fan_out("/resume", {}))}
+
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         """Every replica's unheld prefix blocks dropped, and what the router knew of them."""

@@ -31,6 +31,7 @@ from rollwise.serve.handlers import ClientGone, chat_reply, completion_reply, un
 from rollwise.serve.responses import (choice_samples, completion_params, error, generate_json, primed, sse,
                                       stream_generate, weights_refused)
 from rollwise.serve.lora import install_lora, with_adapter
+from rollwise.serve.rlhf import install_rlhf
 from rollwise.serve.sglang import generate_params, install_sglang, sglang_fields
 from rollwise.serve.sleep import install_sleep
 from rollwise.serve.tokenize import install_tokenize
@@ -102,6 +103,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
 
     install_common(app, cfg)
     install_sglang(app, engine, cfg)
+    install_rlhf(app, engine)
     install_lora(app, engine, cfg)
     install_sleep(app, engine, cfg)
 

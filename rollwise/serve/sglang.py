@@ -1,6 +1,6 @@
 """SGLang's control endpoints, for RL frameworks that drive SGLang servers (e.g. AReaL, slime):
 abort requests, pause and continue generation (around a weight update), load new weights from
-disk, flush the prefix cache (and vLLM's /reset_prefix_cache), model info; and its /generate dialect (`generate_params`: its
+disk, flush the prefix cache, model info; and its /generate dialect (`generate_params`: its
 sampling names, `sglang_fields`: its reply fields).
 Their bodies and replies follow SGLang's; the work is `rollwise serve`'s own."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Literal
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from rollwise.config import ServerConfig
@@ -77,12 +77,6 @@ def install_sglang(app: FastAPI, engine, cfg: ServerConfig) -> None:
         are keyed by their weights' version, so old ones are never reused.)"""
         evicted = await engine.call(engine.engine.blocks.evict_cached)
         return {"success": True, "message": "Cache flushed.", "evicted_blocks": evicted}
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
-        """vLLM's name for the same (which its RL clients call after a weight update); an empty 200."""
-        await engine.call(engine.engine.blocks.evict_cached)
-        return Response(status_code=200)
 
     @app.get("/get_model_info")
     async def get_model_info():

@@ -341,6 +341,10 @@ def test_abort_request_through_the_route(servers, model_dir):
         assert all(httpx.get(s.url + "/health").json()["paused"] for s in servers)
         assert httpx.post(url + "/continue_generation").json()["replicas"] == 2
         assert not any(httpx.get(s.url + "/health").json()["paused"] for s in servers)
+        assert httpx.post(url + "/pause", params={"mode": "keep"}).json() == {"status": "paused", "replicas": 2}
+        assert all(httpx.get(s.url + "/is_paused").json()["is_paused"] for s in servers)  # vLLM's names too
+        assert httpx.post(url + "/resume").json() == {"status": "resumed", "replicas": 2}
+        assert not any(httpx.get(s.url + "/is_paused").json()["is_paused"] for s in servers)
         # so does a cache flush (SGLang's /flush_cache, vLLM's /reset_prefix_cache): a prefix cached on
         # both replicas is cached on neither after it
         again = {"input_ids": list(range(100, 150)), "sampling_params": {"max_new_tokens": 1}}

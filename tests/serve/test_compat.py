@@ -158,6 +158,54 @@ def test_sglang_control_endpoints(model_dir):
         _alive(c)
 
 
+def test_vllm_pause_resume_around_a_weight_update(model_dir):
+    """vLLM's RLHF endpoints: /pause?mode=keep freezes the requests in flight (no token while paused,
+    all of them after /resume); mode=abort (the default) ends them now with what they have; mode=wait
+    returns once they have finished; /is_paused says which; an abort or a wait clears the prefix cache
+    unless clear_cache=false."""
+    long = {"input_ids": [5, 6, 7], "sampling_params": {"max_tokens": 300, "ignore_eos": True}}
+    with ServerProcess(model_dir, "--max-model-len", "1024") as s, httpx.Client(base_url=s.url, timeout=60) as c, \
+            concurrent.futures.ThreadPoolExecutor(2) as pool:
+        def start(body):
+            call = pool.submit(httpx.post, s.url + "/generate", json=body, timeout=60)
+            for _ in range(500):
+                if _metric(c, "vllm:num_requests_running") >= 1:
+                    return call
+                time.sleep(0.01)
+            raise AssertionError("never ran")
+        call = start(long)
+        assert c.post("/pause", params={"mode": "keep"}).json() == {"status": "paused"}
+        assert c.get("/is_paused").json() == {"is_paused": True}
+        made = _metric(c, "vllm:generation_tokens_total")
+        time.sleep(0.3)
+        assert _metric(c, "vllm:generation_tokens_total") == made and not call.done()
+        assert c.post("/resume").json() == {"status": "resumed"} and c.get("/is_paused").json()["is_paused"] is False
+        got = call.result().json()
+        assert got["finish_reason"] == "length" and len(got["token_ids"]) == 300
+
+        cached = {"input_ids": list(range(100, 150)), "sampling_params": {"max_tokens": 1}}
+        c.post("/generate", json=cached)
+        call = start(long)
+        assert c.post("/pause").json() == {"status": "paused"}  # abort, clearing the cache
+        got = call.result().json()
+        assert got["finish_reason"] == "abort" and 0 < len(got["token_ids"]) < 300
+        later = pool.submit(httpx.post, s.url + "/generate", json=cached, timeout=60)
+        time.sleep(0.2)
+        assert not later.done()  # paused: it waits
+        c.post("/resume")
+        assert later.result().json()["num_cached_tokens"] == 0  # the cache was cleared
+
+        c.post("/generate", json=cached)
+        call = start({"input_ids": [5, 6, 7], "sampling_params": {"max_tokens": 60, "ignore_eos": True}})
+        assert c.post("/pause", params={"mode": "wait", "clear_cache": "false"}).json() == {"status": "paused"}
+        assert call.done() and len(call.result().json()["token_ids"]) == 60  # it finished before the reply
+        c.post("/resume")
+        assert c.post("/generate", json=cached).json()["num_cached_tokens"] == 48  # kept
+        assert c.post("/pause", params={"mode": "later"}).status_code == 400
+        assert c.get("/is_paused").json()["is_paused"] is False
+        _alive(c)
+
+
 def test_streams_end_with_usage_when_asked(client):
     """`stream_options: {"include_usage": true}`: a last chunk with no choices and the request's
     usage, the same as unstreamed (the prompt counted once for n samples); none without it."""
