@@ -1,4 +1,5 @@
-"""`rollwise demo | serve | generate | make-model`. Engine options come from `EngineConfig`'s fields."""
+"""`rollwise demo | train | eval | serve | route | retrieve | generate | bench | sim | make-model`.
+Engine options come from `EngineConfig`'s fields."""
 from __future__ import annotations
 
 import argparse

@@ -89,5 +89,13 @@ class LLM:
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.engine.wake_up(tags)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached prefix block no request holds (True: done)."""
+        self.engine.blocks.evict_cached()
+        return True
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
     def metrics(self) -> dict[str, float]:
         return self.engine.metrics()

@@ -17,6 +17,7 @@ from rollwise.engine.block_manager import BlockManager
 from rollwise.engine.model_runner import ModelRunner
 from rollwise.engine import grammar
 from rollwise.engine.isolation import Isolation
+from rollwise.engine.request_stats import RequestStats
 from rollwise.engine.sampler import Sampler, SampleRow
 from rollwise.engine.scheduler import Scheduler
 from rollwise.engine.sequence import Sequence
@@ -41,6 +42,7 @@ class LLMEngine(WeightVersions, SleepMode):
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.scheduling_policy)
         self.sampler = Sampler(cfg.seed)
         self.isolation = Isolation(self)  # a failed step fails the request that caused it (isolation.py)
+        self.request_stats = RequestStats(self.max_model_len)  # vLLM's latency histograms (request_stats.py)
         self.spec = None
         if cfg.speculative == "suffix":
             from rollwise.engine.speculator import Speculator
@@ -123,7 +125,7 @@ class LLMEngine(WeightVersions, SleepMode):
             raise ValueError(f"priority {priority!r}: an integer, and other than 0 only under scheduling_policy "
                              f"'priority' (this engine's is {self.config.scheduling_policy!r})")
         seq = Sequence(rid, list(ids), params, forced=list(forced_output) if forced_output else None,
-                       priority=priority, arrival=next(self._arrivals))
+                       priority=priority, arrival=next(self._arrivals), t_arrival=time.monotonic())
         if params.bad_words:
             seq.bad_words = self._bad_words(params.bad_words)
         if params.structured_outputs is not None:
@@ -162,6 +164,7 @@ class LLMEngine(WeightVersions, SleepMode):
             self.spec.stop(request_id)
         seq.finish_reason = "abort"
         self.stats["num_aborted"] += 1
+        self.request_stats.ended(seq, time.monotonic())
         self._drop_unused()
         return self._output(seq)
 
@@ -192,6 +195,8 @@ class LLMEngine(WeightVersions, SleepMode):
         for s, (toks, lps, tops) in self._sample(batch, logits, starts).items():
             seq = s.seq
             before = seq.num_tokens
+            if before == seq.prompt_len and toks:
+                self.request_stats.first_token(seq, time.monotonic())
             for tok, lp, top in zip(toks, lps, tops):
                 seq.token_ids.append(tok)
                 seq.logprobs.append(lp)
@@ -274,6 +279,7 @@ class LLMEngine(WeightVersions, SleepMode):
         return SampleRow(seq.params, n, self._banned(seq), seq.forced[n] if seq.forced else None, seq.token_ids)
 
     def _finish(self, seq: Sequence) -> None:
+        self.request_stats.ended(seq, time.monotonic())
         self._read_routing(seq)
         self.scheduler.finish(seq)
         del self.seqs[seq.request_id]

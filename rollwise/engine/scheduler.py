@@ -11,6 +11,7 @@ highest is the one preempted (given back its budget if it was already scheduled 
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -109,8 +110,8 @@ class Scheduler:
             self.blocks.allocate(seq.block_table, need, hits)
             seq.num_computed_tokens = cached
             seq.num_registered_blocks = len(hits)
-            if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = cached
+            if seq.num_cached_tokens < 0:  # its first admission
+                seq.num_cached_tokens, seq.t_scheduled = cached, time.monotonic()
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += cached
             seq.status = Status.RUNNING

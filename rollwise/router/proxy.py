@@ -30,6 +30,7 @@ from rollwise.serve.server import install_common, install_messages, install_resp
 from rollwise.serve.lora import LoadLoraRequest, UnloadLoraRequest
 from rollwise.serve.sglang import PauseRequest, UpdateFromDiskRequest, generate_params, load_from_disk, sglang_fields
 from rollwise.serve.tokenize import install_tokenize
+from rollwise.serve.metrics import router_text
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
 
 
@@ -126,14 +127,7 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
 
     @app.get("/metrics")
     async def metrics():
-        lines = []
-        for k, v in router.metrics().items():
-            if "/" in k:
-                name, rep = k.split("/", 1)
-                lines.append(f'rollwise_router:{name}{{replica="{rep}"}} {v}')
-            else:
-                lines.append(f"rollwise_router:{k} {v}")
-        return PlainTextResponse("\n".join(lines) + "\n")
+        return PlainTextResponse(router_text(router.metrics()))
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -1,6 +1,11 @@
 """Prometheus text exposition of the engine's metrics dict, under vLLM's metric names where one exists."""
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from rollwise.engine.request_stats import HELP
+
 # (our key, exposed name, type, help)
 METRICS = [
     ("num_running", "vllm:num_requests_running", "gauge", "Requests in the running batch"),
@@ -33,11 +38,53 @@ METRICS = [
 ]
 
 
-def prometheus_text(values: dict[str, float], model_name: str) -> str:
-    label = f'{{model_name="{model_name}"}}'
-    lines = []
-    for key, name, kind, help_ in METRICS:
-        if key not in values:
-            continue
-        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{label} {float(values[key])}"]
-    return "\n".join(lines) + "\n"
+def prometheus_text(values: dict[str, float], model_name: str, histograms: dict | None = None) -> str:
+    """The engine's metrics dict, and its request histograms (`RequestStats.snapshot()`: name ->
+    (bounds, cumulative counts, sum, count)) under vLLM's names, written by prometheus_client."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Scrape(values, model_name, histograms or {}))
+    return generate_latest(registry).decode()
+
+
+class _Scrape:
+    """One scrape's values, as prometheus_client's custom collectors give them."""
+
+    def __init__(self, values: dict[str, float], model_name: str, histograms: dict) -> None:
+        self.values, self.model, self.histograms = values, model_name, histograms
+
+    def collect(self):
+        for key, name, kind, help_ in METRICS:
+            if key in self.values:
+                kind = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                family = kind(name, help_, labels=["model_name"])
+                family.add_metric([self.model], float(self.values[key]))
+                yield family
+        for key, (bounds, cumulative, total, count) in self.histograms.items():
+            family = HistogramMetricFamily(f"vllm:{key}", HELP[key], labels=["model_name"])
+            buckets = [(str(float(b)), c) for b, c in zip(bounds, cumulative)] + [("+Inf", count)]
+            family.add_metric([self.model], buckets, sum_value=total)
+            yield family
+
+
+def router_text(values: dict[str, float]) -> str:
+    """A router's metrics dict as gauges `rollwise_router:NAME`; a key "NAME/REPLICA" is NAME's sample
+    for that replica (label `replica`)."""
+    by_name: dict[str, dict[str | None, float]] = {}
+    for key, v in values.items():
+        name, _, replica = key.partition("/")
+        by_name.setdefault(name, {})[replica or None] = float(v)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Router(by_name))
+    return generate_latest(registry).decode()
+
+
+class _Router:
+    def __init__(self, by_name: dict[str, dict[str | None, float]]) -> None:
+        self.by_name = by_name
+
+    def collect(self):
+        for name, samples in self.by_name.items():
+            family = GaugeMetricFamily(f"rollwise_router:{name}", f"the router's {name}", labels=["replica"])
+            for replica, v in samples.items():
+                family.add_metric([replica] if replica else [], v)
+            yield family

@@ -125,7 +125,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(prometheus_text(engine.metrics(), model_name))
+        return PlainTextResponse(prometheus_text(engine.metrics(), model_name, engine.engine.request_stats.snapshot()))
 
     @app.post("/update_weights")
     async def update_weights(request: Request):

@@ -391,6 +391,16 @@ def test_bad_requests_raise_value_error(llm):
     assert llm.generate([[1, 2, 3]], GREEDY)[0].finish_reason == "length"  # still serving
 
 
+def test_reset_prefix_cache_forgets_cached_prefixes(model_dir):
+    """vLLM's LLM.reset_prefix_cache: a prompt cached by the last request is computed again after it."""
+    llm = LLM(model_dir)
+    prompt = list(range(100, 150))
+    llm.generate([prompt], GREEDY)
+    assert llm.generate([prompt], GREEDY)[0].num_cached_tokens == 48
+    assert llm.reset_prefix_cache() is True and llm.get_tokenizer() is llm.tokenizer
+    assert llm.generate([prompt], GREEDY)[0].num_cached_tokens == 0
+
+
 def test_abort_frees_blocks(model_dir):
     llm = LLM(model_dir)
     eng = llm.engine
@@ -654,3 +664,36 @@ def test_priority_scheduling_serves_lower_priorities_first_with_the_same_tokens(
             eng.add_request(prompts[0], GREEDY, priority=bad)
     with pytest.raises(ValueError, match="'fcfs', 'priority'"):
         EngineConfig(model=model_dir, scheduling_policy="sjf")
+
+
+def test_request_latency_histograms_count_every_request(model_dir):
+    """vLLM's per-request histograms (request_stats.py): each ended request observed once, its
+    prompt and generated tokens summed exactly, the phases consistent (queue + prefill = time to
+    first token; prefill + decode = inference; queue + inference = end to end), cumulative buckets."""
+    llm = LLM(model_dir, max_num_seqs=2)  # (a queue forms: 6 requests, 2 at a time)
+    prompts = _prompts(6, seed=5)
+    params = [dataclasses.replace(GREEDY, max_tokens=1 + 3 * i) for i in range(6)]
+    outs = llm.generate(prompts, params)
+    snap = llm.engine.request_stats.snapshot()
+    count = lambda k: snap[k][3]  # noqa: E731
+    total = lambda k: snap[k][2]  # noqa: E731
+    assert all(count(k) == 6 for k in ("e2e_request_latency_seconds", "time_to_first_token_seconds",
+                                         "request_queue_time_seconds", "request_decode_time_seconds"))
+    assert count("request_time_per_output_token_seconds") == 5  # (the 1-token request has no second token)
+    assert total("request_prompt_tokens") == sum(map(len, prompts))
+    assert total("request_generation_tokens") == sum(len(o.token_ids) for o in outs) == sum(1 + 3 * i for i in range(6))
+    assert total("request_queue_time_seconds") + total("request_prefill_time_seconds") == \
+        pytest.approx(total("time_to_first_token_seconds"))
+    assert total("request_prefill_time_seconds") + total("request_decode_time_seconds") == \
+        pytest.approx(total("request_inference_time_seconds"))
+    assert total("request_queue_time_seconds") + total("request_inference_time_seconds") == \
+        pytest.approx(total("e2e_request_latency_seconds"))
+    assert total("request_queue_time_seconds") > 0  # the last four waited for a slot
+    for bounds, cumulative, _, n in snap.values():
+        assert list(bounds) == sorted(bounds) and cumulative == sorted(cumulative) and cumulative[-1] <= n
+    bounds, cumulative, _, _ = snap["request_generation_tokens"]
+    assert bounds[:4] == (1, 2, 5, 10) and cumulative[0] == 1 and cumulative[bounds.index(10)] == 4  # 1, 4, 7, 10
+    rid = llm.engine.add_request(prompts[0], GREEDY)
+    llm.engine.abort(rid)  # an abort ends it too: observed, no first token
+    snap = llm.engine.request_stats.snapshot()
+    assert snap["e2e_request_latency_seconds"][3] == 7 and snap["time_to_first_token_seconds"][3] == 6

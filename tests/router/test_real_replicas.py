@@ -242,7 +242,9 @@ def test_route_proxy_over_http(servers, model_dir, junk_failures):
             r = c.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_tokens": 2}})
             assert r.status_code == 200
             c.request("DELETE", "/replicas", json={"url": "http://127.0.0.1:9"})
-            assert "rollwise_router:requests" in c.get("/metrics").text
+            from prometheus_client.parser import text_string_to_metric_families  # (the page parses)
+            families = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
+            assert families["rollwise_router:requests"].samples[0].value > 0
             for path in ("/generate", "/v1/chat/completions"):  # a replica's 400 comes back a 400, the route up
                 assert junk_failures(c, path) == [], path
             assert c.get("/replicas").json()["healthy"] == sorted(s.url for s in servers)  # none blamed for it
@@ -431,8 +433,8 @@ def test_n_samples_through_the_route_survive_a_replica_dying(model_dir):
             choices = group.json()["choices"]
             assert [ch["index"] for ch in choices] == [0, 1, 2, 3]
             assert all(len(ch["logprobs"]["token_ids"]) == 300 for ch in choices)
-            metrics = c.get("/metrics").text
-            assert float(metrics.split("rollwise_router:failovers ")[1].split()[0]) >= 1
+            failovers = [x for x in c.get("/metrics").text.splitlines() if x.startswith("rollwise_router:failovers ")]
+            assert float(failovers[0].split()[-1]) >= 1
             for j, ch in enumerate(choices):  # now all on a: the same tokens as that seed alone
                 alone = c.post("/v1/completions", json=body | {"seed": 10 + j}).json()["choices"][0]
                 assert alone["logprobs"]["token_ids"] == ch["logprobs"]["token_ids"], j

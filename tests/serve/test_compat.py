@@ -198,7 +198,9 @@ def test_vllm_pause_resume_around_a_weight_update(model_dir):
         c.post("/generate", json=cached)
         call = start({"input_ids": [5, 6, 7], "sampling_params": {"max_tokens": 60, "ignore_eos": True}})
         assert c.post("/pause", params={"mode": "wait", "clear_cache": "false"}).json() == {"status": "paused"}
-        assert call.done() and len(call.result().json()["token_ids"]) == 60  # it finished before the reply
+        assert _metric(c, "vllm:num_requests_running") == 0  # it finished before the reply (not frozen)
+        got = call.result(timeout=30).json()  # (its own reply may come a moment after the pause's)
+        assert got["finish_reason"] == "length" and len(got["token_ids"]) == 60
         c.post("/resume")
         assert c.post("/generate", json=cached).json()["num_cached_tokens"] == 48  # kept
         assert c.post("/pause", params={"mode": "later"}).status_code == 400

@@ -214,6 +214,26 @@ def test_models_and_metrics(client):
         assert name in text
     gen = [line for line in text.splitlines() if line.startswith("vllm:generation_tokens_total")]
     assert float(gen[0].split()[-1]) > 0
+    # vLLM's request histograms, in Prometheus' text format as prometheus_client parses it: each ended
+    # request counted once, with its generated tokens
+    from prometheus_client.parser import text_string_to_metric_families
+    def hists():
+        families = text_string_to_metric_families(client.get("/metrics").text)
+        return {f.name: {(s.name.rsplit("_", 1)[-1], s.labels.get("le")): s.value for s in f.samples}
+                for f in families if f.type == "histogram"}
+    before = hists()
+    assert {"vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+            "vllm:request_time_per_output_token_seconds", "vllm:request_generation_tokens"} <= set(before)
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_tokens": 5, "ignore_eos": True}}
+    for _ in range(3):
+        client.post("/generate", json=body)
+    after = hists()
+    for name in ("vllm:e2e_request_latency_seconds", "vllm:time_to_first_token_seconds"):
+        assert after[name][("count", None)] - before[name][("count", None)] == 3
+        assert after[name][("bucket", "+Inf")] == after[name][("count", None)]
+    gen = "vllm:request_generation_tokens"
+    assert after[gen][("sum", None)] - before[gen][("sum", None)] == 15
+    assert after[gen][("bucket", "5.0")] - before[gen][("bucket", "5.0")] == 3  # (le="5.0" holds a 5)
 
 
 @pytest.mark.parametrize("path,body", [
