@@ -41,6 +41,10 @@ from rollwise.types import WeightsNotHeld
 from rollwise.wire import AdapterWeights
 
 OPEN_PATHS = {"/health", "/ping", "/metrics"}
+# control endpoints: off loopback they need the API key, as weight updates do (pausing or aborting a
+# server, flushing its cache, changing a route's replicas; vLLM serves its own only in dev mode)
+CONTROL_PATHS = {"/pause", "/resume", "/reset_prefix_cache", "/flush_cache", "/pause_generation",
+                 "/continue_generation", "/abort_request"}
 _WRITE_BYTES = 4 << 20  # a streamed weight update goes to disk in writes of about this size
 
 
@@ -85,7 +89,11 @@ def install_common(app: FastAPI, cfg: ServerConfig) -> None:
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if cfg.api_key and request.url.path not in OPEN_PATHS:
+        path = request.url.path
+        if not cfg.api_key and not cfg.is_loopback and (path in CONTROL_PATHS or path == "/replicas" and
+                                                        request.method != "GET"):
+            return error(403, f"{path} off loopback needs the server started with --api-key", "permission_error")
+        if cfg.api_key and path not in OPEN_PATHS:
             got = request.headers.get("authorization", "")
             key = request.headers.get("x-api-key")  # (the anthropic SDKs' header)
             if not (secrets.compare_digest(got.encode(), f"Bearer {cfg.api_key}".encode())

@@ -426,3 +426,19 @@ def test_a_turns_priority_reaches_the_replicas_engine():
             pass
     asyncio.run(go())
     assert seen == [3, 4, 0]
+
+
+def test_a_route_off_loopback_keeps_its_control_endpoints_for_key_holders():
+    """`rollwise route --host 0.0.0.0` without --api-key: changing its replicas, pausing, flushing,
+    aborting are refused (403), as weight updates are; listing and health stay open."""
+    from fastapi.testclient import TestClient
+
+    from rollwise.config import ServerConfig
+    from rollwise.router.proxy import build_router_app
+    router = Router([FakeReplica("a")], "round_robin")
+    app = TestClient(build_router_app(router, ServerConfig(host="0.0.0.0")))
+    for method, path in (("POST", "/replicas"), ("DELETE", "/replicas"), ("POST", "/pause"), ("POST", "/resume"),
+                         ("POST", "/flush_cache"), ("POST", "/pause_generation"), ("POST", "/abort_request")):
+        r = app.request(method, path, json={"url": "http://127.0.0.1:9"} if path == "/replicas" else {})
+        assert r.status_code == 403 and "api-key" in r.json()["error"]["message"], path
+    assert app.get("/replicas").status_code == 200 and set(router.replicas) == {"a"}

@@ -501,8 +501,8 @@ def test_priority_needs_the_priority_policy_and_reaches_the_engine(client, model
 
 
 def test_weight_updates_off_loopback_need_an_api_key(model_dir):
-    """A server bound off loopback without --api-key refuses weight updates, ours and SGLang's
-    (in-process app)."""
+    """A server bound off loopback without --api-key refuses weight updates, ours and SGLang's, and the
+    control endpoints (pause, resume, flush, abort) (in-process app)."""
     from fastapi.testclient import TestClient
 
     from rollwise.config import ServerConfig
@@ -513,13 +513,19 @@ def test_weight_updates_off_loopback_need_an_api_key(model_dir):
         open_app = TestClient(build_app(engine, ServerConfig(host="0.0.0.0"), "m"))
         for path, body in (("/update_weights", {"model_dir": model_dir}), ("/sleep", None),
                            ("/update_weights_from_disk", {"model_path": model_dir}),
-                           ("/release_memory_occupation", {})):
-            r = open_app.post(path, json=body)
+                           ("/release_memory_occupation", {}), ("/pause", None), ("/resume", None),
+                           ("/pause_generation", {}), ("/continue_generation", None), ("/flush_cache", None),
+                           ("/reset_prefix_cache", None), ("/abort_request", {"abort_all": True})):
+            r = open_app.post(path, json=body)  # (control endpoints too: pausing a server is not anyone's)
             assert r.status_code == 403 and "api-key" in r.json()["error"]["message"], path
-        assert engine.policy_version == 0 and not engine.is_sleeping
+        assert engine.policy_version == 0 and not engine.is_sleeping and not engine.paused
+        assert open_app.get("/health").status_code == 200 and open_app.get("/is_paused").status_code == 200
         keyed = TestClient(build_app(engine, ServerConfig(host="0.0.0.0", api_key="k"), "m"))
         r = keyed.post("/update_weights", json={"model_dir": model_dir}, headers={"Authorization": "Bearer k"})
         assert r.status_code == 200 and r.json()["policy_version"] == 1
+        assert keyed.post("/pause", params={"mode": "keep"}, headers={"Authorization": "Bearer k"}).status_code == 200
+        assert keyed.post("/resume", headers={"Authorization": "Bearer k"}).status_code == 200 and not engine.paused
+        assert TestClient(build_app(engine, ServerConfig(), "m")).post("/flush_cache").status_code == 200  # loopback
     finally:
         engine.shutdown()
 
