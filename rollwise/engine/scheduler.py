@@ -70,7 +70,7 @@ class Scheduler:
                 victim = max(self.running, key=_rank) if self.by_priority else self.running[-1]
                 if victim is seq:
                     break
-                j = self.running.index(victim)
+                j = self.running.index(victim) if self.by_priority else len(self.running) - 1
                 del self.running[j]
                 if j < i:  # scheduled already this step: its tokens go back to the budget
                     i -= 1

@@ -55,8 +55,8 @@ class _Scrape:
     def collect(self):
         for key, name, kind, help_ in METRICS:
             if key in self.values:
-                kind = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-                family = kind(name, help_, labels=["model_name"])
+                family_of = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                family = family_of(name, help_, labels=["model_name"])
                 family.add_metric([self.model], float(self.values[key]))
                 yield family
         for key, (bounds, cumulative, total, count) in self.histograms.items():

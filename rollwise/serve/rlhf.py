@@ -19,7 +19,8 @@ def install_rlhf(app: FastAPI, engine) -> None:
     async def pause(mode: Literal["abort", "wait", "keep"] = "abort", clear_cache: bool = True,
                     wait_for_inflight_requests: bool = Query(False)):
         mode = "wait" if wait_for_inflight_requests and mode == "abort" else mode
-        if mode == "wait" and not engine.paused:  # those in flight finish; ones that come meanwhile wait
+        if mode == "wait" and not engine.paused:  # those in flight finish (any that come meanwhile run until
+            # the pause, then wait with their KV)
             ids = await engine.call(lambda: list(engine.engine.seqs))
             while ids and await engine.call(lambda: any(r in engine.engine.seqs for r in ids)):
                 await asyncio.sleep(0.01)
