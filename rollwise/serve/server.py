@@ -90,8 +90,8 @@ def install_common(app: FastAPI, cfg: ServerConfig) -> None:
     @app.middleware("http")
     async def _auth(request: Request, call_next):
         path = request.url.path
-        if not cfg.api_key and not cfg.is_loopback and (path in CONTROL_PATHS or path == "/replicas" and
-                                                        request.method != "GET"):
+        if (path in CONTROL_PATHS or path == "/replicas" and request.method != "GET") and not cfg.api_key \
+                and not cfg.is_loopback:
             return error(403, f"{path} off loopback needs the server started with --api-key", "permission_error")
         if cfg.api_key and path not in OPEN_PATHS:
             got = request.headers.get("authorization", "")
