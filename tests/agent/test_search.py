@@ -242,8 +242,9 @@ def test_search_env_needs_two_searches_the_second_from_the_firsts_result():
 def test_rollwise_retrieve_serves_a_corpus_from_the_command_line(tmp_path):
     _corpus(tmp_path / "wiki.jsonl", DOCS)
     port = free_port()
+    log = open(tmp_path / "log.txt", "w")  # (a file, not a pipe: a server that logs much cannot block on it)
     proc = subprocess.Popen([sys.executable, "-m", "rollwise.cli", "retrieve", str(tmp_path / "wiki.jsonl"), "--port",
-                             str(port), "--index", str(tmp_path / "wiki.sqlite")], stdout=subprocess.PIPE,
+                             str(port), "--index", str(tmp_path / "wiki.sqlite")], stdout=log,
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     try:
         for _ in range(300):
@@ -256,8 +257,9 @@ def test_rollwise_retrieve_serves_a_corpus_from_the_command_line(tmp_path):
         assert [x["document"]["id"] for x in r.json()["result"][0]] == ["2"]
     finally:
         proc.terminate()
-        out = proc.communicate(timeout=10)[0]
-    assert "4 documents from" in out
+        proc.wait(timeout=10)
+        log.close()
+    assert "4 documents from" in (tmp_path / "log.txt").read_text()
 
 
 def test_example_corpus_answers_every_question_by_the_experts_two_searches(tmp_path, monkeypatch):
