@@ -250,10 +250,7 @@ class AsyncEngine:
             if target is not None:
                 err = StepFailed(f"request {rid} failed the engine step: {exc!r}")
                 err.__cause__ = exc
-                try:
-                    target[0].call_soon_threadsafe(target[1].put_nowait, err)
-                except RuntimeError:  # that caller's loop is closed
-                    pass
+                _raise_in(*target, err)
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid in list(self.engine.seqs):
@@ -264,10 +261,15 @@ class AsyncEngine:
                 self.engine.seqs.pop(rid, None)
         streams, self._streams = self._streams, {}
         for loop, q in streams.values():
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, exc)
-            except RuntimeError:
-                pass
+            _raise_in(loop, q, exc)
+
+
+def _raise_in(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, exc: BaseException) -> None:
+    """Hand `exc` to a caller waiting on `queue` in `loop` (it raises it there)."""
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, exc)
+    except RuntimeError:  # that caller's loop is closed
+        pass
 
 
 def _put_all(items) -> None:
