@@ -195,8 +195,8 @@ class LLMEngine(WeightVersions, SleepMode):
         for s, (toks, lps, tops) in self._sample(batch, logits, starts).items():
             seq = s.seq
             before = seq.num_tokens
-            if before == seq.prompt_len and toks:
-                self.request_stats.first_token(seq, time.monotonic())
+            if toks:
+                self.request_stats.emitted(seq, time.monotonic())
             for tok, lp, top in zip(toks, lps, tops):
                 seq.token_ids.append(tok)
                 seq.logprobs.append(lp)

@@ -3,8 +3,9 @@ balancer reading them works against `rollwise serve`: time to first token, end t
 prefill (admitted to first token), decode (first token to the end), inference (admitted to the
 end), time per output token (decode over the tokens after the first), prompt and generated tokens.
 vLLM's names and bucket bounds. A request is observed when it ends (finished or aborted; time to
-first token when that token comes); the engine's thread writes, /metrics reads a copy.
-(vLLM's per-token inter_token_latency_seconds is left out: one observation per token per step.)"""
+first token when that token comes), and at each step that emits its tokens after the first, the
+time since its last (inter_token_latency_seconds: one observation per step, however many tokens
+speculation accepted in it, as vLLM counts); the engine's thread writes, /metrics reads a copy."""
 from __future__ import annotations
 
 import bisect
@@ -50,6 +51,7 @@ class Histogram:
 
 HELP = {
     "time_to_first_token_seconds": "Histogram of time to first token in seconds.",
+    "inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
     "e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
     "request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
     "request_inference_time_seconds": "Histogram of time spent in RUNNING phase for request.",
@@ -64,12 +66,17 @@ HELP = {
 class RequestStats:
     def __init__(self, max_model_len: int) -> None:
         tokens = one_two_five(max_model_len)
-        self.h = {name: Histogram(TTFT if name.startswith("time_to_first") else PER_TOKEN if "per_output" in name
+        self.h = {name: Histogram(TTFT if name.startswith("time_to_first") else PER_TOKEN if "token_" in name
                                   else tokens if name.endswith("_tokens") else REQUEST) for name in HELP}
 
-    def first_token(self, seq, now: float) -> None:
-        seq.t_first_token = now
-        self.h["time_to_first_token_seconds"].observe(now - seq.t_arrival)
+    def emitted(self, seq, now: float) -> None:
+        """A step gave `seq` tokens."""
+        if seq.t_first_token < 0:
+            seq.t_first_token = now
+            self.h["time_to_first_token_seconds"].observe(now - seq.t_arrival)
+        else:
+            self.h["inter_token_latency_seconds"].observe(now - seq.t_last_token)
+        seq.t_last_token = now
 
     def ended(self, seq, now: float) -> None:
         h, n = self.h, seq.num_output_tokens

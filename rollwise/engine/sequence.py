@@ -34,10 +34,11 @@ class Sequence:
     num_preemptions: int = 0
     priority: int = 0  # under the "priority" scheduling policy: lower runs first (vLLM's)
     arrival: int = 0  # its place in the order requests were added (ties of priority)
-    # time.monotonic() when it was added, first admitted (-1: not yet), sampled its first token (request_stats.py)
-    t_arrival: float = 0.0
+    # time.monotonic() when it was added, first admitted (-1: not yet), emitted its first and its last tokens
+    t_arrival: float = 0.0  # (request_stats.py)
     t_scheduled: float = -1.0
     t_first_token: float = -1.0
+    t_last_token: float = -1.0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str | None = None  # set when a stop string truncates the output

@@ -669,7 +669,8 @@ def test_priority_scheduling_serves_lower_priorities_first_with_the_same_tokens(
 def test_request_latency_histograms_count_every_request(model_dir):
     """vLLM's per-request histograms (request_stats.py): each ended request observed once, its
     prompt and generated tokens summed exactly, the phases consistent (queue + prefill = time to
-    first token; prefill + decode = inference; queue + inference = end to end), cumulative buckets."""
+    first token; prefill + decode = inference; queue + inference = end to end), an inter-token
+    latency per step after the first token, cumulative buckets."""
     llm = LLM(model_dir, max_num_seqs=2)  # (a queue forms: 6 requests, 2 at a time)
     prompts = _prompts(6, seed=5)
     params = [dataclasses.replace(GREEDY, max_tokens=1 + 3 * i) for i in range(6)]
@@ -689,6 +690,9 @@ def test_request_latency_histograms_count_every_request(model_dir):
     assert total("request_queue_time_seconds") + total("request_inference_time_seconds") == \
         pytest.approx(total("e2e_request_latency_seconds"))
     assert total("request_queue_time_seconds") > 0  # the last four waited for a slot
+    # inter-token latency: one observation per step after the first token (one token a step here)
+    assert count("inter_token_latency_seconds") == sum(3 * i for i in range(6))
+    assert 0 < total("inter_token_latency_seconds") <= total("request_decode_time_seconds")
     for bounds, cumulative, _, n in snap.values():
         assert list(bounds) == sorted(bounds) and cumulative == sorted(cumulative) and cumulative[-1] <= n
     bounds, cumulative, _, _ = snap["request_generation_tokens"]

@@ -223,7 +223,8 @@ def test_models_and_metrics(client):
                 for f in families if f.type == "histogram"}
     before = hists()
     assert {"vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
-            "vllm:request_time_per_output_token_seconds", "vllm:request_generation_tokens"} <= set(before)
+            "vllm:request_time_per_output_token_seconds", "vllm:request_generation_tokens",
+            "vllm:inter_token_latency_seconds"} <= set(before)
     body = {"input_ids": [1, 2, 3], "sampling_params": {"max_tokens": 5, "ignore_eos": True}}
     for _ in range(3):
         client.post("/generate", json=body)
@@ -234,6 +235,8 @@ def test_models_and_metrics(client):
     gen = "vllm:request_generation_tokens"
     assert after[gen][("sum", None)] - before[gen][("sum", None)] == 15
     assert after[gen][("bucket", "5.0")] - before[gen][("bucket", "5.0")] == 3  # (le="5.0" holds a 5)
+    itl = "vllm:inter_token_latency_seconds"  # a step per token after the first: 4 each
+    assert after[itl][("count", None)] - before[itl][("count", None)] == 12
 
 
 @pytest.mark.parametrize("path,body", [
