@@ -65,9 +65,11 @@ HELP = {
 
 class RequestStats:
     def __init__(self, max_model_len: int) -> None:
-        tokens = one_two_five(max_model_len)
-        self.h = {name: Histogram(TTFT if name.startswith("time_to_first") else PER_TOKEN if "token_" in name
-                                  else tokens if name.endswith("_tokens") else REQUEST) for name in HELP}
+        bounds = {"time_to_first_token_seconds": TTFT, "inter_token_latency_seconds": PER_TOKEN,
+                  "request_time_per_output_token_seconds": PER_TOKEN,
+                  "request_prompt_tokens": one_two_five(max_model_len)}
+        bounds["request_generation_tokens"] = bounds["request_prompt_tokens"]
+        self.h = {name: Histogram(bounds.get(name, REQUEST)) for name in HELP}  # (the other timings: REQUEST)
 
     def emitted(self, seq, now: float) -> None:
         """A step gave `seq` tokens."""
