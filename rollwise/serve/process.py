@@ -5,8 +5,9 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from typing import Callable
+from typing import IO, Callable
 
 import httpx
 
@@ -28,15 +29,24 @@ def exit_reason(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def log_tail(log: IO[bytes], chars: int = 2000) -> str:
+    """The last `chars` bytes written to `log` (a binary file a process writes its output to)."""
+    log.flush()
+    log.seek(0, 2)
+    log.seek(max(0, log.tell() - chars))
+    return log.read().decode(errors="replace")
+
+
 def wait_for_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 120.0,
-                  ok: Callable[[httpx.Response], bool] = lambda r: True) -> None:
+                  ok: Callable[[httpx.Response], bool] = lambda r: True, log: IO[bytes] | None = None) -> None:
     """Return once `url` answers a GET with a response `ok` accepts (any, by default); a
-    RuntimeError if `proc` (the server's process) exits first, with its stderr's tail if piped, and
-    a TimeoutError after `timeout` seconds."""
+    RuntimeError if `proc` (the server's process) exits first, with the tail of `log` (the file its
+    stderr goes to) or of its stderr if piped, and a TimeoutError after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            tail = proc.stderr.read().decode(errors="replace")[-2000:] if proc.stderr else ""
+            tail = log_tail(log) if log is not None else \
+                proc.stderr.read().decode(errors="replace")[-2000:] if proc.stderr else ""
             raise RuntimeError(f"server exited with {proc.returncode}: {tail}")
         try:
             if ok(httpx.get(url, timeout=1.0)):
@@ -50,7 +60,9 @@ def wait_for_http(url: str, proc: subprocess.Popen | None = None, timeout: float
 class ServerProcess:
     """`rollwise serve MODEL_DIR *args` on a free port; a context manager that stops it on exit. The
     server's idle OpenMP threads sleep (`rollwise.omp.passive_env`: it shares the cores with its
-    caller) unless `spin_count` is given (libgomp's bounded spin, `rollwise.omp.spin_env`)."""
+    caller) unless `spin_count` is given (libgomp's bounded spin, `rollwise.omp.spin_env`). Its
+    stderr goes to a temporary file (`stderr_tail()`), never to a pipe: a pipe nobody reads blocks a
+    server that logs more than the pipe holds (64 KiB on Linux), tracebacks of failed requests say."""
 
     def __init__(self, model_dir: str, *args: str, port: int | None = None, threads: int | None = None,
                  startup_timeout: float = 120.0, spin_count: int | None = None) -> None:
@@ -60,12 +72,17 @@ class ServerProcess:
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         cmd = [sys.executable, "-m", "rollwise.cli", "serve", model_dir, "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
         try:
-            wait_for_http(self.url + "/health", self.proc, startup_timeout, ok=lambda r: r.status_code == 200)
-        except TimeoutError:
+            wait_for_http(self.url + "/health", self.proc, startup_timeout, ok=lambda r: r.status_code == 200,
+                          log=self.log)
+        except BaseException:
             self.stop()
             raise
+
+    def stderr_tail(self, chars: int = 2000) -> str:
+        return log_tail(self.log, chars)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -280,14 +280,16 @@ def test_killed_trainer_resumes_without_losing_or_repeating_groups(model_dir, tm
     cfg.write_text("\n".join(lines) + "\n")
     cmd = [sys.executable, "-m", "rollwise.cli", "train", str(cfg)]
     env = passive_env()
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = tmp_path / "first.log"  # a file, not a pipe nobody reads while the run writes its progress
+    with log.open("wb") as err:
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
     ckpt = run / "checkpoint.pt"
     deadline = time.time() + 240
     while time.time() < deadline and p.poll() is None:
         if ckpt.exists() and len(torch.load(ckpt, weights_only=False)["history"]) >= 2:
             break
         time.sleep(0.05)
-    assert p.poll() is None, p.stderr.read().decode()[-2000:]
+    assert p.poll() is None, log.read_text(errors="replace")[-2000:]
     p.send_signal(signal.SIGKILL)
     p.wait()
     before = torch.load(ckpt, weights_only=False)

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -20,7 +21,7 @@ from rollwise.engine.tokenizer import Tokenizer
 from rollwise.router.policies import POLICIES
 from rollwise.router.replica import HttpReplica
 from rollwise.router.router import Router
-from rollwise.serve.process import ServerProcess, free_port
+from rollwise.serve.process import ServerProcess, free_port, log_tail, wait_for_http
 from rollwise.types import SamplingParams
 
 ARGS = ("--max-num-seqs", "16", "--max-model-len", "2048")
@@ -103,16 +104,15 @@ def start_route(servers, model_dir, policy: str, *extra: str) -> tuple[subproces
     port = free_port()
     cmd = [sys.executable, "-m", "rollwise.cli", "route", "--port", str(port), "--policy", policy,
            "--tokenizer", model_dir, *extra] + [x for s in servers for x in ("--replica", s.url)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = tempfile.TemporaryFile()  # not a pipe: one nobody reads blocks a route that logs much
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.terminate()
-    raise TimeoutError(f"rollwise route did not answer: {proc.stderr.read().decode()[-2000:]}")
+    try:
+        wait_for_http(url + "/health", proc, 60.0, ok=lambda r: r.status_code == 200, log=log)
+    except TimeoutError:
+        proc.terminate()
+        raise TimeoutError(f"rollwise route did not answer: {log_tail(log)}") from None
+    return proc, url
 
 
 def test_route_proxy_over_http(servers, model_dir, junk_failures):
