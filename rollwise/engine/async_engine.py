@@ -109,9 +109,21 @@ class AsyncEngine:
         """Abort every request in flight; their ids."""
         return await self.call(self._abort_all)
 
-    async def pause(self, abort: bool = False) -> list[str]:
+    async def pause(self, abort: bool = False, wait: bool = False) -> list[str]:
         """Stop stepping (e.g. around a weight update) until `resume`; with `abort`, requests in
-        flight end now with what they have (their ids are returned), else they wait, KV kept."""
+        flight end now with what they have (their ids are returned), else they wait, KV kept. With
+        `wait`, those in flight finish first, and requests that arrive meanwhile are held back
+        (vLLM's drain): they start after `resume`, under whatever weights are loaded then."""
+        if wait and not self.paused:
+            sch = self.engine.scheduler
+            ids = await self.call(lambda: (sch.hold(True), list(self.engine.seqs))[1])
+            try:
+                while ids and await self.call(lambda: any(r in self.engine.seqs for r in ids)):
+                    await asyncio.sleep(0.01)
+            except BaseException:  # the drain was given up: admit those held
+                await asyncio.shield(self.call(lambda: None if self.paused else sch.hold(False)))
+                raise
+
         def go() -> list[str]:
             self.paused = True
             return self._abort_all() if abort else []
@@ -120,6 +132,7 @@ class AsyncEngine:
     async def resume(self) -> None:
         def go() -> None:
             self.paused = False
+            self.engine.scheduler.hold(False)
         await self.call(go)
 
     async def update_weights(self, weights, version: int | None = None, partial_rollout: bool = False) -> int:
@@ -201,7 +214,7 @@ class AsyncEngine:
             set_threads(self.engine.config.num_threads)
         while True:
             with self._wake:
-                while not self._commands and not (self.engine.has_unfinished and not self.paused) and not self._stopped:
+                while not self._commands and not self._can_step() and not self._stopped:
                     self._wake.wait()
                 if self._stopped:
                     break
@@ -213,7 +226,7 @@ class AsyncEngine:
                     fut.set_result(fn())
                 except BaseException as e:  # noqa: BLE001 - returned to the caller
                     fut.set_exception(e)
-            if self.engine.has_unfinished and not self.paused:
+            if self._can_step():
                 try:
                     self._deliver(self.engine.step())
                 except Exception as e:  # noqa: BLE001 - fail the request that caused it, keep serving
@@ -222,6 +235,10 @@ class AsyncEngine:
                     except Exception as again:  # noqa: BLE001 - the engine's state is in doubt: fail them all
                         log.error("taking the failed step apart failed", exc_info=again)
                         self._fail_all(again)
+
+    def _can_step(self) -> bool:
+        """Not paused, and a request that is not held back."""
+        return not self.paused and len(self.engine.seqs) > len(self.engine.scheduler.held)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}

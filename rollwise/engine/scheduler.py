@@ -8,6 +8,7 @@ most recently admitted sequence is preempted: its blocks are released (they stay
 while nothing reuses them) and it is recomputed later. Under the "priority" policy (vLLM's) waiting
 sequences are admitted by (priority, arrival), lowest first, and the running sequence with the
 highest is the one preempted (given back its budget if it was already scheduled this step).
+While `holding` (a drain before a pause), new sequences are held back, not admitted, until `hold(False)`.
 """
 from __future__ import annotations
 
@@ -48,12 +49,21 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.held: list[Sequence] = []  # added while holding: waiting, but not admitted until released
+        self.holding = False
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        (self.held if self.holding else self.waiting).append(seq)
+
+    def hold(self, on: bool) -> None:
+        """Hold new sequences back (`on`), or admit those held, behind those waiting already."""
+        self.holding = on
+        if not on:
+            self.waiting.extend(self.held)
+            self.held.clear()
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
@@ -198,14 +208,14 @@ class Scheduler:
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
-            self.waiting.remove(seq)
+            (self.held if seq in self.held else self.waiting).remove(seq)
         self.blocks.free_table(seq.block_table)
         seq.status = Status.FINISHED
 
     def check_integrity(self) -> None:
         tables = [s.block_table for s in self.running] + [s.block_table for s in self.waiting]
         self.blocks.check_integrity(tables)
-        for s in self.waiting:
+        for s in [*self.waiting, *self.held]:
             assert not s.block_table, f"waiting sequence {s.request_id} holds blocks"
         assert len(self.running) <= self.max_num_seqs
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollwise.engine.sequence import Sequence
+from rollwise.engine.sequence import Sequence, Status
 from rollwise.wire import AdapterWeights
 
 
@@ -17,7 +17,8 @@ class WeightVersions:
     # weights -------------------------------------------------------------------------------------
     def update_weights(self, weights, version: int | None = None, partial_rollout: bool = False) -> int:
         """New weights (a state dict or a model directory), checked first (ValueError, nothing
-        changes); they serve every request admitted from now on. Requests in flight finish under
+        changes); they serve every request admitted from now on, and those waiting that have not
+        sampled a token yet (e.g. held during a pause for the update). Requests in flight finish under
         the weights they started with (both versions run in the same steps, one forward each; the
         old weights are dropped when their last request ends), or with `partial_rollout` they are
         interrupted: their KV is dropped and they continue under the new weights from their tokens
@@ -73,12 +74,12 @@ class WeightVersions:
         self._roots[v] = self.weight_updates  # salt: KV of earlier weights never matches
         self._loaded = [u for u in self._loaded if u != v] + [v]
         self.policy_version = v
+        moving = lambda seq: not seq.pinned and seq.weights_version != v  # noqa: E731
         if partial_rollout:
-            moving = lambda seq: not seq.pinned and seq.weights_version != v  # noqa: E731
             self.stats["num_interrupted"] += self.scheduler.requeue_running(moving)
-            for seq in self.seqs.values():
-                if moving(seq):
-                    self._switch(seq, v)
+        for seq in self.seqs.values():  # (one that has not begun, e.g. held during a pause, begins under v)
+            if moving(seq) and (partial_rollout or seq.status is Status.WAITING and not seq.num_output_tokens):
+                self._switch(seq, v)
         self._drop_unused()
         return v
 

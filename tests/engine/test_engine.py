@@ -590,6 +590,53 @@ def test_async_engine_survives_a_cancelled_call(model_dir):
         eng.shutdown()
 
 
+def test_a_draining_pause_holds_back_requests_that_arrive_during_it(model_dir):
+    """pause(wait=True) (vLLM's /pause?mode=wait, before a weight update): the requests in flight finish
+    under the weights they began with; one that arrives during the drain is held back (no KV, no token)
+    until resume, then runs whole under the weights loaded in between; one held and aborted just ends."""
+    import asyncio
+    import glob
+
+    from safetensors.torch import load_file
+
+    from rollwise import AsyncEngine
+    eng = AsyncEngine(model_dir)
+    sch = eng.engine.scheduler
+    weights = {k: v for f in glob.glob(f"{model_dir}/*.safetensors") for k, v in load_file(f).items()}
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+
+    async def go():
+        first = asyncio.ensure_future(eng.generate([5, 6, 7], sp))
+        while not await eng.call(lambda: len(sch.running)):
+            await asyncio.sleep(0.002)
+        drain = asyncio.ensure_future(eng.pause(wait=True))
+        while not await eng.call(lambda: sch.holding):
+            await asyncio.sleep(0.002)
+        late = asyncio.ensure_future(eng.generate([8, 9, 10], sp, request_id="late"))
+        gone = asyncio.ensure_future(eng.generate([11, 12], sp, request_id="gone"))
+        while await eng.call(lambda: len(sch.held)) < 2:
+            await asyncio.sleep(0.002)
+        assert await eng.abort("gone") and (await gone).finish_reason == "abort"
+        seen = []
+        while not drain.done():  # the late one waits the drain out without a computed token or a block
+            seen.append(await eng.call(lambda: [(s.num_computed_tokens, len(s.block_table)) for s in sch.held]))
+            await asyncio.sleep(0.002)
+        await drain
+        done = first.done() and await first
+        version = await eng.update_weights(weights)
+        await asyncio.sleep(0.05)
+        assert not late.done()  # paused: still held
+        await eng.resume()
+        return done, version, await late, seen
+    try:
+        first, version, late, seen = asyncio.run(asyncio.wait_for(go(), 60))
+    finally:
+        eng.shutdown()
+    assert first and len(first.token_ids) == 60 and first.policy_version == 0
+    assert len(seen) > 3 and all(s == [(0, 0)] for s in seen)
+    assert len(late.token_ids) == 60 and late.policy_version == version == 1 and not late.version_segments
+
+
 def test_async_engine_runs_the_model_with_its_own_thread_count(model_dir):
     """torch's intra-op thread count is per thread: the engine sets num_threads on the thread that
     runs the model, and leaves the caller's as it was."""

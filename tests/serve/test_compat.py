@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
 import time
 
 import httpx
@@ -161,7 +162,7 @@ def test_sglang_control_endpoints(model_dir):
 def test_vllm_pause_resume_around_a_weight_update(model_dir):
     """vLLM's RLHF endpoints: /pause?mode=keep freezes the requests in flight (no token while paused,
     all of them after /resume); mode=abort (the default) ends them now with what they have; mode=wait
-    returns once they have finished; /is_paused says which; an abort or a wait clears the prefix cache
+    returns once they have finished, and one that comes meanwhile waits for /resume; /is_paused says which; an abort or a wait clears the prefix cache
     unless clear_cache=false."""
     long = {"input_ids": [5, 6, 7], "sampling_params": {"max_tokens": 300, "ignore_eos": True}}
     with ServerProcess(model_dir, "--max-model-len", "1024") as s, httpx.Client(base_url=s.url, timeout=60) as c, \
@@ -196,12 +197,23 @@ def test_vllm_pause_resume_around_a_weight_update(model_dir):
         assert later.result().json()["num_cached_tokens"] == 0  # the cache was cleared
 
         c.post("/generate", json=cached)
-        call = start({"input_ids": [5, 6, 7], "sampling_params": {"max_tokens": 60, "ignore_eos": True}})
-        assert c.post("/pause", params={"mode": "wait", "clear_cache": "false"}).json() == {"status": "paused"}
+        call = start({"input_ids": [5, 6, 7], "sampling_params": {"max_tokens": 200, "ignore_eos": True}})
+        drain = pool.submit(httpx.post, s.url + "/pause", params={"mode": "wait", "clear_cache": "false"}, timeout=60)
+        while not c.get("/is_paused").json()["is_paused"]:  # (from the drain on)
+            time.sleep(0.005)
+        late = threading.Thread(target=lambda: got_late.append(httpx.post(s.url + "/generate", json=cached | {
+            "sampling_params": {"max_tokens": 5, "ignore_eos": True}}, timeout=60).json()))
+        got_late: list = []
+        late.start()
+        assert drain.result().json() == {"status": "paused"}
         assert _metric(c, "vllm:num_requests_running") == 0  # it finished before the reply (not frozen)
         got = call.result(timeout=30).json()  # (its own reply may come a moment after the pause's)
-        assert got["finish_reason"] == "length" and len(got["token_ids"]) == 60
+        assert got["finish_reason"] == "length" and len(got["token_ids"]) == 200
+        time.sleep(0.1)
+        assert not got_late  # it came during the drain: held back, and still held while paused
         c.post("/resume")
+        late.join(30)
+        assert len(got_late[0]["token_ids"]) == 5
         assert c.post("/generate", json=cached).json()["num_cached_tokens"] == 48  # kept
         assert c.post("/pause", params={"mode": "later"}).status_code == 400
         assert c.get("/is_paused").json()["is_paused"] is False
