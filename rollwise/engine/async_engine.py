@@ -39,6 +39,7 @@ class AsyncEngine:
         self._stopped = False
         self._exited = False  # the engine thread has ended (shut down, or died of a bug)
         self.paused = False  # no engine steps (requests wait; commands such as weight updates still run)
+        self.retracted = False  # paused with the KV in flight dropped: an update moves those requests onto it
         self._thread = threading.Thread(target=self._loop, name="rollwise-engine", daemon=True)
         self._thread.start()
 
@@ -109,11 +110,13 @@ class AsyncEngine:
         """Abort every request in flight; their ids."""
         return await self.call(self._abort_all)
 
-    async def pause(self, abort: bool = False, wait: bool = False) -> list[str]:
+    async def pause(self, abort: bool = False, wait: bool = False, retract: bool = False) -> list[str]:
         """Stop stepping (e.g. around a weight update) until `resume`; with `abort`, requests in
         flight end now with what they have (their ids are returned), else they wait, KV kept. With
         `wait`, those in flight finish first, and requests that arrive meanwhile are held back
-        (vLLM's drain): they start after `resume`, under whatever weights are loaded then."""
+        (vLLM's drain): they start after `resume`, under whatever weights are loaded then. With
+        `retract` (SGLang's), they wait with their KV dropped (its memory given back), and a weight
+        update before `resume` moves them onto the new weights, as a partial rollout does."""
         if wait and not self.paused:
             sch = self.engine.scheduler
             ids = await self.call(lambda: (sch.hold(True), list(self.engine.seqs))[1])
@@ -126,18 +129,22 @@ class AsyncEngine:
 
         def go() -> list[str]:
             self.paused = True
+            if retract:
+                self.retracted = True
+                self.engine.scheduler.requeue_running(lambda seq: True)
             return self._abort_all() if abort else []
         return await self.call(go)
 
     async def resume(self) -> None:
         def go() -> None:
-            self.paused = False
+            self.paused = self.retracted = False
             self.engine.scheduler.hold(False)
         await self.call(go)
 
     async def update_weights(self, weights, version: int | None = None, partial_rollout: bool = False) -> int:
-        """New weights between two steps (`LLMEngine.update_weights`); returns the new policy version."""
-        return await self.call(lambda: self.engine.update_weights(weights, version, partial_rollout))
+        """New weights between two steps (`LLMEngine.update_weights`; after a retracting pause, as a
+        partial rollout); returns the new policy version."""
+        return await self.call(lambda: self.engine.update_weights(weights, version, partial_rollout or self.retracted))
 
     async def sleep(self, level: int = 1) -> None:
         """Give back the KV pool (level 1), and the weights (level 2), of an idle engine (sleep.py)."""

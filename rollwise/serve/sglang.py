@@ -29,7 +29,9 @@ class UpdateFromDiskRequest(BaseModel):
 class PauseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     # abort: requests in flight end now with what they have (SGLang's default; a client resubmits
-    # them with their tokens); in_place / retract: they wait, and go on after /continue_generation
+    # them with their tokens); in_place: they wait with their KV, and go on after /continue_generation
+    # under the weights they began with; retract: they wait with their KV dropped, and a weight update
+    # before /continue_generation moves them onto the new weights (their tokens recomputed under them)
     mode: Literal["abort", "in_place", "retract"] = "abort"
 
 
@@ -53,7 +55,8 @@ async def load_from_disk(body: UpdateFromDiskRequest, cfg: ServerConfig,
 def install_sglang(app: FastAPI, engine, cfg: ServerConfig) -> None:
     @app.post("/pause_generation")
     async def pause_generation(body: PauseRequest | None = None):
-        aborted = await engine.pause(abort=(body or PauseRequest()).mode == "abort")
+        mode = (body or PauseRequest()).mode
+        aborted = await engine.pause(abort=mode == "abort", retract=mode == "retract")
         return {"success": True, "message": "Generation paused.", "aborted": aborted}
 
     @app.post("/continue_generation")

@@ -637,6 +637,46 @@ def test_a_draining_pause_holds_back_requests_that_arrive_during_it(model_dir):
     assert len(late.token_ids) == 60 and late.policy_version == version == 1 and not late.version_segments
 
 
+def test_a_retracting_pause_drops_the_kv_and_an_update_moves_the_requests_onto_the_new_weights(model_dir):
+    """pause(retract=True) (SGLang's pause_generation mode "retract"): the requests in flight wait with
+    their KV given back; a weight update before resume moves them onto the new weights from their
+    tokens so far (a version segment at the retract), as a partial rollout does. A plain pause keeps
+    its request's KV, and the request finishes under the weights it began with."""
+    import asyncio
+    import glob
+
+    from safetensors.torch import load_file
+
+    from rollwise import AsyncEngine
+    eng = AsyncEngine(model_dir)
+    weights = {k: v for f in glob.glob(f"{model_dir}/*.safetensors") for k, v in load_file(f).items()}
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    async def paused_at(rid: str, **how):
+        task = asyncio.ensure_future(eng.generate([5, 6, 7, 8 if rid == "kept" else 9], sp, request_id=rid))
+        while not task.done() and not await eng.call(
+                lambda: rid in eng.engine.seqs and eng.engine.seqs[rid].num_output_tokens >= 5):
+            await asyncio.sleep(0.002)
+        assert not task.done(), task.result()
+        await eng.pause(**how)
+        seq = eng.engine.seqs[rid]
+        state = await eng.call(lambda: (seq.num_output_tokens, len(seq.block_table), seq.status.name))
+        version = await eng.update_weights(weights)
+        await eng.resume()
+        return state, version, await task
+    try:
+        retracted = asyncio.run(asyncio.wait_for(paused_at("retracted", retract=True), 60))
+        kept = asyncio.run(asyncio.wait_for(paused_at("kept"), 60))
+    finally:
+        eng.shutdown()
+    (n, blocks, status), version, out = retracted
+    assert blocks == 0 and status == "WAITING" and version == 1 and not eng.retracted
+    assert len(out.token_ids) == 40 and out.policy_version == 0 and out.version_segments == [(0, 0), (n, 1)]
+    (n, blocks, status), version, out = kept
+    assert blocks > 0 and status == "RUNNING" and version == 2
+    assert len(out.token_ids) == 40 and out.policy_version == 1 and not out.version_segments
+
+
 def test_async_engine_runs_the_model_with_its_own_thread_count(model_dir):
     """torch's intra-op thread count is per thread: the engine sets num_threads on the thread that
     runs the model, and leaves the caller's as it was."""

@@ -195,7 +195,7 @@ def test_a_dead_engine_thread_fails_its_callers_instead_of_hanging_them(model_di
 @pytest.mark.parametrize("spec", [None, "suffix"])
 def test_chaos_every_request_ends_and_seeded_ones_keep_their_tokens(model_dir, spec):
     """Requests (streamed or not, priorities, seeds, stop strings, top-k/top-p) under random aborts,
-    cancels, pauses (abort, keep and drain), weight updates (partial rollout or not), cache flushes and a
+    cancels, pauses (abort, keep, drain and retract), weight updates (partial rollout or not), cache flushes and a
     culprit that fails its steps: every request ends (its output, or StepFailed for the culprit
     alone), the engine is empty and consistent after, and with batch invariance each seeded request
     that finished has the tokens it has alone. (Timing decides the interleaving; these hold for all.)"""
@@ -236,7 +236,7 @@ def test_chaos_every_request_ends_and_seeded_ones_keep_their_tokens(model_dir, s
     async def control():
         while True:
             await asyncio.sleep(0.05 + rng.random() * 0.1)
-            op = rng.randrange(9)
+            op = rng.randrange(10)
             if op == 0 and (ids := await eng.call(lambda: list(eng.engine.seqs))):
                 await eng.abort(rng.choice(ids))
             elif op in (1, 2, 3):
@@ -245,6 +245,10 @@ def test_chaos_every_request_ends_and_seeded_ones_keep_their_tokens(model_dir, s
                 await eng.resume()
             elif op == 8:  # drain: those that arrive meanwhile are held back
                 await eng.pause(wait=True)
+                await eng.resume()
+            elif op == 9:  # retract: the KV in flight dropped, and the update moves them onto the new weights
+                await eng.pause(retract=True)
+                await eng.update_weights(weights)
                 await eng.resume()
             elif op in (4, 5):
                 await eng.update_weights(weights, partial_rollout=op == 5)

@@ -58,8 +58,11 @@ def test_the_server_survives_chaos(model_dir):
             op = rng.choice(["abort", "wait", "keep", "abort_all", "flush", "update", "pause_generation"])
             if op in ("abort", "wait", "keep"):
                 calls = [("/pause", {"mode": op}, None), ("/resume", None, None)]
-            elif op == "pause_generation":
-                calls = [("/pause_generation", None, {"mode": "in_place"}), ("/continue_generation", None, None)]
+            elif op == "pause_generation":  # (retract: the KV dropped, and an update moves them onto it)
+                calls = [("/pause_generation", None, {"mode": rng.choice(["in_place", "retract"])})]
+                if rng.random() < 0.5:
+                    calls.append(("/update_weights_from_disk", None, {"model_path": model_dir}))
+                calls.append(("/continue_generation", None, None))
             else:
                 calls = [{"abort_all": ("/abort_request", None, {"abort_all": True}),
                           "flush": ("/flush_cache", None, None),

@@ -156,6 +156,19 @@ def test_sglang_control_endpoints(model_dir):
         assert got["success"] is True and got["weight_version"] == "1" and c.get("/health").json()["policy_version"] == 1
         bad = c.post("/update_weights_from_disk", json={"model_path": "/nonexistent"})
         assert bad.status_code == 400 and bad.json()["success"] is False
+        # retract (slime's mode around an update): the KV in flight is given back while paused, and the
+        # update moves the request onto the new weights from its tokens so far
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            one = pool.submit(httpx.post, s.url + "/generate", timeout=60, json={
+                "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}})
+            running(1)
+            assert c.post("/pause_generation", json={"mode": "retract"}).json()["aborted"] == []
+            assert _metric(c, "vllm:kv_cache_usage_perc") == 0 and _metric(c, "vllm:num_requests_running") == 0
+            got = c.post("/update_weights_from_disk", json={"model_path": model_dir}).json()
+            c.post("/continue_generation")
+            out = one.result().json()
+        assert got["weight_version"] == "2" and len(out["token_ids"]) == 300
+        assert [v for _, v in out["version_segments"]] == [1, 2] and 0 < out["version_segments"][1][0] < 300
         _alive(c)
 
 
