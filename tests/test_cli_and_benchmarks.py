@@ -334,6 +334,15 @@ def test_priority_benchmark_smoke(tmp_path):
     assert prio["urgent_mean_steps"] < fcfs["urgent_mean_steps"]
 
 
+def test_pause_modes_benchmark_smoke(tmp_path):
+    m = smoke(tmp_path, "benchmarks/pause_modes.py")["modes"]
+    assert {o["tokens"] for o in m.values()} == {(4 + 2) * 16}  # equal work in every mode
+    assert {k: o["peak_weight_copies"] for k, o in m.items()} == {"none": 2, "abort": 1, "wait": 1, "keep": 2,
+                                                                  "retract": 1}
+    assert (m["wait"]["old_weights_tokens"], m["wait"]["new_weights_tokens"]) == (4 * 16, 2 * 16)  # late ones held
+    assert m["retract"]["new_weights_tokens"] > 2 * 16 and m["retract"]["prefill_tokens"] > m["wait"]["prefill_tokens"]
+
+
 def test_top_p_benchmark_smoke(tmp_path):
     res = smoke(tmp_path, "benchmarks/top_p.py")
     assert len(res["alone"]) == 2 * 3 * 2 and [r["batch"] for r in res["engine"]] == [1, 4]

@@ -380,7 +380,7 @@ class LLMEngine(WeightVersions, SleepMode):
         return {
             **{k: float(v) for k, v in s.items()},
             "num_running": float(len(sch.running)),
-            "num_waiting": float(len(sch.waiting)),
+            "num_waiting": float(len(sch.waiting) + len(sch.held)),
             "kv_usage": self.blocks.usage,
             "num_kv_blocks": float(self.blocks.num_blocks),
             "kv_capacity_tokens": float(self.blocks.num_blocks * self.blocks.block_size),
