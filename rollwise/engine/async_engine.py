@@ -119,7 +119,11 @@ class AsyncEngine:
         update before `resume` moves them onto the new weights, as a partial rollout does."""
         if wait and not self.paused:
             sch = self.engine.scheduler
-            ids = await self.call(lambda: (sch.hold(True), list(self.engine.seqs))[1])
+
+            def in_flight() -> list[str]:  # (not those held by a drain under way already)
+                sch.hold(True)
+                return [rid for rid, seq in self.engine.seqs.items() if seq not in sch.held]
+            ids = await self.call(in_flight)
             try:
                 while ids and await self.call(lambda: any(r in self.engine.seqs for r in ids)):
                     await asyncio.sleep(0.01)

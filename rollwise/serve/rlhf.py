@@ -1,8 +1,8 @@
 """vLLM's endpoints for RL frameworks (its dev-mode RLHF API), as they drive a vLLM server around a
 weight update: `POST /pause?mode=abort|wait|keep` (abort: requests in flight end now with what they
 have, finish reason "abort"; wait: they finish first, and requests that arrive meanwhile are held
-back until /resume, when they begin under the weights loaded while paused; keep: they wait, KV kept, and go on after
-/resume; `clear_cache`, default true, drops the cached prefix blocks after an abort or a wait;
+back until /resume, when they begin under the weights loaded while paused; keep: they wait, KV
+kept, and go on after /resume; `clear_cache`, default true, drops the cached prefix blocks after an abort or a wait;
 `wait_for_inflight_requests=true` is the older spelling of wait), `POST /resume`, `GET /is_paused`,
 and `POST /reset_prefix_cache` (SGLang's /flush_cache; not needed after a weight update here, since
 cached blocks are keyed by their weights' version, but harmless). Replies as vLLM's."""

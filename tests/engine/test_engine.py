@@ -593,7 +593,8 @@ def test_async_engine_survives_a_cancelled_call(model_dir):
 def test_a_draining_pause_holds_back_requests_that_arrive_during_it(model_dir):
     """pause(wait=True) (vLLM's /pause?mode=wait, before a weight update): the requests in flight finish
     under the weights they began with; one that arrives during the drain is held back (no KV, no token)
-    until resume, then runs whole under the weights loaded in between; one held and aborted just ends."""
+    until resume, then runs whole under the weights loaded in between; one held and aborted just ends;
+    a second drain at once waits for the same requests."""
     import asyncio
     import glob
 
@@ -617,11 +618,13 @@ def test_a_draining_pause_holds_back_requests_that_arrive_during_it(model_dir):
         while await eng.call(lambda: len(sch.held)) < 2:
             await asyncio.sleep(0.002)
         assert await eng.abort("gone") and (await gone).finish_reason == "abort"
+        again = asyncio.ensure_future(eng.pause(wait=True))  # a second drain waits for the same ones, not the held
         seen = []
         while not drain.done():  # the late one waits the drain out without a computed token or a block
             seen.append(await eng.call(lambda: [(s.num_computed_tokens, len(s.block_table)) for s in sch.held]))
             await asyncio.sleep(0.002)
         await drain
+        await asyncio.wait_for(again, 5)
         done = first.done() and await first
         version = await eng.update_weights(weights)
         await asyncio.sleep(0.05)
