@@ -5,6 +5,7 @@ Trajectories are identified by the body's `trajectory_id` / `group_id` / `turn` 
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator
@@ -177,18 +178,17 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         router.remove_replica(body.url.rstrip("/"))
         return {"replicas": sorted(router.replicas)}
 
-    async def fan_out(path: str, body: dict) -> list[dict]:
-        """POST to every healthy replica; the replies of those that answered 200."""
-        got = []
-        for name in sorted(router.healthy):
+    async def fan_out(path: str, body: dict | None, method: str = "POST") -> list[dict]:
+        """`path` on every healthy replica at once (a drain lasts the longest replica's, not their sum);
+        the replies of those that answered 200."""
+        async def one(name: str) -> dict | None:
             client = getattr(router.replicas.get(name), "client", None)
             try:
-                r = await client.post(path, json=body) if client is not None else None
+                r = await client.request(method, path, json=body) if client is not None else None
             except httpx.HTTPError:
-                continue
-            if r is not None and r.status_code == 200:
-                got.append(r.json())
-        return got
+                return None
+            return r.json() if r is not None and r.status_code == 200 else None
+        return [r for r in await asyncio.gather(*(one(n) for n in sorted(router.healthy))) if r is not None]
 
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest):
@@ -214,6 +214,11 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
     @app.post("/resume")
     async def resume():
         return {"status": "resumed", "replicas": len(await fan_out("/resume", {}))}
+
+    @app.get("/is_paused")
+    async def is_paused():  # paused when every replica that answers is
+        got = await fan_out("/is_paused", None, "GET")
+        return {"is_paused": bool(got) and all(r.get("is_paused") for r in got), "replicas": len(got)}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():

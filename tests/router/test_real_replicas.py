@@ -345,8 +345,27 @@ def test_abort_request_through_the_route(servers, model_dir):
         assert not any(httpx.get(s.url + "/health").json()["paused"] for s in servers)
         assert httpx.post(url + "/pause", params={"mode": "keep"}).json() == {"status": "paused", "replicas": 2}
         assert all(httpx.get(s.url + "/is_paused").json()["is_paused"] for s in servers)  # vLLM's names too
+        assert httpx.get(url + "/is_paused").json() == {"is_paused": True, "replicas": 2}
         assert httpx.post(url + "/resume").json() == {"status": "resumed", "replicas": 2}
         assert not any(httpx.get(s.url + "/is_paused").json()["is_paused"] for s in servers)
+        assert httpx.get(url + "/is_paused").json()["is_paused"] is False
+        # a drain (/pause?mode=wait) reaches the replicas at once: both drain together, each finishing its own
+        # request (one after the other, the second would still be serving while the first drained)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            calls = [pool.submit(httpx.post, url + "/generate", timeout=60, json={
+                "input_ids": [5, 6, i], "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}) for i in (7, 8)]
+            for _ in range(500):
+                if all(_replica_metric(s, "vllm:num_requests_running") == 1 for s in servers):
+                    break
+                time.sleep(0.01)
+            drain = pool.submit(httpx.post, url + "/pause", params={"mode": "wait"}, timeout=60)
+            together = False
+            while not drain.done() and not together:
+                together = all(httpx.get(s.url + "/is_paused").json()["is_paused"]
+                               and _replica_metric(s, "vllm:num_requests_running") == 1 for s in servers)
+            assert together and drain.result().json() == {"status": "paused", "replicas": 2}
+            assert [len(c.result().json()["token_ids"]) for c in calls] == [300, 300]
+        assert httpx.post(url + "/resume").json()["replicas"] == 2
         # so does a cache flush (SGLang's /flush_cache, vLLM's /reset_prefix_cache): a prefix cached on
         # both replicas is cached on neither after it
         again = {"input_ids": list(range(100, 150)), "sampling_params": {"max_new_tokens": 1}}
