@@ -607,7 +607,8 @@ def test_a_draining_pause_holds_back_requests_that_arrive_during_it(model_dir):
     sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
 
     async def go():
-        first = asyncio.ensure_future(eng.generate([5, 6, 7], sp))
+        first = asyncio.ensure_future(eng.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=300,
+                                                                             ignore_eos=True)))
         while not await eng.call(lambda: len(sch.running)):
             await asyncio.sleep(0.002)
         drain = asyncio.ensure_future(eng.pause(wait=True))
@@ -635,7 +636,7 @@ def test_a_draining_pause_holds_back_requests_that_arrive_during_it(model_dir):
         first, version, late, seen = asyncio.run(asyncio.wait_for(go(), 60))
     finally:
         eng.shutdown()
-    assert first and len(first.token_ids) == 60 and first.policy_version == 0
+    assert first and len(first.token_ids) == 300 and first.policy_version == 0
     assert len(seen) > 3 and all(s == [(0, 0)] for s in seen)
     assert len(late.token_ids) == 60 and late.policy_version == version == 1 and not late.version_segments
 

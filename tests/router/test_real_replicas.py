@@ -353,7 +353,7 @@ def test_abort_request_through_the_route(servers, model_dir):
         # request (one after the other, the second would still be serving while the first drained)
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             calls = [pool.submit(httpx.post, url + "/generate", timeout=60, json={
-                "input_ids": [5, 6, i], "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}) for i in (7, 8)]
+                "input_ids": [5, 6, i], "sampling_params": {"max_new_tokens": 600, "ignore_eos": True}}) for i in (7, 8)]
             for _ in range(500):
                 if all(_replica_metric(s, "vllm:num_requests_running") == 1 for s in servers):
                     break
@@ -364,7 +364,7 @@ def test_abort_request_through_the_route(servers, model_dir):
                 together = all(httpx.get(s.url + "/is_paused").json()["is_paused"]
                                and _replica_metric(s, "vllm:num_requests_running") == 1 for s in servers)
             assert together and drain.result().json() == {"status": "paused", "replicas": 2}
-            assert [len(c.result().json()["token_ids"]) for c in calls] == [300, 300]
+            assert [len(c.result().json()["token_ids"]) for c in calls] == [600, 600]
         assert httpx.post(url + "/resume").json()["replicas"] == 2
         # so does a cache flush (SGLang's /flush_cache, vLLM's /reset_prefix_cache): a prefix cached on
         # both replicas is cached on neither after it
