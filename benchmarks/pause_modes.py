@@ -27,6 +27,8 @@ passive_unless_chosen()  # before torch loads
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import engine_model  # noqa: E402
 
+from safetensors.torch import load_file  # noqa: E402
+
 from rollwise import AsyncEngine, SamplingParams  # noqa: E402
 
 MODES = ("none", "abort", "wait", "keep", "retract")
@@ -50,14 +52,14 @@ def run(model: str, mode: str, weights: dict, args) -> dict:
 
     async def watch() -> None:
         while True:
-            peak[0] = max(peak[0], eng.metrics()["weight_versions"])
+            peak[0] = max(peak[0], (await eng.call(eng.engine.metrics))["weight_versions"])
             await asyncio.sleep(0.005)
 
     async def go() -> dict:
         watcher = asyncio.ensure_future(watch())
         t0 = time.perf_counter()
         first = [asyncio.ensure_future(one(i)) for i in range(args.batch)]
-        while eng.metrics()["generated_tokens"] < args.batch * args.tokens * args.update_at:
+        while (await eng.call(eng.engine.metrics))["generated_tokens"] < args.batch * args.tokens * args.update_at:
             await asyncio.sleep(0.002)
         t_update = time.perf_counter()
         pausing = asyncio.ensure_future(
@@ -98,8 +100,7 @@ def main() -> None:
     if args.smoke:
         args.batch, args.tokens, args.prompt_len, args.repeats = 4, 16, 32, 1
     model = engine_model("smoke" if args.smoke else "bench", args.model)
-    weights = {k: v for f in glob.glob(f"{model}/*.safetensors") for k, v in __import__(
-        "safetensors.torch", fromlist=["load_file"]).load_file(f).items()}
+    weights = {k: v for f in glob.glob(f"{model}/*.safetensors") for k, v in load_file(f).items()}
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     for rep in range(args.repeats):  # taking turns: this machine's speed drifts
         for mode in MODES:

@@ -343,6 +343,16 @@ def test_pause_modes_benchmark_smoke(tmp_path):
     assert m["retract"]["new_weights_tokens"] > 2 * 16 and m["retract"]["prefill_tokens"] > m["wait"]["prefill_tokens"]
 
 
+def test_gpu_check_runs_its_checks_on_the_cpu(tmp_path):
+    # the script a session lent a GPU runs; here on the CPU, where every check must hold
+    res = smoke(tmp_path, "benchmarks/gpu_check.py", "--device", "cpu")
+    for name in ("dense", "moe"):
+        c = res["correctness"][name]
+        assert c["same_greedy_tokens"] == c["prompts"] == 4 and c["max_logprob_diff"] < 1e-4, (name, c)
+        assert c["spec_lossless"] and c["spec_accepted"] > 0 and c["seeded_repeatable"], (name, c)
+    assert set(res["speed"]["decode"]) == {"1", "2"} and res["speed"]["prefill"]["tokens"] == 64
+
+
 def test_top_p_benchmark_smoke(tmp_path):
     res = smoke(tmp_path, "benchmarks/top_p.py")
     assert len(res["alone"]) == 2 * 3 * 2 and [r["batch"] for r in res["engine"]] == [1, 4]
