@@ -596,14 +596,10 @@ def test_a_draining_pause_holds_back_requests_that_arrive_during_it(model_dir):
     until resume, then runs whole under the weights loaded in between; one held and aborted just ends;
     a second drain at once waits for the same requests."""
     import asyncio
-    import glob
-
-    from safetensors.torch import load_file
 
     from rollwise import AsyncEngine
     eng = AsyncEngine(model_dir)
     sch = eng.engine.scheduler
-    weights = {k: v for f in glob.glob(f"{model_dir}/*.safetensors") for k, v in load_file(f).items()}
     sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
 
     async def go():
@@ -627,7 +623,7 @@ def test_a_draining_pause_holds_back_requests_that_arrive_during_it(model_dir):
         await drain
         await asyncio.wait_for(again, 5)
         done = first.done() and await first
-        version = await eng.update_weights(weights)
+        version = await eng.update_weights(model_dir)  # (the same weights, from the directory)
         await asyncio.sleep(0.05)
         assert not late.done()  # paused: still held
         await eng.resume()
@@ -647,13 +643,9 @@ def test_a_retracting_pause_drops_the_kv_and_an_update_moves_the_requests_onto_t
     tokens so far (a version segment at the retract), as a partial rollout does. A plain pause keeps
     its request's KV, and the request finishes under the weights it began with."""
     import asyncio
-    import glob
-
-    from safetensors.torch import load_file
 
     from rollwise import AsyncEngine
     eng = AsyncEngine(model_dir)
-    weights = {k: v for f in glob.glob(f"{model_dir}/*.safetensors") for k, v in load_file(f).items()}
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
     async def paused_at(rid: str, **how):
@@ -665,7 +657,7 @@ def test_a_retracting_pause_drops_the_kv_and_an_update_moves_the_requests_onto_t
         await eng.pause(**how)
         seq = eng.engine.seqs[rid]
         state = await eng.call(lambda: (seq.num_output_tokens, len(seq.block_table), seq.status.name))
-        version = await eng.update_weights(weights)
+        version = await eng.update_weights(model_dir)
         await eng.resume()
         return state, version, await task
     try:

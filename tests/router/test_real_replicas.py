@@ -352,8 +352,9 @@ def test_abort_request_through_the_route(servers, model_dir):
         # a drain (/pause?mode=wait) reaches the replicas at once: both drain together, each finishing its own
         # request (one after the other, the second would still be serving while the first drained)
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            calls = [pool.submit(httpx.post, url + "/generate", timeout=60, json={
-                "input_ids": [5, 6, i], "sampling_params": {"max_new_tokens": 600, "ignore_eos": True}}) for i in (7, 8)]
+            long = {"max_new_tokens": 600, "ignore_eos": True}
+            calls = [pool.submit(httpx.post, url + "/generate", timeout=60,
+                                 json={"input_ids": [5, 6, i], "sampling_params": long}) for i in (7, 8)]
             for _ in range(500):
                 if all(_replica_metric(s, "vllm:num_requests_running") == 1 for s in servers):
                     break

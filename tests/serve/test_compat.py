@@ -175,8 +175,8 @@ def test_sglang_control_endpoints(model_dir):
 def test_vllm_pause_resume_around_a_weight_update(model_dir):
     """vLLM's RLHF endpoints: /pause?mode=keep freezes the requests in flight (no token while paused,
     all of them after /resume); mode=abort (the default) ends them now with what they have; mode=wait
-    returns once they have finished, and one that comes meanwhile waits for /resume; /is_paused says which; an abort or a wait clears the prefix cache
-    unless clear_cache=false."""
+    returns once they have finished, and one that comes meanwhile waits for /resume; /is_paused says
+    which; an abort or a wait clears the prefix cache unless clear_cache=false."""
     long = {"input_ids": [5, 6, 7], "sampling_params": {"max_tokens": 300, "ignore_eos": True}}
     with ServerProcess(model_dir, "--max-model-len", "1024") as s, httpx.Client(base_url=s.url, timeout=60) as c, \
             concurrent.futures.ThreadPoolExecutor(2) as pool:
