@@ -3,6 +3,7 @@ engine.py and spec_engine.py share the same engine models, so they measure the s
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -109,6 +110,13 @@ def paired(fns: dict, reps: int, quiet: list[int] = (), warmup: bool = False) ->
             if rep >= warmup:
                 runs[k].append(time.perf_counter() - t0)
     return {k: (outs[k], sorted(r)[len(r) // 2]) for k, r in runs.items()}
+
+
+def rand_prompts(n: int, length: int, vocab: int, seed: int, shared: int = 0) -> list[list[int]]:
+    """`n` random prompts of token ids 100..vocab-1 (`shared`: a common head of that many first)."""
+    rng = random.Random(seed)
+    head = [rng.randrange(100, vocab) for _ in range(shared)]
+    return [head + [rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
 def decode_prompts(b: int, length: int = 32) -> list[list[int]]:

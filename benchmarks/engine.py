@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 from pathlib import Path
 
 from rollwise.omp import passive_unless_chosen
@@ -36,14 +35,8 @@ from rollwise.engine.models.loader import load_model  # noqa: E402
 from rollwise.serve.process import ServerProcess  # noqa: E402
 
 import common  # noqa: E402  (benchmarks/common.py)
-from common import engine_model, start_vllm  # noqa: E402
+from common import engine_model, rand_prompts, start_vllm  # noqa: E402
 
-
-
-def rand_prompts(n: int, length: int, vocab: int, seed: int, shared: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    head = [rng.randrange(100, vocab) for _ in range(shared)]
-    return [head + [rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
 REPS = 3  # every timing is the median of REPS runs (the machine is shared and noisy)

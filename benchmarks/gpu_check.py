@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 from pathlib import Path
@@ -25,7 +24,7 @@ passive_unless_chosen()  # before torch loads
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_model, paired  # noqa: E402
+from common import engine_model, paired, rand_prompts as prompts  # noqa: E402
 
 from rollwise import LLM, SamplingParams  # noqa: E402
 from rollwise.make_model import make_model  # noqa: E402
@@ -33,11 +32,6 @@ from rollwise.make_model import make_model  # noqa: E402
 SMALL = {"dense": dict(family="qwen3", layers=2, hidden=128, heads=4, kv_heads=2, vocab=2048, head_dim=32, std=0.1),
          "moe": dict(family="qwen3_moe", layers=2, hidden=128, heads=4, kv_heads=2, vocab=2048, std=0.1,
                      experts=8, experts_per_token=2, moe_intermediate=64)}
-
-
-def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
 def transformers_model(model: str, device: str, dtype: str):

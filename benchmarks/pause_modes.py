@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import glob
 import json
 import statistics
 import sys
@@ -25,11 +24,10 @@ from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_model  # noqa: E402
-
-from safetensors.torch import load_file  # noqa: E402
+from common import decode_prompts, engine_model  # noqa: E402
 
 from rollwise import AsyncEngine, SamplingParams  # noqa: E402
+from rollwise.engine.models.loader import load_state_dict  # noqa: E402
 
 MODES = ("none", "abort", "wait", "keep", "retract")
 
@@ -37,11 +35,11 @@ MODES = ("none", "abort", "wait", "keep", "retract")
 def run(model: str, mode: str, weights: dict, args) -> dict:
     eng = AsyncEngine(model, max_num_seqs=args.batch * 2)
     sp = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
-    prompt = lambda i: [(7 + 31 * i + 3 * j) % 1000 + 5 for j in range(args.prompt_len)]  # noqa: E731
+    prompts = decode_prompts(args.batch * 3 // 2, args.prompt_len)
     peak, by_version = [0.0], {0: 0, 1: 0}
 
     async def one(i: int) -> int:
-        ids, left, done = prompt(i), args.tokens, 0
+        ids, left, done = prompts[i], args.tokens, 0
         while left:
             out = await eng.generate(ids, sp(left))
             for k, (at, v) in enumerate(out.version_segments or [(0, out.policy_version)]):
@@ -100,7 +98,7 @@ def main() -> None:
     if args.smoke:
         args.batch, args.tokens, args.prompt_len, args.repeats = 4, 16, 32, 1
     model = engine_model("smoke" if args.smoke else "bench", args.model)
-    weights = {k: v for f in glob.glob(f"{model}/*.safetensors") for k, v in load_file(f).items()}
+    weights = load_state_dict(model)  # (in memory, as a trainer hands them over)
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     for rep in range(args.repeats):  # taking turns: this machine's speed drifts
         for mode in MODES:

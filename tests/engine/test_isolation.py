@@ -199,16 +199,15 @@ def test_chaos_every_request_ends_and_seeded_ones_keep_their_tokens(model_dir, s
     culprit that fails its steps: every request ends (its output, or StepFailed for the culprit
     alone), the engine is empty and consistent after, and with batch invariance each seeded request
     that finished has the tokens it has alone. (Timing decides the interleaving; these hold for all.)"""
-    import glob
     import random
 
-    from safetensors.torch import load_file
+    from rollwise.engine.models.loader import load_state_dict
     rng = random.Random(0)
     eng = AsyncEngine(model_dir, max_num_seqs=16, num_kv_blocks=64, max_num_batched_tokens=256,
                       batch_invariant=True, scheduling_policy="priority", keep_weight_versions=2,
                       **({} if spec is None else {"speculative": spec, "spec_controller": "always"}))
     _faults(eng, "sampler", [])
-    weights = {k: v for f in glob.glob(f"{model_dir}/*.safetensors") for k, v in load_file(f).items()}
+    weights = load_state_dict(model_dir)
     ended, seeded, wrong = [], [], []
 
     async def one(i):
