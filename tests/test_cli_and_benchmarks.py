@@ -171,6 +171,16 @@ def test_omp_wait_benchmark_smoke(tmp_path):
     assert run("benchmarks/omp_wait.py", "--spin-count", "0").returncode == 2
 
 
+def test_vml_race_benchmark_smoke(tmp_path):
+    out = tmp_path / "vml.json"
+    r = run("benchmarks/vml_race.py", "--smoke", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert {a: v["starts"] for a, v in res["arms"].items()} == {"cold": 2, "settled": 2}
+    assert res["arms"]["settled"]["raced"] == 0  # (settled first: no first call left to race)
+    assert run("benchmarks/vml_race.py", "--threads", "1").returncode == 2
+
+
 def test_spec_engine_benchmark_smoke(tmp_path):
     res = smoke(tmp_path, "benchmarks/spec_engine.py", "--model", str(tmp_path / "model"))["concurrency"]
     assert set(res) == {"1", "2"}

@@ -60,6 +60,9 @@ class RewardModel:
     def __init__(self, cfg: RewardModelConfig) -> None:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from rollwise import mkl
+        mkl.settle()  # (a score the same bits in every process: its rotary embedding's cos)
         self.cfg, self.torch = cfg, torch
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.path)
         model = AutoModelForSequenceClassification.from_pretrained(cfg.path, dtype=getattr(torch, cfg.dtype))

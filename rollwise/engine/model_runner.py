@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from rollwise import mkl
 from rollwise.config import EngineConfig
 from rollwise.engine import lora, native
 from rollwise.engine.attention import MAX_SHORT, VECTOR_HEAD_SIZES, build_metadata
@@ -37,6 +38,7 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig, max_model_len: int) -> None:
         if cfg.num_threads:
             set_threads(cfg.num_threads)
+        mkl.settle()  # (before the rotary table is computed on several threads)
         self.device = torch.device(cfg.device)
         self.model: CausalLM = load_model(cfg.model, cfg.dtype, cfg.device, max_positions=max_model_len)
         if cfg.batch_invariant:

@@ -80,9 +80,12 @@ class PolicyModel:
         """`load` False: the model built without its weights (uninitialized memory), for a trainer rank
         that takes another's next (data_parallel.py: adopted from shared memory, or broadcast)."""
         from transformers import AutoConfig, AutoModelForCausalLM
+
+        from rollwise import mkl
         torch.manual_seed(seed)
         if threads:
             torch.set_num_threads(threads)
+        mkl.settle()  # (before its threads share MKL's vector math: its rotary embedding's cos)
         self.model_dir = model_dir
         if load:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
