@@ -1,16 +1,21 @@
-"""MKL's vector math on its first call, from several OpenMP threads at once (rollwise/mkl.py).
+"""MKL's vector math on its first call, from several OpenMP threads at once (rollwise/mkl.py), where a
+CI run met it: the trainer's first step, in fresh processes.
 
-    python benchmarks/vml_race.py [--starts N] [--threads T] [--json PATH] [--smoke]
+    python benchmarks/vml_race.py [--starts N] [--json PATH] [--smoke]
 
-Each start is a fresh Python process: torch's threads are set to T and woken by a matmul and an
-elementwise add, then cos of a 40,000-element tensor (split between the threads) is taken twice and
-the two compared. A start "races" when the first differs from the second anywhere. The starts alternate between processes that
-do nothing first ("cold") and processes that call `rollwise.mkl.settle()` first, as the trainer's
-policy and the engine do. The work done is the same in both: two cos of the same tensor.
+Each start is a fresh Python process that builds the trainer's policy (a small Qwen3-style model,
+made locally; 2 threads), moves its weights into one shared buffer as a trainer apart holds them,
+and takes one SFT step on 3 expert episodes of the calculator env, as `rollwise train`'s warm start
+does; it reports that step's loss to the last bit. The starts take
+turns between processes that leave MKL's vector math cold (`rollwise.mkl.settle` skipped) and
+processes that settle it first, as the policy does. Every start does the same work, on the same
+weights and tokens, so every loss should be the same bits; a start that differs from the most
+common value raced.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import subprocess
 import sys
@@ -20,55 +25,70 @@ from tqdm import tqdm
 
 from rollwise.omp import passive_env
 
+HERE = Path(__file__).resolve().parent
+MODEL = dict(family="qwen3", layers=2, hidden=64, heads=4, kv_heads=2, vocab=1024, std=0.1, seed=2, tie=True,
+             head_dim=32)  # (the tests' qwen3, tests/conftest.py)
+
 START = """
-import torch
+import asyncio, dataclasses, sys
 from rollwise import mkl
-torch.set_num_threads({threads})
-a = torch.randn(512, 256)
-(a @ a.t()).sum()
-torch.randn(100000).add(1)
-if {settle}:
-    mkl.settle()
-x = torch.rand(40000, generator=torch.Generator().manual_seed(0)) * 0.9 + 0.05
-first, second = torch.cos(x), torch.cos(x)
-print(int((first != second).sum()))
+if sys.argv[2] == "cold":
+    mkl._settled = True  # (settle() then does nothing: the first calls race as they did before it)
+from rollwise.agent.envs.calculator import CalculatorEnv
+from rollwise.engine.tokenizer import Tokenizer
+from rollwise.rl import expert_trajectories
+from rollwise.rl_config import TrainConfig
+from rollwise.rl_trainer import TrainerRanks, make_policy
+from rollwise.trainer.data_parallel import share_weights
+env = CalculatorEnv()
+demos = asyncio.run(expert_trajectories(Tokenizer(sys.argv[1]), CalculatorEnv, env.sample_tasks(6, seed=0)))
+cfg = TrainConfig.from_dict({"model": sys.argv[1], "run_dir": sys.argv[3], "seed": 3, "trainer_threads": 2,
+                             "sft_steps": 1, "sft_batch": 3, "sft_lr": 3e-3, "micro_batch_tokens": 256})
+policy = make_policy(cfg)
+share_weights(policy.model)  # (its weights in one shared buffer, as a trainer apart holds them: where CI met it)
+print(TrainerRanks(cfg, policy).sft(demos)[0].hex())
 """
 
 
-def start(threads: int, settle: bool) -> int:
-    """One fresh process; how many of the first cos's elements differ from the second's."""
-    out = subprocess.run([sys.executable, "-c", START.format(threads=threads, settle=settle)], env=passive_env(),
-                         capture_output=True, text=True, timeout=120)
+def start(model: str, arm: str, run_dir: str) -> str:
+    """One fresh process's first SFT loss, as hex (every bit)."""
+    out = subprocess.run([sys.executable, "-c", START, model, arm, run_dir], env=passive_env(), capture_output=True,
+                         text=True, timeout=300)
     if out.returncode:
         raise RuntimeError(f"a start failed ({out.returncode}): {out.stderr[-2000:]}")
-    return int(out.stdout.split()[-1])
+    return out.stdout.split()[-1]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--starts", type=int, default=300, help="fresh processes per arm")
-    ap.add_argument("--threads", type=int, default=4, help="torch threads in each")
+    ap.add_argument("--starts", type=int, default=100, help="fresh processes per arm")
     ap.add_argument("--smoke", action="store_true", help="2 starts per arm (CI)")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
-    if args.starts < 1 or args.threads < 2:
-        ap.error("--starts must be >= 1 and --threads >= 2 (one thread has no one to race)")
+    if args.starts < 1:
+        ap.error("--starts must be >= 1")
+    sys.path.insert(0, str(HERE))
+    from common import cached_model  # benchmarks/common.py
+    model = cached_model("vml-race-model", **MODEL)
+    run_dir = str(Path.home() / ".cache" / "rollwise" / "vml-race-run")
     n = 2 if args.smoke else args.starts
-    arms = {"cold": [], "settled": []}
+    arms: dict[str, list[str]] = {"cold": [], "settled": []}
     bar = tqdm(total=2 * n, desc="starts", file=sys.stderr)
     for _ in range(n):
         for arm in arms:  # (taking turns: a slow spell of the machine falls on both)
-            arms[arm].append(start(args.threads, arm == "settled"))
+            arms[arm].append(start(model, arm, run_dir))
             bar.update()
-            bar.set_postfix({a: sum(d > 0 for d in v) for a, v in arms.items()})
     bar.close()
-    results = {"threads": args.threads, "elements": 40000, "arms": {
-        arm: {"starts": len(v), "raced": sum(d > 0 for d in v), "differing": [d for d in v if d]}
-        for arm, v in arms.items()}}
-    print(f"\nfirst cos of 40,000 elements on {args.threads} threads, against the second, in fresh processes")
-    print(f"{'arm':<10}{'starts':>8}{'raced':>8}  elements differing where raced")
+    usual = collections.Counter(v for got in arms.values() for v in got).most_common(1)[0][0]
+    results = {"model": model, "usual_loss": float.fromhex(usual), "arms": {
+        arm: {"starts": len(got), "raced": sum(v != usual for v in got),
+              "losses": {float.fromhex(v): c for v, c in collections.Counter(got).items()}}
+        for arm, got in arms.items()}}
+    print(f"\nfirst SFT loss of a fresh process (the usual value: {float.fromhex(usual)!r})")
+    print(f"{'arm':<10}{'starts':>8}{'raced':>8}  other values")
     for arm, r in results["arms"].items():
-        print(f"{arm:<10}{r['starts']:>8}{r['raced']:>8}  {r['differing'] or '-'}")
+        other = {v: c for v, c in r["losses"].items() if v != results["usual_loss"]}
+        print(f"{arm:<10}{r['starts']:>8}{r['raced']:>8}  {other or '-'}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
