@@ -6,11 +6,10 @@ CI run met it: the trainer's first step, in fresh processes.
 Each start is a fresh Python process that builds the trainer's policy (a small Qwen3-style model,
 made locally; 2 threads), moves its weights into one shared buffer as a trainer apart holds them,
 and takes one SFT step on 3 expert episodes of the calculator env, as `rollwise train`'s warm start
-does; it reports that step's loss to the last bit. The starts take
-turns between processes that leave MKL's vector math cold (`rollwise.mkl.settle` skipped) and
-processes that settle it first, as the policy does. Every start does the same work, on the same
-weights and tokens, so every loss should be the same bits; a start that differs from the most
-common value raced.
+does; it reports that step's loss to the last bit. The starts take turns between processes that
+leave MKL's vector math cold (`rollwise.mkl.settle` skipped) and processes that settle it first, as
+the policy does. Every start does the same work, on the same weights and tokens, so every loss
+should be the same bits; a start that differs from the most common value raced.
 """
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ MODEL = dict(family="qwen3", layers=2, hidden=64, heads=4, kv_heads=2, vocab=102
              head_dim=32)  # (the tests' qwen3, tests/conftest.py)
 
 START = """
-import asyncio, dataclasses, sys
+import asyncio, sys
 from rollwise import mkl
 if sys.argv[2] == "cold":
     mkl._settled = True  # (settle() then does nothing: the first calls race as they did before it)

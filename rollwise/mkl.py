@@ -3,8 +3,8 @@
 On the CPU torch computes cos, sin, exp, log, tanh, erf and a few more through MKL's vector math
 (VML), a tensor of more than 2,048 elements split between its OpenMP threads. VML sets itself up on
 its first call, and threads that make that first call together can compute their shares with
-different kernels: most of one thread's share then differs in its last bits, in a few process
-starts in a hundred (`benchmarks/vml_race.py`). The trainer's first step met it in the rotary
+different kernels: most of one thread's share then differs in its last bits, in one to a few
+process starts in a hundred (`benchmarks/vml_race.py`). The trainer's first step met it in the rotary
 embedding's cos (a run's first loss differed in its last bits from the same run in another
 process), and the engine computes its rotary table once at load, so a replica could keep such a
 table all its life. `settle()`, called before a policy, an engine or a reward model is built, makes

@@ -18,7 +18,7 @@ BUILD = {  # (each ends having computed its rotary embedding's cos)
 
 @pytest.mark.parametrize("what", list(BUILD))
 def test_a_policy_and_an_engine_settle_the_vector_math_before_using_it(model_dir, what):
-    """The race itself is rare (a few process starts in a hundred: benchmarks/vml_race.py measures
+    """The race itself is rare (one to a few process starts in a hundred: benchmarks/vml_race.py measures
     it on the trainer's first step), so this checks the order: in a fresh process, the trainer's
     policy (in its first forward) and the engine (its rotary table, at load) take their first cos
     of a tensor after the vector math is settled."""
