@@ -67,13 +67,23 @@ def test_a_failed_step_fails_only_its_culprit(model_dir, reference, where, spec)
     failed: list = []
     _faults(eng, where, failed)
 
+    def frozen_while_running() -> bool:  # (on the engine thread, between steps)
+        seqs = list(eng.engine.seqs.values())
+        if len(seqs) == len(PROMPTS) and all(s.num_output_tokens >= 1 for s in seqs):
+            eng.paused = True
+        return eng.paused
+
     async def go():
         runs = [asyncio.ensure_future(eng.generate(p, sp)) for p, sp in zip(PROMPTS, PARAMS)]
-        await asyncio.sleep(0.05)  # the others are running when the culprit comes
         culprit = None
-        if where != "big_batch":
+        if where != "big_batch":  # the others are running when the culprit comes, however late this
+            while not await eng.call(frozen_while_running):  # thread wakes: the engine waits for it
+                await asyncio.sleep(0.001)
             culprit = asyncio.ensure_future(eng.generate([3, 4, 5, 6], CULPRIT))
             runs.append(culprit)
+            while not await eng.call(lambda: len(eng.engine.seqs) > len(PROMPTS)):
+                await asyncio.sleep(0.001)
+            await eng.resume()
         outs = await asyncio.gather(*runs, return_exceptions=True)
         after = await eng.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         return outs, culprit, after
