@@ -243,9 +243,10 @@ def test_chaos_every_request_ends_and_seeded_ones_keep_their_tokens(model_dir, s
             ended.append("failed") if sp.seed == 13 else wrong.append(("a bystander failed", sp))
 
     async def control():
+        first = True  # (an abort of all in flight first, so that a fast run still sees one)
         while True:
             await asyncio.sleep(0.05 + rng.random() * 0.1)
-            op = rng.randrange(10)
+            op, first = 1 if first else rng.randrange(10), False
             if op == 0 and (ids := await eng.call(lambda: list(eng.engine.seqs))):
                 await eng.abort(rng.choice(ids))
             elif op in (1, 2, 3):
