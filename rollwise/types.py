@@ -272,6 +272,7 @@ class GenerateRequest:
     forced_output: list[int] | None = None  # trace replay: emit these tokens (the forward still runs)
     policy_version: int | None = None  # run under these weights (a replica must hold them); None: the newest
     priority: int = 0  # a replica's scheduling priority (its "priority" policy; lower first)
+    cache_salt: str | None = None  # vLLM's: KV (and drafts) shared only with requests of the same salt
 
 
 @dataclass(slots=True, kw_only=True)

@@ -55,7 +55,8 @@ class AsyncEngine:
             req = prompt
             out = await self.generate(req.prompt_token_ids, req.params, req.request_id, group_id=req.group_id,
                                       forced_output=req.forced_output, session=req.trajectory_id,
-                                      policy_version=req.policy_version, priority=req.priority)
+                                      policy_version=req.policy_version, priority=req.priority,
+                                      cache_salt=req.cache_salt)
             return GenerateOutput.of(out)
         out = None
         async for out in self._outputs(prompt, params, request_id, False, options):

@@ -21,14 +21,16 @@ class LLM:
     def generate(self, prompts: str | list[int] | list, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False, group_ids: list[str | None] | None = None, n: int = 1,
                  priority: list[int] | None = None) -> list[RequestOutput]:
-        """prompts: strings or token-id lists (one prompt alone is accepted too); params: one for all
+        """prompts: strings or token-id lists (one prompt alone is accepted too), or vLLM's prompt dicts
+        (`{"prompt": text}` or `{"prompt_token_ids": ids}`, with an optional `cache_salt`); params: one for all
         or one per prompt; group_ids: the prompt group of each (siblings draft from each other).
         n: samples per prompt (a GRPO group): prompt i's come at i*n .. i*n+n-1, sample j seeded
         seed + j (`SamplingParams.for_sample`), its prompt computed once, and they form a group for
         drafting unless `group_ids` names one. priority: one per prompt (vLLM's; the engine's
         scheduling_policy must be "priority" for any but 0). Returns outputs in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts, salts = zip(*map(_prompt, prompts)) if prompts else ((), ())
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
@@ -44,12 +46,12 @@ class LLM:
         if n > 1:
             groups = [g if g is not None else f"llm-{uuid.uuid4().hex[:12]}" for g in groups]
             prompts, groups = [p for p in prompts for _ in range(n)], [g for g in groups for _ in range(n)]
-            prios = [q for q in prios for _ in range(n)]
+            prios, salts = [q for q in prios for _ in range(n)], [c for c in salts for _ in range(n)]
             plist = [sp.for_sample(j) for sp in plist for j in range(n)]
         ids: list[str] = []
         try:
-            for p, sp, g, q in zip(prompts, plist, groups, prios):
-                ids.append(self.engine.add_request(p, sp, group_id=g, priority=q))
+            for p, sp, g, q, c in zip(prompts, plist, groups, prios, salts):
+                ids.append(self.engine.add_request(p, sp, group_id=g, priority=q, cache_salt=c))
         except ValueError:  # all or nothing: take back the ones already queued
             for rid in ids:
                 self.engine.abort(rid)
@@ -99,3 +101,16 @@ class LLM:
 
     def metrics(self) -> dict[str, float]:
         return self.engine.metrics()
+
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
+
+def _prompt(p) -> tuple:
+    """(text or token ids, cache salt) of one prompt: as given, or a vLLM prompt dict."""
+    if not isinstance(p, dict):
+        return p, None
+    if set(p) - set(PROMPT_KEYS) or ("prompt" in p) == ("prompt_token_ids" in p):
+        raise ValueError(f"a prompt dict takes one of 'prompt' and 'prompt_token_ids', and optionally "
+                         f"'cache_salt'; got keys {sorted(p)}")
+    return p.get("prompt", p.get("prompt_token_ids")), p.get("cache_salt")

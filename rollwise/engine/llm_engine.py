@@ -81,7 +81,7 @@ class LLMEngine(WeightVersions, SleepMode):
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     stream: bool = False, group_id: str | None = None,
                     forced_output: list[int] | None = None, session: str | None = None,
-                    policy_version: int | None = None, priority: int = 0) -> str:
+                    policy_version: int | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
         """Validate and queue a request; raises ValueError for input the engine cannot serve.
         `stream`: step() reports it after every token, not only when it finishes. `group_id`: its
         prompt group (siblings draft from each other). `forced_output`: trace replay — the model
@@ -89,7 +89,8 @@ class LLMEngine(WeightVersions, SleepMode):
         trajectory, whose next request's drafting tree extends this one's. `policy_version`: run
         under that version's weights (held: the newest `keep_weight_versions`, and any a request
         still runs on) instead of the newest. `priority`: under the "priority" scheduling policy,
-        lower is admitted first and preempted last (vLLM's)."""
+        lower is admitted first and preempted last (vLLM's). `cache_salt` (vLLM's): its KV is shared
+        only with requests of the same salt, and it drafts only from them (a tenant's secret)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         self._check_awake()
@@ -124,8 +125,11 @@ class LLMEngine(WeightVersions, SleepMode):
                 priority and self.config.scheduling_policy != "priority"):
             raise ValueError(f"priority {priority!r}: an integer, and other than 0 only under scheduling_policy "
                              f"'priority' (this engine's is {self.config.scheduling_policy!r})")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         seq = Sequence(rid, list(ids), params, forced=list(forced_output) if forced_output else None,
-                       priority=priority, arrival=next(self._arrivals), t_arrival=time.monotonic())
+                       priority=priority, arrival=next(self._arrivals), t_arrival=time.monotonic(),
+                       cache_salt=cache_salt)
         if params.bad_words:
             seq.bad_words = self._bad_words(params.bad_words)
         if params.structured_outputs is not None:
@@ -146,7 +150,7 @@ class LLMEngine(WeightVersions, SleepMode):
         seq.pinned, seq.hash_root = policy_version is not None, self._root(seq, v)
         self.seqs[rid] = seq
         if self.spec is not None:
-            self.spec.start(rid, seq.prompt_token_ids, group_id, session)
+            self.spec.start(rid, seq.prompt_token_ids, group_id, session, cache_salt)
         self.stats["prompt_tokens"] += len(ids)
         if stream:
             self.streaming[rid] = 0

@@ -28,7 +28,8 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of full blocks of token_ids
-    hash_root: int = 0  # salt of its block hashes: its weights' (KV of other weights never matches)
+    hash_root: int = 0  # salt of its block hashes: its weights', adapter's and cache_salt's (weights.py)
+    cache_salt: str | None = None  # vLLM's: its KV matches only requests of the same salt
     num_registered_blocks: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     num_preemptions: int = 0

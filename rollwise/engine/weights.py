@@ -110,8 +110,12 @@ class WeightVersions:
         seq.block_hashes.clear()
 
     def _root(self, seq: Sequence, v: int) -> int:
-        """The salt of a sequence's KV block hashes: its weights version's, and its adapter's (KV differs by both)."""
-        return self._roots[v] if seq.adapter is None else hash((self._roots[v], seq.adapter.uid)) & (2**63 - 1)
+        """The salt of a sequence's KV block hashes: its weights version's, its adapter's (KV differs by
+        both) and its cache_salt's (KV is shared only within a salt; str hashes are keyed per process)."""
+        if seq.adapter is None and seq.cache_salt is None:
+            return self._roots[v]
+        adapter = seq.adapter.uid if seq.adapter is not None else None
+        return hash((self._roots[v], adapter, seq.cache_salt)) & (2**63 - 1)
 
     # LoRA adapters -------------------------------------------------------------------------------
     def add_lora(self, name: str, adapter) -> None:

@@ -52,6 +52,7 @@ class OpenAIReplica(HttpReplica):
             body["logit_bias"] = {str(t): b for t, b in p.logit_bias.items()}
         body["allowed_token_ids"], body["bad_words"] = p.allowed_token_ids, p.bad_words
         body["structured_outputs"] = p.structured_outputs  # (vLLM's name)
+        body["cache_salt"] = request.cache_salt
         return {k: v for k, v in body.items() if v is not None}
 
     @staticmethod

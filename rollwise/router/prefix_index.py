@@ -16,21 +16,23 @@ class HashMemo:
 
     def __init__(self, block_size: int, max_keys: int = 100_000) -> None:
         self.block_size, self.max_keys = block_size, max_keys
-        self.memo: OrderedDict[str, tuple[list[int], int, list[int]]] = OrderedDict()
+        self.memo: OrderedDict[str, tuple[list[int], int, list[int], int]] = OrderedDict()
 
-    def hashes(self, token_ids: list[int], key: str | None = None) -> list[int]:
+    def hashes(self, token_ids: list[int], key: str | None = None, cache_salt: str | None = None) -> list[int]:
+        """`cache_salt`: the request's (vLLM's), which salts its chain as the engine salts its KV."""
         bs = self.block_size
+        root = 0 if cache_salt is None else hash(("cache_salt", cache_salt)) & (2**63 - 1)
         if key is None:
-            return chain_hashes(token_ids, bs)
+            return chain_hashes(token_ids, bs, root)
         prev = self.memo.pop(key, None)
-        if prev is not None and prev[1] <= len(token_ids) and token_ids[:prev[1]] == (
+        if prev is not None and prev[3] == root and prev[1] <= len(token_ids) and token_ids[:prev[1]] == (
                 prev[0] if len(prev[0]) == prev[1] else prev[0][:prev[1]]):  # (one copy fewer, most turns)
             out = prev[2][:min(len(prev[2]), prev[1] // bs)]
             start = len(out) * bs
-            out.extend(chain_hashes(token_ids[start:len(token_ids) // bs * bs], bs, out[-1] if out else 0))
+            out.extend(chain_hashes(token_ids[start:len(token_ids) // bs * bs], bs, out[-1] if out else root))
         else:
-            out = chain_hashes(token_ids, bs)
-        self.memo[key] = (token_ids, len(token_ids), out)
+            out = chain_hashes(token_ids, bs, root)
+        self.memo[key] = (token_ids, len(token_ids), out, root)
         if len(self.memo) > self.max_keys:
             self.memo.popitem(last=False)
         return list(out)
@@ -50,9 +52,9 @@ class PrefixIndex:
         self.tick = 0
         self._memo = HashMemo(block_size)
 
-    def hashes(self, token_ids: list[int], key: str | None = None) -> list[int]:
+    def hashes(self, token_ids: list[int], key: str | None = None, cache_salt: str | None = None) -> list[int]:
         """key: the trajectory, whose previous prompt this one extends (then only new blocks are hashed)."""
-        return self._memo.hashes(token_ids, key)
+        return self._memo.hashes(token_ids, key, cache_salt)
 
     def match(self, hashes: list[int], replicas: list[str]) -> dict[str, int]:
         """Matched prefix length in tokens, per replica."""

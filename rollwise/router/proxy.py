@@ -89,10 +89,10 @@ class Routed:
 
 def _request(prompt: list[int], params: SamplingParams, request_id: str, group_id: str | None = None,
              session: str | None = None, turn: int = 0, forced_output: list[int] | None = None,
-             policy_version: int | None = None, priority: int = 0) -> GenerateRequest:
+             policy_version: int | None = None, priority: int = 0, cache_salt: str | None = None) -> GenerateRequest:
     return GenerateRequest(prompt_token_ids=prompt, params=params, request_id=request_id, group_id=group_id,
                            trajectory_id=session, turn=turn, forced_output=forced_output, policy_version=policy_version,
-                           priority=priority)
+                           priority=priority, cache_salt=cache_salt)
 
 
 class ReplicaBody(BaseModel):
@@ -319,7 +319,8 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         n, group = body.n, body.group_id or request.headers.get("x-group-id")
         tid = body.trajectory_id or request.headers.get("x-session-id")
         return choice_samples([prompt], params, n, group, rid, lambda j: {
-            "session": f"{tid}/{j}" if tid and n > 1 else tid, "turn": body.turn or 0, "priority": body.priority})
+            "session": f"{tid}/{j}" if tid and n > 1 else tid, "turn": body.turn or 0, "priority": body.priority,
+            "cache_salt": body.cache_salt})
 
     @app.post("/generate")
     async def generate(body: GenerateBody, request: Request):
@@ -333,7 +334,7 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         rid = body.request_id or body.rid or f"gen-{uuid.uuid4().hex[:16]}"
         options = {"session": body.trajectory_id or request.headers.get("x-session-id"), "turn": body.turn or 0,
                    "forced_output": body.forced_output, "policy_version": body.policy_version,
-                   "priority": body.priority}
+                   "priority": body.priority, "cache_salt": body.cache_salt}
         group = body.group_id or request.headers.get("x-group-id")
         if body.stream:
             return sse(await primed(stream_generate(routed, body.input_ids, params, rid, group, **options)))

@@ -85,7 +85,8 @@ class LocalReplica:
             async for out in self.engine.stream(request.prompt_token_ids, request.params, request.request_id,
                                                 group_id=request.group_id, forced_output=request.forced_output,
                                                 session=request.trajectory_id, policy_version=request.policy_version,
-                                                **({"priority": request.priority} if request.priority else {})):
+                                                **({"priority": request.priority} if request.priority else {}),
+                                                **({"cache_salt": request.cache_salt} if request.cache_salt else {})):
                 yield GenerateOutput.of(out, sent)
                 sent = len(out.token_ids)
         except (ValueError, StepFailed):  # the request's failure, not the engine's
@@ -226,6 +227,7 @@ class HttpReplica:
                 "forced_output": request.forced_output,
                 **({} if request.policy_version is None else {"policy_version": request.policy_version}),
                 **({"priority": request.priority} if request.priority else {}),
+                **({"cache_salt": request.cache_salt} if request.cache_salt is not None else {}),
                 "sampling_params": {"max_new_tokens": p.max_tokens,  # SGLang's name; `rollwise serve` takes both
                                     **{k: getattr(p, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed",
                                                                   "min_tokens", "stop", "stop_token_ids", "ignore_eos")},

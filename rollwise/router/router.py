@@ -159,7 +159,7 @@ class Router(Upkeep):
                          expected_new_tokens=self.mean_new_tokens)
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += info.prompt_len
-        return _Waiter(info, self.index.hashes(request.prompt_token_ids, tid), 0, None)
+        return _Waiter(info, self.index.hashes(request.prompt_token_ids, tid, request.cache_salt), 0, None)
 
     def _replica(self, name: str):
         replica = self.replicas.get(name)
@@ -340,13 +340,14 @@ class Router(Upkeep):
         self.mean_new_tokens = 0.9 * self.mean_new_tokens + 0.1 * len(out.token_ids)
         if name in self.replicas and self.weight_updates.get(name, 0) == w.weights:  # (else: KV of older weights)
             self.index.reconcile(name, w.hashes, out.num_cached_tokens)
-            self.index.insert(name, self.index.hashes(req.prompt_token_ids + out.token_ids, req.trajectory_id))
+            self.index.insert(name, self.index.hashes(req.prompt_token_ids + out.token_ids, req.trajectory_id,
+                                                      req.cache_salt))
         if req.trajectory_id is not None:
             self.turns[req.trajectory_id] = self.turns.get(req.trajectory_id, 0) + 1
             if self.residency is not None and self.residency.is_resident(req.trajectory_id, name):
                 self.residency.admit(req.trajectory_id, name, len(req.prompt_token_ids) + len(out.token_ids),
                                      req.group_id, False, self._now())
-        if self.share_drafts:
+        if self.share_drafts and req.cache_salt is None:  # (a salted request's tokens stay with its replica)
             self._share(name, out.token_ids, req.group_id)
 
     def metrics(self) -> dict[str, float]:

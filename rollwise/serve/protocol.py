@@ -50,6 +50,7 @@ class _OpenAISampling(_Strict):
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, and this many top ones (0-20)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: the prompt's last k tokens (-1: model length)
     priority: int = 0  # vLLM's: lower is served first (a server started with --scheduling-policy priority)
+    cache_salt: str | None = None  # vLLM's: prefix-cache KV (and drafts) shared only within the salt
     # session metadata for schedulers (trajectory, group, turn)
     trajectory_id: str | None = None
     group_id: str | None = None
@@ -232,6 +233,7 @@ class GenerateRequest(_Strict):
     forced_output: list[int] | None = None  # trace replay: emit these tokens (the forward still runs)
     policy_version: int | None = None  # run under these weights (held by this server); default: the newest
     priority: int = 0  # lower is served first (a server started with --scheduling-policy priority)
+    cache_salt: str | None = None  # vLLM's: prefix-cache KV (and drafts) shared only within the salt
     # SGLang's names and logprob options (its clients, e.g. AReaL's and slime's): the reply
     # also carries SGLang's `output_ids` and `meta_info`
     text: str | None = None  # = prompt

@@ -183,10 +183,12 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         if body.stream:
             return sse(await primed(stream_generate(engine, prompt, params, rid, body.group_id,
                                                     policy_version=body.policy_version, session=body.trajectory_id,
-                                                    forced_output=body.forced_output, priority=body.priority)))
+                                                    forced_output=body.forced_output, priority=body.priority,
+                                                    cache_salt=body.cache_salt)))
         out = await unless_disconnected(request, engine.generate(
             prompt, params, rid, group_id=body.group_id, forced_output=body.forced_output,
-            session=body.trajectory_id, policy_version=body.policy_version, priority=body.priority))
+            session=body.trajectory_id, policy_version=body.policy_version, priority=body.priority,
+            cache_salt=body.cache_salt))
         return generate_json(out) | sglang_fields(tok, out, body)
 
     @app.post("/spec/add_sequence")
@@ -206,7 +208,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
                        for p in prompts]
         rid = f"cmpl-{uuid.uuid4().hex[:16]}"
         samples = choice_samples(prompts, with_adapter(engine, completion_params(body, defaults.sampling), body.model),
-                                 body.n, body.group_id, rid, lambda j: {"priority": body.priority})
+                                 body.n, body.group_id, rid,
+                                 lambda j: {"priority": body.priority, "cache_salt": body.cache_salt})
         return await completion_reply(engine, body, request, samples, rid, model_name, prompts,
                                       body.return_tokens_as_token_ids)
 
@@ -224,7 +227,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
                               body.model)
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
         return await chat_reply(engine, body, request, choice_samples([ids], params, body.n, body.group_id, rid,
-                                                                      lambda j: {"priority": body.priority}),
+                                                                      lambda j: {"priority": body.priority,
+                                                                                 "cache_salt": body.cache_salt}),
                                 rid, model_name, ids, parser, reasoning)
 
     install_responses(app, chat)
@@ -233,7 +237,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     return app
 
 
-RESPONSE_PASSED = ("temperature", "top_p", "seed", "user")  # sampling fields a Responses request hands to chat
+# fields a Responses request hands to chat as they are (vLLM's take priority and cache_salt too)
+RESPONSE_PASSED = ("temperature", "top_p", "seed", "user", "priority", "cache_salt")
 STORED_RESPONSES = 4096  # the conversations previous_response_id can continue, newest kept
 
 

@@ -36,6 +36,7 @@ class _Request:
     context: list[int] = field(default_factory=list)  # the last max_depth tokens (Python backend)
     session: str | None = None
     tokens: list[int] | None = None  # everything in `tree`, kept when the tree outlives the request
+    shared: bool = True  # drafts from the global tree and feeds it
 
 
 class SuffixCache:
@@ -72,9 +73,10 @@ class SuffixCache:
 
     # lifecycle -----------------------------------------------------------------------------------
     def start_request(self, request_id: str, prompt_token_ids: list[int], group_id: str | None = None,
-                      session: str | None = None) -> None:
+                      session: str | None = None, shared: bool = True) -> None:
         """`session` (e.g. the trajectory): when this prompt extends the previous request of the same
-        session (prompt + output + observation), that request's tree is extended instead of rebuilt."""
+        session (prompt + output + observation), that request's tree is extended instead of rebuilt.
+        `shared=False`: it neither drafts from the global tree nor adds its tokens to it."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already active")
         tree, tokens = None, None
@@ -91,7 +93,8 @@ class SuffixCache:
             tree = self._new_tree()
             tree.append(0, list(prompt_token_ids))
             tokens = list(prompt_token_ids) if session is not None else None
-        req = _Request(next(self._ids), group_id, tree, list(prompt_token_ids[-self.max_depth:]), session, tokens)
+        req = _Request(next(self._ids), group_id, tree, list(prompt_token_ids[-self.max_depth:]), session, tokens,
+                       shared)
         self.requests[request_id] = req
         self._by_seq[req.seq_id] = request_id
         if group_id is not None and self.use_group_tree:
@@ -99,7 +102,7 @@ class SuffixCache:
                 self.groups[group_id] = self._new_tree()
             self.groups.move_to_end(group_id)
             self._evict_groups()
-        if self.max_cached_requests > 0:
+        if self.max_cached_requests > 0 and shared:
             if self.eviction == "lru" and group_id is not None:
                 for sid in [s for s, g in self._cached.items() if g == group_id]:
                     self._cached.move_to_end(sid)
@@ -184,7 +187,7 @@ class SuffixCache:
     # internals -----------------------------------------------------------------------------------
     def _sources(self, req: _Request) -> list:
         group = self.groups.get(req.group_id) if req.group_id is not None else None
-        return [req.tree, group, self.global_tree if self.max_cached_requests > 0 else None]
+        return [req.tree, group, self.global_tree if self.max_cached_requests > 0 and req.shared else None]
 
     def _targets(self, req: _Request):
         yield req.tree, 0

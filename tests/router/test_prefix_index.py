@@ -56,3 +56,14 @@ def test_hash_memo_extends_and_detects_a_different_prompt():
     c = [0] + b[1:]  # same length class, different content: recomputed, not reused
     assert memo.hashes(c, "t") == chain_hashes(c, 4)
     assert memo.hashes(c[:5], "t") == chain_hashes(c[:5], 4)  # shorter than the previous one
+
+
+def test_a_cache_salt_changes_every_hash_and_the_memo_keeps_salts_apart():
+    memo, toks = HashMemo(4), list(range(20))
+    salted = memo.hashes(toks, None, "a")
+    assert len(salted) == 5 and not set(salted) & set(chain_hashes(toks, 4))
+    assert memo.hashes(toks, None, "a") == salted != memo.hashes(toks, None, "b")
+    longer = toks + [1, 2, 3, 4]
+    memo.hashes(toks, "t", "a")  # a trajectory's next prompt under another salt is hashed from its root
+    assert memo.hashes(longer, "t") == chain_hashes(longer, 4)
+    assert memo.hashes(longer, "t", "a") == memo.hashes(longer, None, "a")

@@ -157,6 +157,11 @@ def test_route_proxy_over_http(servers, model_dir, junk_failures):
                                                          "priority": 2})):
                 r = c.post(path, json=body)
                 assert r.status_code == 400 and "scheduling_policy" in r.json()["error"]["message"], (path, r.text)
+                # so does a cache_salt, which their engines check
+                r = c.post(path, json={k: v for k, v in body.items() if k != "priority"} | {"cache_salt": ""})
+                assert r.status_code == 400 and "cache_salt must be" in r.json()["error"]["message"], (path, r.text)
+                assert c.post(path, json={k: v for k, v in body.items() if k != "priority"} | {
+                    "cache_salt": "tenant"}).status_code == 200, path
             for bad in ({"input_ids": "x"}, {"input_ids": []}, {"input_ids": [1], "sampling_params": {"max_tokens": -1}},
                         {"input_ids": [1], "bogus": 1}, {"prompt": "text"}, {"input_ids": [10**9]}):
                 r = c.post("/generate", json=bad)

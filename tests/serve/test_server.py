@@ -503,6 +503,37 @@ def test_priority_needs_the_priority_policy_and_reaches_the_engine(client, model
     assert seen == [-3, 4] * 3
 
 
+def test_cache_salt_keeps_a_prefix_to_its_salt_on_every_endpoint(client):
+    """vLLM's `cache_salt`: on /generate, completions, chat and responses the same prompt under
+    another salt (or none) computes its own KV, and under its own salt finds it; a 400 for a bad one."""
+    import random
+    rng = random.Random(77)
+    words, other = (" ".join(rng.choice(["apple", "river", "stone", "cloud", "seven", "green"]) for _ in range(40))
+                    for _ in range(2))
+    ids = [rng.randrange(10, 500) for _ in range(40)]
+    paths = {"/generate": ({"input_ids": ids, "sampling_params": {"max_tokens": 2}}, lambda j: j["num_cached_tokens"]),
+             "/v1/completions": ({"prompt": ids[::-1], "max_tokens": 2},
+                                 lambda j: j["usage"]["prompt_tokens_details"]["cached_tokens"]),
+             "/v1/chat/completions": ({"messages": [{"role": "user", "content": words}], "max_tokens": 2},
+                                      lambda j: j["usage"]["prompt_tokens_details"]["cached_tokens"]),
+             "/v1/responses": ({"input": other, "max_output_tokens": 2},
+                               lambda j: j["usage"]["input_tokens_details"]["cached_tokens"])}
+    for path, (body, cached) in paths.items():
+        got = []
+        for salt in (None, "tenant-1", "tenant-1", "tenant-2", None):
+            r = client.post(path, json=body | ({} if salt is None else {"cache_salt": salt}))
+            assert r.status_code == 200, (path, r.text)
+            got.append(cached(r.json()))
+        assert got[0] == got[1] == got[3] == 0 and got[2] == got[4] >= 32, (path, got)
+        for bad in ("", 5):
+            r = client.post(path, json=body | {"cache_salt": bad})
+            assert r.status_code == 400 and "cache_salt" in r.text, (path, bad, r.text)
+    streamed = paths["/generate"][0] | {"stream": True, "cache_salt": "tenant-1"}
+    with client.stream("POST", "/generate", json=streamed) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["num_cached_tokens"] >= 32
+
+
 def test_weight_updates_off_loopback_need_an_api_key(model_dir):
     """A server bound off loopback without --api-key refuses weight updates, ours and SGLang's, and the
     control endpoints (pause, resume, flush, abort) (in-process app)."""
