@@ -6,6 +6,7 @@ from pathlib import Path
 
 from rollwise.agent.parsing import PARSERS
 from rollwise.agent.reasoning import REASONING_PARSERS
+from rollwise.engine.block_manager import HASH_ALGOS
 
 DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE = (None, "suffix")
@@ -30,6 +31,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # default: derived from kv_cache_gb
     kv_cache_gb: float = 1.0  # the KV pool (on the CPU its memory is taken page by page as blocks are first used)
     enable_prefix_caching: bool = True
+    # vLLM's --prefix-caching-hash-algo: how KV blocks are keyed; "sha256" (its default) cannot be made
+    # to collide, "builtin" (Python's hash, ~4x faster: 0.1 against 0.35 ms for 4k tokens) can
+    prefix_caching_hash_algo: str = field(default="sha256", metadata={"choices": HASH_ALGOS})
     num_threads: int | None = None  # torch intra-op threads; default: torch's choice
     # the native paged attention kernel for every row (CPU, fp32; README "Native kernels": decode
     # 1.04-1.71x with every kernel native, prefill at par), reproducible bit for bit like the torch
@@ -74,6 +78,9 @@ class EngineConfig:
             raise ValueError("spec_max_tokens and spec_threshold must be >= 0")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, "
+                             f"got {self.prefix_caching_hash_algo!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device.split(":")[0] not in DEVICES:

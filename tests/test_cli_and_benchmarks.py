@@ -345,6 +345,14 @@ def test_priority_benchmark_smoke(tmp_path):
     assert prio["urgent_mean_steps"] < fcfs["urgent_mean_steps"]
 
 
+def test_prefix_hash_benchmark_smoke(tmp_path):
+    res = smoke(tmp_path, "benchmarks/prefix_hash.py")
+    assert res["same_tokens_and_hits"] and set(res["hash_us_per_1k_tokens"]) == {"sha256", "builtin"}
+    e = res["engine"]
+    assert e["sha256"]["cached_tokens"] == e["builtin"]["cached_tokens"] == 2 * 2 * 64  # the siblings' prefix hits
+    assert e["sha256"]["generated_tokens"] == e["builtin"]["generated_tokens"] == 6 * 8
+
+
 def test_pause_modes_benchmark_smoke(tmp_path):
     m = smoke(tmp_path, "benchmarks/pause_modes.py")["modes"]
     assert {o["tokens"] for o in m.values()} == {(4 + 2) * 16}  # equal work in every mode

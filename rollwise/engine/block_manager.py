@@ -7,11 +7,17 @@ and are evicted (their hash forgotten) only when the pool needs them. Imports no
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
+
+HASH_ALGOS = ("sha256", "builtin")  # vLLM's --prefix-caching-hash-algo (its default), and Python's hash()
 
 
 def chain_hashes(token_ids: list[int], block_size: int, root: int = 0) -> list[int]:
-    """Hashes of every full block of `token_ids`, each chained on the previous one."""
+    """Hashes of every full block of `token_ids`, each chained on the previous one (Python's tuple
+    hash: fast, but a block can be crafted to collide with a known one; the router's index and the
+    simulator use it, where a collision only misplaces a request)."""
     out, parent = [], root
     for i in range(len(token_ids) // block_size):
         parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))
@@ -19,9 +25,30 @@ def chain_hashes(token_ids: list[int], block_size: int, root: int = 0) -> list[i
     return out
 
 
+def sha256_chain_hashes(token_ids: list[int], block_size: int, root: int = 0) -> list[int]:
+    """As chain_hashes, each hash the first 128 bits of SHA-256 over its parent's and its block's
+    tokens (8 bytes each). Python's tuple hash of small ints can be inverted step by step, so a
+    meet-in-the-middle search (~2^32 work) finds a block with the hash of any block it knows, e.g.
+    a public system prompt's: sent first, its KV would be served to every request with that prompt."""
+    n, width = len(token_ids) // block_size, 8 * block_size
+    data, out, parent = array("q", token_ids[:n * block_size]).tobytes(), [], root
+    for i in range(n):
+        digest = hashlib.sha256(parent.to_bytes(16, "little") + data[i * width:(i + 1) * width]).digest()
+        parent = int.from_bytes(digest[:16], "little")
+        out.append(parent)
+    return out
+
+
+CHAINS = {"sha256": sha256_chain_hashes, "builtin": chain_hashes}
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_algo: str = "sha256") -> None:
+        if hash_algo not in CHAINS:
+            raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {hash_algo!r}")
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.chain = CHAINS[hash_algo]  # how sequences hash their blocks (Sequence.full_block_hashes)
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks  # set once full and registered in the cache

@@ -38,7 +38,8 @@ class LLMEngine(WeightVersions, SleepMode):
         self.vocab_size = self.runner.model.config.vocab_size
         self.eos_token_ids = self._eos_ids(cfg.model)
         self.grammars = grammar.Grammars(cfg.model, self.vocab_size, self.eos_token_ids)  # (built when first used)
-        self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                   cfg.prefix_caching_hash_algo)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.scheduling_policy)
         self.sampler = Sampler(cfg.seed)
         self.isolation = Isolation(self)  # a failed step fails the request that caused it (isolation.py)

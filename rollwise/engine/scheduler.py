@@ -100,7 +100,7 @@ class Scheduler:
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hashes = seq.full_block_hashes(self.blocks.block_size)
+            hashes = seq.full_block_hashes(self.blocks.block_size, self.blocks.chain)
             fresh = seq.needs_prompt_logprobs  # its prompt is computed, cached or not (prompt logprobs)
             hits = [] if fresh else self.blocks.match_prefix(hashes)
             if (len(hits) < len(hashes) and self.blocks.enable_prefix_caching and self.share_computing_prefix
@@ -152,7 +152,7 @@ class Scheduler:
         bs, out = self.blocks.block_size, set()
         for r in self.running:
             if r.num_tokens - r.num_computed_tokens > 1:  # decodes compute one token: no block to share
-                out.update(r.full_block_hashes(bs)[r.num_computed_tokens // bs:])
+                out.update(r.full_block_hashes(bs, self.blocks.chain)[r.num_computed_tokens // bs:])
         return out
 
     def _preempt(self, seq: Sequence) -> None:
@@ -198,7 +198,7 @@ class Scheduler:
             seq.num_computed_tokens = s.num_computed_before + s.num_new_tokens
             n_full = seq.num_computed_tokens // bs
             if n_full > seq.num_registered_blocks:
-                hashes = seq.full_block_hashes(bs)
+                hashes = seq.full_block_hashes(bs, self.blocks.chain)
                 for k in range(seq.num_registered_blocks, n_full):
                     self.blocks.register(seq.block_table[k], hashes[k], seq.weights_version)
                 seq.num_registered_blocks = n_full

@@ -87,12 +87,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def full_block_hashes(self, block_size: int) -> list[int]:
-        """Chained hashes of all full blocks, extended incrementally as tokens arrive."""
+    def full_block_hashes(self, block_size: int, chain=chain_hashes) -> list[int]:
+        """Chained hashes of all full blocks, extended incrementally as tokens arrive (`chain`: the
+        block manager's hash function)."""
         n_full = len(self.token_ids) // block_size
         if len(self.block_hashes) < n_full:
             done = len(self.block_hashes)
             root = self.block_hashes[-1] if done else self.hash_root
-            self.block_hashes.extend(chain_hashes(self.token_ids[done * block_size:n_full * block_size],
-                                                  block_size, root))
+            self.block_hashes.extend(chain(self.token_ids[done * block_size:n_full * block_size], block_size, root))
         return self.block_hashes[:n_full]

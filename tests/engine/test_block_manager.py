@@ -2,21 +2,44 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
-from rollwise.engine.block_manager import BlockManager, chain_hashes
+from rollwise.engine.block_manager import HASH_ALGOS, BlockManager, chain_hashes, sha256_chain_hashes
 from rollwise.engine.scheduler import Scheduler
 from rollwise.engine.sequence import Sequence
 from rollwise.types import SamplingParams
 
 
-def test_chain_hashes_identify_prefixes():
-    a = chain_hashes(list(range(40)), 8)
-    b = chain_hashes(list(range(32)) + [99] * 8, 8)
+@pytest.mark.parametrize("chain", [chain_hashes, sha256_chain_hashes])
+def test_chain_hashes_identify_prefixes(chain):
+    a = chain(list(range(40)), 8)
+    b = chain(list(range(32)) + [99] * 8, 8)
     assert len(a) == 5 and a[:4] == b[:4] and a[4] != b[4]
-    assert chain_hashes([1] * 8 + [2] * 8, 8)[1] != chain_hashes([3] * 8 + [2] * 8, 8)[1]  # chained
-    assert chain_hashes(list(range(8)), 8, root=1) != chain_hashes(list(range(8)), 8, root=0)
+    assert chain([1] * 8 + [2] * 8, 8)[1] != chain([3] * 8 + [2] * 8, 8)[1]  # chained
+    assert chain(list(range(8)), 8, root=1) != chain(list(range(8)), 8, root=0)
+    assert chain(list(range(8)), 8, root=2**63 - 1) != chain(list(range(8)), 8, root=2**62)
+    # extended a piece at a time from the last hash, as a running sequence's are
+    toks = [random.Random(3).randrange(200_000) for _ in range(100)]
+    pieces, start = [], 0
+    for end in (16, 40, 96):
+        pieces += chain(toks[start:end], 8, pieces[-1] if pieces else 0)
+        start = end
+    assert pieces == chain(toks, 8)
+
+
+def test_sha256_hashes_are_sha256_of_the_parent_and_the_tokens():
+    import hashlib
+    import struct
+    toks = [5, 150_000, 7, 0]
+    first = int.from_bytes(hashlib.sha256(bytes(16) + struct.pack("<4q", *toks)).digest()[:16], "little")
+    second = hashlib.sha256(first.to_bytes(16, "little") + struct.pack("<4q", *toks[::-1])).digest()
+    assert sha256_chain_hashes(toks + toks[::-1], 4) == [first, int.from_bytes(second[:16], "little")]
+    with pytest.raises(ValueError, match=re.escape(str(HASH_ALGOS))):
+        BlockManager(8, 4, hash_algo="md5")
+    assert BlockManager(8, 4).chain is sha256_chain_hashes
+    assert BlockManager(8, 4, hash_algo="builtin").chain is chain_hashes
 
 
 def test_shared_prefix_is_reused_and_lru_evicted():

@@ -1,5 +1,5 @@
-"""vLLM's `cache_salt`: a request's KV is shared only with requests of the same salt, and it drafts
-only from them; outputs never change."""
+"""What keys the prefix cache: vLLM's `cache_salt` (a request's KV is shared only with requests of
+the same salt, and it drafts only from them) and its hash algorithm; outputs never change."""
 from __future__ import annotations
 
 import random
@@ -87,3 +87,19 @@ def test_a_salted_request_drafts_only_from_its_salt(model_dir):
     assert run(q, salt="b", group="g") == fresh  # nothing from "a"'s member
     assert run(q, salt="a", group="g")["spec_drafted_group"] > fresh["spec_drafted_group"]
     assert "g" not in cache.groups
+
+
+def test_both_hash_algorithms_cache_the_same_blocks_and_give_the_same_tokens(model_dir):
+    """vLLM's prefix_caching_hash_algo: SHA-256 by default, Python's hash on request; the keys differ,
+    what they find does not."""
+    runs = {}
+    for algo in ("sha256", "builtin"):
+        llm = LLM(model_dir, block_size=16, prefix_caching_hash_algo=algo)
+        p = _prompt(4)
+        outs = llm.generate([p, p + _prompt(5, 10), _salted(p, "s"), p[:40]], GREEDY)
+        runs[algo] = [(o.token_ids, o.num_cached_tokens) for o in outs]
+        assert llm.engine.blocks.chain.__name__ == {"sha256": "sha256_chain_hashes", "builtin": "chain_hashes"}[algo]
+    assert runs["sha256"] == runs["builtin"] and [c for _, c in runs["sha256"]][1:] == [64, 0, 32]
+    assert LLM(model_dir).engine.config.prefix_caching_hash_algo == "sha256"
+    with pytest.raises(ValueError, match="prefix_caching_hash_algo must be one of"):
+        EngineConfig(model=model_dir, prefix_caching_hash_algo="md5")
