@@ -32,7 +32,7 @@ class EngineConfig:
     kv_cache_gb: float = 1.0  # the KV pool (on the CPU its memory is taken page by page as blocks are first used)
     enable_prefix_caching: bool = True
     # vLLM's --prefix-caching-hash-algo: how KV blocks are keyed; "sha256" (its default) cannot be made
-    # to collide, "builtin" (Python's hash, ~4x faster: 0.1 against 0.35 ms for 4k tokens) can
+    # to collide, "builtin" (Python's hash, ~4x faster to compute: benchmarks/prefix_hash.py) can
     prefix_caching_hash_algo: str = field(default="sha256", metadata={"choices": HASH_ALGOS})
     num_threads: int | None = None  # torch intra-op threads; default: torch's choice
     # the native paged attention kernel for every row (CPU, fp32; README "Native kernels": decode

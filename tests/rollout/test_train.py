@@ -341,6 +341,9 @@ def test_example_config_is_the_demo_run(model_dir):
     assert cfg.env == "phonebook" and {k: getattr(cfg, k) for k in DEMO_FULL} == DEMO_FULL
     bugfix = TrainConfig.from_toml(Path(__file__).parents[2] / "examples" / "train-bugfix.toml", model=model_dir)
     assert bugfix.env == "bugfix" and bugfix.max_turns >= len(make_env("bugfix").expert({"module": "m", "buggy": "gcd"}))
+    airline = TrainConfig.from_toml(Path(__file__).parents[2] / "examples" / "train-airline.toml", model=model_dir)
+    longest = max(len(make_env("airline").expert(t)) for t in make_env("airline").sample_tasks(50, seed=0))
+    assert airline.env == "airline" and airline.max_turns >= longest
     lake = TrainConfig.from_toml(Path(__file__).parents[2] / "examples" / "train-frozenlake.toml", model=model_dir)
     assert (lake.env, lake.env_options, lake.advantage) == ("frozenlake", {"view": "local"}, "gigpo")
     assert make_env(lake.env, **lake.env_options).view == "local"

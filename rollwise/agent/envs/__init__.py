@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from rollwise.agent.envs.agent import AgentEnv
+from rollwise.agent.envs.airline import AirlineEnv
 from rollwise.agent.envs.bugfix import BugfixEnv
 from rollwise.agent.envs.calculator import CalculatorEnv
 from rollwise.agent.envs.code import CodeEnv
@@ -23,8 +24,8 @@ from rollwise.agent.envs.search_r1 import SearchR1Env
 from rollwise.agent.envs.sql import SqlEnv
 from rollwise.agent.plugins import FORM, load_object
 
-ENVS = {e.name: e for e in (AgentEnv, BugfixEnv, CalculatorEnv, CodeEnv, CountdownEnv, DatasetEnv, SqlEnv, FrozenLakeEnv,
-                            InlineEnv, MixEnv, PhonebookEnv, SearchEnv, SearchR1Env)}
+ENVS = {e.name: e for e in (AgentEnv, AirlineEnv, BugfixEnv, CalculatorEnv, CodeEnv, CountdownEnv, DatasetEnv, SqlEnv,
+                            FrozenLakeEnv, InlineEnv, MixEnv, PhonebookEnv, SearchEnv, SearchR1Env)}
 
 
 def resolve_env(name: str):

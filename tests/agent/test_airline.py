@@ -1,0 +1,88 @@
+"""The airline env (tau-bench's kind of task): tools that write a per-episode database, and a reward
+that compares the database at the end with the one the gold actions leave."""
+from __future__ import annotations
+
+import asyncio
+
+from rollwise.agent.envs import make_env
+from rollwise.agent.envs.airline import build_db, state
+
+
+def _run(task, replies: list[str], env=None) -> tuple[float | None, list[str]]:
+    """The episode's reward (None: not ended) and the tool results it saw."""
+    async def go():
+        e = env or make_env("airline")
+        await e.reset(task)
+        seen = []
+        try:
+            for m in replies:
+                obs, reward, done, _ = await e.step(m)
+                seen.append(obs if isinstance(obs, str) else "\n".join(m["content"] for m in obs))
+                if done:
+                    return reward, seen
+            return None, seen
+        finally:
+            await e.close()
+    return asyncio.run(go())
+
+
+def _by_kind(tasks, kind, allowed):
+    return next(t for t in tasks if t["kind"] == kind and bool(t["gold"]) == allowed)
+
+
+def test_the_expert_solves_every_kind_and_doing_nothing_solves_only_refusals():
+    env = make_env("airline")
+    tasks = env.sample_tasks(60, seed=3)
+    assert {(t["kind"], bool(t["gold"])) for t in tasks} >= {
+        ("book", True), ("book", False), ("cancel", True), ("cancel", False), ("change", True), ("change", False),
+        ("credit", False)}
+    before = {t["id"]: state(build_db(t)) for t in tasks}
+    for t in tasks:
+        assert _run(t, env.expert(t))[0] == 1.0, t
+        nothing = _run(t, ["Sorry, I cannot help with that."])[0]
+        assert nothing == (1.0 if not t["gold"] and t["kind"] != "credit" else 0.0), t
+    assert {t["id"]: state(build_db(t)) for t in tasks} == before  # episodes wrote to copies only
+
+
+def test_a_write_against_the_policy_or_a_second_write_scores_zero():
+    env = make_env("airline")
+    tasks = env.sample_tasks(80, seed=4)
+    refused = _by_kind(tasks, "cancel", False)  # basic economy, or a departed flight
+    rid = refused["expert"][1][1]["reservation_id"]
+    reward, seen = _run(refused, [env.call_text("cancel_reservation", reservation_id=rid), "Done."])
+    assert '"refunded"' in seen[0] and reward == 0.0  # the tool let it through; the policy did not
+    book = _by_kind(tasks, "book", True)
+    twice = env.expert(book)[:-1] + [env.call_text("book_reservation", **book["gold"][0][1]), book["reply"]]
+    reward, seen = _run(book, twice)
+    if "error" not in seen[-2]:  # (the seats or the credit may not allow a second one)
+        assert reward == 0.0
+    credit = _by_kind(tasks, "credit", False)
+    assert _run(credit, env.expert(credit)[:-1] + [f"You have {credit['answer'] + 10} left."])[0] == 0.0
+
+
+def test_tool_errors_come_back_to_the_model_and_episodes_do_not_share_a_database():
+    env = make_env("airline")
+    task = _by_kind(env.sample_tasks(40, seed=5), "book", True)
+    args = task["gold"][0][1]
+    _, seen = _run(task, [env.call_text("get_user", user_id="nobody"),
+                          env.call_text("book_reservation", **{**args, "cabin": "first"}),
+                          env.call_text("book_reservation", **{**args, "passengers": 9}),
+                          env.call_text("book_reservation", **{**args, "flight": "HAT000"})])
+    assert "user 'nobody' not found" in seen[0]
+    assert "cabin must be one of ['basic_economy', 'economy', 'business']" in seen[1]
+    assert "passengers must be 1 to 5" in seen[2] and "not found" in seen[3]
+
+    async def two_at_once():  # the same task in two episodes: each books on its own copy
+        a, b = make_env("airline"), make_env("airline")
+        await a.reset(task)
+        await b.reset(task)
+        call = env.call_text("book_reservation", **args)
+        await a.step(call)
+        second = await b.step(call)
+        paths = [a.db, b.db]
+        assert paths[0] != paths[1] and state(paths[0]) == state(paths[1]) != state(build_db(task))
+        await a.close()
+        await b.close()
+        return second, paths
+    second, paths = asyncio.run(two_at_once())
+    assert "error" not in str(second[0]) and not any(p.exists() for p in paths)  # and the copies went at close
