@@ -81,12 +81,12 @@ class LocalReplica:
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         """The turn as the engine steps: each piece its new tokens, the last with the metadata."""
         sent = 0
+        salt = {} if request.cache_salt is None else {"cache_salt": request.cache_salt}
         try:
             async for out in self.engine.stream(request.prompt_token_ids, request.params, request.request_id,
                                                 group_id=request.group_id, forced_output=request.forced_output,
                                                 session=request.trajectory_id, policy_version=request.policy_version,
-                                                **({"priority": request.priority} if request.priority else {}),
-                                                **({"cache_salt": request.cache_salt} if request.cache_salt else {})):
+                                                **({"priority": request.priority} if request.priority else {}), **salt):
                 yield GenerateOutput.of(out, sent)
                 sent = len(out.token_ids)
         except (ValueError, StepFailed):  # the request's failure, not the engine's
