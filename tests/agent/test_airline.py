@@ -58,6 +58,8 @@ def test_a_write_against_the_policy_or_a_second_write_scores_zero():
         assert reward == 0.0
     credit = _by_kind(tasks, "credit", False)
     assert _run(credit, env.expert(credit)[:-1] + [f"You have {credit['answer'] + 10} left."])[0] == 0.0
+    said = f"As of 2024-05-15 you have ${credit['answer']:,}.00."
+    assert _run(credit, env.expert(credit)[:-1] + [said])[0] == 1.0  # the number anywhere, however written
 
 
 def test_tool_errors_come_back_to_the_model_and_episodes_do_not_share_a_database():
