@@ -2,9 +2,10 @@
 tasks `rollwise train` evaluates with the same config (`eval_tasks_file`, or the env's own draw),
 `samples` episodes per task on the config's fleet. Reports success (reward 1) per episode, which is
 pass@1, and pass@samples (a task counts if any of its samples succeeds), pass@k for each power of
-two k below it (Chen et al. 2021's unbiased estimator from the n samples), mean reward, episode
-statuses and the work done (and success per env when tasks name theirs: a mix); writes every
-transcript as JSON lines when asked."""
+two k below it (Chen et al. 2021's unbiased estimator from the n samples), tau-bench's pass^k (all of
+k samples succeed, its unbiased estimator C(c, k) / C(n, k)) for the same k, mean reward, episode
+statuses and the work done (and success per env when tasks name theirs: a mix, and per kind when
+they name a `kind`: the airline env's); writes every transcript as JSON lines when asked."""
 from __future__ import annotations
 
 import asyncio
@@ -40,7 +41,8 @@ async def _evaluate(cfg: TrainConfig, tasks: list[dict], samples: int, temperatu
     try:
         async for group in eval_episodes(router, env_factory(cfg), tasks, cfg, temperature, samples):
             right.append(sum(t.reward >= 1.0 for t in group))
-            rows += [{"task_id": t.task.get("id"), "env": t.task.get("env"), "sample": k, "reward": t.reward,
+            rows += [{"task_id": t.task.get("id"), "env": t.task.get("env"), "kind": t.task.get("kind"),
+                      "sample": k, "reward": t.reward,
                       "status": t.status,
                       "error": t.error, "turns": t.num_turns, "generated_tokens": t.num_generated,
                       "env_stats": t.env_stats, "messages": t.messages} for k, t in enumerate(group)]
@@ -61,10 +63,13 @@ async def _evaluate(cfg: TrainConfig, tasks: list[dict], samples: int, temperatu
     for k in (2 ** i for i in range(1, samples.bit_length())):  # the rest: unbiased from the n samples
         if k < samples:
             report[f"pass@{k}"] = sum(pass_at(samples, c, k) for c in right) / len(right)
-    kinds = sorted({r["env"] for r in rows if r["env"] is not None})
-    if kinds:  # tasks of several envs (a mix): success per env
-        report["success_by_env"] = {e: sum(r["reward"] >= 1.0 for r in rows if r["env"] == e) /
-                                    sum(r["env"] == e for r in rows) for e in kinds}
+    for k in sorted({2 ** i for i in range(1, samples.bit_length())} | ({samples} if samples > 1 else set())):
+        report[f"pass^{k}"] = sum(pass_all(samples, c, k) for c in right) / len(right)
+    for key in ("env", "kind"):  # tasks of several envs (a mix), or of several kinds: success per each
+        names = sorted({r[key] for r in rows if r[key] is not None})
+        if names:
+            report[f"success_by_{key}"] = {e: sum(r["reward"] >= 1.0 for r in rows if r[key] == e) /
+                                           sum(r[key] == e for r in rows) for e in names}
     status.done(f"eval: success {report['success']:.3f}, pass@{samples} {report[f'pass@{samples}']:.3f} on "
                 f"{len(tasks)} tasks x {samples} ({turns} turns, {tokens} tokens generated, {seconds:.0f}s)")
     if out is not None:
@@ -73,6 +78,12 @@ async def _evaluate(cfg: TrainConfig, tasks: list[dict], samples: int, temperatu
             for row in rows:
                 f.write(json.dumps(row) + "\n")
     return report
+
+
+def pass_all(n: int, c: int, k: int) -> float:
+    """The chance that k of a task's n samples, c of them right, drawn without replacement, are all
+    right: C(c, k) / C(n, k) (tau-bench's pass^k, how reliably a task is solved)."""
+    return math.comb(c, k) / math.comb(n, k)
 
 
 def pass_at(n: int, c: int, k: int) -> float:

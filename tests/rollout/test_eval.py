@@ -40,6 +40,11 @@ def test_eval_scores_every_sample_and_writes_transcripts(model_dir, tmp_path):
     pairs = {t: [max(v[i], v[j]) for i in range(4) for j in range(i + 1, 4)] for t, v in by_task.items()}
     assert report["pass@2"] == pytest.approx(sum(sum(p) / 6 for p in pairs.values()) / 6)
     assert report["success"] <= report["pass@2"] <= report["pass@4"] and "pass@1" not in report
+    # tau-bench's pass^k: the chance that k samples drawn are all right; pass^4 asks all four
+    assert report["pass^4"] == pytest.approx(sum(min(v) for v in by_task.values()) / 6)
+    alls = {t: [min(v[i], v[j]) for i in range(4) for j in range(i + 1, 4)] for t, v in by_task.items()}
+    assert report["pass^2"] == pytest.approx(sum(sum(p) / 6 for p in alls.values()) / 6)
+    assert report["pass^4"] <= report["pass^2"] <= report["success"] and "pass^1" not in report
     assert report["generated_tokens"] == sum(r["generated_tokens"] for r in rows)
     keys = {k for r in rows for k in r["env_stats"]}  # the env's counts per episode (tool calls), averaged
     assert report["env_stats"] == {k: pytest.approx(sum(r["env_stats"].get(k, 0) for r in rows) / 24) for k in keys}
@@ -66,3 +71,17 @@ def test_eval_without_tasks_is_a_value_error(model_dir, tmp_path):
         evaluate_model(cfg)
     with pytest.raises(ValueError, match="samples"):
         evaluate_model(_cfg(model_dir, tmp_path), samples=0)
+
+
+def test_eval_reports_success_by_task_kind(model_dir, tmp_path):
+    """Tasks that name a `kind` (the airline env's: book, cancel, change, credit) get success per kind."""
+    cfg = TrainConfig.from_dict({"model": model_dir, "env": "airline", "eval_tasks": 12, "max_tokens": 8,
+                                 "max_turns": 2, "max_num_seqs": 32, "progress": False})
+    out = tmp_path / "airline.jsonl"
+    report = evaluate_model(cfg, samples=2, out=out)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    kinds = {r["kind"] for r in rows}
+    assert len(rows) == 24 and kinds <= {"book", "cancel", "change", "credit"} and len(kinds) > 1
+    assert report["success_by_kind"] == {k: pytest.approx(sum(r["reward"] >= 1 for r in rows if r["kind"] == k) /
+                                                          sum(r["kind"] == k for r in rows)) for k in kinds}
+    assert "success_by_env" not in report and "pass^2" in report
