@@ -11,17 +11,16 @@ goal as an `instruction` too, so a simulated user (`user = { url = ... }`) can p
 """
 from __future__ import annotations
 
-import atexit
 import json
 import random
 import re
 import shutil
 import sqlite3
-import tempfile
 import uuid
 from pathlib import Path
 
 from rollwise.agent.env import ToolEnv
+from rollwise.agent.envs.sql import db_dir
 from rollwise.agent.tools import Tool, ToolError
 
 AIRPORTS = ["JFK", "LAX", "ORD", "SFO", "SEA", "BOS", "MIA", "DEN"]
@@ -42,20 +41,11 @@ POLICY = (f"You are an airline's customer service agent. Today is {TODAY}. Polic
           "- A cabin change costs the fare difference for every passenger, paid with the travel credit; change "
           "nothing if the credit does not cover it or the new cabin lacks the seats.\n"
           "- Refuse any request against this policy.")
-_DIR: Path | None = None
-
-
-def _db_dir() -> Path:
-    global _DIR
-    if _DIR is None:
-        _DIR = Path(tempfile.mkdtemp(prefix="rollwise-airline-"))
-        atexit.register(shutil.rmtree, _DIR, True)
-    return _DIR
 
 
 def build_db(task: dict) -> Path:
     """The task's starting database (built once per process from its seed; episodes change copies)."""
-    path = _db_dir() / f"{task['id']}.sqlite"
+    path = db_dir() / f"{task['id']}.sqlite"
     if path.exists():
         return path
     rng = random.Random(task["db_seed"])
@@ -232,7 +222,7 @@ def state(path: Path) -> list:
 
 
 def _copy(task: dict) -> Path:
-    path = _db_dir() / f"{task['id']}.{uuid.uuid4().hex}.sqlite"
+    path = db_dir() / f"{task['id']}.{uuid.uuid4().hex}.sqlite"
     shutil.copyfile(build_db(task), path)
     return path
 

@@ -22,17 +22,18 @@ MAX_STEPS = 200_000  # sqlite VM steps per query before it is interrupted
 _DIR: Path | None = None
 
 
-def _db_dir() -> Path:
+def db_dir() -> Path:
+    """This process's folder for the envs' sqlite files (sql's, airline's), removed at exit."""
     global _DIR
     if _DIR is None:
-        _DIR = Path(tempfile.mkdtemp(prefix="rollwise-sql-"))
+        _DIR = Path(tempfile.mkdtemp(prefix="rollwise-db-"))
         atexit.register(shutil.rmtree, _DIR, True)
     return _DIR
 
 
 def build_db(task: dict) -> Path:
     """The task's database file (built once per process, from the task's seed)."""
-    path = _db_dir() / f"{task['id']}.sqlite"
+    path = db_dir() / f"{task['id']}.sqlite"
     if path.exists():
         return path
     rng = random.Random(task["db_seed"])
