@@ -88,3 +88,13 @@ def test_tool_errors_come_back_to_the_model_and_episodes_do_not_share_a_database
         return second, paths
     second, paths = asyncio.run(two_at_once())
     assert "error" not in str(second[0]) and not any(p.exists() for p in paths)  # and the copies went at close
+
+
+def test_gold_states_are_kept_for_recent_tasks_only(monkeypatch):
+    from rollwise.agent.envs import airline
+    monkeypatch.setattr(airline, "GOLD_KEPT", 2)
+    monkeypatch.setattr(airline, "_GOLD", airline.OrderedDict())
+    tasks = make_env("airline").sample_tasks(3, seed=6)
+    first = [airline.gold_state(t) for t in tasks]
+    assert list(airline._GOLD) == [t["id"] for t in tasks[1:]]
+    assert [airline.gold_state(t) for t in tasks] == first  # recomputed alike

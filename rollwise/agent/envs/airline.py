@@ -17,6 +17,7 @@ import re
 import shutil
 import sqlite3
 import uuid
+from collections import OrderedDict
 from pathlib import Path
 
 from rollwise.agent.env import ToolEnv
@@ -233,7 +234,6 @@ class AirlineEnv(ToolEnv):
     answer_hint = "When you are done, reply to the customer without a tool call."
 
     def __init__(self, **kw) -> None:
-        kw.setdefault("max_turns", 8)
         super().__init__(**kw)
         self.db: Path | None = None
 
@@ -302,11 +302,12 @@ DESCRIPTIONS = {"get_user": "A user's name, travel credit and reservation ids.",
                 "cancel_reservation": "Cancel a reservation: its amount paid goes back to the travel credit.",
                 "change_cabin": "Move a reservation to another cabin; the fare difference for every passenger is "
                                 "paid from (or refunded to) the travel credit."}
-_GOLD: dict[str, list] = {}
+_GOLD: OrderedDict[str, list] = OrderedDict()  # task id -> its gold state, the last GOLD_KEPT tasks'
+GOLD_KEPT = 4096
 
 
 def gold_state(task: dict) -> list:
-    """The database the task's gold actions leave (computed once per task and process)."""
+    """The database the task's gold actions leave (computed once per task while it is recent)."""
     if task["id"] not in _GOLD:
         path = _copy(task)
         try:
@@ -315,6 +316,9 @@ def gold_state(task: dict) -> list:
             _GOLD[task["id"]] = state(path)
         finally:
             path.unlink(missing_ok=True)
+        while len(_GOLD) > GOLD_KEPT:
+            _GOLD.popitem(last=False)
+    _GOLD.move_to_end(task["id"])
     return _GOLD[task["id"]]
 
 
