@@ -305,8 +305,7 @@ CUT_OFF = TRAJECTORY_STATUSES[1:]  # a limit or an error ended the episode, not 
 
 
 def check_cut_off(name: str, statuses) -> None:
-    """A ValueError naming the valid ones if `statuses` (an option called `name`) holds any that is not
-    a cut-off status."""
+    """A ValueError naming the valid ones if `statuses` (the option `name`) holds a status not in CUT_OFF."""
     bad = sorted(set(statuses) - set(CUT_OFF))
     if bad:
         raise ValueError(f"{name} {bad}: valid statuses are {list(CUT_OFF)}")

@@ -128,9 +128,8 @@ class LLMEngine(WeightVersions, SleepMode):
                              f"'priority' (this engine's is {self.config.scheduling_policy!r})")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
-        seq = Sequence(rid, list(ids), params, forced=list(forced_output) if forced_output else None,
-                       priority=priority, arrival=next(self._arrivals), t_arrival=time.monotonic(),
-                       cache_salt=cache_salt)
+        seq = Sequence(rid, list(ids), params, forced=list(forced_output) if forced_output else None, priority=priority,
+                       arrival=next(self._arrivals), t_arrival=time.monotonic(), cache_salt=cache_salt)
         if params.bad_words:
             seq.bad_words = self._bad_words(params.bad_words)
         if params.structured_outputs is not None:
