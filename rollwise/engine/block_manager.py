@@ -28,8 +28,9 @@ def chain_hashes(token_ids: list[int], block_size: int, root: int = 0) -> list[i
 def sha256_chain_hashes(token_ids: list[int], block_size: int, root: int = 0) -> list[int]:
     """As chain_hashes, each hash the first 128 bits of SHA-256 over its parent's and its block's
     tokens (8 bytes each). Python's tuple hash of small ints can be inverted step by step, so a
-    meet-in-the-middle search (~2^32 work) finds a block with the hash of any block it knows, e.g.
-    a public system prompt's: sent first, its KV would be served to every request with that prompt."""
+    meet-in-the-middle search (~2^32 steps each way, an estimate) could find a block with the hash of
+    any block it knows, e.g. a public system prompt's: sent first, its KV would be served to every
+    request with that prompt."""
     n, width = len(token_ids) // block_size, 8 * block_size
     data, out, parent = array("q", token_ids[:n * block_size]).tobytes(), [], root
     for i in range(n):
