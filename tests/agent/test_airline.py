@@ -98,3 +98,28 @@ def test_gold_states_are_kept_for_recent_tasks_only(monkeypatch):
     first = [airline.gold_state(t) for t in tasks]
     assert list(airline._GOLD) == [t["id"] for t in tasks[1:]]
     assert [airline.gold_state(t) for t in tasks] == first  # recomputed alike
+
+
+def test_a_simulated_customer_who_opens_plays_the_tasks_instruction(model_dir):
+    """tau-bench's set-up: a chat-completions server plays the customer from the task's `instruction`
+    and speaks first; the agent's tools write the database, and the episode scores it once the
+    customer ends the conversation."""
+    from rollwise.agent.episode import run_episode
+    from rollwise.agent.generator import ScriptedGenerator
+    from rollwise.engine.tokenizer import Tokenizer
+    from rollwise.types import SamplingParams
+    from tests.agent.servers import ChatServer
+
+    env = make_env("airline")
+    task = _by_kind(env.sample_tasks(60, seed=7), "cancel", True)
+    agent = iter(env.expert(task))  # the calls, then the reply (each a turn of the model)
+    lines = [task["request"]]
+    with ChatServer(lambda body: lines.pop(0) if lines else "###STOP###", "customer") as server:
+        episode_env = make_env("airline", user={"url": server.url, "opens": True})
+        t = asyncio.run(run_episode(ScriptedGenerator(Tokenizer(model_dir), lambda request: next(agent)),
+                                    episode_env, task, SamplingParams(max_tokens=64)))
+    assert t.status == "done" and t.reward == 1.0, (t.status, t.error, t.messages)
+    system = server.requests[0][1]["messages"][0]["content"]
+    assert task["instruction"] in system  # the customer's goal, which the agent never sees
+    assert all(task["instruction"] not in m["content"] for m in t.messages)
+    assert t.messages[1] == {"role": "user", "content": task["request"]}  # the customer's opening line
