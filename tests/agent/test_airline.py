@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from rollwise.agent.envs import make_env
 from rollwise.agent.envs.airline import build_db, state
 
@@ -123,3 +125,36 @@ def test_a_simulated_customer_who_opens_plays_the_tasks_instruction(model_dir):
     assert task["instruction"] in system  # the customer's goal, which the agent never sees
     assert all(task["instruction"] not in m["content"] for m in t.messages)
     assert t.messages[1] == {"role": "user", "content": task["request"]}  # the customer's opening line
+
+
+def test_a_rebooking_is_both_writes_or_neither_and_the_refund_pays_for_the_new_flight():
+    """kinds = ["rebook"]: cancel a reservation and book another flight with its refund, or change
+    nothing. The expert's cancel-then-book scores 1; either write alone scores 0; where the credit
+    covers the fare only with the refund, booking before cancelling fails in the tool."""
+    import sqlite3
+    with pytest.raises(ValueError, match="kinds must be a non-empty list of .*'rebook'"):
+        make_env("airline", kinds=["upgrade"])
+    env = make_env("airline", kinds=["rebook"])
+    tasks = env.sample_tasks(120, seed=8)
+    assert {t["kind"] for t in tasks} == {"rebook"} and 0 < sum(bool(t["gold"]) for t in tasks) < len(tasks)
+    needs_refund = []
+    for t in tasks:
+        assert _run(t, env.expert(t))[0] == 1.0, t
+        assert _run(t, ["Sorry, I cannot help with that."])[0] == float(not t["gold"]), t
+        if t["gold"]:
+            cancel, book = t["gold"]
+            assert [cancel[0], book[0]] == ["cancel_reservation", "book_reservation"]
+            assert _run(t, [env.call_text(cancel[0], **cancel[1]), "Done."])[0] == 0.0  # half of it
+            con = sqlite3.connect(build_db(t))
+            credit = con.execute("SELECT credit FROM users WHERE id = ?", (book[1]["user_id"],)).fetchone()[0]
+            fare = con.execute(f"SELECT price_{book[1]['cabin']} FROM flights WHERE number = ? AND date = ?",
+                               (book[1]["flight"], book[1]["date"])).fetchone()[0]
+            con.close()
+            if fare * book[1]["passengers"] > credit:
+                needs_refund.append(t)
+    assert needs_refund
+    t = needs_refund[0]
+    cancel, book = t["gold"]
+    reward, seen = _run(t, [env.call_text(book[0], **book[1]), env.call_text(cancel[0], **cancel[1]),
+                            env.call_text(book[0], **book[1]), "Done: cancelled and booked."])
+    assert "does not cover" in seen[0] and '"refunded"' in seen[1] and '"paid"' in seen[2] and reward == 1.0

@@ -1,6 +1,8 @@
 """airline: tau-bench's kind of task. A customer asks an airline agent to book a flight, cancel a
-reservation, change a cabin or say what travel credit is left; the agent serves them with tools that
-read and write a booking database (sqlite, a copy of the task's per episode) under a written policy.
+reservation, change a cabin or say what travel credit is left (or, with `kinds`, to cancel one
+reservation and book another flight with its refund: both or neither); the agent serves them with
+tools that read and write a booking database (sqlite, a copy of the task's per episode) under a
+written policy.
 
 As in tau-bench, the tools check only what the database itself needs (the flight exists, the seats
 are there, the credit covers the charge); the policy (which flight to book, what may not be cancelled
@@ -30,7 +32,8 @@ LAST = ["li", "garcia", "smith", "khan", "rossi", "sato", "berg", "silva"]
 CABINS = ("basic_economy", "economy", "business")
 DATES = ("2024-05-15", "2024-05-16", "2024-05-17")
 TODAY = "2024-05-15"
-KINDS = ("book", "cancel", "change", "credit")
+KINDS = ("book", "cancel", "change", "credit")  # drawn by default, alike
+ALL_KINDS = KINDS + ("rebook",)  # rebook: cancel a reservation and book another flight with the refund, or neither
 POLICY = (f"You are an airline's customer service agent. Today is {TODAY}. Policy:\n"
           "- Look up the user's details first.\n"
           "- Book the cheapest flight on the requested route and date that has enough seats in the requested "
@@ -233,8 +236,11 @@ class AirlineEnv(ToolEnv):
     system_prompt = POLICY
     answer_hint = "When you are done, reply to the customer without a tool call."
 
-    def __init__(self, **kw) -> None:
+    def __init__(self, *, kinds: list[str] | tuple[str, ...] = KINDS, **kw) -> None:
         super().__init__(**kw)
+        if isinstance(kinds, str) or not kinds or any(k not in ALL_KINDS for k in kinds):
+            raise ValueError(f"kinds must be a non-empty list of {list(ALL_KINDS)}, got {kinds!r}")
+        self.kinds = tuple(kinds)
         self.db: Path | None = None
 
     def make_tools(self, task):
@@ -265,8 +271,8 @@ class AirlineEnv(ToolEnv):
 
     def sample_tasks(self, n: int, seed: int) -> list[dict]:
         rng = random.Random(seed)
-        return [make_task(f"airline-{seed}-{i}", rng.randrange(2**31), KINDS[rng.randrange(len(KINDS))], rng)
-                for i in range(n)]
+        return [make_task(f"airline-{seed}-{i}", rng.randrange(2**31), self.kinds[rng.randrange(len(self.kinds))],
+                          rng) for i in range(n)]
 
     def expert(self, task):
         calls = [self.call_text(name, **args) for name, args in task["expert"]]
@@ -322,6 +328,30 @@ def gold_state(task: dict) -> list:
     return _GOLD[task["id"]]
 
 
+def _booking(con, rng: random.Random, users: list, freed: sqlite3.Row | None = None) -> tuple:
+    """A booking request: its user (drawn, or `freed`'s), its search, its gold call (None if the policy
+    forbids it) and the customer's words. `freed`: a reservation cancelled first (its refund and seats count)."""
+    f0 = rng.choice(con.execute("SELECT * FROM flights WHERE status = 'scheduled' ORDER BY number, date").fetchall())
+    u = rng.choice(users) if freed is None else next(x for x in users if x["id"] == freed["user_id"])
+    cabin, n = rng.choice(CABINS), rng.randint(1, 3)
+    route = {"origin": f0["origin"], "destination": f0["destination"], "date": f0["date"]}
+
+    def seats(f) -> int:
+        back = freed is not None and (freed["flight"], freed["date"], freed["cabin"]) == (f["number"], f["date"], cabin)
+        return f[f"seats_{cabin}"] + (freed["passengers"] if back else 0)
+    fits = [f for f in con.execute("SELECT * FROM flights WHERE origin = ? AND destination = ? AND date = ? AND "
+                                   "status = 'scheduled' ORDER BY number", tuple(route.values())) if seats(f) >= n]
+    best = min(fits, key=lambda f: (f[f"price_{cabin}"], f["number"])) if fits else None
+    credit = u["credit"] + (freed["paid"] if freed is not None else 0)
+    call = None
+    if best is not None and best[f"price_{cabin}"] * n <= credit:
+        call = ("book_reservation", {"user_id": u["id"], "flight": best["number"], "date": best["date"],
+                                     "cabin": cabin, "passengers": n})
+    want = (f"book {n} passenger{'s' * (n > 1)} in {cabin.replace('_', ' ')} on the cheapest flight from "
+            f"{route['origin']} to {route['destination']} on {route['date']}")
+    return u, ("search_flights", route), call, want
+
+
 def make_task(task_id: str, db_seed: int, kind: str, rng: random.Random) -> dict:
     """A task of `kind` on a fresh database: the request, the customer's instruction, the gold
     actions (the writes the policy allows), the expert's calls and reply."""
@@ -333,22 +363,10 @@ def make_task(task_id: str, db_seed: int, kind: str, rng: random.Random) -> dict
     res = con.execute("SELECT * FROM reservations WHERE status = 'active' ORDER BY id").fetchall()
     gold, look = [], [("get_user", {"user_id": None})]
     if kind == "book":
-        f0 = rng.choice(con.execute("SELECT * FROM flights WHERE status = 'scheduled' "
-                                    "ORDER BY number, date").fetchall())
-        u, cabin, n = rng.choice(users), rng.choice(CABINS), rng.randint(1, 3)
-        route = {"origin": f0["origin"], "destination": f0["destination"], "date": f0["date"]}
-        fits = [f for f in con.execute("SELECT * FROM flights WHERE origin = ? AND destination = ? AND date = ? AND "
-                                       "status = 'scheduled' ORDER BY number", tuple(route.values()))
-                if f[f"seats_{cabin}"] >= n]
-        best = min(fits, key=lambda f: (f[f"price_{cabin}"], f["number"])) if fits else None
-        look.append(("search_flights", route))
-        ok = best is not None and best[f"price_{cabin}"] * n <= u["credit"]
-        if ok:
-            gold.append(("book_reservation", {"user_id": u["id"], "flight": best["number"], "date": best["date"],
-                                              "cabin": cabin, "passengers": n}))
-        want = (f"book {n} passenger{'s' * (n > 1)} in {cabin.replace('_', ' ')} on the cheapest flight from "
-                f"{route['origin']} to {route['destination']} on {route['date']}")
-        reply = (f"Booked {best['number']} in {cabin} for {n}." if ok else
+        u, search, call, want = _booking(con, rng, users)
+        look.append(search)
+        gold += [call] if call else []
+        reply = (f"Booked {call[1]['flight']} in {call[1]['cabin']} for {call[1]['passengers']}." if call else
                  "I cannot book that: no flight has the seats, or the travel credit does not cover the fare.")
     else:
         r = rng.choice(res)
@@ -368,6 +386,14 @@ def make_task(task_id: str, db_seed: int, kind: str, rng: random.Random) -> dict
             gold += [("change_cabin", {"reservation_id": r["id"], "cabin": cabin})] if ok else []
             want = f"move reservation {r['id']} to {cabin}"
             reply = f"Moved {r['id']} to {cabin}." if ok else "I cannot change that reservation under our policy."
+        elif kind == "rebook":  # both writes or neither: the booking is paid with the refund too
+            _, search, call, booking = _booking(con, rng, users, freed=r)
+            look.append(search)
+            ok = r["cabin"] != "basic_economy" and f["status"] != "departed" and call is not None
+            gold += [("cancel_reservation", {"reservation_id": r["id"]}), call] if ok else []
+            want = f"cancel reservation {r['id']} and, with its refund, {booking}; if either cannot be done, change nothing"
+            reply = (f"Cancelled {r['id']} and booked {call[1]['flight']} in {call[1]['cabin']} for "
+                     f"{call[1]['passengers']}." if ok else "I cannot do both under our policy, so I changed nothing.")
         else:
             look = look[:1]
             task["answer"] = u["credit"]
