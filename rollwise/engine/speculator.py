@@ -42,11 +42,11 @@ class Speculator:
     def start(self, request_id: str, prompt: list[int], group_id: str | None, session: str | None = None,
               cache_salt: str | None = None) -> None:
         """A salted request drafts only from its salt's requests (its own context, its group and its
-        session, named within the salt) and feeds no tree shared beyond it: an accepted draft is a
-        timing channel, as a prefix-cache hit is."""
+        session, named within the salt, and the salt's own global tree) and feeds no tree shared
+        beyond it: an accepted draft is a timing channel, as a prefix-cache hit is."""
         if cache_salt is not None:
             group_id, session = (None if k is None else f"{cache_salt}\0{k}" for k in (group_id, session))
-        self.cache.start_request(request_id, prompt, group_id, session=session, shared=cache_salt is None)
+        self.cache.start_request(request_id, prompt, group_id, session=session, scope=cache_salt)
 
     def stop(self, request_id: str) -> None:
         self.cache.stop_request(request_id)

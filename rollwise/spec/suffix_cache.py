@@ -6,13 +6,15 @@ Three sources, best score wins (ties: the earlier source):
   from each other while they run; kept while the group is recent (LRU over groups);
 - global: responses of other requests, in flight and finished, bounded to `max_cached_requests`
   with FIFO or LRU eviction (LRU: a new request of a group refreshes that group's responses).
+  A request started with a `scope` (a cache salt) has its scope's own global tree instead: it
+  drafts from the requests of its scope only, and they alone from it (the bound counts them all).
 
 Imports no torch. The C++ trees are used when built (`backend="cpp"`), the Python ones otherwise.
 """
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from rollwise.spec.suffix_tree import SuffixTree
@@ -36,7 +38,7 @@ class _Request:
     context: list[int] = field(default_factory=list)  # the last max_depth tokens (Python backend)
     session: str | None = None
     tokens: list[int] | None = None  # everything in `tree`, kept when the tree outlives the request
-    shared: bool = True  # drafts from the global tree and feeds it
+    scope: str | None = None  # whose global tree it drafts from and feeds (None: the common one)
 
 
 class SuffixCache:
@@ -60,7 +62,10 @@ class SuffixCache:
         self.backend = backend
         self._new_tree = (lambda: _C.SuffixTree(max_depth)) if backend == "cpp" else (lambda: SuffixTree(max_depth))
         self.global_tree = self._new_tree()
-        self._cached: OrderedDict[int, str | None] = OrderedDict()  # seq id in the global tree -> group
+        self._cached: OrderedDict[int, str | None] = OrderedDict()  # seq id in a global tree -> group
+        self._scopes: dict[str, object] = {}  # scope -> its global tree, while it holds or serves any request
+        self._scope_of: dict[int, str] = {}  # seq id in a scope's tree -> the scope
+        self._scope_n: Counter[str] = Counter()  # scope -> how many sequences its tree holds
         self.groups: OrderedDict[str, object] = OrderedDict()  # group id -> tree of its responses
         self.requests: dict[str, _Request] = {}
         # trees of finished requests kept for their session's next request, LRU, bounded in tokens
@@ -73,10 +78,10 @@ class SuffixCache:
 
     # lifecycle -----------------------------------------------------------------------------------
     def start_request(self, request_id: str, prompt_token_ids: list[int], group_id: str | None = None,
-                      session: str | None = None, shared: bool = True) -> None:
+                      session: str | None = None, scope: str | None = None) -> None:
         """`session` (e.g. the trajectory): when this prompt extends the previous request of the same
         session (prompt + output + observation), that request's tree is extended instead of rebuilt.
-        `shared=False`: it neither drafts from the global tree nor adds its tokens to it."""
+        `scope`: it drafts from and feeds its scope's global tree, not the common one."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already active")
         tree, tokens = None, None
@@ -94,7 +99,7 @@ class SuffixCache:
             tree.append(0, list(prompt_token_ids))
             tokens = list(prompt_token_ids) if session is not None else None
         req = _Request(next(self._ids), group_id, tree, list(prompt_token_ids[-self.max_depth:]), session, tokens,
-                       shared)
+                       scope)
         self.requests[request_id] = req
         self._by_seq[req.seq_id] = request_id
         if group_id is not None and self.use_group_tree:
@@ -102,11 +107,16 @@ class SuffixCache:
                 self.groups[group_id] = self._new_tree()
             self.groups.move_to_end(group_id)
             self._evict_groups()
-        if self.max_cached_requests > 0 and shared:
+        if self.max_cached_requests > 0:
             if self.eviction == "lru" and group_id is not None:
                 for sid in [s for s, g in self._cached.items() if g == group_id]:
                     self._cached.move_to_end(sid)
             self._cached[req.seq_id] = group_id
+            if scope is not None:
+                self._scope_of[req.seq_id] = scope
+                self._scope_n[scope] += 1
+                if scope not in self._scopes:
+                    self._scopes[scope] = self._new_tree()
             self._evict_cached()
         if self._native is not None:
             self._native.set(req.seq_id, self._sources(req), list(self._targets(req)), req.context)
@@ -136,6 +146,7 @@ class SuffixCache:
             self._by_seq.pop(req.seq_id, None)
             if self._native is not None:
                 self._native.drop(req.seq_id)
+            self._drop_scope(req.scope)
             if req.session is not None and len(req.tokens) <= self.max_session_tokens:  # its next turn extends this tree
                 self._sessions[req.session] = (req.tree, req.tokens)
                 self._session_tokens += len(req.tokens)
@@ -187,7 +198,8 @@ class SuffixCache:
     # internals -----------------------------------------------------------------------------------
     def _sources(self, req: _Request) -> list:
         group = self.groups.get(req.group_id) if req.group_id is not None else None
-        return [req.tree, group, self.global_tree if self.max_cached_requests > 0 and req.shared else None]
+        glob = self.global_tree if req.scope is None else self._scopes.get(req.scope)
+        return [req.tree, group, glob if self.max_cached_requests > 0 else None]
 
     def _targets(self, req: _Request):
         yield req.tree, 0
@@ -195,15 +207,25 @@ class SuffixCache:
         if group is not None:
             yield group, req.seq_id
         if req.seq_id in self._cached:
-            yield self.global_tree, req.seq_id
+            yield (self.global_tree if req.scope is None else self._scopes[req.scope]), req.seq_id
 
     def _evict_cached(self) -> None:
         while len(self._cached) > self.max_cached_requests:
             sid, _ = self._cached.popitem(last=False)
-            self.global_tree.remove(sid)
+            scope = self._scope_of.pop(sid, None)
+            (self.global_tree if scope is None else self._scopes[scope]).remove(sid)
+            if scope is not None:
+                self._scope_n[scope] -= 1
             rid = self._by_seq.get(sid)
             if rid is not None and self._native is not None:  # still running: stop feeding the global tree
                 self._native.set_targets(sid, list(self._targets(self.requests[rid])))
+            self._drop_scope(scope)
+
+    def _drop_scope(self, scope: str | None) -> None:
+        """A scope's tree goes once it holds no sequence and no active request drafts from it (the
+        native requests hold plain pointers to their trees)."""
+        if scope in self._scopes and not self._scope_n[scope] and all(r.scope != scope for r in self.requests.values()):
+            del self._scopes[scope], self._scope_n[scope]
 
     def _evict_groups(self) -> None:
         active = {r.group_id for r in self.requests.values()}
@@ -215,14 +237,17 @@ class SuffixCache:
 
     def check_integrity(self) -> None:
         self.global_tree.check_integrity()
-        for t in self.groups.values():
+        for t in [*self.groups.values(), *self._scopes.values()]:
             t.check_integrity()
         for r in self.requests.values():
             r.tree.check_integrity()
-        assert len(self._cached) <= self.max_cached_requests
+        assert len(self._cached) <= self.max_cached_requests and set(self._scope_of) <= set(self._cached)
+        assert +self._scope_n == Counter(self._scope_of.values())
+        serving = {r.scope for r in self.requests.values() if r.scope is not None and self.max_cached_requests > 0}
+        assert set(self._scopes) == {*self._scope_of.values(), *serving}
         assert self._session_tokens == sum(len(t) for _, t in self._sessions.values()) <= self.max_session_tokens
 
     def metrics(self) -> dict[str, float]:
-        nodes = self.global_tree.num_nodes + sum(t.num_nodes for t in self.groups.values())
+        nodes = self.global_tree.num_nodes + sum(t.num_nodes for t in [*self.groups.values(), *self._scopes.values()])
         return {"spec_cached_requests": float(len(self._cached)), "spec_groups": float(len(self.groups)),
                 "spec_tree_nodes": float(nodes + sum(r.tree.num_nodes for r in self.requests.values()))}

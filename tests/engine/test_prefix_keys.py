@@ -62,8 +62,9 @@ def test_bad_salts_and_prompt_dicts_are_refused_and_nothing_is_queued(model_dir)
 
 
 def test_a_salted_request_drafts_only_from_its_salt(model_dir):
-    """The global tree (every request's tokens) is shared by unsalted requests only; a group or a
-    session is named within its salt, so another salt with the same group id drafts nothing from it."""
+    """The common global tree (every request's tokens) is shared by unsalted requests only; each salt
+    has a global tree of its own, and a group or a session is named within its salt, so another salt
+    with the same group id drafts nothing from it."""
     eng = LLMEngine(EngineConfig(model=model_dir, speculative="suffix", spec_controller="always"))
     cache = eng.spec.cache
 
@@ -77,11 +78,13 @@ def test_a_salted_request_drafts_only_from_its_salt(model_dir):
     ps = [_prompt(s, 30) for s in range(3)]
     for p in ps:
         run(p)
-    cached = len(cache._cached)
-    for p in ps:  # the unsalted outputs above would draft these
-        assert run(p, salt="a") == {"spec_drafted_global": 0, "spec_drafted_group": 0}
-    assert len(cache._cached) == cached  # and the salted outputs did not join the global tree
-    assert run(ps[0])["spec_drafted_global"] > 0
+    common = cache.global_tree.num_nodes
+    fresh = [run(p, salt=f"a{i}") for i, p in enumerate(ps)]  # a new salt's tree holds the request alone
+    assert cache.global_tree.num_nodes == common  # the salted outputs did not join the common tree
+    assert [run(p, salt=f"b{i}") for i, p in enumerate(ps)] == fresh  # nothing from the unsalted, nor from "a"s
+    assert run(ps[0])["spec_drafted_global"] > fresh[0]["spec_drafted_global"]  # the unsalted runs draft it
+    assert run(ps[1], salt="a1")["spec_drafted_global"] > fresh[1]["spec_drafted_global"]  # its salt's earlier run
+    cache.check_integrity()
     q = _prompt(9, 30)
     fresh = run(q, salt="a", group="g")  # (a group's tree holds its own output too: drafts from itself)
     assert run(q, salt="b", group="g") == fresh  # nothing from "a"'s member

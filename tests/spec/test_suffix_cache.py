@@ -21,6 +21,30 @@ def test_in_flight_sibling_drafts_for_another(backend):
     c.check_integrity()
 
 
+@pytest.mark.parametrize("backend", ["cpp", "python"])
+def test_a_scope_drafts_from_its_own_global_tree_which_goes_when_nothing_holds_it(backend):
+    """A scoped request (a cache salt) drafts from its scope's requests only, and feeds them only; the
+    bound on cached requests counts every scope's; a scope's tree outlives its cached sequences while
+    a request of the scope is active (the native requests point at it), then goes."""
+    c = SuffixCache(backend=backend, alpha=4.0, max_spec_tokens=4, min_token_prob=0.0, max_cached_requests=2)
+    c.start_request("a", [5], scope="s")
+    c.append("a", [6, 7, 8, 9, 10])  # (responses go into the global trees, prompts do not)
+    c.stop_request("a")
+    c.start_request("b", [5, 6, 7], scope="s")
+    d = c.speculate("b")
+    assert d.token_ids == [8, 9, 10] and d.source == "global"
+    c.start_request("u", [5, 6, 7])  # unscoped: the common tree holds no "s" request
+    c.start_request("t", [5, 6, 7], scope="t")  # another scope: nor does its tree
+    assert c.speculate("u").token_ids == [] and c.speculate("t").token_ids == []
+    assert set(c._scopes) == {"s", "t"} and list(c._cached) == [2, 3]  # a and b evicted: the bound is over all
+    c.append_batch({"b": [1, 2], "u": [1, 2], "t": [1, 2]})  # b feeds no tree now but its own
+    assert c.speculate("b").token_ids == [] and "s" in c._scopes  # its scope's tree, empty, kept for b
+    c.check_integrity()
+    c.stop_request("b")
+    assert "s" not in c._scopes and "t" in c._scopes  # nothing holds "s"; "t" holds t
+    c.check_integrity()
+
+
 def test_group_tree_beats_diluted_global_tree():
     c = SuffixCache(alpha=4.0, max_spec_tokens=4, min_token_prob=0.0)
     for i in range(6):  # many other requests continue "7 8" differently
