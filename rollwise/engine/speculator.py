@@ -44,9 +44,15 @@ class Speculator:
         """A salted request drafts only from its salt's requests (its own context, its group and its
         session, named within the salt, and the salt's own global tree) and feeds no tree shared
         beyond it: an accepted draft is a timing channel, as a prefix-cache hit is."""
-        if cache_salt is not None:
-            group_id, session = (None if k is None else f"{cache_salt}\0{k}" for k in (group_id, session))
+        group_id, session = _within(cache_salt, group_id), _within(cache_salt, session)
         self.cache.start_request(request_id, prompt, group_id, session=session, scope=cache_salt)
+
+    def add_sequence(self, token_ids: list[int], group_id: str | None = None, cache_salt: str | None = None) -> None:
+        """Drafting material from elsewhere (a turn another replica served): a salted one joins its
+        salt's trees only, as the salt's own requests do."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        self.cache.add_sequence(token_ids, _within(cache_salt, group_id), scope=cache_salt)
 
     def stop(self, request_id: str) -> None:
         self.cache.stop_request(request_id)
@@ -103,3 +109,8 @@ class Speculator:
         st = {k: float(v) for k, v in self.stats.items()}
         st["spec_acceptance_rate"] = st["spec_accepted_tokens"] / st["spec_drafted_tokens"] if st["spec_drafted_tokens"] else 0.0
         return {**st, **self.cache.metrics()}
+
+
+def _within(salt: str | None, key: str | None) -> str | None:
+    """A group or session name taken within a cache salt (another salt's same name is another tree)."""
+    return key if salt is None or key is None else f"{salt}\0{key}"

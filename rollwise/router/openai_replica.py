@@ -67,5 +67,5 @@ class OpenAIReplica(HttpReplica):
                               finish_reason=ch.get("finish_reason"), num_cached_tokens=cached,
                               request_id=b.get("id", ""), top_logprobs=tops if p.logprobs else [])
 
-    async def add_sequence(self, token_ids: list[int], group_id: str | None) -> None:
+    async def add_sequence(self, token_ids: list[int], group_id: str | None, cache_salt: str | None = None) -> None:
         pass  # other servers keep their own drafting state

@@ -126,10 +126,10 @@ class LocalReplica:
     async def wake_up(self) -> None:
         await self.engine.wake_up()
 
-    async def add_sequence(self, token_ids: list[int], group_id: str | None) -> None:
+    async def add_sequence(self, token_ids: list[int], group_id: str | None, cache_salt: str | None = None) -> None:
         spec = getattr(self.engine.engine, "spec", None)
         if spec is not None:
-            await self.engine.call(lambda: spec.cache.add_sequence(token_ids, group_id))
+            await self.engine.call(lambda: spec.add_sequence(token_ids, group_id, cache_salt))
 
 
 PROM = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
@@ -370,9 +370,10 @@ class HttpReplica:
                             v.get("busy"), v.get("prefill", 0.0), v.get("decode", 0.0), v.get("steps", 0.0),
                             v.get("kv_capacity", 0.0))
 
-    async def add_sequence(self, token_ids: list[int], group_id: str | None) -> None:
+    async def add_sequence(self, token_ids: list[int], group_id: str | None, cache_salt: str | None = None) -> None:
+        body = {"token_ids": token_ids, "group_id": group_id} | ({"cache_salt": cache_salt} if cache_salt else {})
         try:
-            await self.client.post("/spec/add_sequence", json={"token_ids": token_ids, "group_id": group_id})
+            await self.client.post("/spec/add_sequence", json=body)
         except httpx.HTTPError:
             pass  # drafting material is best effort
 

@@ -216,16 +216,18 @@ class Router(Upkeep):
             for name in self.residency.end(trajectory_id):
                 self._unhold(name)  # its KV budget goes to the next resident or a new trajectory
 
-    def _share(self, served_by: str, token_ids: list[int], group_id: str | None) -> None:
+    def _share(self, served_by: str, token_ids: list[int], group_id: str | None, salt: str | None = None) -> None:
         """Every turn's new tokens go to the other replicas' suffix caches (the serving one has
-        them), so siblings draft from each other wherever they run."""
+        them), so siblings draft from each other wherever they run; a salted turn's go to its salt's
+        trees there."""
         if self._drafters is None:
             self._drafters = [(n, r) for n, r in self.replicas.items()
                               if hasattr(r, "add_sequence") and getattr(r, "speculates", True)]
         targets = [r for n, r in self._drafters if n != served_by]
         if targets and token_ids:
-            task = asyncio.ensure_future(asyncio.gather(*(r.add_sequence(token_ids, group_id) for r in targets),
-                                                        return_exceptions=True))
+            salted = {} if salt is None else {"cache_salt": salt}
+            task = asyncio.ensure_future(asyncio.gather(*(r.add_sequence(token_ids, group_id, **salted)
+                                                          for r in targets), return_exceptions=True))
             self._sharing.add(task)
             task.add_done_callback(self._sharing.discard)
 
@@ -347,8 +349,8 @@ class Router(Upkeep):
             if self.residency is not None and self.residency.is_resident(req.trajectory_id, name):
                 self.residency.admit(req.trajectory_id, name, len(req.prompt_token_ids) + len(out.token_ids),
                                      req.group_id, False, self._now())
-        if self.share_drafts and req.cache_salt is None:  # (a salted request's tokens stay with its replica)
-            self._share(name, out.token_ids, req.group_id)
+        if self.share_drafts:
+            self._share(name, out.token_ids, req.group_id, req.cache_salt)
 
     def metrics(self) -> dict[str, float]:
         s = self.stats

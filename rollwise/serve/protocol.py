@@ -271,6 +271,7 @@ class AddSequenceRequest(_Strict):
     """Drafting material for this replica's suffix cache (e.g. a trajectory finished elsewhere)."""
     token_ids: list[int] = Field(min_length=1)
     group_id: str | None = None
+    cache_salt: str | None = None  # the salt whose requests alone may draft from it
 
 
 class UpdateWeightsRequest(_Strict):

@@ -196,7 +196,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         spec = engine.engine.spec
         if spec is None:
             return {"status": "ignored", "reason": "speculation is off"}
-        await engine.call(lambda: spec.cache.add_sequence(body.token_ids, body.group_id))
+        await engine.call(lambda: spec.add_sequence(body.token_ids, body.group_id, body.cache_salt))
         return {"status": "ok"}
 
     @app.post("/v1/completions")

@@ -111,12 +111,7 @@ class SuffixCache:
             if self.eviction == "lru" and group_id is not None:
                 for sid in [s for s, g in self._cached.items() if g == group_id]:
                     self._cached.move_to_end(sid)
-            self._cached[req.seq_id] = group_id
-            if scope is not None:
-                self._scope_of[req.seq_id] = scope
-                self._scope_n[scope] += 1
-                if scope not in self._scopes:
-                    self._scopes[scope] = self._new_tree()
+            self._cache(req.seq_id, group_id, scope)
             self._evict_cached()
         if self._native is not None:
             self._native.set(req.seq_id, self._sources(req), list(self._targets(req)), req.context)
@@ -154,8 +149,9 @@ class SuffixCache:
                     _, (_, toks) = self._sessions.popitem(last=False)
                     self._session_tokens -= len(toks)
 
-    def add_sequence(self, token_ids: list[int], group_id: str | None = None) -> None:
-        """Shared drafting material from elsewhere (e.g. a trajectory finished on another replica)."""
+    def add_sequence(self, token_ids: list[int], group_id: str | None = None, scope: str | None = None) -> None:
+        """Shared drafting material from elsewhere (e.g. a trajectory finished on another replica); with
+        a `scope`, for that scope's requests only."""
         sid = next(self._ids)
         if group_id is not None and self.use_group_tree:
             tree = self.groups.get(group_id)
@@ -164,8 +160,8 @@ class SuffixCache:
                 self._evict_groups()
             tree.append(sid, list(token_ids))
         if self.max_cached_requests > 0:
-            self._cached[sid] = group_id
-            self.global_tree.append(sid, list(token_ids))
+            self._cache(sid, group_id, scope)
+            self._global(scope).append(sid, list(token_ids))
             self._evict_cached()
 
     # drafting ------------------------------------------------------------------------------------
@@ -198,8 +194,7 @@ class SuffixCache:
     # internals -----------------------------------------------------------------------------------
     def _sources(self, req: _Request) -> list:
         group = self.groups.get(req.group_id) if req.group_id is not None else None
-        glob = self.global_tree if req.scope is None else self._scopes.get(req.scope)
-        return [req.tree, group, glob if self.max_cached_requests > 0 else None]
+        return [req.tree, group, self._global(req.scope) if self.max_cached_requests > 0 else None]
 
     def _targets(self, req: _Request):
         yield req.tree, 0
@@ -207,13 +202,25 @@ class SuffixCache:
         if group is not None:
             yield group, req.seq_id
         if req.seq_id in self._cached:
-            yield (self.global_tree if req.scope is None else self._scopes[req.scope]), req.seq_id
+            yield self._global(req.scope), req.seq_id
+
+    def _global(self, scope: str | None):
+        return self.global_tree if scope is None else self._scopes[scope]
+
+    def _cache(self, sid: int, group_id: str | None, scope: str | None) -> None:
+        """Sequence `sid` joins its scope's global tree's bookkeeping (the tree made if it is the first)."""
+        self._cached[sid] = group_id
+        if scope is not None:
+            self._scope_of[sid] = scope
+            self._scope_n[scope] += 1
+            if scope not in self._scopes:
+                self._scopes[scope] = self._new_tree()
 
     def _evict_cached(self) -> None:
         while len(self._cached) > self.max_cached_requests:
             sid, _ = self._cached.popitem(last=False)
             scope = self._scope_of.pop(sid, None)
-            (self.global_tree if scope is None else self._scopes[scope]).remove(sid)
+            self._global(scope).remove(sid)
             if scope is not None:
                 self._scope_n[scope] -= 1
             rid = self._by_seq.get(sid)

@@ -92,6 +92,30 @@ def test_a_salted_request_drafts_only_from_its_salt(model_dir):
     assert "g" not in cache.groups
 
 
+def test_drafting_material_from_another_replica_reaches_its_salt_only(model_dir):
+    """What the router sends from a salted turn served elsewhere (`Speculator.add_sequence` with its
+    salt) is drafted from by that salt's requests, and by no other salt's."""
+    eng = LLMEngine(EngineConfig(model=model_dir, speculative="suffix", spec_controller="always"))
+    p = _prompt(11, 30)
+
+    def run(salt: str) -> tuple[list[int], float]:
+        before = eng.metrics()["spec_drafted_global"]
+        rid = eng.add_request(p, GREEDY, cache_salt=salt)
+        outs = {}
+        while eng.has_unfinished:
+            outs.update({o.request_id: o for o in eng.step()})
+        return outs[rid].token_ids, eng.metrics()["spec_drafted_global"] - before
+
+    tokens, alone = run("elsewhere")  # (the turn another replica would have served)
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        eng.spec.add_sequence(tokens, None, "")
+    eng.spec.add_sequence(tokens, None, "s")
+    assert run("t") == (tokens, alone)  # another salt: its own tokens alone, as before
+    salted = run("s")
+    assert salted[0] == tokens and salted[1] > alone
+    eng.spec.cache.check_integrity()
+
+
 def test_both_hash_algorithms_cache_the_same_blocks_and_give_the_same_tokens(model_dir):
     """vLLM's prefix_caching_hash_algo: SHA-256 by default, Python's hash on request; the keys differ,
     what they find does not."""

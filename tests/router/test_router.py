@@ -444,14 +444,14 @@ def test_a_route_off_loopback_keeps_its_control_endpoints_for_key_holders():
     assert app.get("/replicas").status_code == 200 and set(router.replicas) == {"a"}
 
 
-def test_a_salted_turn_is_indexed_under_its_salt_and_its_tokens_stay_on_its_replica():
+def test_a_salted_turn_is_indexed_under_its_salt_and_its_tokens_reach_only_its_salts_drafting():
     """vLLM's cache_salt through the router: a salted prompt matches only what the same salt left on
-    a replica, and its tokens are not sent to the other replicas' drafting caches."""
+    a replica, and its tokens go to the other replicas' drafting caches under its salt."""
     class Drafter(FakeReplica):
         shared: list = []
 
-        async def add_sequence(self, token_ids, group_id):
-            self.shared.append((self.name, list(token_ids)))
+        async def add_sequence(self, token_ids, group_id, cache_salt=None):
+            self.shared.append((self.name, list(token_ids), cache_salt))
 
     async def go():
         router = Router([Drafter("a"), Drafter("b")], "dynamo")
@@ -461,11 +461,11 @@ def test_a_salted_turn_is_indexed_under_its_salt_and_its_tokens_stay_on_its_repl
             return router.index.match(router.index.hashes([1] * 40, None, salt), names)
         first = await router.generate(req(1))
         await asyncio.sleep(0.05)
-        assert Drafter.shared == [("b" if first.replica == "a" else "a", [7, 8])]
+        assert Drafter.shared == [("b" if first.replica == "a" else "a", [7, 8], None)]
         assert held(None)[first.replica] == 32 and held("s") == {"a": 0, "b": 0}
         salted = await router.generate(dataclasses.replace(req(6), cache_salt="s"))
         await asyncio.sleep(0.05)
-        assert len(Drafter.shared) == 1  # nothing shared for the salted turn
+        assert Drafter.shared[1:] == [(({"a", "b"} - {salted.replica}).pop(), [7, 8], "s")]
         assert held("s") == {salted.replica: 32, ({"a", "b"} - {salted.replica}).pop(): 0}
         assert held("t") == {"a": 0, "b": 0}
         await router.close()

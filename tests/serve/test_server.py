@@ -576,6 +576,35 @@ def test_speculative_server_is_lossless_and_reports_acceptance(model_dir):
     assert float(accepted[0].split()[-1]) > 0  # siblings 2 and 3 drafted from sibling 1
 
 
+def test_drafting_material_posted_under_a_salt_serves_that_salt_only(model_dir):
+    """/spec/add_sequence (the router's way of sharing a turn served elsewhere) with a cache_salt:
+    that salt's requests draft from it, another salt's do not; a bad salt is a 400 (in-process app)."""
+    from fastapi.testclient import TestClient
+
+    from rollwise.config import ServerConfig
+    from rollwise.engine.async_engine import AsyncEngine
+    from rollwise.serve.server import build_app
+    engine = AsyncEngine(model_dir, speculative="suffix", spec_controller="always")
+    try:
+        app = TestClient(build_app(engine, ServerConfig(), "m"))
+        req = {"input_ids": [9, 8, 7, 6, 5, 4, 3], "sampling_params": {"temperature": 0, "max_tokens": 30,
+                                                                        "ignore_eos": True}}
+
+        def drafted(salt: str) -> tuple[list[int], float]:
+            before = engine.metrics()["spec_drafted_global"]
+            out = app.post("/generate", json=req | {"cache_salt": salt}).json()
+            return out["token_ids"], engine.metrics()["spec_drafted_global"] - before
+        tokens, alone = drafted("elsewhere")
+        r = app.post("/spec/add_sequence", json={"token_ids": tokens, "cache_salt": ""})
+        assert r.status_code == 400 and "cache_salt must be a non-empty string" in r.json()["error"]["message"]
+        assert app.post("/spec/add_sequence", json={"token_ids": tokens, "cache_salt": "s"}).json()["status"] == "ok"
+        assert drafted("t") == (tokens, alone)
+        ours = drafted("s")
+        assert ours[0] == tokens and ours[1] > alone
+    finally:
+        engine.shutdown()
+
+
 def test_safetensors_stream_is_a_safetensors_file():
     import asyncio
 
