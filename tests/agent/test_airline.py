@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from rollwise.agent.envs import make_env
-from rollwise.agent.envs.airline import build_db, state
+from rollwise.agent.envs.airline_db import build_db, state
 
 
 def _run(task, replies: list[str], env=None) -> tuple[float | None, list[str]]:
@@ -158,3 +158,30 @@ def test_a_rebooking_is_both_writes_or_neither_and_the_refund_pays_for_the_new_f
     reward, seen = _run(t, [env.call_text(book[0], **book[1]), env.call_text(cancel[0], **cancel[1]),
                             env.call_text(book[0], **book[1]), "Done: cancelled and booked."])
     assert "does not cover" in seen[0] and '"refunded"' in seen[1] and '"paid"' in seen[2] and reward == 1.0
+
+
+def test_with_confirm_a_write_before_the_customers_yes_scores_zero(model_dir):
+    """`confirm = true`: tau-bench's rule that a write waits for the customer's explicit yes, with a
+    scripted customer (yes to a question, the end at any other reply). The expert asks before it
+    writes and solves every kind; the same writes unasked leave the right database and score 0;
+    the warm start's transcripts hold the question and the yes."""
+    from rollwise.agent.envs.airline import ConfirmingCustomer
+    from rollwise.engine.tokenizer import Tokenizer
+    from rollwise.rl import expert_trajectories
+    with pytest.raises(ValueError, match="confirm must be true or false"):
+        make_env("airline", confirm="yes")
+    env = make_env("airline", confirm=True, kinds=["book", "cancel", "change", "credit", "rebook"])
+    plain = make_env("airline", kinds=["book", "cancel", "change", "credit", "rebook"])
+    tasks = env.sample_tasks(60, seed=9)
+    assert {t["kind"] for t in tasks if t["gold"]} == {"book", "cancel", "change", "rebook"}
+    for t in tasks:
+        assert _run(t, env.expert(t), make_env("airline", confirm=True))[0] == 1.0, t
+        unasked = _run(t, plain.expert(t), make_env("airline", confirm=True))[0]
+        assert unasked == (0.0 if t["gold"] else 1.0), t  # (refusals and credit questions need no yes)
+    t = next(t for t in tasks if t["kind"] == "rebook" and t["gold"])
+    reward, seen = _run(t, env.expert(t), make_env("airline", confirm=True))
+    asked = env.expert(t).index(next(m for m in env.expert(t) if m.endswith("Shall I go ahead?")))
+    assert seen[asked] == ConfirmingCustomer.YES and reward == 1.0  # the customer's answer, then both writes
+    demos = asyncio.run(expert_trajectories(Tokenizer(model_dir), lambda: make_env("airline", confirm=True), [t]))
+    said = [m["content"] for m in demos[0].messages if m["role"] == "user"]
+    assert demos[0].reward == 1.0 and said[-1] == ConfirmingCustomer.YES and "Ask me before" in said[0]

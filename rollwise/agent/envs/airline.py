@@ -10,28 +10,23 @@ or changed) is the agent's to follow. The reward is tau-bench's: the episode's d
 must equal the one the task's gold actions leave (so an action against the policy, or a missing
 one, scores 0), and a question's answer must hold the number asked for. Each task names its user's
 goal as an `instruction` too, so a simulated user (`user = { url = ... }`) can play the customer.
+`confirm = true` adds tau-bench's rule that a write waits for the customer's explicit yes: a write
+made before the customer has answered one of the agent's replies scores 0, and unless another user
+is given, a scripted customer plays the part (yes to a question, the end at any other reply).
 """
 from __future__ import annotations
 
 import json
 import random
 import re
-import shutil
 import sqlite3
-import uuid
 from collections import OrderedDict
 from pathlib import Path
 
 from rollwise.agent.env import ToolEnv
-from rollwise.agent.envs.sql import db_dir
-from rollwise.agent.tools import Tool, ToolError
+from rollwise.agent.envs.airline_db import ACTIONS, CABINS, TODAY, WRITES, build_db, copy_db, state
+from rollwise.agent.tools import Tool
 
-AIRPORTS = ["JFK", "LAX", "ORD", "SFO", "SEA", "BOS", "MIA", "DEN"]
-FIRST = ["mia", "noah", "ava", "liam", "zoe", "omar", "ivy", "raj", "lena", "kai"]
-LAST = ["li", "garcia", "smith", "khan", "rossi", "sato", "berg", "silva"]
-CABINS = ("basic_economy", "economy", "business")
-DATES = ("2024-05-15", "2024-05-16", "2024-05-17")
-TODAY = "2024-05-15"
 KINDS = ("book", "cancel", "change", "credit")  # drawn by default, alike
 ALL_KINDS = KINDS + ("rebook",)  # rebook: cancel a reservation and book another flight with the refund, or neither
 POLICY = (f"You are an airline's customer service agent. Today is {TODAY}. Policy:\n"
@@ -45,190 +40,8 @@ POLICY = (f"You are an airline's customer service agent. Today is {TODAY}. Polic
           "- A cabin change costs the fare difference for every passenger, paid with the travel credit; change "
           "nothing if the credit does not cover it or the new cabin lacks the seats.\n"
           "- Refuse any request against this policy.")
-
-
-def build_db(task: dict) -> Path:
-    """The task's starting database (built once per process from its seed; episodes change copies)."""
-    path = db_dir() / f"{task['id']}.sqlite"
-    if path.exists():
-        return path
-    rng = random.Random(task["db_seed"])
-    tmp = path.with_suffix(f".{uuid.uuid4().hex}.tmp")
-    con = sqlite3.connect(tmp)
-    con.executescript(
-        "CREATE TABLE users (id TEXT PRIMARY KEY, name TEXT, credit INTEGER);"
-        "CREATE TABLE flights (number TEXT, date TEXT, origin TEXT, destination TEXT, status TEXT, "
-        + ", ".join(f"price_{c} INTEGER, seats_{c} INTEGER" for c in CABINS) + ", PRIMARY KEY (number, date));"
-        "CREATE TABLE reservations (id TEXT PRIMARY KEY, user_id TEXT, flight TEXT, date TEXT, cabin TEXT, "
-        "passengers INTEGER, paid INTEGER, status TEXT);")
-    names = rng.sample([(f, s) for f in FIRST for s in LAST], 6)
-    users = [(f"{f}_{s}_{rng.randint(1000, 9999)}", f"{f.title()} {s.title()}", rng.randrange(100, 2001, 10))
-             for f, s in names]
-    con.executemany("INSERT INTO users VALUES (?, ?, ?)", users)
-    routes = rng.sample([(a, b) for a in AIRPORTS for b in AIRPORTS if a != b], 5)
-    flights = []
-    for origin, dest in routes:
-        for date in DATES:
-            for _ in range(2):
-                basic = rng.randrange(60, 200, 5)
-                fares = [basic, basic + rng.randrange(30, 120, 5), 0]
-                fares[2] = fares[1] * rng.randint(2, 3)
-                departed = date == TODAY and rng.random() < 0.5
-                flights.append((f"HAT{rng.randint(100, 999)}", date, origin, dest,
-                                "departed" if departed else "scheduled",
-                                *[x for c in range(3) for x in (fares[c], rng.randint(0, 6))]))
-    con.executemany(f"INSERT OR IGNORE INTO flights VALUES ({', '.join('?' * 11)})", flights)
-    rows = con.execute("SELECT number, date FROM flights").fetchall()
-    for i in range(8):
-        number, date = rng.choice(rows)
-        cabin, n = rng.choice(CABINS), rng.randint(1, 3)
-        fare = con.execute(f"SELECT price_{cabin} FROM flights WHERE number = ? AND date = ?",
-                           (number, date)).fetchone()
-        con.execute("INSERT INTO reservations VALUES (?, ?, ?, ?, ?, ?, ?, 'active')",
-                    (f"R{rng.randint(10000, 99999)}{i}", rng.choice(users)[0], number, date, cabin, n, fare[0] * n))
-    con.commit()
-    con.close()
-    tmp.replace(path)
-    return path
-
-
-# the tools' work, on a database file -----------------------------------------------------------------
-def _row(con, sql: str, args: tuple, what: str) -> sqlite3.Row:
-    row = con.execute(sql, args).fetchone()
-    if row is None:
-        raise ToolError(f"{what} not found")
-    return row
-
-
-def get_user(path: Path, user_id: str) -> dict:
-    with _connect(path) as con:
-        u = _row(con, "SELECT * FROM users WHERE id = ?", (user_id,), f"user {user_id!r}")
-        res = [r[0] for r in con.execute("SELECT id FROM reservations WHERE user_id = ? ORDER BY id", (user_id,))]
-        return {"user_id": u["id"], "name": u["name"], "travel_credit": u["credit"], "reservations": res}
-
-
-def search_flights(path: Path, origin: str, destination: str, date: str) -> list[dict]:
-    with _connect(path) as con:
-        rows = con.execute("SELECT * FROM flights WHERE origin = ? AND destination = ? AND date = ? ORDER BY number",
-                           (origin, destination, date)).fetchall()
-        return [{"flight": r["number"], "date": r["date"], "status": r["status"],
-                 **{c: {"price": r[f"price_{c}"], "seats": r[f"seats_{c}"]} for c in CABINS}} for r in rows]
-
-
-def get_reservation(path: Path, reservation_id: str) -> dict:
-    with _connect(path) as con:
-        r = _row(con, "SELECT * FROM reservations WHERE id = ?", (reservation_id,), f"reservation {reservation_id!r}")
-        f = _row(con, "SELECT status FROM flights WHERE number = ? AND date = ?", (r["flight"], r["date"]), "flight")
-        return {"reservation_id": r["id"], "user_id": r["user_id"], "flight": r["flight"], "date": r["date"],
-                "flight_status": f["status"], "cabin": r["cabin"], "passengers": r["passengers"], "paid": r["paid"],
-                "status": r["status"]}
-
-
-def _cabin(cabin: str) -> str:
-    if cabin not in CABINS:
-        raise ToolError(f"cabin must be one of {list(CABINS)}, got {cabin!r}")
-    return cabin
-
-
-def book_reservation(path: Path, user_id: str, flight: str, date: str, cabin: str, passengers: int) -> dict:
-    cabin = _cabin(cabin)
-    if not 1 <= passengers <= 5:
-        raise ToolError("passengers must be 1 to 5")
-    with _connect(path) as con:
-        u = _row(con, "SELECT * FROM users WHERE id = ?", (user_id,), f"user {user_id!r}")
-        f = _row(con, "SELECT * FROM flights WHERE number = ? AND date = ?", (flight, date),
-                 f"flight {flight} on {date}")
-        cost = f[f"price_{cabin}"] * passengers
-        if f[f"seats_{cabin}"] < passengers:
-            raise ToolError(f"only {f[f'seats_{cabin}']} {cabin} seats left")
-        if u["credit"] < cost:
-            raise ToolError(f"the travel credit ({u['credit']}) does not cover {cost}")
-        rid = f"R{int(con.execute('SELECT COUNT(*) FROM reservations').fetchone()[0]) + 90000}"
-        con.execute("INSERT INTO reservations VALUES (?, ?, ?, ?, ?, ?, ?, 'active')",
-                    (rid, user_id, flight, date, cabin, passengers, cost))
-        con.execute(f"UPDATE flights SET seats_{cabin} = seats_{cabin} - ? WHERE number = ? AND date = ?",
-                    (passengers, flight, date))
-        con.execute("UPDATE users SET credit = credit - ? WHERE id = ?", (cost, user_id))
-        return {"reservation_id": rid, "paid": cost}
-
-
-def cancel_reservation(path: Path, reservation_id: str) -> dict:
-    with _connect(path) as con:
-        r = _row(con, "SELECT * FROM reservations WHERE id = ?", (reservation_id,), f"reservation {reservation_id!r}")
-        if r["status"] != "active":
-            raise ToolError(f"reservation {reservation_id} is already {r['status']}")
-        con.execute("UPDATE reservations SET status = 'cancelled' WHERE id = ?", (reservation_id,))
-        con.execute(f"UPDATE flights SET seats_{r['cabin']} = seats_{r['cabin']} + ? WHERE number = ? AND date = ?",
-                    (r["passengers"], r["flight"], r["date"]))
-        con.execute("UPDATE users SET credit = credit + ? WHERE id = ?", (r["paid"], r["user_id"]))
-        return {"reservation_id": reservation_id, "refunded": r["paid"]}
-
-
-def change_cabin(path: Path, reservation_id: str, cabin: str) -> dict:
-    cabin = _cabin(cabin)
-    with _connect(path) as con:
-        r = _row(con, "SELECT * FROM reservations WHERE id = ?", (reservation_id,), f"reservation {reservation_id!r}")
-        f = _row(con, "SELECT * FROM flights WHERE number = ? AND date = ?", (r["flight"], r["date"]), "flight")
-        u = _row(con, "SELECT * FROM users WHERE id = ?", (r["user_id"],), "user")
-        if r["status"] != "active" or cabin == r["cabin"]:
-            raise ToolError(f"reservation {reservation_id} is {r['status']} in {r['cabin']}")
-        n, diff = r["passengers"], (f[f"price_{cabin}"] - f[f"price_{r['cabin']}"]) * r["passengers"]
-        if f[f"seats_{cabin}"] < n:
-            raise ToolError(f"only {f[f'seats_{cabin}']} {cabin} seats left")
-        if u["credit"] < diff:
-            raise ToolError(f"the travel credit ({u['credit']}) does not cover {diff}")
-        old = r["cabin"]
-        con.execute(f"UPDATE flights SET seats_{cabin} = seats_{cabin} - ?, seats_{old} = seats_{old} + ? "
-                    "WHERE number = ? AND date = ?", (n, n, r["flight"], r["date"]))
-        con.execute("UPDATE reservations SET cabin = ?, paid = paid + ? WHERE id = ?", (cabin, diff, reservation_id))
-        con.execute("UPDATE users SET credit = credit - ? WHERE id = ?", (diff, u["id"]))
-        return {"reservation_id": reservation_id, "cabin": cabin, "charged": diff}
-
-
-ACTIONS = {f.__name__: f for f in (get_user, search_flights, get_reservation, book_reservation, cancel_reservation,
-                                   change_cabin)}
-WRITES = ("book_reservation", "cancel_reservation", "change_cabin")
-
-
-class _connect:
-    """One connection per call (tools run in worker threads), committed on success, with a step budget."""
-
-    def __init__(self, path: Path) -> None:
-        self.con = sqlite3.connect(path)
-        self.con.row_factory = sqlite3.Row
-        steps = [0]
-
-        def budget() -> int:  # non-zero interrupts: ~1M sqlite VM steps at most
-            steps[0] += 1
-            return int(steps[0] > 1000)
-        self.con.set_progress_handler(budget, 1000)
-
-    def __enter__(self):
-        return self.con
-
-    def __exit__(self, kind, *_):
-        try:
-            if kind is None:
-                self.con.commit()
-        finally:
-            self.con.close()
-
-
-def state(path: Path) -> list:
-    """What the reward compares: every user's credit, every reservation, every flight's seats."""
-    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        return [con.execute(q).fetchall() for q in (
-            "SELECT id, credit FROM users ORDER BY id", "SELECT * FROM reservations ORDER BY id",
-            "SELECT number, date, " + ", ".join(f"seats_{c}" for c in CABINS) + " FROM flights ORDER BY number, date")]
-    finally:
-        con.close()
-
-
-def _copy(task: dict) -> Path:
-    path = db_dir() / f"{task['id']}.{uuid.uuid4().hex}.sqlite"
-    shutil.copyfile(build_db(task), path)
-    return path
+CONFIRM = ("\n- Before any write (a booking, a cancellation, a cabin change), list what you will do and ask the "
+           "customer to confirm; write only after they say yes.")
 
 
 class AirlineEnv(ToolEnv):
@@ -236,27 +49,47 @@ class AirlineEnv(ToolEnv):
     system_prompt = POLICY
     answer_hint = "When you are done, reply to the customer without a tool call."
 
-    def __init__(self, *, kinds: list[str] | tuple[str, ...] = KINDS, **kw) -> None:
+    def __init__(self, *, kinds: list[str] | tuple[str, ...] = KINDS, confirm: bool = False, **kw) -> None:
+        if confirm and kw.get("user") is None:  # (a user of one's own, a simulated one say, plays the customer instead)
+            kw["user"] = {"kind": f"{__name__}:ConfirmingCustomer"}
         super().__init__(**kw)
         if isinstance(kinds, str) or not kinds or any(k not in ALL_KINDS for k in kinds):
             raise ValueError(f"kinds must be a non-empty list of {list(ALL_KINDS)}, got {kinds!r}")
-        self.kinds = tuple(kinds)
+        if not isinstance(confirm, bool):
+            raise ValueError(f"confirm must be true or false, got {confirm!r}")
+        self.kinds, self.confirm = tuple(kinds), confirm
+        if confirm:
+            self.system_prompt = POLICY + CONFIRM
+            self.answer_hint = "Ask me before you change anything; when you are done, reply to me without a tool call."
         self.db: Path | None = None
+        self._unconfirmed = False  # a write made before the customer answered the agent (confirm)
 
     def make_tools(self, task):
         self._drop()
-        self.db = path = _copy(task)
+        self.db = path = copy_db(task)
+        self._unconfirmed = False
         tools = []
         for name, fn in ACTIONS.items():
-            tools.append(Tool(_bound(fn, path), name=name, description=DESCRIPTIONS[name],
-                              parameters=PARAMETERS[name]))
+            call = _bound(fn, path)
+            if self.confirm and name in WRITES:
+                call = self._confirmed(call)
+            tools.append(Tool(call, name=name, description=DESCRIPTIONS[name], parameters=PARAMETERS[name]))
         return tools
+
+    def _confirmed(self, call):
+        """A write counts against the policy unless the customer has answered one of the agent's replies."""
+        def write(**args):
+            said = [m["role"] for m in self._dialogue]  # (what the two sides said: no tool calls or results)
+            if not ("assistant" in said and "user" in said[said.index("assistant"):]):
+                self._unconfirmed = True
+            return call(**args)
+        return write
 
     def prompt(self, task):
         return task["request"]
 
     def score(self, task, answer):
-        if state(self.db) != gold_state(task):
+        if self._unconfirmed or state(self.db) != gold_state(task):
             return 0.0
         return float(task["kind"] != "credit" or task["answer"] in _numbers(answer))  # (tau-bench's outputs check)
 
@@ -276,7 +109,38 @@ class AirlineEnv(ToolEnv):
 
     def expert(self, task):
         calls = [self.call_text(name, **args) for name, args in task["expert"]]
+        if self.confirm and task["gold"]:  # the lookups, the question, the writes once the customer says yes
+            looked = len(task["expert"]) - len(task["gold"])
+            ask = "I will " + " and ".join(_said(name, args) for name, args in task["gold"]) + ". Shall I go ahead?"
+            calls.insert(looked, ask)
         return calls + [task["reply"]]
+
+
+class ConfirmingCustomer:
+    """tau-bench's customer, scripted (`confirm = true`): says yes to an agent's reply that asks a
+    question, at most `max_yes` times, and ends the conversation at any other reply."""
+
+    YES = "Yes, please go ahead."
+
+    def __init__(self, max_yes: int = 2) -> None:
+        self.max_yes, self.said = max_yes, 0
+
+    def reply(self, task, dialogue, score):
+        from rollwise.agent.users import UserReply
+        if "?" in dialogue[-1]["content"] and self.said < self.max_yes:
+            self.said += 1
+            return UserReply(self.YES)
+        return UserReply(None)
+
+
+def _said(name: str, args: dict) -> str:
+    """A write in words, as the expert lists it for the customer to confirm."""
+    if name == "book_reservation":
+        return (f"book {args['passengers']} seat(s) in {args['cabin']} on {args['flight']} on {args['date']}, "
+                "paid with your travel credit")
+    if name == "cancel_reservation":
+        return f"cancel reservation {args['reservation_id']} and refund it to your travel credit"
+    return f"move reservation {args['reservation_id']} to {args['cabin']}"
 
 
 def _numbers(text: str) -> list[float]:
@@ -315,7 +179,7 @@ GOLD_KEPT = 4096
 def gold_state(task: dict) -> list:
     """The database the task's gold actions leave (computed once per task while it is recent)."""
     if task["id"] not in _GOLD:
-        path = _copy(task)
+        path = copy_db(task)
         try:
             for name, args in task["gold"]:
                 ACTIONS[name](path, **args)
@@ -391,7 +255,8 @@ def make_task(task_id: str, db_seed: int, kind: str, rng: random.Random) -> dict
             look.append(search)
             ok = r["cabin"] != "basic_economy" and f["status"] != "departed" and call is not None
             gold += [("cancel_reservation", {"reservation_id": r["id"]}), call] if ok else []
-            want = f"cancel reservation {r['id']} and, with its refund, {booking}; if either cannot be done, change nothing"
+            want = (f"cancel reservation {r['id']} and, with its refund, {booking}; if either cannot be done, "
+                    "change nothing")
             reply = (f"Cancelled {r['id']} and booked {call[1]['flight']} in {call[1]['cabin']} for "
                      f"{call[1]['passengers']}." if ok else "I cannot do both under our policy, so I changed nothing.")
         else:
