@@ -20,7 +20,7 @@ from rollwise.engine.isolation import Isolation
 from rollwise.engine.request_stats import RequestStats
 from rollwise.engine.sampler import Sampler, SampleRow
 from rollwise.engine.scheduler import Scheduler
-from rollwise.engine.sequence import Sequence
+from rollwise.engine.sequence import Sequence, check_cache_salt
 from rollwise.engine.sleep import SleepMode
 from rollwise.engine.weights import WeightVersions
 from rollwise.engine.tokenizer import Tokenizer
@@ -126,8 +126,7 @@ class LLMEngine(WeightVersions, SleepMode):
                 priority and self.config.scheduling_policy != "priority"):
             raise ValueError(f"priority {priority!r}: an integer, and other than 0 only under scheduling_policy "
                              f"'priority' (this engine's is {self.config.scheduling_policy!r})")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        check_cache_salt(cache_salt)
         seq = Sequence(rid, list(ids), params, forced=list(forced_output) if forced_output else None, priority=priority,
                        arrival=next(self._arrivals), t_arrival=time.monotonic(), cache_salt=cache_salt)
         if params.bad_words:

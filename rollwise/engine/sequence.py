@@ -96,3 +96,9 @@ class Sequence:
             root = self.block_hashes[-1] if done else self.hash_root
             self.block_hashes.extend(chain(self.token_ids[done * block_size:n_full * block_size], block_size, root))
         return self.block_hashes[:n_full]
+
+
+def check_cache_salt(salt) -> None:
+    """vLLM's cache_salt: None, or a non-empty string (else a ValueError naming it)."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")

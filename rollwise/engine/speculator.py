@@ -12,6 +12,7 @@ import torch
 
 from rollwise.config import EngineConfig
 from rollwise.engine.scheduler import Scheduler, ScheduledSeq
+from rollwise.engine.sequence import check_cache_salt
 from rollwise.engine.spec_controller import SpecController, draft_alpha
 from rollwise.engine.verification import Verdict, verify
 from rollwise.spec.suffix_cache import SOURCES, SuffixCache
@@ -50,8 +51,7 @@ class Speculator:
     def add_sequence(self, token_ids: list[int], group_id: str | None = None, cache_salt: str | None = None) -> None:
         """Drafting material from elsewhere (a turn another replica served): a salted one joins its
         salt's trees only, as the salt's own requests do."""
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        check_cache_salt(cache_salt)
         self.cache.add_sequence(token_ids, _within(cache_salt, group_id), scope=cache_salt)
 
     def stop(self, request_id: str) -> None:
