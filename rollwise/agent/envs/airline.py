@@ -26,6 +26,7 @@ from pathlib import Path
 from rollwise.agent.env import ToolEnv
 from rollwise.agent.envs.airline_db import ACTIONS, CABINS, TODAY, WRITES, build_db, copy_db, state
 from rollwise.agent.tools import Tool
+from rollwise.agent.users import UserReply
 
 KINDS = ("book", "cancel", "change", "credit")  # drawn by default, alike
 ALL_KINDS = KINDS + ("rebook",)  # rebook: cancel a reservation and book another flight with the refund, or neither
@@ -125,8 +126,7 @@ class ConfirmingCustomer:
     def __init__(self, max_yes: int = 2) -> None:
         self.max_yes, self.said = max_yes, 0
 
-    def reply(self, task, dialogue, score):
-        from rollwise.agent.users import UserReply
+    def reply(self, task, dialogue, score) -> UserReply:
         if "?" in dialogue[-1]["content"] and self.said < self.max_yes:
             self.said += 1
             return UserReply(self.YES)
