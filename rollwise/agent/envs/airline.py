@@ -51,7 +51,7 @@ class AirlineEnv(ToolEnv):
     answer_hint = "When you are done, reply to the customer without a tool call."
 
     def __init__(self, *, kinds: list[str] | tuple[str, ...] = KINDS, confirm: bool = False, **kw) -> None:
-        if confirm and kw.get("user") is None:  # (a user of one's own, a simulated one say, plays the customer instead)
+        if confirm and kw.get("user") is None:  # (a user given in the options, a simulated one, plays it instead)
             kw["user"] = {"kind": f"{__name__}:ConfirmingCustomer"}
         super().__init__(**kw)
         if isinstance(kinds, str) or not kinds or any(k not in ALL_KINDS for k in kinds):
