@@ -540,3 +540,13 @@ def test_math_reward_benchmark_smoke(tmp_path):
     assert set(levels) == {"0.0", "0.2"} and levels["0.2"]["adversarial"] > 0 == levels["0.0"]["adversarial"]
     assert all(v["as_intended"] == 12 and v["inline_s"] > 0 and v["pool_s"] > 0 for v in levels.values())
     assert "Timeout during comparison" not in r.stderr  # a timed-out comparison scores 0 quietly
+
+
+def test_salt_drafting_benchmark_smoke(tmp_path):
+    res = smoke(tmp_path, "benchmarks/salt_drafting.py")
+    runs = res["runs"]
+    assert {r["tokens"] for r in runs.values()} == {res["response_tokens"]}  # the same turns replayed each way
+    counts = ("steps", "tokens", "accepted", "drafted")
+    assert [runs["per_salt/1"][k] for k in counts] == [runs["shared"][k] for k in counts]  # one salt: one tree
+    acc = {k: r["mean_accepted_per_step"] for k, r in runs.items()}
+    assert acc["none"] < acc["per_salt/2"] < acc["shared"]
