@@ -84,8 +84,11 @@ def test_global_cache_is_bounded(eviction):
     assert c.speculate("q").token_ids[:1] == [63]
 
 
-def test_backends_agree_on_random_workloads():
-    rng = random.Random(0)
+@pytest.mark.parametrize("seed", range(4))
+def test_backends_agree_on_random_workloads(seed):
+    """Random starts, stops, appends and drafts (scoped ones too: a scope's tree comes and goes while
+    the bound of 5 evicts) give the same drafts from the C++ core as from the Python trees."""
+    rng = random.Random(seed)
     caches = [SuffixCache(backend=b, max_cached_requests=5, alpha=2.0, max_spec_tokens=6) for b in ("cpp", "python")]
     live: list[str] = []
     for step in range(300):
@@ -93,10 +96,15 @@ def test_backends_agree_on_random_workloads():
         if op < 0.2 or not live:
             rid = f"r{step}"
             prompt = [rng.randrange(8) for _ in range(rng.randint(1, 6))]
-            g = rng.choice([None, "a", "b"])
+            g, scope = rng.choice([None, "a", "b"]), rng.choice([None, None, "s", "t"])
             for c in caches:
-                c.start_request(rid, prompt, g)
+                c.start_request(rid, prompt, g, scope=scope)
             live.append(rid)
+        elif op < 0.25:
+            toks, g, scope = [rng.randrange(8) for _ in range(rng.randint(1, 8))], rng.choice([None, "a"]), \
+                rng.choice([None, "s", "u"])
+            for c in caches:
+                c.add_sequence(toks, g, scope=scope)
         elif op < 0.3:
             rid = live.pop(rng.randrange(len(live)))
             for c in caches:
@@ -109,6 +117,9 @@ def test_backends_agree_on_random_workloads():
             tree = rng.random() < 0.5
             a, b = (c.speculate_batch(live, 6, tree=tree) for c in caches)
             assert [(d.token_ids, d.parents, d.source) for d in a] == [(d.token_ids, d.parents, d.source) for d in b]
+        if step % 25 == 0:
+            for c in caches:
+                c.check_integrity()
     for c in caches:
         c.check_integrity()
 
