@@ -170,6 +170,8 @@ def test_with_confirm_a_write_before_the_customers_yes_scores_zero(model_dir):
     from rollwise.rl import expert_trajectories
     with pytest.raises(ValueError, match="confirm must be true or false"):
         make_env("airline", confirm="yes")
+    assert type(make_env("airline", confirm=True)._new_user()) is ConfirmingCustomer
+    assert type(make_env("airline", confirm=True, user="feedback")._new_user()).__name__ == "FeedbackUser"  # kept
     env = make_env("airline", confirm=True, kinds=["book", "cancel", "change", "credit", "rebook"])
     plain = make_env("airline", kinds=["book", "cancel", "change", "credit", "rebook"])
     tasks = env.sample_tasks(60, seed=9)
