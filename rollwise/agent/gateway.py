@@ -21,7 +21,7 @@ import uuid
 
 from rollwise.agent.env import loop_forget, loop_shared
 from rollwise.agent.episode import text_content
-from rollwise.types import MAX_LOGPROBS
+from rollwise.sampling import MAX_LOGPROBS
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

@@ -1,6 +1,8 @@
 """`LLM`: offline batch generation on the engine."""
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import uuid
 
 from rollwise.config import EngineConfig
@@ -18,20 +20,23 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: str | list[int] | list, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False, group_ids: list[str | None] | None = None, n: int = 1,
+    def generate(self, prompts: str | list[int] | list,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
+                 group_ids: list[str | None] | None = None, n: int = 1,
                  priority: list[int] | None = None) -> list[RequestOutput]:
         """prompts: strings or token-id lists (one prompt alone is accepted too), or vLLM's prompt dicts
-        (`{"prompt": text}` or `{"prompt_token_ids": ids}`, with an optional `cache_salt`); params: one for all
-        or one per prompt; group_ids: the prompt group of each (siblings draft from each other).
-        n: samples per prompt (a GRPO group): prompt i's come at i*n .. i*n+n-1, sample j seeded
-        seed + j (`SamplingParams.for_sample`), its prompt computed once, and they form a group for
-        drafting unless `group_ids` names one. priority: one per prompt (vLLM's; the engine's
-        scheduling_policy must be "priority" for any but 0). Returns outputs in prompt order."""
+        (`{"prompt": text}` or `{"prompt_token_ids": ids}`, with an optional `cache_salt`); sampling_params:
+        one for all or one per prompt; group_ids: the prompt group of each (siblings draft from each other).
+        Samples of one prompt (a GRPO group) are seeded seed + j (`SamplingParams.for_sample`), its prompt
+        computed once, and draft from each other unless `group_ids` names their group. Asked as
+        `SamplingParams.n` (vLLM's), the result is vLLM's: one output per prompt, its samples in
+        `.outputs`; asked as `n` here, it is flat: prompt i's samples at i*n .. i*n+n-1. priority: one per
+        prompt (vLLM's; the engine's scheduling_policy must be "priority" for any but 0). Returns outputs
+        in prompt order."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts, salts = zip(*map(_prompt, prompts)) if prompts else ((), ())
-        params = params or SamplingParams()
+        params = sampling_params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
@@ -43,19 +48,36 @@ class LLM:
         prios = [0] * len(prompts) if priority is None else list(priority)
         if len(prios) != len(prompts):
             raise ValueError(f"got {len(prios)} priorities for {len(prompts)} prompts")
-        if n > 1:
-            groups = [g if g is not None else f"llm-{uuid.uuid4().hex[:12]}" for g in groups]
-            prompts, groups = [p for p in prompts for _ in range(n)], [g for g in groups for _ in range(n)]
-            prios, salts = [q for q in prios for _ in range(n)], [c for c in salts for _ in range(n)]
-            plist = [sp.for_sample(j) for sp in plist for j in range(n)]
+        if not all(isinstance(sp, SamplingParams) for sp in plist):
+            raise ValueError("sampling_params must be SamplingParams or a list of them, one per prompt")
+        counts = [sp.n for sp in plist]
+        nested = any(k > 1 for k in counts)
+        if nested and n > 1:
+            raise ValueError("give the samples per prompt as SamplingParams.n (vLLM's, outputs per prompt) or "
+                             "as generate's n (flat outputs), not both")
+        counts = [n] * len(prompts) if n > 1 else counts
+        groups = [g if g is not None or k == 1 else f"llm-{uuid.uuid4().hex[:12]}" for g, k in zip(groups, counts)]
+        requests = [(p, g, q, c, sp.for_sample(j), j) for p, g, q, c, sp, k in zip(prompts, groups, prios, salts,
+                                                                                plist, counts) for j in range(k)]
         ids: list[str] = []
         try:
-            for p, sp, g, q, c in zip(prompts, plist, groups, prios, salts):
+            for p, g, q, c, sp, _ in requests:
                 ids.append(self.engine.add_request(p, sp, group_id=g, priority=q, cache_salt=c))
         except ValueError:  # all or nothing: take back the ones already queued
             for rid in ids:
                 self.engine.abort(rid)
             raise
+        done = self._run(ids, use_tqdm)
+        outs = [done[r] for r in ids]
+        for out, x in zip(outs, requests):
+            out.index, out.prompt = x[-1], x[0] if isinstance(x[0], str) else None
+        if not nested:
+            return outs
+        firsts = list(itertools.accumulate(counts, initial=0))
+        return [dataclasses.replace(outs[a], samples=outs[a:b]) for a, b in zip(firsts, firsts[1:])]
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Step the engine until these requests finish (aborting them if interrupted): their outputs."""
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -76,10 +98,18 @@ class LLM:
         finally:
             if bar:
                 bar.close()
-        return [done[r] for r in ids]
+        return done
 
-    def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None) -> list[RequestOutput]:
-        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params)
+    def chat(self, messages: list[list[dict]] | list[dict],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
+             add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's: a conversation (a list of messages) or a list of them, each rendered by the model's
+        chat template (with `tools`, and `chat_template_kwargs` such as `enable_thinking`) and answered."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        ids = [self.tokenizer.encode_chat(c, add_generation_prompt, tools, continue_final_message,
+                                          **(chat_template_kwargs or {})) for c in convs]
+        return self.generate(ids, sampling_params, use_tqdm)
 
     def update_weights(self, weights, partial_rollout: bool = False) -> int:
         return self.engine.update_weights(weights, partial_rollout=partial_rollout)

@@ -92,8 +92,9 @@ class LLMEngine(WeightVersions, SleepMode):
         still runs on) instead of the newest. `priority`: under the "priority" scheduling policy,
         lower is admitted first and preempted last (vLLM's). `cache_salt` (vLLM's): its KV is shared
         only with requests of the same salt, and it drafts only from them (a tenant's secret)."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(params, SamplingParams) or params.n != 1:  # (n samples: n requests, as LLM.generate makes)
+            raise ValueError("params must be SamplingParams of one sample (n = 1), got " + (
+                f"n = {params.n}" if isinstance(params, SamplingParams) else type(params).__name__))
         self._check_awake()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         if not isinstance(ids, list) or not ids:

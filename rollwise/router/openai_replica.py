@@ -4,7 +4,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from rollwise.router.replica import HttpReplica
-from rollwise.types import PENALTIES_OFF, GenerateOutput, GenerateRequest, SamplingParams
+from rollwise.sampling import PENALTIES_OFF
+from rollwise.types import GenerateOutput, GenerateRequest, SamplingParams
 
 
 class OpenAIReplica(HttpReplica):

@@ -29,7 +29,8 @@ from rollwise.serve.responses import (choice_samples, completion_params, error, 
                                       stream_generate, weights_refused)
 from rollwise.serve.server import install_common, install_messages, install_responses
 from rollwise.serve.lora import LoadLoraRequest, UnloadLoraRequest
-from rollwise.serve.sglang import PauseRequest, UpdateFromDiskRequest, generate_params, load_from_disk, sglang_fields
+from rollwise.serve.sglang import (PauseRequest, UpdateFromDiskRequest, generate_params, generate_samples,
+                                   load_from_disk, sglang_fields)
 from rollwise.serve.tokenize import install_tokenize
 from rollwise.serve.metrics import router_text
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
@@ -336,6 +337,9 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
                    "forced_output": body.forced_output, "policy_version": body.policy_version,
                    "priority": body.priority, "cache_salt": body.cache_salt}
         group = body.group_id or request.headers.get("x-group-id")
+        if params.n > 1:  # SGLang's parallel sampling: n turns of one group, placed as such
+            return await unless_disconnected(request, generate_samples(routed, routed.tokenizer, body, body.input_ids,
+                                                                       params, rid, group))
         if body.stream:
             return sse(await primed(stream_generate(routed, body.input_ids, params, rid, group, **options)))
         out = await unless_disconnected(request, router.generate(_request(body.input_ids, params, rid, group, **options)))

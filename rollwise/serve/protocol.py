@@ -5,9 +5,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rollwise.types import SamplingParams
-
-MAX_N = 128  # samples per prompt in one OpenAI request (a bigger group: several requests, one group_id)
+from rollwise.sampling import MAX_N, SamplingParams
 
 
 class _Strict(BaseModel):

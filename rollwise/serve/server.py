@@ -32,7 +32,7 @@ from rollwise.serve.responses import (choice_samples, completion_params, error, 
                                       stream_generate, weights_refused)
 from rollwise.serve.lora import install_lora, with_adapter
 from rollwise.serve.rlhf import install_rlhf
-from rollwise.serve.sglang import generate_params, install_sglang, sglang_fields
+from rollwise.serve.sglang import generate_params, generate_samples, install_sglang, sglang_fields
 from rollwise.serve.sleep import install_sleep
 from rollwise.serve.tokenize import install_tokenize
 from rollwise.engine.isolation import StepFailed
@@ -180,6 +180,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
             params = dataclasses.replace(params, lora=body.lora_path)
         prompt = given[0]
         rid = body.request_id or body.rid or f"gen-{uuid.uuid4().hex[:16]}"
+        if params.n > 1:  # SGLang's parallel sampling: a list of n replies (sample j seeded seed + j, one group)
+            return await unless_disconnected(request, generate_samples(engine, tok, body, prompt, params, rid))
         if body.stream:
             return sse(await primed(stream_generate(engine, prompt, params, rid, body.group_id,
                                                     policy_version=body.policy_version, session=body.trajectory_id,

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from rollwise.config import ServerConfig
 from rollwise.serve.protocol import AbortRequest
-from rollwise.serve.responses import _piece, weights_refused
+from rollwise.serve.responses import _piece, gather_or_cancel, generate_json, weights_refused
 from rollwise.types import RequestOutput, SamplingParams
 from rollwise.wire import encode_routing
 
@@ -116,6 +116,21 @@ def generate_params(body) -> SamplingParams:
     if body.return_logprob and body.logprob_start_len is not None and body.logprob_start_len >= 0:
         sp.setdefault("prompt_logprobs", body.top_logprobs_num or 0)
     return SamplingParams.from_dict(sp)
+
+
+async def generate_samples(engine, tok, body, prompt, params: SamplingParams, rid: str,
+                           group: str | None = None) -> list[dict]:
+    """/generate with sampling_params.n > 1, as SGLang answers it: a list of n replies, sample j
+    `rid-j` seeded seed + j, the n one group (`group`, else the body's, else `rid`) that drafts and
+    is placed together."""
+    if body.stream or body.trajectory_id is not None or body.forced_output is not None:
+        raise ValueError("sampling_params.n > 1 makes n requests: it takes no stream, trajectory_id or "
+                         "forced_output (send n requests with one group_id instead)")
+    options = {"group_id": group or body.group_id or rid, "policy_version": body.policy_version,
+               "priority": body.priority, "cache_salt": body.cache_salt}
+    outs = await gather_or_cancel(engine.generate(prompt, params.for_sample(j), f"{rid}-{j}", **options)
+                                  for j in range(params.n))
+    return [generate_json(o) | sglang_fields(tok, o, body) | {"index": j} for j, o in enumerate(outs)]
 
 
 def sglang_fields(tok, out: RequestOutput, body) -> dict:

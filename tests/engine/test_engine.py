@@ -89,6 +89,52 @@ def test_n_samples_per_prompt(llm):
         llm.generate(ps, sp, group_ids=["a"])
 
 
+def test_sampling_params_n_gives_vllm_outputs_per_prompt(llm):
+    """SamplingParams(n=...) (vLLM's): one output per prompt, its samples in .outputs, the same tokens
+    as generate's flat n; a prompt's own n may differ; the engine itself takes one sample a request."""
+    ps = _prompts(2, seed=5, shared=40)
+    sp = dataclasses.replace(GREEDY, temperature=1.0, seed=7)
+    flat = llm.generate(ps, sp, n=3)
+    outs = llm.generate(ps, sampling_params=dataclasses.replace(sp, n=3))
+    assert len(outs) == 2 and [len(o.outputs) for o in outs] == [3, 3]
+    assert [c.token_ids for o in outs for c in o.outputs] == [o.token_ids for o in flat]
+    assert [c.index for o in outs for c in o.outputs] == [0, 1, 2, 0, 1, 2] == [o.index for o in flat]
+    assert [o.prompt_token_ids for o in outs] == ps and outs[1].token_ids == outs[1].outputs[0].token_ids
+    c = outs[0].outputs[2]
+    assert c.finished and c.cumulative_logprob == pytest.approx(sum(c.logprobs)) and c.text
+    mixed = llm.generate(ps, [dataclasses.replace(sp, n=2), sp])
+    assert [len(o.outputs) for o in mixed] == [2, 1]
+    assert [x.token_ids for x in mixed[0].outputs] == [o.token_ids for o in flat[:2]]
+    assert mixed[1].outputs[0].token_ids == flat[3].token_ids
+    one = llm.generate(ps[0], sp)[0]  # n = 1: vLLM's .outputs[0] is the output itself
+    assert one.outputs == [one] and one.samples is None and one.prompt is None
+    texts = llm.generate(["a b", "c"], dataclasses.replace(GREEDY, n=2, max_tokens=2))
+    assert [o.prompt for o in texts] == ["a b", "c"] == [o.outputs[1].prompt for o in texts]
+    with pytest.raises(ValueError, match="not both"):
+        llm.generate(ps, dataclasses.replace(sp, n=2), n=2)
+    with pytest.raises(ValueError, match="n must be >= 1 and <= 128"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match="one sample"):
+        llm.engine.add_request(ps[0], dataclasses.replace(sp, n=2))
+    assert not llm.engine.has_unfinished
+
+
+def test_chat_renders_each_conversation_as_vllm_does(llm):
+    """LLM.chat (vLLM's): one conversation or several, the template's options passed through; the
+    prompt is the rendering, the reply what generate gives for it."""
+    tok, conv = llm.tokenizer, [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    one = llm.chat(conv, GREEDY)
+    assert len(one) == 1 and one[0].prompt_token_ids == tok.encode_chat(conv)
+    assert one[0].token_ids == llm.generate(tok.encode_chat(conv), GREEDY)[0].token_ids
+    convs = [conv + [{"role": "assistant", "content": a}] for a in ("he", "well")]
+    two = llm.chat(convs, GREEDY, add_generation_prompt=False, continue_final_message=True, tools=tools,
+                   chat_template_kwargs={"enable_thinking": False})
+    want = [tok.encode_chat(c, False, tools, True, enable_thinking=False) for c in convs]
+    assert [o.prompt_token_ids for o in two] == want
+    assert want[0] != tok.encode_chat(convs[0], False, None, True)  # the tools are in the prompt
+
+
 def test_chunked_prefill_and_preemption_do_not_change_outputs(model_dir, llm):
     prompts = _prompts(16, seed=3, shared=30)
     ref = llm.generate(prompts, GREEDY)

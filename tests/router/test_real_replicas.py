@@ -184,6 +184,13 @@ def test_route_proxy_over_http(servers, model_dir, junk_failures):
                 "temperature": 0, "max_tokens": 3, "ignore_eos": True, "logprobs": 2}}).json()
             assert [[t for t, _ in x] for x in gen["top_logprobs"]] == \
                 [[int(k.split(":")[1]) for k in t] for t in routed["choices"][0]["logprobs"]["top_logprobs"]]
+            # SGLang's n: a list of n replies, each the tokens its seed gives on a replica
+            par = {"input_ids": [5, 6, 7], "sampling_params": {"max_tokens": 3, "seed": 3, "ignore_eos": True, "n": 2}}
+            outs = c.post("/generate", json=par).json()
+            one = {**par, "sampling_params": {**par["sampling_params"], "n": 1}}
+            alone = [httpx.post(servers[0].url + "/generate", json={**one, "sampling_params": {
+                **one["sampling_params"], "seed": 3 + j}}, timeout=60).json()["token_ids"] for j in range(2)]
+            assert [o["index"] for o in outs] == [0, 1] and [o["token_ids"] for o in outs] == alone
             # prompt logprobs and echo come through the router: the replica's own
             pl = {"input_ids": [5, 6, 7, 8, 9], "sampling_params": {"temperature": 0, "max_tokens": 2, "prompt_logprobs": 1}}
             direct = httpx.post(servers[0].url + "/generate", json=pl, timeout=60).json()

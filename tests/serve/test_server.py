@@ -203,6 +203,30 @@ def test_n_samples_per_prompt(client):
     _alive(client)
 
 
+def test_generate_takes_sglangs_n(client):
+    """/generate with sampling_params.n, as SGLang answers it: a list of n replies, sample j the same
+    tokens as a request of its own seeded seed + j, the prompt computed once; n with a stream or a
+    trajectory, or out of range, is a 400 and the server goes on."""
+    ids = [31 + i for i in range(40)]  # 2 full blocks of 16 + 8
+    sp = {"max_new_tokens": 4, "temperature": 1.0, "seed": 5, "ignore_eos": True}
+    before = _prefill(client)
+    r = client.post("/generate", json={"input_ids": ids, "rid": "par", "sampling_params": sp | {"n": 3}})
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    assert _prefill(client) - before == 40 + 2 * 8
+    assert [o["index"] for o in outs] == [0, 1, 2]
+    assert [o["meta_info"]["id"] for o in outs] == ["par-0", "par-1", "par-2"]
+    for j, o in enumerate(outs):
+        alone = client.post("/generate", json={"input_ids": ids, "sampling_params": sp | {"seed": 5 + j}}).json()
+        assert o["output_ids"] == o["token_ids"] == alone["token_ids"]
+    assert len({tuple(o["token_ids"]) for o in outs}) > 1
+    for extra, sampling in (({"stream": True}, {"n": 2}), ({"trajectory_id": "t"}, {"n": 2}), ({}, {"n": 0}),
+                            ({}, {"n": 129})):
+        bad = client.post("/generate", json={"input_ids": ids, "sampling_params": sp | sampling} | extra)
+        assert bad.status_code == 400 and "n" in bad.json()["error"]["message"], bad.text
+    _alive(client)
+
+
 def test_models_and_metrics(client):
     assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 512
     # (tokens of its own: with xdist's work stealing this test may be the module's first on its worker)
