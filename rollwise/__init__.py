@@ -1,9 +1,10 @@
 """rollwise: fast agentic RL rollouts."""
 from __future__ import annotations
 
+from rollwise.sampling import LoRARequest
 from rollwise.types import RequestOutput, SamplingParams
 
-__all__ = ["LLM", "AsyncEngine", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "AsyncEngine", "SamplingParams", "RequestOutput", "LoRARequest"]
 __version__ = "0.1.0"
 
 

@@ -197,3 +197,13 @@ def _check_int(name: str, v, *, lo: int, hi: int | None = None) -> None:
         raise ValueError(f"{name} must be an integer, got {type(v).__name__}")
     if v < lo or (hi is not None and v > hi):
         raise ValueError(f"{name} must be >= {lo}" + (f" and <= {hi}" if hi is not None else "") + f", got {v}")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's: a LoRA adapter to sample with, loaded from `lora_path` (peft's directory) the first time
+    its name is asked for (`LLM.generate(..., lora_request=...)`); `lora_int_id` is vLLM's id, kept."""
+
+    lora_name: str
+    lora_int_id: int = 1
+    lora_path: str = ""

@@ -23,7 +23,7 @@ class LLM:
     def generate(self, prompts: str | list[int] | list,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
                  group_ids: list[str | None] | None = None, n: int = 1,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+                 priority: list[int] | None = None, lora_request=None) -> list[RequestOutput]:
         """prompts: strings or token-id lists (one prompt alone is accepted too), or vLLM's prompt dicts
         (`{"prompt": text}` or `{"prompt_token_ids": ids}`, with an optional `cache_salt`); sampling_params:
         one for all or one per prompt; group_ids: the prompt group of each (siblings draft from each other).
@@ -31,8 +31,10 @@ class LLM:
         computed once, and draft from each other unless `group_ids` names their group. Asked as
         `SamplingParams.n` (vLLM's), the result is vLLM's: one output per prompt, its samples in
         `.outputs`; asked as `n` here, it is flat: prompt i's samples at i*n .. i*n+n-1. priority: one per
-        prompt (vLLM's; the engine's scheduling_policy must be "priority" for any but 0). Returns outputs
-        in prompt order."""
+        prompt (vLLM's; the engine's scheduling_policy must be "priority" for any but 0). lora_request:
+        vLLM's `LoRARequest` (anything with `lora_name` and `lora_path`), one for all or one per prompt
+        (None: the base weights), its adapter loaded the first time; the same as `SamplingParams.lora`.
+        Returns outputs in prompt order."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts, salts = zip(*map(_prompt, prompts)) if prompts else ((), ())
@@ -50,6 +52,11 @@ class LLM:
             raise ValueError(f"got {len(prios)} priorities for {len(prompts)} prompts")
         if not all(isinstance(sp, SamplingParams) for sp in plist):
             raise ValueError("sampling_params must be SamplingParams or a list of them, one per prompt")
+        if lora_request is not None:
+            loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
+            plist = [sp if r is None else dataclasses.replace(sp, lora=self._adapter(r)) for sp, r in zip(plist, loras)]
         counts = [sp.n for sp in plist]
         nested = any(k > 1 for k in counts)
         if nested and n > 1:
@@ -75,6 +82,17 @@ class LLM:
             return outs
         firsts = list(itertools.accumulate(counts, initial=0))
         return [dataclasses.replace(outs[a], samples=outs[a:b]) for a, b in zip(firsts, firsts[1:])]
+
+    def _adapter(self, request) -> str:
+        """The name of a LoRARequest's adapter, loaded from its path if no adapter has that name yet."""
+        name, path = getattr(request, "lora_name", None), getattr(request, "lora_path", None)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"lora_request must be a LoRARequest (lora_name, lora_path), got {request!r}")
+        if name not in self.engine.loras:
+            if not path:
+                raise ValueError(f"LoRA adapter {name!r} is not loaded and its request gives no lora_path")
+            self.engine.add_lora(name, str(path))
+        return name
 
     def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         """Step the engine until these requests finish (aborting them if interrupted): their outputs."""
@@ -103,13 +121,13 @@ class LLM:
     def chat(self, messages: list[list[dict]] | list[dict],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
              add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, lora_request=None) -> list[RequestOutput]:
         """vLLM's: a conversation (a list of messages) or a list of them, each rendered by the model's
         chat template (with `tools`, and `chat_template_kwargs` such as `enable_thinking`) and answered."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         ids = [self.tokenizer.encode_chat(c, add_generation_prompt, tools, continue_final_message,
                                           **(chat_template_kwargs or {})) for c in convs]
-        return self.generate(ids, sampling_params, use_tqdm)
+        return self.generate(ids, sampling_params, use_tqdm, lora_request=lora_request)
 
     def update_weights(self, weights, partial_rollout: bool = False) -> int:
         return self.engine.update_weights(weights, partial_rollout=partial_rollout)

@@ -55,6 +55,30 @@ def test_a_batch_mixes_adapters_and_the_base(model_dirs, adapters, spec):
             assert o.logprobs == pytest.approx(refs[n][i].logprobs, abs=1e-3)
 
 
+def test_vllms_lora_request_loads_and_picks_the_adapter(model_dirs, adapters):
+    """LLM.generate(..., lora_request=LoRARequest(name, id, path)) as in vLLM: one for all or one per
+    prompt, loaded from its path the first time; the same tokens as the merged model's."""
+    from rollwise import LoRARequest
+    d = model_dirs["qwen3"]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = {n: LLM(m, kv_cache_gb=0.05).generate(PROMPTS[:2], greedy) for n, (_, m) in adapters.items()}
+    base = LLM(d, kv_cache_gb=0.05).generate(PROMPTS[:2], greedy)
+    llm = LLM(d, enable_lora=True, kv_cache_gb=0.05)
+    qv = LoRARequest("qv", 2, adapters["qv"][0])
+    outs = llm.generate(PROMPTS[:2], greedy, lora_request=[qv, None])
+    assert [o.token_ids for o in outs] == [want["qv"][0].token_ids, base[1].token_ids]
+    assert sorted(llm.engine.loras) == ["qv"]
+    again = llm.chat([{"role": "user", "content": "hi"}], greedy, lora_request=LoRARequest("qv"))  # loaded: no path
+    assert again[0].token_ids == LLM(adapters["qv"][1], kv_cache_gb=0.05).chat(
+        [{"role": "user", "content": "hi"}], greedy)[0].token_ids
+    outs = llm.generate(PROMPTS[:2], greedy, lora_request=LoRARequest("all", 1, adapters["all"][0]))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want["all"]]
+    for bad, match in ((LoRARequest("nope"), "no lora_path"), ("qv", "must be a LoRARequest"), ([qv], "lora_requests")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate(PROMPTS[:2], greedy, lora_request=bad)
+    assert not llm.engine.has_unfinished
+
+
 def test_adapters_are_batch_invariant(model_dirs, adapters):
     """With batch_invariant the adapters' deltas take the same path as their linears: a request on an
     adapter gets the same bits alone as beside the base and other adapters, speculating or not."""
