@@ -81,7 +81,7 @@ def cmd_generate(args) -> None:
                                        "seed": args.sample_seed, **extra})
     prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) if args.chat else p for p in args.prompt]
     t0 = time.perf_counter()
-    outs = [c for o in llm.generate(prompts, params) for c in o.outputs]  # (n samples each, with --sampling n)
+    outs = [c for o in llm.generate(prompts, params) for c in o.samples or [o]]  # (n each, with --sampling n)
     dt = time.perf_counter() - t0
     for o in outs:
         print(f"--- {o.request_id} ({len(o.token_ids)} tokens, {o.finish_reason}, "

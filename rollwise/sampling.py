@@ -59,7 +59,8 @@ class SamplingParams:
     # an engine with `enable_return_routed_experts`
     return_routed_experts: bool = False
     # the LoRA adapter to sample with (a name loaded into the engine: `LLMEngine.add_lora`, `rollwise
-    # serve --lora-modules`); None: the base weights. (vLLM passes a LoRARequest beside the params.)
+    # serve --lora-modules`); None: the base weights. (vLLM's LoRARequest beside the params: `LLM.generate`'s
+    # lora_request.)
     lora: str | None = None
 
     def __post_init__(self) -> None:

@@ -47,19 +47,48 @@ class RequestOutput:
     samples: list[RequestOutput] | None = None
 
     @property
-    def outputs(self) -> list[RequestOutput]:
-        """vLLM's: the prompt's completions (text, token_ids, logprobs, finish_reason, index each); one
-        unless SamplingParams.n asked for more. (Their logprobs are the sampled tokens' floats.)"""
-        return [self] if self.samples is None else self.samples
-
-    @property
-    def cumulative_logprob(self) -> float:
-        """vLLM's: the sampled tokens' logprob, summed."""
-        return float(sum(self.logprobs))
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's: the prompt's completions, as vLLM's CompletionOutput (made at each call); one unless
+        SamplingParams.n asked for more (`samples` holds them as RequestOutputs)."""
+        return [CompletionOutput.of(o) for o in ([self] if self.samples is None else self.samples)]
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         return d | ({} if self.samples is None else {"samples": [o.to_dict() for o in self.samples]})
+
+
+@dataclass(slots=True, frozen=True)
+class Logprob:
+    """vLLM's: a token's logprob, with its rank (1 + how many tokens are likelier) where known (not
+    decoded_token: left None)."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class CompletionOutput:
+    """vLLM's view of one sample. `logprobs`: per output position {token id: Logprob}, the sampled
+    token first, then with SamplingParams.logprobs = k the k most likely (ranked 1..k)."""
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float
+    logprobs: list[dict[int, Logprob]]
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> CompletionOutput:
+        logprobs = []
+        for i, (t, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+            top = out.top_logprobs[i] if i < len(out.top_logprobs) else {}
+            ranks = {k: r for r, k in enumerate(top, 1)}
+            rest = {k: Logprob(top[k], r) for k, r in ranks.items() if k != t}
+            logprobs.append({t: Logprob(lp, ranks.get(t))} | rest)
+        return cls(index=out.index, text=out.text, token_ids=list(out.token_ids),
+                   cumulative_logprob=float(sum(out.logprobs)), logprobs=logprobs, finish_reason=out.finish_reason,
+                   stop_reason=out.stop_reason)
 
 
 @dataclass(slots=True)

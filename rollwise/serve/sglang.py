@@ -5,6 +5,9 @@ sampling names, `sglang_fields`: its reply fields).
 Their bodies and replies follow SGLang's; the work is `rollwise serve`'s own."""
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
@@ -12,9 +15,10 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from rollwise import __version__
 from rollwise.config import ServerConfig
 from rollwise.serve.protocol import AbortRequest
-from rollwise.serve.responses import _piece, gather_or_cancel, generate_json, weights_refused
+from rollwise.serve.responses import _piece, error, gather_or_cancel, generate_json, weights_refused
 from rollwise.types import RequestOutput, SamplingParams
 from rollwise.wire import encode_routing
 
@@ -85,6 +89,35 @@ def install_sglang(app: FastAPI, engine, cfg: ServerConfig) -> None:
     async def get_model_info():
         return {"model_path": engine.engine.config.model, "tokenizer_path": engine.engine.config.model,
                 "is_generation": True, "weight_version": str(engine.policy_version)}
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        """SGLang's: the engine's settings, and its state (the metrics of /metrics) in `internal_states`."""
+        state = {**engine.metrics(), "paused": engine.paused, "sleeping": sorted(engine.engine.asleep)}
+        return {**dataclasses.asdict(engine.engine.config), "max_model_len": engine.engine.max_model_len,
+                "version": __version__, "weight_version": str(engine.policy_version), "internal_states": [state]}
+
+    @app.api_route("/health_generate", methods=["GET", "POST"])
+    async def health_generate():
+        """SGLang's: healthy when the engine generates a token within HEALTH_GENERATE_S (503 if not). A
+        paused or sleeping server is healthy without generating: it holds its requests on purpose."""
+        if not engine.is_running:
+            return error(503, "the engine is not running", "unavailable")
+        if engine.paused or engine.engine.asleep:
+            return {"status": "ok", "generated": False, "paused": engine.paused,
+                    "sleeping": sorted(engine.engine.asleep)}
+        rid = f"health-{uuid.uuid4().hex[:12]}"
+        try:
+            out = await asyncio.wait_for(engine.generate([0], SamplingParams(max_tokens=1, temperature=0), rid),
+                                         HEALTH_GENERATE_S)
+        except (TimeoutError, asyncio.TimeoutError):  # (the wait cancels the request, which aborts it)
+            return error(503, f"no token generated within {HEALTH_GENERATE_S:g} s", "unavailable")
+        if out.finish_reason == "abort" or not out.token_ids:
+            return error(503, "the health check's request was aborted", "unavailable")
+        return {"status": "ok", "generated": True}
+
+
+HEALTH_GENERATE_S = 20.0
 
 
 SGLANG_RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output"}

@@ -100,16 +100,25 @@ def test_sampling_params_n_gives_vllm_outputs_per_prompt(llm):
     assert [c.token_ids for o in outs for c in o.outputs] == [o.token_ids for o in flat]
     assert [c.index for o in outs for c in o.outputs] == [0, 1, 2, 0, 1, 2] == [o.index for o in flat]
     assert [o.prompt_token_ids for o in outs] == ps and outs[1].token_ids == outs[1].outputs[0].token_ids
-    c = outs[0].outputs[2]
-    assert c.finished and c.cumulative_logprob == pytest.approx(sum(c.logprobs)) and c.text
+    c, s = outs[0].outputs[2], outs[0].samples[2]
+    assert c.text == s.text and c.finish_reason == s.finish_reason == "length"
+    assert c.cumulative_logprob == pytest.approx(sum(s.logprobs))
+    assert [p[t].logprob for p, t in zip(c.logprobs, c.token_ids)] == s.logprobs  # vLLM's {id: Logprob}
     mixed = llm.generate(ps, [dataclasses.replace(sp, n=2), sp])
     assert [len(o.outputs) for o in mixed] == [2, 1]
     assert [x.token_ids for x in mixed[0].outputs] == [o.token_ids for o in flat[:2]]
     assert mixed[1].outputs[0].token_ids == flat[3].token_ids
-    one = llm.generate(ps[0], sp)[0]  # n = 1: vLLM's .outputs[0] is the output itself
-    assert one.outputs == [one] and one.samples is None and one.prompt is None
+    one = llm.generate(ps[0], dataclasses.replace(sp, logprobs=3))[0]  # n = 1: vLLM's .outputs[0] is the output
+    (c,) = one.outputs
+    assert one.samples is None and one.prompt is None and c.token_ids == one.token_ids and c.index == 0
+    for i, (t, pos) in enumerate(zip(one.token_ids, c.logprobs)):  # the sampled token first, then the top 3
+        assert list(pos)[0] == t and pos[t].logprob == one.logprobs[i]
+        top = list(one.top_logprobs[i])
+        assert {k: (p.logprob, p.rank) for k, p in pos.items() if k in top} == {
+            k: (one.top_logprobs[i][k], r) for r, k in enumerate(top, 1)}
+        assert set(pos) == {t, *top} and pos[t].rank == (top.index(t) + 1 if t in top else None)
     texts = llm.generate(["a b", "c"], dataclasses.replace(GREEDY, n=2, max_tokens=2))
-    assert [o.prompt for o in texts] == ["a b", "c"] == [o.outputs[1].prompt for o in texts]
+    assert [o.prompt for o in texts] == ["a b", "c"] == [o.samples[1].prompt for o in texts]
     with pytest.raises(ValueError, match="not both"):
         llm.generate(ps, dataclasses.replace(sp, n=2), n=2)
     with pytest.raises(ValueError, match="n must be >= 1 and <= 128"):

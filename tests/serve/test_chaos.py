@@ -1,7 +1,8 @@
-"""`rollwise serve` under chaos: concurrent requests of every kind (streamed or not, n > 1, priorities,
-clients that leave early) while control calls pause (three modes), resume, abort, flush the cache and
-load weights. Every reply is a 200 or a 4xx with a JSON error, every stream ends with [DONE], and the
-server ends idle and healthy. (Timing decides the interleaving; these hold for all.)"""
+"""`rollwise serve` under chaos: concurrent requests of every kind (streamed or not, n > 1 on every
+API, priorities, clients that leave early) while control calls pause (three modes), resume, abort,
+flush the cache and load weights. Every reply is a 200 or a 4xx with a JSON error, every stream
+ends with [DONE], and the server ends idle and healthy. (Timing decides the interleaving; these hold
+for all.)"""
 from __future__ import annotations
 
 import asyncio
@@ -32,7 +33,8 @@ def test_the_server_survives_chaos(model_dir):
         stream = kind != "completions" and rng.random() < 0.5
         body, path = {
             "generate": ({"input_ids": [rng.randrange(3, 900) for _ in range(rng.randint(1, 50))], "stream": stream,
-                          "sampling_params": {"max_tokens": mt, "ignore_eos": True}}, "/generate"),
+                          "sampling_params": {"max_tokens": mt, "ignore_eos": True,
+                                              "n": 1 if stream else rng.choice([1, 2])}}, "/generate"),
             "chat": ({"messages": [{"role": "user", "content": "hi " * rng.randint(1, 9)}], "max_tokens": mt,
                       "n": rng.choice([1, 2]), "stream": stream}, "/v1/chat/completions"),
             "completions": ({"prompt": [rng.randrange(3, 900) for _ in range(8)], "max_tokens": mt,

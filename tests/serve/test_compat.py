@@ -95,8 +95,8 @@ def test_logit_bias_and_allowed_token_ids_in_every_api(client):
 
 def test_sglang_control_endpoints(model_dir):
     """SGLang's /abort_request: by rid, or every request in flight; each caller gets its tokens so
-    far with finish reason "abort" (meta_info's type "abort"). Then /get_model_info, /flush_cache
-    (and vLLM's /reset_prefix_cache) and /update_weights_from_disk."""
+    far with finish reason "abort" (meta_info's type "abort"). Then /get_model_info, /get_server_info,
+    /health_generate, /flush_cache (and vLLM's /reset_prefix_cache) and /update_weights_from_disk."""
     long = {"sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
     with ServerProcess(model_dir, "--max-model-len", "4096") as s, httpx.Client(base_url=s.url, timeout=60) as c:
         def running(n):
@@ -127,6 +127,8 @@ def test_sglang_control_endpoints(model_dir):
             before = _metric(c, "vllm:generation_tokens_total")
             time.sleep(0.3)
             assert _metric(c, "vllm:generation_tokens_total") == before and c.get("/health").json()["paused"]
+            assert c.get("/health_generate").json() == {"status": "ok", "generated": False, "paused": True,
+                                                        "sleeping": []}  # held on purpose: healthy
             c.post("/continue_generation")
             for _ in range(100):
                 if _metric(c, "vllm:generation_tokens_total") > before:
@@ -143,6 +145,12 @@ def test_sglang_control_endpoints(model_dir):
             assert len(late.result().json()["token_ids"]) == 3 and not c.get("/health").json()["paused"]
         # SGLang's other control endpoints: model info, flushing the prefix cache, weights from disk
         assert c.get("/get_model_info").json()["is_generation"] is True
+        info = c.get("/get_server_info").json()
+        assert info["model"] == model_dir and info["max_model_len"] == 4096 and info["weight_version"] == "0"
+        assert info["internal_states"][0]["prefill_tokens"] > 0 and info["internal_states"][0]["paused"] is False
+        before = _metric(c, "vllm:generation_tokens_total")
+        assert c.post("/health_generate").json() == {"status": "ok", "generated": True}
+        assert _metric(c, "vllm:generation_tokens_total") == before + 1
         again = {"input_ids": list(range(10, 60)), "sampling_params": {"max_new_tokens": 2}}
         c.post("/generate", json=again)
         assert c.post("/generate", json=again).json()["num_cached_tokens"] == 48
