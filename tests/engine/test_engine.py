@@ -128,6 +128,24 @@ def test_sampling_params_n_gives_vllm_outputs_per_prompt(llm):
     assert not llm.engine.has_unfinished
 
 
+def test_vllms_engine_arguments_are_taken_where_they_agree_with_the_engine(model_dir, llm):
+    """A vLLM script's LLM(...) runs as written: the arguments with nothing to do here are checked
+    and dropped, vLLM's dtype names map to ours; ones that ask for what this engine does not do, or
+    that it does not know, are a ValueError naming the valid ones."""
+    vllm = LLM(model_dir, dtype="auto", gpu_memory_utilization=0.5, enforce_eager=True, tensor_parallel_size=1,
+               trust_remote_code=True, enable_sleep_mode=True, enable_chunked_prefill=True, max_num_seqs=64)
+    assert vllm.engine.config.dtype == "float32" and vllm.engine.config.max_num_seqs == 64
+    ps = _prompts(3, seed=6, shared=0)
+    assert [o.token_ids for o in vllm.generate(ps, GREEDY)] == [o.token_ids for o in llm.generate(ps, GREEDY)]
+    assert LLM(model_dir, dtype="half", num_kv_blocks=8).engine.config.dtype == "float16"
+    for kw, match in (({"tensor_parallel_size": 2}, "tensor_parallel_size must be one of"),
+                      ({"gpu_memory_utilization": 1.5}, r"in \(0, 1\]"),
+                      ({"gpu_memory_utilization": 0.9, "device": "cuda"}, "kv_cache_gb"),
+                      ({"swap_space": 4}, r"unknown LLM arguments \['swap_space'\]; valid: .*'max_num_seqs'")):
+        with pytest.raises(ValueError, match=match):
+            LLM(model_dir, **kw)
+
+
 def test_chat_renders_each_conversation_as_vllm_does(llm):
     """LLM.chat (vLLM's): one conversation or several, the template's options passed through; the
     prompt is the rendering, the reply what generate gives for it."""
