@@ -42,7 +42,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    logprobs: int = 0  # also the k most likely tokens per output position, with their logprobs
+    logprobs: int = 0  # also the k most likely tokens per output position, with their logprobs (None: 0)
     presence_penalty: float = 0.0  # [-2, 2]
     frequency_penalty: float = 0.0  # [-2, 2]
     repetition_penalty: float = 1.0  # (0, 10]; 1: off
@@ -66,6 +66,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else self.stop or []  # (checked and listed below)
         self.stop_token_ids = self.stop_token_ids or []
+        self.logprobs = 0 if self.logprobs is None else self.logprobs  # (vLLM's default: no top logprobs)
         _check_int("n", self.n, lo=1, hi=MAX_N)
         _check_number("temperature", self.temperature, lo=0.0, hi=100.0)
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):

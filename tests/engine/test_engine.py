@@ -123,6 +123,7 @@ def test_sampling_params_n_gives_vllm_outputs_per_prompt(llm):
         llm.generate(ps, dataclasses.replace(sp, n=2), n=2)
     with pytest.raises(ValueError, match="n must be >= 1 and <= 128"):
         SamplingParams(n=0)
+    assert SamplingParams(logprobs=None).logprobs == 0  # vLLM's default spelled out
     with pytest.raises(ValueError, match="one sample"):
         llm.engine.add_request(ps[0], dataclasses.replace(sp, n=2))
     assert not llm.engine.has_unfinished
