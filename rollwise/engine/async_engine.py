@@ -104,7 +104,10 @@ class AsyncEngine:
             if not finished:
                 await asyncio.shield(self.call(lambda: self._abort(rid)))
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str | list[str]) -> bool | list[str]:
+        """Abort a request in flight (True if it was); given a list, those of them in flight (their ids)."""
+        if isinstance(request_id, list):
+            return await self.call(lambda: [r for r in request_id if self._abort(r)])
         return await self.call(lambda: self._abort(request_id))
 
     async def abort_all(self) -> list[str]:

@@ -19,6 +19,7 @@ from rollwise import __version__
 from rollwise.config import ServerConfig
 from rollwise.serve.protocol import AbortRequest
 from rollwise.serve.responses import _piece, error, gather_or_cancel, generate_json, weights_refused
+from rollwise.sampling import MAX_N
 from rollwise.types import RequestOutput, SamplingParams
 from rollwise.wire import encode_routing
 
@@ -70,8 +71,11 @@ def install_sglang(app: FastAPI, engine, cfg: ServerConfig) -> None:
 
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest):
-        aborted = await engine.abort_all() if body.abort_all else [body.rid] if await engine.abort(body.rid) else []
-        return {"aborted": aborted}
+        """By rid (one not in flight: the samples `rid-j` of a /generate with sampling_params.n), or all."""
+        if body.abort_all:
+            return {"aborted": await engine.abort_all()}
+        samples = [f"{body.rid}-{j}" for j in range(MAX_N)]
+        return {"aborted": await engine.abort([body.rid]) or await engine.abort(samples)}
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateFromDiskRequest):

@@ -220,6 +220,15 @@ def test_generate_takes_sglangs_n(client):
         alone = client.post("/generate", json={"input_ids": ids, "sampling_params": sp | {"seed": 5 + j}}).json()
         assert o["output_ids"] == o["token_ids"] == alone["token_ids"]
     assert len({tuple(o["token_ids"]) for o in outs}) > 1
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # SGLang's /abort_request by rid ends the n samples
+        long = pool.submit(client.post, "/generate", json={"input_ids": ids, "rid": "par2", "sampling_params": {
+            "max_new_tokens": 3000, "ignore_eos": True, "n": 2}})
+        for _ in range(200):
+            if _metric(client, "vllm:num_requests_running") >= 2:
+                break
+            time.sleep(0.02)
+        assert client.post("/abort_request", json={"rid": "par2"}).json() == {"aborted": ["par2-0", "par2-1"]}
+        assert [o["finish_reason"] for o in long.result().json()] == ["abort", "abort"]
     for extra, sampling in (({"stream": True}, {"n": 2}), ({"trajectory_id": "t"}, {"n": 2}), ({}, {"n": 0}),
                             ({}, {"n": 129})):
         bad = client.post("/generate", json={"input_ids": ids, "sampling_params": sp | sampling} | extra)
