@@ -1,7 +1,8 @@
 """Frozen, validated configuration: one dataclass per subsystem."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from rollwise.agent.parsing import PARSERS
@@ -95,6 +96,42 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+
+
+# vLLM's engine arguments with no work to do here, and the values that agree with this engine: no CUDA
+# graphs (always eager), known architectures only (no remote code), one process (no tensor or pipeline
+# parallelism), prefill always chunked, sleep mode always on, statistics always kept
+VLLM_ARGS = {"enforce_eager": (True, False), "trust_remote_code": (True, False), "enable_sleep_mode": (True, False),
+             "disable_log_stats": (True, False), "enable_chunked_prefill": (True, None), "tensor_parallel_size": (1,),
+             "pipeline_parallel_size": (1,), "disable_custom_all_reduce": (True, False),
+             "skip_tokenizer_init": (False,)}
+
+
+def engine_args(kwargs: dict, model) -> dict:
+    """`LLM`'s keyword arguments as EngineConfig's: vLLM's checked against VLLM_ARGS and dropped;
+    vLLM's dtype names ("auto": the checkpoint's, "half", "float"); `gpu_memory_utilization` taken on
+    the CPU, where the KV pool is `kv_cache_gb` (as vLLM's CPU backend sizes its KV space apart from
+    it), refused on a GPU."""
+    out, valid = dict(kwargs), {f.name for f in fields(EngineConfig)} - {"model"}
+    if out.get("dtype") == "auto":
+        hf = json.loads((Path(model) / "config.json").read_text())
+        out["dtype"] = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
+    if out.get("dtype") in ("half", "float"):
+        out["dtype"] = {"half": "float16", "float": "float32"}[out["dtype"]]
+    for name, ok in VLLM_ARGS.items():
+        if name in out and out.pop(name) not in ok:
+            raise ValueError(f"{name} must be one of {list(ok)} here, got {kwargs[name]!r}")
+    util = out.pop("gpu_memory_utilization", None)
+    if util is not None:
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
+        if str(out.get("device", "cpu")).startswith("cuda"):
+            raise ValueError("on a GPU give the KV pool's size as kv_cache_gb (GiB) rather than gpu_memory_utilization")
+    unknown = sorted(set(out) - valid)
+    if unknown:
+        raise ValueError(f"unknown LLM arguments {unknown}; valid: {sorted(valid | set(VLLM_ARGS))} and "
+                         "gpu_memory_utilization")
+    return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

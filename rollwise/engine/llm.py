@@ -3,11 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import uuid
-from pathlib import Path
 
-from rollwise.config import EngineConfig
+from rollwise.config import EngineConfig, engine_args
 from rollwise.engine.llm_engine import LLMEngine
 from rollwise.types import RequestOutput, SamplingParams
 
@@ -16,7 +14,7 @@ class LLM:
     """LLM(model_dir, dtype="float32", max_num_seqs=64, enable_prefix_caching=True, seed=0, ...).
 
     Keyword arguments are the fields of `EngineConfig`, and vLLM's engine arguments that agree with
-    this engine (`VLLM_ARGS`), so that a vLLM script's `LLM(...)` runs as written.
+    this engine (`rollwise.config.VLLM_ARGS`), so that a vLLM script's `LLM(...)` runs as written.
     """
 
     def __init__(self, model: str, **kwargs) -> None:
@@ -165,39 +163,3 @@ def _prompt(p) -> tuple:
         raise ValueError(f"a prompt dict takes one of 'prompt' and 'prompt_token_ids', and optionally "
                          f"'cache_salt'; got keys {sorted(p)}")
     return p.get("prompt", p.get("prompt_token_ids")), p.get("cache_salt")
-
-
-# vLLM's engine arguments with no work to do here, and the values that agree with this engine: no CUDA
-# graphs (always eager), known architectures only (no remote code), one process (no tensor or pipeline
-# parallelism), prefill always chunked, sleep mode always on, statistics always kept
-VLLM_ARGS = {"enforce_eager": (True, False), "trust_remote_code": (True, False), "enable_sleep_mode": (True, False),
-             "disable_log_stats": (True, False), "enable_chunked_prefill": (True, None), "tensor_parallel_size": (1,),
-             "pipeline_parallel_size": (1,), "disable_custom_all_reduce": (True, False),
-             "skip_tokenizer_init": (False,)}
-
-
-def engine_args(kwargs: dict, model) -> dict:
-    """`LLM`'s keyword arguments as EngineConfig's: vLLM's checked against VLLM_ARGS and dropped;
-    vLLM's dtype names ("auto": the checkpoint's, "half", "float"); `gpu_memory_utilization` taken on
-    the CPU, where the KV pool is `kv_cache_gb` (as vLLM's CPU backend sizes its KV space apart from
-    it), refused on a GPU."""
-    out, valid = dict(kwargs), {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
-    if out.get("dtype") == "auto":
-        hf = json.loads((Path(model) / "config.json").read_text())
-        out["dtype"] = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
-    if out.get("dtype") in ("half", "float"):
-        out["dtype"] = {"half": "float16", "float": "float32"}[out["dtype"]]
-    for name, ok in VLLM_ARGS.items():
-        if name in out and out.pop(name) not in ok:
-            raise ValueError(f"{name} must be one of {list(ok)} here, got {kwargs[name]!r}")
-    util = out.pop("gpu_memory_utilization", None)
-    if util is not None:
-        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
-        if str(out.get("device", "cpu")).startswith("cuda"):
-            raise ValueError("on a GPU give the KV pool's size as kv_cache_gb (GiB) rather than gpu_memory_utilization")
-    unknown = sorted(set(out) - valid)
-    if unknown:
-        raise ValueError(f"unknown LLM arguments {unknown}; valid: {sorted(valid | set(VLLM_ARGS))} and "
-                         "gpu_memory_utilization")
-    return out

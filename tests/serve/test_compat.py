@@ -93,6 +93,29 @@ def test_logit_bias_and_allowed_token_ids_in_every_api(client):
     assert len(got["token_ids"]) == 6 and 11 not in got["token_ids"]
 
 
+def test_a_vllm_launch_line_serves_as_written(model_dir):
+    """`rollwise serve` takes `vllm serve`'s flags where they agree with this engine: the served name,
+    dtype auto, the no-op flags; a flag asking what this engine does not do exits 2 with why."""
+    import subprocess
+    import sys
+    line = ("--dtype", "auto", "--gpu-memory-utilization", "0.9", "--enforce-eager", "--trust-remote-code",
+            "--tensor-parallel-size", "1", "--served-model-name", "my-policy", "--enable-auto-tool-choice",
+            "--tool-call-parser", "hermes", "--disable-log-requests", "--max-model-len", "512")
+    with ServerProcess(model_dir, *line) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["my-policy"]
+        assert c.get("/get_server_info").json()["dtype"] == "float32"  # the checkpoint's
+        r = c.post("/v1/chat/completions", json={"model": "my-policy", "messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["model"] == "my-policy"
+    for bad, why in ((("--tensor-parallel-size", "2"), "tensor_parallel_size must be one of [1]"),
+                     (("--dtype", "auto", "--trust-remote-code", "--enforce-eager", "--pipeline-parallel-size", "4"),
+                      "pipeline_parallel_size must be one of [1]"),
+                     (("--served-model-name", "a", "b"), "one name")):
+        got = subprocess.run([sys.executable, "-m", "rollwise.cli", "serve", model_dir, *bad], capture_output=True,
+                             text=True, timeout=120)
+        assert got.returncode == 2 and why in got.stderr, (bad, got.stderr[-500:])
+
+
 def test_sglang_control_endpoints(model_dir):
     """SGLang's /abort_request: by rid, or every request in flight; each caller gets its tokens so
     far with finish reason "abort" (meta_info's type "abort"). Then /get_model_info, /get_server_info,
