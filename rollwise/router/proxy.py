@@ -191,6 +191,14 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
             return r.json() if r is not None and r.status_code == 200 else None
         return [r for r in await asyncio.gather(*(one(n) for n in sorted(router.healthy))) if r is not None]
 
+    @app.api_route("/health_generate", methods=["GET", "POST"])
+    async def health_generate():
+        """SGLang's: each healthy replica's /health_generate; healthy when one of them is."""
+        got = await fan_out("/health_generate", None, "GET")
+        body = {"status": "ok" if got else "no replica generates", "replicas_ok": len(got),
+                "healthy": len(router.healthy)}
+        return JSONResponse(body, status_code=200 if got else 503)
+
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest):
         """Forwarded to every healthy replica (the one running it aborts it; its caller here gets what
