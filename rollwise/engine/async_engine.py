@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import dataclasses
 import logging
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable
 
 import torch
@@ -50,7 +52,11 @@ class AsyncEngine:
         prompt group, for drafting from siblings), `forced_output` (trace replay), `session` (the
         trajectory: its next turn extends this turn's drafting tree instead of rebuilding it).
 
-        Given a `GenerateRequest` (the agent's `Generator` protocol) it returns a `GenerateOutput`."""
+        Given a `GenerateRequest` (the agent's `Generator` protocol) it returns a `GenerateOutput`.
+        With `params.n` > 1 (vLLM's), the n samples run as requests `request_id-j` (seeded seed + j, one
+        drafting group) and the output is the first's, all n in `.samples` (and `.outputs`)."""
+        if params is not None and params.n > 1:
+            return await self._samples(prompt, params, request_id or f"async-{uuid.uuid4().hex[:12]}", options)
         if isinstance(prompt, GenerateRequest):
             req = prompt
             out = await self.generate(req.prompt_token_ids, req.params, req.request_id, group_id=req.group_id,
@@ -62,6 +68,21 @@ class AsyncEngine:
         async for out in self._outputs(prompt, params, request_id, False, options):
             pass
         return out
+
+    async def _samples(self, prompt, params: SamplingParams, rid: str, options: dict) -> RequestOutput:
+        if options.get("session") is not None or options.get("forced_output") is not None:
+            raise ValueError("n > 1 makes n requests: it takes no session or forced_output")
+        options = {**options, "group_id": options.get("group_id") or rid}
+        tasks = [asyncio.ensure_future(self.generate(prompt, params.for_sample(j), f"{rid}-{j}", **options))
+                 for j in range(params.n)]
+        try:
+            outs = await asyncio.gather(*tasks)
+        finally:  # an error or a cancellation ends the others (their requests aborted)
+            for t in tasks:
+                t.cancel()
+        for j, out in enumerate(outs):
+            out.index = j
+        return dataclasses.replace(outs[0], samples=outs)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                request_id: str | None = None, **options) -> AsyncIterator[RequestOutput]:

@@ -631,6 +631,28 @@ def test_async_engine_leaves_the_callers_thread_count(model_dir):
         torch.set_num_threads(before)
 
 
+def test_async_engine_takes_n_as_vllm_does(model_dir, llm):
+    """AsyncEngine.generate with SamplingParams.n: the n samples, each what LLM.generate gives for its
+    seed, in one output's .samples and .outputs; with a session it is a ValueError, and nothing runs on."""
+    import asyncio
+
+    from rollwise import AsyncEngine
+    ps = _prompts(1, seed=8, shared=0)
+    sp = dataclasses.replace(GREEDY, temperature=1.0, seed=3, n=3)
+    want = llm.generate(ps, sp)[0]
+    eng = AsyncEngine(model_dir)
+    try:
+        got = asyncio.run(eng.generate(ps[0], sp, "g"))
+        assert [o.token_ids for o in got.samples] == [o.token_ids for o in want.samples]
+        assert [o.request_id for o in got.samples] == ["g-0", "g-1", "g-2"]
+        assert [c.index for c in got.outputs] == [0, 1, 2]
+        with pytest.raises(ValueError, match="no session"):
+            asyncio.run(eng.generate(ps[0], sp, session="t"))
+        assert not eng.engine.has_unfinished
+    finally:
+        eng.shutdown()
+
+
 def test_async_engine_survives_a_cancelled_call(model_dir):
     """A caller that gives up on call() (e.g. a router shutting down) must not kill the engine thread."""
     import asyncio
