@@ -114,7 +114,10 @@ def engine_args(kwargs: dict, model) -> dict:
     it), refused on a GPU."""
     out, valid = dict(kwargs), {f.name for f in fields(EngineConfig)} - {"model"}
     if out.get("dtype") == "auto":
-        hf = json.loads((Path(model) / "config.json").read_text())
+        cfg = Path(model) / "config.json"
+        if not cfg.is_file():
+            raise ValueError(f"dtype 'auto' reads the checkpoint's dtype from {cfg}, which does not exist")
+        hf = json.loads(cfg.read_text())
         out["dtype"] = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
     if out.get("dtype") in ("half", "float"):
         out["dtype"] = {"half": "float16", "float": "float32"}[out["dtype"]]

@@ -139,6 +139,8 @@ def test_vllms_engine_arguments_are_taken_where_they_agree_with_the_engine(model
     ps = _prompts(3, seed=6, shared=0)
     assert [o.token_ids for o in vllm.generate(ps, GREEDY)] == [o.token_ids for o in llm.generate(ps, GREEDY)]
     assert LLM(model_dir, dtype="half", num_kv_blocks=8).engine.config.dtype == "float16"
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(model_dir + "-missing", dtype="auto")
     for kw, match in (({"tensor_parallel_size": 2}, "tensor_parallel_size must be one of"),
                       ({"gpu_memory_utilization": 1.5}, r"in \(0, 1\]"),
                       ({"gpu_memory_utilization": 0.9, "device": "cuda"}, "kv_cache_gb"),
