@@ -79,6 +79,18 @@ def test_vllms_lora_request_loads_and_picks_the_adapter(model_dirs, adapters):
     assert not llm.engine.has_unfinished
 
 
+def test_a_vllm_offline_script_runs_as_written(model_dirs, adapters):
+    """examples/vllm_offline.py, written against vLLM's offline API, runs on rollwise by its import alone."""
+    import subprocess
+    import sys
+    got = subprocess.run([sys.executable, "examples/vllm_offline.py", model_dirs["qwen3"], adapters["qv"][0]],
+                         capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    lines = got.stdout.splitlines()
+    assert sum("sample" in x for x in lines) == 8 and any(x.startswith("with the adapter: [") for x in lines)
+    assert lines[-1].startswith("chat: ")
+
+
 def test_adapters_are_batch_invariant(model_dirs, adapters):
     """With batch_invariant the adapters' deltas take the same path as their linears: a request on an
     adapter gets the same bits alone as beside the base and other adapters, speculating or not."""

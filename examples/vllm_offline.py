@@ -1,0 +1,39 @@
+"""A script written against vLLM's offline API that runs on rollwise by its import alone: GRPO-style
+sampling (n samples per prompt), each sample's tokens and logprobs read as vLLM gives them, a LoRA
+adapter by LoRARequest, sleep / wake_up as around a weight update, and a chat.
+
+    python examples/vllm_offline.py MODEL_DIR [PEFT_ADAPTER_DIR]
+"""
+from __future__ import annotations
+
+import sys
+
+try:
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+except ImportError:  # the same script on rollwise
+    from rollwise import LLM, LoRARequest, SamplingParams
+
+
+def main(model: str, adapter: str | None = None) -> None:
+    llm = LLM(model=model, dtype="auto", enforce_eager=True, gpu_memory_utilization=0.5, seed=0,
+              enable_lora=adapter is not None, max_model_len=512)
+    prompts = ["The capital of France is", "Two plus two is"]
+    params = SamplingParams(n=4, temperature=1.0, top_p=0.95, max_tokens=16, seed=1, logprobs=0)
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        for c in out.outputs:  # a GRPO group: the prompt's 4 samples
+            sampled = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]  # what a trainer keeps
+            assert abs(sum(sampled) - c.cumulative_logprob) < 1e-3
+            print(f"{out.prompt!r} sample {c.index}: {len(c.token_ids)} tokens, logprob {c.cumulative_logprob:.2f}")
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    if adapter is not None:
+        out = llm.generate(prompts[:1], greedy, lora_request=LoRARequest("adapter", 1, adapter))[0]
+        print(f"with the adapter: {out.outputs[0].token_ids}")
+    llm.sleep(level=1)  # the KV cache given back, e.g. while a trainer runs
+    llm.wake_up()
+    reply = llm.chat([{"role": "user", "content": "hi"}], greedy)[0]
+    print(f"chat: {len(reply.outputs[0].token_ids)} tokens")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
