@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict
 from rollwise import __version__
 from rollwise.config import ServerConfig
 from rollwise.serve.protocol import AbortRequest
-from rollwise.serve.responses import _piece, error, gather_or_cancel, generate_json, weights_refused
+from rollwise.serve.responses import (_piece, choice_samples, error, gather_or_cancel, generate_json,
+                                      weights_refused)
 from rollwise.sampling import MAX_N
 from rollwise.types import RequestOutput, SamplingParams
 from rollwise.wire import encode_routing
@@ -157,16 +158,15 @@ def generate_params(body) -> SamplingParams:
 
 async def generate_samples(engine, tok, body, prompt, params: SamplingParams, rid: str,
                            group: str | None = None) -> list[dict]:
-    """/generate with sampling_params.n > 1, as SGLang answers it: a list of n replies, sample j
-    `rid-j` seeded seed + j, the n one group (`group`, else the body's, else `rid`) that drafts and
-    is placed together."""
+    """/generate with sampling_params.n > 1, as SGLang answers it: a list of n replies, the samples
+    of OpenAI's n (`choice_samples`: sample j `rid-j`, seeded seed + j; the n one group, `group` or
+    the body's unless named, that drafts and is placed together)."""
     if body.stream or body.trajectory_id is not None or body.forced_output is not None:
         raise ValueError("sampling_params.n > 1 makes n requests: it takes no stream, trajectory_id or "
                          "forced_output (send n requests with one group_id instead)")
-    options = {"group_id": group or body.group_id or rid, "policy_version": body.policy_version,
-               "priority": body.priority, "cache_salt": body.cache_salt}
-    outs = await gather_or_cancel(engine.generate(prompt, params.for_sample(j), f"{rid}-{j}", **options)
-                                  for j in range(params.n))
+    options = {"policy_version": body.policy_version, "priority": body.priority, "cache_salt": body.cache_salt}
+    samples = choice_samples([prompt], params, params.n, group or body.group_id, rid, lambda j: options)
+    outs = await gather_or_cancel(engine.generate(p, sp, r, group_id=g, **o) for p, sp, r, g, o in samples)
     return [generate_json(o) | sglang_fields(tok, o, body) | {"index": j} for j, o in enumerate(outs)]
 
 
