@@ -29,8 +29,8 @@ from rollwise.serve.responses import (choice_samples, completion_params, error, 
                                       stream_generate, weights_refused)
 from rollwise.serve.server import install_common, install_messages, install_responses
 from rollwise.serve.lora import LoadLoraRequest, UnloadLoraRequest
-from rollwise.serve.sglang import (PauseRequest, UpdateFromDiskRequest, generate_params, generate_samples,
-                                   load_from_disk, sglang_fields)
+from rollwise.serve.sglang import (PauseRequest, UpdateFromDiskRequest, generate_batch, generate_params,
+                                   generate_samples, is_batch, load_from_disk, sglang_fields)
 from rollwise.serve.tokenize import install_tokenize
 from rollwise.serve.metrics import router_text
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
@@ -337,10 +337,12 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
             raise ValueError("the router takes input_ids (token ids), not prompt text")
         if not body.input_ids:
             raise ValueError("input_ids must not be empty")
-        params = generate_params(body)
-        if body.lora_path is not None:  # SGLang's: a loaded adapter's name
-            params = dataclasses.replace(params, lora=body.lora_path)
         rid = body.request_id or body.rid or f"gen-{uuid.uuid4().hex[:16]}"
+        if is_batch(body.input_ids):  # SGLang's batch form: each prompt routed, a list of replies
+            group = body.group_id or request.headers.get("x-group-id")
+            return await unless_disconnected(request, generate_batch(routed, routed.tokenizer, body, body.input_ids,
+                                                                     rid, group))
+        params = generate_params(body)
         options = {"session": body.trajectory_id or request.headers.get("x-session-id"), "turn": body.turn or 0,
                    "forced_output": body.forced_output, "policy_version": body.policy_version,
                    "priority": body.priority, "cache_salt": body.cache_salt}

@@ -219,10 +219,11 @@ class ChatCompletionRequest(_OpenAISampling):
 
 
 class GenerateRequest(_Strict):
-    """Token-level generation: ids in, ids + logprobs out."""
-    input_ids: list[int] | None = None
-    prompt: str | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    """Token-level generation: ids in, ids + logprobs out. SGLang's batch form too: a list of prompts,
+    with `sampling_params` one for all or a list, one each, and `rid` a list, one each."""
+    input_ids: list[int] | list[list[int]] | None = None
+    prompt: str | list[str] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] = Field(default_factory=dict)
     request_id: str | None = None
     stream: bool = False
     trajectory_id: str | None = None
@@ -234,8 +235,8 @@ class GenerateRequest(_Strict):
     cache_salt: str | None = None  # vLLM's: prefix-cache KV (and drafts) shared only within the salt
     # SGLang's names and logprob options (its clients, e.g. AReaL's and slime's): the reply
     # also carries SGLang's `output_ids` and `meta_info`
-    text: str | None = None  # = prompt
-    rid: str | None = None  # = request_id
+    text: str | list[str] | None = None  # = prompt
+    rid: str | list[str] | None = None  # = request_id
     return_logprob: bool = False  # meta_info.output_token_logprobs: [[logprob, id, text or None], ...]
     top_logprobs_num: int | None = None  # meta_info.output_top_logprobs (and input_top_logprobs)
     logprob_start_len: int | None = None  # >= 0 with return_logprob: meta_info.input_token_logprobs from there

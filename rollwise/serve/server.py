@@ -7,7 +7,6 @@ the server.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import secrets
 import tempfile
@@ -32,7 +31,8 @@ from rollwise.serve.responses import (choice_samples, completion_params, error, 
                                       stream_generate, weights_refused)
 from rollwise.serve.lora import install_lora, with_adapter
 from rollwise.serve.rlhf import install_rlhf
-from rollwise.serve.sglang import generate_params, generate_samples, install_sglang, sglang_fields
+from rollwise.serve.sglang import (generate_batch, generate_params, generate_samples, install_sglang, is_batch,
+                                   sglang_fields)
 from rollwise.serve.sleep import install_sleep
 from rollwise.serve.tokenize import install_tokenize
 from rollwise.engine.isolation import StepFailed
@@ -175,11 +175,11 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         given = [x for x in (body.input_ids, body.prompt, body.text) if x is not None]
         if len(given) != 1:
             raise ValueError("give exactly one of input_ids, prompt or text")
-        params = generate_params(body)
-        if body.lora_path is not None:  # SGLang's: the name of a loaded adapter
-            params = dataclasses.replace(params, lora=body.lora_path)
         prompt = given[0]
         rid = body.request_id or body.rid or f"gen-{uuid.uuid4().hex[:16]}"
+        if is_batch(prompt):  # SGLang's batch form: a list of prompts, a list of replies
+            return await unless_disconnected(request, generate_batch(engine, tok, body, prompt, rid))
+        params = generate_params(body)
         if params.n > 1:  # SGLang's parallel sampling: a list of n replies (sample j seeded seed + j, one group)
             return await unless_disconnected(request, generate_samples(engine, tok, body, prompt, params, rid))
         if body.stream:

@@ -129,11 +129,15 @@ SGLANG_RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"
 SGLANG_IGNORED = ("spaces_between_special_tokens",)
 
 
-def generate_params(body) -> SamplingParams:
-    """/generate's sampling_params, SGLang's names too (its clients and router send only those), and
-    its logprob options: `top_logprobs_num` k asks the k most likely tokens per position, and
-    `return_logprob` with `logprob_start_len` >= 0 the prompt's logprobs."""
-    sp = {k: v for k, v in body.sampling_params.items() if k not in SGLANG_IGNORED}
+def generate_params(body, given: dict | None = None) -> SamplingParams:
+    """/generate's sampling_params (`given`: one prompt's of a batch), SGLang's names too (its clients
+    and router send only those), its logprob options (`top_logprobs_num` k asks the k most likely
+    tokens per position, `return_logprob` with `logprob_start_len` >= 0 the prompt's logprobs), and
+    SGLang's `lora_path`: the name of a loaded adapter."""
+    if given is None and (isinstance(body.sampling_params, list) or isinstance(body.rid, list)):
+        raise ValueError("sampling_params and rid are lists (one per prompt) only with a list of prompts")
+    given = body.sampling_params if given is None else given
+    sp = {k: v for k, v in given.items() if k not in SGLANG_IGNORED}
     for old, new in SGLANG_RENAMED.items():
         if old in sp:
             if new in sp and sp[new] != sp[old]:
@@ -153,7 +157,35 @@ def generate_params(body) -> SamplingParams:
         sp["return_routed_experts"] = True
     if body.return_logprob and body.logprob_start_len is not None and body.logprob_start_len >= 0:
         sp.setdefault("prompt_logprobs", body.top_logprobs_num or 0)
+    if body.lora_path is not None:
+        sp["lora"] = body.lora_path
     return SamplingParams.from_dict(sp)
+
+
+def is_batch(prompt) -> bool:
+    """SGLang's batch form of /generate: a list of prompts (token-id lists or texts)."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
+
+async def generate_batch(engine, tok, body, prompts: list, rid: str | list[str], group: str | None = None) -> list:
+    """/generate with a list of prompts, as SGLang answers it: their replies in order (n each with
+    sampling_params.n); `sampling_params` one for all or one each, `rid` a list (else `rid-i`)."""
+    if body.stream or body.trajectory_id is not None or body.forced_output is not None:
+        raise ValueError("a list of prompts takes no stream, trajectory_id or forced_output")
+    sps = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params] * len(prompts)
+    rids = rid if isinstance(rid, list) else [f"{rid}-{i}" for i in range(len(prompts))]
+    if len(sps) != len(prompts) or len(rids) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts take one sampling_params or {len(prompts)}, and {len(prompts)} rids")
+    params = [generate_params(body, sp) for sp in sps]  # (all checked before any runs)
+    options = {"group_id": group or body.group_id, "policy_version": body.policy_version, "priority": body.priority,
+               "cache_salt": body.cache_salt}
+
+    async def one(p, sp: SamplingParams, r: str) -> list[dict]:
+        if sp.n > 1:
+            return await generate_samples(engine, tok, body, p, sp, r, group)
+        out = await engine.generate(p, sp, r, **options)
+        return [generate_json(out) | sglang_fields(tok, out, body)]
+    return [x for xs in await gather_or_cancel(one(*a) for a in zip(prompts, params, rids)) for x in xs]
 
 
 async def generate_samples(engine, tok, body, prompt, params: SamplingParams, rid: str,

@@ -192,6 +192,10 @@ def test_route_proxy_over_http(servers, model_dir, junk_failures):
                 **one["sampling_params"], "seed": 3 + j}}, timeout=60).json()["token_ids"] for j in range(2)]
             assert [o["index"] for o in outs] == [0, 1] and [o["token_ids"] for o in outs] == alone
             assert c.get("/health_generate").json() == {"status": "ok", "replicas_ok": 2, "healthy": 2}
+            batch = c.post("/generate", json={"input_ids": [[5, 6, 7], [5, 6, 7]], "rid": ["r0", "r1"],  # batch form
+                                              "sampling_params": [{**one["sampling_params"], "seed": 3 + j}
+                                                                  for j in range(2)]}).json()
+            assert [o["token_ids"] for o in batch] == alone and [o["meta_info"]["id"] for o in batch] == ["r0", "r1"]
             # prompt logprobs and echo come through the router: the replica's own
             pl = {"input_ids": [5, 6, 7, 8, 9], "sampling_params": {"temperature": 0, "max_tokens": 2, "prompt_logprobs": 1}}
             direct = httpx.post(servers[0].url + "/generate", json=pl, timeout=60).json()

@@ -205,8 +205,9 @@ def test_n_samples_per_prompt(client):
 
 def test_generate_takes_sglangs_n(client):
     """/generate with sampling_params.n, as SGLang answers it: a list of n replies, sample j the same
-    tokens as a request of its own seeded seed + j, the prompt computed once; n with a stream or a
-    trajectory, or out of range, is a 400 and the server goes on."""
+    tokens as a request of its own seeded seed + j, the prompt computed once; and SGLang's batch form
+    (a list of prompts). n with a stream or a trajectory, or out of range, and a batch whose lists do
+    not match, are 400s and the server goes on."""
     ids = [31 + i for i in range(40)]  # 2 full blocks of 16 + 8
     sp = {"max_new_tokens": 4, "temperature": 1.0, "seed": 5, "ignore_eos": True}
     before = _prefill(client)
@@ -229,6 +230,20 @@ def test_generate_takes_sglangs_n(client):
             time.sleep(0.02)
         assert client.post("/abort_request", json={"rid": "par2"}).json() == {"aborted": ["par2-0", "par2-1"]}
         assert [o["finish_reason"] for o in long.result().json()] == ["abort", "abort"]
+    # SGLang's batch form: a list of prompts (ids or texts), a reply each in order (n each with n)
+    two = [ids, ids[:20]]
+    batch = client.post("/generate", json={"input_ids": two, "rid": ["b0", "b1"], "sampling_params": [
+        sp | {"n": 2}, sp | {"seed": 9}]}).json()
+    assert [o["meta_info"]["id"] for o in batch] == ["b0-0", "b0-1", "b1"]
+    assert [o["token_ids"] for o in batch[:2]] == [o["token_ids"] for o in outs[:2]]
+    assert batch[2]["token_ids"] == client.post("/generate", json={"input_ids": ids[:20], "sampling_params": sp | {
+        "seed": 9}}).json()["token_ids"]
+    texts = client.post("/generate", json={"text": ["a b", "c"], "sampling_params": {"max_new_tokens": 2}}).json()
+    assert len(texts) == 2 and [o["meta_info"]["completion_tokens"] for o in texts] == [2, 2]
+    for bad in ({"input_ids": two, "rid": ["x"]}, {"input_ids": two, "sampling_params": [sp]},
+                {"input_ids": ids, "sampling_params": [sp]}, {"input_ids": two, "stream": True}):
+        r = client.post("/generate", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["message"], (bad, r.text)
     for extra, sampling in (({"stream": True}, {"n": 2}), ({"trajectory_id": "t"}, {"n": 2}), ({}, {"n": 0}),
                             ({}, {"n": 129})):
         bad = client.post("/generate", json={"input_ids": ids, "sampling_params": sp | sampling} | extra)
