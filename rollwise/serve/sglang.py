@@ -162,6 +162,13 @@ def generate_params(body, given: dict | None = None) -> SamplingParams:
     return SamplingParams.from_dict(sp)
 
 
+def _several(body, what: str) -> None:
+    """A body that makes several requests takes no stream, trajectory or forced output (send them one by one)."""
+    if body.stream or body.trajectory_id is not None or body.forced_output is not None:
+        raise ValueError(f"{what} makes several requests: it takes no stream, trajectory_id or forced_output "
+                         "(send the requests one by one, with one group_id)")
+
+
 def is_batch(prompt) -> bool:
     """SGLang's batch form of /generate: a list of prompts (token-id lists or texts)."""
     return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
@@ -170,8 +177,7 @@ def is_batch(prompt) -> bool:
 async def generate_batch(engine, tok, body, prompts: list, rid: str | list[str], group: str | None = None) -> list:
     """/generate with a list of prompts, as SGLang answers it: their replies in order (n each with
     sampling_params.n); `sampling_params` one for all or one each, `rid` a list (else `rid-i`)."""
-    if body.stream or body.trajectory_id is not None or body.forced_output is not None:
-        raise ValueError("a list of prompts takes no stream, trajectory_id or forced_output")
+    _several(body, "a list of prompts")
     sps = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params] * len(prompts)
     rids = rid if isinstance(rid, list) else [f"{rid}-{i}" for i in range(len(prompts))]
     if len(sps) != len(prompts) or len(rids) != len(prompts):
@@ -193,9 +199,7 @@ async def generate_samples(engine, tok, body, prompt, params: SamplingParams, ri
     """/generate with sampling_params.n > 1, as SGLang answers it: a list of n replies, the samples
     of OpenAI's n (`choice_samples`: sample j `rid-j`, seeded seed + j; the n one group, `group` or
     the body's unless named, that drafts and is placed together)."""
-    if body.stream or body.trajectory_id is not None or body.forced_output is not None:
-        raise ValueError("sampling_params.n > 1 makes n requests: it takes no stream, trajectory_id or "
-                         "forced_output (send n requests with one group_id instead)")
+    _several(body, "sampling_params.n > 1")
     options = {"policy_version": body.policy_version, "priority": body.priority, "cache_salt": body.cache_salt}
     samples = choice_samples([prompt], params, params.n, group or body.group_id, rid, lambda j: options)
     outs = await gather_or_cancel(engine.generate(p, sp, r, group_id=g, **o) for p, sp, r, g, o in samples)
