@@ -32,8 +32,8 @@ class LLM:
         computed once, and draft from each other unless `group_ids` names their group. Asked as
         `SamplingParams.n` (vLLM's), the result is vLLM's: one output per prompt, its samples in
         `.samples` (and in `.outputs` as vLLM's CompletionOutputs); asked as `n` here, it is flat: prompt
-        i's samples at i*n .. i*n+n-1. priority: one per
-        prompt (vLLM's; the engine's scheduling_policy must be "priority" for any but 0). lora_request:
+        i's samples at i*n .. i*n+n-1. priority: one per prompt (vLLM's; the engine's scheduling_policy
+        must be "priority" for any but 0). lora_request:
         vLLM's `LoRARequest` (anything with `lora_name` and `lora_path`), one for all or one per prompt
         (None: the base weights), its adapter loaded the first time; the same as `SamplingParams.lora`.
         Returns outputs in prompt order."""
