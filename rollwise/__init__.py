@@ -1,10 +1,12 @@
 """rollwise: fast agentic RL rollouts."""
 from __future__ import annotations
 
-from rollwise.sampling import LoRARequest
+from rollwise.sampling import LoRARequest, RequestOutputKind, TextPrompt, TokensPrompt
 from rollwise.types import RequestOutput, SamplingParams
 
-__all__ = ["LLM", "AsyncEngine", "SamplingParams", "RequestOutput", "LoRARequest"]
+__all__ = ["LLM", "AsyncEngine", "AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs", "SamplingParams",
+           "RequestOutput", "RequestOutputKind", "LoRARequest", "TextPrompt", "TokensPrompt"]
+_ASYNC_LLM = ("AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs")  # vLLM's names (engine/async_llm.py)
 __version__ = "0.1.0"
 
 
@@ -16,4 +18,7 @@ def __getattr__(name: str):
     if name == "AsyncEngine":
         from rollwise.engine.async_engine import AsyncEngine
         return AsyncEngine
+    if name in _ASYNC_LLM:
+        from rollwise.engine import async_llm
+        return getattr(async_llm, name)
     raise AttributeError(f"module 'rollwise' has no attribute {name!r}")

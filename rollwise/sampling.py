@@ -6,10 +6,20 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields, replace
+from enum import IntEnum
+from typing import TypedDict
 
 MAX_LOGPROBS = 20  # top logprobs per output token at most (vLLM's default max_logprobs)
 PENALTIES_OFF = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 MAX_N = 128  # samples of one prompt in one call (a bigger group: several calls, one group_id)
+
+
+class RequestOutputKind(IntEnum):
+    """vLLM's: what `AsyncLLM.generate` yields while a request runs: the output so far (CUMULATIVE),
+    only what each step added (DELTA), or nothing until the final output (FINAL_ONLY)."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(slots=True, kw_only=True)
@@ -62,12 +72,19 @@ class SamplingParams:
     # serve --lora-modules`); None: the base weights. (vLLM's LoRARequest beside the params: `LLM.generate`'s
     # lora_request.)
     lora: str | None = None
+    # vLLM's: what AsyncLLM.generate yields per step (LLM.generate, AsyncEngine.generate and the
+    # servers give the final output, and stream by their own rules)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else self.stop or []  # (checked and listed below)
         self.stop_token_ids = self.stop_token_ids or []
         self.logprobs = 0 if self.logprobs is None else self.logprobs  # (vLLM's default: no top logprobs)
         _check_int("n", self.n, lo=1, hi=MAX_N)
+        if self.output_kind not in tuple(RequestOutputKind) or isinstance(self.output_kind, bool):
+            raise ValueError(f"output_kind must be one of {[k.name for k in RequestOutputKind]} (0, 1, 2), "
+                             f"got {self.output_kind!r}")
+        self.output_kind = RequestOutputKind(self.output_kind)
         _check_number("temperature", self.temperature, lo=0.0, hi=100.0)
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
             raise ValueError(f"lora must be the name of a loaded LoRA adapter, got {self.lora!r}")
@@ -209,3 +226,28 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int = 1
     lora_path: str = ""
+
+
+class TextPrompt(TypedDict, total=False):
+    """vLLM's prompt dict of text (a dict: `TextPrompt(prompt="...")`), optionally with a cache salt."""
+    prompt: str
+    cache_salt: str
+
+
+class TokensPrompt(TypedDict, total=False):
+    """vLLM's prompt dict of token ids (`TokensPrompt(prompt_token_ids=[...])`), optionally with a cache salt."""
+    prompt_token_ids: list[int]
+    cache_salt: str
+
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
+
+def prompt_parts(p) -> tuple:
+    """(text or token ids, cache salt) of one prompt: as given, or a vLLM prompt dict."""
+    if not isinstance(p, dict):
+        return p, None
+    if set(p) - set(PROMPT_KEYS) or ("prompt" in p) == ("prompt_token_ids" in p):
+        raise ValueError(f"a prompt dict takes one of 'prompt' and 'prompt_token_ids', and optionally "
+                         f"'cache_salt'; got keys {sorted(p)}")
+    return p.get("prompt", p.get("prompt_token_ids")), p.get("cache_salt")

@@ -7,6 +7,8 @@ import uuid
 
 from rollwise.config import EngineConfig, engine_args
 from rollwise.engine.llm_engine import LLMEngine
+from rollwise.engine.lora import adapter_name
+from rollwise.sampling import prompt_parts
 from rollwise.types import RequestOutput, SamplingParams
 
 
@@ -39,7 +41,7 @@ class LLM:
         Returns outputs in prompt order."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts, salts = zip(*map(_prompt, prompts)) if prompts else ((), ())
+        prompts, salts = zip(*map(prompt_parts, prompts)) if prompts else ((), ())
         params = sampling_params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
@@ -58,7 +60,8 @@ class LLM:
             loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
             if len(loras) != len(prompts):
                 raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
-            plist = [sp if r is None else dataclasses.replace(sp, lora=self._adapter(r)) for sp, r in zip(plist, loras)]
+            plist = [sp if r is None else dataclasses.replace(sp, lora=adapter_name(self.engine, r))
+                     for sp, r in zip(plist, loras)]
         counts = [sp.n for sp in plist]
         nested = any(k > 1 for k in counts)
         if nested and n > 1:
@@ -84,17 +87,6 @@ class LLM:
             return outs
         firsts = list(itertools.accumulate(counts, initial=0))
         return [dataclasses.replace(outs[a], samples=outs[a:b]) for a, b in zip(firsts, firsts[1:])]
-
-    def _adapter(self, request) -> str:
-        """The name of a LoRARequest's adapter, loaded from its path if no adapter has that name yet."""
-        name, path = getattr(request, "lora_name", None), getattr(request, "lora_path", None)
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"lora_request must be a LoRARequest (lora_name, lora_path), got {request!r}")
-        if name not in self.engine.loras:
-            if not path:
-                raise ValueError(f"LoRA adapter {name!r} is not loaded and its request gives no lora_path")
-            self.engine.add_lora(name, str(path))
-        return name
 
     def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         """Step the engine until these requests finish (aborting them if interrupted): their outputs."""
@@ -152,15 +144,3 @@ class LLM:
     def metrics(self) -> dict[str, float]:
         return self.engine.metrics()
 
-
-PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
-
-
-def _prompt(p) -> tuple:
-    """(text or token ids, cache salt) of one prompt: as given, or a vLLM prompt dict."""
-    if not isinstance(p, dict):
-        return p, None
-    if set(p) - set(PROMPT_KEYS) or ("prompt" in p) == ("prompt_token_ids" in p):
-        raise ValueError(f"a prompt dict takes one of 'prompt' and 'prompt_token_ids', and optionally "
-                         f"'cache_salt'; got keys {sorted(p)}")
-    return p.get("prompt", p.get("prompt_token_ids")), p.get("cache_salt")

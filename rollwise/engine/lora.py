@@ -27,6 +27,19 @@ def set_plan(p: list | None) -> None:
     _local.plan = p
 
 
+def adapter_name(engine, request) -> str:
+    """The name of a vLLM LoRARequest's adapter (anything with `lora_name` and `lora_path`), loaded into
+    the LLMEngine from its path if no adapter has that name yet."""
+    name, path = getattr(request, "lora_name", None), getattr(request, "lora_path", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"lora_request must be a LoRARequest (lora_name, lora_path), got {request!r}")
+    if name not in engine.loras:
+        if not path:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded and its request gives no lora_path")
+        engine.add_lora(name, str(path))
+    return name
+
+
 class Adapter:
     """One loaded adapter: per linear of ours (its module name), [(out_lo, out_hi, A [r, in], B [out, r] scaled,
     (A, B) packed for the batch-invariant path or None)]."""

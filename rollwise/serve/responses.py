@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from rollwise.agent.parsing import HermesParser, ToolCallParser, openai_tool_calls as tool_calls
 from rollwise.agent.reasoning import ReasoningParser, ReasoningStream
 from rollwise.config import ServerConfig
+from rollwise.engine.async_llm import deltas
 from rollwise.engine.isolation import StepFailed
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest
 from rollwise.types import RequestOutput, SamplingParams
@@ -213,34 +214,6 @@ def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
-async def _deltas(engine, prompt, params: SamplingParams, rid: str, group_id: str | None = None, **options):
-    """(new token ids, their logprobs, their top logprobs, new text, final output or None) per engine step."""
-    tok = engine.tokenizer
-    sent_tokens, sent, held = 0, [], ""  # the text given out (in pieces), and what is held back of the rest
-    hold = max(map(len, params.stop), default=1) - 1  # text that may begin a stop string waits for the next
-    # a step's new tokens decoded alone (a tokenizer without `decoder`: the whole output each step); each
-    # step's work is its own tokens', not the output so far (a long reply streams in linear time)
-    grow = tok.decoder(params.skip_special_tokens) if hasattr(tok, "decoder") else None
-    async for out in engine.stream(prompt, params, rid, group_id=group_id, **options):
-        if not out.finished and grow is not None and len(out.token_ids) >= sent_tokens:
-            held += grow(out.token_ids[sent_tokens:])
-            cut = max(len(held) - hold, 0)
-            delta, held = held[:cut], held[cut:]
-            sent.append(delta)
-        else:  # the final text (cut where a stop string begins), or the whole output decoded again
-            text = out.text
-            if not out.finished:
-                grow, text = None, tok.decode(out.token_ids, params.skip_special_tokens)
-                if text.endswith("\ufffd"):  # half a multi-byte character: wait
-                    continue
-                text = text[:max(len(text) - hold, 0)]
-            before = "".join(sent)
-            delta, sent = text[len(before):] if text.startswith(before) else "", [text]
-        new_ids, new_lps, new_tops = (x[sent_tokens:] for x in (out.token_ids, out.logprobs, out.top_logprobs))
-        sent_tokens = len(out.token_ids)
-        yield new_ids, new_lps, new_tops, delta, out if out.finished else None
-
-
 def with_usage(chunks: AsyncIterator[dict], body, finished: list[RequestOutput], head: dict) -> AsyncIterator[dict]:
     """OpenAI's `stream_options: {"include_usage": true}`: after the chunks, one with no choices and
     the usage of the `finished` outputs (which the streams fill in); otherwise the chunks."""
@@ -255,7 +228,7 @@ def with_usage(chunks: AsyncIterator[dict], body, finished: list[RequestOutput],
 
 
 async def stream_generate(engine, prompt, params, rid, group_id, **options):
-    async for ids, lps, tops, delta, final in _deltas(engine, prompt, params, rid, group_id, **options):
+    async for ids, lps, tops, delta, final in deltas(engine, prompt, params, rid, group_id, **options):
         chunk = {"request_id": rid, "token_ids": ids, "logprobs": lps, "text": delta, "finished": final is not None}
         if tops:
             chunk["top_logprobs"] = pairs(tops)
@@ -306,7 +279,7 @@ async def stream_completion(engine, prompt, params, rid, index: int, model, with
     tok = engine.tokenizer
     offset = 0  # of each token's piece in the whole text, as in a completion that is not streamed
     first = return_token_ids
-    async for ids, lps, tops, delta, final in _deltas(engine, prompt, params, f"{rid}-{index}", group_id, **options):
+    async for ids, lps, tops, delta, final in deltas(engine, prompt, params, f"{rid}-{index}", group_id, **options):
         pieces = [_piece(tok, t, as_ids) for t in ids] if with_logprobs else []
         offsets = list(itertools.accumulate(map(len, pieces), initial=offset))
         offset = offsets.pop()
@@ -339,7 +312,7 @@ async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs
     # each chunk's work is bounded by its own text, not the reply so far (a long reply streams in linear time)
     first, whole, text, sent, content_began = True, "", "", 0, False
     thinking = ReasoningStream(reasoning) if reasoning else None
-    async for new_ids, lps, tops, delta, final in _deltas(engine, ids, params, f"{rid}-{index}", group_id, **options):
+    async for new_ids, lps, tops, delta, final in deltas(engine, ids, params, f"{rid}-{index}", group_id, **options):
         reason = final.finish_reason if final else None
         if final is not None and finished is not None:
             finished.append(final)

@@ -91,6 +91,42 @@ def test_a_vllm_offline_script_runs_as_written(model_dirs, adapters):
     assert lines[-1].startswith("chat: ")
 
 
+def test_async_llm_takes_lora_requests(model_dirs, adapters):
+    """vLLM's AsyncLLM: a LoRARequest per request (loaded the first time), listed and removed by its id."""
+    import asyncio
+
+    from rollwise import AsyncLLM, LoRARequest
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = LLM(adapters["qv"][1], kv_cache_gb=0.05).generate(PROMPTS[:1], greedy)[0].token_ids
+    base = LLM(model_dirs["qwen3"], kv_cache_gb=0.05).generate(PROMPTS[:1], greedy)[0].token_ids
+    eng = AsyncLLM(model_dirs["qwen3"], enable_lora=True, kv_cache_gb=0.05)
+
+    async def last(**kw):
+        return [o async for o in eng.generate(PROMPTS[0], greedy, "r", **kw)][-1].token_ids
+
+    async def go():
+        assert await last(lora_request=LoRARequest("qv", 7, adapters["qv"][0])) == want
+        assert await last() == base and await eng.list_loras() == {7}
+        assert await eng.remove_lora(7) and not await eng.remove_lora(7) and await eng.list_loras() == set()
+        with pytest.raises(ValueError, match="no lora_path"):
+            await last(lora_request=LoRARequest("qv", 7))
+    try:
+        asyncio.run(go())
+    finally:
+        eng.shutdown()
+
+
+def test_a_vllm_async_worker_runs_as_written(model_dirs, adapters):
+    """examples/vllm_async.py, a rollout worker written against vLLM's AsyncLLM, runs on rollwise."""
+    import subprocess
+    import sys
+    got = subprocess.run([sys.executable, "examples/vllm_async.py", model_dirs["qwen3"], adapters["qv"][0]],
+                         capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    lines = got.stdout.splitlines()
+    assert sum(x.startswith("episode: ") for x in lines) == 4 and lines[-1].startswith("streamed 8 pieces: ")
+
+
 def test_adapters_are_batch_invariant(model_dirs, adapters):
     """With batch_invariant the adapters' deltas take the same path as their linears: a request on an
     adapter gets the same bits alone as beside the base and other adapters, speculating or not."""

@@ -1,0 +1,198 @@
+"""vLLM's async engine API over `AsyncEngine`: `AsyncLLM` (also named `AsyncLLMEngine`) and
+`AsyncEngineArgs`, so that an RL framework's vLLM rollout worker runs as written:
+
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, enable_prefix_caching=True))
+    async for out in engine.generate(TokensPrompt(prompt_token_ids=ids), sampling_params, request_id):
+        final = out
+
+Also `deltas`, the per-step pieces of one request's output that it and the servers' streams are made of.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Iterable
+
+from rollwise.config import engine_args
+from rollwise.engine.async_engine import AsyncEngine
+from rollwise.engine.lora import adapter_name
+from rollwise.sampling import MAX_N, RequestOutputKind, SamplingParams, prompt_parts
+from rollwise.types import RequestOutput
+
+log = logging.getLogger("rollwise.engine")
+
+
+async def deltas(engine, prompt, params: SamplingParams, rid: str, group_id: str | None = None, **options):
+    """(new token ids, their logprobs, their top logprobs, new text, final output or None) per engine step."""
+    tok = engine.tokenizer
+    sent_tokens, sent, held = 0, [], ""  # the text given out (in pieces), and what is held back of the rest
+    hold = max(map(len, params.stop), default=1) - 1  # text that may begin a stop string waits for the next
+    # a step's new tokens decoded alone (a tokenizer without `decoder`: the whole output each step); each
+    # step's work is its own tokens', not the output so far (a long reply streams in linear time)
+    grow = tok.decoder(params.skip_special_tokens) if hasattr(tok, "decoder") else None
+    async for out in engine.stream(prompt, params, rid, group_id=group_id, **options):
+        if not out.finished and grow is not None and len(out.token_ids) >= sent_tokens:
+            held += grow(out.token_ids[sent_tokens:])
+            cut = max(len(held) - hold, 0)
+            delta, held = held[:cut], held[cut:]
+            sent.append(delta)
+        else:  # the final text (cut where a stop string begins), or the whole output decoded again
+            text = out.text
+            if not out.finished:
+                grow, text = None, tok.decode(out.token_ids, params.skip_special_tokens)
+                if text.endswith("\ufffd"):  # half a multi-byte character: wait
+                    continue
+                text = text[:max(len(text) - hold, 0)]
+            before = "".join(sent)
+            delta, sent = text[len(before):] if text.startswith(before) else "", [text]
+        new_ids, new_lps, new_tops = (x[sent_tokens:] for x in (out.token_ids, out.logprobs, out.top_logprobs))
+        sent_tokens = len(out.token_ids)
+        yield new_ids, new_lps, new_tops, delta, out if out.finished else None
+
+
+class AsyncEngineArgs:
+    """vLLM's engine arguments (`EngineArgs` too): the model and keyword arguments, checked now as
+    `LLM(...)` checks them (`EngineConfig`'s fields, and vLLM's that agree with this engine)."""
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.model, self.kwargs = str(model), engine_args(kwargs, model)
+
+
+EngineArgs = AsyncEngineArgs
+
+
+class AsyncLLM:
+    """vLLM's `AsyncLLM`: `AsyncLLM(model, **engine arguments)` or `AsyncLLM.from_engine_args(args)`.
+    `self.engine` is the AsyncEngine under it (rollwise's own API: weight updates, metrics)."""
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.engine = AsyncEngine(model, **engine_args(kwargs, model))
+        self.tokenizer = self.engine.tokenizer
+        self._lora_ids: dict[int, str] = {}  # vLLM's adapter ids (LoRARequest.lora_int_id): names
+
+    @classmethod
+    def from_engine_args(cls, engine_args: AsyncEngineArgs, start_engine_loop: bool = True, usage_context=None,
+                         stat_loggers=None) -> AsyncLLM:
+        if not isinstance(engine_args, AsyncEngineArgs):
+            raise ValueError(f"engine_args must be rollwise's AsyncEngineArgs, got {type(engine_args).__name__}")
+        if not start_engine_loop:
+            raise ValueError("the engine loop starts with the engine here (start_engine_loop=False is not taken)")
+        return cls(engine_args.model, **engine_args.kwargs)
+
+    async def generate(self, prompt, sampling_params: SamplingParams | None, request_id: str, *,
+                       lora_request=None, priority: int = 0, trace_headers=None) -> AsyncIterator[RequestOutput]:
+        """vLLM's: the request's outputs as `sampling_params.output_kind` asks, by default the output so
+        far after every step that adds tokens; the last has `finished=True` (and "abort" as its
+        finish_reason if it was aborted). prompt: text, token ids, or a TextPrompt / TokensPrompt
+        (with an optional cache_salt). With n > 1 it yields once, when the n samples are done (in
+        `.outputs`). Closing the generator early, or cancelling its task, aborts the request."""
+        sp = sampling_params or SamplingParams()
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"sampling_params must be rollwise's SamplingParams, got {type(sp).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        prompt, salt = prompt_parts(prompt)
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if text is not None else prompt
+        if lora_request is not None:
+            sp = dataclasses.replace(sp, lora=await self._adapter(lora_request))
+        options = {"priority": priority, "cache_salt": salt}
+        if sp.n > 1:
+            out = await self.engine.generate(ids, sp, request_id, **options)
+            for o in out.samples:
+                o.prompt = text
+            yield dataclasses.replace(out, request_id=request_id, prompt=text)
+            return
+        kind, got = sp.output_kind, RequestOutput(request_id=request_id, prompt_token_ids=ids, prompt=text)
+        async for new, lps, tops, delta, final in deltas(self.engine, ids, sp, request_id, **options):
+            if final is not None:
+                final.prompt = text
+                yield final if kind != RequestOutputKind.DELTA else dataclasses.replace(
+                    final, token_ids=new, logprobs=lps, top_logprobs=tops, text=delta)
+                return
+            got.token_ids += new
+            got.logprobs += lps
+            got.top_logprobs += tops
+            got.text += delta
+            if kind == RequestOutputKind.CUMULATIVE:  # (a copy: the caller may keep it)
+                yield dataclasses.replace(got, token_ids=list(got.token_ids), logprobs=list(got.logprobs),
+                                          top_logprobs=list(got.top_logprobs))
+            elif kind == RequestOutputKind.DELTA:
+                yield RequestOutput(request_id=request_id, prompt_token_ids=ids, token_ids=new, logprobs=lps,
+                                    top_logprobs=tops, text=delta, prompt=text)
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests in flight (with n > 1, the request's samples)."""
+        rids = [request_id] if isinstance(request_id, str) else list(request_id)
+        await self.engine.abort([s for r in rids for s in (r, *(f"{r}-{j}" for j in range(MAX_N)))])
+
+    async def _adapter(self, lora_request) -> str:
+        name = await self.engine.call(lambda: adapter_name(self.engine.engine, lora_request))
+        self._lora_ids[getattr(lora_request, "lora_int_id", 0)] = name
+        return name
+
+    async def add_lora(self, lora_request) -> bool:
+        """Load a LoRARequest's adapter (once per name)."""
+        await self._adapter(lora_request)
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        name = self._lora_ids.pop(lora_id, None)
+        if name is None or name not in self.engine.engine.loras:
+            return False
+        await self.engine.call(lambda: self.engine.engine.remove_lora(name))
+        return True
+
+    async def list_loras(self) -> set[int]:
+        return {i for i, name in self._lora_ids.items() if name in self.engine.engine.loras}
+
+    async def get_tokenizer(self, lora_request=None):
+        return self.tokenizer
+
+    async def reset_prefix_cache(self, device=None) -> bool:
+        await self.engine.call(self.engine.engine.blocks.evict_cached)
+        return True
+
+    async def sleep(self, level: int = 1) -> None:
+        await self.engine.sleep(level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.engine.wake_up(tags)
+
+    async def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
+    async def pause_generation(self, *, wait_for_inflight_requests: bool = False, clear_cache: bool = True) -> None:
+        """vLLM's: no new tokens until `resume_generation`; requests in flight are aborted (or, waiting
+        for them, finish first), and with `clear_cache` the prefix cache is emptied."""
+        await self.engine.pause(abort=not wait_for_inflight_requests, wait=wait_for_inflight_requests)
+        if clear_cache:
+            await self.reset_prefix_cache()
+
+    async def resume_generation(self) -> None:
+        await self.engine.resume()
+
+    async def is_paused(self) -> bool:
+        return self.engine.paused
+
+    async def check_health(self) -> None:
+        """Raises if the engine loop is not running (shut down, or died of a bug)."""
+        if not self.engine.is_running:
+            raise RuntimeError("the engine is not running (shut down, or its thread died)")
+
+    async def do_log_stats(self) -> None:
+        log.info("engine metrics: %s", self.engine.metrics())
+
+    @property
+    def is_running(self) -> bool:
+        return self.engine.is_running
+
+    @property
+    def errored(self) -> bool:
+        return not self.engine.is_running
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+AsyncLLMEngine = AsyncLLM  # vLLM's older name

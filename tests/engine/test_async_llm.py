@@ -1,0 +1,149 @@
+"""vLLM's async engine API (`AsyncLLM`): what a framework's vLLM rollout worker reads from it, against
+what rollwise's own engine gives for the same requests."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollwise import LLM, AsyncEngineArgs, AsyncLLM, RequestOutputKind, SamplingParams, TokensPrompt
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    eng = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, enforce_eager=True, enable_prefix_caching=True))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def want(model_dir):
+    return LLM(model_dir).generate([PROMPT], GREEDY)[0]
+
+
+def collect(engine, prompt, params, rid, **kw) -> list:
+    async def go():
+        return [out async for out in engine.generate(prompt, params, rid, **kw)]
+    return asyncio.run(go())
+
+
+def test_cumulative_outputs_grow_to_the_engines_output(engine, want):
+    """The default kind: the output so far after every step, each a snapshot (a later one does not
+    change an earlier one), the last finished and equal to LLM.generate's."""
+    outs = collect(engine, TokensPrompt(prompt_token_ids=PROMPT), GREEDY, "c")
+    assert len(outs) > 1 and [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    lens = [len(o.token_ids) for o in outs]
+    assert lens == sorted(set(lens)) and lens[-1] == 24  # (a list of one object grown in place fails)
+    for a, b in zip(outs, outs[1:]):
+        assert b.token_ids[:len(a.token_ids)] == a.token_ids and b.logprobs[:len(a.logprobs)] == a.logprobs
+        assert b.text.startswith(a.text)
+    last = outs[-1]
+    assert (last.token_ids, last.logprobs, last.text) == (want.token_ids, want.logprobs, want.text)
+    c = last.outputs[0]  # what verl reads: tokens, and each one's logprob from the per-position dicts
+    assert [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] == pytest.approx(want.logprobs)
+    assert all(o.request_id == "c" and o.prompt_token_ids == PROMPT for o in outs)
+
+
+def test_delta_pieces_add_up_and_final_only_yields_once(engine, want):
+    import dataclasses
+    deltas = collect(engine, PROMPT, dataclasses.replace(GREEDY, output_kind=RequestOutputKind.DELTA), "d")
+    assert len(deltas) > 1 and deltas[-1].finished
+    assert sum((o.token_ids for o in deltas), []) == want.token_ids
+    assert sum((o.logprobs for o in deltas), []) == want.logprobs
+    assert sum((o.top_logprobs for o in deltas), []) == want.top_logprobs
+    assert "".join(o.outputs[0].text for o in deltas) == want.text
+    final = collect(engine, PROMPT, dataclasses.replace(GREEDY, output_kind=2), "f")
+    assert len(final) == 1 and final[0].token_ids == want.token_ids and final[0].finished
+
+
+def test_text_prompts_and_n_samples(engine, model_dir):
+    """A text prompt is tokenized as the engine does and named in `.prompt`; n samples come once, all
+    done, as LLM.generate gives them for their seeds, under the request's id."""
+    sp = SamplingParams(temperature=1.0, seed=4, max_tokens=10, n=3)
+    want = LLM(model_dir).generate(["hello there"], sp)[0]
+    outs = collect(engine, {"prompt": "hello there"}, sp, "s")
+    assert len(outs) == 1 and outs[0].request_id == "s" and outs[0].prompt == "hello there"
+    assert [c.token_ids for c in outs[0].outputs] == [c.token_ids for c in want.outputs]
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2]
+    assert outs[0].prompt_token_ids == engine.tokenizer.encode("hello there")
+
+
+def test_closing_early_or_abort_ends_the_request(engine):
+    long = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+
+    async def go():
+        async for out in engine.generate(PROMPT, long, "early"):  # a caller that stops reading
+            if len(out.token_ids) >= 3:
+                break
+        for _ in range(200):  # the generator is closed as it goes away: its request is aborted
+            if not engine.engine.engine.has_unfinished:
+                break
+            await asyncio.sleep(0.01)
+        assert not engine.engine.engine.has_unfinished
+        outs = []
+
+        async def read():
+            async for out in engine.generate(PROMPT, long, "aborted"):
+                outs.append(out)
+        task = asyncio.ensure_future(read())
+        while not outs:
+            await asyncio.sleep(0.01)
+        await engine.abort("aborted")
+        await task
+        assert outs[-1].finished and outs[-1].finish_reason == "abort" and len(outs[-1].token_ids) < 2000
+    asyncio.run(go())
+
+
+def test_bad_arguments_are_value_errors(engine, model_dir):
+    with pytest.raises(ValueError, match="output_kind must be one of"):
+        SamplingParams(output_kind=3)
+    with pytest.raises(ValueError, match="unknown LLM arguments"):
+        AsyncEngineArgs(model=model_dir, tensor_paralel_size=1)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        AsyncEngineArgs(model=model_dir, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="start_engine_loop"):
+        AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir), start_engine_loop=False)
+    for prompt, params, rid, match in [
+            (PROMPT, GREEDY, None, "request_id"), (PROMPT, {"max_tokens": 3}, "x", "rollwise"),
+            ({"prompt_token_ids": PROMPT, "multi_modal_data": {}}, GREEDY, "x", "prompt dict"),
+            ([], GREEDY, "x", "non-empty")]:
+        with pytest.raises(ValueError, match=match):
+            collect(engine, prompt, params, rid)
+    assert not engine.engine.engine.has_unfinished and asyncio.run(engine.check_health()) is None
+
+
+def test_pause_sleep_and_the_prefix_cache(engine, want):
+    """pause_generation aborts what is in flight (or waits for it), resume_generation goes on; a reset
+    prefix cache serves the same prompt from scratch; sleep / wake_up give back and restore the KV pool."""
+    long = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+
+    async def go():
+        outs = []
+
+        async def read():
+            async for out in engine.generate(PROMPT, long, "paused"):
+                outs.append(out)
+        task = asyncio.ensure_future(read())
+        while not outs:
+            await asyncio.sleep(0.01)
+        await engine.pause_generation()
+        await task
+        assert outs[-1].finish_reason == "abort" and await engine.is_paused()
+        await engine.resume_generation()
+        assert not await engine.is_paused()
+        ids = list(range(100, 148))  # three blocks
+        first = [o async for o in engine.generate(ids, GREEDY, "a")][-1]
+        again = [o async for o in engine.generate(ids, GREEDY, "b")][-1]
+        assert await engine.reset_prefix_cache()
+        fresh = [o async for o in engine.generate(ids, GREEDY, "c")][-1]
+        assert again.num_cached_tokens > 0 and first.num_cached_tokens == fresh.num_cached_tokens == 0
+        assert first.token_ids == again.token_ids == fresh.token_ids
+        await engine.sleep(1)
+        assert await engine.is_sleeping()
+        await engine.wake_up()
+        assert not await engine.is_sleeping()
+        assert [o async for o in engine.generate(PROMPT, GREEDY, "d")][-1].token_ids == want.token_ids
+    asyncio.run(go())
