@@ -41,7 +41,7 @@ def sleep_tags(tags) -> set[str]:
 
 class SleepMode:
     """LLMEngine's sleep mode (state set in LLMEngine.__init__: `asleep`, the tags given back, and
-    `weights_lost`, true from a level-2 sleep until every weight is loaded again)."""
+    `weights_missing`, the weights given back by a level-2 sleep and not loaded again yet)."""
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's levels: 1 gives back the KV pool, 2 the KV pool and the weights. The engine must be
@@ -66,20 +66,26 @@ class SleepMode:
                 self._adapters.pop(u, None)
             self._loaded = [newest]
             self.blocks.evict_cached()  # (with the KV pool kept: nothing it cached is of weights held now)
+            self.weights_missing = set(self.runner.model.hf_tensors())
             self.runner.free_weights()
-            self.weights_lost = True
         self.asleep |= tags
         trim_allocator()
 
     def wake_up(self, tags=None) -> None:
         """Take the memory of the tags named (None: every one asleep) again. Weights woken after a
-        level-2 sleep have no values until `update_weights` loads every one."""
+        level-2 sleep have no values until `update_weights` has loaded every one (at once, or in
+        buckets of them, as trainers send them)."""
         tags = sleep_tags(tags) & self.asleep
         if "weights" in tags:
             self.runner.alloc_weights()
         if "kv_cache" in tags:
             self.runner.alloc_kv()
         self.asleep -= tags
+
+    @property
+    def weights_lost(self) -> bool:
+        """From a level-2 sleep until every weight is loaded again."""
+        return bool(self.weights_missing)
 
     @property
     def is_sleeping(self) -> bool:
@@ -91,18 +97,11 @@ class SleepMode:
             raise EngineAsleep(f"the engine is asleep ({', '.join(sorted(self.asleep))} given back): wake it up first "
                                "(POST /wake_up, or /resume_memory_occupation)")
         if self.weights_lost:
-            raise EngineAsleep("the engine's weights were given back by a level-2 sleep: load every weight "
-                               "(update_weights) before it serves")
+            raise EngineAsleep(f"the engine's weights were given back by a level-2 sleep: load every weight "
+                               f"(update_weights) before it serves ({len(self.weights_missing)} not loaded yet, "
+                               f"e.g. {min(self.weights_missing)!r})")
 
-    def _check_weights_update(self, state: dict | None = None) -> None:
-        """EngineAsleep while the weights sleep; after a level-2 sleep, ValueError unless `state` (an
-        update's checked weights) brings every one."""
+    def _check_weights_update(self) -> None:
+        """EngineAsleep while the weights sleep."""
         if "weights" in self.asleep:
             raise EngineAsleep("the engine's weights are asleep: wake_up(tags=['weights']) before updating them")
-        if self.weights_lost and state is not None:
-            from rollwise.engine.models.loader import check_weights
-            try:
-                check_weights(self.runner.model, state, partial=False)
-            except ValueError as e:
-                raise ValueError(f"the weights were given back by a level-2 sleep, so an update must bring "
-                                 f"every one: {e}") from None

@@ -30,14 +30,13 @@ class WeightVersions:
         `weights` may instead be a LoRA adapter (AdapterWeights, or a peft directory): the new version
         is then the newest weights plus that adapter, held without a copy of the weights (a LoRA run's
         update: a few MB of adapter, not the model)."""
-        self._check_weights_update()  # (sleep mode: the weights awake, and after a level-2 sleep every one)
+        self._check_weights_update()  # (sleep mode: the weights awake)
         adapter = self._policy_adapter(weights)
         if adapter is not None:
             if self.weights_lost:
                 raise ValueError("the weights were given back by a level-2 sleep: load every weight before an adapter")
             return self._new_version(self.policy_version + 1 if version is None else version, partial_rollout, adapter)
         state = self.runner.prepare_weights(weights)
-        self._check_weights_update(state)
         v = self.policy_version + 1 if version is None else version
         # a version nothing will need is overwritten in place (the newest if it can be: then nothing
         # is copied twice); with nothing in flight and one version kept, that is every update
@@ -46,8 +45,9 @@ class WeightVersions:
         used |= set(self._loaded[max(0, len(self._loaded) - keep + 1):])  # the newest keep - 1 stay beside v
         free = [u for u in self._loaded if u not in used and not self.runner.shared(u)] if v not in self._roots else []
         reuse = (self._loaded[-1] if self._loaded[-1] in free else free[0]) if free else None
-        if self.weights_lost:  # (the emptied model takes them: the version it held has no values)
-            reuse, self.weights_lost = self._loaded[-1], False
+        if self.weights_lost:  # (the emptied model takes them, a bucket at a time: the version it held has no
+            reuse = self._loaded[-1]  # values; it serves again once every weight is in)
+            self.weights_missing -= set(state)
         self.runner.add_weights(v, state, reuse)
         if reuse is not None:  # its weights are overwritten: what it cached is never matched again
             self.blocks.evict_cached({reuse})
