@@ -5,7 +5,7 @@ from rollwise.sampling import LoRARequest, RequestOutputKind, TextPrompt, Tokens
 from rollwise.types import RequestOutput, SamplingParams
 
 __all__ = ["LLM", "AsyncEngine", "AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs", "SamplingParams",
-           "RequestOutput", "RequestOutputKind", "LoRARequest", "TextPrompt", "TokensPrompt"]
+           "RequestOutput", "RequestOutputKind", "LoRARequest", "TextPrompt", "TokensPrompt", "SGLangEngine"]
 _ASYNC_LLM = ("AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs")  # vLLM's names (engine/async_llm.py)
 __version__ = "0.1.0"
 
@@ -21,4 +21,7 @@ def __getattr__(name: str):
     if name in _ASYNC_LLM:
         from rollwise.engine import async_llm
         return getattr(async_llm, name)
+    if name == "SGLangEngine":  # SGLang's offline `sglang.Engine`
+        from rollwise.serve.sglang_engine import Engine
+        return Engine
     raise AttributeError(f"module 'rollwise' has no attribute {name!r}")

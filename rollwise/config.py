@@ -137,6 +137,49 @@ def engine_args(kwargs: dict, model) -> dict:
     return out
 
 
+# SGLang's ServerArgs (`sglang.Engine`'s keywords, `sglang.launch_server`'s flags): its names for EngineConfig's
+SGLANG_NAMES = {"model_path": "model", "context_length": "max_model_len", "random_seed": "seed",
+                "max_running_requests": "max_num_seqs", "chunked_prefill_size": "max_num_batched_tokens",
+                "page_size": "block_size", "max_loras_per_batch": "max_loras",
+                "enable_deterministic_inference": "batch_invariant", "mem_fraction_static": "gpu_memory_utilization"}
+# and those with no work to do here, with the values that agree with this engine (None: any; a kernel
+# backend, a log level and an address choose nothing this engine does differently)
+SGLANG_ARGS = {"tp_size": (1,), "dp_size": (1,), "pp_size": (1,), "ep_size": (1,), "nnodes": (1,), "node_rank": (0,),
+               "skip_tokenizer_init": (False,), "trust_remote_code": (True, False),
+               "enable_memory_saver": (True, False),
+               "disable_cuda_graph": (True, False), "load_format": ("auto",), "log_level": None, "host": None,
+               "port": None, "base_gpu_id": None, "gpu_id_step": None, "attention_backend": None,
+               "sampling_backend": None}
+
+
+def sglang_args(kwargs: dict) -> tuple[str, dict]:
+    """SGLang's ServerArgs as (model, EngineConfig's keyword arguments): its names renamed
+    (SGLANG_NAMES), `disable_radix_cache` as prefix caching off, those of SGLANG_ARGS checked and
+    dropped, EngineConfig's own names taken as they are; ValueError for anything else, or a name
+    given twice."""
+    out, ours = {}, {f.name for f in fields(EngineConfig)} | {"gpu_memory_utilization"}
+    for k, v in kwargs.items():
+        if k == "disable_radix_cache":
+            if not isinstance(v, bool):
+                raise ValueError(f"disable_radix_cache must be true or false, got {v!r}")
+            k, v = "enable_prefix_caching", not v
+        elif k in SGLANG_ARGS:
+            if SGLANG_ARGS[k] is not None and v not in SGLANG_ARGS[k]:
+                raise ValueError(f"{k} must be one of {list(SGLANG_ARGS[k])} here, got {v!r}")
+            continue
+        elif k not in ours and k not in SGLANG_NAMES:
+            raise ValueError(f"unknown engine arguments [{k!r}]; valid: SGLang's "
+                             f"{sorted([*SGLANG_NAMES, *SGLANG_ARGS])}, disable_radix_cache, and rollwise's {sorted(ours)}")
+        k = SGLANG_NAMES.get(k, k)
+        if k in out:
+            raise ValueError(f"{k} is given twice (once by its SGLang name)")
+        out[k] = v
+    model = out.pop("model", None)
+    if not model:
+        raise ValueError("give the model as model_path")
+    return str(model), engine_args(out, model)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServerConfig:
     host: str = "127.0.0.1"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from contextlib import aclosing
 from collections.abc import AsyncIterator, Iterable
 
 from rollwise.config import engine_args
@@ -30,24 +31,26 @@ async def deltas(engine, prompt, params: SamplingParams, rid: str, group_id: str
     # a step's new tokens decoded alone (a tokenizer without `decoder`: the whole output each step); each
     # step's work is its own tokens', not the output so far (a long reply streams in linear time)
     grow = tok.decoder(params.skip_special_tokens) if hasattr(tok, "decoder") else None
-    async for out in engine.stream(prompt, params, rid, group_id=group_id, **options):
-        if not out.finished and grow is not None and len(out.token_ids) >= sent_tokens:
-            held += grow(out.token_ids[sent_tokens:])
-            cut = max(len(held) - hold, 0)
-            delta, held = held[:cut], held[cut:]
-            sent.append(delta)
-        else:  # the final text (cut where a stop string begins), or the whole output decoded again
-            text = out.text
-            if not out.finished:
-                grow, text = None, tok.decode(out.token_ids, params.skip_special_tokens)
-                if text.endswith("\ufffd"):  # half a multi-byte character: wait
-                    continue
-                text = text[:max(len(text) - hold, 0)]
-            before = "".join(sent)
-            delta, sent = text[len(before):] if text.startswith(before) else "", [text]
-        new_ids, new_lps, new_tops = (x[sent_tokens:] for x in (out.token_ids, out.logprobs, out.top_logprobs))
-        sent_tokens = len(out.token_ids)
-        yield new_ids, new_lps, new_tops, delta, out if out.finished else None
+    # (closing this generator closes the stream, which aborts the request)
+    async with aclosing(engine.stream(prompt, params, rid, group_id=group_id, **options)) as outs:
+        async for out in outs:
+            if not out.finished and grow is not None and len(out.token_ids) >= sent_tokens:
+                held += grow(out.token_ids[sent_tokens:])
+                cut = max(len(held) - hold, 0)
+                delta, held = held[:cut], held[cut:]
+                sent.append(delta)
+            else:  # the final text (cut where a stop string begins), or the whole output decoded again
+                text = out.text
+                if not out.finished:
+                    grow, text = None, tok.decode(out.token_ids, params.skip_special_tokens)
+                    if text.endswith("\ufffd"):  # half a multi-byte character: wait
+                        continue
+                    text = text[:max(len(text) - hold, 0)]
+                before = "".join(sent)
+                delta, sent = text[len(before):] if text.startswith(before) else "", [text]
+            new_ids, new_lps, new_tops = (x[sent_tokens:] for x in (out.token_ids, out.logprobs, out.top_logprobs))
+            sent_tokens = len(out.token_ids)
+            yield new_ids, new_lps, new_tops, delta, out if out.finished else None
 
 
 class AsyncEngineArgs:
@@ -104,22 +107,23 @@ class AsyncLLM:
             yield dataclasses.replace(out, request_id=request_id, prompt=text)
             return
         kind, got = sp.output_kind, RequestOutput(request_id=request_id, prompt_token_ids=ids, prompt=text)
-        async for new, lps, tops, delta, final in deltas(self.engine, ids, sp, request_id, **options):
-            if final is not None:
-                final.prompt = text
-                yield final if kind != RequestOutputKind.DELTA else dataclasses.replace(
-                    final, token_ids=new, logprobs=lps, top_logprobs=tops, text=delta)
-                return
-            got.token_ids += new
-            got.logprobs += lps
-            got.top_logprobs += tops
-            got.text += delta
-            if kind == RequestOutputKind.CUMULATIVE:  # (a copy: the caller may keep it)
-                yield dataclasses.replace(got, token_ids=list(got.token_ids), logprobs=list(got.logprobs),
-                                          top_logprobs=list(got.top_logprobs))
-            elif kind == RequestOutputKind.DELTA:
-                yield RequestOutput(request_id=request_id, prompt_token_ids=ids, token_ids=new, logprobs=lps,
-                                    top_logprobs=tops, text=delta, prompt=text)
+        async with aclosing(deltas(self.engine, ids, sp, request_id, **options)) as pieces:
+            async for new, lps, tops, delta, final in pieces:
+                if final is not None:
+                    final.prompt = text
+                    yield final if kind != RequestOutputKind.DELTA else dataclasses.replace(
+                        final, token_ids=new, logprobs=lps, top_logprobs=tops, text=delta)
+                    return
+                got.token_ids += new
+                got.logprobs += lps
+                got.top_logprobs += tops
+                got.text += delta
+                if kind == RequestOutputKind.CUMULATIVE:  # (a copy: the caller may keep it)
+                    yield dataclasses.replace(got, token_ids=list(got.token_ids), logprobs=list(got.logprobs),
+                                              top_logprobs=list(got.top_logprobs))
+                elif kind == RequestOutputKind.DELTA:
+                    yield RequestOutput(request_id=request_id, prompt_token_ids=ids, token_ids=new, logprobs=lps,
+                                        top_logprobs=tops, text=delta, prompt=text)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests in flight (with n > 1, the request's samples)."""

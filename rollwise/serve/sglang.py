@@ -73,10 +73,7 @@ def install_sglang(app: FastAPI, engine, cfg: ServerConfig) -> None:
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest):
         """By rid (one not in flight: the samples `rid-j` of a /generate with sampling_params.n), or all."""
-        if body.abort_all:
-            return {"aborted": await engine.abort_all()}
-        samples = [f"{body.rid}-{j}" for j in range(MAX_N)]
-        return {"aborted": await engine.abort([body.rid]) or await engine.abort(samples)}
+        return {"aborted": await abort_rid(engine, body.rid, body.abort_all)}
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateFromDiskRequest):
@@ -97,10 +94,7 @@ def install_sglang(app: FastAPI, engine, cfg: ServerConfig) -> None:
 
     @app.get("/get_server_info")
     async def get_server_info():
-        """SGLang's: the engine's settings, and its state (the metrics of /metrics) in `internal_states`."""
-        state = {**engine.metrics(), "paused": engine.paused, "sleeping": sorted(engine.engine.asleep)}
-        return {**dataclasses.asdict(engine.engine.config), "max_model_len": engine.engine.max_model_len,
-                "version": __version__, "weight_version": str(engine.policy_version), "internal_states": [state]}
+        return server_info(engine)
 
     @app.api_route("/health_generate", methods=["GET", "POST"])
     async def health_generate():
@@ -123,6 +117,21 @@ def install_sglang(app: FastAPI, engine, cfg: ServerConfig) -> None:
 
 
 HEALTH_GENERATE_S = 20.0
+
+
+def server_info(engine) -> dict:
+    """SGLang's server info: the engine's settings, and its state (the metrics of /metrics) in `internal_states`."""
+    state = {**engine.metrics(), "paused": engine.paused, "sleeping": sorted(engine.engine.asleep)}
+    return {**dataclasses.asdict(engine.engine.config), "max_model_len": engine.engine.max_model_len,
+            "version": __version__, "weight_version": str(engine.policy_version), "internal_states": [state]}
+
+
+async def abort_rid(engine, rid: str | None, abort_all: bool = False) -> list[str]:
+    """SGLang's abort: every request in flight, or one by rid (one not in flight: the samples `rid-j` of
+    a /generate with sampling_params.n); the ids aborted."""
+    if abort_all:
+        return await engine.abort_all()
+    return await engine.abort([rid]) or await engine.abort([f"{rid}-{j}" for j in range(MAX_N)])
 
 
 SGLANG_RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output"}
