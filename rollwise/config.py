@@ -168,8 +168,8 @@ def sglang_args(kwargs: dict) -> tuple[str, dict]:
                 raise ValueError(f"{k} must be one of {list(SGLANG_ARGS[k])} here, got {v!r}")
             continue
         elif k not in ours and k not in SGLANG_NAMES:
-            raise ValueError(f"unknown engine arguments [{k!r}]; valid: SGLang's "
-                             f"{sorted([*SGLANG_NAMES, *SGLANG_ARGS])}, disable_radix_cache, and rollwise's {sorted(ours)}")
+            sglang = sorted([*SGLANG_NAMES, *SGLANG_ARGS, "disable_radix_cache"])
+            raise ValueError(f"unknown engine arguments [{k!r}]; valid: SGLang's {sglang} and rollwise's {sorted(ours)}")
         k = SGLANG_NAMES.get(k, k)
         if k in out:
             raise ValueError(f"{k} is given twice (once by its SGLang name)")
