@@ -169,7 +169,8 @@ def sglang_args(kwargs: dict) -> tuple[str, dict]:
             continue
         elif k not in ours and k not in SGLANG_NAMES:
             sglang = sorted([*SGLANG_NAMES, *SGLANG_ARGS, "disable_radix_cache"])
-            raise ValueError(f"unknown engine arguments [{k!r}]; valid: SGLang's {sglang} and rollwise's {sorted(ours)}")
+            raise ValueError(f"unknown engine arguments [{k!r}]; valid: SGLang's {sglang} and rollwise's "
+                             f"{sorted(ours)}")
         k = SGLANG_NAMES.get(k, k)
         if k in out:
             raise ValueError(f"{k} is given twice (once by its SGLang name)")
