@@ -14,7 +14,8 @@ from pathlib import Path
 from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads: spinning threads starve peers
 
-from rollwise.config import VLLM_ARGS, EngineConfig, ServerConfig, engine_args  # noqa: E402
+from rollwise.config import EngineConfig, ServerConfig  # noqa: E402
+from rollwise.serve.launch import PARSER_ALIASES, add_launch_args  # noqa: E402
 
 DEMO_DIR = Path(os.environ.get("ROLLWISE_CACHE", Path.home() / ".cache" / "rollwise")) / "rl-demo-model"
 DEMO_SFT_CACHE = str(DEMO_DIR.parent / "rl-demo-sft")  # warm starts, keyed by their settings
@@ -51,34 +52,6 @@ def add_config_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
             choices = f.metadata.get("choices")
             choices = (*choices, *(more_choices or {}).get(f.name, ())) if choices else None
             p.add_argument(flag, type=conv, default=default, choices=choices, help=f"(default: {default})")
-
-
-def add_vllm_args(p: argparse.ArgumentParser) -> None:
-    """`vllm serve`'s flags that agree with this engine, checked as `LLM(...)`'s are (config.engine_args),
-    so that an RL framework's vLLM launch line serves as written."""
-    g = p.add_argument_group("vLLM's flags, where they agree with this engine")
-    for name, ok in VLLM_ARGS.items():
-        flag = "--" + name.replace("_", "-")
-        if all(v is None or isinstance(v, bool) for v in ok):
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
-        else:
-            g.add_argument(flag, type=int, default=None, help=f"(only {ok[0]} here)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="(on the CPU; the KV pool is --kv-cache-gb)")
-    g.add_argument("--served-model-name", nargs="+", default=None, help="= --model-name (one name here)")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="(tool calls are always parsed, by --tool-call-parser: hermes unless given)")
-    g.add_argument("--disable-log-requests", action="store_true", help="(requests are not logged here)")
-
-
-def vllm_serve_args(args: argparse.Namespace) -> None:
-    """`args` with vLLM's flags checked and folded into ours (dtype names, the served model's name)."""
-    vllm = {k: getattr(args, k) for k in (*VLLM_ARGS, "gpu_memory_utilization") if getattr(args, k) is not None}
-    args.dtype = engine_args({"dtype": args.dtype, "device": args.device, **vllm}, args.model)["dtype"]
-    if args.served_model_name:
-        if len(args.served_model_name) > 1 or args.model_name not in (None, args.served_model_name[0]):
-            raise ValueError("give the model one name here (--served-model-name or --model-name)")
-        args.model_name = args.served_model_name[0]
 
 
 def config_from_args(cls, args: argparse.Namespace, **fixed):
@@ -124,9 +97,10 @@ def cmd_serve(args) -> None:
     import uvicorn
 
     from rollwise.engine.async_engine import AsyncEngine
+    from rollwise.serve.launch import launch_args
     from rollwise.serve.lora import parse_modules
     from rollwise.serve.server import build_app
-    vllm_serve_args(args)
+    launch_args(args)
     ecfg = config_from_args(EngineConfig, args)
     scfg = config_from_args(ServerConfig, args)
     modules = parse_modules(args.lora_modules)
@@ -288,10 +262,10 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("serve", help="HTTP server (OpenAI-compatible + /generate + /metrics)")
-    p.add_argument("model")
+    p.add_argument("model", nargs="?", help="the model directory (or --model-path)")
     add_config_args(p, EngineConfig, skip=("model",), more_choices={"dtype": ("auto", "half", "float")})
-    add_config_args(p, ServerConfig)
-    add_vllm_args(p)
+    add_config_args(p, ServerConfig, more_choices={k: tuple(v) for k, v in PARSER_ALIASES.items()})
+    add_launch_args(p)
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="LoRA adapters (peft directories) to serve from the start, each by its name (with --enable-lora)")
     p.set_defaults(fn=cmd_serve)

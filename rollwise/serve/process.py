@@ -64,14 +64,15 @@ class ServerProcess:
     stderr goes to a temporary file (`stderr_tail()`), never to a pipe: a pipe nobody reads blocks a
     server that logs more than the pipe holds (64 KiB on Linux), tracebacks of failed requests say."""
 
-    def __init__(self, model_dir: str, *args: str, port: int | None = None, threads: int | None = None,
+    def __init__(self, model_dir: str | None, *args: str, port: int | None = None, threads: int | None = None,
                  startup_timeout: float = 120.0, spin_count: int | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = passive_env() if spin_count is None else spin_env(spin_count)
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
-        cmd = [sys.executable, "-m", "rollwise.cli", "serve", model_dir, "--port", str(self.port), *args]
+        model = [] if model_dir is None else [model_dir]  # (None: the args name it, e.g. SGLang's --model-path)
+        cmd = [sys.executable, "-m", "rollwise.cli", "serve", *model, "--port", str(self.port), *args]
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
         try:

@@ -33,7 +33,8 @@ class Engine:
     """Engine(model_path=..., **SGLang's ServerArgs). `generate` and the other methods without `async_`
     run on `self.loop` (not from inside a running event loop: there, use the `async_` ones)."""
 
-    def __init__(self, lora_paths: list | dict | None = None, **server_args) -> None:
+    def __init__(self, **server_args) -> None:
+        adapters = server_args.pop("lora_paths", None)
         model, kwargs = sglang_args(server_args)
         self.engine = AsyncEngine(model, **kwargs)
         self.tokenizer = self.engine.tokenizer
@@ -43,7 +44,7 @@ class Engine:
             self.loop = asyncio.new_event_loop()
         self._lora_paths: dict[str, str] = {}  # loaded adapters' paths, by name
         try:
-            for name, path in _lora_paths(lora_paths):
+            for name, path in lora_paths(adapters):
                 self.engine.engine.add_lora(name, path)  # (the engine thread is idle: nothing has run yet)
                 self._lora_paths[name] = path
         except BaseException:
@@ -196,7 +197,7 @@ class Engine:
         return False
 
 
-def _lora_paths(given) -> list[tuple[str, str]]:
+def lora_paths(given) -> list[tuple[str, str]]:
     """SGLang's `lora_paths`: "name=path" strings, paths (named by themselves), {"lora_name", "lora_path"}
     dicts, or a {name: path} mapping."""
     if given is None:

@@ -116,6 +116,33 @@ def test_a_vllm_launch_line_serves_as_written(model_dir):
         assert got.returncode == 2 and why in got.stderr, (bad, got.stderr[-500:])
 
 
+def test_an_sglang_launch_line_serves_as_written(model_dir, tmp_path):
+    """`rollwise serve` takes `python -m sglang.launch_server`'s flags where they agree with this engine:
+    the model by --model-path, SGLang's names for our settings (they reach the engine), its parser names,
+    the no-op flags; one asking what this engine does not do, or disagreeing with ours, exits 2 with why."""
+    import subprocess
+    import sys
+    line = ("--model-path", model_dir, "--tp-size", "1", "--mem-fraction-static", "0.8", "--random-seed", "7",
+            "--context-length", "512", "--max-running-requests", "5", "--chunked-prefill-size", "256",
+            "--disable-radix-cache", "--enable-memory-saver", "--log-level", "warning", "--attention-backend", "fa3",
+            "--trust-remote-code", "--tool-call-parser", "qwen25", "--served-model-name", "policy")
+    with ServerProcess(None, *line) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        info = c.get("/get_server_info").json()
+        assert (info["seed"], info["max_model_len"], info["max_num_seqs"], info["max_num_batched_tokens"]) == \
+            (7, 512, 5, 256)
+        assert info["enable_prefix_caching"] is False
+        got = c.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3}}).json()
+        assert len(got["output_ids"]) == 3 and [m["id"] for m in c.get("/v1/models").json()["data"]] == ["policy"]
+    for bad, why in ((("--model-path", model_dir, "--tp-size", "2"), "tp_size must be one of [1]"),
+                     ((model_dir, "--model-path", str(tmp_path)), "give the model once"),
+                     ((model_dir, "--seed", "3", "--random-seed", "4"), "--seed and its SGLang name disagree"),
+                     (("--load-format", "dummy"), "give the model directory"),
+                     ((model_dir, "--load-format", "dummy"), "load_format must be one of ['auto']")):
+        got = subprocess.run([sys.executable, "-m", "rollwise.cli", "serve", *bad], capture_output=True, text=True,
+                             timeout=120)
+        assert got.returncode == 2 and why in got.stderr, (bad, got.stderr[-500:])
+
+
 def test_sglang_control_endpoints(model_dir):
     """SGLang's /abort_request: by rid, or every request in flight; each caller gets its tokens so
     far with finish reason "abort" (meta_info's type "abort"). Then /get_model_info, /get_server_info,
