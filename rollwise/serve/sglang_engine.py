@@ -34,17 +34,17 @@ class Engine:
     run on `self.loop` (not from inside a running event loop: there, use the `async_` ones)."""
 
     def __init__(self, **server_args) -> None:
-        adapters = server_args.pop("lora_paths", None)
+        adapters = lora_paths(server_args.pop("lora_paths", None))
         model, kwargs = sglang_args(server_args)
         self.engine = AsyncEngine(model, **kwargs)
         self.tokenizer = self.engine.tokenizer
         try:
-            self.loop = asyncio.get_running_loop()
+            self.loop, self._own_loop = asyncio.get_running_loop(), False
         except RuntimeError:
-            self.loop = asyncio.new_event_loop()
+            self.loop, self._own_loop = asyncio.new_event_loop(), True
         self._lora_paths: dict[str, str] = {}  # loaded adapters' paths, by name
         try:
-            for name, path in lora_paths(adapters):
+            for name, path in adapters:
                 self.engine.engine.add_lora(name, path)  # (the engine thread is idle: nothing has run yet)
                 self._lora_paths[name] = path
         except BaseException:
@@ -188,6 +188,8 @@ class Engine:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        if self._own_loop and not self.loop.is_closed():
+            self.loop.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -116,6 +116,28 @@ def test_async_llm_takes_lora_requests(model_dirs, adapters):
         eng.shutdown()
 
 
+def test_sglang_engine_serves_adapters_by_lora_path(model_dirs, adapters):
+    """SGLang's offline engine: adapters from `lora_paths` at start or `load_lora_adapter`, picked per
+    request by `lora_path` (one for a batch), unloaded by name."""
+    from rollwise import SGLangEngine
+    greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    want = {n: LLM(m, kv_cache_gb=0.05).generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8,
+                                                                            ignore_eos=True))
+            for n, (_, m) in adapters.items()}
+    with SGLangEngine(model_path=model_dirs["qwen3"], enable_lora=True, kv_cache_gb=0.05,
+                      lora_paths=[f"qv={adapters['qv'][0]}"]) as eng:
+        assert eng.generate(input_ids=PROMPTS[0], sampling_params=greedy, lora_path="qv")["output_ids"] == \
+            want["qv"][0].token_ids
+        got = eng.load_lora_adapter("all", adapters["all"][0])
+        assert got["success"] and got["loaded_adapters"] == {"qv": adapters["qv"][0], "all": adapters["all"][0]}
+        outs = eng.generate(input_ids=PROMPTS[:2], sampling_params=greedy, lora_path="all")
+        assert [o["output_ids"] for o in outs] == [w.token_ids for w in want["all"]]
+        assert eng.unload_lora_adapter("all")["loaded_adapters"] == {"qv": adapters["qv"][0]}
+        assert not eng.unload_lora_adapter("all")["success"]
+        with pytest.raises(ValueError, match="unknown LoRA adapter"):
+            eng.generate(input_ids=PROMPTS[0], sampling_params=greedy, lora_path="all")
+
+
 def test_a_vllm_async_worker_runs_as_written(model_dirs, adapters):
     """examples/vllm_async.py, a rollout worker written against vLLM's AsyncLLM, runs on rollwise."""
     import subprocess
