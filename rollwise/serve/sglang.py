@@ -143,8 +143,9 @@ def generate_params(body, given: dict | None = None) -> SamplingParams:
     and router send only those), its logprob options (`top_logprobs_num` k asks the k most likely
     tokens per position, `return_logprob` with `logprob_start_len` >= 0 the prompt's logprobs), and
     SGLang's `lora_path`: the name of a loaded adapter."""
-    if given is None and (isinstance(body.sampling_params, list) or isinstance(body.rid, list)):
-        raise ValueError("sampling_params and rid are lists (one per prompt) only with a list of prompts")
+    if given is None and any(isinstance(getattr(body, k), list) for k in ("sampling_params", "rid", *PER_PROMPT)):
+        raise ValueError(f"sampling_params, rid and {', '.join(PER_PROMPT)} are lists (one per prompt) only with a "
+                         "list of prompts")
     given = body.sampling_params if given is None else given
     sp = {k: v for k, v in given.items() if k not in SGLANG_IGNORED}
     for old, new in SGLANG_RENAMED.items():
@@ -183,24 +184,32 @@ def is_batch(prompt) -> bool:
     return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
 
 
+PER_PROMPT = ("return_logprob", "top_logprobs_num", "logprob_start_len", "lora_path")  # SGLang's: a list, one each
+
+
 async def generate_batch(engine, tok, body, prompts: list, rid: str | list[str], group: str | None = None) -> list:
     """/generate with a list of prompts, as SGLang answers it: their replies in order (n each with
-    sampling_params.n); `sampling_params` one for all or one each, `rid` a list (else `rid-i`)."""
+    sampling_params.n); `sampling_params` and each of PER_PROMPT one for all or one each, `rid` a
+    list (else `rid-i`)."""
     _several(body, "a list of prompts")
-    sps = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params] * len(prompts)
-    rids = rid if isinstance(rid, list) else [f"{rid}-{i}" for i in range(len(prompts))]
-    if len(sps) != len(prompts) or len(rids) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts take one sampling_params or {len(prompts)}, and {len(prompts)} rids")
-    params = [generate_params(body, sp) for sp in sps]  # (all checked before any runs)
+    n = len(prompts)
+    sps = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params] * n
+    rids = rid if isinstance(rid, list) else [f"{rid}-{i}" for i in range(n)]
+    lists = {k: getattr(body, k) for k in PER_PROMPT if isinstance(getattr(body, k), list)}
+    if len(sps) != n or len(rids) != n or any(len(v) != n for v in lists.values()):
+        raise ValueError(f"{n} prompts take one sampling_params or {n}, {n} rids, and one or {n} of each of "
+                         f"{', '.join(PER_PROMPT)}")
+    bodies = [body.model_copy(update={k: v[i] for k, v in lists.items()}) for i in range(n)]  # as each prompt sees it
+    params = [generate_params(b, sp) for b, sp in zip(bodies, sps)]  # (all checked before any runs)
     options = {"group_id": group or body.group_id, "policy_version": body.policy_version, "priority": body.priority,
                "cache_salt": body.cache_salt}
 
-    async def one(p, sp: SamplingParams, r: str) -> list[dict]:
+    async def one(p, sp: SamplingParams, r: str, b) -> list[dict]:
         if sp.n > 1:
-            return await generate_samples(engine, tok, body, p, sp, r, group)
+            return await generate_samples(engine, tok, b, p, sp, r, group)
         out = await engine.generate(p, sp, r, **options)
-        return [generate_json(out) | sglang_fields(tok, out, body)]
-    return [x for xs in await gather_or_cancel(one(*a) for a in zip(prompts, params, rids)) for x in xs]
+        return [generate_json(out) | sglang_fields(tok, out, b)]
+    return [x for xs in await gather_or_cancel(one(*a) for a in zip(prompts, params, rids, bodies)) for x in xs]
 
 
 async def generate_samples(engine, tok, body, prompt, params: SamplingParams, rid: str,

@@ -118,7 +118,7 @@ def test_async_llm_takes_lora_requests(model_dirs, adapters):
 
 def test_sglang_engine_serves_adapters_by_lora_path(model_dirs, adapters):
     """SGLang's offline engine: adapters from `lora_paths` at start or `load_lora_adapter`, picked per
-    request by `lora_path` (one for a batch), unloaded by name."""
+    request by `lora_path` (in a batch one for all or one each), unloaded by name."""
     from rollwise import SGLangEngine
     greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     want = {n: LLM(m, kv_cache_gb=0.05).generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8,
@@ -132,6 +132,8 @@ def test_sglang_engine_serves_adapters_by_lora_path(model_dirs, adapters):
         assert got["success"] and got["loaded_adapters"] == {"qv": adapters["qv"][0], "all": adapters["all"][0]}
         outs = eng.generate(input_ids=PROMPTS[:2], sampling_params=greedy, lora_path="all")
         assert [o["output_ids"] for o in outs] == [w.token_ids for w in want["all"]]
+        outs = eng.generate(input_ids=PROMPTS[:2], sampling_params=greedy, lora_path=["all", "qv"])  # one each
+        assert [o["output_ids"] for o in outs] == [want["all"][0].token_ids, want["qv"][1].token_ids]
         assert eng.unload_lora_adapter("all")["loaded_adapters"] == {"qv": adapters["qv"][0]}
         assert not eng.unload_lora_adapter("all")["success"]
         with pytest.raises(ValueError, match="unknown LoRA adapter"):

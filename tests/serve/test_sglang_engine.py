@@ -39,6 +39,17 @@ def test_one_prompt_and_a_batch_reply_as_sglang(engine, want):
     outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, rid=["a", "b"])
     assert [o["output_ids"] for o in outs] == [w.token_ids for w in want]
     assert [o["meta_info"]["id"] for o in outs] == ["a", "b"]
+    # SGLang's per-prompt lists: each prompt of the batch gets its own logprob options
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=[False, True],
+                           top_logprobs_num=[0, 2], logprob_start_len=[-1, 1])
+    assert "output_token_logprobs" not in outs[0]["meta_info"]
+    meta = outs[1]["meta_info"]
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == want[1].token_ids
+    assert len(meta["output_top_logprobs"][0]) == 2 and len(meta["input_token_logprobs"]) == len(PROMPTS[1]) - 1
+    for kw in (dict(input_ids=PROMPTS, return_logprob=[True]), dict(input_ids=PROMPTS[0], return_logprob=[True]),
+               dict(input_ids=PROMPTS, lora_path=["x", None, None])):
+        with pytest.raises(ValueError, match="one per prompt|one or 2 of each"):
+            engine.generate(sampling_params=GREEDY, **kw)
 
 
 def test_text_n_samples_and_streams(engine, model_dir):
