@@ -240,7 +240,8 @@ class GenerateRequest(_Strict):
     # (these four: one for all prompts of a batch, or a list, one each)
     return_logprob: bool | list[bool] = False  # meta_info.output_token_logprobs: [[logprob, id, text or None], ...]
     top_logprobs_num: int | list[int] | None = None  # meta_info.output_top_logprobs (and input_top_logprobs)
-    logprob_start_len: int | list[int] | None = None  # >= 0 with return_logprob: meta_info.input_token_logprobs from there
+    # >= 0 with return_logprob: meta_info.input_token_logprobs from there
+    logprob_start_len: int | list[int] | None = None
     return_routed_experts: bool = False  # MoE: meta_info.routed_experts (base64 int32 [tokens - 1, layers, k])
     lora_path: str | list[str | None] | None = None  # SGLang's: the loaded LoRA adapter to use (by name)
     # fields SGLang's router adds when it forwards /generate; accepted and ignored
