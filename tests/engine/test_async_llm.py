@@ -24,6 +24,22 @@ def want(model_dir):
     return LLM(model_dir).generate([PROMPT], GREEDY)[0]
 
 
+LONG = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+
+
+async def running(engine, rid: str):
+    """A long request read by a task, once its first output has come: (the task, its outputs so far)."""
+    outs = []
+
+    async def read():
+        async for out in engine.generate(PROMPT, LONG, rid):
+            outs.append(out)
+    task = asyncio.ensure_future(read())
+    while not outs:
+        await asyncio.sleep(0.01)
+    return task, outs
+
+
 def collect(engine, prompt, params, rid, **kw) -> list:
     async def go():
         return [out async for out in engine.generate(prompt, params, rid, **kw)]
@@ -72,10 +88,8 @@ def test_text_prompts_and_n_samples(engine, model_dir):
 
 
 def test_closing_early_or_abort_ends_the_request(engine):
-    long = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
-
     async def go():
-        async for out in engine.generate(PROMPT, long, "early"):  # a caller that stops reading
+        async for out in engine.generate(PROMPT, LONG, "early"):  # a caller that stops reading
             if len(out.token_ids) >= 3:
                 break
         for _ in range(200):  # the generator is closed as it goes away: its request is aborted
@@ -83,14 +97,7 @@ def test_closing_early_or_abort_ends_the_request(engine):
                 break
             await asyncio.sleep(0.01)
         assert not engine.engine.engine.has_unfinished
-        outs = []
-
-        async def read():
-            async for out in engine.generate(PROMPT, long, "aborted"):
-                outs.append(out)
-        task = asyncio.ensure_future(read())
-        while not outs:
-            await asyncio.sleep(0.01)
+        task, outs = await running(engine, "aborted")
         await engine.abort("aborted")
         await task
         assert outs[-1].finished and outs[-1].finish_reason == "abort" and len(outs[-1].token_ids) < 2000
@@ -118,17 +125,8 @@ def test_bad_arguments_are_value_errors(engine, model_dir):
 def test_pause_sleep_and_the_prefix_cache(engine, want):
     """pause_generation aborts what is in flight (or waits for it), resume_generation goes on; a reset
     prefix cache serves the same prompt from scratch; sleep / wake_up give back and restore the KV pool."""
-    long = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
-
     async def go():
-        outs = []
-
-        async def read():
-            async for out in engine.generate(PROMPT, long, "paused"):
-                outs.append(out)
-        task = asyncio.ensure_future(read())
-        while not outs:
-            await asyncio.sleep(0.01)
+        task, outs = await running(engine, "paused")
         await engine.pause_generation()
         await task
         assert outs[-1].finish_reason == "abort" and await engine.is_paused()
