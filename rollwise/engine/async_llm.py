@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from contextlib import aclosing
 from collections.abc import AsyncIterator, Iterable
+from contextlib import aclosing
 
 from rollwise.config import engine_args
 from rollwise.engine.async_engine import AsyncEngine
@@ -88,7 +88,8 @@ class AsyncLLM:
         far after every step that adds tokens; the last has `finished=True` (and "abort" as its
         finish_reason if it was aborted). prompt: text, token ids, or a TextPrompt / TokensPrompt
         (with an optional cache_salt). With n > 1 it yields once, when the n samples are done (in
-        `.outputs`). Closing the generator early, or cancelling its task, aborts the request."""
+        `.outputs`). Closing the generator early, or cancelling its task, aborts the request.
+        (`trace_headers`, vLLM's OpenTelemetry context, is taken and not used.)"""
         sp = sampling_params or SamplingParams()
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"sampling_params must be rollwise's SamplingParams, got {type(sp).__name__}")
