@@ -73,12 +73,14 @@ class Engine:
                 self._run(chunks.aclose())
         return pull()
 
-    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool = False,
-                             logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
-                             lora_path: str | None = None, return_routed_experts: bool = False, stream: bool = False,
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
+                             return_logprob: bool | list[bool] = False, logprob_start_len: int | list[int] | None = None,
+                             top_logprobs_num: int | list[int] | None = None, lora_path: str | list | None = None,
+                             return_routed_experts: bool = False, stream: bool = False,
                              rid: str | list[str] | None = None, priority: int | None = None,
                              cache_salt: str | None = None, data_parallel_rank: int | None = None, **untaken):
-        """`generate` for a running event loop: with `stream`, an async iterator of the output so far."""
+        """`generate` for a running event loop: with `stream`, an async iterator of the output so far. For a
+        batch, the logprob options and `lora_path` are one for all prompts or a list, one each."""
         for k, v in untaken.items():
             if k not in UNTAKEN or v != UNTAKEN[k]:
                 raise ValueError(f"{k} is not taken here" if k in UNTAKEN else f"unknown generate argument {k!r}")
