@@ -74,7 +74,8 @@ class Engine:
         return pull()
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None,
-                             return_logprob: bool | list[bool] = False, logprob_start_len: int | list[int] | None = None,
+                             return_logprob: bool | list[bool] = False,
+                             logprob_start_len: int | list[int] | None = None,
                              top_logprobs_num: int | list[int] | None = None, lora_path: str | list | None = None,
                              return_routed_experts: bool = False, stream: bool = False,
                              rid: str | list[str] | None = None, priority: int | None = None,
