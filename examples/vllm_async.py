@@ -39,7 +39,7 @@ async def episode(engine, tokenizer, i: int, lora) -> tuple[int, float]:
 async def main(model: str, adapter: str | None = None) -> None:
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, enable_prefix_caching=True, enforce_eager=True,
                                                        enable_lora=adapter is not None, max_model_len=512))
-    tokenizer = await engine.get_tokenizer()
+    tokenizer = engine.get_tokenizer()
     lora = LoRARequest("adapter", 1, adapter) if adapter else None
     for n, logp in await asyncio.gather(*(episode(engine, tokenizer, i, lora) for i in range(4))):
         print(f"episode: {n} tokens, logprob {logp:.2f}")
@@ -48,7 +48,7 @@ async def main(model: str, adapter: str | None = None) -> None:
     async for out in engine.generate("Stream this:", streamed, "stream-1"):
         pieces.append(out.outputs[0].text)
     print(f"streamed {len(pieces)} pieces: {''.join(pieces)!r}")
-    await engine.pause_generation(wait_for_inflight_requests=True)  # a trainer would send new weights now
+    await engine.pause_generation(mode="wait")  # a trainer would send new weights now
     await engine.resume_generation()
     engine.shutdown()
 

@@ -32,7 +32,7 @@ def main(model: str, adapter: str | None = None) -> None:
     llm.sleep(level=1)  # the KV cache given back, e.g. while a trainer runs
     llm.wake_up()
     reply = llm.chat([{"role": "user", "content": "hi"}], greedy)[0]
-    print(f"chat: {len(reply.outputs[0].token_ids)} tokens")
+    print(f"chat: {list(reply.outputs[0].token_ids)}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from contextlib import aclosing
 
 from rollwise.config import engine_args
 from rollwise.engine.async_engine import AsyncEngine
+from rollwise.engine.llm import PAUSE_MODES, none_only
 from rollwise.engine.lora import adapter_name
 from rollwise.sampling import MAX_N, RequestOutputKind, SamplingParams, prompt_parts
 from rollwise.types import RequestOutput
@@ -83,21 +84,27 @@ class AsyncLLM:
         return cls(engine_args.model, **engine_args.kwargs)
 
     async def generate(self, prompt, sampling_params: SamplingParams | None, request_id: str, *,
-                       lora_request=None, priority: int = 0, trace_headers=None) -> AsyncIterator[RequestOutput]:
+                       prompt_text: str | None = None, lora_request=None, tokenization_kwargs: dict | None = None,
+                       trace_headers=None, priority: int = 0, data_parallel_rank: int | None = None,
+                       **untaken) -> AsyncIterator[RequestOutput]:
         """vLLM's: the request's outputs as `sampling_params.output_kind` asks, by default the output so
         far after every step that adds tokens; the last has `finished=True` (and "abort" as its
         finish_reason if it was aborted). prompt: text, token ids, or a TextPrompt / TokensPrompt
-        (with an optional cache_salt). With n > 1 it yields once, when the n samples are done (in
-        `.outputs`). Closing the generator early, or cancelling its task, aborts the request.
-        (`trace_headers`, vLLM's OpenTelemetry context, is taken and not used.)"""
+        (with an optional cache_salt); `prompt_text` names token ids' text in `.prompt`. With n > 1
+        it yields once, when the n samples are done (in `.outputs`). Closing the generator early, or
+        cancelling its task, aborts the request. (`trace_headers`, vLLM's OpenTelemetry context, is
+        taken and not used; its other options, e.g. `session_id` or `kv_hints`, None only.)"""
+        none_only(tokenization_kwargs=tokenization_kwargs, **untaken)
+        if data_parallel_rank not in (None, 0):
+            raise ValueError("data_parallel_rank: this engine is one replica (rank 0)")
         sp = sampling_params or SamplingParams()
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"sampling_params must be rollwise's SamplingParams, got {type(sp).__name__}")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         prompt, salt = prompt_parts(prompt)
-        text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer.encode(prompt) if text is not None else prompt
+        text = prompt if isinstance(prompt, str) else prompt_text
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         if lora_request is not None:
             sp = dataclasses.replace(sp, lora=await self._adapter(lora_request))
         options = {"priority": priority, "cache_salt": salt}
@@ -126,7 +133,7 @@ class AsyncLLM:
                     yield RequestOutput(request_id=request_id, prompt_token_ids=ids, token_ids=new, logprobs=lps,
                                         top_logprobs=tops, text=delta, prompt=text)
 
-    async def abort(self, request_id: str | Iterable[str]) -> None:
+    async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
         """Abort requests in flight (with n > 1, the request's samples)."""
         rids = [request_id] if isinstance(request_id, str) else list(request_id)
         await self.engine.abort([s for r in rids for s in (r, *(f"{r}-{j}" for j in range(MAX_N)))])
@@ -151,26 +158,59 @@ class AsyncLLM:
     async def list_loras(self) -> set[int]:
         return {i for i, name in self._lora_ids.items() if name in self.engine.engine.loras}
 
-    async def get_tokenizer(self, lora_request=None):
+    async def pin_lora(self, lora_id: int) -> bool:
+        """(Adapters are never evicted here: a loaded one is pinned already.)"""
+        return lora_id in await self.list_loras()
+
+    def get_tokenizer(self):
         return self.tokenizer
 
-    async def reset_prefix_cache(self, device=None) -> bool:
-        await self.engine.call(self.engine.engine.blocks.evict_cached)
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM's: forget every cached prefix block; with `reset_running_requests`, the running requests'
+        KV too (they are put back in the queue and recompute it, as after a preemption)."""
+        def reset() -> None:
+            if reset_running_requests:
+                self.engine.engine.scheduler.requeue_running(lambda seq: True)
+            self.engine.engine.blocks.evict_cached()
+        await self.engine.call(reset)
         return True
 
-    async def sleep(self, level: int = 1) -> None:
-        await self.engine.sleep(level)
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's: give back the KV pool (level 1), and the weights (level 2). Requests in flight are
+        aborted first ("abort"), or finish first ("wait"; those that arrive meanwhile are aborted, as an
+        engine asleep takes none); "keep" is not taken (an engine sleeps idle here)."""
+        if mode not in PAUSE_MODES or mode == "keep":
+            raise ValueError(f"mode must be one of ['abort', 'wait'] here (an engine sleeps idle), got {mode!r}")
+        if mode == "wait":
+            await self.engine.pause(wait=True)
+        try:
+            await self.engine.abort_all()
+            await self.engine.sleep(level)
+        finally:
+            if mode == "wait":
+                await self.engine.resume()
 
-    async def wake_up(self, tags: list[str] | None = None) -> None:
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
         await self.engine.wake_up(tags)
+        return True
 
     async def is_sleeping(self) -> bool:
         return self.engine.is_sleeping
 
-    async def pause_generation(self, *, wait_for_inflight_requests: bool = False, clear_cache: bool = True) -> None:
-        """vLLM's: no new tokens until `resume_generation`; requests in flight are aborted (or, waiting
-        for them, finish first), and with `clear_cache` the prefix cache is emptied."""
-        await self.engine.pause(abort=not wait_for_inflight_requests, wait=wait_for_inflight_requests)
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True,
+                               wait_for_inflight_requests: bool | None = None) -> None:
+        """vLLM's: no new tokens until `resume_generation`. Requests in flight end now ("abort"), finish
+        first ("wait"; those that arrive meanwhile start after the resume), or wait with their KV
+        ("keep"); with `clear_cache` the prefix cache is emptied. (`wait_for_inflight_requests`: the
+        older vLLM's name for "wait" / "abort".)"""
+        if wait_for_inflight_requests is not None:
+            mode = "wait" if wait_for_inflight_requests else "abort"
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        await self.engine.pause(abort=mode == "abort", wait=mode == "wait")
         if clear_cache:
             await self.reset_prefix_cache()
 
@@ -193,10 +233,18 @@ class AsyncLLM:
         return self.engine.is_running
 
     @property
+    def is_stopped(self) -> bool:
+        return not self.engine.is_running
+
+    @property
     def errored(self) -> bool:
         return not self.engine.is_running
 
-    def shutdown(self) -> None:
+    @property
+    def dead_error(self) -> BaseException:
+        return RuntimeError("the engine is not running (shut down, or its thread died)")
+
+    def shutdown(self, timeout: float | None = None) -> None:
         self.engine.shutdown()
 
 

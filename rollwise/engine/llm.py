@@ -1,6 +1,7 @@
 """`LLM`: offline batch generation on the engine."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import uuid
@@ -26,7 +27,8 @@ class LLM:
     def generate(self, prompts: str | list[int] | list,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
                  group_ids: list[str | None] | None = None, n: int = 1,
-                 priority: list[int] | None = None, lora_request=None) -> list[RequestOutput]:
+                 priority: int | list[int] | None = None, lora_request=None, tokenization_kwargs: dict | None = None,
+                 mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """prompts: strings or token-id lists (one prompt alone is accepted too), or vLLM's prompt dicts
         (`{"prompt": text}` or `{"prompt_token_ids": ids}`, with an optional `cache_salt`); sampling_params:
         one for all or one per prompt; group_ids: the prompt group of each (siblings draft from each other).
@@ -34,11 +36,12 @@ class LLM:
         computed once, and draft from each other unless `group_ids` names their group. Asked as
         `SamplingParams.n` (vLLM's), the result is vLLM's: one output per prompt, its samples in
         `.samples` (and in `.outputs` as vLLM's CompletionOutputs); asked as `n` here, it is flat: prompt
-        i's samples at i*n .. i*n+n-1. priority: one per prompt (vLLM's; the engine's scheduling_policy
-        must be "priority" for any but 0). lora_request:
+        i's samples at i*n .. i*n+n-1. priority: one for all or one per prompt (vLLM's; the engine's
+        scheduling_policy must be "priority" for any but 0). lora_request:
         vLLM's `LoRARequest` (anything with `lora_name` and `lora_path`), one for all or one per prompt
         (None: the base weights), its adapter loaded the first time; the same as `SamplingParams.lora`.
-        Returns outputs in prompt order."""
+        Returns outputs in prompt order. (vLLM's tokenization_kwargs and mm_processor_kwargs: None only.)"""
+        none_only(tokenization_kwargs=tokenization_kwargs, mm_processor_kwargs=mm_processor_kwargs)
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts, salts = zip(*map(prompt_parts, prompts)) if prompts else ((), ())
@@ -51,7 +54,7 @@ class LLM:
             raise ValueError(f"got {len(groups)} group_ids for {len(prompts)} prompts")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
-        prios = [0] * len(prompts) if priority is None else list(priority)
+        prios = [priority or 0] * len(prompts) if priority is None or isinstance(priority, int) else list(priority)
         if len(prios) != len(prompts):
             raise ValueError(f"got {len(prios)} priorities for {len(prompts)} prompts")
         if not all(isinstance(sp, SamplingParams) for sp in plist):
@@ -114,27 +117,44 @@ class LLM:
 
     def chat(self, messages: list[list[dict]] | list[dict],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
-             add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None, lora_request=None) -> list[RequestOutput]:
-        """vLLM's: a conversation (a list of messages) or a list of them, each rendered by the model's
-        chat template (with `tools`, and `chat_template_kwargs` such as `enable_thinking`) and answered."""
+             lora_request=None, priority: int | list[int] | None = None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, tokenization_kwargs: dict | None = None,
+             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's (its arguments in its order): a conversation (a list of messages) or a list of them,
+        each rendered by the model's chat template, or `chat_template` (a Jinja template) in its place,
+        with `tools` and `chat_template_kwargs` such as `enable_thinking`, and answered. The messages go
+        to the template as given (chat_template_content_format "auto" only)."""
+        if chat_template_content_format != "auto":
+            raise ValueError(f"chat_template_content_format: only 'auto' here, got {chat_template_content_format!r}")
+        none_only(tokenization_kwargs=tokenization_kwargs, mm_processor_kwargs=mm_processor_kwargs)
+        tok = self.tokenizer
+        if chat_template is not None:  # (a copy renders with it: the engine's tokenizer keeps its own)
+            tok = copy.copy(tok)
+            tok.set_chat_template(chat_template)
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        ids = [self.tokenizer.encode_chat(c, add_generation_prompt, tools, continue_final_message,
-                                          **(chat_template_kwargs or {})) for c in convs]
-        return self.generate(ids, sampling_params, use_tqdm, lora_request=lora_request)
+        ids = [tok.encode_chat(c, add_generation_prompt, tools, continue_final_message, **(chat_template_kwargs or {}))
+               for c in convs]
+        return self.generate(ids, sampling_params, use_tqdm, lora_request=lora_request, priority=priority)
 
     def update_weights(self, weights, partial_rollout: bool = False) -> int:
         return self.engine.update_weights(weights, partial_rollout=partial_rollout)
 
-    def sleep(self, level: int = 1) -> None:
-        """vLLM's: give back the KV pool (level 1), and the weights (level 2; load them before generating)."""
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's: give back the KV pool (level 1), and the weights (level 2; load them before generating).
+        (`mode` says what becomes of requests in flight; between two `generate` calls there are none.)"""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
         self.engine.sleep(level)
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> bool:
         self.engine.wake_up(tags)
+        return True
 
-    def reset_prefix_cache(self) -> bool:
-        """vLLM's: forget every cached prefix block no request holds (True: done)."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM's: forget every cached prefix block no request holds (True: done). (Between two `generate`
+        calls no request runs, and there is no KV connector.)"""
         self.engine.blocks.evict_cached()
         return True
 
@@ -144,3 +164,12 @@ class LLM:
     def metrics(self) -> dict[str, float]:
         return self.engine.metrics()
 
+
+PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's: what a pause (or a sleep) does to requests in flight
+
+
+def none_only(**given) -> None:
+    """vLLM's arguments for what this engine does not have (multimodal inputs, tokenizer options): None only."""
+    for k, v in given.items():
+        if v is not None:
+            raise ValueError(f"{k} is not taken here (None only)")

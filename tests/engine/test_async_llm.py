@@ -145,3 +145,74 @@ def test_pause_sleep_and_the_prefix_cache(engine, want):
         assert not await engine.is_sleeping()
         assert [o async for o in engine.generate(PROMPT, GREEDY, "d")][-1].token_ids == want.token_ids
     asyncio.run(go())
+
+
+def test_vllm_032_pause_sleep_and_reset_modes(engine, want):
+    """vLLM 0.32's modes: a "keep" pause holds requests with their KV and they go on to the same tokens;
+    a "wait" pause and a "wait" sleep let them finish; an "abort" sleep ends them; resetting the prefix
+    cache with reset_running_requests recomputes a running request's KV, its tokens unchanged."""
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def finish(task, outs):
+        await task
+        return outs[-1]
+
+    async def go():
+        assert engine.get_tokenizer() is engine.tokenizer  # (not awaited, as in vLLM 0.32)
+        for mode, kw in (("keep", {}), ("wait", {}), ("abort", {"wait_for_inflight_requests": False})):
+            task, outs = await running(engine, f"p-{mode}")
+            await engine.pause_generation(mode=mode, **kw)
+            if mode == "wait":
+                assert outs[-1].finished and outs[-1].finish_reason == "length"
+            await engine.resume_generation()
+            last = await finish(task, outs)
+            assert last.finish_reason == ("abort" if mode == "abort" else "length"), mode
+        for mode in ("wait", "abort"):
+            task, outs = await running(engine, f"s-{mode}")
+            await engine.sleep(1, mode=mode)
+            assert await engine.is_sleeping() and outs[-1].finished
+            assert outs[-1].finish_reason == ("length" if mode == "wait" else "abort")
+            assert await engine.wake_up() is True
+            await task
+        with pytest.raises(ValueError, match="sleeps idle"):
+            await engine.sleep(1, mode="keep")
+        outs = []
+
+        async def read():
+            async for out in engine.generate(PROMPT, greedy, "reset"):
+                outs.append(out)
+        task = asyncio.ensure_future(read())
+        while not outs:
+            await asyncio.sleep(0.001)
+        assert await engine.reset_prefix_cache(reset_running_requests=True)
+        await task
+        assert outs[-1].token_ids == want.token_ids
+    asyncio.run(go())
+    assert not engine.engine.engine.has_unfinished
+
+
+def test_vllms_other_generate_options(engine):
+    outs = collect(engine, PROMPT, GREEDY, "t", prompt_text="some text", data_parallel_rank=0)
+    assert outs[-1].prompt == "some text"
+    for kw, match in [({"session_id": "s"}, "session_id is not taken"), ({"data_parallel_rank": 1}, "one replica"),
+                      ({"tokenization_kwargs": {"truncation": True}}, "tokenization_kwargs")]:
+        with pytest.raises(ValueError, match=match):
+            collect(engine, PROMPT, GREEDY, "t", **kw)
+
+
+def test_llm_takes_vllm_032s_arguments(model_dir):
+    llm = LLM(model_dir)
+    conv = [{"role": "user", "content": "hi"}]
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    got = llm.chat(conv, GREEDY, chat_template=template, priority=0)[0]
+    assert got.prompt_token_ids == llm.tokenizer.encode("<user>hi<assistant>")
+    assert llm.chat(conv, GREEDY)[0].prompt_token_ids == llm.tokenizer.encode_chat(conv)  # (its own template kept)
+    assert [o.token_ids for o in llm.generate([PROMPT, PROMPT[:3]], GREEDY, priority=0)] == \
+        [o.token_ids for o in llm.generate([PROMPT, PROMPT[:3]], GREEDY)]
+    for call, match in [(lambda: llm.sleep(1, mode="later"), "mode must be one of"),
+                        (lambda: llm.generate(PROMPT, GREEDY, mm_processor_kwargs={}), "mm_processor_kwargs"),
+                        (lambda: llm.chat(conv, GREEDY, chat_template_content_format="openai"), "only 'auto'")]:
+        with pytest.raises(ValueError, match=match):
+            call()
+    llm.sleep(1, mode="wait")
+    assert llm.wake_up() is True and llm.reset_prefix_cache(reset_running_requests=True)

