@@ -14,6 +14,7 @@ SPECULATIVE = (None, "suffix")
 SPEC_CONTROLLERS = ("off", "always", "threshold", "adaptive")
 DEVICES = ("cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,6 +33,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # default: derived from kv_cache_gb
     kv_cache_gb: float = 1.0  # the KV pool (on the CPU its memory is taken page by page as blocks are first used)
     enable_prefix_caching: bool = True
+    # vLLM's and SGLang's --load-format: "auto" reads the checkpoint's weights; "dummy" reads none (a
+    # trainer sends them, as verl's rollouts start): the engine serves once update_weights brought every one
+    load_format: str = field(default="auto", metadata={"choices": LOAD_FORMATS})
     # vLLM's --prefix-caching-hash-algo: how KV blocks are keyed; "sha256" (its default) cannot be made
     # to collide, "builtin" (Python's hash, ~4x faster to compute: benchmarks/prefix_hash.py) can
     prefix_caching_hash_algo: str = field(default="sha256", metadata={"choices": HASH_ALGOS})
@@ -77,6 +81,8 @@ class EngineConfig:
             raise ValueError(f"spec_controller must be one of {SPEC_CONTROLLERS}, got {self.spec_controller!r}")
         if self.spec_max_tokens < 0 or self.spec_threshold < 0:
             raise ValueError("spec_max_tokens and spec_threshold must be >= 0")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.prefix_caching_hash_algo not in HASH_ALGOS:
@@ -147,7 +153,7 @@ SGLANG_NAMES = {"model_path": "model", "context_length": "max_model_len", "rando
 SGLANG_ARGS = {"tp_size": (1,), "dp_size": (1,), "pp_size": (1,), "ep_size": (1,), "nnodes": (1,), "node_rank": (0,),
                "skip_tokenizer_init": (False,), "trust_remote_code": (True, False),
                "enable_memory_saver": (True, False),
-               "disable_cuda_graph": (True, False), "load_format": ("auto",), "log_level": None, "host": None,
+               "disable_cuda_graph": (True, False), "log_level": None, "host": None,
                "port": None, "base_gpu_id": None, "gpu_id_step": None, "attention_backend": None,
                "sampling_backend": None}
 

@@ -59,7 +59,7 @@ class LLMEngine(WeightVersions, SleepMode):
         self._lora_uids = itertools.count(1)
         self._ids, self._arrivals = itertools.count(), itertools.count()
         self.asleep: set[str] = set()  # sleep mode (sleep.py): "kv_cache" / "weights" given back
-        self.weights_missing: set[str] = set()  # after a level-2 sleep: weights not loaded again yet
+        self.weights_missing = set(self.runner.model.hf_tensors()) if cfg.load_format == "dummy" else set()  # sleep.py
         self.stats = dict.fromkeys(("num_steps", "prompt_tokens", "prefill_tokens", "decode_tokens", "generated_tokens",
                                     "step_time_s", "num_finished", "num_aborted", "num_interrupted",
                                     "num_failed_steps"), 0)

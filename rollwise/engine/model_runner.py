@@ -40,7 +40,8 @@ class ModelRunner:
             set_threads(cfg.num_threads)
         mkl.settle()  # (before the rotary table is computed on several threads)
         self.device = torch.device(cfg.device)
-        self.model: CausalLM = load_model(cfg.model, cfg.dtype, cfg.device, max_positions=max_model_len)
+        self.model: CausalLM = load_model(cfg.model, cfg.dtype, cfg.device, max_positions=max_model_len,
+                                          dummy=cfg.load_format == "dummy")
         if cfg.batch_invariant:
             _check_batch_invariant(cfg, self.model)
             self.model.set_batch_invariant()

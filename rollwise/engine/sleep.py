@@ -41,7 +41,8 @@ def sleep_tags(tags) -> set[str]:
 
 class SleepMode:
     """LLMEngine's sleep mode (state set in LLMEngine.__init__: `asleep`, the tags given back, and
-    `weights_missing`, the weights given back by a level-2 sleep and not loaded again yet)."""
+    `weights_missing`, the weights not loaded yet (load_format "dummy") or not again since a level-2
+    sleep gave them back: the engine serves nothing until update_weights has brought every one)."""
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's levels: 1 gives back the KV pool, 2 the KV pool and the weights. The engine must be
@@ -84,7 +85,7 @@ class SleepMode:
 
     @property
     def weights_lost(self) -> bool:
-        """From a level-2 sleep until every weight is loaded again."""
+        """From the start with dummy weights, or a level-2 sleep, until every weight is loaded."""
         return bool(self.weights_missing)
 
     @property
@@ -97,9 +98,9 @@ class SleepMode:
             raise EngineAsleep(f"the engine is asleep ({', '.join(sorted(self.asleep))} given back): wake it up first "
                                "(POST /wake_up, or /resume_memory_occupation)")
         if self.weights_lost:
-            raise EngineAsleep(f"the engine's weights were given back by a level-2 sleep: load every weight "
-                               f"(update_weights) before it serves ({len(self.weights_missing)} not loaded yet, "
-                               f"e.g. {min(self.weights_missing)!r})")
+            raise EngineAsleep(f"the engine has no weights (load_format 'dummy', or a level-2 sleep gave them back): "
+                               f"load every weight (update_weights) before it serves ({len(self.weights_missing)} "
+                               f"not loaded yet, e.g. {min(self.weights_missing)!r})")
 
     def _check_weights_update(self) -> None:
         """EngineAsleep while the weights sleep."""

@@ -34,7 +34,8 @@ class WeightVersions:
         adapter = self._policy_adapter(weights)
         if adapter is not None:
             if self.weights_lost:
-                raise ValueError("the weights were given back by a level-2 sleep: load every weight before an adapter")
+                raise ValueError("the engine has no weights (load_format 'dummy', or a level-2 sleep): load every "
+                                 "weight before an adapter")
             return self._new_version(self.policy_version + 1 if version is None else version, partial_rollout, adapter)
         state = self.runner.prepare_weights(weights)
         v = self.policy_version + 1 if version is None else version

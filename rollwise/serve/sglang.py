@@ -99,12 +99,13 @@ def install_sglang(app: FastAPI, engine, cfg: ServerConfig) -> None:
     @app.api_route("/health_generate", methods=["GET", "POST"])
     async def health_generate():
         """SGLang's: healthy when the engine generates a token within HEALTH_GENERATE_S (503 if not). A
-        paused or sleeping server is healthy without generating: it holds its requests on purpose."""
+        paused or sleeping server, or one waiting for its weights (load_format "dummy"), is healthy
+        without generating: it holds its requests on purpose."""
         if not engine.is_running:
             return error(503, "the engine is not running", "unavailable")
-        if engine.paused or engine.engine.asleep:
+        if engine.paused or engine.engine.asleep or engine.engine.weights_lost:  # (held or waiting for weights)
             return {"status": "ok", "generated": False, "paused": engine.paused,
-                    "sleeping": sorted(engine.engine.asleep)}
+                    "sleeping": sorted(engine.engine.asleep), "weights_missing": len(engine.engine.weights_missing)}
         rid = f"health-{uuid.uuid4().hex[:12]}"
         try:
             out = await asyncio.wait_for(engine.generate([0], SamplingParams(max_tokens=1, temperature=0), rid),

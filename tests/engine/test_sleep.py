@@ -156,3 +156,22 @@ def test_level_two_gives_the_weights_memory_back_cycle_after_cycle(tmp_path):
     # (without the allocator's trim a cycle grew by 64-144 MB)
     assert max(awake[1:]) - awake[1] < 0.5 * size and max(asleep[1:]) - asleep[1] < 0.5 * size, r
     assert r["same"]
+
+
+def test_dummy_weights_serve_once_every_weight_is_loaded(model_dir):
+    """load_format "dummy" (vLLM's and SGLang's, as verl starts its rollout engines): no checkpoint read,
+    nothing served until update_weights has brought every weight (here in two buckets); then the same
+    tokens as the checkpoint's."""
+    want = [o.token_ids for o in LLM(model_dir).generate(PROMPTS, GREEDY)]
+    llm = LLM(model_dir, load_format="dummy")
+    with pytest.raises(EngineAsleep, match="load_format 'dummy'"):
+        llm.generate(PROMPTS, GREEDY)
+    state = load_state_dict(model_dir)
+    names = sorted(state)
+    llm.update_weights({n: state[n] for n in names[:4]})
+    with pytest.raises(EngineAsleep, match=f"{len(names) - 4} not loaded yet"):
+        llm.generate(PROMPTS, GREEDY)
+    llm.update_weights({n: state[n] for n in names[4:]})
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        EngineConfig(model=model_dir, load_format="safetensors")

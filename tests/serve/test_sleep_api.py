@@ -82,3 +82,19 @@ def test_the_router_sleeps_idle_replicas_only_and_wakes_them(model_dir):
             for e in engines:
                 e.shutdown()
     asyncio.run(go())
+
+
+def test_a_server_started_with_dummy_weights_serves_once_they_are_loaded(client, model_dir):
+    """`rollwise serve --load-format dummy` (a launch line of verl's): 503 naming why until the weights
+    come (healthy meanwhile, as SGLang's /health_generate sees it), then the checkpoint's tokens."""
+    import httpx
+
+    from rollwise.serve.process import ServerProcess
+    want = client.post("/generate", json=BODY).json()["token_ids"]
+    with ServerProcess(model_dir, "--load-format", "dummy") as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        r = c.post("/generate", json=BODY)
+        assert r.status_code == 503 and "load_format 'dummy'" in r.json()["error"]["message"]
+        health = c.get("/health_generate").json()
+        assert health["generated"] is False and health["weights_missing"] > 0
+        assert c.post("/update_weights_from_disk", json={"model_path": model_dir}).json()["success"]
+        assert c.post("/generate", json=BODY).json()["token_ids"] == want

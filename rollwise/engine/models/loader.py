@@ -36,7 +36,9 @@ def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu",
-               max_positions: int | None = None) -> CausalLM:
+               max_positions: int | None = None, dummy: bool = False) -> CausalLM:
+    """The model of a Hugging Face directory with its weights, or with `dummy` zeros in their place
+    (the checkpoint not read: its weights come later, by an update)."""
     cfg = ModelConfig.from_hf(read_hf_config(model_dir))
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)
@@ -44,7 +46,12 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings).to(device)  # fp32 table
-    load_weights(model, load_state_dict(model_dir))
+    if dummy:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+    else:
+        load_weights(model, load_state_dict(model_dir))
     return model.eval()
 
 
