@@ -19,6 +19,7 @@ from rollwise.config import EngineConfig
 from rollwise.engine.isolation import StepFailed
 from rollwise.engine.llm_engine import LLMEngine
 from rollwise.engine.model_runner import set_threads
+from rollwise.sampling import MAX_N
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger("rollwise.engine")
@@ -130,6 +131,11 @@ class AsyncEngine:
         if isinstance(request_id, list):
             return await self.call(lambda: [r for r in request_id if self._abort(r)])
         return await self.call(lambda: self._abort(request_id))
+
+    async def abort_samples(self, request_id: str) -> list[str]:
+        """Abort a request and the samples `request_id-j` that `generate` made of it (n > 1); the ids aborted."""
+        ids = (request_id, *(f"{request_id}-{j}" for j in range(MAX_N)))
+        return await self.call(lambda: [r for r in ids if self._abort(r)])
 
     async def abort_all(self) -> list[str]:
         """Abort every request in flight; their ids."""

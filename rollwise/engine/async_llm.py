@@ -18,7 +18,7 @@ from rollwise.config import engine_args
 from rollwise.engine.async_engine import AsyncEngine
 from rollwise.engine.llm import PAUSE_MODES, none_only
 from rollwise.engine.lora import adapter_name
-from rollwise.sampling import MAX_N, RequestOutputKind, SamplingParams, prompt_parts
+from rollwise.sampling import RequestOutputKind, SamplingParams, prompt_parts
 from rollwise.types import RequestOutput
 
 log = logging.getLogger("rollwise.engine")
@@ -135,8 +135,8 @@ class AsyncLLM:
 
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
         """Abort requests in flight (with n > 1, the request's samples)."""
-        rids = [request_id] if isinstance(request_id, str) else list(request_id)
-        await self.engine.abort([s for r in rids for s in (r, *(f"{r}-{j}" for j in range(MAX_N)))])
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            await self.engine.abort_samples(rid)
 
     async def _adapter(self, lora_request) -> str:
         name = await self.engine.call(lambda: adapter_name(self.engine.engine, lora_request))

@@ -20,7 +20,6 @@ from rollwise.config import ServerConfig
 from rollwise.serve.protocol import AbortRequest
 from rollwise.serve.responses import (_piece, choice_samples, error, gather_or_cancel, generate_json,
                                       weights_refused)
-from rollwise.sampling import MAX_N
 from rollwise.types import RequestOutput, SamplingParams
 from rollwise.wire import encode_routing
 
@@ -128,11 +127,9 @@ def server_info(engine) -> dict:
 
 
 async def abort_rid(engine, rid: str | None, abort_all: bool = False) -> list[str]:
-    """SGLang's abort: every request in flight, or one by rid (one not in flight: the samples `rid-j` of
-    a /generate with sampling_params.n); the ids aborted."""
-    if abort_all:
-        return await engine.abort_all()
-    return await engine.abort([rid]) or await engine.abort([f"{rid}-{j}" for j in range(MAX_N)])
+    """SGLang's abort: every request in flight, or one by rid (with the samples `rid-j` of a /generate
+    with sampling_params.n); the ids aborted."""
+    return await (engine.abort_all() if abort_all else engine.abort_samples(rid))
 
 
 SGLANG_RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output"}

@@ -178,7 +178,7 @@ def test_sglang_control_endpoints(model_dir):
             time.sleep(0.3)
             assert _metric(c, "vllm:generation_tokens_total") == before and c.get("/health").json()["paused"]
             assert c.get("/health_generate").json() == {"status": "ok", "generated": False, "paused": True,
-                                                        "sleeping": []}  # held on purpose: healthy
+                                                        "sleeping": [], "weights_missing": 0}  # held: healthy
             c.post("/continue_generation")
             for _ in range(100):
                 if _metric(c, "vllm:generation_tokens_total") > before:
