@@ -622,3 +622,19 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, model_dir)
         r = client.post("/v1/completions", json=body | {"truncate_prompt_tokens": bad})
         assert r.status_code == 400 and why in r.text, r.text
     _alive(client)
+
+
+def test_sglang_flags_fold_into_ours(model_dir, monkeypatch):
+    """What `rollwise serve` makes of SGLang's flags before it starts (no server): its parser names as
+    ours, --lora-paths as --lora-modules, its names for our settings."""
+    from rollwise import cli
+    from rollwise.serve.launch import launch_args
+    got = []
+    monkeypatch.setattr(cli, "cmd_serve", lambda args: (launch_args(args), got.append(args)))
+    cli.main(["serve", "--model-path", model_dir, "--tool-call-parser", "qwen25", "--reasoning-parser", "deepseek-r1",
+              "--lora-paths", "a=/adapters/a", "/adapters/b", "--enable-lora", "--page-size", "32",
+              "--enable-deterministic-inference", "--max-loras-per-batch", "3"])
+    args, = got
+    assert (args.model, args.tool_call_parser, args.reasoning_parser) == (model_dir, "hermes", "deepseek_r1")
+    assert args.lora_modules == ["a=/adapters/a", "/adapters/b=/adapters/b"]
+    assert (args.block_size, args.batch_invariant, args.max_loras) == (32, True, 3)
