@@ -1,11 +1,12 @@
 """rollwise: fast agentic RL rollouts."""
 from __future__ import annotations
 
-from rollwise.sampling import LoRARequest, RequestOutputKind, TextPrompt, TokensPrompt
-from rollwise.types import RequestOutput, SamplingParams
+from rollwise.sampling import LoRARequest, RepetitionDetectionParams, RequestOutputKind, TextPrompt, TokensPrompt
+from rollwise.types import Logprob, RequestOutput, SamplingParams
 
 __all__ = ["LLM", "AsyncEngine", "AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs", "SamplingParams",
-           "RequestOutput", "RequestOutputKind", "LoRARequest", "TextPrompt", "TokensPrompt", "SGLangEngine"]
+           "RequestOutput", "RequestOutputKind", "LoRARequest", "TextPrompt", "TokensPrompt", "SGLangEngine",
+           "RepetitionDetectionParams", "Logprob"]
 _ASYNC_LLM = ("AsyncLLM", "AsyncLLMEngine", "AsyncEngineArgs", "EngineArgs")  # vLLM's names (engine/async_llm.py)
 __version__ = "0.1.0"
 

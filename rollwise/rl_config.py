@@ -13,6 +13,7 @@ from rollwise.agent.tools import Latency
 from rollwise.config import check_field_types, read_toml
 from rollwise.router.policies import POLICIES
 from rollwise.rollout.trackers import check_trackers
+from rollwise.sampling import SamplingParams
 from rollwise.router.replica import WEIGHTS_VIA
 from rollwise.trainer.advantages import NO_GROUP
 from rollwise.trainer.config import GRPOConfig
@@ -152,6 +153,9 @@ class TrainConfig:
     retry_statuses: list[str] = field(default_factory=lambda: ["error"])
     temperature: float = 1.0
     max_tokens: int = 64  # per turn
+    # vLLM's repetition_detection for every turn ({"max_pattern_size", "min_pattern_size", "min_count"}):
+    # a reply caught in a loop ends there (finish_reason "repetition"), not at max_tokens
+    repetition_detection: dict | None = None
     max_turns: int = 4
     max_staleness: int = 1  # 0: synchronous (on-policy); k: rollouts up to k versions ahead
     # DAPO's dynamic sampling: a group whose episodes all got the same reward has zero advantage and
@@ -290,6 +294,7 @@ class TrainConfig:
         cfg = TrainConfig(**d)
         resolve_env(cfg.env)  # a ValueError naming the built-ins, or why a user's env does not load
         cfg.trainer_config().check()  # the trainer's settings (policy loss, advantage, correction, critic ...)
+        SamplingParams(repetition_detection=cfg.repetition_detection)  # (a ValueError naming its fields)
         if not 0.0 <= cfg.gamma <= 1.0 or cfg.step_advantage_weight < 0:
             raise ValueError(f"need 0 <= gamma <= 1 and step_advantage_weight >= 0, got {cfg.gamma}, "
                              f"{cfg.step_advantage_weight}")

@@ -22,6 +22,40 @@ class RequestOutputKind(IntEnum):
     FINAL_ONLY = 2
 
 
+@dataclass(frozen=True)
+class RepetitionDetectionParams:
+    """vLLM's: end the output (finish_reason "repetition", stop_reason "repetition_detected") once
+    its last L tokens, for some L in [min_pattern_size or 1, max_pattern_size], came min_count times
+    in a row: a sampler caught in a loop (common early in RL) stops, where it would run to max_tokens.
+    max_pattern_size 0: off."""
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_pattern_size", "min_pattern_size", "min_count"):
+            _check_int(f"repetition_detection.{name}", getattr(self, name), lo=0)
+        if self.min_pattern_size > self.max_pattern_size:
+            raise ValueError("repetition_detection: min_pattern_size must be <= max_pattern_size "
+                             "(both 0: off)")
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise ValueError(f"repetition_detection.min_count must be >= 2 with a max_pattern_size, "
+                             f"got {self.min_count}")
+
+    def found(self, ids: list[int], start: int = 0) -> bool:
+        """Whether ids[start:] (the output so far) ends in a pattern repeated min_count times."""
+        end = len(ids)
+        for size in range(max(self.min_pattern_size, 1), self.max_pattern_size + 1):
+            if size * self.min_count > end - start:
+                return False
+            if ids[end - 1] != ids[end - 1 - size]:  # (most sizes fail here: no slices made for them)
+                continue
+            tail = ids[end - size:]
+            if all(ids[end - size * (m + 1):end - size * m] == tail for m in range(1, self.min_count)):
+                return True
+        return False
+
+
 @dataclass(slots=True, kw_only=True)
 class SamplingParams:
     """How to sample one request. `temperature == 0` means greedy.
@@ -75,6 +109,11 @@ class SamplingParams:
     # vLLM's: what AsyncLLM.generate yields per step (LLM.generate, AsyncEngine.generate and the
     # servers give the final output, and stream by their own rules)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    detokenize: bool = True  # vLLM's: False gives no text (token ids only; no stop strings then)
+    # vLLM's: compute the prompt even where the prefix cache holds it; None: only for prompt_logprobs
+    skip_reading_prefix_cache: bool | None = None
+    repetition_detection: RepetitionDetectionParams | None = None  # (or a dict of its fields)
+    extra_args: dict | None = None  # vLLM's: for plugins; carried, not read by this engine
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else self.stop or []  # (checked and listed below)
@@ -123,6 +162,24 @@ class SamplingParams:
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
+        for name in ("detokenize", "skip_reading_prefix_cache"):
+            if not isinstance(getattr(self, name), bool) and (name == "detokenize" or getattr(self, name) is not None):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (the text they are found in)")
+        if self.skip_reading_prefix_cache is None:
+            self.skip_reading_prefix_cache = self.prompt_logprobs is not None
+        if isinstance(self.repetition_detection, dict):
+            names = [f.name for f in fields(RepetitionDetectionParams)]
+            if set(self.repetition_detection) - set(names):
+                raise ValueError(f"repetition_detection takes {names}, got {sorted(self.repetition_detection)}")
+            self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
+        if self.repetition_detection is not None and not isinstance(self.repetition_detection,
+                                                                    RepetitionDetectionParams):
+            raise ValueError("repetition_detection must be a RepetitionDetectionParams or a dict of "
+                             "max_pattern_size, min_pattern_size, min_count")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
 
     @property
     def is_greedy(self) -> bool:

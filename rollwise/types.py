@@ -5,12 +5,14 @@ Imports no torch: the control plane (router, rollout, spec) uses these types too
 """
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, field, fields
 
 from rollwise.sampling import SamplingParams
 from rollwise.wire import decode_routing
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "repetition")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -33,8 +35,9 @@ class RequestOutput:
     # (partial rollout); empty: every token at policy_version
     version_segments: list[tuple[int, int]] = field(default_factory=list)
     # with SamplingParams.prompt_logprobs: each prompt token's logprob (None for the first) and the
-    # most likely tokens at its position ({token id: logprob}; None for the first, {} with k = 0)
-    prompt_logprobs: list[float | None] | None = None
+    # most likely tokens at its position ({token id: logprob}; None for the first, {} with k = 0);
+    # `prompt_logprobs` gives them as vLLM does
+    prompt_token_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None  # each one's rank: 1 + how many are likelier
     # with SamplingParams.return_routed_experts, once finished: int32 numpy [num_tokens - 1, layers, k],
@@ -45,6 +48,9 @@ class RequestOutput:
     prompt: str | None = None  # vLLM's: the prompt's text, when LLM.generate was given text
     # from LLM.generate with SamplingParams.n: the prompt's samples (this output is the first of them)
     samples: list[RequestOutput] | None = None
+    # the engine's tokenizer, which spells the Logprobs' decoded_token in the vLLM views below (None
+    # with SamplingParams.detokenize False, as vLLM leaves them)
+    tokenizer: object | None = field(default=None, repr=False, compare=False)
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -52,15 +58,25 @@ class RequestOutput:
         SamplingParams.n asked for more (`samples` holds them as RequestOutputs)."""
         return [CompletionOutput.of(o) for o in ([self] if self.samples is None else self.samples)]
 
-    def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        return d | ({} if self.samples is None else {"samples": [o.to_dict() for o in self.samples]})
+    @property
+    def prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's: per prompt token (None for the first), {token id: Logprob} for the token (with its
+        rank in the vocabulary), then the SamplingParams.prompt_logprobs most likely (ranked 1..k);
+        None unless prompt logprobs were asked for."""
+        lps = self.prompt_token_logprobs
+        if lps is None:
+            return None
+        tops = self.prompt_top_logprobs or [None] * len(lps)
+        ranks = self.prompt_logprob_ranks or [None] * len(lps)
+        ids = self.prompt_token_ids
+        return [None if lp is None else _position(self.tokenizer, t, lp, rank, top or {}, ids[max(1, i - 4):i])
+                for i, (t, lp, rank, top) in enumerate(zip(ids, lps, ranks, tops))]
 
 
 @dataclass(slots=True, frozen=True)
 class Logprob:
-    """vLLM's: a token's logprob, with its rank (1 + how many tokens are likelier) where known (not
-    decoded_token: left None)."""
+    """vLLM's: a token's logprob, with its rank (1 + how many tokens are likelier) where known, and
+    its text alone (vLLM's decode of [token id]) where the output knows its tokenizer."""
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
@@ -80,15 +96,47 @@ class CompletionOutput:
 
     @classmethod
     def of(cls, out: RequestOutput) -> CompletionOutput:
-        logprobs = []
-        for i, (t, lp) in enumerate(zip(out.token_ids, out.logprobs)):
-            top = out.top_logprobs[i] if i < len(out.top_logprobs) else {}
-            ranks = {k: r for r, k in enumerate(top, 1)}
-            rest = {k: Logprob(top[k], r) for k, r in ranks.items() if k != t}
-            logprobs.append({t: Logprob(lp, ranks.get(t))} | rest)
+        ids, tops = out.token_ids, out.top_logprobs
+        logprobs = [_position(out.tokenizer, t, lp, None, (tops[i] if i < len(tops) else None) or {},
+                              ids[max(0, i - 4):i]) for i, (t, lp) in enumerate(zip(ids, out.logprobs))]
         return cls(index=out.index, text=out.text, token_ids=list(out.token_ids),
                    cumulative_logprob=float(sum(out.logprobs)), logprobs=logprobs, finish_reason=out.finish_reason,
                    stop_reason=out.stop_reason)
+
+
+def _position(tok, t: int, lp: float, rank: int | None, top: dict[int, float], context: list[int]
+              ) -> dict[int, Logprob]:
+    """One position's {token id: Logprob}: the token first, then the most likely ones (ranked 1..k;
+    the token's own rank is its place among them when it is one). `context`: the tokens before it."""
+    ranks = {k: r for r, k in enumerate(top, 1)}
+    first = {t: Logprob(lp, ranks.get(t, rank), _decoded(tok, t, context))}
+    return first | {k: Logprob(top[k], r, _decoded(tok, k, context)) for k, r in ranks.items() if k != t}
+
+
+def _decoded(tok, t: int, context: list[int]) -> str | None:
+    """vLLM's decoded_token: the token's text alone (a special token's too); a token ending inside a
+    UTF-8 character (a byte-level piece, U+FFFD alone) gets the text it completes after up to 4 tokens
+    before it, or "" where the character is still incomplete, as vLLM 0.32 corrects it. None without
+    a tokenizer."""
+    text = _piece(tok, t)
+    if text is None or not text.endswith("\ufffd"):
+        return text
+    for n in range(1, min(len(context), 4) + 1):
+        ctx = context[-n:]
+        whole = tok.decode(ctx + [t], skip_special_tokens=False)
+        if whole.endswith("\ufffd"):
+            continue
+        clean = len(ctx)  # the context tokens before the incomplete ones: their text is not this token's
+        while clean and _piece(tok, ctx[clean - 1]).endswith("\ufffd"):
+            clean -= 1
+        prefix = tok.decode(ctx[:clean], skip_special_tokens=False) if clean else ""
+        return whole[len(os.path.commonprefix([prefix, whole])):]
+    return ""
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _piece(tok, t: int) -> str | None:
+    return None if tok is None else tok.decode([t], skip_special_tokens=False)
 
 
 @dataclass(slots=True)
@@ -150,7 +198,7 @@ class GenerateOutput:
     replica: str = ""  # set by a router: which replica served it
     version_segments: list[tuple[int, int]] = field(default_factory=list)  # as in RequestOutput
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # as in RequestOutput
-    prompt_logprobs: list[float | None] | None = None  # as in RequestOutput
+    prompt_token_logprobs: list[float | None] | None = None  # as in RequestOutput
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None
     routed_experts: object | None = None  # as in RequestOutput (numpy [num_tokens - 1, layers, k])

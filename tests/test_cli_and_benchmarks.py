@@ -190,6 +190,17 @@ def test_spec_engine_benchmark_smoke(tmp_path):
         assert row["off_tok_s"] > 0 and row["spec_tok_s"] > 0
 
 
+def test_repetition_benchmark_smoke(tmp_path):
+    res = smoke(tmp_path, "benchmarks/repetition.py", "--model", str(tmp_path / "model"), "--prompts", "2",
+                "--samples", "2", "--repeats", "1", "--temperature", "0")
+    assert res["plain"]["tokens"] == 4 * 64 and res["plain"]["ended_by_rule"] == 0 and res["plain"]["checks"] == 0
+    # greedy, the tiny model loops: the rule ends samples early, on the plain run's tokens, having checked
+    # every token but the last of a sample that ran to max_tokens
+    ended = res["rule"]["ended_by_rule"]
+    assert ended > 0 and res["same_tokens_up_to_the_cut"] == 4 and res["rule"]["tokens"] < res["plain"]["tokens"]
+    assert res["rule"]["checks"] == res["rule"]["tokens"] - (4 - ended)
+
+
 def test_stop_strings_benchmark_smoke(tmp_path):
     res = smoke(tmp_path, "benchmarks/stop_strings.py", "--model", str(tmp_path / "model"), "--batch", "2",
                 "--repeats", "1")

@@ -32,6 +32,7 @@ async def deltas(engine, prompt, params: SamplingParams, rid: str, group_id: str
     # a step's new tokens decoded alone (a tokenizer without `decoder`: the whole output each step); each
     # step's work is its own tokens', not the output so far (a long reply streams in linear time)
     grow = tok.decoder(params.skip_special_tokens) if hasattr(tok, "decoder") else None
+    grow = grow if params.detokenize else (lambda ids: "")  # (no text at all: vLLM's detokenize=False)
     # (closing this generator closes the stream, which aborts the request)
     async with aclosing(engine.stream(prompt, params, rid, group_id=group_id, **options)) as outs:
         async for out in outs:
@@ -114,7 +115,8 @@ class AsyncLLM:
                 o.prompt = text
             yield dataclasses.replace(out, request_id=request_id, prompt=text)
             return
-        kind, got = sp.output_kind, RequestOutput(request_id=request_id, prompt_token_ids=ids, prompt=text)
+        tok, kind = self.tokenizer if sp.detokenize else None, sp.output_kind  # (detokenize: decoded_token)
+        got = RequestOutput(request_id=request_id, prompt_token_ids=ids, prompt=text, tokenizer=tok)
         async with aclosing(deltas(self.engine, ids, sp, request_id, **options)) as pieces:
             async for new, lps, tops, delta, final in pieces:
                 if final is not None:
@@ -131,7 +133,7 @@ class AsyncLLM:
                                               top_logprobs=list(got.top_logprobs))
                 elif kind == RequestOutputKind.DELTA:
                     yield RequestOutput(request_id=request_id, prompt_token_ids=ids, token_ids=new, logprobs=lps,
-                                        top_logprobs=tops, text=delta, prompt=text)
+                                        top_logprobs=tops, text=delta, prompt=text, tokenizer=tok)
 
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
         """Abort requests in flight (with n > 1, the request's samples)."""

@@ -63,8 +63,7 @@ class LLMEngine(WeightVersions, SleepMode):
         self.stats = dict.fromkeys(("num_steps", "prompt_tokens", "prefill_tokens", "decode_tokens", "generated_tokens",
                                     "step_time_s", "num_finished", "num_aborted", "num_interrupted",
                                     "num_failed_steps"), 0)
-        # $ROLLWISE_STEP_TRACE=DIR: every step's shape and seconds to DIR/steps-PID.jsonl (the
-        # simulator's cost profile is fitted from these, recorded under real serving conditions)
+        # $ROLLWISE_STEP_TRACE=DIR: each step's shape and seconds to DIR/steps-PID.jsonl (the simulator fits its costs)
         trace = os.environ.get("ROLLWISE_STEP_TRACE")
         self._trace = open(Path(trace) / f"steps-{os.getpid()}.jsonl", "a", buffering=1) if trace else None
 
@@ -326,10 +325,7 @@ class LLMEngine(WeightVersions, SleepMode):
         p = seq.params
         n = seq.num_output_tokens
         if n >= p.min_tokens:
-            if not p.ignore_eos and tok in self.eos_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", tok
-                return
-            if tok in p.stop_token_ids:
+            if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", tok
                 return
             if p.stop:
@@ -349,6 +345,8 @@ class LLMEngine(WeightVersions, SleepMode):
                         return
         if n >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
+        elif (rep := p.repetition_detection) and n >= p.min_tokens and rep.found(seq.token_ids, seq.prompt_len):
+            seq.finish_reason, seq.stop_reason = "repetition", "repetition_detected"
 
     def _progress(self, seq: Sequence) -> RequestOutput:
         """A streaming request's tokens since its last output, and their logprobs (AsyncEngine adds
@@ -363,7 +361,7 @@ class LLMEngine(WeightVersions, SleepMode):
     def _output(self, seq: Sequence) -> RequestOutput:
         finished = seq.finish_reason is not None
         text = ""
-        if finished:
+        if finished and seq.params.detokenize:
             text = seq.text if seq.text is not None else self.tokenizer.decode(seq.params.text_ids(
                 seq.output_token_ids, seq.finish_reason, self.eos_token_ids), seq.params.skip_special_tokens)
         return RequestOutput(
@@ -373,8 +371,9 @@ class LLMEngine(WeightVersions, SleepMode):
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             num_cached_tokens=max(seq.num_cached_tokens, 0), policy_version=seq.policy_version,
             version_segments=list(seq.version_segments), routed_experts=seq.routed_experts,
+            tokenizer=self.tokenizer if seq.params.detokenize else None,
             **({} if seq.prompt_logprobs is None else {
-                "prompt_logprobs": [x and x[0] for x in seq.prompt_logprobs],
+                "prompt_token_logprobs": [x and x[0] for x in seq.prompt_logprobs],
                 "prompt_top_logprobs": [x and x[1] for x in seq.prompt_logprobs],
                 "prompt_logprob_ranks": [x and x[2] for x in seq.prompt_logprobs]}))
 

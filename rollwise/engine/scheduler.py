@@ -101,7 +101,8 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hashes = seq.full_block_hashes(self.blocks.block_size, self.blocks.chain)
-            fresh = seq.needs_prompt_logprobs  # its prompt is computed, cached or not (prompt logprobs)
+            # its prompt is computed, cached or not (prompt logprobs, or skip_reading_prefix_cache)
+            fresh = seq.needs_prompt_logprobs or seq.params.skip_reading_prefix_cache
             hits = [] if fresh else self.blocks.match_prefix(hashes)
             if (len(hits) < len(hashes) and self.blocks.enable_prefix_caching and self.share_computing_prefix
                     and not fresh):

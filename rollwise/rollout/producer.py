@@ -152,7 +152,7 @@ async def produce(cfg, queue, router, make_env, tasks: list[dict], cursor: int, 
         def episode(k: int):
             greedy = k == cfg.group_size
             params = SamplingParams(temperature=0.0 if greedy else cfg.temperature, max_tokens=cfg.max_tokens,
-                                    seed=stable_seed(cfg.seed, idx, k),
+                                    seed=stable_seed(cfg.seed, idx, k), repetition_detection=cfg.repetition_detection,
                                     return_routed_experts=cfg.routing_replay != "off" and not greedy)
             return run_attempts(router, make_env, task, params, retries=cfg.episode_retries,
                                 retry_on=tuple(cfg.retry_statuses), trajectory_id=f"{gid}/{'greedy' if greedy else k}",

@@ -1,6 +1,7 @@
 """Another server (vLLM, SGLang) as a replica, through its OpenAI-compatible API."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 from rollwise.router.replica import HttpReplica
@@ -54,6 +55,8 @@ class OpenAIReplica(HttpReplica):
         body["allowed_token_ids"], body["bad_words"] = p.allowed_token_ids, p.bad_words
         body["structured_outputs"] = p.structured_outputs  # (vLLM's name)
         body["cache_salt"] = request.cache_salt
+        if p.repetition_detection is not None:  # (vLLM 0.32's)
+            body["repetition_detection"] = dataclasses.asdict(p.repetition_detection)
         return {k: v for k, v in body.items() if v is not None}
 
     @staticmethod

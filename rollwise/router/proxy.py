@@ -74,7 +74,7 @@ class Routed:
         if piece.finish_reason is not None:
             out.finished, out.finish_reason, out.num_cached_tokens = True, piece.finish_reason, piece.num_cached_tokens
             out.policy_version, out.version_segments = piece.policy_version, piece.version_segments
-            out.prompt_logprobs, out.prompt_top_logprobs = piece.prompt_logprobs, piece.prompt_top_logprobs
+            out.prompt_token_logprobs, out.prompt_top_logprobs = piece.prompt_token_logprobs, piece.prompt_top_logprobs
             out.prompt_logprob_ranks = piece.prompt_logprob_ranks
             out.routed_experts, out.stop_reason = piece.routed_experts, piece.stop_reason
             eos = {getattr(self.tokenizer, "eos_token_id", None)}

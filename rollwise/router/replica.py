@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -239,6 +239,9 @@ class HttpReplica:
                                     **({"bad_words": p.bad_words} if p.bad_words else {}),
                                     **({} if p.structured_outputs is None else {"structured_outputs": p.structured_outputs}),
                                     **({"return_routed_experts": True} if p.return_routed_experts else {}),
+                                    **({} if p.repetition_detection is None else {
+                                        "repetition_detection": asdict(p.repetition_detection)}),
+                                    **({"skip_reading_prefix_cache": True} if p.skip_reading_prefix_cache else {}),
                                     **({} if p.lora is None else {"lora": p.lora})}}
 
     @staticmethod
@@ -248,7 +251,7 @@ class HttpReplica:
                               request_id=b["request_id"], stop_reason=b.get("stop_reason"),
                               version_segments=[tuple(x) for x in b.get("version_segments", [])],
                               top_logprobs=[{t: lp for t, lp in top} for top in b.get("top_logprobs", [])],
-                              prompt_logprobs=b.get("prompt_logprobs"),
+                              prompt_token_logprobs=b.get("prompt_logprobs"),
                               prompt_logprob_ranks=b.get("prompt_logprob_ranks"),
                               routed_experts=None if b.get("routed_experts") is None else decode_routing(
                                   b["routed_experts"], b["routed_experts_shape"]),

@@ -49,6 +49,8 @@ class _OpenAISampling(_Strict):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: the prompt's last k tokens (-1: model length)
     priority: int = 0  # vLLM's: lower is served first (a server started with --scheduling-policy priority)
     cache_salt: str | None = None  # vLLM's: prefix-cache KV (and drafts) shared only within the salt
+    # vLLM's: end a reply caught in a loop ({"max_pattern_size", "min_pattern_size", "min_count"})
+    repetition_detection: dict[str, int] | None = None
     # session metadata for schedulers (trajectory, group, turn)
     trajectory_id: str | None = None
     group_id: str | None = None
@@ -70,7 +72,8 @@ class _OpenAISampling(_Strict):
                               skip_special_tokens=self.skip_special_tokens,
                               prompt_logprobs=self.prompt_logprobs,
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              structured_outputs=self.structured(tokenizer, parser))
+                              structured_outputs=self.structured(tokenizer, parser),
+                              repetition_detection=self.repetition_detection)
 
     def truncated(self, ids: list[int], max_model_len: int | None) -> list[int]:
         """The prompt's ids cut to their last `truncate_prompt_tokens`, as vLLM cuts them: -1 is the

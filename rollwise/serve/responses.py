@@ -42,8 +42,8 @@ def generate_json(out: RequestOutput) -> dict:
             **({} if out.routed_experts is None else {  # SGLang's encoding (base64 int32) and the shape
                 "routed_experts": encode_routing(out.routed_experts),
                 "routed_experts_shape": list(out.routed_experts.shape)}),
-            **({} if out.prompt_logprobs is None else {
-                "prompt_logprobs": out.prompt_logprobs,
+            **({} if out.prompt_token_logprobs is None else {
+                "prompt_logprobs": out.prompt_token_logprobs,
                 "prompt_top_logprobs": [None] + pairs(out.prompt_top_logprobs[1:]),
                 "prompt_logprob_ranks": out.prompt_logprob_ranks})}
 
@@ -102,25 +102,11 @@ def completion_params(body: CompletionRequest, defaults: dict | None = None) -> 
 
 
 def vllm_prompt_logprobs(tok, out: RequestOutput) -> list[dict | None] | None:
-    """vLLM's `prompt_logprobs`: per prompt token (None for the first), {token id: {"logprob",
-    "rank", "decoded_token"}} for the token and the most likely ones; the rank is the place in the
-    vocabulary (1 + how many tokens are more likely; the most likely ones are 1..k)."""
-    if out.prompt_logprobs is None:
-        return None
-    tops = out.prompt_top_logprobs or [None] * len(out.prompt_logprobs)
-    ranks = out.prompt_logprob_ranks or [None] * len(out.prompt_logprobs)
-    result: list[dict | None] = []
-    for t, lp, top, rank in zip(out.prompt_token_ids, out.prompt_logprobs, tops, ranks):
-        if lp is None:
-            result.append(None)
-            continue
-        ranked = list((top or {}).items())
-        entry = {str(c): {"logprob": v, "rank": i + 1, "decoded_token": _piece(tok, c)}
-                 for i, (c, v) in enumerate(ranked)}
-        if str(t) not in entry:
-            entry = {str(t): {"logprob": lp, "rank": rank, "decoded_token": _piece(tok, t)}, **entry}
-        result.append(entry)
-    return result
+    """vLLM's `prompt_logprobs` in JSON: RequestOutput.prompt_logprobs with each Logprob a dict
+    {"logprob", "rank", "decoded_token"} under its token id as a string."""
+    got = dataclasses.replace(out, tokenizer=tok).prompt_logprobs
+    return None if got is None else [None if pos is None else {str(t): {
+        "logprob": x.logprob, "rank": x.rank, "decoded_token": x.decoded_token} for t, x in pos.items()} for pos in got]
 
 
 def completion_choices(tok, body: CompletionRequest, prompts: list, outs: list[RequestOutput], as_ids: bool) -> list[dict]:
@@ -140,7 +126,7 @@ def _completion_logprobs(tok, out: RequestOutput, as_ids: bool = False, echo: bo
     """OpenAI's completion logprobs; with `echo`, the prompt's tokens first (the first has none)."""
     ids, lps, tops = out.token_ids, out.logprobs, out.top_logprobs
     if echo:
-        ids, lps = out.prompt_token_ids + ids, out.prompt_logprobs + lps
+        ids, lps = out.prompt_token_ids + ids, out.prompt_token_logprobs + lps
         tops = out.prompt_top_logprobs + tops if tops else []
     pieces = [_piece(tok, t, as_ids) for t in ids]
     offsets = list(itertools.accumulate(map(len, pieces), initial=0))[:-1]

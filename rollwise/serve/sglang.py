@@ -237,10 +237,10 @@ def sglang_fields(tok, out: RequestOutput, body) -> dict:
         meta["output_token_logprobs"] = [[lp, t, piece(t)] for t, lp in zip(out.token_ids, out.logprobs)]
         if body.top_logprobs_num:
             meta["output_top_logprobs"] = [[[v, t, piece(t)] for t, v in top.items()] for top in out.top_logprobs]
-        if out.prompt_logprobs is not None:
+        if out.prompt_token_logprobs is not None:
             start = body.logprob_start_len
             meta["input_token_logprobs"] = [[lp, t, piece(t)] for t, lp in
-                                            zip(out.prompt_token_ids, out.prompt_logprobs)][start:]
+                                            zip(out.prompt_token_ids, out.prompt_token_logprobs)][start:]
             if body.top_logprobs_num:
                 meta["input_top_logprobs"] = [None if top is None else [[v, t, piece(t)] for t, v in top.items()]
                                               for top in out.prompt_top_logprobs][start:]

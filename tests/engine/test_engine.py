@@ -117,6 +117,8 @@ def test_sampling_params_n_gives_vllm_outputs_per_prompt(llm):
         assert {k: (p.logprob, p.rank) for k, p in pos.items() if k in top} == {
             k: (one.top_logprobs[i][k], r) for r, k in enumerate(top, 1)}
         assert set(pos) == {t, *top} and pos[t].rank == (top.index(t) + 1 if t in top else None)
+        spelled = {k: llm.tokenizer.decode([k], skip_special_tokens=False) for k in pos}  # (pieces of characters: test_vllm_params)
+        assert all(x.decoded_token == spelled[k] for k, x in pos.items() if not spelled[k].endswith("\ufffd"))
     texts = llm.generate(["a b", "c"], dataclasses.replace(GREEDY, n=2, max_tokens=2))
     assert [o.prompt for o in texts] == ["a b", "c"] == [o.samples[1].prompt for o in texts]
     with pytest.raises(ValueError, match="not both"):
@@ -294,21 +296,39 @@ def test_prompt_logprobs_equal_a_direct_forward_and_bypass_the_prefix_cache(mode
     with torch.no_grad():
         h = model(torch.tensor(p), torch.arange(len(p)), build_metadata([len(p)], [0], [list(range(32))], 16, "cpu"), kv)
         lp = torch.log_softmax(model.logits(h[:-1]) / 0.7, -1)
-    assert len(out.prompt_logprobs) == len(p) and out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] is None
+    lps = out.prompt_token_logprobs
+    assert len(lps) == len(p) and lps[0] is None and out.prompt_top_logprobs[0] is None
     want = lp.gather(1, torch.tensor(p[1:])[:, None]).squeeze(1).tolist()
-    assert out.prompt_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert out.prompt_token_logprobs[1:] == pytest.approx(want, abs=1e-4)
     assert [list(t) for t in out.prompt_top_logprobs[1:]] == lp.topk(2).indices.tolist()
     order = lp.argsort(-1, descending=True)  # each prompt token's place in the vocabulary, from 1
     assert out.prompt_logprob_ranks[0] is None
     assert out.prompt_logprob_ranks[1:] == [int((order[i] == t).nonzero()) + 1 for i, t in enumerate(p[1:])]
     assert max(out.prompt_logprob_ranks[1:]) > 2  # (some below the top 2)
+    view = out.prompt_logprobs  # vLLM's: {token id: Logprob}, the prompt token first, then the top 2
+    assert view[0] is None and len(view) == len(p)
+    for i, (t, pos) in enumerate(zip(p[1:], view[1:]), 1):
+        top = list(out.prompt_top_logprobs[i])
+        assert list(pos)[0] == t and set(pos) == {t, *top}
+        assert pos[t].logprob == lps[i] and pos[t].rank == out.prompt_logprob_ranks[i]
+        assert [pos[k].rank for k in top] == [1, 2]
+        assert [pos[k].logprob for k in top] == list(out.prompt_top_logprobs[i].values())
+        spelled = {k: llm.tokenizer.decode([k], skip_special_tokens=False) for k in pos}  # (pieces of characters: test_vllm_params)
+        assert all(x.decoded_token == spelled[k] for k, x in pos.items() if not spelled[k].endswith("\ufffd"))
+    # lm-eval's loglikelihood over vLLM: the continuation's logprob, and whether greedy would write it
+    ctx = len(p) - 5
+    dicts = [{k: x.logprob for k, x in pos.items()} for pos in view[ctx:]]
+    assert sum(d[t] for d, t in zip(dicts, p[ctx:])) == pytest.approx(sum(lps[ctx:]))
+    assert all(max(d, key=d.get) == t for d, t in zip(dicts, p[ctx:])) == all(
+        out.prompt_logprob_ranks[i] == 1 for i in range(ctx, len(p)))
     again = llm.generate([p], dataclasses.replace(params, prompt_logprobs=0))[0]
-    assert again.num_cached_tokens == 0 and again.prompt_logprobs == pytest.approx(out.prompt_logprobs, abs=1e-5)
+    assert again.num_cached_tokens == 0
+    assert again.prompt_token_logprobs == pytest.approx(out.prompt_token_logprobs, abs=1e-5)
     assert again.prompt_top_logprobs[1:] == [{}] * (len(p) - 1)
     plain = llm.generate([p], SamplingParams(max_tokens=2))[0]
-    assert plain.num_cached_tokens > 0 and plain.prompt_logprobs is None
+    assert plain.num_cached_tokens > 0 and plain.prompt_token_logprobs is None
     spec = LLM(model_dir, max_num_batched_tokens=64, speculative="suffix", spec_controller="always")
-    assert spec.generate([p], params)[0].prompt_logprobs == pytest.approx(out.prompt_logprobs, abs=1e-4)
+    assert spec.generate([p], params)[0].prompt_token_logprobs == pytest.approx(out.prompt_token_logprobs, abs=1e-4)
     for bad in (-1, 21, 1.5):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)

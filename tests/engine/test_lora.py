@@ -88,7 +88,10 @@ def test_a_vllm_offline_script_runs_as_written(model_dirs, adapters):
     assert got.returncode == 0, got.stderr[-2000:]
     lines = got.stdout.splitlines()
     assert sum("sample" in x for x in lines) == 8 and any(x.startswith("with the adapter: [") for x in lines)
-    assert lines[-1].startswith("chat: ")
+    assert any(x.startswith("chat: ") for x in lines) and any(x.startswith("looping reply: repetition after")
+                                                              for x in lines)
+    scored = [x for x in lines if x.startswith("scored with detokenize=")]  # (None: vLLM decodes nothing then)
+    assert len(scored) == 2 and "pieces [None, None" in scored[0] and "None" not in scored[1].split("pieces")[1]
 
 
 def test_async_llm_takes_lora_requests(model_dirs, adapters):

@@ -303,3 +303,35 @@ def test_greso_adaptive_explore_moves_each_kind_toward_its_share_by_version():
     again = PreRolloutFilter(3, 0.5, seed=1, target=0.3)  # a resume takes the checkpoint's values
     again.restore({}, {str(v): p for v, p in f.by_version.items()})
     assert again.by_version == f.by_version
+
+
+def test_the_producer_samples_every_turn_with_the_runs_repetition_detection(model_dir):
+    """TrainConfig.repetition_detection reaches each turn's SamplingParams (the engine's test checks
+    what it does there)."""
+    from rollwise.agent.envs import make_env
+    from rollwise.agent.generator import RecordingGenerator, ScriptedGenerator
+    from rollwise.engine.tokenizer import Tokenizer
+    from rollwise.rl_config import TrainConfig
+    from rollwise.rollout.producer import produce
+    from rollwise.sampling import RepetitionDetectionParams
+    rule = {"max_pattern_size": 4, "min_count": 3}
+    gen = RecordingGenerator(ScriptedGenerator(Tokenizer(model_dir), lambda r: "42"))
+    for given, want in ((rule, RepetitionDetectionParams(**rule)), (None, None)):
+        cfg = TrainConfig.from_dict({"model": model_dir, "env": "calculator", "group_size": 2, "groups_per_step": 1,
+                                     "repetition_detection": given})
+
+        async def go():
+            q = GroupQueue(1, 0)
+            prod = asyncio.create_task(produce(cfg, q, gen, lambda: make_env("calculator"),
+                                               make_env("calculator").sample_tasks(4, seed=0), 0, set()))
+            try:
+                return await asyncio.wait_for(q.get_batch(), 30)
+            finally:
+                prod.cancel()
+        gen.calls.clear()
+        assert len(asyncio.run(go())[0].trajectories) == 2
+        assert gen.calls and all(r.params.repetition_detection == want for r, _ in gen.calls)
+    with pytest.raises(ValueError, match="min_count must be >= 2"):
+        TrainConfig.from_dict({"model": "m", "repetition_detection": {"max_pattern_size": 4}})
+    with pytest.raises(ValueError, match="repetition_detection"):
+        TrainConfig.from_dict({"model": "m", "repetition_detection": 4})

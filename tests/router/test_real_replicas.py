@@ -431,6 +431,12 @@ def test_openai_replica_speaks_token_ids_through_completions(servers, model_dir)
         got = [await r.generate(choice) for r in (OpenAIReplica(servers[0].url, "m"), HttpReplica(servers[0].url))]
         assert got[0].token_ids == got[1].token_ids and got[0].finish_reason == "stop"
         assert Tokenizer(model_dir).decode(got[0].token_ids) in ("yes", "no")
+        # and vLLM's repetition_detection: a looping greedy reply ends early, at the same token
+        loop = GenerateRequest(prompt_token_ids=Tokenizer(model_dir).encode("hello world"), params=SamplingParams(
+            temperature=0, max_tokens=120, ignore_eos=True, repetition_detection={"max_pattern_size": 8, "min_count": 3}))
+        cut = [await r.generate(loop) for r in (OpenAIReplica(servers[0].url, "m"), HttpReplica(servers[0].url))]
+        assert cut[0].token_ids == cut[1].token_ids and len(cut[0].token_ids) < 120
+        assert [c.finish_reason for c in cut] == ["repetition"] * 2
         # streamed: the pieces add up to the whole, through either API
         for r in (OpenAIReplica(servers[0].url, "m"), HttpReplica(servers[0].url)):
             pieces = [p async for p in r.stream(req)]

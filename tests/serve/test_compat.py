@@ -44,7 +44,7 @@ def test_generate_speaks_sglang(client, model_dir):
     assert tok == ref.token_ids and lp == pytest.approx(ref.logprobs, abs=1e-4) and all(isinstance(t, str) for t in text)
     assert [[t for _, t, _ in top] for top in meta["output_top_logprobs"]] == [list(t) for t in ref.top_logprobs]
     assert [t for _, t, _ in meta["input_token_logprobs"]] == ids[1:]
-    assert [x for x, _, _ in meta["input_token_logprobs"]] == pytest.approx(ref.prompt_logprobs[1:], abs=1e-4)
+    assert [x for x, _, _ in meta["input_token_logprobs"]] == pytest.approx(ref.prompt_token_logprobs[1:], abs=1e-4)
     assert len(meta["input_top_logprobs"]) == 4
     plain = client.post("/generate", json={"text": "The agent", "sampling_params": {"max_new_tokens": 3}}).json()
     assert len(plain["output_ids"]) == 3 and "output_token_logprobs" not in plain["meta_info"]
@@ -344,7 +344,7 @@ def test_echo_and_prompt_logprobs(client, model_dir):
     assert ch["text"].startswith(text) and len(ch["text"]) > len(text)
     assert lp["token_ids"] == ids + ref.token_ids and len(lp["tokens"]) == len(ids) + 1
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    assert lp["token_logprobs"][1:len(ids)] == pytest.approx(ref.prompt_logprobs[1:], abs=1e-4)
+    assert lp["token_logprobs"][1:len(ids)] == pytest.approx(ref.prompt_token_logprobs[1:], abs=1e-4)
     assert lp["token_logprobs"][-1] == pytest.approx(ref.logprobs[0], abs=1e-4)
     assert [len(t) for t in lp["top_logprobs"][1:]] == [1] * len(ids)
     assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
@@ -352,7 +352,7 @@ def test_echo_and_prompt_logprobs(client, model_dir):
     assert plain["logprobs"] is None and plain["text"].startswith(text)
     gen = client.post("/generate", json={"input_ids": ids, "sampling_params": {
         "temperature": 0, "max_tokens": 1, "prompt_logprobs": 2}}).json()
-    assert gen["prompt_logprobs"][0] is None and gen["prompt_logprobs"][1:] == pytest.approx(ref.prompt_logprobs[1:], abs=1e-4)
+    assert gen["prompt_logprobs"][0] is None and gen["prompt_logprobs"][1:] == pytest.approx(ref.prompt_token_logprobs[1:], abs=1e-4)
     assert gen["prompt_top_logprobs"][0] is None and all(len(t) == 2 for t in gen["prompt_top_logprobs"][1:])
     assert client.post("/v1/completions", json=body | {"stream": True}).status_code == 400
 
@@ -638,3 +638,26 @@ def test_sglang_flags_fold_into_ours(model_dir, monkeypatch):
     assert (args.model, args.tool_call_parser, args.reasoning_parser) == (model_dir, "hermes", "deepseek_r1")
     assert args.lora_modules == ["a=/adapters/a", "/adapters/b=/adapters/b"]
     assert (args.block_size, args.batch_invariant, args.max_loras) == (32, True, 3)
+
+
+def test_repetition_detection_over_http(client):
+    """vLLM's repetition_detection on completions and chat, and in /generate's sampling_params (what a
+    router sends its replicas): a looping greedy reply ends with finish_reason "repetition"; a bad
+    rule is a 400 that names the fields."""
+    rule = {"max_pattern_size": 8, "min_count": 3}
+    body = {"prompt": "hello world", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    full = client.post("/v1/completions", json=body).json()["choices"][0]
+    cut = client.post("/v1/completions", json=body | {"repetition_detection": rule}).json()["choices"][0]
+    assert full["finish_reason"] == "length" and cut["finish_reason"] == "repetition"
+    assert cut["stop_reason"] == "repetition_detected" and full["text"].startswith(cut["text"])
+    assert len(cut["text"]) < len(full["text"])
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello world"}],
+                                                     "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+                                                     "repetition_detection": rule}).json()
+    assert chat["choices"][0]["finish_reason"] == "repetition"
+    ids = client.post("/tokenize", json={"prompt": "hello world"}).json()["tokens"]
+    gen = client.post("/generate", json={"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 120, "temperature": 0, "ignore_eos": True, "repetition_detection": rule}}).json()
+    assert gen["meta_info"]["finish_reason"]["type"] == "repetition"
+    r = client.post("/v1/completions", json=body | {"repetition_detection": {"max_pattern_size": 4, "min_count": 1}})
+    assert r.status_code == 400 and "min_count must be >= 2" in r.json()["error"]["message"]

@@ -1,0 +1,210 @@
+"""vLLM 0.32's sampling options that an RL rollout or a scorer sets: repetition_detection (a looping
+reply ends), detokenize=False (token ids only), skip_reading_prefix_cache, extra_args; and the
+decoded tokens of vLLM's Logprobs."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+
+import pytest
+
+from rollwise import LLM, RepetitionDetectionParams, RequestOutputKind, SamplingParams
+
+LOOP = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir)
+
+
+def _repeats(ids: list[int], r: RepetitionDetectionParams, start: int = 0) -> bool:
+    """The definition, spelled differently: the output's last L x min_count tokens are its last L, min_count times."""
+    out = ids[start:]
+    return any(len(out) >= size * r.min_count and out[-size * r.min_count:] == out[-size:] * r.min_count
+               for size in range(max(r.min_pattern_size, 1), r.max_pattern_size + 1))
+
+
+def test_repetition_detection_finds_exactly_the_repeated_tails():
+    rng = random.Random(0)
+    rules = [RepetitionDetectionParams(max_pattern_size=m, min_pattern_size=lo, min_count=c)
+             for m, lo, c in ((1, 0, 2), (4, 0, 3), (6, 3, 2), (8, 8, 2), (5, 2, 4))]
+    for _ in range(3000):
+        unit = [rng.randrange(3) for _ in range(rng.randint(1, 6))]
+        ids = [rng.randrange(3) for _ in range(rng.randint(0, 12))] + unit * rng.randint(1, 4)
+        ids += [rng.randrange(3) for _ in range(rng.randint(0, 1))]
+        start = rng.randint(0, len(ids))
+        for r in rules:
+            assert r.found(ids, start) == _repeats(ids, r, start), (ids, start, r)
+    assert not RepetitionDetectionParams().found([7] * 50)  # (off)
+    for bad, why in (({"max_pattern_size": 2, "min_count": 1}, "min_count must be >= 2"),
+                     ({"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2}, "min_pattern_size must be <="),
+                     ({"max_pattern_size": -1}, "max_pattern_size must be >= 0"),
+                     ({"max_pattern_size": 2.0, "min_count": 2}, "must be an integer")):
+        with pytest.raises(ValueError, match=why):
+            SamplingParams(repetition_detection=bad)
+    with pytest.raises(ValueError, match="takes .*max_pattern_size"):
+        SamplingParams(repetition_detection={"max_pattern": 4})
+    with pytest.raises(ValueError, match="RepetitionDetectionParams or a dict"):
+        SamplingParams(repetition_detection=[4, 0, 2])
+
+
+def test_a_looping_reply_ends_where_the_pattern_first_repeats(llm, model_dir):
+    """Greedy decoding of the tiny model loops; with repetition_detection the reply is the same
+    tokens cut at the first one that completes min_count repeats (not before min_tokens), finish
+    reason "repetition" as vLLM's; speculation (which accepts several tokens a step) cuts at the same
+    token; a rule the reply never meets leaves it to max_tokens."""
+    full = llm.generate(["hello world"], LOOP)[0].token_ids
+    for rule, min_tokens in (({"max_pattern_size": 8, "min_count": 3}, 0), ({"max_pattern_size": 8, "min_count": 3}, 40),
+                             ({"max_pattern_size": 2, "min_pattern_size": 2, "min_count": 5}, 0)):
+        r = RepetitionDetectionParams(**rule)
+        cut = next(i for i in range(max(min_tokens, 1), len(full) + 1) if _repeats(full[:i], r))  # (it loops)
+        params = dataclasses.replace(LOOP, repetition_detection=rule, min_tokens=min_tokens)
+        out = llm.generate(["hello world"], params)[0]
+        assert out.token_ids == full[:cut] and cut < len(full), rule
+        assert (out.finish_reason, out.stop_reason) == ("repetition", "repetition_detected")
+        assert out.text == llm.tokenizer.decode(full[:cut], skip_special_tokens=True)
+    assert llm.generate(["hello world"], params)[0].outputs[0].finish_reason == "repetition"
+    spec = LLM(model_dir, speculative="suffix", spec_controller="always")
+    spec.generate(["hello world"], LOOP)  # (its trees now know the loop: it drafts it)
+    params = dataclasses.replace(LOOP, repetition_detection={"max_pattern_size": 8, "min_count": 3})
+    assert spec.generate(["hello world"], params)[0].token_ids == llm.generate(["hello world"], params)[0].token_ids
+    assert spec.engine.metrics()["spec_accepted_tokens"] > 0
+    never = llm.generate(["hello world"], dataclasses.replace(LOOP, repetition_detection={
+        "max_pattern_size": 1, "min_count": 200}))[0]
+    assert never.token_ids == full and never.finish_reason == "length"
+
+
+def test_detokenize_false_gives_token_ids_only(llm):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with_text = llm.generate(["a b c"], params)[0]
+    ids_only = llm.generate(["a b c"], dataclasses.replace(params, detokenize=False))[0]
+    assert with_text.text and ids_only.text == "" and ids_only.token_ids == with_text.token_ids
+    assert ids_only.outputs[0].text == "" and ids_only.outputs[0].token_ids == with_text.token_ids
+    t = with_text.token_ids[0]  # vLLM decodes no logprob's token either then
+    assert with_text.outputs[0].logprobs[0][t].decoded_token == llm.tokenizer.decode([t], skip_special_tokens=False)
+    assert ids_only.outputs[0].logprobs[0][t].decoded_token is None
+
+    async def streamed():
+        from rollwise import AsyncLLM
+        engine = AsyncLLM(llm.engine.config.model)
+        try:
+            sp = dataclasses.replace(params, detokenize=False, output_kind=RequestOutputKind.DELTA)
+            return [(o.token_ids, o.text) async for o in engine.generate("a b c", sp, "r")]
+        finally:
+            engine.shutdown()
+    pieces = asyncio.run(streamed())
+    assert [t for ids, _ in pieces for t in ids] == with_text.token_ids and {s for _, s in pieces} == {""}
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+    with pytest.raises(ValueError, match="detokenize must be true or false"):
+        SamplingParams(detokenize="no")
+
+
+def test_skip_reading_prefix_cache_computes_the_prompt_again(llm):
+    """The same prompt again hits the prefix cache; with skip_reading_prefix_cache it is computed
+    (the same greedy tokens); vLLM's default skips for prompt logprobs only."""
+    prompt = list(range(10, 90))
+    params = SamplingParams(temperature=0, max_tokens=4)
+    first = llm.generate([prompt], params)[0]
+    assert llm.generate([prompt], params)[0].num_cached_tokens > 0
+    fresh = llm.generate([prompt], dataclasses.replace(params, skip_reading_prefix_cache=True))[0]
+    assert fresh.num_cached_tokens == 0 and fresh.token_ids == first.token_ids
+    assert llm.generate([prompt], params)[0].num_cached_tokens > 0  # (what it computed is cached for others)
+    assert SamplingParams(prompt_logprobs=0).skip_reading_prefix_cache is True
+    assert SamplingParams().skip_reading_prefix_cache is False
+    with pytest.raises(ValueError, match="skip_reading_prefix_cache must be true or false"):
+        SamplingParams(skip_reading_prefix_cache=1)
+    assert SamplingParams(extra_args={"mine": 1}).extra_args == {"mine": 1}
+    with pytest.raises(ValueError, match="extra_args must be a dict"):
+        SamplingParams(extra_args=[1])
+
+
+def test_decoded_tokens_spell_the_prompt_as_vllm_corrects_them(llm):
+    """Logprob.decoded_token, vLLM 0.32's way: a byte-level piece that ends inside a multi-byte
+    character is "" until the token that completes it, which carries the character; so the prompt
+    tokens' decoded pieces add up to the prompt's text."""
+    text = "x naïve 世界 🙂 ok, Ünïcödé — done"
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    assert any(llm.tokenizer.decode([t]).endswith("\ufffd") for t in ids)  # (the tokenizer splits characters)
+    out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    pieces = [pos[t].decoded_token for t, pos in zip(ids[1:], out.prompt_logprobs[1:])]
+    assert "".join(pieces) == llm.tokenizer.decode(ids[1:]) and "\ufffd" not in "".join(pieces)
+    assert dataclasses.replace(out, tokenizer=None).prompt_logprobs[1][ids[1]].decoded_token is None
+
+
+def test_thinking_budget_bookkeeping_opens_closes_and_forces():
+    """Sequence.thought / forced_next on token lists: a block opened in the prompt counts the prompt's
+    tokens after the start string; a block opened or closed in the output; the end string forced
+    token by token once the block holds the budget, after which a new block may open."""
+    from rollwise.engine.sequence import Sequence
+    S, E = [1, 2], [3, 4]  # (multi-token strings, as on a tokenizer without special think tokens)
+
+    def seq(prompt, budget):
+        s = Sequence("r", prompt, SamplingParams(thinking_token_budget=budget))
+        s.thought(S, E, prompt=True)
+        return s
+
+    def emit(s, toks):
+        forced = []
+        for t in toks:
+            f = s.forced_next(E)
+            forced.append(f)
+            s.token_ids.append(t if f is None else f)
+            s.thought(S, E)
+        return forced
+
+    s = seq([9, 1, 2, 7, 7], 3)  # opened in the prompt, 2 tokens in: 1 more, then 3 and 4 forced
+    assert s.think_count == 2 and s.think_room() == 1
+    assert emit(s, [8, 8, 8, 8, 8]) == [None, 3, 4, None, None] and s.token_ids[5:] == [8, 3, 4, 8, 8]
+    assert s.think_count is None and s.think_room() == 3
+    assert emit(s, [1, 2, 5, 3, 4, 6]) == [None] * 6 and s.think_count is None  # opened and closed in time
+    s = seq([9, 1, 2, 3, 4], 0)  # closed in the prompt: nothing forced, even at budget 0
+    assert s.think_count is None and emit(s, [1, 2, 5]) == [None, None, 3]  # a new block: at once
+    assert seq([1, 2, 6, 6, 6], 2).forced_next(E) == 3  # over the budget in the prompt: forced at once
+    none = Sequence("r", [1, 2], SamplingParams())
+    none.thought(S, E, prompt=True)
+    assert none.think_count is None and none.forced_next(E) is None and none.think_room() > 10**6
+    assert SamplingParams(thinking_token_budget=-1).thinking_token_budget is None
+    for bad in (-2, 1.5, "8"):
+        with pytest.raises(ValueError, match="thinking_token_budget"):
+            SamplingParams(thinking_token_budget=bad)
+
+
+def test_a_thinking_budget_closes_the_block_with_the_end_string(llm, model_dir):
+    """Greedy from a prompt that opens a think block: with thinking_token_budget B the output is the
+    free output's first B - k tokens (k written in the prompt already), then the end string's tokens,
+    then what the model writes after them (the same as from that prefix); no budget, a closed block
+    or -1 change nothing; speculation gives the same tokens; an engine's own strings (vLLM's
+    reasoning_config) are taken."""
+    tok = llm.tokenizer
+    start, end = (tok.encode(s, add_special_tokens=False) for s in ("<think>", "</think>"))
+    prompt = tok.encode("question <think>", add_special_tokens=False) + tok.encode(" x y", add_special_tokens=False)
+    inside = len(prompt) - len(start) - len(tok.encode("question ", add_special_tokens=False))
+    free = llm.generate([prompt], LOOP)[0].token_ids
+    budget = inside + 6
+    params = dataclasses.replace(LOOP, max_tokens=40, thinking_token_budget=budget)
+    out = llm.generate([prompt], params)[0]
+    k = budget - inside
+    assert out.token_ids[:k] == free[:k] and out.token_ids[k:k + len(end)] == end and end != free[k:k + len(end)]
+    after = prompt + out.token_ids[:k + len(end)]
+    assert out.token_ids[k + len(end):] == llm.generate([after], dataclasses.replace(LOOP, max_tokens=40 - k - len(end)))[0].token_ids
+    assert tok.decode(out.token_ids).count("</think>") == 1
+    for same in (dataclasses.replace(LOOP, thinking_token_budget=-1), LOOP):
+        assert llm.generate([prompt], same)[0].token_ids == free
+    closed = prompt + end
+    assert llm.generate([closed], params)[0].token_ids == llm.generate([closed], dataclasses.replace(params, thinking_token_budget=None))[0].token_ids
+    spec = LLM(model_dir, speculative="suffix", spec_controller="always")
+    spec.generate([prompt], dataclasses.replace(params, thinking_token_budget=None))  # (its trees learn the free run)
+    assert spec.generate([prompt], params)[0].token_ids == out.token_ids
+    own = LLM(model_dir, reasoning_config={"reasoning_parser": "qwen3", "reasoning_start_str": "question",
+                                           "reasoning_end_str": "!!"})
+    q, qa = (tok.encode(s, add_special_tokens=False) for s in ("question", "question a"))
+    got = own.generate([qa], dataclasses.replace(params, thinking_token_budget=3))[0].token_ids
+    bang, k = tok.encode("!!", add_special_tokens=False), 3 - (len(qa) - len(q))
+    assert qa[:len(q)] == q and got[k:k + len(bang)] == bang
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        LLM(model_dir, reasoning_parser="nope")
+    with pytest.raises(ValueError, match="reasoning_config takes"):
+        LLM(model_dir, reasoning_config={"think": "<t>"})
