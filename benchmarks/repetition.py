@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
@@ -96,9 +97,7 @@ def main() -> None:
           f"the rule; {res['same_tokens_up_to_the_cut']} of {n} the same tokens up to the cut; the check "
           f"{res['check_us_per_token']:.1f} us a token, {100 * res['check_share']:.2f}% of the run")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-            f.write("\n")
+        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """A script written against vLLM's offline API that runs on rollwise by its import alone: GRPO-style
 sampling (n samples per prompt), each sample's tokens and logprobs read as vLLM gives them, a LoRA
 adapter by LoRARequest, sleep / wake_up as around a weight update, a chat, a looping reply ended by
-repetition_detection, and lm-eval's loglikelihood scoring (prompt_logprobs, detokenize=False).
+repetition_detection, lm-eval's loglikelihood scoring (prompt_logprobs, detokenize=False), and a
+thinking budget.
 
     python examples/vllm_offline.py MODEL_DIR [PEFT_ADAPTER_DIR]
 """
@@ -20,7 +21,7 @@ except ImportError:  # the same script on rollwise
 
 def main(model: str, adapter: str | None = None) -> None:
     llm = LLM(model=model, dtype="auto", enforce_eager=True, gpu_memory_utilization=0.5, seed=0,
-              enable_lora=adapter is not None, max_model_len=512)
+              enable_lora=adapter is not None, max_model_len=512, reasoning_parser="qwen3")
     prompts = ["The capital of France is", "Two plus two is"]
     params = SamplingParams(n=4, temperature=1.0, top_p=0.95, max_tokens=16, seed=1, logprobs=0)
     for out in llm.generate(prompts, params, use_tqdm=False):
@@ -49,6 +50,13 @@ def main(model: str, adapter: str | None = None) -> None:
         print(f"scored with detokenize={detokenize}: {len(out.prompt_logprobs)} positions, first "
               f"{out.prompt_logprobs[0]}, reply text {out.outputs[0].text!r}, "
               f"prompt pieces {pieces}")
+    # a thinking budget: a think block the prompt opened is closed after that many tokens, counting its own
+    tok = llm.get_tokenizer()
+    think, end = tok.encode("question <think> x y", add_special_tokens=False), tok.encode("</think>")[-1]
+    for budget in (6, 2):
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, thinking_token_budget=budget)
+        c = llm.generate([{"prompt_token_ids": think}], params, use_tqdm=False)[0].outputs[0]
+        print(f"thinking budget {budget}: '</think>' at output index {list(c.token_ids).index(end)}")
     del llm  # the engine shut down here: vLLM 0.32 on the CPU aborted at interpreter exit in 3 of 4 runs otherwise
     gc.collect()
 

@@ -61,6 +61,10 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 8  # adapters loaded at once
     max_lora_rank: int = 64
+    # thinking models (vLLM's reasoning config): what opens a think block, and what a request's
+    # thinking_token_budget forces once its block has that many tokens
+    reasoning_start_str: str = "<think>"
+    reasoning_end_str: str = "</think>"
     # speculation (SuffixDecoding): drafts from suffix trees, verified in the same forward
     speculative: str | None = field(default=None, metadata={"choices": SPECULATIVE[1:]})
     spec_controller: str = field(default="adaptive", metadata={"choices": SPEC_CONTROLLERS})
@@ -102,6 +106,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if not self.reasoning_start_str or not self.reasoning_end_str:
+            raise ValueError("reasoning_start_str and reasoning_end_str must be non-empty")
 
 
 # vLLM's engine arguments with no work to do here, and the values that agree with this engine: no CUDA
@@ -130,6 +136,16 @@ def engine_args(kwargs: dict, model) -> dict:
     for name, ok in VLLM_ARGS.items():
         if name in out and out.pop(name) not in ok:
             raise ValueError(f"{name} must be one of {list(ok)} here, got {kwargs[name]!r}")
+    reasoning = out.pop("reasoning_config", None)  # vLLM's: its strings (a parser's are <think> and </think>)
+    if reasoning is not None:
+        got = reasoning if isinstance(reasoning, dict) else vars(reasoning)
+        if not isinstance(got, dict) or set(got) - {"reasoning_parser", "reasoning_start_str", "reasoning_end_str"}:
+            raise ValueError("reasoning_config takes reasoning_parser, reasoning_start_str and reasoning_end_str")
+        out.update({k: v for k, v in got.items() if k != "reasoning_parser" and v})
+        reasoning = got.get("reasoning_parser") or None
+    parser = out.pop("reasoning_parser", None) or reasoning  # (both use <think> and </think>; parsing is a server's)
+    if parser is not None and parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {parser!r}")
     util = out.pop("gpu_memory_utilization", None)
     if util is not None:
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:

@@ -113,6 +113,10 @@ class SamplingParams:
     # vLLM's: compute the prompt even where the prefix cache holds it; None: only for prompt_logprobs
     skip_reading_prefix_cache: bool | None = None
     repetition_detection: RepetitionDetectionParams | None = None  # (or a dict of its fields)
+    # vLLM's: a think block (the engine's reasoning_start_str ... reasoning_end_str, opened in the
+    # prompt or the output) of this many tokens is closed: the end string's tokens are forced next.
+    # None (or -1): no limit
+    thinking_token_budget: int | None = None
     extra_args: dict | None = None  # vLLM's: for plugins; carried, not read by this engine
 
     def __post_init__(self) -> None:
@@ -162,9 +166,10 @@ class SamplingParams:
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
-        for name in ("detokenize", "skip_reading_prefix_cache"):
-            if not isinstance(getattr(self, name), bool) and (name == "detokenize" or getattr(self, name) is not None):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.detokenize, bool):
+            raise ValueError(f"detokenize must be true or false, got {self.detokenize!r}")
+        if not isinstance(self.skip_reading_prefix_cache, (bool, type(None))):
+            raise ValueError(f"skip_reading_prefix_cache must be true or false, got {self.skip_reading_prefix_cache!r}")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (the text they are found in)")
         if self.skip_reading_prefix_cache is None:
@@ -178,6 +183,10 @@ class SamplingParams:
                                                                     RepetitionDetectionParams):
             raise ValueError("repetition_detection must be a RepetitionDetectionParams or a dict of "
                              "max_pattern_size, min_pattern_size, min_count")
+        if self.thinking_token_budget == -1:
+            self.thinking_token_budget = None
+        if self.thinking_token_budget is not None:
+            _check_int("thinking_token_budget", self.thinking_token_budget, lo=0)
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
 

@@ -14,11 +14,13 @@ the reply goes on writing it (`continue_final_message`).
 The reply is a Message: a `thinking` block for a thinking model's reasoning (a reasoning parser's),
 a `text` block, a `tool_use` block per call; `stop_reason` `end_turn`, `max_tokens`,
 `stop_sequence` (with `stop_sequence`) or `tool_use`. `output_config.format` (a JSON schema) holds
-the text to the schema, as structured outputs; the API's other settings (thinking, metadata, service
-tier, cache control) change nothing here and are taken. Streamed as the API's named events
-(message_start, content_block_start / _delta / _stop, message_delta, message_stop). Errors have
-the API's body, `{"type": "error", "error": {"type", "message"}}`. Images, documents and the API's
-server tools are refused (400): the model reads text and calls the tools it is given.
+the text to the schema, as structured outputs; `thinking` `{"type": "enabled", "budget_tokens": n}`
+closes the reply's think block after n tokens (vLLM's thinking_token_budget, as vLLM maps it); the
+API's other settings (metadata, service tier, cache control) change nothing here and are taken.
+Streamed as the API's named events (message_start, content_block_start / _delta / _stop,
+message_delta, message_stop). Errors have the API's body, `{"type": "error", "error": {"type",
+"message"}}`. Images, documents and the API's server tools are refused (400): the model reads text
+and calls the tools it is given.
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ from rollwise.agent.episode import text_content
 from rollwise.agent.gateway import GatewayError
 
 FIELDS = ("model", "max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences", "temperature",
-          "top_p", "top_k", "stream", "output_config")
-IGNORED = ("metadata", "thinking", "service_tier", "cache_control", "container", "diagnostics", "inference_geo",
+          "top_p", "top_k", "stream", "output_config", "thinking")
+IGNORED = ("metadata", "service_tier", "cache_control", "container", "diagnostics", "inference_geo",
            "speed", "user_profile_id", "workspace_id")  # the API's fields that change nothing here: taken, unused
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
 
@@ -59,6 +61,12 @@ def chat_body(body) -> dict:
     for k in ("temperature", "top_p", "top_k"):
         if body.get(k) is not None:
             out[k] = body[k]
+    thinking = body.get("thinking")  # {"type": "enabled", "budget_tokens": n}: vLLM's thinking_token_budget
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        budget = thinking.get("budget_tokens")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise GatewayError(400, "thinking.budget_tokens must be a non-negative integer")
+        out["thinking_token_budget"] = budget
     stops = body.get("stop_sequences")
     if stops:
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):

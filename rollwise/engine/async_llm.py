@@ -9,6 +9,7 @@ Also `deltas`, the per-step pieces of one request's output that it and the serve
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Iterable
@@ -74,6 +75,8 @@ class AsyncLLM:
         self.engine = AsyncEngine(model, **engine_args(kwargs, model))
         self.tokenizer = self.engine.tokenizer
         self._lora_ids: dict[int, str] = {}  # vLLM's adapter ids (LoRARequest.lora_int_id): names
+        self._awake: asyncio.Event | None = None  # cleared by sleep: new requests wait for wake_up (made in the loop)
+        self._slept = False  # a level-0 sleep (generation paused, no memory given back)
 
     @classmethod
     def from_engine_args(cls, engine_args: AsyncEngineArgs, start_engine_loop: bool = True, usage_context=None,
@@ -104,6 +107,7 @@ class AsyncLLM:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         prompt, salt = prompt_parts(prompt)
+        await self._gate().wait()  # (asleep: it waits for wake_up, as vLLM queues it)
         text = prompt if isinstance(prompt, str) else prompt_text
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         if lora_request is not None:
@@ -180,27 +184,47 @@ class AsyncLLM:
         await self.engine.call(reset)
         return True
 
+    def _gate(self) -> asyncio.Event:
+        if self._awake is None:
+            self._awake = asyncio.Event()
+            self._awake.set()
+        return self._awake
+
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """vLLM's: give back the KV pool (level 1), and the weights (level 2). Requests in flight are
-        aborted first ("abort"), or finish first ("wait"; those that arrive meanwhile are aborted, as an
-        engine asleep takes none); "keep" is not taken (an engine sleeps idle here)."""
+        """vLLM's: level 0 pauses generation; 1 also gives back the KV pool, 2 the weights too. Requests
+        in flight are aborted first ("abort") or finish first ("wait"); requests that arrive while it
+        sleeps wait for wake_up, as vLLM queues them. ("keep" is not taken: an engine sleeps idle here.)"""
         if mode not in PAUSE_MODES or mode == "keep":
             raise ValueError(f"mode must be one of ['abort', 'wait'] here (an engine sleeps idle), got {mode!r}")
-        if mode == "wait":
-            await self.engine.pause(wait=True)
+        if level not in (0, 1, 2) or isinstance(level, bool):
+            raise ValueError(f"sleep level must be 0 (a pause), 1 (and the KV cache) or 2 (and the weights), "
+                             f"got {level!r}")
+        self._gate().clear()
         try:
-            await self.engine.abort_all()
-            await self.engine.sleep(level)
-        finally:
-            if mode == "wait":
-                await self.engine.resume()
+            await self.engine.pause(abort=mode == "abort", wait=mode == "wait")
+            if level:
+                await self.engine.sleep(level)
+            self._slept = True
+        except BaseException:
+            await self._woken()
+            raise
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """vLLM's: take the memory back (`tags`: "weights", "kv_cache"; None: all); once all of it is
+        back, generation resumes and the requests that waited start. Whether it is fully awake."""
         await self.engine.wake_up(tags)
+        if self.engine.is_sleeping:
+            return False
+        await self._woken()
         return True
 
+    async def _woken(self) -> None:
+        self._slept = False
+        await self.engine.resume()
+        self._gate().set()
+
     async def is_sleeping(self) -> bool:
-        return self.engine.is_sleeping
+        return self.engine.is_sleeping or self._slept
 
     async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True,
                                wait_for_inflight_requests: bool | None = None) -> None:

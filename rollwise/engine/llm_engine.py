@@ -23,7 +23,7 @@ from rollwise.engine.scheduler import Scheduler
 from rollwise.engine.sequence import Sequence, check_cache_salt
 from rollwise.engine.sleep import SleepMode
 from rollwise.engine.weights import WeightVersions
-from rollwise.engine.tokenizer import Tokenizer
+from rollwise.engine.tokenizer import Tokenizer, eos_ids
 from rollwise.types import RequestOutput, SamplingParams, WeightsNotHeld
 
 
@@ -36,7 +36,10 @@ class LLMEngine(WeightVersions, SleepMode):
         self.max_model_len = min(cfg.max_model_len or model_max, model_max)
         self.runner = ModelRunner(cfg, self.max_model_len)
         self.vocab_size = self.runner.model.config.vocab_size
-        self.eos_token_ids = self._eos_ids(cfg.model)
+        self.eos_token_ids = eos_ids(cfg.model, self.runner.model.config.eos_token_ids, self.tokenizer)
+        # what opens and closes a think block (a request's thinking_token_budget: Sequence.thought)
+        self.think = [self.tokenizer.encode(s, add_special_tokens=False) for s in (cfg.reasoning_start_str,
+                                                                                   cfg.reasoning_end_str)]
         self.grammars = grammar.Grammars(cfg.model, self.vocab_size, self.eos_token_ids)  # (built when first used)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                    cfg.prefix_caching_hash_algo)
@@ -66,16 +69,6 @@ class LLMEngine(WeightVersions, SleepMode):
         # $ROLLWISE_STEP_TRACE=DIR: each step's shape and seconds to DIR/steps-PID.jsonl (the simulator fits its costs)
         trace = os.environ.get("ROLLWISE_STEP_TRACE")
         self._trace = open(Path(trace) / f"steps-{os.getpid()}.jsonl", "a", buffering=1) if trace else None
-
-    def _eos_ids(self, model_dir: str) -> set[int]:
-        ids = set(self.runner.model.config.eos_token_ids)
-        gen = Path(model_dir) / "generation_config.json"
-        if gen.exists():
-            e = json.loads(gen.read_text()).get("eos_token_id")
-            ids.update(e if isinstance(e, list) else [] if e is None else [e])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
 
     # requests ------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
@@ -129,6 +122,7 @@ class LLMEngine(WeightVersions, SleepMode):
         check_cache_salt(cache_salt)
         seq = Sequence(rid, list(ids), params, forced=list(forced_output) if forced_output else None, priority=priority,
                        arrival=next(self._arrivals), t_arrival=time.monotonic(), cache_salt=cache_salt)
+        seq.thought(*self.think, prompt=True)  # (a think block the prompt opened: thinking_token_budget)
         if params.bad_words:
             seq.bad_words = self._bad_words(params.bad_words)
         if params.structured_outputs is not None:
@@ -202,6 +196,7 @@ class LLMEngine(WeightVersions, SleepMode):
                 self.request_stats.emitted(seq, time.monotonic())
             for tok, lp, top in zip(toks, lps, tops):
                 seq.token_ids.append(tok)
+                seq.thought(*self.think)
                 seq.logprobs.append(lp)
                 if top is not None:
                     seq.top_logprobs.append(top)
@@ -279,7 +274,8 @@ class LLMEngine(WeightVersions, SleepMode):
 
     def _row(self, seq: Sequence) -> SampleRow:
         n = seq.num_output_tokens
-        return SampleRow(seq.params, n, self._banned(seq), seq.forced[n] if seq.forced else None, seq.token_ids)
+        forced = seq.forced[n] if seq.forced else seq.forced_next(self.think[1])
+        return SampleRow(seq.params, n, self._banned(seq), forced, seq.token_ids)
 
     def _finish(self, seq: Sequence) -> None:
         self.request_stats.ended(seq, time.monotonic())

@@ -54,6 +54,10 @@ class Sequence:
     version_segments: list[tuple[int, int]] = field(default_factory=list)
     routed_experts: object | None = None  # with params.return_routed_experts, read when it finishes
     adapter: object | None = None  # params.lora's adapter as loaded when it was admitted (rollwise.engine.lora)
+    # with params.thinking_token_budget: tokens of the open think block (None: none open), and how many
+    # of the end string's tokens were forced so far
+    think_count: int | None = None
+    think_forced: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -87,6 +91,41 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    def thought(self, start: list[int], end: list[int], prompt: bool = False) -> None:
+        """Thinking budget bookkeeping (params.thinking_token_budget, vLLM's), after the prompt or
+        after each output token: a block opens where `start`'s tokens end and closes where `end`'s
+        do, written or forced; one that reached the budget gets `end` forced (`forced_next`)."""
+        budget = self.params.thinking_token_budget
+        if budget is None:
+            return
+        ids = self.token_ids
+        if prompt:  # a block opened in the prompt and not closed there counts its tokens
+            opened, closed = _last(ids, start), _last(ids, end)
+            self.think_count = len(ids) - opened - len(start) if opened > closed else None
+        elif self.think_count is None:
+            self.think_count = 0 if ids[-len(start):] == start else None
+        elif self.think_forced or self.think_count >= budget:  # (the token just emitted was forced)
+            self.think_forced += 1
+            if self.think_forced == len(end):
+                self.think_count, self.think_forced = None, 0
+        elif ids[-len(end):] == end:
+            self.think_count = None
+        else:
+            self.think_count += 1
+
+    def forced_next(self, end: list[int]) -> int | None:
+        """The token to emit next whatever is sampled: the end string's next one, once the open think
+        block reached the budget."""
+        budget, n = self.params.thinking_token_budget, self.think_count
+        return end[self.think_forced] if budget is not None and n is not None and n >= budget else None
+
+    def think_room(self) -> int:
+        """Tokens it may emit in one step with no forced token among them (its drafts' bound)."""
+        budget = self.params.thinking_token_budget
+        if budget is None:
+            return 1 << 30
+        return budget if self.think_count is None else budget - self.think_count
+
     def full_block_hashes(self, block_size: int, chain=chain_hashes) -> list[int]:
         """Chained hashes of all full blocks, extended incrementally as tokens arrive (`chain`: the
         block manager's hash function)."""
@@ -96,6 +135,14 @@ class Sequence:
             root = self.block_hashes[-1] if done else self.hash_root
             self.block_hashes.extend(chain(self.token_ids[done * block_size:n_full * block_size], block_size, root))
         return self.block_hashes[:n_full]
+
+
+def _last(ids: list[int], pattern: list[int]) -> int:
+    """Where `pattern` last begins in ids (-1: nowhere)."""
+    for i in range(len(ids) - len(pattern), -1, -1):
+        if ids[i:i + len(pattern)] == pattern:
+            return i
+    return -1
 
 
 def check_cache_salt(salt) -> None:

@@ -72,7 +72,8 @@ class Speculator:
         for s, d, k in zip(cands, drafts, plan):
             seq = s.seq
             # the bonus token always comes on top: never draft past max_tokens or the model length
-            left = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens) - 1
+            left = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens,
+                       seq.think_room()) - 1  # (nor past a thinking budget: the token after it is forced)
             k = min(k, left, room)
             if k <= 0 or not scheduler.reserve(seq, seq.num_tokens + k):
                 continue

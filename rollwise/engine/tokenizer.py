@@ -11,6 +11,18 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 
+def eos_ids(model_dir: str | Path, config_ids, tokenizer: "Tokenizer") -> set[int]:
+    """The ids a model's output ends at: its config's, generation_config.json's and the tokenizer's EOS."""
+    ids = set(config_ids)
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.exists():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(e if isinstance(e, list) else [] if e is None else [e])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         d = self.model_dir = Path(model_dir)

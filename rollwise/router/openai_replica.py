@@ -57,6 +57,7 @@ class OpenAIReplica(HttpReplica):
         body["cache_salt"] = request.cache_salt
         if p.repetition_detection is not None:  # (vLLM 0.32's)
             body["repetition_detection"] = dataclasses.asdict(p.repetition_detection)
+        body["thinking_token_budget"] = p.thinking_token_budget
         return {k: v for k, v in body.items() if v is not None}
 
     @staticmethod

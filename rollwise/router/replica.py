@@ -242,6 +242,8 @@ class HttpReplica:
                                     **({} if p.repetition_detection is None else {
                                         "repetition_detection": asdict(p.repetition_detection)}),
                                     **({"skip_reading_prefix_cache": True} if p.skip_reading_prefix_cache else {}),
+                                    **({} if p.thinking_token_budget is None else {
+                                        "thinking_token_budget": p.thinking_token_budget}),
                                     **({} if p.lora is None else {"lora": p.lora})}}
 
     @staticmethod

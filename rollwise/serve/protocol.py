@@ -51,6 +51,7 @@ class _OpenAISampling(_Strict):
     cache_salt: str | None = None  # vLLM's: prefix-cache KV (and drafts) shared only within the salt
     # vLLM's: end a reply caught in a loop ({"max_pattern_size", "min_pattern_size", "min_count"})
     repetition_detection: dict[str, int] | None = None
+    thinking_token_budget: int | None = None  # vLLM's: a think block this long is closed (-1: no limit)
     # session metadata for schedulers (trajectory, group, turn)
     trajectory_id: str | None = None
     group_id: str | None = None
@@ -73,7 +74,8 @@ class _OpenAISampling(_Strict):
                               prompt_logprobs=self.prompt_logprobs,
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               structured_outputs=self.structured(tokenizer, parser),
-                              repetition_detection=self.repetition_detection)
+                              repetition_detection=self.repetition_detection,
+                              thinking_token_budget=self.thinking_token_budget)
 
     def truncated(self, ids: list[int], max_model_len: int | None) -> list[int]:
         """The prompt's ids cut to their last `truncate_prompt_tokens`, as vLLM cuts them: -1 is the

@@ -157,6 +157,9 @@ def test_vllm_032_pause_sleep_and_reset_modes(engine, want):
         await task
         return outs[-1]
 
+    async def last_of(rid):
+        return [o async for o in engine.generate(PROMPT, greedy, rid)][-1]
+
     async def go():
         assert engine.get_tokenizer() is engine.tokenizer  # (not awaited, as in vLLM 0.32)
         for mode, kw in (("keep", {}), ("wait", {}), ("abort", {"wait_for_inflight_requests": False})):
@@ -176,6 +179,16 @@ def test_vllm_032_pause_sleep_and_reset_modes(engine, want):
             await task
         with pytest.raises(ValueError, match="sleeps idle"):
             await engine.sleep(1, mode="keep")
+        for level in (0, 1):  # a request that comes while it sleeps waits for wake_up, then runs (vLLM queues it)
+            await engine.sleep(level)
+            late = asyncio.ensure_future(last_of(f"late-{level}"))
+            await asyncio.sleep(0.05)
+            assert not late.done() and await engine.is_sleeping()
+            assert await engine.wake_up(tags=["weights"]) is (level == 0)  # (the KV pool still given back)
+            assert await engine.wake_up() is True and not await engine.is_sleeping()
+            assert (await late).token_ids == want.token_ids
+        with pytest.raises(ValueError, match="sleep level must be"):
+            await engine.sleep(3)
         outs = []
 
         async def read():

@@ -437,6 +437,12 @@ def test_openai_replica_speaks_token_ids_through_completions(servers, model_dir)
         cut = [await r.generate(loop) for r in (OpenAIReplica(servers[0].url, "m"), HttpReplica(servers[0].url))]
         assert cut[0].token_ids == cut[1].token_ids and len(cut[0].token_ids) < 120
         assert [c.finish_reason for c in cut] == ["repetition"] * 2
+        # and its thinking_token_budget: a block the prompt opened is closed after the budget, by both
+        tok = Tokenizer(model_dir)
+        think = GenerateRequest(prompt_token_ids=tok.encode("question <think> x y"), params=SamplingParams(
+            temperature=0, max_tokens=12, ignore_eos=True, thinking_token_budget=6))
+        closed = [await r.generate(think) for r in (OpenAIReplica(servers[0].url, "m"), HttpReplica(servers[0].url))]
+        assert closed[0].token_ids == closed[1].token_ids and tok.encode("</think>")[-1] in closed[0].token_ids
         # streamed: the pieces add up to the whole, through either API
         for r in (OpenAIReplica(servers[0].url, "m"), HttpReplica(servers[0].url)):
             pieces = [p async for p in r.stream(req)]

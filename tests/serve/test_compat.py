@@ -661,3 +661,21 @@ def test_repetition_detection_over_http(client):
     assert gen["meta_info"]["finish_reason"]["type"] == "repetition"
     r = client.post("/v1/completions", json=body | {"repetition_detection": {"max_pattern_size": 4, "min_count": 1}})
     assert r.status_code == 400 and "min_count must be >= 2" in r.json()["error"]["message"]
+
+
+def test_thinking_token_budget_over_http(client):
+    """vLLM's thinking_token_budget on completions (a think block the prompt opened) and in
+    /generate's sampling_params: the end of thinking is forced after the budget, then the model goes on."""
+    ids = client.post("/tokenize", json={"prompt": "question <think> x y"}).json()["tokens"]
+    end = client.post("/tokenize", json={"prompt": "</think>"}).json()["tokens"]
+    body = {"prompt": ids, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    free = client.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+    cut = client.post("/v1/completions", json=body | {"thinking_token_budget": 6}).json()["choices"][0]["token_ids"]
+    opened = ids.index(client.post("/tokenize", json={"prompt": "<think>"}).json()["tokens"][0])
+    k = 6 - (len(ids) - opened - 1)  # (the block's tokens in the prompt count)
+    assert cut[:k] == free[:k] and cut[k:k + len(end)] == end != free[k:k + len(end)]
+    gen = client.post("/generate", json={"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "thinking_token_budget": 6}}).json()
+    assert gen["output_ids"] == cut
+    r = client.post("/v1/completions", json=body | {"thinking_token_budget": -3})
+    assert r.status_code == 400 and "thinking_token_budget" in r.json()["error"]["message"]

@@ -166,3 +166,20 @@ def test_an_anthropic_agent_on_the_gateway_streams_and_is_refused_as_the_api_ref
     assert got["third"] == ("stop_sequence", "END", "It is 5 ")
     assert got["refused"][:2] == (400, "invalid_request_error") and "'document' is not supported" in got["refused"][2]
     assert "prefilled assistant message is not taken here" in got["prefill"]
+
+
+def test_thinking_budget_tokens_is_vllms_thinking_token_budget(served):
+    """Anthropic's `thinking: {"type": "enabled", "budget_tokens": n}` becomes the chat request's
+    thinking_token_budget (as vLLM maps it); "disabled" sets none; a bad budget is the API's 400."""
+    from rollwise.agent.messages_api import chat_body
+    body = {"max_tokens": 9, "messages": [{"role": "user", "content": "hi"}]}
+    assert chat_body(body | {"thinking": {"type": "enabled", "budget_tokens": 64}})["thinking_token_budget"] == 64
+    assert "thinking_token_budget" not in chat_body(body | {"thinking": {"type": "disabled"}})
+    auth = {"x-api-key": "sk-test"}
+    r = httpx.post(served.url + "/v1/messages", json=body | {"thinking": {"type": "enabled", "budget_tokens": -5}},
+                   headers=auth, timeout=30)
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert "budget_tokens" in r.json()["error"]["message"]
+    ok = httpx.post(served.url + "/v1/messages", json=body | {"thinking": {"type": "enabled", "budget_tokens": 2}},
+                    headers=auth, timeout=30)
+    assert ok.status_code == 200 and ok.json()["type"] == "message"
