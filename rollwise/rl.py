@@ -29,7 +29,7 @@ from rollwise.rl_config import TrainConfig, env_factory, env_options, run_identi
 from rollwise.rollout.task_sets import n_train_tasks, task_sets
 from rollwise.rollout.fleet import fleet_metrics, make_router, shutdown
 from rollwise.rollout.pipeline import GroupQueue, read_log
-from rollwise.rollout.producer import PreRolloutFilter, produce
+from rollwise.rollout.producer import PreRolloutFilter, produce, turn_params
 from rollwise.rollout.report import Status, write_report
 from rollwise.rollout.trackers import Trackers
 from rollwise.rl_trainer import TrainerRanks, make_policy, rank_threads
@@ -43,7 +43,7 @@ def eval_episodes(router, make_env, tasks: list[dict], cfg: TrainConfig, tempera
     rollouts' temperature, i.e. the policy being trained; 0 is greedy) with per-task seeds; task
     ids get `prefix`, which keeps their trajectories apart from training's on the router."""
     t = cfg.temperature if temperature is None else temperature
-    params = SamplingParams(temperature=t, max_tokens=cfg.max_tokens, seed=None if t == 0 else cfg.seed + 7)
+    params = turn_params(cfg, t, None if t == 0 else cfg.seed + 7)
     return collect(router, make_env, [dict(x, id=f"{prefix}{x['id']}") for x in tasks], params, group_size=samples,
                    max_concurrency=128, deadline_s=cfg.episode_deadline_s, retries=cfg.episode_retries,
                    retry_on=tuple(cfg.retry_statuses))

@@ -13,7 +13,7 @@ from rollwise.agent.tools import Latency
 from rollwise.config import check_field_types, read_toml
 from rollwise.router.policies import POLICIES
 from rollwise.rollout.trackers import check_trackers
-from rollwise.sampling import SamplingParams
+from rollwise.rollout.producer import turn_params
 from rollwise.router.replica import WEIGHTS_VIA
 from rollwise.trainer.advantages import NO_GROUP
 from rollwise.trainer.config import GRPOConfig
@@ -156,6 +156,9 @@ class TrainConfig:
     # vLLM's repetition_detection for every turn ({"max_pattern_size", "min_pattern_size", "min_count"}):
     # a reply caught in a loop ends there (finish_reason "repetition"), not at max_tokens
     repetition_detection: dict | None = None
+    # vLLM's thinking_token_budget for every turn: a think block this long is closed (the engine's
+    # reasoning_end_str forced), so a thinking model answers within max_tokens
+    thinking_token_budget: int | None = None
     max_turns: int = 4
     max_staleness: int = 1  # 0: synchronous (on-policy); k: rollouts up to k versions ahead
     # DAPO's dynamic sampling: a group whose episodes all got the same reward has zero advantage and
@@ -294,7 +297,7 @@ class TrainConfig:
         cfg = TrainConfig(**d)
         resolve_env(cfg.env)  # a ValueError naming the built-ins, or why a user's env does not load
         cfg.trainer_config().check()  # the trainer's settings (policy loss, advantage, correction, critic ...)
-        SamplingParams(repetition_detection=cfg.repetition_detection)  # (a ValueError naming its fields)
+        turn_params(cfg, 1.0, None)  # (repetition_detection and thinking_token_budget: a ValueError naming them)
         if not 0.0 <= cfg.gamma <= 1.0 or cfg.step_advantage_weight < 0:
             raise ValueError(f"need 0 <= gamma <= 1 and step_advantage_weight >= 0, got {cfg.gamma}, "
                              f"{cfg.step_advantage_weight}")

@@ -137,6 +137,14 @@ class PreRolloutFilter:
         return n
 
 
+def turn_params(cfg, temperature: float, seed: int | None, **more) -> SamplingParams:
+    """A run's sampling of one turn (rollouts and evaluations alike): the temperature and seed given,
+    the run's max_tokens, repetition_detection and thinking_token_budget."""
+    return SamplingParams(temperature=temperature, max_tokens=cfg.max_tokens, seed=seed,
+                          repetition_detection=cfg.repetition_detection,
+                          thinking_token_budget=cfg.thinking_token_budget, **more)
+
+
 async def produce(cfg, queue, router, make_env, tasks: list[dict], cursor: int, done: set[int],
                   skips: PreRolloutFilter | None = None) -> None:
     """Admit groups under the staleness bound and run them; a complete group goes to the queue.
@@ -151,9 +159,8 @@ async def produce(cfg, queue, router, make_env, tasks: list[dict], cursor: int, 
 
         def episode(k: int):
             greedy = k == cfg.group_size
-            params = SamplingParams(temperature=0.0 if greedy else cfg.temperature, max_tokens=cfg.max_tokens,
-                                    seed=stable_seed(cfg.seed, idx, k), repetition_detection=cfg.repetition_detection,
-                                    return_routed_experts=cfg.routing_replay != "off" and not greedy)
+            params = turn_params(cfg, 0.0 if greedy else cfg.temperature, stable_seed(cfg.seed, idx, k),
+                                 return_routed_experts=cfg.routing_replay != "off" and not greedy)
             return run_attempts(router, make_env, task, params, retries=cfg.episode_retries,
                                 retry_on=tuple(cfg.retry_statuses), trajectory_id=f"{gid}/{'greedy' if greedy else k}",
                                 group_id=gid, deadline_s=cfg.episode_deadline_s,

@@ -305,33 +305,40 @@ def test_greso_adaptive_explore_moves_each_kind_toward_its_share_by_version():
     assert again.by_version == f.by_version
 
 
-def test_the_producer_samples_every_turn_with_the_runs_repetition_detection(model_dir):
-    """TrainConfig.repetition_detection reaches each turn's SamplingParams (the engine's test checks
-    what it does there)."""
+def test_rollouts_and_evaluations_sample_with_the_runs_repetition_detection_and_thinking_budget(model_dir):
+    """TrainConfig.repetition_detection and thinking_token_budget reach every turn's SamplingParams,
+    the producer's and the evaluation's (the engine's tests check what they do there)."""
     from rollwise.agent.envs import make_env
     from rollwise.agent.generator import RecordingGenerator, ScriptedGenerator
     from rollwise.engine.tokenizer import Tokenizer
+    from rollwise.rl import eval_episodes
     from rollwise.rl_config import TrainConfig
     from rollwise.rollout.producer import produce
     from rollwise.sampling import RepetitionDetectionParams
     rule = {"max_pattern_size": 4, "min_count": 3}
     gen = RecordingGenerator(ScriptedGenerator(Tokenizer(model_dir), lambda r: "42"))
-    for given, want in ((rule, RepetitionDetectionParams(**rule)), (None, None)):
+    tasks = make_env("calculator").sample_tasks(4, seed=0)
+    for given, budget, want in ((rule, 64, RepetitionDetectionParams(**rule)), (None, None, None)):
         cfg = TrainConfig.from_dict({"model": model_dir, "env": "calculator", "group_size": 2, "groups_per_step": 1,
-                                     "repetition_detection": given})
+                                     "repetition_detection": given, "thinking_token_budget": budget})
 
         async def go():
             q = GroupQueue(1, 0)
-            prod = asyncio.create_task(produce(cfg, q, gen, lambda: make_env("calculator"),
-                                               make_env("calculator").sample_tasks(4, seed=0), 0, set()))
+            prod = asyncio.create_task(produce(cfg, q, gen, lambda: make_env("calculator"), tasks, 0, set()))
             try:
-                return await asyncio.wait_for(q.get_batch(), 30)
+                batch = await asyncio.wait_for(q.get_batch(), 30)
             finally:
                 prod.cancel()
+            evals = [g async for g in eval_episodes(gen, lambda: make_env("calculator"), tasks[:2], cfg)]
+            return batch, evals
         gen.calls.clear()
-        assert len(asyncio.run(go())[0].trajectories) == 2
-        assert gen.calls and all(r.params.repetition_detection == want for r, _ in gen.calls)
-    with pytest.raises(ValueError, match="min_count must be >= 2"):
-        TrainConfig.from_dict({"model": "m", "repetition_detection": {"max_pattern_size": 4}})
-    with pytest.raises(ValueError, match="repetition_detection"):
-        TrainConfig.from_dict({"model": "m", "repetition_detection": 4})
+        batch, evals = asyncio.run(go())
+        assert len(batch[0].trajectories) == 2 and len(evals) == 2
+        assert {r.trajectory_id.startswith("s") for r, _ in gen.calls} == {True, False}  # (both kinds of turn)
+        assert all(r.params.repetition_detection == want and r.params.thinking_token_budget == budget
+                   for r, _ in gen.calls)
+    for bad, why in (({"repetition_detection": {"max_pattern_size": 4}}, "min_count must be >= 2"),
+                     ({"repetition_detection": 4}, "repetition_detection"),
+                     ({"thinking_token_budget": -4}, "thinking_token_budget")):
+        with pytest.raises(ValueError, match=why):
+            TrainConfig.from_dict({"model": "m", **bad})
