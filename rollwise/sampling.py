@@ -118,6 +118,9 @@ class SamplingParams:
     # None (or -1): no limit
     thinking_token_budget: int | None = None
     extra_args: dict | None = None  # vLLM's: for plugins; carried, not read by this engine
+    # vLLM's trace replay: emit these tokens (up to max_tokens) whatever is sampled, their logprobs the
+    # model's (the engine's forced_output)
+    trace_decode_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else self.stop or []  # (checked and listed below)
@@ -187,6 +190,10 @@ class SamplingParams:
             self.thinking_token_budget = None
         if self.thinking_token_budget is not None:
             _check_int("thinking_token_budget", self.thinking_token_budget, lo=0)
+        if self.trace_decode_token_ids is not None:
+            if not isinstance(self.trace_decode_token_ids, list) or not self.trace_decode_token_ids:
+                raise ValueError("trace_decode_token_ids must be a non-empty list of token ids")
+            self.trace_decode_token_ids = [_token_id("trace_decode_token_ids", t) for t in self.trace_decode_token_ids]
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
 

@@ -103,6 +103,10 @@ class LLMEngine(WeightVersions, SleepMode):
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              "(the prompt plus at least one generated token must fit)")
+        if params.trace_decode_token_ids is not None:  # (vLLM's trace replay: up to max_tokens and the model length)
+            if forced_output is not None:
+                raise ValueError("give trace_decode_token_ids or forced_output, not both")
+            forced_output = params.trace_decode_token_ids[:min(params.max_tokens, self.max_model_len - len(ids))]
         if forced_output is not None:
             if not forced_output or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in forced_output):
                 raise ValueError(f"forced_output must be a non-empty list of token ids in [0, {self.vocab_size})")

@@ -39,9 +39,9 @@ class OpenAIReplica(HttpReplica):
 
     def _body(self, request: GenerateRequest) -> dict:
         p = request.params
-        if p.prompt_logprobs is not None:
-            raise ValueError("prompt logprobs are not asked of OpenAI-API replicas (their formats differ); "
-                             "use rollwise serve replicas")
+        if p.prompt_logprobs is not None or p.trace_decode_token_ids is not None:
+            raise ValueError("prompt logprobs and trace replay are not asked of OpenAI-API replicas (their "
+                             "formats differ, vLLM's API has no trace replay); use rollwise serve replicas")
         # every sampling field, off or on: a server fills those a request leaves out from the model's
         # generation config (vLLM's default, and rollwise serve's), which would change the distribution
         # the trainer's logprobs assume (Qwen3's: top_k 20, top_p 0.95)

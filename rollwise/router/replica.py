@@ -244,6 +244,8 @@ class HttpReplica:
                                     **({"skip_reading_prefix_cache": True} if p.skip_reading_prefix_cache else {}),
                                     **({} if p.thinking_token_budget is None else {
                                         "thinking_token_budget": p.thinking_token_budget}),
+                                    **({} if p.trace_decode_token_ids is None else {
+                                        "trace_decode_token_ids": p.trace_decode_token_ids}),
                                     **({} if p.lora is None else {"lora": p.lora})}}
 
     @staticmethod

@@ -208,3 +208,26 @@ def test_a_thinking_budget_closes_the_block_with_the_end_string(llm, model_dir):
         LLM(model_dir, reasoning_parser="nope")
     with pytest.raises(ValueError, match="reasoning_config takes"):
         LLM(model_dir, reasoning_config={"think": "<t>"})
+
+
+def test_trace_decode_token_ids_replays_a_trace_with_the_models_logprobs(llm, model_dir):
+    """vLLM's trace replay: the given tokens are the output (up to max_tokens), whatever is sampled, and
+    their logprobs are the model's (those of the same tokens as a prompt); speculation keeps them."""
+    prompt, trace = [5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46, 47]
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=6, trace_decode_token_ids=trace,
+                            stop_token_ids=[42])  # (a stop token in the trace does not end it)
+    out = llm.generate([prompt], params)[0]
+    assert out.token_ids == trace[:6] and out.finish_reason == "length"
+    scored = llm.generate([prompt + trace[:6]], SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0))[0]
+    assert out.logprobs == pytest.approx(scored.prompt_token_logprobs[len(prompt):], abs=1e-4)
+    spec = LLM(model_dir, speculative="suffix", spec_controller="always")
+    spec.generate([prompt], dataclasses.replace(params, max_tokens=8))  # (its trees know the trace)
+    assert spec.generate([prompt], params)[0].token_ids == trace[:6]
+    assert llm.generate([prompt], dataclasses.replace(params, max_tokens=50))[0].token_ids == trace
+    with pytest.raises(ValueError, match="trace_decode_token_ids must be a non-empty list"):
+        SamplingParams(trace_decode_token_ids=[])
+    with pytest.raises(ValueError, match="token ids must be non-negative"):
+        SamplingParams(trace_decode_token_ids=[-1])
+    with pytest.raises(ValueError, match="not both"):
+        llm.engine.add_request(prompt, params, forced_output=[1])
+    assert LLM(model_dir, enable_trace_replay=True).generate([prompt], params)[0].token_ids == trace[:6]

@@ -679,3 +679,15 @@ def test_thinking_token_budget_over_http(client):
     assert gen["output_ids"] == cut
     r = client.post("/v1/completions", json=body | {"thinking_token_budget": -3})
     assert r.status_code == 400 and "thinking_token_budget" in r.json()["error"]["message"]
+
+
+def test_trace_decode_token_ids_over_generate(client):
+    """vLLM's trace replay in /generate's sampling_params (what a router sends its replicas): the trace
+    is the output, its logprobs the model's."""
+    trace = [40, 41, 42, 43]
+    body = {"input_ids": [5, 6, 7, 8], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 10, "temperature": 1.0, "trace_decode_token_ids": trace}}
+    got = client.post("/generate", json=body).json()
+    assert got["output_ids"] == trace and len(got["meta_info"]["output_token_logprobs"]) == 4
+    bad = client.post("/generate", json=body | {"sampling_params": {"trace_decode_token_ids": "40"}})
+    assert bad.status_code == 400 and "trace_decode_token_ids" in bad.json()["error"]["message"]
