@@ -102,6 +102,7 @@ class SamplingParams:
     # MoE: the experts each token of the request was routed to (RequestOutput.routed_experts); needs
     # an engine with `enable_return_routed_experts`
     return_routed_experts: bool = False
+    routed_experts_prompt_start: int = 0  # vLLM's: leave out the first this many prompt tokens' experts
     # the LoRA adapter to sample with (a name loaded into the engine: `LLMEngine.add_lora`, `rollwise
     # serve --lora-modules`); None: the base weights. (vLLM's LoRARequest beside the params: `LLM.generate`'s
     # lora_request.)
@@ -134,6 +135,7 @@ class SamplingParams:
         _check_number("temperature", self.temperature, lo=0.0, hi=100.0)
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
             raise ValueError(f"lora must be the name of a loaded LoRA adapter, got {self.lora!r}")
+        _check_int("routed_experts_prompt_start", self.routed_experts_prompt_start, lo=0)
         if not isinstance(self.return_routed_experts, bool):
             raise ValueError(f"return_routed_experts must be true or false, got {self.return_routed_experts!r}")
         _check_number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)

@@ -93,6 +93,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]]
     finish_reason: str | None
     stop_reason: str | int | None
+    routed_experts: object | None = None  # as in RequestOutput (vLLM's [tokens, layers, k])
 
     @classmethod
     def of(cls, out: RequestOutput) -> CompletionOutput:
@@ -101,7 +102,7 @@ class CompletionOutput:
                               ids[max(0, i - 4):i]) for i, (t, lp) in enumerate(zip(ids, out.logprobs))]
         return cls(index=out.index, text=out.text, token_ids=list(out.token_ids),
                    cumulative_logprob=float(sum(out.logprobs)), logprobs=logprobs, finish_reason=out.finish_reason,
-                   stop_reason=out.stop_reason)
+                   stop_reason=out.stop_reason, routed_experts=out.routed_experts)
 
 
 def _position(tok, t: int, lp: float, rank: int | None, top: dict[int, float], context: list[int]

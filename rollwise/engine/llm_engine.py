@@ -37,9 +37,8 @@ class LLMEngine(WeightVersions, SleepMode):
         self.runner = ModelRunner(cfg, self.max_model_len)
         self.vocab_size = self.runner.model.config.vocab_size
         self.eos_token_ids = eos_ids(cfg.model, self.runner.model.config.eos_token_ids, self.tokenizer)
-        # what opens and closes a think block (a request's thinking_token_budget: Sequence.thought)
-        self.think = [self.tokenizer.encode(s, add_special_tokens=False) for s in (cfg.reasoning_start_str,
-                                                                                   cfg.reasoning_end_str)]
+        ends = (cfg.reasoning_start_str, cfg.reasoning_end_str)  # think blocks (Sequence.thought)
+        self.think = [self.tokenizer.encode(s, add_special_tokens=False) for s in ends]
         self.grammars = grammar.Grammars(cfg.model, self.vocab_size, self.eos_token_ids)  # (built when first used)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                    cfg.prefix_caching_hash_algo)
@@ -100,6 +99,8 @@ class LLMEngine(WeightVersions, SleepMode):
         if params.return_routed_experts and self.runner.routing is None:
             raise ValueError("return_routed_experts needs a model with experts (qwen3_moe) served with "
                              "enable_return_routed_experts (--enable-return-routed-experts)")
+        if params.routed_experts_prompt_start > len(ids):
+            raise ValueError(f"routed_experts_prompt_start must be <= the prompt's {len(ids)} tokens")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              "(the prompt plus at least one generated token must fit)")
@@ -128,7 +129,7 @@ class LLMEngine(WeightVersions, SleepMode):
                        arrival=next(self._arrivals), t_arrival=time.monotonic(), cache_salt=cache_salt)
         seq.thought(*self.think, prompt=True)  # (a think block the prompt opened: thinking_token_budget)
         if params.bad_words:
-            seq.bad_words = self._bad_words(params.bad_words)
+            seq.bad_words = self.tokenizer.bad_word_ids(params.bad_words)
         if params.structured_outputs is not None:
             if forced_output is not None:
                 raise ValueError("structured_outputs and forced_output cannot go together")
@@ -294,7 +295,8 @@ class LLMEngine(WeightVersions, SleepMode):
     def _read_routing(self, seq: Sequence) -> None:
         """Its tokens' experts, from their KV slots, before the blocks are released."""
         if seq.params.return_routed_experts:
-            seq.routed_experts = self.runner.routed_experts(seq.block_table, seq.num_computed_tokens, seq.num_tokens)
+            got = self.runner.routed_experts(seq.block_table, seq.num_computed_tokens, seq.num_tokens)
+            seq.routed_experts = got[seq.params.routed_experts_prompt_start:]
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:
         """The tokens it may not sample next: EOS and stop tokens before min_tokens, and the last token
@@ -308,18 +310,6 @@ class LLMEngine(WeightVersions, SleepMode):
             if n >= k and (not k or seq.token_ids[len(seq.token_ids) - k:] == ids[:-1]):
                 out.add(ids[-1])
         return tuple(sorted(out))
-
-    def _bad_words(self, words) -> list[list[int]]:
-        """Each bad word's token ids as written and after a space (vLLM's two spellings), once each."""
-        if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
-            raise ValueError("bad_words must be a list of non-empty strings")
-        out = []
-        for w in words:
-            for spelled in (w.lstrip(), " " + w.lstrip()):
-                ids = self.tokenizer.encode(spelled, add_special_tokens=False)
-                if ids and ids not in out:
-                    out.append(ids)
-        return out
 
     def _check_stop(self, seq: Sequence, tok: int) -> None:
         p = seq.params

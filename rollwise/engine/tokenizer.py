@@ -51,6 +51,18 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def bad_word_ids(self, words) -> list[list[int]]:
+        """vLLM's bad_words as token ids: each word as written and after a space (its two spellings), once each."""
+        if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise ValueError("bad_words must be a list of non-empty strings")
+        out = []
+        for w in words:
+            for spelled in (w.lstrip(), " " + w.lstrip()):
+                ids = self.encode(spelled, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
     def decoder(self, skip_special_tokens: bool = True):
         """An output's text as it grows: each call takes the new ids and gives the new text, a
         character split across tokens once it is whole (tokenizers' DecodeStream). A step costs the

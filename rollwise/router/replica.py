@@ -239,6 +239,8 @@ class HttpReplica:
                                     **({"bad_words": p.bad_words} if p.bad_words else {}),
                                     **({} if p.structured_outputs is None else {"structured_outputs": p.structured_outputs}),
                                     **({"return_routed_experts": True} if p.return_routed_experts else {}),
+                                    **({"routed_experts_prompt_start": p.routed_experts_prompt_start}
+                                       if p.routed_experts_prompt_start else {}),
                                     **({} if p.repetition_detection is None else {
                                         "repetition_detection": asdict(p.repetition_detection)}),
                                     **({"skip_reading_prefix_cache": True} if p.skip_reading_prefix_cache else {}),

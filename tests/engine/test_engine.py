@@ -343,7 +343,7 @@ def test_bad_words_are_never_written(model_dir, llm):
     i = next(i for i in range(len(out) - 1)  # a word it writes, whose text tokenizes back to its ids
              if tok.encode(tok.decode(out[i:i + 2]), add_special_tokens=False) == out[i:i + 2])
     word = tok.decode(out[i:i + 2])
-    spellings = llm.engine._bad_words([word])
+    spellings = llm.engine.tokenizer.bad_word_ids([word])
     assert out[i:i + 2] in spellings
 
     def completes(seq: list[int]) -> list[int]:  # where a spelling of the word ends in seq

@@ -1,6 +1,8 @@
 """Qwen3-MoE: the engine's sparse experts against transformers', weights from a trainer, which layers."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -119,6 +121,12 @@ def test_routed_experts_are_the_routing_of_every_token(model_dirs, spec):
         assert (r == _hf_routing(d, ids[:-1])).all()
     if spec:
         assert llm.metrics()["spec_accepted_tokens"] > 0
+    assert (first.outputs[0].routed_experts == first.routed_experts).all()  # (vLLM's CompletionOutput has them)
+    # vLLM's routed_experts_prompt_start: a later turn leaves out what an earlier one returned
+    later = llm.generate([shared + [14, 15]], dataclasses.replace(sp, routed_experts_prompt_start=16))[0]
+    assert later.token_ids == again.token_ids and (later.routed_experts == again.routed_experts[16:]).all()
+    with pytest.raises(ValueError, match="routed_experts_prompt_start must be <="):
+        llm.generate([[5, 6]], dataclasses.replace(sp, routed_experts_prompt_start=3))
     plain = llm.generate([shared], SamplingParams(max_tokens=4))[0]
     assert plain.routed_experts is None  # only for requests that ask
 
