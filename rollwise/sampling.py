@@ -10,6 +10,7 @@ from enum import IntEnum
 from typing import TypedDict
 
 MAX_LOGPROBS = 20  # top logprobs per output token at most (vLLM's default max_logprobs)
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
 PENALTIES_OFF = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 MAX_N = 128  # samples of one prompt in one call (a bigger group: several calls, one group_id)
 
@@ -87,6 +88,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int = 0  # also the k most likely tokens per output position, with their logprobs (None: 0)
+    # vLLM's: instead of the k most likely, these tokens' logprobs at every output position, in this
+    # order (a judge's "Yes" / "No"); `logprobs` is then 0 or their number
+    logprob_token_ids: list[int] | None = None
     presence_penalty: float = 0.0  # [-2, 2]
     frequency_penalty: float = 0.0  # [-2, 2]
     repetition_penalty: float = 1.0  # (0, 10]; 1: off
@@ -144,6 +148,14 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, lo=1)
         _check_int("min_tokens", self.min_tokens, lo=0)
         _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.logprob_token_ids is not None:
+            ids = self.logprob_token_ids
+            if not isinstance(ids, list) or not 0 < len(ids) <= MAX_LOGPROB_TOKEN_IDS:
+                raise ValueError(f"logprob_token_ids must be a list of 1 to {MAX_LOGPROB_TOKEN_IDS} token ids")
+            self.logprob_token_ids = [_token_id("logprob_token_ids", t) for t in ids]
+            if self.logprobs not in (0, len(ids)):
+                raise ValueError(f"with logprob_token_ids, logprobs must be 0 or their number ({len(ids)}), "
+                                 f"got {self.logprobs}")
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
         _check_number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)

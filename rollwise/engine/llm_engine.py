@@ -92,10 +92,11 @@ class LLMEngine(WeightVersions, SleepMode):
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        named = [*(params.logit_bias or ()), *(params.allowed_token_ids or ()), *params.stop_token_ids]
+        named = [*(params.logit_bias or ()), *(params.allowed_token_ids or ()), *params.stop_token_ids,
+                 *(params.logprob_token_ids or ())]
         if any(t >= self.vocab_size for t in named):
-            raise ValueError("logit_bias, allowed_token_ids and stop_token_ids take token ids in "
-                             f"[0, {self.vocab_size})")
+            raise ValueError("logit_bias, allowed_token_ids, stop_token_ids and logprob_token_ids take token ids "
+                             f"in [0, {self.vocab_size})")
         if params.return_routed_experts and self.runner.routing is None:
             raise ValueError("return_routed_experts needs a model with experts (qwen3_moe) served with "
                              "enable_return_routed_experts (--enable-return-routed-experts)")

@@ -68,7 +68,7 @@ class Sampler:
             if r.forced is not None:
                 tokens[i] = r.forced
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-        return tokens.tolist(), chosen.tolist(), top_logprobs(logprobs, [r.params.logprobs for r in rows])
+        return tokens.tolist(), chosen.tolist(), asked_logprobs(logprobs, [r.params for r in rows])
 
     def _sample(self, scaled: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         probs = sampling_probs(scaled, [r.params.top_k for r in rows], [r.params.top_p for r in rows],
@@ -155,6 +155,16 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], params: SamplingPa
     ranks = ((lp > chosen).sum(-1) + 1).tolist()
     tops = top_logprobs(lp, [params.prompt_logprobs] * len(targets)) if params.prompt_logprobs else [{}] * len(targets)
     return list(zip(chosen.squeeze(1).tolist(), tops, ranks))
+
+
+def asked_logprobs(logprobs: torch.Tensor, params: list[SamplingParams]) -> list[dict[int, float] | None]:
+    """Row i's logprobs that params[i] asks for besides the sampled token's: its logprob_token_ids'
+    (vLLM's; in their order), else its `logprobs` most likely (best first); None where neither."""
+    out = top_logprobs(logprobs, [0 if p.logprob_token_ids else p.logprobs for p in params])
+    for i, p in enumerate(params):
+        if p.logprob_token_ids:
+            out[i] = dict(zip(p.logprob_token_ids, logprobs[i, p.logprob_token_ids].tolist()))
+    return out
 
 
 def top_logprobs(logprobs: torch.Tensor, ks: list[int]) -> list[dict[int, float] | None]:

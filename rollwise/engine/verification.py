@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollwise.engine.sampler import argmax, inverse_cdf, processed, sampling_probs, seeded_uniform, top_logprobs
+from rollwise.engine.sampler import argmax, asked_logprobs, inverse_cdf, processed, sampling_probs, seeded_uniform
 from rollwise.types import Draft, SamplingParams
 
 
@@ -34,7 +34,8 @@ def _verdict(accepted: list[int], tokens: list[int], lps: list[float], logprobs:
              params: SamplingParams) -> Verdict:
     """The emitted tokens come from rows 0 (the last token) and 1 + each accepted draft index."""
     rows = [0] + [i + 1 for i in accepted][:len(tokens) - 1]
-    top = top_logprobs(logprobs[rows], [params.logprobs] * len(rows)) if params.logprobs else [None] * len(tokens)
+    asked = params.logprobs or params.logprob_token_ids
+    top = asked_logprobs(logprobs[rows], [params] * len(rows)) if asked else [None] * len(tokens)
     return Verdict(accepted, tokens, lps, top)
 
 

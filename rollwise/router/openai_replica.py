@@ -58,6 +58,8 @@ class OpenAIReplica(HttpReplica):
         if p.repetition_detection is not None:  # (vLLM 0.32's)
             body["repetition_detection"] = dataclasses.asdict(p.repetition_detection)
         body["thinking_token_budget"] = p.thinking_token_budget
+        if p.logprob_token_ids:  # (vLLM's: with logprobs on)
+            body["logprob_token_ids"], body["logprobs"] = p.logprob_token_ids, len(p.logprob_token_ids)
         return {k: v for k, v in body.items() if v is not None}
 
     @staticmethod
@@ -70,7 +72,8 @@ class OpenAIReplica(HttpReplica):
         tops = [{int(t.split(":", 1)[1]): float(v) for t, v in top.items()} for top in lp.get("top_logprobs") or []]
         return GenerateOutput(token_ids=ids, logprobs=[float(x) for x in lp.get("token_logprobs", [0.0] * len(ids))],
                               finish_reason=ch.get("finish_reason"), num_cached_tokens=cached,
-                              request_id=b.get("id", ""), top_logprobs=tops if p.logprobs else [])
+                              request_id=b.get("id", ""),
+                              top_logprobs=tops if p.logprobs or p.logprob_token_ids else [])
 
     async def add_sequence(self, token_ids: list[int], group_id: str | None, cache_salt: str | None = None) -> None:
         pass  # other servers keep their own drafting state

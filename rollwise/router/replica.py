@@ -233,6 +233,7 @@ class HttpReplica:
                                                                   "min_tokens", "stop", "stop_token_ids", "ignore_eos")},
                                     **p.penalties(),
                                     **({"logprobs": p.logprobs} if p.logprobs else {}),
+                                    **({"logprob_token_ids": p.logprob_token_ids} if p.logprob_token_ids else {}),
                                     **({} if p.prompt_logprobs is None else {"prompt_logprobs": p.prompt_logprobs}),
                                     **({"logit_bias": p.logit_bias} if p.logit_bias else {}),
                                     **({} if p.allowed_token_ids is None else {"allowed_token_ids": p.allowed_token_ids}),

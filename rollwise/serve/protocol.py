@@ -52,6 +52,7 @@ class _OpenAISampling(_Strict):
     # vLLM's: end a reply caught in a loop ({"max_pattern_size", "min_pattern_size", "min_count"})
     repetition_detection: dict[str, int] | None = None
     thinking_token_budget: int | None = None  # vLLM's: a think block this long is closed (-1: no limit)
+    logprob_token_ids: list[int] | None = None  # vLLM's: these tokens' logprobs in place of the top ones
     # session metadata for schedulers (trajectory, group, turn)
     trajectory_id: str | None = None
     group_id: str | None = None
@@ -61,12 +62,15 @@ class _OpenAISampling(_Strict):
                  defaults: dict | None = None) -> SamplingParams:
         """The request's sampling; `defaults` (field -> value: the model's generation config) for the
         fields it does not set."""
+        if self.logprob_token_ids and not getattr(self, "logprobs", None):
+            raise ValueError("logprob_token_ids needs logprobs (true on chat, a number on completions), as in vLLM")
         given = {k: v for k, v in (defaults or {}).items() if k not in self.model_fields_set and k != "max_tokens"}
         pick = lambda k: given.get(k, getattr(self, k))  # noqa: E731
         return SamplingParams(temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"),
                               min_p=pick("min_p"), seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
                               stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
                               ignore_eos=self.ignore_eos, logprobs=top_logprobs,
+                              logprob_token_ids=self.logprob_token_ids,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=pick("repetition_penalty"), logit_bias=self.logit_bias,
                               allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
@@ -198,9 +202,11 @@ class ChatCompletionRequest(_OpenAISampling):
 
     def sampling(self, max_tokens: int, top_logprobs: int = 0, tokenizer=None, parser=None,
                  defaults: dict | None = None) -> SamplingParams:
-        """As a completion's; and with tools offered to a `parser` whose markup is special tokens
-        (Kimi-K2's, DeepSeek's), their text is kept, as vLLM's parsers ask."""
-        params = super().sampling(max_tokens, top_logprobs, tokenizer, parser, defaults)
+        """As a completion's (top_logprobs left out with logprob_token_ids, as vLLM's chat does); and with
+        tools offered to a `parser` whose markup is special tokens (Kimi-K2's, DeepSeek's), their text
+        is kept, as vLLM's parsers ask."""
+        top = 0 if self.logprob_token_ids else top_logprobs
+        params = super().sampling(max_tokens, top, tokenizer, parser, defaults)
         if self.tools and self.tool_choice != "none" and getattr(parser, "special_tokens", False):
             params.skip_special_tokens = False
         return params

@@ -231,3 +231,37 @@ def test_trace_decode_token_ids_replays_a_trace_with_the_models_logprobs(llm, mo
     with pytest.raises(ValueError, match="not both"):
         llm.engine.add_request(prompt, params, forced_output=[1])
     assert LLM(model_dir, enable_trace_replay=True).generate([prompt], params)[0].token_ids == trace[:6]
+
+
+def test_logprob_token_ids_give_those_tokens_logprobs_at_every_position(llm, model_dir):
+    """vLLM's logprob_token_ids: at each output position the logprobs of exactly those tokens, in their
+    order (vLLM's Logprob ranks 1..n by that order), under the same distribution as the sampled
+    token's (equal where the sampled token is one of them, and to the top-k's values where one is
+    among the most likely); speculation gives the same."""
+    free = llm.generate([[5, 6, 7, 8]], dataclasses.replace(LOOP, max_tokens=12, logprobs=20))[0]
+    ids = list(dict.fromkeys(free.token_ids))[:3] + [1, 2]
+    params = dataclasses.replace(LOOP, max_tokens=12, logprob_token_ids=ids)
+    out = llm.generate([[5, 6, 7, 8]], params)[0]
+    assert out.token_ids == free.token_ids and all(list(top) == ids for top in out.top_logprobs)
+    for t, lp, top, top20 in zip(out.token_ids, out.logprobs, out.top_logprobs, free.top_logprobs):
+        assert t not in top or top[t] == pytest.approx(lp, abs=1e-5)
+        assert all(top[k] == pytest.approx(v, abs=1e-5) for k, v in top20.items() if k in top)
+    assert sum(t in ids for t in out.token_ids) >= 3
+    pos = out.outputs[0].logprobs[0]
+    assert list(pos) == [out.token_ids[0], *[k for k in ids if k != out.token_ids[0]]]
+    assert [pos[k].rank for k in ids] == [1, 2, 3, 4, 5]  # (as vLLM ranks them)
+    spec = LLM(model_dir, speculative="suffix", spec_controller="always")
+    spec.generate([[5, 6, 7, 8]], params)
+    again = spec.generate([[5, 6, 7, 8]], params)[0]
+    assert again.token_ids == out.token_ids and spec.engine.metrics()["spec_accepted_tokens"] > 0
+    assert [list(t) for t in again.top_logprobs] == [ids] * 12
+    assert [v for t in again.top_logprobs for v in t.values()] == pytest.approx(
+        [v for t in out.top_logprobs for v in t.values()], abs=1e-4)
+    assert SamplingParams(logprob_token_ids=[3, 4], logprobs=2).logprobs == 2
+    for bad, why in (({"logprob_token_ids": []}, "1 to 128 token ids"),
+                     ({"logprob_token_ids": [3, 4], "logprobs": 1}, "logprobs must be 0 or their number"),
+                     ({"logprob_token_ids": [-3]}, "non-negative")):
+        with pytest.raises(ValueError, match=why):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="logprob_token_ids take token ids"):
+        llm.generate([[5, 6]], SamplingParams(logprob_token_ids=[10**6]))

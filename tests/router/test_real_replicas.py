@@ -443,6 +443,12 @@ def test_openai_replica_speaks_token_ids_through_completions(servers, model_dir)
             temperature=0, max_tokens=12, ignore_eos=True, thinking_token_budget=6))
         closed = [await r.generate(think) for r in (OpenAIReplica(servers[0].url, "m"), HttpReplica(servers[0].url))]
         assert closed[0].token_ids == closed[1].token_ids and tok.encode("</think>")[-1] in closed[0].token_ids
+        # and its logprob_token_ids: those tokens' logprobs at every position, the same through both APIs
+        scored = dataclasses.replace(req, params=SamplingParams(temperature=0, max_tokens=4, logprob_token_ids=[40, 41]))
+        got = [await r.generate(scored) for r in (OpenAIReplica(servers[0].url, "m"), HttpReplica(servers[0].url))]
+        assert [list(t) for t in got[0].top_logprobs] == [list(t) for t in got[1].top_logprobs] == [[40, 41]] * 4
+        assert [v for t in got[0].top_logprobs for v in t.values()] == pytest.approx(
+            [v for t in got[1].top_logprobs for v in t.values()], abs=1e-4)
         # streamed: the pieces add up to the whole, through either API
         for r in (OpenAIReplica(servers[0].url, "m"), HttpReplica(servers[0].url)):
             pieces = [p async for p in r.stream(req)]

@@ -691,3 +691,19 @@ def test_trace_decode_token_ids_over_generate(client):
     assert got["output_ids"] == trace and len(got["meta_info"]["output_token_logprobs"]) == 4
     bad = client.post("/generate", json=body | {"sampling_params": {"trace_decode_token_ids": "40"}})
     assert bad.status_code == 400 and "trace_decode_token_ids" in bad.json()["error"]["message"]
+
+
+def test_logprob_token_ids_over_http(client):
+    """vLLM's logprob_token_ids on completions and chat: each position's top_logprobs are exactly those
+    tokens; without logprobs on it is a 400, as in vLLM."""
+    ids = [40, 41, 42]
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0, "logprobs": 3, "logprob_token_ids": ids,
+            "return_tokens_as_token_ids": True}
+    got = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert [list(top) for top in got] == [[f"token_id:{t}" for t in ids]] * 4
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                     "logprobs": True, "logprob_token_ids": ids}).json()
+    assert all(len(c["top_logprobs"]) == 3 for c in chat["choices"][0]["logprobs"]["content"])
+    for bad in ({"logprobs": None}, {"logprobs": 2}):
+        r = client.post("/v1/completions", json=body | bad)
+        assert r.status_code == 400 and "logprob" in r.json()["error"]["message"]
