@@ -1,8 +1,8 @@
 """A script written against vLLM's offline API that runs on rollwise by its import alone: GRPO-style
 sampling (n samples per prompt), each sample's tokens and logprobs read as vLLM gives them, a LoRA
 adapter by LoRARequest, sleep / wake_up as around a weight update, a chat, a looping reply ended by
-repetition_detection, lm-eval's loglikelihood scoring (prompt_logprobs, detokenize=False), and a
-thinking budget.
+repetition_detection, lm-eval's loglikelihood scoring (prompt_logprobs, detokenize=False), a
+thinking budget, and chosen tokens' logprobs (logprob_token_ids).
 
     python examples/vllm_offline.py MODEL_DIR [PEFT_ADAPTER_DIR]
 """
@@ -57,6 +57,10 @@ def main(model: str, adapter: str | None = None) -> None:
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, thinking_token_budget=budget)
         c = llm.generate([{"prompt_token_ids": think}], params, use_tqdm=False)[0].outputs[0]
         print(f"thinking budget {budget}: '</think>' at output index {list(c.token_ids).index(end)}")
+    # a judge's reading: chosen tokens' logprobs at every position, ranked in the order asked
+    judge = SamplingParams(temperature=0, max_tokens=2, logprob_token_ids=[40, 41])
+    c = llm.generate(["Is it right?"], judge, use_tqdm=False)[0].outputs[0]
+    print(f"logprob_token_ids: {[[(k, p[k].rank) for k in (40, 41)] for p in c.logprobs]}")
     del llm  # the engine shut down here: vLLM 0.32 on the CPU aborted at interpreter exit in 3 of 4 runs otherwise
     gc.collect()
 

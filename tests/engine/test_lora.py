@@ -93,6 +93,7 @@ def test_a_vllm_offline_script_runs_as_written(model_dirs, adapters):
     scored = [x for x in lines if x.startswith("scored with detokenize=")]  # (None: vLLM decodes nothing then)
     assert len(scored) == 2 and "pieces [None, None" in scored[0] and "None" not in scored[1].split("pieces")[1]
     assert sum(x.startswith("thinking budget ") and "'</think>' at output index" in x for x in lines) == 2
+    assert lines[-1] == "logprob_token_ids: [[(40, 1), (41, 2)], [(40, 1), (41, 2)]]"
 
 
 def test_async_llm_takes_lora_requests(model_dirs, adapters):
