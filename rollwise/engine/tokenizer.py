@@ -11,7 +11,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 
-def eos_ids(model_dir: str | Path, config_ids, tokenizer: "Tokenizer") -> set[int]:
+def eos_ids(model_dir: str | Path, config_ids, tokenizer: Tokenizer) -> set[int]:
     """The ids a model's output ends at: its config's, generation_config.json's and the tokenizer's EOS."""
     ids = set(config_ids)
     gen = Path(model_dir) / "generation_config.json"
