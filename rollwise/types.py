@@ -60,9 +60,9 @@ class RequestOutput:
 
     @property
     def prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
-        """vLLM's: per prompt token (None for the first), {token id: Logprob} for the token (with its
-        rank in the vocabulary), then the SamplingParams.prompt_logprobs most likely (ranked 1..k);
-        None unless prompt logprobs were asked for."""
+        """vLLM's (made at each call): per prompt token (None for the first), {token id: Logprob} for
+        the token (with its rank in the vocabulary), then the SamplingParams.prompt_logprobs most likely
+        (ranked 1..k); None unless prompt logprobs were asked for."""
         lps = self.prompt_token_logprobs
         if lps is None:
             return None

@@ -76,7 +76,6 @@ class AsyncLLM:
         self.tokenizer = self.engine.tokenizer
         self._lora_ids: dict[int, str] = {}  # vLLM's adapter ids (LoRARequest.lora_int_id): names
         self._awake: asyncio.Event | None = None  # cleared by sleep: new requests wait for wake_up (made in the loop)
-        self._slept = False  # a level-0 sleep (generation paused, no memory given back)
 
     @classmethod
     def from_engine_args(cls, engine_args: AsyncEngineArgs, start_engine_loop: bool = True, usage_context=None,
@@ -204,7 +203,6 @@ class AsyncLLM:
             await self.engine.pause(abort=mode == "abort", wait=mode == "wait")
             if level:
                 await self.engine.sleep(level)
-            self._slept = True
         except BaseException:
             await self._woken()
             raise
@@ -219,12 +217,12 @@ class AsyncLLM:
         return True
 
     async def _woken(self) -> None:
-        self._slept = False
         await self.engine.resume()
         self._gate().set()
 
     async def is_sleeping(self) -> bool:
-        return self.engine.is_sleeping or self._slept
+        """Asleep at any level (level 0: generation paused), from the call to sleep on."""
+        return self.engine.is_sleeping or not self._gate().is_set()
 
     async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True,
                                wait_for_inflight_requests: bool | None = None) -> None:
