@@ -377,6 +377,6 @@ def joined(pieces: list[GenerateOutput]) -> GenerateOutput:
                           finish_reason=last.finish_reason, num_cached_tokens=last.num_cached_tokens,
                           policy_version=last.policy_version, request_id=last.request_id, replica=last.replica,
                           version_segments=last.version_segments, top_logprobs=[t for p in pieces for t in p.top_logprobs],
-                          prompt_token_logprobs=last.prompt_token_logprobs, prompt_top_logprobs=last.prompt_top_logprobs,
-                          prompt_logprob_ranks=last.prompt_logprob_ranks,
+                          prompt_token_logprobs=last.prompt_token_logprobs,
+                          prompt_top_logprobs=last.prompt_top_logprobs, prompt_logprob_ranks=last.prompt_logprob_ranks,
                           routed_experts=last.routed_experts, stop_reason=last.stop_reason)

@@ -117,7 +117,8 @@ def test_sampling_params_n_gives_vllm_outputs_per_prompt(llm):
         assert {k: (p.logprob, p.rank) for k, p in pos.items() if k in top} == {
             k: (one.top_logprobs[i][k], r) for r, k in enumerate(top, 1)}
         assert set(pos) == {t, *top} and pos[t].rank == (top.index(t) + 1 if t in top else None)
-        spelled = {k: llm.tokenizer.decode([k], skip_special_tokens=False) for k in pos}  # (pieces of characters: test_vllm_params)
+        spelled = {k: llm.tokenizer.decode([k], skip_special_tokens=False) for k in pos}  # (characters' pieces:
+        # test_vllm_params)
         assert all(x.decoded_token == spelled[k] for k, x in pos.items() if not spelled[k].endswith("\ufffd"))
     texts = llm.generate(["a b", "c"], dataclasses.replace(GREEDY, n=2, max_tokens=2))
     assert [o.prompt for o in texts] == ["a b", "c"] == [o.samples[1].prompt for o in texts]
@@ -313,7 +314,8 @@ def test_prompt_logprobs_equal_a_direct_forward_and_bypass_the_prefix_cache(mode
         assert pos[t].logprob == lps[i] and pos[t].rank == out.prompt_logprob_ranks[i]
         assert [pos[k].rank for k in top] == [1, 2]
         assert [pos[k].logprob for k in top] == list(out.prompt_top_logprobs[i].values())
-        spelled = {k: llm.tokenizer.decode([k], skip_special_tokens=False) for k in pos}  # (pieces of characters: test_vllm_params)
+        spelled = {k: llm.tokenizer.decode([k], skip_special_tokens=False) for k in pos}  # (characters' pieces:
+        # test_vllm_params)
         assert all(x.decoded_token == spelled[k] for k, x in pos.items() if not spelled[k].endswith("\ufffd"))
     # lm-eval's loglikelihood over vLLM: the continuation's logprob, and whether greedy would write it
     ctx = len(p) - 5

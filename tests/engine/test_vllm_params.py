@@ -1,6 +1,7 @@
 """vLLM 0.32's sampling options that an RL rollout or a scorer sets: repetition_detection (a looping
-reply ends), detokenize=False (token ids only), skip_reading_prefix_cache, extra_args; and the
-decoded tokens of vLLM's Logprobs."""
+reply ends), thinking_token_budget, trace_decode_token_ids (trace replay), logprob_token_ids,
+detokenize=False (token ids only), skip_reading_prefix_cache, extra_args; and the decoded tokens of
+vLLM's Logprobs."""
 from __future__ import annotations
 
 import asyncio
@@ -56,7 +57,8 @@ def test_a_looping_reply_ends_where_the_pattern_first_repeats(llm, model_dir):
     reason "repetition" as vLLM's; speculation (which accepts several tokens a step) cuts at the same
     token; a rule the reply never meets leaves it to max_tokens."""
     full = llm.generate(["hello world"], LOOP)[0].token_ids
-    for rule, min_tokens in (({"max_pattern_size": 8, "min_count": 3}, 0), ({"max_pattern_size": 8, "min_count": 3}, 40),
+    for rule, min_tokens in (({"max_pattern_size": 8, "min_count": 3}, 0),
+                             ({"max_pattern_size": 8, "min_count": 3}, 40),
                              ({"max_pattern_size": 2, "min_pattern_size": 2, "min_count": 5}, 0)):
         r = RepetitionDetectionParams(**rule)
         cut = next(i for i in range(max(min_tokens, 1), len(full) + 1) if _repeats(full[:i], r))  # (it loops)
@@ -189,12 +191,14 @@ def test_a_thinking_budget_closes_the_block_with_the_end_string(llm, model_dir):
     k = budget - inside
     assert out.token_ids[:k] == free[:k] and out.token_ids[k:k + len(end)] == end and end != free[k:k + len(end)]
     after = prompt + out.token_ids[:k + len(end)]
-    assert out.token_ids[k + len(end):] == llm.generate([after], dataclasses.replace(LOOP, max_tokens=40 - k - len(end)))[0].token_ids
+    rest = llm.generate([after], dataclasses.replace(LOOP, max_tokens=40 - k - len(end)))[0].token_ids
+    assert out.token_ids[k + len(end):] == rest
     assert tok.decode(out.token_ids).count("</think>") == 1
     for same in (dataclasses.replace(LOOP, thinking_token_budget=-1), LOOP):
         assert llm.generate([prompt], same)[0].token_ids == free
     closed = prompt + end
-    assert llm.generate([closed], params)[0].token_ids == llm.generate([closed], dataclasses.replace(params, thinking_token_budget=None))[0].token_ids
+    unbounded = dataclasses.replace(params, thinking_token_budget=None)
+    assert llm.generate([closed], params)[0].token_ids == llm.generate([closed], unbounded)[0].token_ids
     spec = LLM(model_dir, speculative="suffix", spec_controller="always")
     spec.generate([prompt], dataclasses.replace(params, thinking_token_budget=None))  # (its trees learn the free run)
     assert spec.generate([prompt], params)[0].token_ids == out.token_ids

@@ -432,8 +432,9 @@ def test_openai_replica_speaks_token_ids_through_completions(servers, model_dir)
         assert got[0].token_ids == got[1].token_ids and got[0].finish_reason == "stop"
         assert Tokenizer(model_dir).decode(got[0].token_ids) in ("yes", "no")
         # and vLLM's repetition_detection: a looping greedy reply ends early, at the same token
+        rule = {"max_pattern_size": 8, "min_count": 3}
         loop = GenerateRequest(prompt_token_ids=Tokenizer(model_dir).encode("hello world"), params=SamplingParams(
-            temperature=0, max_tokens=120, ignore_eos=True, repetition_detection={"max_pattern_size": 8, "min_count": 3}))
+            temperature=0, max_tokens=120, ignore_eos=True, repetition_detection=rule))
         cut = [await r.generate(loop) for r in (OpenAIReplica(servers[0].url, "m"), HttpReplica(servers[0].url))]
         assert cut[0].token_ids == cut[1].token_ids and len(cut[0].token_ids) < 120
         assert [c.finish_reason for c in cut] == ["repetition"] * 2
@@ -444,7 +445,8 @@ def test_openai_replica_speaks_token_ids_through_completions(servers, model_dir)
         closed = [await r.generate(think) for r in (OpenAIReplica(servers[0].url, "m"), HttpReplica(servers[0].url))]
         assert closed[0].token_ids == closed[1].token_ids and tok.encode("</think>")[-1] in closed[0].token_ids
         # and its logprob_token_ids: those tokens' logprobs at every position, the same through both APIs
-        scored = dataclasses.replace(req, params=SamplingParams(temperature=0, max_tokens=4, logprob_token_ids=[40, 41]))
+        scored = dataclasses.replace(req, params=SamplingParams(temperature=0, max_tokens=4,
+                                                                logprob_token_ids=[40, 41]))
         got = [await r.generate(scored) for r in (OpenAIReplica(servers[0].url, "m"), HttpReplica(servers[0].url))]
         assert [list(t) for t in got[0].top_logprobs] == [list(t) for t in got[1].top_logprobs] == [[40, 41]] * 4
         assert [v for t in got[0].top_logprobs for v in t.values()] == pytest.approx(
