@@ -355,6 +355,7 @@ class LLMEngine(WeightVersions, SleepMode):
         if finished and seq.params.detokenize:
             text = seq.text if seq.text is not None else self.tokenizer.decode(seq.params.text_ids(
                 seq.output_token_ids, seq.finish_reason, self.eos_token_ids), seq.params.skip_special_tokens)
+            text = text.rstrip("\ufffd")  # (an incomplete last character is held back, as vLLM holds it)
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids, logprobs=list(seq.logprobs), top_logprobs=list(seq.top_logprobs),

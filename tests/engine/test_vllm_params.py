@@ -269,3 +269,29 @@ def test_logprob_token_ids_give_those_tokens_logprobs_at_every_position(llm, mod
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="logprob_token_ids take token ids"):
         llm.generate([[5, 6]], SamplingParams(logprob_token_ids=[10**6]))
+
+
+def test_an_incomplete_last_character_is_held_back(llm):
+    """A reply that ends inside a multi-byte character: its text stops before it (vLLM's detokenizer
+    holds such a tail back and gives a one-token reply of one byte as ""); the streamed pieces add up
+    to the same text."""
+    full = llm.tokenizer.encode("ab 世界", add_special_tokens=False)
+    pieces = [llm.tokenizer.decode([t]) for t in full]
+    assert pieces[-1].endswith("\ufffd") and llm.tokenizer.decode(full).endswith("界")  # (a character in pieces)
+    texts = []
+    for n in range(1, len(full) + 1):
+        params = SamplingParams(max_tokens=n, trace_decode_token_ids=full[:n])
+        texts.append(llm.generate([[5, 6]], params)[0].text)
+        assert "\ufffd" not in texts[-1] and llm.tokenizer.decode(full[:n]).startswith(texts[-1])
+    assert texts[-1] == "ab 世界" and "ab 世" in texts and texts[2] == "ab "
+
+    async def streamed():
+        from rollwise import AsyncLLM
+        engine = AsyncLLM(llm.engine.config.model)
+        try:
+            sp = SamplingParams(max_tokens=len(full) - 1, trace_decode_token_ids=full[:-1],
+                                output_kind=RequestOutputKind.DELTA)
+            return [o.text async for o in engine.generate([5, 6], sp, "r")]
+        finally:
+            engine.shutdown()
+    assert "".join(asyncio.run(streamed())) == texts[-2] == "ab 世"
