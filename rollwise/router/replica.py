@@ -175,6 +175,14 @@ def safetensors_stream(tensors: dict, piece: int = 1 << 20):
     return 8 + len(head) + offset, pieces()
 
 
+# SamplingParams' fields an HTTP replica's /generate is sent only when they ask for something: when
+# true (non-zero, non-empty), and when not None (0 and [] meaning something there)
+SENT_WHEN_ON = ("logprobs", "logprob_token_ids", "logit_bias", "bad_words", "return_routed_experts",
+                "routed_experts_prompt_start", "skip_reading_prefix_cache")
+SENT_WHEN_GIVEN = ("prompt_logprobs", "allowed_token_ids", "structured_outputs", "thinking_token_budget",
+                   "trace_decode_token_ids", "lora")
+
+
 class HttpReplica:
     """`rollwise serve` (or a server with the same /generate) at `url`."""
 
@@ -232,24 +240,10 @@ class HttpReplica:
                                     **{k: getattr(p, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed",
                                                                   "min_tokens", "stop", "stop_token_ids", "ignore_eos")},
                                     **p.penalties(),
-                                    **({"logprobs": p.logprobs} if p.logprobs else {}),
-                                    **({"logprob_token_ids": p.logprob_token_ids} if p.logprob_token_ids else {}),
-                                    **({} if p.prompt_logprobs is None else {"prompt_logprobs": p.prompt_logprobs}),
-                                    **({"logit_bias": p.logit_bias} if p.logit_bias else {}),
-                                    **({} if p.allowed_token_ids is None else {"allowed_token_ids": p.allowed_token_ids}),
-                                    **({"bad_words": p.bad_words} if p.bad_words else {}),
-                                    **({} if p.structured_outputs is None else {"structured_outputs": p.structured_outputs}),
-                                    **({"return_routed_experts": True} if p.return_routed_experts else {}),
-                                    **({"routed_experts_prompt_start": p.routed_experts_prompt_start}
-                                       if p.routed_experts_prompt_start else {}),
+                                    **{k: getattr(p, k) for k in SENT_WHEN_ON if getattr(p, k)},
+                                    **{k: getattr(p, k) for k in SENT_WHEN_GIVEN if getattr(p, k) is not None},
                                     **({} if p.repetition_detection is None else {
-                                        "repetition_detection": asdict(p.repetition_detection)}),
-                                    **({"skip_reading_prefix_cache": True} if p.skip_reading_prefix_cache else {}),
-                                    **({} if p.thinking_token_budget is None else {
-                                        "thinking_token_budget": p.thinking_token_budget}),
-                                    **({} if p.trace_decode_token_ids is None else {
-                                        "trace_decode_token_ids": p.trace_decode_token_ids}),
-                                    **({} if p.lora is None else {"lora": p.lora})}}
+                                        "repetition_detection": asdict(p.repetition_detection)})}}
 
     @staticmethod
     def _output(b: dict) -> GenerateOutput:
