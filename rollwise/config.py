@@ -1,6 +1,7 @@
 """Frozen, validated configuration: one dataclass per subsystem."""
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -65,6 +66,9 @@ class EngineConfig:
     # thinking_token_budget forces once its block has that many tokens
     reasoning_start_str: str = "<think>"
     reasoning_end_str: str = "</think>"
+    # vLLM's: a class ("package.module.Class") whose methods are mixed into the worker, for
+    # collective_rpc by name (a trainer's weight sync: rollwise.engine.worker)
+    worker_extension_cls: str | None = None
     # speculation (SuffixDecoding): drafts from suffix trees, verified in the same forward
     speculative: str | None = field(default=None, metadata={"choices": SPECULATIVE[1:]})
     spec_controller: str = field(default="adaptive", metadata={"choices": SPEC_CONTROLLERS})
@@ -108,6 +112,22 @@ class EngineConfig:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if not self.reasoning_start_str or not self.reasoning_end_str:
             raise ValueError("reasoning_start_str and reasoning_end_str must be non-empty")
+        if self.worker_extension_cls:
+            extension_class(self.worker_extension_cls)
+
+
+def extension_class(name: str) -> type:
+    """A class from its qualified name ("package.module.Class"); ValueError when it cannot be found."""
+    module, _, cls = str(name).rpartition(".")
+    if not module:
+        raise ValueError(f"worker_extension_cls must be a qualified name (package.module.Class), got {name!r}")
+    try:
+        found = getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"worker_extension_cls {name!r} cannot be imported: {e}") from e
+    if not isinstance(found, type):
+        raise ValueError(f"worker_extension_cls {name!r} is not a class")
+    return found
 
 
 # vLLM's engine arguments with no work to do here, and the values that agree with this engine: no CUDA

@@ -44,6 +44,9 @@ class RequestOutput:
     # the experts each token of prompt + output but the last was routed to in each decoder layer
     # (-1 in a layer without experts), as SGLang and vLLM return them
     routed_experts: object | None = None
+    # vLLM's, once finished: the spans of output tokens sampled under each weights label (the label
+    # `LLM.update_weight_version` or `finish_weight_update` gave the weights; "default" before any)
+    weight_versions: list[WeightVersionSpan] | None = None
     index: int = 0  # its number among its prompt's samples (vLLM's CompletionOutput.index)
     prompt: str | None = None  # vLLM's: the prompt's text, when LLM.generate was given text
     # from LLM.generate with SamplingParams.n: the prompt's samples (this output is the first of them)
@@ -82,6 +85,14 @@ class Logprob:
     decoded_token: str | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class WeightVersionSpan:
+    """vLLM's: output tokens [start, end) were sampled by the weights labelled `version`."""
+    version: str
+    start: int
+    end: int
+
+
 @dataclass(slots=True, kw_only=True)
 class CompletionOutput:
     """vLLM's view of one sample. `logprobs`: per output position {token id: Logprob}, the sampled
@@ -94,6 +105,7 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: str | int | None
     routed_experts: object | None = None  # as in RequestOutput (vLLM's [tokens, layers, k])
+    weight_versions: list[WeightVersionSpan] | None = None  # as in RequestOutput
 
     @classmethod
     def of(cls, out: RequestOutput) -> CompletionOutput:
@@ -102,7 +114,8 @@ class CompletionOutput:
                               ids[max(0, i - 4):i]) for i, (t, lp) in enumerate(zip(ids, out.logprobs))]
         return cls(index=out.index, text=out.text, token_ids=list(out.token_ids),
                    cumulative_logprob=float(sum(out.logprobs)), logprobs=logprobs, finish_reason=out.finish_reason,
-                   stop_reason=out.stop_reason, routed_experts=out.routed_experts)
+                   stop_reason=out.stop_reason, routed_experts=out.routed_experts,
+                   weight_versions=out.weight_versions)
 
 
 def _position(tok, t: int, lp: float, rank: int | None, top: dict[int, float], context: list[int]

@@ -62,6 +62,9 @@ VALID = {  # a body of each kind, with a field of every kind; each field is repl
                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {
                                  "type": "object", "properties": {}}}}],
                              "tool_choice": {"type": "function", "function": {"name": "f"}}, "max_tokens": 3},
+    "/collective_rpc": {"method": "compute_weight_checksums", "args": [], "kwargs": {}, "timeout": 60},
+    "/update_weight_version": {"new_version": "v"},
+    "/weight_checker": {"action": "compare", "baseline": {"a": "b"}},
     "/v1/responses": {"input": [{"role": "user", "content": "hi"}], "max_output_tokens": 3,
                       "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
                       "text": {"format": {"type": "json_object"}}},

@@ -244,6 +244,24 @@ class AsyncLLM:
     async def is_paused(self) -> bool:
         return self.engine.paused
 
+    async def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict | None = None) -> list:
+        """vLLM's: a worker method by name (the worker's, or the engine's `worker_extension_cls`'s) or a
+        function taking the worker first, run on the engine's thread between two steps: [its result].
+        TimeoutError after `timeout` seconds (the call itself still finishes on the engine's thread)."""
+        call = self.engine.call(lambda: self.engine.engine.collective_rpc(method, None, args, kwargs))
+        return await asyncio.wait_for(call, timeout)
+
+    async def apply_model(self, func) -> list:
+        return await self.collective_rpc("apply_model", args=(func,))
+
+    async def update_weight_version(self, new_version: str) -> None:
+        """vLLM's: name the weights (CompletionOutput.weight_versions counts tokens under the name)."""
+        await self.engine.call(lambda: self.engine.engine.set_weight_version(new_version))
+
+    async def get_weight_version(self) -> str:
+        return self.engine.engine.get_weight_version()
+
     async def check_health(self) -> None:
         """Raises if the engine loop is not running (shut down, or died of a bug)."""
         if not self.engine.is_running:

@@ -141,6 +141,29 @@ class LLM:
     def update_weights(self, weights, partial_rollout: bool = False) -> int:
         return self.engine.update_weights(weights, partial_rollout=partial_rollout)
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for the engine: RL code reaches the model through it
+        (`llm_engine.model_executor.driver_worker.model_runner.model`, rollwise.engine.worker)."""
+        return self.engine
+
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
+                       ) -> list:
+        """vLLM's: a worker method by name (the worker's, or its `worker_extension_cls`'s) or a
+        function taking the worker first, run on each worker (one here): [its result]."""
+        return self.engine.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func) -> list:
+        """vLLM's: [func(model)], the model as a trainer sees it (its load_weights writes the weights)."""
+        return self.engine.apply_model(func)
+
+    def update_weight_version(self, new_version: str) -> None:
+        """vLLM's: name the weights (CompletionOutput.weight_versions counts tokens under the name)."""
+        self.engine.set_weight_version(new_version)
+
+    def get_weight_version(self) -> str:
+        return self.engine.get_weight_version()
+
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """vLLM's: give back the KV pool (level 1), and the weights (level 2; load them before generating).
         (`mode` says what becomes of requests in flight; between two `generate` calls there are none.)"""

@@ -23,6 +23,7 @@ from rollwise.engine.scheduler import Scheduler
 from rollwise.engine.sequence import Sequence, check_cache_salt
 from rollwise.engine.sleep import SleepMode
 from rollwise.engine.weights import WeightVersions
+from rollwise.engine.worker import make_worker
 from rollwise.engine.tokenizer import Tokenizer, eos_ids
 from rollwise.types import RequestOutput, SamplingParams, WeightsNotHeld
 
@@ -68,6 +69,7 @@ class LLMEngine(WeightVersions, SleepMode):
         # $ROLLWISE_STEP_TRACE=DIR: each step's shape and seconds to DIR/steps-PID.jsonl (the simulator fits its costs)
         trace = os.environ.get("ROLLWISE_STEP_TRACE")
         self._trace = open(Path(trace) / f"steps-{os.getpid()}.jsonl", "a", buffering=1) if trace else None
+        self.worker = make_worker(self)  # vLLM's worker, for RL code's collective_rpc (worker.py)
 
     # requests ------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
@@ -363,6 +365,7 @@ class LLMEngine(WeightVersions, SleepMode):
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             num_cached_tokens=max(seq.num_cached_tokens, 0), policy_version=seq.policy_version,
             version_segments=list(seq.version_segments), routed_experts=seq.routed_experts,
+            weight_versions=self.weight_spans(seq) if finished else None,
             tokenizer=self.tokenizer if seq.params.detokenize else None,
             **({} if seq.prompt_logprobs is None else {
                 "prompt_token_logprobs": [x and x[0] for x in seq.prompt_logprobs],

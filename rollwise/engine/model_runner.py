@@ -244,6 +244,7 @@ class ModelRunner:
             self.versions.pop(version)
             model = None
         assert reuse is None or not self.shared(reuse), "a model another version runs on is not overwritten"
+        copied = False
         if model is None:
             model = self.versions.pop(reuse) if reuse is not None else None
             if model is None:
@@ -251,8 +252,9 @@ class ModelRunner:
             if model is not self.model:
                 for dst, src in zip(model.parameters(), self.model.parameters()):
                     dst.copy_(src)
-        load_weights(model, state, partial=True)
-        model.prepack()
+                copied = True
+        written = load_weights(model, state, partial=True)
+        model.prepack(None if copied else written)  # (in place: only the linears written are packed again)
         self.versions[version] = self.model = model
 
     def alias(self, version: int) -> None:

@@ -58,6 +58,9 @@ class Sequence:
     # of the end string's tokens were forced so far
     think_count: int | None = None
     think_forced: int = 0
+    # (weights label, first output index) from each relabel of the weights while it was live, after the
+    # label it began with; empty: all under the label at its end (WeightVersions.set_weight_version)
+    label_starts: list[tuple[str, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -7,12 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from rollwise.engine.sequence import Sequence, Status
+from rollwise.types import WeightVersionSpan
 from rollwise.wire import AdapterWeights
 
 
 class WeightVersions:
     """LLMEngine's weights versions and LoRA adapters (state set in LLMEngine.__init__: `_loaded`,
-    `_roots`, `_adapters`, `loras`, `_lora_uids`, `policy_version`, `weight_updates`)."""
+    `_roots`, `_adapters`, `loras`, `_lora_uids`, `policy_version`, `weight_updates`), and vLLM's
+    ways in to them (a weights label, `collective_rpc`, the worker and model a trainer writes through)."""
+
+    weight_label = "default"  # vLLM's weight version: a name the caller gives the weights (set_weight_version)
 
     # weights -------------------------------------------------------------------------------------
     def update_weights(self, weights, version: int | None = None, partial_rollout: bool = False) -> int:
@@ -56,6 +60,60 @@ class WeightVersions:
         self._adapters.pop(reuse, None)
         self._loaded = [u for u in self._loaded if u != reuse]
         return self._new_version(v, partial_rollout)
+
+    def load_weights(self, weights) -> set[str]:
+        """vLLM's `model.load_weights`: (name, tensor) pairs under Hugging Face's names (or a dict),
+        written into the newest weights in place, checked first (ValueError, nothing changes).
+        Requests in flight read them from their next step, as under vLLM; what was cached under the
+        weights before is never matched again (vLLM keeps it until `reset_prefix_cache`). Only the
+        linears written are packed again, so a trainer may send one tensor a call. Returns the names."""
+        state = dict(weights.items() if isinstance(weights, dict) else weights)
+        if self._adapters.get(self.policy_version) is not None:
+            raise ValueError("the newest weights are the held ones plus a LoRA adapter (a LoRA run's update): "
+                             "send a full update with update_weights instead")
+        self.update_weights(state, version=self.policy_version)
+        return set(state)
+
+    # vLLM's weights label and worker -------------------------------------------------------------
+    def set_weight_version(self, label: str) -> None:
+        """vLLM's: name the weights `label`; tokens sampled from now on are counted under it
+        (RequestOutput.weight_versions). Requests live now start a new span."""
+        if not isinstance(label, str) or not label:
+            raise ValueError(f"a weight version is a non-empty string, got {label!r}")
+        for seq in self.seqs.values():
+            seq.label_starts = (seq.label_starts or [(self.weight_label, 0)]) + [(label, seq.num_output_tokens)]
+        self.weight_label = label
+
+    def get_weight_version(self) -> str:
+        return self.weight_label
+
+    def weight_spans(self, seq: Sequence) -> list[WeightVersionSpan]:
+        """vLLM's weight_versions of a sequence's output: [start, end) under each label, in order."""
+        spans: list[list] = []
+        for label, start in seq.label_starts or [(self.weight_label, 0)]:
+            if spans and spans[-1][1] == start:  # (relabelled before it sampled another token)
+                spans.pop()
+            if not spans or spans[-1][0] != label:
+                spans.append([label, start])
+        ends = [s[1] for s in spans[1:]] + [seq.num_output_tokens]
+        return [WeightVersionSpan(label, start, end) for (label, start), end in zip(spans, ends)]
+
+    @property
+    def model_executor(self):
+        """vLLM's: `model_executor.driver_worker` is the worker (its `.worker` too), as RL code reaches
+        the model: `llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(...)`."""
+        return self.worker.executor
+
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
+                       ) -> list:
+        """vLLM's: run a worker method (its name, or a function taking the worker first) on every
+        worker, here the one: [its result]. (In process, between steps; `timeout` is not enforced,
+        as vLLM's single-process executor does not.)"""
+        return [self.worker.execute_method(method, *args, **(kwargs or {}))]
+
+    def apply_model(self, func) -> list:
+        """vLLM's: [func(model)] for each worker's model (here one; loading goes through load_weights)."""
+        return self.collective_rpc("apply_model", args=(func,))
 
     def _new_version(self, v: int, partial_rollout: bool, adapter=None) -> int:
         """Version v (its weights in the runner, or with `adapter` the newest weights plus it) becomes the newest."""

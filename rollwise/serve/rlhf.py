@@ -5,13 +5,42 @@ back until /resume, when they begin under the weights loaded while paused; keep:
 kept, and go on after /resume; `clear_cache`, default true, drops the cached prefix blocks after an abort or a wait;
 `wait_for_inflight_requests=true` is the older spelling of wait), `POST /resume`, `GET /is_paused`,
 and `POST /reset_prefix_cache` (SGLang's /flush_cache; not needed after a weight update here, since
-cached blocks are keyed by their weights' version, but harmless). Replies as vLLM's."""
+cached blocks are keyed by their weights' version, but harmless). And vLLM 0.32's weight
+routes: `POST /collective_rpc` (`{"method", "args", "kwargs", "timeout"}`: a worker method by name,
+its own or the server's `--worker-extension-cls`'s, with JSON arguments), `GET /weight_info`,
+`POST /update_weight_version`, `POST /weight_checker` (checksum, reset, compare), `GET
+/get_world_size` and `POST /abort_requests`. Off loopback, every POST here needs the server started
+with an API key (server.py's CONTROL_PATHS). Replies as vLLM's."""
 from __future__ import annotations
 
+import asyncio
 from typing import Literal
 
 from fastapi import FastAPI, Query
 from fastapi.responses import Response
+from pydantic import BaseModel, Field
+
+from rollwise.serve.responses import error
+
+
+class RpcRequest(BaseModel):
+    method: str
+    args: list = []
+    kwargs: dict = {}
+    timeout: float | None = Field(default=None, gt=0, le=86400)  # seconds
+
+
+class WeightVersionRequest(BaseModel):
+    new_version: str
+
+
+class WeightCheckRequest(BaseModel):
+    action: Literal["checksum", "reset", "compare"]
+    baseline: dict[str, str] | None = None
+
+
+class AbortRequests(BaseModel):
+    request_ids: list[str] | None = None  # None or empty: every request in flight
 
 
 def install_rlhf(app: FastAPI, engine) -> None:
@@ -37,3 +66,52 @@ def install_rlhf(app: FastAPI, engine) -> None:
     async def reset_prefix_cache():
         await engine.call(engine.engine.blocks.evict_cached)
         return Response(status_code=200)
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(body: RpcRequest):
+        args, kwargs = tuple(body.args), body.kwargs
+        try:
+            results = await asyncio.wait_for(engine.call(
+                lambda: engine.engine.collective_rpc(body.method, None, args, kwargs)), body.timeout)
+        except (TypeError, OSError) as e:  # (arguments the method does not take, a file it cannot read)
+            raise ValueError(f"{body.method}: {e}") from e
+        except TimeoutError:
+            return error(504, f"{body.method} did not return within {body.timeout} s", "timeout")
+        return {"results": [r if r is None or isinstance(r, (dict, list)) else str(r) for r in results]}
+
+    @app.get("/weight_info")
+    async def weight_info():
+        return {"weight_version": engine.engine.get_weight_version()}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(body: WeightVersionRequest):
+        await engine.call(lambda: engine.engine.set_weight_version(body.new_version))
+        return {"success": True, "new_version": body.new_version}
+
+    @app.post("/weight_checker")
+    async def weight_checker(body: WeightCheckRequest):
+        """checksum: SHA-256 per weight (by its Hugging Face name); reset: every weight zeroed (a check
+        of the sync that follows); compare: against `baseline` ({name: checksum})."""
+        if body.action == "compare" and body.baseline is None:
+            raise ValueError("action 'compare' needs a 'baseline' object")
+        worker = engine.engine.worker
+        if body.action == "reset":
+            await engine.call(worker.reset_weights)
+            return {"status": "reset"}
+        sums = await engine.call(worker.compute_weight_checksums)
+        if body.action == "checksum":
+            return {"checksums": sums}
+        bad = sorted(k for k in sums.keys() | body.baseline.keys() if sums.get(k) != body.baseline.get(k))
+        return {"match": not bad, "mismatches": bad}
+
+    @app.get("/get_world_size")
+    async def get_world_size(include_dp: bool = True):
+        return {"world_size": 1}  # (one process: no tensor, pipeline or data parallelism)
+
+    @app.post("/abort_requests")
+    async def abort_requests(body: AbortRequests | None = None):
+        """Abort these requests (none given: every one in flight) without pausing."""
+        ids = body.request_ids if body is not None else None
+        aborted = await engine.abort(list(ids)) if ids else await engine.abort_all()
+        return {"status": "aborted", "aborted": len(ids) if ids else len(aborted)}
+

@@ -44,7 +44,8 @@ OPEN_PATHS = {"/health", "/ping", "/metrics"}
 # control endpoints: off loopback they need the API key, as weight updates do (pausing or aborting a
 # server, flushing its cache, changing a route's replicas; vLLM serves its own only in dev mode)
 CONTROL_PATHS = {"/pause", "/resume", "/reset_prefix_cache", "/flush_cache", "/pause_generation",
-                 "/continue_generation", "/abort_request"}
+                 "/continue_generation", "/abort_request", "/abort_requests", "/collective_rpc",
+                 "/update_weight_version", "/weight_checker"}
 _WRITE_BYTES = 4 << 20  # a streamed weight update goes to disk in writes of about this size
 
 

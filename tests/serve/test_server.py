@@ -597,10 +597,14 @@ def test_weight_updates_off_loopback_need_an_api_key(model_dir):
                            ("/update_weights_from_disk", {"model_path": model_dir}),
                            ("/release_memory_occupation", {}), ("/pause", None), ("/resume", None),
                            ("/pause_generation", {}), ("/continue_generation", None), ("/flush_cache", None),
-                           ("/reset_prefix_cache", None), ("/abort_request", {"abort_all": True})):
+                           ("/reset_prefix_cache", None), ("/abort_request", {"abort_all": True}),
+                           ("/abort_requests", {}), ("/collective_rpc", {"method": "reset_weights"}),
+                           ("/update_weight_version", {"new_version": "x"}), ("/weight_checker", {"action": "reset"})):
             r = open_app.post(path, json=body)  # (control endpoints too: pausing a server is not anyone's)
             assert r.status_code == 403 and "api-key" in r.json()["error"]["message"], path
         assert engine.policy_version == 0 and not engine.is_sleeping and not engine.paused
+        assert engine.engine.weight_updates == 0 and engine.engine.get_weight_version() == "default"
+        assert open_app.get("/weight_info").status_code == 200
         assert open_app.get("/health").status_code == 200 and open_app.get("/is_paused").status_code == 200
         keyed = TestClient(build_app(engine, ServerConfig(host="0.0.0.0", api_key="k"), "m"))
         r = keyed.post("/update_weights", json={"model_dir": model_dir}, headers={"Authorization": "Bearer k"})

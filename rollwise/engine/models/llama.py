@@ -258,10 +258,12 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def prepack(self) -> None:
-        """Refresh the fast-inference copies of the weights (call after loading or updating them)."""
+    def prepack(self, written: set[int] | None = None) -> None:
+        """Refresh the fast-inference copies of the weights (call after loading or updating them);
+        `written`: only those of the modules whose weights lie in these storages (their data_ptr)."""
         for m in self.modules():
-            if isinstance(m, (Linear, Experts)):
+            if isinstance(m, (Linear, Experts)) and (written is None or any(
+                    p.untyped_storage().data_ptr() in written for p in m.parameters(recurse=False))):
                 m.repack()
 
     def set_batch_invariant(self) -> None:

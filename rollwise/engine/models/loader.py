@@ -55,15 +55,16 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     return model.eval()
 
 
-def load_weights(model: CausalLM, state: dict[str, torch.Tensor], partial: bool = False) -> None:
+def load_weights(model: CausalLM, state: dict[str, torch.Tensor], partial: bool = False) -> set[int]:
     """Copy Hugging Face-named weights in place, all-or-nothing: names and shapes are checked before
     anything changes. `partial` allows a subset (a weight update in buckets); a tied lm_head may
-    always be absent."""
+    always be absent. Returns the storages written (their data_ptr), for `CausalLM.prepack`."""
     targets = model.hf_tensors()
     todo = check_weights(model, state, partial)
     with torch.no_grad():
         for name, t in todo.items():
             targets[name].copy_(t.to(targets[name].dtype))
+    return {targets[name].untyped_storage().data_ptr() for name in todo}
 
 
 def check_weights(model: CausalLM, state: dict[str, torch.Tensor], partial: bool = False) -> dict[str, torch.Tensor]:
