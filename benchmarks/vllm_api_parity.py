@@ -89,10 +89,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         lora = adapter(model, Path(tmp) / "adapter")
         trained = checkpoint_of_trained(model, Path(tmp) / "trained")
-        for script, args in (("vllm_offline.py", (model, lora)), ("vllm_async.py", (model, lora)),
+        for script, argv in (("vllm_offline.py", (model, lora)), ("vllm_async.py", (model, lora)),
                              ("vllm_weight_sync.py", (model,)), ("vllm_weight_sync.py --fresh", (trained, "--fresh"))):
             file = script.split()[0]
-            vllm, ours = run(str(peer), file, *args), run(sys.executable, file, *args)
+            vllm, ours = run(str(peer), file, *argv), run(sys.executable, file, *argv)
             for name, r in (("vllm", vllm), ("rollwise", ours)):
                 if r["rc"]:
                     sys.exit(f"{script} failed under {name}:\n{r['stderr']}")

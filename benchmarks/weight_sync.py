@@ -12,6 +12,11 @@ per update (median) and the weights' megabytes next to it.
 Then a LoRA run's update (`--lora-rank`, adapters on every linear): the merged linears
 (`lora_sync = "merged"`) against the adapter alone (`lora_sync = "adapter"`), in process and
 streamed over HTTP to a `rollwise serve --enable-lora`.
+
+Last, TRL's colocated sync through vLLM's model path (`llm.llm_engine.model_executor.driver_worker.
+model_runner.model.load_weights([(name, tensor)])`, one tensor a call): each call packs again only the
+linears it wrote, against the same calls packing the whole model again after each (as every update
+was packed before), and one call with every tensor; the sides take turns.
 """
 from __future__ import annotations
 
@@ -78,6 +83,7 @@ def main() -> None:
         print(f"{k:<12}{ms:>9.1f} ms{mb / ms * 1000:>10.0f} MB/s")
     print(f"streamed vs temporary directory: {out['ms']['http_file'] / out['ms']['http_stream']:.2f}x")
     out["lora"] = lora_updates(model, args.lora_rank, args.repeats)
+    out["model_path"] = one_tensor_a_call(model, args.repeats)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 
@@ -111,6 +117,45 @@ def lora_updates(model: str, rank: int, repeats: int) -> dict:
         m, a = ms[f"{where}_merged"], ms[f"{where}_adapter"]
         print(f"{where:<12} merged {m:8.1f} ms   adapter {a:8.1f} ms   {m / a:.1f}x")
     return {"rank": rank, "mb": size, "ms": ms}
+
+
+def one_tensor_a_call(model: str, repeats: int) -> dict:
+    """TRL's colocated sync: every weight through the model path, one tensor a call (only the linears
+    written are packed again), against the whole model packed again after each call, and all at once."""
+    from rollwise import LLM
+    from rollwise.engine.models.llama import CausalLM
+    llm = LLM(model)
+    path = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    weights = {k: v.detach().clone() for k, v in llm.engine.runner.model.hf_tensors().items()}
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    before = llm.generate([[5, 6, 7]], greedy)[0].token_ids
+    pack = CausalLM.prepack
+
+    def sync(per_tensor: bool) -> float:
+        t0 = time.perf_counter()
+        if per_tensor:
+            for item in weights.items():
+                path.load_weights([item])
+        else:
+            path.load_weights(weights.items())
+        return 1000 * (time.perf_counter() - t0)
+
+    ms: dict[str, list[float]] = {"one_tensor_a_call": [], "whole_model_packed_each_call": [], "all_at_once": []}
+    for _ in range(repeats):
+        ms["one_tensor_a_call"].append(sync(True))
+        CausalLM.prepack = lambda self, written=None: pack(self)  # (every linear, whatever was written)
+        try:
+            ms["whole_model_packed_each_call"].append(sync(True))
+        finally:
+            CausalLM.prepack = pack
+        ms["all_at_once"].append(sync(False))
+    assert llm.generate([[5, 6, 7]], greedy)[0].token_ids == before  # (the same weights: the same tokens)
+    out = {"tensors": len(weights), "ms": {k: statistics.median(v) for k, v in ms.items()}}
+    m = out["ms"]
+    print(f"\nthe model path, {len(weights)} tensors one a call: {m['one_tensor_a_call']:.1f} ms, whole model packed "
+          f"after each {m['whole_model_packed_each_call']:.1f} ms "
+          f"({m['whole_model_packed_each_call'] / m['one_tensor_a_call']:.1f}x); all in one call {m['all_at_once']:.1f} ms")
+    return out
 
 
 if __name__ == "__main__":

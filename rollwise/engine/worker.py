@@ -123,12 +123,6 @@ class Worker:
         """vLLM's: every weight zeroed (a weight checker's reset before a sync it then checks)."""
         self.engine.load_weights({n: torch.zeros_like(t) for n, t in self.engine.runner.model.hf_tensors().items()})
 
-    def sleep(self, level: int = 1) -> None:
-        self.engine.sleep(level)
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        self.engine.wake_up(tags)
-
     def check_health(self) -> None:
         return None
 

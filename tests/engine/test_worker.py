@@ -196,3 +196,16 @@ def test_async_llm_collective_rpc_on_the_engine_thread(model_dir):
         finally:
             engine.shutdown()
     asyncio.run(run())
+
+
+def test_the_vllm_weight_sync_example_runs_as_written(model_dir):
+    """examples/vllm_weight_sync.py, written against vLLM's offline engine, runs on rollwise by its import
+    alone; its own asserts check the engine went back to its first tokens after each sync."""
+    got = subprocess.run([sys.executable, "examples/vllm_weight_sync.py", model_dir], capture_output=True, text=True,
+                         timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    lines = got.stdout.splitlines()
+    assert sum("weight_versions [('step-1', 0, 8)]" in x for x in lines) == 2
+    assert lines[-1].startswith("TRL's path: [[") and "extension: ['loaded']" in lines
+    stepped = [x.split(" -> ")[1].split(" weight_versions")[0] for x in lines if x.startswith("after the trainer's")]
+    assert lines[-1] == f"TRL's path: [{', '.join(stepped)}]"  # (the same weights by either path: the same tokens)
