@@ -5,8 +5,8 @@ Trajectories are identified by the body's `trajectory_id` / `group_id` / `turn` 
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
+import functools
 import uuid
 from collections.abc import AsyncIterator
 
@@ -19,6 +19,7 @@ from rollwise.agent.messages_api import models_page
 from rollwise.agent.parsing import make_parser
 from rollwise.agent.reasoning import make_reasoning_parser
 from rollwise.config import ServerConfig
+from rollwise.router.fanout import fan_out as fan_out_to, install_fanout
 from rollwise.router.replica import HttpReplica, ReplicaError
 from rollwise.router.router import Router
 from rollwise.serve.protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest,
@@ -179,17 +180,8 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         router.remove_replica(body.url.rstrip("/"))
         return {"replicas": sorted(router.replicas)}
 
-    async def fan_out(path: str, body: dict | None, method: str = "POST") -> list[dict]:
-        """`path` on every healthy replica at once (a drain lasts the longest replica's, not their sum);
-        the replies of those that answered 200."""
-        async def one(name: str) -> dict | None:
-            client = getattr(router.replicas.get(name), "client", None)
-            try:
-                r = await client.request(method, path, json=body) if client is not None else None
-            except httpx.HTTPError:
-                return None
-            return r.json() if r is not None and r.status_code == 200 else None
-        return [r for r in await asyncio.gather(*(one(n) for n in sorted(router.healthy))) if r is not None]
+    fan_out = functools.partial(fan_out_to, router)  # (a path on every healthy replica: fanout.py)
+    install_fanout(app, router)
 
     @app.api_route("/health_generate", methods=["GET", "POST"])
     async def health_generate():
@@ -214,20 +206,6 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
     async def continue_generation():
         got = await fan_out("/continue_generation", {})
         return {"success": bool(got), "replicas": len(got)}
-
-    @app.post("/pause")
-    async def pause(request: Request):  # vLLM's (rlhf.py), its query passed on to every replica
-        got = await fan_out(f"/pause?{request.url.query}" if request.url.query else "/pause", {})
-        return {"status": "paused", "replicas": len(got)}
-
-    @app.post("/resume")
-    async def resume():
-        return {"status": "resumed", "replicas": len(await fan_out("/resume", {}))}
-
-    @app.get("/is_paused")
-    async def is_paused():  # paused when every replica that answers is
-        got = await fan_out("/is_paused", None, "GET")
-        return {"is_paused": bool(got) and all(r.get("is_paused") for r in got), "replicas": len(got)}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():

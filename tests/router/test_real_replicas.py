@@ -340,6 +340,40 @@ def test_a_client_leaving_the_route_aborts_the_replica_request(servers, model_di
         proc.wait(timeout=10)
 
 
+def test_vllm_weight_routes_through_the_route(servers, model_dir):
+    """vLLM 0.32's weight routes on the route reach every replica: collective_rpc's results one per
+    replica, the weights' label set on each, checksums compared across them; a replica's 400 is the
+    route's, naming it."""
+    proc, url = start_route(servers, model_dir, "round_robin")
+    try:
+        got = httpx.post(url + "/collective_rpc", json={"method": "compute_weight_checksums"}).json()["results"]
+        assert len(got) == 2 and got[0] == got[1] and len(got[0]) > 0  # (the same checkpoint on both)
+        assert httpx.post(url + "/weight_checker", json={"action": "checksum"}).json() == \
+            {"checksums": got[0], "agree": True}
+        assert httpx.post(url + "/weight_checker", json={"action": "compare", "baseline": got[0]}).json() == \
+            {"match": True, "mismatches": []}
+        first = sorted(got[0])[0]
+        off = httpx.post(url + "/weight_checker", json={"action": "compare", "baseline": {**got[0], first: "x"}})
+        assert off.json() == {"match": False, "mismatches": [first]}
+        before = [httpx.get(s.url + "/weight_info").json()["weight_version"] for s in servers]
+        r = httpx.post(url + "/update_weight_version", json={"new_version": "route-1"})
+        assert r.json() == {"success": True, "new_version": "route-1", "replicas": 2}
+        assert [httpx.get(s.url + "/weight_info").json() for s in servers] == [{"weight_version": "route-1"}] * 2
+        assert httpx.get(url + "/weight_info").json() == {"weight_version": "route-1", "agree": True}
+        httpx.post(servers[1].url + "/update_weight_version", json={"new_version": "other"})
+        assert httpx.get(url + "/weight_info").json()["agree"] is False
+        for s, v in zip(servers, before):
+            httpx.post(s.url + "/update_weight_version", json={"new_version": v})
+        assert httpx.get(url + "/get_world_size").json() == {"world_size": 2}
+        assert httpx.get(url + "/get_world_size", params={"include_dp": "false"}).json() == {"world_size": 1}
+        bad = httpx.post(url + "/collective_rpc", json={"method": "nope"})
+        assert bad.status_code == 400 and any(s.url in bad.json()["error"]["message"] for s in servers)
+        assert httpx.post(url + "/abort_requests", json={}).json() == {"status": "aborted", "aborted": 0}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def test_abort_request_through_the_route(servers, model_dir):
     """/abort_request on the route reaches the replica running the request; the routed caller gets
     what it has, finish reason "abort"."""
