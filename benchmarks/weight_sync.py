@@ -13,6 +13,10 @@ Then a LoRA run's update (`--lora-rank`, adapters on every linear): the merged l
 (`lora_sync = "merged"`) against the adapter alone (`lora_sync = "adapter"`), in process and
 streamed over HTTP to a `rollwise serve --enable-lora`.
 
+Then two `rollwise serve` replicas at once: vLLM 0.32's weight transfer on the gloo backend (the
+trainer broadcasts each tensor once to both; `rollwise.engine.weight_transfer.GlooTrainer`) against
+streaming the safetensors bytes to both over HTTP at once; each timed until both hold the new version.
+
 Last, TRL's colocated sync through vLLM's model path (`llm.llm_engine.model_executor.driver_worker.
 model_runner.model.load_weights([(name, tensor)])`, one tensor a call): each call packs again only the
 linears it wrote, against the same calls packing the whole model again after each (as every update
@@ -26,6 +30,8 @@ import json
 import statistics
 import time
 from pathlib import Path
+
+import httpx
 
 from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
@@ -83,6 +89,7 @@ def main() -> None:
         print(f"{k:<12}{ms:>9.1f} ms{mb / ms * 1000:>10.0f} MB/s")
     print(f"streamed vs temporary directory: {out['ms']['http_file'] / out['ms']['http_stream']:.2f}x")
     out["lora"] = lora_updates(model, args.lora_rank, args.repeats)
+    out["two_replicas"] = to_two_replicas(model, weights, args.repeats)
     out["model_path"] = one_tensor_a_call(model, args.repeats)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
@@ -117,6 +124,42 @@ def lora_updates(model: str, rank: int, repeats: int) -> dict:
         m, a = ms[f"{where}_merged"], ms[f"{where}_adapter"]
         print(f"{where:<12} merged {m:8.1f} ms   adapter {a:8.1f} ms   {m / a:.1f}x")
     return {"rank": rank, "mb": size, "ms": ms}
+
+
+def to_two_replicas(model: str, weights: dict, repeats: int) -> dict:
+    """Both replicas from the trainer's tensors to serving them: one gloo broadcast per tensor, against
+    the safetensors stream to each over HTTP, both at once (the sides take turns)."""
+    from rollwise.engine.weight_transfer import GlooTrainer, HTTPWeightSyncClient
+    from rollwise.serve.process import free_port
+    ms: dict[str, list[float]] = {"gloo_broadcast": [], "http_stream_both": []}
+    with ServerProcess(model) as a, ServerProcess(model) as b:
+        trainer = GlooTrainer([HTTPWeightSyncClient(a.url), HTTPWeightSyncClient(b.url)], free_port())
+
+        async def stream(v: int) -> None:
+            replicas = [HttpReplica(s.url, weights_via="stream") for s in (a, b)]
+            try:
+                assert await asyncio.gather(*(r.update_weights(weights, v) for r in replicas)) == [v, v]
+            finally:
+                for r in replicas:
+                    await r.client.aclose()
+
+        def versions() -> list[int]:
+            return [httpx.get(s.url + "/health").json()["policy_version"] for s in (a, b)]
+
+        for _ in range(repeats):
+            v = versions()[0]
+            t0 = time.perf_counter()
+            trainer.send_weights(weights)
+            ms["gloo_broadcast"].append(1000 * (time.perf_counter() - t0))
+            assert versions() == [v + 1, v + 1]
+            t0 = time.perf_counter()
+            asyncio.run(stream(v + 2))
+            ms["http_stream_both"].append(1000 * (time.perf_counter() - t0))
+        trainer.close()
+    out = {k: statistics.median(x) for k, x in ms.items()}
+    print(f"\ntwo replicas: gloo broadcast {out['gloo_broadcast']:.1f} ms, safetensors streamed to both "
+          f"{out['http_stream_both']:.1f} ms ({out['http_stream_both'] / out['gloo_broadcast']:.2f}x)")
+    return out
 
 
 def one_tensor_a_call(model: str, repeats: int) -> dict:

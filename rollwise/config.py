@@ -139,6 +139,9 @@ VLLM_ARGS = {"enforce_eager": (True, False), "trust_remote_code": (True, False),
              "skip_tokenizer_init": (False,), "enable_trace_replay": (True, False)}
 
 
+WEIGHT_TRANSFER_BACKENDS = ("gloo",)  # vLLM 0.32's weight transfer, here (rollwise.engine.weight_transfer)
+
+
 def engine_args(kwargs: dict, model) -> dict:
     """`LLM`'s keyword arguments as EngineConfig's: vLLM's checked against VLLM_ARGS and dropped;
     vLLM's dtype names ("auto": the checkpoint's, "half", "float"); `gpu_memory_utilization` taken on
@@ -166,6 +169,12 @@ def engine_args(kwargs: dict, model) -> dict:
     parser = out.pop("reasoning_parser", None) or reasoning  # (both use <think> and </think>; parsing is a server's)
     if parser is not None and parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {parser!r}")
+    transfer = out.pop("weight_transfer_config", None)  # vLLM 0.32's; here every engine takes the gloo backend's
+    if transfer is not None:
+        backend = transfer.get("backend") if isinstance(transfer, dict) else getattr(transfer, "backend", None)
+        if backend not in WEIGHT_TRANSFER_BACKENDS:
+            raise ValueError(f"weight_transfer_config backend must be one of {list(WEIGHT_TRANSFER_BACKENDS)} here "
+                             f"(vLLM's nccl and ipc need GPUs), got {backend!r}")
     util = out.pop("gpu_memory_utilization", None)
     if util is not None:
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
@@ -174,8 +183,8 @@ def engine_args(kwargs: dict, model) -> dict:
             raise ValueError("on a GPU give the KV pool's size as kv_cache_gb (GiB) rather than gpu_memory_utilization")
     unknown = sorted(set(out) - valid)
     if unknown:
-        raise ValueError(f"unknown LLM arguments {unknown}; valid: {sorted(valid | set(VLLM_ARGS))} and "
-                         "gpu_memory_utilization")
+        raise ValueError(f"unknown LLM arguments {unknown}; valid: {sorted(valid | set(VLLM_ARGS))}, "
+                         "gpu_memory_utilization and weight_transfer_config")
     return out
 
 

@@ -17,7 +17,7 @@ from contextlib import aclosing
 
 from rollwise.config import engine_args
 from rollwise.engine.async_engine import AsyncEngine
-from rollwise.engine.llm import PAUSE_MODES, none_only
+from rollwise.engine.llm import PAUSE_MODES, none_only, transfer_field
 from rollwise.engine.lora import adapter_name
 from rollwise.sampling import RequestOutputKind, SamplingParams, prompt_parts
 from rollwise.types import RequestOutput
@@ -254,6 +254,24 @@ class AsyncLLM:
 
     async def apply_model(self, func) -> list:
         return await self.collective_rpc("apply_model", args=(func,))
+
+    async def init_weight_transfer_engine(self, request) -> None:
+        """vLLM 0.32's weight transfer (the gloo backend: rollwise.engine.weight_transfer), as `LLM`'s; the
+        rendezvous and the receiving run off the engine's thread, which keeps serving."""
+        await asyncio.to_thread(self.engine.engine.receiver.init, transfer_field(request, "init_info"))
+
+    async def start_weight_update(self) -> None:
+        self.engine.engine.receiver.start()
+
+    async def update_weights(self, request) -> None:
+        await asyncio.to_thread(self.engine.engine.receiver.receive, transfer_field(request, "update_info"))
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        engine = self.engine
+        await engine.call(lambda: engine.engine.finish_weight_update(weight_version, engine.retracted))
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        self.engine.engine.receiver.shutdown()
 
     async def update_weight_version(self, new_version: str) -> None:
         """vLLM's: name the weights (CompletionOutput.weight_versions counts tokens under the name)."""

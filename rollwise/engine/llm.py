@@ -138,8 +138,30 @@ class LLM:
                for c in convs]
         return self.generate(ids, sampling_params, use_tqdm, lora_request=lora_request, priority=priority)
 
-    def update_weights(self, weights, partial_rollout: bool = False) -> int:
+    def update_weights(self, weights, partial_rollout: bool = False) -> int | None:
+        """New weights (a state dict or a model directory): the new policy version. Or vLLM 0.32's
+        weight transfer's chunk (`{"update_info": {names, dtype_names, shapes}}`, or an object with
+        `.update_info`): those weights received from the trainer's broadcast, taken at
+        `finish_weight_update`."""
+        info = transfer_field(weights, "update_info")
+        if info is not None:
+            self.engine.receiver.receive(info)
+            return None
         return self.engine.update_weights(weights, partial_rollout=partial_rollout)
+
+    def init_weight_transfer_engine(self, request) -> None:
+        """vLLM 0.32's: join the trainer's weight transfer (`{"init_info": {master_address, master_port,
+        rank_offset, world_size}}`; the gloo backend, rollwise.engine.weight_transfer)."""
+        self.engine.receiver.init(transfer_field(request, "init_info"))
+
+    def start_weight_update(self) -> None:
+        self.engine.receiver.start()
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.engine.finish_weight_update(weight_version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.engine.receiver.shutdown()
 
     @property
     def llm_engine(self) -> LLMEngine:
@@ -189,6 +211,14 @@ class LLM:
 
 
 PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's: what a pause (or a sleep) does to requests in flight
+
+
+def transfer_field(request, name: str):
+    """vLLM's weight transfer requests: `request[name]` of a dict, `request.name` of its request
+    objects; None for anything else (a state dict, a directory)."""
+    if isinstance(request, dict):
+        return request.get(name) if set(request) == {name} else None
+    return getattr(request, name, None) if not isinstance(request, (str, bytes)) else None
 
 
 def none_only(**given) -> None:

@@ -17,6 +17,7 @@ class WeightVersions:
     ways in to them (a weights label, `collective_rpc`, the worker and model a trainer writes through)."""
 
     weight_label = "default"  # vLLM's weight version: a name the caller gives the weights (set_weight_version)
+    _receiver = None  # vLLM 0.32's weight transfer, the engine's side (made when first used)
 
     # weights -------------------------------------------------------------------------------------
     def update_weights(self, weights, version: int | None = None, partial_rollout: bool = False) -> int:
@@ -103,6 +104,24 @@ class WeightVersions:
         """vLLM's: `model_executor.driver_worker` is the worker (its `.worker` too), as RL code reaches
         the model: `llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(...)`."""
         return self.worker.executor
+
+    @property
+    def receiver(self):
+        """vLLM 0.32's weight transfer, this engine's side (rollwise.engine.weight_transfer: the gloo
+        backend). Its receiving runs on the caller's thread; `finish_weight_update` takes what came."""
+        if self._receiver is None:
+            from rollwise.engine.weight_transfer import GlooReceiver
+            self._receiver = GlooReceiver()
+        return self._receiver
+
+    def finish_weight_update(self, weight_version: str | None = None, partial_rollout: bool = False) -> int:
+        """vLLM 0.32's: the weights received since start_weight_update, as one update (a new version;
+        none if nothing came), then named `weight_version` if given. Returns the policy version."""
+        staged = self.receiver.finish()
+        v = self.update_weights(staged, partial_rollout=partial_rollout) if staged else self.policy_version
+        if weight_version is not None:
+            self.set_weight_version(weight_version)
+        return v
 
     def collective_rpc(self, method, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
                        ) -> list:

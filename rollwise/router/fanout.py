@@ -1,9 +1,10 @@
 """`rollwise route`'s control routes that every replica answers, each forwarded to every healthy
 replica at once (a drain lasts the longest replica's, not their sum): vLLM's RL routes (`/pause`,
 `/resume`, `/is_paused`; `/collective_rpc`, `/weight_info`, `/update_weight_version`,
-`/weight_checker`, `/get_world_size`, `/abort_requests`: serve/rlhf.py), with vLLM's replies
-gathered as its multi-worker engine gathers its workers' (collective_rpc's results one per worker,
-in the replicas' order)."""
+`/weight_checker`, `/get_world_size`, `/abort_requests`; the weight transfer's routes: serve/rlhf.py),
+with vLLM's replies gathered as its multi-worker engine gathers its workers' (collective_rpc's
+results one per worker, in the replicas' order; the trainer's group joined by replica i at the
+rank_offset given plus i)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,21 +14,26 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rollwise.router.router import Router
-from rollwise.serve.rlhf import AbortRequests, RpcRequest, WeightCheckRequest, WeightVersionRequest
+from rollwise.serve.rlhf import (AbortRequests, RpcRequest, TransferInit, WeightCheckRequest, WeightVersionRequest,
+                                 json_object)
 
 
-async def replies(router: Router, path: str, body: dict | None, method: str = "POST") -> list[tuple[str, object]]:
+async def replies(router: Router, path: str, body, method: str = "POST") -> list[tuple[str, object]]:
     """`path` on every healthy replica at once: (replica, its httpx.Response or the error that stood in
-    for one), in the replicas' order."""
-    async def one(name: str):
+    for one), in the replicas' order. `body`: one for all, or a function of the replica's index."""
+    async def one(i: int, name: str):
         client = getattr(router.replicas.get(name), "client", None)
         if client is None:
             return name, RuntimeError(f"{name} takes no HTTP control calls")
         try:
-            return name, await client.request(method, path, json=body)
+            return name, await client.request(method, path, json=body(i) if callable(body) else body,
+                                              timeout=None if path in _WAITING else httpx.USE_CLIENT_DEFAULT)
         except httpx.HTTPError as e:
             return name, e
-    return list(await asyncio.gather(*(one(n) for n in sorted(router.healthy))))
+    return list(await asyncio.gather(*(one(i, n) for i, n in enumerate(sorted(router.healthy)))))
+
+
+_WAITING = ("/init_weight_transfer_engine", "/update_weights")  # (they wait for the trainer: no client timeout)
 
 
 async def fan_out(router: Router, path: str, body: dict | None, method: str = "POST") -> list[dict]:
@@ -36,7 +42,7 @@ async def fan_out(router: Router, path: str, body: dict | None, method: str = "P
             if isinstance(r, httpx.Response) and r.status_code == 200]
 
 
-async def every(router: Router, path: str, body: dict | None, method: str = "POST") -> list[dict] | JSONResponse:
+async def every(router: Router, path: str, body, method: str = "POST") -> list[dict] | JSONResponse:
     """Every healthy replica's 200 reply to `path`, or the first other reply (its status and JSON
     error, the replica named) when one did not give one; 503 when no replica is healthy."""
     got = await replies(router, path, body, method)
@@ -56,7 +62,36 @@ async def every(router: Router, path: str, body: dict | None, method: str = "POS
     return [r.json() for _, r in got]
 
 
+async def receive_everywhere(router: Router, body: dict) -> dict | JSONResponse:
+    """/update_weights with vLLM's `{"update_info"}`: every replica receives the trainer's broadcast."""
+    got = await every(router, "/update_weights", body)
+    return got if isinstance(got, JSONResponse) else {"message": "Weights updated", "replicas": len(got)}
+
+
 def install_fanout(app: FastAPI, router: Router) -> None:
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(body: TransferInit):
+        """Replica i joins the trainer's group at the rank_offset given plus i (the world size must
+        hold them all: /get_world_size is the replicas' count)."""
+        info = body.init_info
+        offset = info.get("rank_offset")
+        if not isinstance(offset, int) or isinstance(offset, bool):
+            raise ValueError("init_info.rank_offset must be an integer")
+        got = await every(router, "/init_weight_transfer_engine",
+                          lambda i: {"init_info": {**info, "rank_offset": offset + i}})
+        return got if isinstance(got, JSONResponse) else {"message": "Weight transfer initialized",
+                                                          "replicas": len(got)}
+
+    def forwarder(path: str):
+        async def forward(request: Request):
+            raw = await request.body()
+            got = await every(router, path, json_object(raw) if raw else None)
+            return got if isinstance(got, JSONResponse) else {**got[0], "replicas": len(got)}
+        return forward
+
+    for path in ("/start_weight_update", "/finish_weight_update", "/shutdown_weight_transfer_engine"):
+        app.post(path)(forwarder(path))
+
     @app.post("/pause")
     async def pause(request: Request):  # vLLM's (rlhf.py), its query passed on to every replica
         got = await fan_out(router, f"/pause?{request.url.query}" if request.url.query else "/pause", {})

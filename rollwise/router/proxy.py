@@ -19,7 +19,7 @@ from rollwise.agent.messages_api import models_page
 from rollwise.agent.parsing import make_parser
 from rollwise.agent.reasoning import make_reasoning_parser
 from rollwise.config import ServerConfig
-from rollwise.router.fanout import fan_out as fan_out_to, install_fanout
+from rollwise.router.fanout import fan_out as fan_out_to, install_fanout, receive_everywhere
 from rollwise.router.replica import HttpReplica, ReplicaError
 from rollwise.router.router import Router
 from rollwise.serve.protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest,
@@ -30,6 +30,7 @@ from rollwise.serve.responses import (choice_samples, completion_params, error, 
                                       stream_generate, weights_refused)
 from rollwise.serve.server import install_common, install_messages, install_responses
 from rollwise.serve.lora import LoadLoraRequest, UnloadLoraRequest
+from rollwise.serve.rlhf import json_object
 from rollwise.serve.sglang import (PauseRequest, UpdateFromDiskRequest, generate_batch, generate_params,
                                    generate_samples, is_batch, load_from_disk, sglang_fields)
 from rollwise.serve.tokenize import install_tokenize
@@ -247,11 +248,16 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         return dataclasses.replace(params, lora=model) if model in adapters and params.lora is None else params
 
     @app.post("/update_weights")
-    async def update_weights(body: UpdateWeightsRequest):
+    async def update_weights(request: Request):
         """A model directory every replica can read, to every replica at once (`Router.update_weights`:
-        one that fails is kept out of routing until it has them)."""
+        one that fails is kept out of routing until it has them); or vLLM 0.32's weight transfer chunk
+        (`{"update_info"}`: every replica receives the trainer's broadcast, fanout.py)."""
         if refused := weights_refused(cfg):
             return refused
+        raw = json_object(await request.body())
+        if "update_info" in raw:
+            return await receive_everywhere(router, raw)
+        body = UpdateWeightsRequest.model_validate(raw)
         version = router.policy_version + 1 if body.policy_version is None else body.policy_version
         got = await router.update_weights(body.model_dir, version, body.partial_rollout)
         return {"status": "ok", "policy_version": version, "replicas": got}

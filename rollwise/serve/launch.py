@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 from rollwise.config import SGLANG_ARGS, SGLANG_NAMES, VLLM_ARGS, EngineConfig, engine_args, sglang_args
 
@@ -28,6 +29,8 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="(on the CPU; the KV pool is --kv-cache-gb)")
     g.add_argument("--served-model-name", nargs="+", default=None, help="= --model-name (one name here)")
+    g.add_argument("--weight-transfer-config", type=json.loads, default=None,
+                   help='vLLM 0.32\'s weight transfer: {"backend": "gloo"} here (always on; nccl and ipc need GPUs)')
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="(tool calls are always parsed, by --tool-call-parser: hermes unless given)")
     g.add_argument("--disable-log-requests", action="store_true", help="(requests are not logged here)")
@@ -71,7 +74,8 @@ def launch_args(args: argparse.Namespace) -> None:
         setattr(args, k, aliases.get(getattr(args, k), getattr(args, k)))
     if not args.model:
         raise ValueError("give the model directory (or --model-path)")
-    vllm = {k: getattr(args, k) for k in (*VLLM_ARGS, "gpu_memory_utilization") if getattr(args, k) is not None}
+    vllm = {k: getattr(args, k) for k in (*VLLM_ARGS, "gpu_memory_utilization", "weight_transfer_config")
+            if getattr(args, k) is not None}
     args.dtype = engine_args({"dtype": args.dtype, "device": args.device, **vllm}, args.model)["dtype"]
     if args.served_model_name:
         if len(args.served_model_name) > 1 or args.model_name not in (None, args.served_model_name[0]):

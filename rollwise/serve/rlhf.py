@@ -9,11 +9,15 @@ cached blocks are keyed by their weights' version, but harmless). And vLLM 0.32'
 routes: `POST /collective_rpc` (`{"method", "args", "kwargs", "timeout"}`: a worker method by name,
 its own or the server's `--worker-extension-cls`'s, with JSON arguments), `GET /weight_info`,
 `POST /update_weight_version`, `POST /weight_checker` (checksum, reset, compare), `GET
-/get_world_size` and `POST /abort_requests`. Off loopback, every POST here needs the server started
-with an API key (server.py's CONTROL_PATHS). Replies as vLLM's."""
+/get_world_size` and `POST /abort_requests`; and its weight transfer (`POST
+/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights` with `{"update_info"}`,
+`/finish_weight_update`, `/shutdown_weight_transfer_engine`; the gloo backend,
+rollwise.engine.weight_transfer). Off loopback, every POST here needs the server started with an API
+key (server.py's CONTROL_PATHS). Replies as vLLM's."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Literal
 
 from fastapi import FastAPI, Query
@@ -37,6 +41,29 @@ class WeightVersionRequest(BaseModel):
 class WeightCheckRequest(BaseModel):
     action: Literal["checksum", "reset", "compare"]
     baseline: dict[str, str] | None = None
+
+
+class TransferInit(BaseModel):
+    init_info: dict
+
+
+class TransferFinish(BaseModel):
+    weight_version: str | None = None
+
+
+def json_object(raw: bytes) -> dict:
+    """A request body that must be a JSON object (ValueError, a 400, otherwise)."""
+    got = json.loads(raw)
+    if not isinstance(got, dict):
+        raise ValueError(f"the body must be a JSON object, got {type(got).__name__}")
+    return got
+
+
+async def receive_weights(engine, update_info) -> dict:
+    """/update_weights with vLLM's `{"update_info": ...}`: this chunk's weights from the trainer's
+    broadcast, received off the engine's thread (it keeps serving), taken at /finish_weight_update."""
+    await asyncio.to_thread(engine.engine.receiver.receive, update_info)
+    return {"message": "Weights updated"}
 
 
 class AbortRequests(BaseModel):
@@ -114,4 +141,25 @@ def install_rlhf(app: FastAPI, engine) -> None:
         ids = body.request_ids if body is not None else None
         aborted = await engine.abort(list(ids)) if ids else await engine.abort_all()
         return {"status": "aborted", "aborted": len(ids) if ids else len(aborted)}
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(body: TransferInit):
+        await asyncio.to_thread(engine.engine.receiver.init, body.init_info)  # (the rendezvous waits for all)
+        return {"message": "Weight transfer initialized"}
+
+    @app.post("/start_weight_update")
+    async def start_weight_update():
+        engine.engine.receiver.start()
+        return {"message": "Weight update started"}
+
+    @app.post("/finish_weight_update")
+    async def finish_weight_update(body: TransferFinish | None = None):
+        version = (body or TransferFinish()).weight_version
+        await engine.call(lambda: engine.engine.finish_weight_update(version, engine.retracted))
+        return {"message": "Weight update finished"}
+
+    @app.post("/shutdown_weight_transfer_engine")
+    async def shutdown_weight_transfer_engine():
+        engine.engine.receiver.shutdown()
+        return {"message": "Weight transfer shut down"}
 

@@ -30,7 +30,7 @@ from rollwise.serve.handlers import ClientGone, chat_reply, completion_reply, un
 from rollwise.serve.responses import (choice_samples, completion_params, error, generate_json, primed, sse,
                                       stream_generate, weights_refused)
 from rollwise.serve.lora import install_lora, with_adapter
-from rollwise.serve.rlhf import install_rlhf
+from rollwise.serve.rlhf import install_rlhf, json_object, receive_weights
 from rollwise.serve.sglang import (generate_batch, generate_params, generate_samples, install_sglang, is_batch,
                                    sglang_fields)
 from rollwise.serve.sleep import install_sleep
@@ -45,7 +45,8 @@ OPEN_PATHS = {"/health", "/ping", "/metrics"}
 # server, flushing its cache, changing a route's replicas; vLLM serves its own only in dev mode)
 CONTROL_PATHS = {"/pause", "/resume", "/reset_prefix_cache", "/flush_cache", "/pause_generation",
                  "/continue_generation", "/abort_request", "/abort_requests", "/collective_rpc",
-                 "/update_weight_version", "/weight_checker"}
+                 "/update_weight_version", "/weight_checker", "/init_weight_transfer_engine",
+                 "/start_weight_update", "/finish_weight_update", "/shutdown_weight_transfer_engine"}
 _WRITE_BYTES = 4 << 20  # a streamed weight update goes to disk in writes of about this size
 
 
@@ -162,8 +163,10 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
                 weights = await asyncio.to_thread(_safetensors, path)
             if lora_config is not None:  # a LoRA adapter on the weights held (a LoRA run's update)
                 weights = AdapterWeights(lora_config, weights)
+        elif ctype in ("application/json", "") and "update_info" in (raw := json_object(await request.body())):
+            return await receive_weights(engine, raw["update_info"])  # (vLLM 0.32's weight transfer: rlhf.py)
         elif ctype in ("application/json", ""):
-            body = UpdateWeightsRequest.model_validate_json(await request.body())  # ValueError -> 400
+            body = UpdateWeightsRequest.model_validate(raw)  # ValueError -> 400
             weights, version, partial = body.model_dir, body.policy_version, body.partial_rollout
         else:
             raise ValueError(f"Content-Type {ctype!r}: use application/json (a model_dir) or "

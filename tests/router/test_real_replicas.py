@@ -567,3 +567,37 @@ def test_weights_through_the_route(model_dir):
         finally:
             proc.terminate()
             proc.wait(timeout=10)
+
+
+def test_weight_transfer_through_the_route(model_dir, tmp_path):
+    """vLLM 0.32's weight transfer through the route: each replica joins the trainer's gloo group at
+    its own rank, every weight reaches both in one broadcast each, and each takes them as one update."""
+    from safetensors.torch import load_file
+
+    from rollwise.engine.weight_transfer import GlooTrainer, HTTPWeightSyncClient
+    from rollwise.make_model import make_model
+    other = make_model(tmp_path / "other", family="qwen3", layers=2, hidden=64, heads=4, kv_heads=2, vocab=1024,
+                       std=0.1, seed=7, tie=True, head_dim=32)
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0, "max_tokens": 8, "ignore_eos": True}}
+    with ServerProcess(str(other), *ARGS, threads=1) as ref:
+        expected = httpx.post(ref.url + "/generate", json=body).json()["token_ids"]
+    with ServerProcess(model_dir, *ARGS, threads=1) as a, ServerProcess(model_dir, *ARGS, threads=1) as b:
+        proc, url = start_route([a, b], model_dir, "round_robin")
+        try:
+            world = httpx.get(url + "/get_world_size").json()["world_size"]
+            trainer = GlooTrainer([HTTPWeightSyncClient(url)], free_port(), world_sizes=[world])
+            trainer.send_weights(load_file(str(other / "model.safetensors")), weight_version="step-1")
+            for s in (a, b):
+                assert httpx.post(s.url + "/generate", json=body).json()["token_ids"] == expected
+                assert httpx.get(s.url + "/health").json()["policy_version"] == 1
+                assert httpx.get(s.url + "/weight_info").json() == {"weight_version": "step-1"}
+            assert httpx.post(url + "/start_weight_update").status_code == 200
+            again = httpx.post(url + "/start_weight_update")  # (one under way on every replica: a replica's 400)
+            assert again.status_code == 400 and "under way" in again.json()["error"]["message"]
+            assert httpx.post(url + "/finish_weight_update").json()["replicas"] == 2
+            trainer.close()
+            bad = httpx.post(url + "/update_weights", json={"update_info": {"names": 5}})
+            assert bad.status_code == 400 and "update_info" in bad.json()["error"]["message"]
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)

@@ -84,6 +84,16 @@ def test_weight_labels_and_the_small_routes(client):
     ("/update_weight_version", {}),
     ("/weight_checker", {"action": "compare"}),  # no baseline
     ("/weight_checker", {"action": "explode"}),
+    ("/init_weight_transfer_engine", {}),
+    ("/init_weight_transfer_engine", {"init_info": {}}),
+    ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0,
+                                                    "world_size": 2}}),  # rank 0 is the trainer's
+    ("/start_weight_update", None),  # (no transfer joined)
+    ("/finish_weight_update", {}),  # (no update started)
+    ("/finish_weight_update", {"weight_version": 5}),
+    ("/update_weights", {"update_info": {"names": ["a"], "dtype_names": ["float32"]}}),
+    ("/update_weights", {"update_info": {"names": [], "dtype_names": [], "shapes": []}}),  # (no update started)
+    ("/update_weights", [1, 2]),
 ])
 def test_bad_bodies_are_400s(client, path, body):
     r = client.post(path, json=body)

@@ -1,0 +1,208 @@
+"""vLLM 0.32's weight transfer (its RL API: `init_weight_transfer_engine`, `start_weight_update`,
+`update_weights`, `finish_weight_update`), on a backend that runs on CPUs: "gloo". vLLM's own ("nccl",
+"ipc") need GPUs. The control plane is vLLM's "nccl" one: init_info {master_address, master_port,
+rank_offset, world_size}, update_info {names, dtype_names, shapes}; the trainer is rank 0 of a
+process group the engines joined (from rank_offset on) and broadcasts each weight, in the order
+named, while the engines' `update_weights` calls receive them.
+
+An engine stages what it receives and takes it at `finish_weight_update` as one weight update (a
+new version: requests in flight finish under the weights they began with, as with every update
+here), so a sync cut off midway changes nothing. `GlooTrainer` is the trainer's side.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Iterable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("gloo",)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TIMEOUT = datetime.timedelta(seconds=300)  # a rendezvous or a broadcast that waits longer fails
+
+
+def _group(address: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta):
+    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout)
+    return store, dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+class GlooReceiver:
+    """An engine's side: joins the trainer's group, receives each update's weights into a staging dict."""
+
+    def __init__(self) -> None:
+        self.group = self.store = None
+        self.staged: dict[str, torch.Tensor] | None = None  # an update under way: what came so far
+        self.lock = threading.Lock()  # (an HTTP server may call from several threads)
+
+    def init(self, info: dict) -> None:
+        if not isinstance(info, dict):
+            raise ValueError(f"init_info must be an object, got {type(info).__name__}")
+        unknown = set(info) - {"master_address", "master_port", "rank_offset", "world_size", "packed",
+                               "packed_buffer_size_bytes", "packed_num_buffers"}
+        if unknown or not {"master_address", "master_port", "rank_offset", "world_size"} <= set(info):
+            raise ValueError("init_info takes master_address, master_port, rank_offset and world_size "
+                             f"(the gloo backend's, as vLLM's nccl one){'; unknown: ' + str(sorted(unknown)) if unknown else ''}")
+        address, port, rank, size = (info[k] for k in ("master_address", "master_port", "rank_offset", "world_size"))
+        if not isinstance(address, str) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                    for x in (port, rank, size)):
+            raise ValueError("init_info: master_address a string; master_port, rank_offset, world_size integers")
+        if not (0 < port < 65536 and 0 < rank < size):
+            raise ValueError(f"init_info: master_port in 1..65535 and 0 < rank_offset < world_size, got "
+                             f"{port}, {rank}, {size} (the trainer is rank 0)")
+        with self.lock:
+            if self.staged is not None:
+                raise ValueError("a weight update is under way: finish it first")
+            self.store, self.group = _group(address, port, rank, size, TIMEOUT)
+
+    def start(self) -> None:
+        with self.lock:
+            if self.group is None:
+                raise ValueError("no weight transfer: call init_weight_transfer_engine first")
+            if self.staged is not None:
+                raise ValueError("start_weight_update called while a weight update is under way; "
+                                 "call finish_weight_update first")
+            self.staged = {}
+
+    def receive(self, info: dict) -> None:
+        """One chunk: its weights, broadcast by the trainer in the order named, into the staging dict."""
+        if not isinstance(info, dict) or set(info) - {"names", "dtype_names", "shapes", "packed"} \
+                or not {"names", "dtype_names", "shapes"} <= set(info):
+            raise ValueError("update_info takes names, dtype_names and shapes (lists of one length)")
+        names, dtypes, shapes = info["names"], info["dtype_names"], info["shapes"]
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes)):
+            raise ValueError("update_info: names, dtype_names and shapes are lists of one length")
+        for n, d, s in zip(names, dtypes, shapes):
+            if not isinstance(n, str) or d not in DTYPES or not isinstance(s, list) or not all(
+                    isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in s):
+                raise ValueError(f"update_info: weight {n!r}: a name, a dtype in {sorted(DTYPES)} and a shape "
+                                 f"(non-negative integers), got {d!r}, {s!r}")
+        with self.lock:
+            if self.staged is None:
+                raise ValueError("start_weight_update must be called before update_weights")
+            group, staged = self.group, self.staged
+        for n, d, s in zip(names, dtypes, shapes):
+            t = torch.empty(s, dtype=DTYPES[d])
+            group.broadcast(t, 0).wait()
+            staged[n] = t
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        with self.lock:
+            if self.staged is None:
+                raise ValueError("finish_weight_update called without a matching start_weight_update")
+            staged, self.staged = self.staged, None
+        return staged
+
+    def shutdown(self) -> None:
+        with self.lock:
+            if self.staged is not None:
+                raise ValueError("cannot release the trainer's connection during a weight update")
+            self.group = self.store = None
+
+
+class GlooTrainer:
+    """The trainer's side, rank 0: `GlooTrainer(clients, port)` joins every engine into one group and
+    `send_weights(named tensors, weight_version)` sends them all, one broadcast each. A client has
+    vLLM's weight-sync calls (its VLLMWeightSyncClient protocol): `EngineClient(llm)` for an `LLM` in
+    this process, `HTTPWeightSyncClient(url)` for `rollwise serve` or `rollwise route`; `world_sizes`:
+    each client's engines (1 for an engine, a route's /get_world_size for a route)."""
+
+    def __init__(self, clients: list, master_port: int, master_address: str = "127.0.0.1",
+                 world_sizes: list[int] | None = None, timeout: float = 300.0) -> None:
+        self.clients = list(clients)
+        sizes = world_sizes or [1] * len(self.clients)
+        self.world_size = 1 + sum(sizes)
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        self.pool = ThreadPoolExecutor(len(self.clients) + 1)
+        infos = [{"master_address": master_address, "master_port": master_port, "rank_offset": o,
+                  "world_size": self.world_size} for o in offsets]
+        joins = [self.pool.submit(c.init_weight_transfer_engine, i) for c, i in zip(self.clients, infos)]
+        group = self.pool.submit(_group, master_address, master_port, 0, self.world_size,
+                                 datetime.timedelta(seconds=timeout))
+        wait(joins + [group], return_when=FIRST_EXCEPTION)  # (an engine that refused: not a wait for the timeout)
+        for j in joins:
+            if j.done():
+                j.result()
+        self.store, self.group = group.result()
+        for j in joins:
+            j.result()
+
+    def send_weights(self, weights: dict | Iterable, weight_version: str | None = None) -> None:
+        items = list(weights.items() if isinstance(weights, dict) else weights)
+        info = {"names": [n for n, _ in items], "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in items],
+                "shapes": [list(t.shape) for _, t in items]}
+        for c in self.clients:
+            c.start_weight_update()
+        receiving = [self.pool.submit(c.update_weights, info) for c in self.clients]
+        try:
+            for _, t in items:
+                for r in receiving:  # (one that failed before its first broadcast would leave this one waiting)
+                    if r.done():
+                        r.result()
+                self.group.broadcast(t.detach().contiguous(), 0).wait()
+        finally:
+            for r in receiving:
+                r.result()
+        for c in self.clients:
+            c.finish_weight_update(weight_version)
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.shutdown_weight_transfer_engine()
+        self.pool.shutdown()
+        self.group = self.store = None
+
+
+class EngineClient:
+    """vLLM's weight-sync client calls on an `LLM` of this process (vLLM's Ray client does the same
+    over an actor): raw init and update infos wrapped as the LLM's requests."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
+
+class HTTPWeightSyncClient:
+    """vLLM's HTTPVLLMWeightSyncClient's calls, on a `rollwise serve` or `rollwise route` URL."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 300.0) -> None:
+        import httpx
+        self.client = httpx.Client(base_url=url.rstrip("/"), timeout=timeout,
+                                   headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+
+    def _post(self, path: str, body: dict | None = None) -> None:
+        r = self.client.post(path, json=body)
+        if r.status_code != 200:
+            raise ValueError(f"{path}: HTTP {r.status_code}: {r.text[:500]}")
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._post("/start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        self._post("/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._post("/finish_weight_update", None if weight_version is None else {"weight_version": weight_version})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._post("/shutdown_weight_transfer_engine")

@@ -1,0 +1,134 @@
+"""vLLM 0.32's weight transfer on the gloo backend (rollwise.engine.weight_transfer): a trainer
+broadcasts every weight into an engine that joined its group; the engine takes them as one update at
+finish_weight_update; out-of-order calls and bad requests are ValueErrors that change nothing."""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from rollwise import LLM, SamplingParams
+from rollwise.engine.async_llm import AsyncLLM
+from rollwise.engine.weight_transfer import EngineClient, GlooTrainer, _group
+from rollwise.make_model import make_model
+from rollwise.serve.process import free_port
+from rollwise.types import WeightVersionSpan
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42]]
+
+
+@pytest.fixture(scope="module")
+def other_dir(tmp_path_factory) -> str:
+    return str(make_model(tmp_path_factory.mktemp("other"), family="qwen3", layers=2, hidden=64, heads=4,
+                          kv_heads=2, vocab=1024, std=0.1, seed=7, tie=True, head_dim=32))
+
+
+def _got(llm: LLM) -> list:
+    return [(o.token_ids, o.logprobs) for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_a_trainer_broadcasts_its_weights_into_an_engine(model_dir, other_dir):
+    llm = LLM(model_dir)
+    before = _got(llm)
+    expected = _got(LLM(other_dir))
+    trainer = GlooTrainer([EngineClient(llm)], free_port())  # (the engine joins as rank 1, on a thread here)
+    try:
+        state = load_file(str(Path(other_dir) / "model.safetensors"))
+        half = dict(list(state.items())[: len(state) // 2])
+        trainer.send_weights(half, weight_version="half")  # a chunk is a subset: the rest stays
+        assert llm.engine.policy_version == 1 and _got(llm) not in (before, expected)
+        trainer.send_weights(state.items(), weight_version="step-1")
+        assert llm.engine.policy_version == 2 and _got(llm) == expected
+        assert llm.get_weight_version() == "step-1"
+        assert llm.generate([[1, 2]], GREEDY)[0].outputs[0].weight_versions == [WeightVersionSpan("step-1", 0, 10)]
+        trainer.send_weights(load_file(str(Path(model_dir) / "model.safetensors")))  # back; the label stays
+        assert _got(llm) == before and llm.get_weight_version() == "step-1"
+    finally:
+        trainer.close()
+
+
+def test_calls_out_of_order_and_bad_requests_change_nothing(model_dir):
+    llm = LLM(model_dir, weight_transfer_config={"backend": "gloo"})  # (vLLM's argument; gloo is always on)
+    for backend in ("nccl", "ipc", None):
+        with pytest.raises(ValueError, match=r"backend must be one of \['gloo'\]"):
+            LLM(model_dir, weight_transfer_config={"backend": backend})
+    before = _got(llm)
+    with pytest.raises(ValueError, match="init_weight_transfer_engine first"):
+        llm.start_weight_update()
+    with pytest.raises(ValueError, match="without a matching start"):
+        llm.finish_weight_update()
+    with pytest.raises(ValueError, match="before update_weights"):
+        llm.update_weights({"update_info": {"names": [], "dtype_names": [], "shapes": []}})
+    for bad in ({}, {"init_info": {"master_address": "127.0.0.1"}}, {"init_info": 5},
+                {"init_info": {"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 0, "world_size": 2}},
+                {"init_info": {"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2,
+                               "backend": "nccl"}}):
+        with pytest.raises(ValueError, match="init_info"):
+            llm.init_weight_transfer_engine(bad)
+    llm.engine.receiver.group = object()  # (as if joined: the update's own checks, without a trainer)
+    llm.start_weight_update()
+    with pytest.raises(ValueError, match="under way"):
+        llm.start_weight_update()
+    for bad in ({"names": ["a"], "dtype_names": [], "shapes": []}, {"names": ["a"], "dtype_names": ["int8"],
+                                                                     "shapes": [[2]]},
+                {"names": ["a"], "dtype_names": ["float32"], "shapes": [[-1]]}, {"names": "a"}, [{"names": []}]):
+        with pytest.raises(ValueError, match="update_info"):
+            llm.update_weights({"update_info": bad})
+    with pytest.raises(ValueError, match="during a weight update"):
+        llm.shutdown_weight_transfer_engine()
+    llm.finish_weight_update("nothing")  # nothing came: no new weights, only the label
+    assert llm.engine.policy_version == 0 and llm.get_weight_version() == "nothing" and _got(llm) == before
+    llm.shutdown_weight_transfer_engine()
+    with pytest.raises(ValueError, match="init_weight_transfer_engine first"):
+        llm.start_weight_update()
+
+
+def test_an_engine_that_refuses_to_join_fails_the_trainer_at_once():
+    class Refusing:
+        def init_weight_transfer_engine(self, init_info):
+            raise ValueError("no weight transfer here")
+
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="no weight transfer here"):
+        GlooTrainer([Refusing()], free_port(), timeout=3)
+    assert time.monotonic() - t0 < 2  # (not after the rendezvous' timeout)
+
+
+def test_async_llm_receives_off_the_engine_thread(model_dir, other_dir):
+    """AsyncLLM's weight transfer calls (vLLM 0.32's), a request served while an update is open."""
+    state = load_file(str(Path(other_dir) / "model.safetensors"))
+    expected = LLM(other_dir).generate([PROMPTS[0]], GREEDY)[0].token_ids
+    port = free_port()
+    info = {"names": list(state), "dtype_names": ["float32"] * len(state), "shapes": [list(t.shape) for t in state.values()]}
+
+    def trainer() -> None:
+        _, group = _group("127.0.0.1", port, 0, 2, datetime.timedelta(seconds=60))
+        for t in state.values():
+            group.broadcast(t, 0).wait()
+
+    async def run():
+        engine = AsyncLLM(model_dir)
+        try:
+            sender = threading.Thread(target=trainer)
+            sender.start()
+            await engine.init_weight_transfer_engine({"init_info": {"master_address": "127.0.0.1", "master_port": port,
+                                                                    "rank_offset": 1, "world_size": 2}})
+            await engine.start_weight_update()
+            receiving = asyncio.ensure_future(engine.update_weights({"update_info": info}))
+            served = [o async for o in engine.generate(PROMPTS[1], GREEDY, "meanwhile")][-1]
+            await receiving
+            sender.join()
+            assert served.finished and len(served.outputs[0].token_ids) == 10
+            await engine.finish_weight_update("v1")
+            final = [o async for o in engine.generate(PROMPTS[0], GREEDY, "after")][-1]
+            assert final.outputs[0].token_ids == expected and await engine.get_weight_version() == "v1"
+            await engine.shutdown_weight_transfer_engine()
+        finally:
+            engine.shutdown()
+    asyncio.run(run())
