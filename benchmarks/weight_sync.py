@@ -195,9 +195,9 @@ def one_tensor_a_call(model: str, repeats: int) -> dict:
     assert llm.generate([[5, 6, 7]], greedy)[0].token_ids == before  # (the same weights: the same tokens)
     out = {"tensors": len(weights), "ms": {k: statistics.median(v) for k, v in ms.items()}}
     m = out["ms"]
-    print(f"\nthe model path, {len(weights)} tensors one a call: {m['one_tensor_a_call']:.1f} ms, whole model packed "
-          f"after each {m['whole_model_packed_each_call']:.1f} ms "
-          f"({m['whole_model_packed_each_call'] / m['one_tensor_a_call']:.1f}x); all in one call {m['all_at_once']:.1f} ms")
+    whole, one = m["whole_model_packed_each_call"], m["one_tensor_a_call"]
+    print(f"\nthe model path, {len(weights)} tensors one a call: {one:.1f} ms, whole model packed after each "
+          f"{whole:.1f} ms ({whole / one:.1f}x); all in one call {m['all_at_once']:.1f} ms")
     return out
 
 

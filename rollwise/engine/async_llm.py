@@ -248,7 +248,8 @@ class AsyncLLM:
                              kwargs: dict | None = None) -> list:
         """vLLM's: a worker method by name (the worker's, or the engine's `worker_extension_cls`'s) or a
         function taking the worker first, run on the engine's thread between two steps: [its result].
-        TimeoutError after `timeout` seconds (the call itself still finishes on the engine's thread)."""
+        TimeoutError after `timeout` seconds (a call that has begun still finishes there; one that has not
+        is dropped)."""
         call = self.engine.call(lambda: self.engine.engine.collective_rpc(method, None, args, kwargs))
         return await asyncio.wait_for(call, timeout)
 

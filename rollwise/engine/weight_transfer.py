@@ -19,7 +19,6 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 import torch
 import torch.distributed as dist
 
-BACKENDS = ("gloo",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TIMEOUT = datetime.timedelta(seconds=300)  # a rendezvous or a broadcast that waits longer fails
 
@@ -35,6 +34,7 @@ class GlooReceiver:
     def __init__(self) -> None:
         self.group = self.store = None
         self.staged: dict[str, torch.Tensor] | None = None  # an update under way: what came so far
+        self.receiving = 0  # update_weights calls receiving now
         self.lock = threading.Lock()  # (an HTTP server may call from several threads)
 
     def init(self, info: dict) -> None:
@@ -43,8 +43,8 @@ class GlooReceiver:
         unknown = set(info) - {"master_address", "master_port", "rank_offset", "world_size", "packed",
                                "packed_buffer_size_bytes", "packed_num_buffers"}
         if unknown or not {"master_address", "master_port", "rank_offset", "world_size"} <= set(info):
-            raise ValueError("init_info takes master_address, master_port, rank_offset and world_size "
-                             f"(the gloo backend's, as vLLM's nccl one){'; unknown: ' + str(sorted(unknown)) if unknown else ''}")
+            raise ValueError("init_info takes master_address, master_port, rank_offset and world_size (the gloo "
+                             f"backend's, as vLLM's nccl one){f'; unknown: {sorted(unknown)}' if unknown else ''}")
         address, port, rank, size = (info[k] for k in ("master_address", "master_port", "rank_offset", "world_size"))
         if not isinstance(address, str) or not all(isinstance(x, int) and not isinstance(x, bool)
                                                     for x in (port, rank, size)):
@@ -84,15 +84,22 @@ class GlooReceiver:
             if self.staged is None:
                 raise ValueError("start_weight_update must be called before update_weights")
             group, staged = self.group, self.staged
-        for n, d, s in zip(names, dtypes, shapes):
-            t = torch.empty(s, dtype=DTYPES[d])
-            group.broadcast(t, 0).wait()
-            staged[n] = t
+            self.receiving += 1
+        try:
+            for n, d, s in zip(names, dtypes, shapes):
+                t = torch.empty(s, dtype=DTYPES[d])
+                group.broadcast(t, 0).wait()
+                staged[n] = t
+        finally:
+            with self.lock:
+                self.receiving -= 1
 
     def finish(self) -> dict[str, torch.Tensor]:
         with self.lock:
             if self.staged is None:
                 raise ValueError("finish_weight_update called without a matching start_weight_update")
+            if self.receiving:
+                raise ValueError("finish_weight_update called while update_weights is still receiving")
             staged, self.staged = self.staged, None
         return staged
 

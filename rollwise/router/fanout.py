@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rollwise.router.router import Router
+from rollwise.serve.responses import error
 from rollwise.serve.rlhf import (AbortRequests, RpcRequest, TransferInit, WeightCheckRequest, WeightVersionRequest,
                                  json_object)
 
@@ -47,11 +48,10 @@ async def every(router: Router, path: str, body, method: str = "POST") -> list[d
     error, the replica named) when one did not give one; 503 when no replica is healthy."""
     got = await replies(router, path, body, method)
     if not got:
-        return JSONResponse({"error": {"message": "no healthy replica", "type": "unavailable"}}, status_code=503)
+        return error(503, "no healthy replica", "unavailable")
     for name, r in got:
         if not isinstance(r, httpx.Response):
-            return JSONResponse({"error": {"message": f"{name}: {type(r).__name__}: {r}", "type": "replica_error"}},
-                                status_code=502)
+            return error(502, f"{name}: {type(r).__name__}: {r}", "replica_error")
         if r.status_code != 200:
             try:
                 err = r.json()["error"]

@@ -105,7 +105,8 @@ def test_async_llm_receives_off_the_engine_thread(model_dir, other_dir):
     state = load_file(str(Path(other_dir) / "model.safetensors"))
     expected = LLM(other_dir).generate([PROMPTS[0]], GREEDY)[0].token_ids
     port = free_port()
-    info = {"names": list(state), "dtype_names": ["float32"] * len(state), "shapes": [list(t.shape) for t in state.values()]}
+    info = {"names": list(state), "dtype_names": ["float32"] * len(state),
+            "shapes": [list(t.shape) for t in state.values()]}
 
     def trainer() -> None:
         _, group = _group("127.0.0.1", port, 0, 2, datetime.timedelta(seconds=60))
