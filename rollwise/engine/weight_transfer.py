@@ -55,7 +55,11 @@ class GlooReceiver:
         with self.lock:
             if self.staged is not None:
                 raise ValueError("a weight update is under way: finish it first")
-            self.store, self.group = _group(address, port, rank, size, TIMEOUT)
+            try:
+                self.store, self.group = _group(address, port, rank, size, TIMEOUT)
+            except RuntimeError as e:  # (torch's DistStoreError and the like: no trainer there in time)
+                raise ValueError(f"could not join the trainer's group at {address}:{port} as rank {rank}: "
+                                 f"{str(e).splitlines()[0]}") from e
 
     def start(self) -> None:
         with self.lock:
