@@ -15,7 +15,8 @@ streamed over HTTP to a `rollwise serve --enable-lora`.
 
 Then two `rollwise serve` replicas at once: vLLM 0.32's weight transfer on the gloo backend (the
 trainer broadcasts each tensor once to both; `rollwise.engine.weight_transfer.GlooTrainer`) against
-streaming the safetensors bytes to both over HTTP at once; each timed until both hold the new version.
+streaming the safetensors bytes to both over HTTP at once, and against a temporary directory for
+each; each timed until both hold the new version.
 
 Last, TRL's colocated sync through vLLM's model path (`llm.llm_engine.model_executor.driver_worker.
 model_runner.model.load_weights([(name, tensor)])`, one tensor a call): each call packs again only the
@@ -131,12 +132,12 @@ def to_two_replicas(model: str, weights: dict, repeats: int) -> dict:
     the safetensors stream to each over HTTP, both at once (the sides take turns)."""
     from rollwise.engine.weight_transfer import GlooTrainer, HTTPWeightSyncClient
     from rollwise.serve.process import free_port
-    ms: dict[str, list[float]] = {"gloo_broadcast": [], "http_stream_both": []}
+    ms: dict[str, list[float]] = {"gloo_broadcast": [], "http_stream_both": [], "http_file_both": []}
     with ServerProcess(model) as a, ServerProcess(model) as b:
         trainer = GlooTrainer([HTTPWeightSyncClient(a.url), HTTPWeightSyncClient(b.url)], free_port())
 
-        async def stream(v: int) -> None:
-            replicas = [HttpReplica(s.url, weights_via="stream") for s in (a, b)]
+        async def send(v: int, via: str) -> None:
+            replicas = [HttpReplica(s.url, weights_via=via) for s in (a, b)]
             try:
                 assert await asyncio.gather(*(r.update_weights(weights, v) for r in replicas)) == [v, v]
             finally:
@@ -152,13 +153,16 @@ def to_two_replicas(model: str, weights: dict, repeats: int) -> dict:
             trainer.send_weights(weights)
             ms["gloo_broadcast"].append(1000 * (time.perf_counter() - t0))
             assert versions() == [v + 1, v + 1]
-            t0 = time.perf_counter()
-            asyncio.run(stream(v + 2))
-            ms["http_stream_both"].append(1000 * (time.perf_counter() - t0))
+            for k, via in enumerate(("stream", "file")):
+                t0 = time.perf_counter()
+                asyncio.run(send(v + 2 + k, via))
+                ms[f"http_{via}_both"].append(1000 * (time.perf_counter() - t0))
         trainer.close()
     out = {k: statistics.median(x) for k, x in ms.items()}
-    print(f"\ntwo replicas: gloo broadcast {out['gloo_broadcast']:.1f} ms, safetensors streamed to both "
-          f"{out['http_stream_both']:.1f} ms ({out['http_stream_both'] / out['gloo_broadcast']:.2f}x)")
+    g = out["gloo_broadcast"]
+    print(f"\ntwo replicas: gloo broadcast {g:.1f} ms; safetensors streamed to both {out['http_stream_both']:.1f} ms "
+          f"({out['http_stream_both'] / g:.2f}x), through a directory each {out['http_file_both']:.1f} ms "
+          f"({out['http_file_both'] / g:.2f}x)")
     return out
 
 
