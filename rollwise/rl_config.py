@@ -67,12 +67,13 @@ class TrainConfig:
     is_veto: float = 0.0
     kl_coef: float = 0.0
     kl_loss_type: str = "k3"  # k1, k2, k3, abs, or k1+ / k3+ / abs+: that value, k2's gradient (verl's names too)
-    # KL in the reward (verl's use_kl_in_reward): each generated token's reward less beta x its KL to the
-    # reference (k1); beta starts at reward_kl_coef (0: off) and, with reward_kl_target > 0, adapts toward
-    # that per-token KL over reward_kl_horizon episodes, else stays (rollwise/trainer/kl_reward.py)
+    # KL in the reward (verl's use_kl_in_reward): each generated token's reward less beta x its KL (k1) to
+    # the reference, the warm-started policy or reference_model (a teacher: on-policy distillation); beta
+    # starts at reward_kl_coef (0: off), adapts toward reward_kl_target > 0 over reward_kl_horizon episodes
     reward_kl_coef: float = 0.0
     reward_kl_target: float = 0.0
     reward_kl_horizon: int = 10000
+    reference_model: str | None = None
     # DAPO's overlong punishment (rollwise/trainer/shaping.py; verl's overlong_buffer): a turn that generates
     # more than max_tokens - overlong_buffer tokens loses up to overlong_penalty of its episode's reward,
     # linearly (all of it at max_tokens); 0: off

@@ -41,6 +41,9 @@ class GRPOConfig:
     reward_kl_coef: float = 0.0
     reward_kl_target: float = 0.0
     reward_kl_horizon: int = 10000
+    # the KL reference: a model directory (a teacher of any size on the same vocabulary) in place of the
+    # policy as it starts; with reward_kl_coef it is on-policy distillation (snapshots.py)
+    reference_model: str | None = None
     # DAPO's overlong punishment (shaping.py; verl's overlong_buffer): a turn longer than overlong_max_tokens -
     # overlong_buffer tokens loses up to overlong_penalty of the reward, linearly; 0: off
     overlong_buffer: int = 0

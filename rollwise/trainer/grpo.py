@@ -76,7 +76,8 @@ class GRPOTrainer:
         self.comm = comm or Comm()  # data parallel (data_parallel.py): this rank trains its share of each step
         self.opt = torch.optim.AdamW(policy.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         # the KL reference and the kept versions' weights ("recompute"): snapshots.py
-        self.snap = Snapshots(policy, self.cfg.temperature, self.cfg.kl_coef > 0 or self.cfg.reward_kl_coef > 0)
+        self.snap = Snapshots(policy, self.cfg.temperature, self.cfg.kl_coef > 0 or self.cfg.reward_kl_coef > 0,
+                              self.cfg.reference_model)
         self.reward_kl = None  # KL in the reward (kl_reward.py): beta, and the step's per-token KLs
         if self.cfg.reward_kl_coef > 0:
             def kl(mb: list[Trajectory], b: Batch) -> torch.Tensor:  # k1: the policy's logprobs less the reference's

@@ -1,7 +1,10 @@
 """The weights a step values tokens under besides the current ones, read top to bottom.
 
 The KL reference (`kl_coef`, `reward_kl_coef`): the policy's weights when the trainer was made (a copy),
-or with LoRA the policy with its adapters off (its frozen weights: no copy). `behaviour = "recompute"`:
+or with LoRA the policy with its adapters off (its frozen weights: no copy), or `reference_model`, a
+model of its own (a teacher, any size, on the policy's vocabulary: with `reward_kl_coef`, each generated
+token's reward less beta x (log pi(token) - log pi_teacher(token)) is on-policy distillation, the
+teacher's reverse KL as a dense reward, Agarwal et al. 2024 and Thinking Machines' 2025 recipe). `behaviour = "recompute"`:
 the weights of the last `keep_versions` versions, under which stale tokens' behaviour logprobs are
 recomputed. Both run by the policy's own path with their weights swapped in for the call (the output
 head at the generated positions only, the same rounding: a policy still at the reference has KL 0).
@@ -24,9 +27,16 @@ from rollwise.types import Trajectory
 
 
 class Snapshots:
-    def __init__(self, policy: PolicyModel, temperature: float, reference: bool) -> None:
+    def __init__(self, policy: PolicyModel, temperature: float, reference: bool, reference_model: str | None = None
+                 ) -> None:
         self.policy, self.temperature = policy, temperature
-        self.ref = copy.deepcopy(policy.model).eval() if reference and policy.lora is None else None
+        self.teacher = None  # reference_model's own PolicyModel
+        if reference_model is not None:
+            if not reference:
+                raise ValueError("reference_model is the KL reference: set reward_kl_coef (on-policy distillation) "
+                                 "or kl_coef")
+            self.teacher = teacher(reference_model, policy)
+        self.ref = copy.deepcopy(policy.model).eval() if reference and policy.lora is None and not self.teacher else None
         self.kept: dict[int, dict[str, torch.Tensor]] = {}  # version -> its weights ("recompute")
         self._rows: dict[int, tuple[Trajectory, torch.Tensor]] = {}  # id -> (sequence, its reference row)
 
@@ -59,6 +69,8 @@ class Snapshots:
         return out
 
     def _forward(self, b: Batch) -> torch.Tensor:
+        if self.teacher is not None:
+            return self.teacher.logprobs(b, self.temperature)
         if self.ref is None:
             with self.policy.adapters_off():
                 return self.policy.logprobs(b, self.temperature)
@@ -96,3 +108,19 @@ class Snapshots:
         finally:
             for n, w in saved.items():
                 params[n].data = w
+
+
+def teacher(model_dir: str, policy: PolicyModel) -> PolicyModel:
+    """A reference model of its own (frozen): ValueError unless it reads the policy's vocabulary."""
+    from pathlib import Path
+    if not (Path(model_dir) / "config.json").is_file():
+        raise ValueError(f"reference_model {model_dir!r} is not a model directory (no config.json)")
+    with torch.random.fork_rng():  # (PolicyModel seeds torch: the trainer's own random state stays as it was)
+        got = PolicyModel(model_dir)
+    mine, its = policy.model.config.vocab_size, got.model.config.vocab_size
+    if mine != its:
+        raise ValueError(f"reference_model {model_dir!r} has a vocabulary of {its} tokens, the policy {mine}: a "
+                         "teacher must read the policy's tokens")
+    got.model.eval().requires_grad_(False)
+    return got
+

@@ -143,6 +143,22 @@ def test_a_gae_run_trains_groups_of_one_resumes_with_its_critic_and_saves_models
     assert (models / "step-2" / "tokenizer.json").exists()  # a model directory that serves as it is
 
 
+def test_an_on_policy_distillation_run_rewards_each_token_by_a_teachers_kl(model_dir, tmp_path):
+    """examples/train-phonebook-distill.toml's settings on the tiny model: a teacher of another size
+    (reference_model) values every sampled token; the run trains on it with no warm start."""
+    from rollwise.make_model import make_model
+    teacher = make_model(tmp_path / "teacher", family="qwen3", layers=1, hidden=96, heads=4, kv_heads=2, vocab=1024,
+                         std=0.1, seed=11, tie=True, head_dim=24)
+    example = TrainConfig.from_toml(Path(__file__).parents[2] / "examples" / "train-phonebook-distill.toml",
+                                    model=model_dir, reference_model=str(teacher))
+    opd = {k: getattr(example, k) for k in ("reward_kl_coef", "advantage", "gae_gamma", "reference_model", "sft_steps")}
+    assert opd == {"reward_kl_coef": 1.0, "advantage": "reinforce_plus_plus", "gae_gamma": 0.0,
+                   "reference_model": str(teacher), "sft_steps": 0}
+    steps = train(TrainConfig.from_dict({**TINY, **opd, "model": model_dir, "run_dir": str(tmp_path / "run"),
+                                         "steps": 2, "eval_tasks": 0}))["steps"]
+    assert len(steps) == 2 and all(s["reward_kl"] > 0.5 and s["trained_trajectories"] > 0 for s in steps)
+
+
 def test_a_remax_run_trains_groups_of_one_against_a_greedy_episode_per_group(model_dir, tmp_path, monkeypatch):
     """ReMax: each group runs one more episode at temperature 0, not trained on or logged; its reward is
     each episode's baseline, and an episode trains where its reward differs from it."""

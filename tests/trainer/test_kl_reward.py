@@ -109,3 +109,70 @@ def test_reward_kl_config_is_checked():
     with pytest.raises(ValueError, match="reward_kl_coef"):
         TrainConfig.from_dict({"model": "m", "reward_kl_coef": -0.1})
     assert TrainConfig.from_dict({"model": "m", "reward_kl_coef": 0.1}).trainer_config().reward_kl_coef == 0.1
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory) -> str:
+    """A teacher of another size on the test model's vocabulary (conftest's qwen3: 1024 tokens)."""
+    from rollwise.make_model import make_model
+    return str(make_model(tmp_path_factory.mktemp("teacher"), family="qwen3", layers=1, hidden=96, heads=4,
+                          kv_heads=2, vocab=1024, std=0.1, seed=11, tie=True, head_dim=24))
+
+
+def test_a_reference_model_is_a_teacher_and_its_reverse_kl_is_the_reward(model_dir, teacher_dir):
+    """reference_model: the KL's reference is that model (any size, the same vocabulary), not a copy of the
+    policy; each token's KL is the policy's logprob less the teacher's (on-policy distillation)."""
+    from transformers import AutoModelForCausalLM
+    trainer = GRPOTrainer(PolicyModel(model_dir), GRPOConfig(reward_kl_coef=1.0, reference_model=teacher_dir))
+    assert trainer.snap.ref is None and trainer.snap.teacher is not None  # (no copy of the policy kept)
+    t = episode([([40, 45, 46], [50], 0.0), ([47], [], 1.0)], tid="x")
+    kls = trainer.reward_kl.token_kls([t])[id(t)]
+    b = Batch.of([t])
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32)
+    with torch.no_grad():
+        lp = trainer.policy.logprobs(b)[0, positions(t)]
+        ref = torch.log_softmax(teacher(input_ids=b.input_ids).logits[0, :-1], -1)
+        lp_ref = ref[positions(t), b.targets[0, positions(t)]]
+    assert kls == pytest.approx((lp - lp_ref).tolist(), abs=1e-5) and max(map(abs, kls)) > 0.1
+    cfg = TrainConfig.from_dict({"model": "m", "reward_kl_coef": 1.0, "reference_model": teacher_dir})
+    assert cfg.trainer_config().reference_model == teacher_dir
+
+
+def test_distilling_on_the_policys_own_samples_brings_it_toward_the_teacher(model_dir, teacher_dir):
+    """Steps on the policy's own samples with the teacher's reverse KL as each token's reward (REINFORCE++,
+    no discount: on-policy distillation) shrink the true KL(policy || teacher) where they were drawn."""
+    from transformers import AutoModelForCausalLM
+    prompt = [1, 9, 17, 33]
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32)
+    policy = PolicyModel(model_dir)
+
+    def next_logprobs(model) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1], -1)
+
+    def true_kl() -> float:
+        lp, lt = next_logprobs(policy.model), next_logprobs(teacher)
+        return float((lp.exp() * (lp - lt)).sum())
+
+    trainer = GRPOTrainer(policy, GRPOConfig(lr=1e-2, reward_kl_coef=1.0, reference_model=teacher_dir,
+                                             advantage="reinforce_plus_plus", gae_gamma=0.0))
+    g = torch.Generator().manual_seed(0)
+    kl = [true_kl()]
+    for step in range(10):
+        drawn = torch.multinomial(next_logprobs(policy.model).exp(), 64, replacement=True, generator=g)
+        eps = fresh(policy, [episode([([int(x)], [], 0.0)], prompt=prompt, tid=f"{step}-{i}")
+                             for i, x in enumerate(drawn)])
+        trainer.step([[e] for e in eps])
+        kl.append(true_kl())
+    assert kl[0] > 0.5 and kl[-1] < 0.75 * kl[0], kl  # (0.82 -> 0.51 when written)
+
+
+def test_a_reference_model_is_checked(model_dir, tmp_path):
+    from rollwise.make_model import make_model
+    other_vocab = str(make_model(tmp_path / "v", family="qwen3", layers=1, hidden=64, heads=4, kv_heads=2,
+                                 vocab=2048, head_dim=16))
+    for bad, match in ((other_vocab, "vocabulary of 2048"), (str(tmp_path), "not a model directory")):
+        with pytest.raises(ValueError, match=match):
+            GRPOTrainer(PolicyModel(model_dir), GRPOConfig(reward_kl_coef=1.0, reference_model=bad))
+    with pytest.raises(ValueError, match="reference_model is the KL reference"):
+        GRPOTrainer(PolicyModel(model_dir), GRPOConfig(reference_model=other_vocab))
