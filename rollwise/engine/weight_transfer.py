@@ -1,9 +1,11 @@
 """vLLM 0.32's weight transfer (its RL API: `init_weight_transfer_engine`, `start_weight_update`,
 `update_weights`, `finish_weight_update`), on a backend that runs on CPUs: "gloo". vLLM's own ("nccl",
 "ipc") need GPUs. The control plane is vLLM's "nccl" one: init_info {master_address, master_port,
-rank_offset, world_size}, update_info {names, dtype_names, shapes}; the trainer is rank 0 of a
-process group the engines joined (from rank_offset on) and broadcasts each weight, in the order
-named, while the engines' `update_weights` calls receive them.
+rank_offset, world_size, packed, packed_buffer_size_bytes}, update_info {names, dtype_names,
+shapes}; the trainer is rank 0 of a process group the engines joined (from rank_offset on) and
+broadcasts the weights in the order named, while the engines' `update_weights` calls receive them:
+packed (the trainer's default, as vLLM's trainer packs) their bytes in buffers of up to
+packed_buffer_size_bytes, else one broadcast a weight.
 
 An engine stages what it receives and takes it at `finish_weight_update` as one weight update (a
 new version: requests in flight finish under the weights they began with, as with every update
@@ -12,6 +14,7 @@ here), so a sync cut off midway changes nothing. `GlooTrainer` is the trainer's 
 from __future__ import annotations
 
 import datetime
+import math
 import threading
 from collections.abc import Iterable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -21,6 +24,21 @@ import torch.distributed as dist
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TIMEOUT = datetime.timedelta(seconds=300)  # a rendezvous or a broadcast that waits longer fails
+
+
+PACKED_BYTES = 1 << 30  # vLLM's default packed buffer: the weights go in buffers of about this size
+
+
+def chunks(sizes: list[int], limit: int) -> list[range]:
+    """Consecutive runs of weights (their indexes) whose bytes add up to at most `limit` each (one
+    larger weight alone): the packed broadcasts, the same on both sides from update_info alone."""
+    out, start, total = [], 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and total + n > limit:
+            out.append(range(start, i))
+            start, total = i, 0
+        total += n
+    return out + ([range(start, len(sizes))] if sizes else [])
 
 
 def _group(address: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta):
@@ -35,6 +53,7 @@ class GlooReceiver:
         self.group = self.store = None
         self.staged: dict[str, torch.Tensor] | None = None  # an update under way: what came so far
         self.receiving = 0  # update_weights calls receiving now
+        self.packed = 0  # init_info's "packed": the bytes of each buffer the weights come in; 0: one a weight
         self.lock = threading.Lock()  # (an HTTP server may call from several threads)
 
     def init(self, info: dict) -> None:
@@ -52,9 +71,14 @@ class GlooReceiver:
         if not (0 < port < 65536 and 0 < rank < size):
             raise ValueError(f"init_info: master_port in 1..65535 and 0 < rank_offset < world_size, got "
                              f"{port}, {rank}, {size} (the trainer is rank 0)")
+        packed, limit = info.get("packed", False), info.get("packed_buffer_size_bytes", PACKED_BYTES)
+        if not isinstance(packed, bool) or isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"init_info: packed true or false, packed_buffer_size_bytes a positive integer, got "
+                             f"{packed!r}, {limit!r}")
         with self.lock:
             if self.staged is not None:
                 raise ValueError("a weight update is under way: finish it first")
+            self.packed = limit if packed else 0
             try:
                 self.store, self.group = _group(address, port, rank, size, TIMEOUT)
             except RuntimeError as e:  # (torch's DistStoreError and the like: no trainer there in time)
@@ -90,10 +114,21 @@ class GlooReceiver:
             group, staged = self.group, self.staged
             self.receiving += 1
         try:
-            for n, d, s in zip(names, dtypes, shapes):
-                t = torch.empty(s, dtype=DTYPES[d])
-                group.broadcast(t, 0).wait()
-                staged[n] = t
+            if not self.packed:
+                for n, d, s in zip(names, dtypes, shapes):
+                    t = torch.empty(s, dtype=DTYPES[d])
+                    group.broadcast(t, 0).wait()
+                    staged[n] = t
+            sizes = [math.prod(s) * DTYPES[d].itemsize for d, s in zip(dtypes, shapes)]
+            for run in chunks(sizes, self.packed) if self.packed else []:
+                buf = torch.empty(sum(sizes[i] for i in run), dtype=torch.uint8)
+                group.broadcast(buf, 0).wait()  # (the run's weights' bytes, one after another)
+                at = 0
+                for i in run:  # (copied out: a weight's offset in the buffer need not suit its dtype's alignment)
+                    t = torch.empty(shapes[i], dtype=DTYPES[dtypes[i]])
+                    t.view(-1).view(torch.uint8).copy_(buf[at:at + sizes[i]])
+                    staged[names[i]] = t
+                    at += sizes[i]
         finally:
             with self.lock:
                 self.receiving -= 1
@@ -116,20 +151,24 @@ class GlooReceiver:
 
 class GlooTrainer:
     """The trainer's side, rank 0: `GlooTrainer(clients, port)` joins every engine into one group and
-    `send_weights(named tensors, weight_version)` sends them all, one broadcast each. A client has
+    `send_weights(named tensors, weight_version)` sends them all, packed into buffers of up to
+    `packed_buffer_size_bytes` (or with `packed=False` one broadcast each). A client has
     vLLM's weight-sync calls (its VLLMWeightSyncClient protocol): `EngineClient(llm)` for an `LLM` in
     this process, `HTTPWeightSyncClient(url)` for `rollwise serve` or `rollwise route`; `world_sizes`:
     each client's engines (1 for an engine, a route's /get_world_size for a route)."""
 
     def __init__(self, clients: list, master_port: int, master_address: str = "127.0.0.1",
-                 world_sizes: list[int] | None = None, timeout: float = 300.0) -> None:
+                 world_sizes: list[int] | None = None, timeout: float = 300.0, packed: bool = True,
+                 packed_buffer_size_bytes: int = PACKED_BYTES) -> None:
         self.clients = list(clients)
         sizes = world_sizes or [1] * len(self.clients)
         self.world_size = 1 + sum(sizes)
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         self.pool = ThreadPoolExecutor(len(self.clients) + 1)
+        self.packed = packed_buffer_size_bytes if packed else 0  # (as the engines' receivers: init_info tells them)
         infos = [{"master_address": master_address, "master_port": master_port, "rank_offset": o,
-                  "world_size": self.world_size} for o in offsets]
+                  "world_size": self.world_size, "packed": packed, "packed_buffer_size_bytes": packed_buffer_size_bytes}
+                 for o in offsets]
         joins = [self.pool.submit(c.init_weight_transfer_engine, i) for c, i in zip(self.clients, infos)]
         group = self.pool.submit(_group, master_address, master_port, 0, self.world_size,
                                  datetime.timedelta(seconds=timeout))
@@ -148,12 +187,17 @@ class GlooTrainer:
         for c in self.clients:
             c.start_weight_update()
         receiving = [self.pool.submit(c.update_weights, info) for c in self.clients]
+        tensors = [t.detach().contiguous() for _, t in items]
+        runs = chunks([t.nbytes for t in tensors], self.packed) if self.packed else [range(i, i + 1)
+                                                                                    for i in range(len(tensors))]
         try:
-            for _, t in items:
+            for run in runs:
                 for r in receiving:  # (one that failed before its first broadcast would leave this one waiting)
                     if r.done():
                         r.result()
-                self.group.broadcast(t.detach().contiguous(), 0).wait()
+                buf = tensors[run[0]] if not self.packed else torch.cat([tensors[i].view(-1).view(torch.uint8)
+                                                                          for i in run])
+                self.group.broadcast(buf, 0).wait()
         finally:
             for r in receiving:
                 r.result()

@@ -69,7 +69,11 @@ def test_calls_out_of_order_and_bad_requests_change_nothing(model_dir, monkeypat
     for bad in ({}, {"init_info": {"master_address": "127.0.0.1"}}, {"init_info": 5},
                 {"init_info": {"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 0, "world_size": 2}},
                 {"init_info": {"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2,
-                               "backend": "nccl"}}):
+                               "backend": "nccl"}},
+                {"init_info": {"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2,
+                               "packed": "yes"}},
+                {"init_info": {"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2,
+                               "packed": True, "packed_buffer_size_bytes": 0}}):
         with pytest.raises(ValueError, match="init_info"):
             llm.init_weight_transfer_engine(bad)
     monkeypatch.setattr(weight_transfer, "TIMEOUT", datetime.timedelta(seconds=1))
@@ -138,3 +142,23 @@ def test_async_llm_receives_off_the_engine_thread(model_dir, other_dir):
         finally:
             engine.shutdown()
     asyncio.run(run())
+
+
+def test_packed_and_one_by_one_transfers_give_the_same_weights(model_dir, other_dir):
+    """Packed (the weights' bytes in buffers of a given size, several weights and dtypes in one, a weight
+    larger than the buffer alone) and one weight a broadcast land the same weights."""
+    state = load_file(str(Path(other_dir) / "model.safetensors"))
+    mixed = {k: v.bfloat16() if i % 2 else v for i, (k, v) in enumerate(state.items())}
+    sums = []
+    for packed, size in ((False, 1), (True, 3000), (True, 1 << 30)):
+        llm = LLM(model_dir)
+        trainer = GlooTrainer([EngineClient(llm)], free_port(), packed=packed, packed_buffer_size_bytes=size)
+        try:
+            trainer.send_weights(mixed)
+        finally:
+            trainer.close()
+        sums.append(llm.collective_rpc("compute_weight_checksums")[0])
+    assert sums[0] == sums[1] == sums[2]
+    plain = LLM(model_dir)
+    plain.llm_engine.load_weights(mixed)  # (the same tensors straight in)
+    assert plain.collective_rpc("compute_weight_checksums")[0] == sums[0]
