@@ -115,14 +115,15 @@ class GlooReceiver:
                 raise ValueError("start_weight_update must be called before update_weights")
             group, staged = self.group, self.staged
             self.receiving += 1
+        sizes = [math.prod(s) * DTYPES[d].itemsize for d, s in zip(dtypes, shapes)]
+        runs = chunks(sizes, self.packed) if self.packed else [range(i, i + 1) for i in range(len(names))]
         try:
-            if not self.packed:
-                for n, d, s in zip(names, dtypes, shapes):
-                    t = torch.empty(s, dtype=DTYPES[d])
+            for run in runs:
+                if not self.packed:
+                    t = torch.empty(shapes[run[0]], dtype=DTYPES[dtypes[run[0]]])
                     group.broadcast(t, 0).wait()
-                    staged[n] = t
-            sizes = [math.prod(s) * DTYPES[d].itemsize for d, s in zip(dtypes, shapes)]
-            for run in chunks(sizes, self.packed) if self.packed else []:
+                    staged[names[run[0]]] = t
+                    continue
                 buf = torch.empty(sum(sizes[i] for i in run), dtype=torch.uint8)
                 group.broadcast(buf, 0).wait()  # (the run's weights' bytes, one after another)
                 at = 0
@@ -190,8 +191,8 @@ class GlooTrainer:
             c.start_weight_update()
         receiving = [self.pool.submit(c.update_weights, info) for c in self.clients]
         tensors = [t.detach().contiguous() for _, t in items]
-        runs = chunks([t.nbytes for t in tensors], self.packed) if self.packed else [range(i, i + 1)
-                                                                                    for i in range(len(tensors))]
+        runs = chunks([t.nbytes for t in tensors], self.packed) if self.packed else [range(i, i + 1) for i in
+                                                                                    range(len(tensors))]
         try:
             for run in runs:
                 for r in receiving:  # (one that failed before its first broadcast would leave this one waiting)
