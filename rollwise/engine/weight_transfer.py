@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-TIMEOUT = datetime.timedelta(seconds=300)  # a rendezvous or a broadcast that waits longer fails
+TIMEOUT = datetime.timedelta(seconds=300)  # a rendezvous or a broadcast that waits longer fails (init_info's
+# timeout_s, rollwise's own key, sets another; the trainer passes its own)
 
 
 PACKED_BYTES = 1 << 30  # vLLM's default packed buffer: the weights go in buffers of about this size
@@ -62,7 +63,7 @@ class GlooReceiver:
         if not isinstance(info, dict):
             raise ValueError(f"init_info must be an object, got {type(info).__name__}")
         unknown = set(info) - {"master_address", "master_port", "rank_offset", "world_size", "packed",
-                               "packed_buffer_size_bytes", "packed_num_buffers"}
+                               "packed_buffer_size_bytes", "packed_num_buffers", "timeout_s"}
         if unknown or not {"master_address", "master_port", "rank_offset", "world_size"} <= set(info):
             raise ValueError("init_info takes master_address, master_port, rank_offset and world_size (the gloo "
                              f"backend's, as vLLM's nccl one){f'; unknown: {sorted(unknown)}' if unknown else ''}")
@@ -77,12 +78,16 @@ class GlooReceiver:
         if not isinstance(packed, bool) or isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"init_info: packed true or false, packed_buffer_size_bytes a positive integer, got "
                              f"{packed!r}, {limit!r}")
+        # rollwise's own key: how long the rendezvous and each receive may wait for the trainer
+        wait_s = info.get("timeout_s", TIMEOUT.total_seconds())
+        if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not 0 < wait_s <= 86400:
+            raise ValueError(f"init_info: timeout_s must be a number of seconds in (0, 86400], got {wait_s!r}")
         with self.lock:
             if self.staged is not None:
                 raise ValueError("a weight update is under way: finish it first")
             self.packed = limit if packed else 0
             try:
-                self.store, self.group = _group(address, port, rank, size, TIMEOUT)
+                self.store, self.group = _group(address, port, rank, size, datetime.timedelta(seconds=wait_s))
             except RuntimeError as e:  # (torch's DistStoreError and the like: no trainer there in time)
                 raise ValueError(f"could not join the trainer's group at {address}:{port} as rank {rank}: "
                                  f"{str(e).splitlines()[0]}") from e
@@ -170,8 +175,8 @@ class GlooTrainer:
         self.pool = ThreadPoolExecutor(len(self.clients) + 1)
         self.packed = packed_buffer_size_bytes if packed else 0  # (as the engines' receivers: init_info tells them)
         infos = [{"master_address": master_address, "master_port": master_port, "rank_offset": o,
-                  "world_size": self.world_size, "packed": packed, "packed_buffer_size_bytes": packed_buffer_size_bytes}
-                 for o in offsets]
+                  "world_size": self.world_size, "packed": packed, "packed_buffer_size_bytes": packed_buffer_size_bytes,
+                  "timeout_s": timeout} for o in offsets]
         joins = [self.pool.submit(c.init_weight_transfer_engine, i) for c, i in zip(self.clients, infos)]
         group = self.pool.submit(_group, master_address, master_port, 0, self.world_size,
                                  datetime.timedelta(seconds=timeout))
