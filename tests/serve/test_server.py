@@ -604,7 +604,7 @@ def test_weight_updates_off_loopback_need_an_api_key(model_dir):
             assert r.status_code == 403 and "api-key" in r.json()["error"]["message"], path
         assert engine.policy_version == 0 and not engine.is_sleeping and not engine.paused
         assert engine.engine.weight_updates == 0 and engine.engine.get_weight_version() == "default"
-        assert open_app.get("/weight_info").status_code == 200
+        assert open_app.get("/weight_info").json() == {"weight_version": "default"}
         assert open_app.get("/health").status_code == 200 and open_app.get("/is_paused").status_code == 200
         keyed = TestClient(build_app(engine, ServerConfig(host="0.0.0.0", api_key="k"), "m"))
         r = keyed.post("/update_weights", json={"model_dir": model_dir}, headers={"Authorization": "Bearer k"})

