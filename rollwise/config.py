@@ -11,7 +11,7 @@ from rollwise.agent.reasoning import REASONING_PARSERS
 from rollwise.engine.block_manager import HASH_ALGOS
 
 DTYPES = ("float32", "bfloat16", "float16")
-SPECULATIVE = (None, "suffix")
+SPECULATIVE = (None, "suffix", "ngram")
 SPEC_CONTROLLERS = ("off", "always", "threshold", "adaptive")
 DEVICES = ("cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -69,7 +69,8 @@ class EngineConfig:
     # vLLM's: a class ("package.module.Class") whose methods are mixed into the worker, for
     # collective_rpc by name (a trainer's weight sync: rollwise.engine.worker)
     worker_extension_cls: str | None = None
-    # speculation (SuffixDecoding): drafts from suffix trees, verified in the same forward
+    # speculation: "suffix" (SuffixDecoding: drafts from suffix trees) or "ngram" (vLLM's prompt lookup:
+    # rollwise.spec.ngram), verified in the same forward
     speculative: str | None = field(default=None, metadata={"choices": SPECULATIVE[1:]})
     spec_controller: str = field(default="adaptive", metadata={"choices": SPEC_CONTROLLERS})
     spec_threshold: int = 16  # threshold mode: speculate while at most this many sequences run
@@ -81,6 +82,10 @@ class EngineConfig:
     spec_min_token_prob: float = 0.1
     spec_max_cached_requests: int = 10000
     spec_eviction: str = field(default="fifo", metadata={"choices": ("fifo", "lru")})
+    # "ngram": the n-gram lengths matched (vLLM's prompt_lookup_min / _max; neither given: 5 and 5,
+    # one given: both that)
+    spec_lookup_min: int | None = None
+    spec_lookup_max: int | None = None
 
     def __post_init__(self) -> None:
         if self.speculative not in SPECULATIVE:
@@ -89,6 +94,9 @@ class EngineConfig:
             raise ValueError(f"spec_controller must be one of {SPEC_CONTROLLERS}, got {self.spec_controller!r}")
         if self.spec_max_tokens < 0 or self.spec_threshold < 0:
             raise ValueError("spec_max_tokens and spec_threshold must be >= 0")
+        lo, hi = self.lookup_range
+        if lo < 1 or lo > hi:
+            raise ValueError(f"need 1 <= spec_lookup_min <= spec_lookup_max, got {lo} and {hi}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -115,6 +123,13 @@ class EngineConfig:
         if self.worker_extension_cls:
             extension_class(self.worker_extension_cls)
 
+    @property
+    def lookup_range(self) -> tuple[int, int]:
+        """The n-gram lengths "ngram" speculation matches, filled in as vLLM fills them."""
+        lo, hi = self.spec_lookup_min, self.spec_lookup_max
+        lo = lo if lo is not None else hi if hi is not None else 5
+        return lo, hi if hi is not None else lo
+
 
 def extension_class(name: str) -> type:
     """A class from its qualified name ("package.module.Class"); ValueError when it cannot be found."""
@@ -140,6 +155,37 @@ VLLM_ARGS = {"enforce_eager": (True, False), "trust_remote_code": (True, False),
 
 
 WEIGHT_TRANSFER_BACKENDS = ("gloo",)  # vLLM 0.32's weight transfer, here (rollwise.engine.weight_transfer)
+# vLLM's speculative_config keys, as EngineConfig's fields (its methods that need no draft model)
+SPECULATIVE_CONFIG = {"num_speculative_tokens": "spec_max_tokens", "prompt_lookup_min": "spec_lookup_min",
+                      "prompt_lookup_max": "spec_lookup_max", "suffix_decoding_max_tree_depth": "spec_max_depth",
+                      "suffix_decoding_max_cached_requests": "spec_max_cached_requests",
+                      "suffix_decoding_max_spec_factor": "spec_alpha",
+                      "suffix_decoding_min_token_prob": "spec_min_token_prob"}
+
+
+def speculative_args(sc: dict | None) -> dict:
+    """vLLM's `speculative_config` as EngineConfig's fields: method "suffix" or "ngram" (or model
+    "ngram", as vLLM reads it); a draft model, EAGLE, Medusa or MTP is a ValueError. As in vLLM a
+    suffix config's num_speculative_tokens defaults to its tree depth. The controller stays
+    spec_controller's (vLLM verifies every draft token: spec_controller="always")."""
+    if sc is None:
+        return {}
+    if not isinstance(sc, dict):
+        raise ValueError(f"speculative_config must be a dict (JSON object), got {type(sc).__name__}")
+    method, model = sc.get("method"), sc.get("model")
+    method = "ngram" if method == "[ngram]" or method is None and model in ("ngram", "[ngram]") else method
+    if method not in SPECULATIVE[1:]:
+        raise ValueError(f"speculative_config method must be one of {list(SPECULATIVE[1:])} here (no draft model, "
+                         f"EAGLE, Medusa or MTP), got {method!r}")
+    if model is not None and ("ngram" if model == "[ngram]" else model) != method:
+        raise ValueError(f"speculative_config's model {model!r} and method {method!r} disagree ({method} takes no model)")
+    unknown = sorted(set(sc) - {"method", "model", *SPECULATIVE_CONFIG})
+    if unknown:
+        raise ValueError(f"unknown speculative_config keys {unknown}; valid: {['method', *SPECULATIVE_CONFIG]}")
+    out = {"speculative": method, **{SPECULATIVE_CONFIG[k]: v for k, v in sc.items() if k in SPECULATIVE_CONFIG}}
+    if method == "suffix" and "spec_max_tokens" not in out:
+        out["spec_max_tokens"] = out.get("spec_max_depth", 24)
+    return out
 
 
 def engine_args(kwargs: dict, model) -> dict:
@@ -175,6 +221,11 @@ def engine_args(kwargs: dict, model) -> dict:
         if backend not in WEIGHT_TRANSFER_BACKENDS:
             raise ValueError(f"weight_transfer_config backend must be one of {list(WEIGHT_TRANSFER_BACKENDS)} here "
                              f"(vLLM's nccl and ipc need GPUs), got {backend!r}")
+    spec = speculative_args(out.pop("speculative_config", None))
+    clash = [k for k, v in spec.items() if out.get(k, v) != v]
+    if clash:
+        raise ValueError(f"speculative_config and {clash} disagree; give each once")
+    out.update(spec)
     util = out.pop("gpu_memory_utilization", None)
     if util is not None:
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
@@ -184,7 +235,7 @@ def engine_args(kwargs: dict, model) -> dict:
     unknown = sorted(set(out) - valid)
     if unknown:
         raise ValueError(f"unknown LLM arguments {unknown}; valid: {sorted(valid | set(VLLM_ARGS))}, "
-                         "gpu_memory_utilization and weight_transfer_config")
+                         "gpu_memory_utilization, weight_transfer_config and speculative_config")
     return out
 
 

@@ -48,7 +48,7 @@ class LLMEngine(WeightVersions, SleepMode):
         self.isolation = Isolation(self)  # a failed step fails the request that caused it (isolation.py)
         self.request_stats = RequestStats(self.max_model_len)  # vLLM's latency histograms (request_stats.py)
         self.spec = None
-        if cfg.speculative == "suffix":
+        if cfg.speculative is not None:
             from rollwise.engine.speculator import Speculator
             self.spec = Speculator(cfg, self.runner, self.sampler)
         self.seqs: dict[str, Sequence] = {}

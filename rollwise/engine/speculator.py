@@ -1,4 +1,5 @@
-"""Speculation on one replica: draft (SuffixCache), budget (controller), verify, roll back.
+"""Speculation on one replica: draft (SuffixCache, or NgramCache's prompt lookup), budget (controller),
+verify, roll back.
 
 The engine calls `propose` after scheduling (drafts for decoding sequences, KV reserved for them),
 `verify` per speculating sequence after the forward, and `record` once tokens are emitted.
@@ -15,6 +16,7 @@ from rollwise.engine.scheduler import Scheduler, ScheduledSeq
 from rollwise.engine.sequence import check_cache_salt
 from rollwise.engine.spec_controller import SpecController, draft_alpha
 from rollwise.engine.verification import Verdict, verify
+from rollwise.spec import ngram
 from rollwise.spec.suffix_cache import SOURCES, SuffixCache
 
 
@@ -22,15 +24,20 @@ class Speculator:
     def __init__(self, cfg: EngineConfig, runner, sampler) -> None:
         self.runner, self.sampler = runner, sampler
         self.tree = cfg.spec_tree
-        self.cache = SuffixCache(max_depth=cfg.spec_max_depth, max_spec_tokens=cfg.spec_max_tokens,
-                                 alpha=draft_alpha(cfg.spec_controller, cfg.spec_alpha), offset=cfg.spec_offset,
-                                 min_token_prob=cfg.spec_min_token_prob,
-                                 max_cached_requests=cfg.spec_max_cached_requests, eviction=cfg.spec_eviction,
-                                 tree=cfg.spec_tree)
+        if cfg.speculative == "ngram":
+            lo, hi = cfg.lookup_range
+            self.cache, sources = ngram.NgramCache(min_n=lo, max_n=hi, max_spec_tokens=cfg.spec_max_tokens), ngram.SOURCES
+        else:
+            self.cache, sources = SuffixCache(
+                max_depth=cfg.spec_max_depth, max_spec_tokens=cfg.spec_max_tokens,
+                alpha=draft_alpha(cfg.spec_controller, cfg.spec_alpha), offset=cfg.spec_offset,
+                min_token_prob=cfg.spec_min_token_prob, max_cached_requests=cfg.spec_max_cached_requests,
+                eviction=cfg.spec_eviction, tree=cfg.spec_tree), SOURCES
+        self.shares_drafts = cfg.speculative != "ngram"  # (other requests' text: prompt lookup takes none)
         self.controller = SpecController(cfg.spec_controller, cfg.spec_max_tokens, cfg.spec_threshold)
         self.stats = {"spec_steps": 0, "spec_drafted_tokens": 0, "spec_accepted_tokens": 0, "spec_draft_time_s": 0.0,
                       "spec_kv_moves": 0, "spec_verifications": 0,
-                      **{f"spec_drafted_{s}": 0 for s in SOURCES}, **{f"spec_accepted_{s}": 0 for s in SOURCES}}
+                      **{f"spec_drafted_{s}": 0 for s in sources}, **{f"spec_accepted_{s}": 0 for s in sources}}
         if cfg.spec_controller == "adaptive":
             self.calibrate()
 

@@ -8,7 +8,8 @@ import argparse
 import dataclasses
 import json
 
-from rollwise.config import SGLANG_ARGS, SGLANG_NAMES, VLLM_ARGS, EngineConfig, engine_args, sglang_args
+from rollwise.config import (SGLANG_ARGS, SGLANG_NAMES, VLLM_ARGS, EngineConfig, engine_args, sglang_args,
+                             speculative_args)
 
 # SGLang's flags that are ours or vLLM's already (the same meaning), so not added twice
 _SHARED = {"trust_remote_code", "skip_tokenizer_init", "host", "port", "model_path"}
@@ -31,6 +32,9 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", nargs="+", default=None, help="= --model-name (one name here)")
     g.add_argument("--weight-transfer-config", type=json.loads, default=None,
                    help='vLLM 0.32\'s weight transfer: {"backend": "gloo"} here (always on; nccl and ipc need GPUs)')
+    g.add_argument("--speculative-config", type=json.loads, default=None,
+                   help='vLLM\'s, for its methods with no draft model: {"method": "ngram", "num_speculative_tokens": 5, '
+                        '"prompt_lookup_max": 4} or {"method": "suffix"} (= --speculative and the --spec-* flags)')
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="(tool calls are always parsed, by --tool-call-parser: hermes unless given)")
     g.add_argument("--disable-log-requests", action="store_true", help="(requests are not logged here)")
@@ -88,6 +92,10 @@ def launch_args(args: argparse.Namespace) -> None:
     for k, v in ours.items():
         if getattr(args, k) not in (defaults[k], v):
             raise ValueError(f"--{k.replace('_', '-')} and its SGLang name disagree ({getattr(args, k)!r}, {v!r})")
+        setattr(args, k, v)
+    for k, v in speculative_args(args.speculative_config).items():
+        if getattr(args, k) not in (defaults[k], v):
+            raise ValueError(f"--{k.replace('_', '-')} and --speculative-config disagree ({getattr(args, k)!r}, {v!r})")
         setattr(args, k, v)
     if args.lora_paths:
         from rollwise.serve.sglang_engine import lora_paths

@@ -200,8 +200,9 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     @app.post("/spec/add_sequence")
     async def add_sequence(body: AddSequenceRequest):
         spec = engine.engine.spec
-        if spec is None:
-            return {"status": "ignored", "reason": "speculation is off"}
+        if spec is None or not spec.shares_drafts:
+            return {"status": "ignored", "reason": "speculation is off" if spec is None else
+                    "ngram speculation drafts from the request's own text only"}
         await engine.call(lambda: spec.add_sequence(body.token_ids, body.group_id, body.cache_salt))
         return {"status": "ok"}
 

@@ -203,3 +203,44 @@ def test_a_trajectory_session_extends_its_drafting_tree_across_turns(model_dir):
     tree, tokens = eng.spec.cache._sessions["traj-1"]
     assert tokens == prompt[:-3]  # both turns' prompts and outputs, the first tree extended, not rebuilt
     assert [o.token_ids for o in outs if o.finished] == [[7, 8, 9, 10] * 5] * 2
+
+
+def test_prompt_lookup_is_lossless_greedy_and_seeded(model_dir, baseline):
+    """vLLM's "ngram" speculation (the request's own text only): greedy tokens and logprobs, and
+    seeded tokens, as decoding one token a step; its drafts are counted under their own source."""
+    prompts = _prompts(16, seed=21)
+    llm = LLM(model_dir, max_num_seqs=64, speculative="ngram", spec_controller="always", spec_lookup_min=1,
+              spec_lookup_max=3, spec_max_tokens=6)
+    for params in (GREEDY, [SamplingParams(temperature=0.8, seed=40 + i, max_tokens=30, ignore_eos=True)
+                            for i in range(16)]):
+        ref = baseline.generate(prompts, params)
+        out = llm.generate(prompts, params)
+        assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+        for a, b in zip(out, ref):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    m = llm.metrics()
+    assert m["spec_accepted_ngram"] == m["spec_accepted_tokens"] > 0
+    assert m["spec_drafted_ngram"] == m["spec_drafted_tokens"] and "spec_drafted_global" not in m
+    assert m["spec_ngram_context_tokens"] == 0  # every request's context went when it finished
+    llm.engine.scheduler.check_integrity()
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_vllm_speculative_config_maps_to_the_engine_and_refuses_what_needs_a_draft_model(model_dir):
+    llm = LLM(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    cfg = llm.engine.config
+    assert (cfg.speculative, cfg.spec_max_tokens, cfg.lookup_range) == ("ngram", 4, (3, 3))
+    assert llm.engine.spec.cache.max_n == 3 and llm.engine.spec.cache.max_spec_tokens == 4
+    cfg = LLM(model_dir, speculative_config={"method": "suffix", "suffix_decoding_max_tree_depth": 12,
+                                             "suffix_decoding_max_spec_factor": 2.0}).engine.config
+    assert (cfg.speculative, cfg.spec_max_depth, cfg.spec_max_tokens, cfg.spec_alpha) == ("suffix", 12, 12, 2.0)
+    assert LLM(model_dir, speculative_config={"model": "[ngram]"}).engine.config.lookup_range == (5, 5)
+    for bad, match in [({"method": "eagle3", "model": "x"}, r"one of \['suffix', 'ngram'\]"),
+                       ({"method": "ngram", "draft_tensor_parallel_size": 1}, "unknown speculative_config keys"),
+                       ({"method": "suffix", "model": "ngram"}, "disagree"),
+                       ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "spec_lookup_min <="),
+                       ("ngram", "must be a dict")]:
+        with pytest.raises(ValueError, match=match):
+            LLM(model_dir, speculative_config=bad)
+    with pytest.raises(ValueError, match="disagree"):
+        LLM(model_dir, speculative="suffix", speculative_config={"method": "ngram"})

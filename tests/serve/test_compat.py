@@ -641,6 +641,26 @@ def test_sglang_flags_fold_into_ours(model_dir, monkeypatch):
     assert (args.block_size, args.batch_invariant, args.max_loras) == (32, True, 3)
 
 
+def test_vllm_speculative_config_flag_folds_into_ours(model_dir, monkeypatch, capsys):
+    """`vllm serve --speculative-config JSON` as written: vLLM's ngram and suffix methods become
+    --speculative and the --spec-* flags; one that disagrees with a flag given too is refused."""
+    import json
+
+    from rollwise import cli
+    from rollwise.serve.launch import launch_args
+    got = []
+    monkeypatch.setattr(cli, "cmd_serve", lambda args: (launch_args(args), got.append(args)))
+    spec = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    cli.main(["serve", model_dir, "--speculative-config", json.dumps(spec)])
+    args = got.pop()
+    assert (args.speculative, args.spec_max_tokens, args.spec_lookup_min, args.spec_lookup_max) == ("ngram", 5, 2, 4)
+    cli.main(["serve", model_dir, "--speculative", "suffix", "--speculative-config", '{"method": "suffix"}'])
+    assert (got[-1].speculative, got[-1].spec_max_tokens) == ("suffix", 24)
+    with pytest.raises(SystemExit):
+        cli.main(["serve", model_dir, "--speculative", "suffix", "--speculative-config", '{"method": "ngram"}'])
+    assert "--speculative and --speculative-config disagree" in capsys.readouterr().err
+
+
 def test_repetition_detection_over_http(client):
     """vLLM's repetition_detection on completions and chat, and in /generate's sampling_params (what a
     router sends its replicas): a looping greedy reply ends with finish_reason "repetition"; a bad

@@ -1,0 +1,81 @@
+"""Prompt lookup ("ngram" speculation): vLLM's rule, checked against a brute-force reading of it."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from rollwise.spec.ngram import NgramCache, lookup
+
+
+def brute(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Every earlier end position's match length with the context's suffix (capped at max_n); the
+    longest, at its earliest position; then up to k tokens after it, inside the context."""
+    n_tok, best, at = len(tokens), 0, -1
+    for e in range(n_tok - 1):
+        m = 0
+        while m < max_n and e - m >= 0 and tokens[e - m] == tokens[n_tok - 1 - m]:
+            m += 1
+        if m > best:
+            best, at = m, e
+    if best < max(min_n, 1) or k <= 0:
+        return []
+    return tokens[at + 1:at + 1 + k]
+
+
+@pytest.mark.parametrize("vocab", [2, 3, 5, 50])
+def test_lookup_equals_the_brute_force_rule(vocab):
+    rng = random.Random(vocab)
+    for _ in range(400):
+        toks = [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
+        lo = rng.randint(1, 4)
+        hi, k = rng.randint(lo, 6), rng.randint(0, 8)
+        got, n = lookup(np.asarray(toks, dtype=np.int32), lo, hi, k)
+        assert got.tolist() == brute(toks, lo, hi, k), (toks, lo, hi, k)
+        assert (n >= lo) == bool(len(got)) or k == 0
+
+
+def test_the_longest_match_wins_over_an_earlier_shorter_one_and_ties_go_to_the_earliest():
+    #        0  1  2  3  4  5  6  7  8  9 10 11 12 13
+    toks = [7, 2, 3, 9, 1, 2, 3, 8, 5, 2, 3, 4, 1, 2, 3]
+    got, n = lookup(np.asarray(toks, dtype=np.int32), 1, 4, 3)
+    assert (got.tolist(), n) == ([8, 5, 2], 3)  # "1 2 3" at 4..6 beats "2 3" at 1..2
+    got, n = lookup(np.asarray(toks, dtype=np.int32), 1, 2, 3)
+    assert (got.tolist(), n) == ([9, 1, 2], 2)  # capped at 2: every "2 3" ties, the earliest wins
+    assert lookup(np.asarray(toks, dtype=np.int32), 4, 5, 3)[0].tolist() == []  # no 4-gram recurs
+
+
+def test_a_match_may_overlap_the_suffix_and_the_draft_stops_at_the_context_end():
+    toks = np.asarray([4, 4, 4, 4], dtype=np.int32)
+    got, n = lookup(toks, 1, 3, 10)
+    assert (got.tolist(), n) == ([4], 3)  # "4 4 4" ends at 2: one token follows it
+
+
+def test_cache_drafts_from_the_growing_context_as_the_rule_does_over_all_of_it():
+    rng = random.Random(3)
+    cache = NgramCache(min_n=2, max_n=4, max_spec_tokens=5)
+    seqs = {}
+    for r in range(4):
+        seqs[f"r{r}"] = [rng.randrange(4) for _ in range(rng.randint(1, 10))]
+        cache.start_request(f"r{r}", seqs[f"r{r}"], group_id="g")
+    for _ in range(150):  # (the buffers grow past their first size)
+        batch = {r: [rng.randrange(4) for _ in range(rng.randint(1, 3))] for r in seqs}
+        cache.append_batch(batch)
+        for r, toks in batch.items():
+            seqs[r] += toks
+        drafts = cache.speculate_batch(list(seqs), [5, 0, 2, 5])
+        for d, (r, toks), k in zip(drafts, seqs.items(), [5, 0, 2, 5]):
+            assert d.token_ids == brute(toks, 2, 4, k)
+            assert d.parents == list(range(-1, len(d) - 1)) and d.score == len(d)
+            assert d.source == ("ngram" if len(d) else "")
+    cache.add_sequence([1, 2, 3, 1, 2], "g")  # another request's text: never drafted from
+    cache.stop_request("r0")
+    assert "r0" not in cache.requests and set(cache.requests) == {"r1", "r2", "r3"}
+
+
+def test_bad_lengths_are_refused():
+    with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max"):
+        NgramCache(min_n=4, max_n=2)
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        NgramCache(min_n=0, max_n=2)
