@@ -298,7 +298,9 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--max-spec-tokens", type=int, default=16)
     b.add_argument("--alpha", type=float, default=1.0)
     b.add_argument("--min-token-prob", type=float, default=0.1)
-    b.add_argument("--no-arctic", action="store_true")
+    b.add_argument("--lookup", default="5:5,2:5,1:3",
+                   help="prompt lookup's (vLLM's ngram) n-gram lengths min:max, comma-separated rows ('' for none)")
+    b.add_argument("--no-arctic", action="store_true", help="no peers' rows (ArcticInference, vLLM's lookup)")
     b.add_argument("--json")
     b.set_defaults(fn=cmd_bench_spec)
 

@@ -183,11 +183,15 @@ def test_vml_race_benchmark_smoke(tmp_path):
 
 
 def test_spec_engine_benchmark_smoke(tmp_path):
-    res = smoke(tmp_path, "benchmarks/spec_engine.py", "--model", str(tmp_path / "model"))["concurrency"]
+    res = smoke(tmp_path, "benchmarks/spec_engine.py", "--model", str(tmp_path / "model"), "--methods", "suffix,ngram",
+                "--lookup", "1:3")["concurrency"]
     assert set(res) == {"1", "2"}
     for row in res.values():
         assert row["off"]["generated_tokens"] == row["adaptive"]["generated_tokens"]  # same work
+        assert row["off"]["generated_tokens"] == row["ngram adaptive"]["generated_tokens"]
         assert row["off_tok_s"] > 0 and row["spec_tok_s"] > 0
+        ngram = row["ngram adaptive"]
+        assert ngram["accepted_by_source"]["ngram"] == ngram["accepted"] and ngram["accepted_by_source"]["request"] == 0
 
 
 def test_repetition_benchmark_smoke(tmp_path):
@@ -265,12 +269,12 @@ def test_bench_spec_cli_smoke(tmp_path):
     model = make_model(tmp_path / "tok", layers=1, hidden=32, heads=2, kv_heads=1, vocab=600)
     out = tmp_path / "b.json"
     r = run("-m", "rollwise.cli", "bench", "spec", "--tokenizer", str(model), "--limit", "4", "--group-size", "2",
-            "--no-arctic", "--json", str(out))
+            "--no-arctic", "--lookup", "1:3", "--json", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())["results"]
-    assert set(res) == {"rollwise/chain", "rollwise+group/chain", "rollwise/tree", "rollwise+group/tree"}
+    assert set(res) == {"rollwise/chain", "rollwise+group/chain", "rollwise/tree", "rollwise+group/tree", "ngram 1:3/chain"}
     assert all(v["mean_accepted_per_step"] > 0 for v in res.values())
-    assert res["rollwise/chain"]["tokens"] == res["rollwise+group/tree"]["tokens"]
+    assert res["rollwise/chain"]["tokens"] == res["rollwise+group/tree"]["tokens"] == res["ngram 1:3/chain"]["tokens"]
 
 
 def test_agent_benchmark_smoke(tmp_path):

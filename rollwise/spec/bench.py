@@ -1,6 +1,7 @@
 """`rollwise bench spec`: drafting acceptance and cost on recorded agent trajectories, side by side
 with ArcticInference's SuffixDecodingCache when the peers venv has it (same token ids, same
-parameters). No model runs: see `rollwise.spec.replay`."""
+parameters), and prompt lookup (vLLM's "ngram" speculation: ours, and vLLM's own function when the
+peers venv has vLLM) as the baseline without suffix trees. No model runs: see `rollwise.spec.replay`."""
 from __future__ import annotations
 
 import dataclasses
@@ -50,9 +51,13 @@ def load_groups(data: str | None, tokenizer_dir: str, group_size: int, limit: in
 
 
 def arctic_python() -> str | None:
+    return peers_python("import arctic_inference.suffix_decoding")
+
+
+def peers_python(check: str) -> str | None:
+    """The peers venv's Python, if it runs `check`."""
     py = PEERS / "bin" / "python"
-    if not py.exists() or subprocess.run([str(py), "-c", "import arctic_inference.suffix_decoding"],
-                                         capture_output=True).returncode:
+    if not py.exists() or subprocess.run([str(py), "-c", check], capture_output=True).returncode:
         return None
     return str(py)
 
@@ -83,6 +88,13 @@ def main(args) -> dict:
             results[f"arctic/{kind}"] = run_replay(arctic, "arctic", groups, p)
         for name in ("rollwise", "rollwise+group"):
             results[f"{name}/{kind}"] = run_replay(sys.executable, name, groups, p)
+    lookups = [tuple(int(x) for x in pair.split(":")) for pair in args.lookup.split(",")] if args.lookup else []
+    vllm = peers_python("import vllm.v1.spec_decode.ngram_proposer") if lookups and not args.no_arctic else None
+    for lo, hi in lookups:  # prompt lookup drafts chains from the request's own context
+        p = ReplayParams(max_depth=args.max_depth, max_spec_tokens=args.max_spec_tokens, lookup_min=lo, lookup_max=hi)
+        results[f"ngram {lo}:{hi}/chain"] = run_replay(sys.executable, "ngram", groups, p)
+        if vllm:
+            results[f"vllm-ngram {lo}:{hi}/chain"] = run_replay(vllm, "vllm-ngram", groups, p)
     print(f"\n{'cache/draft':<24}{'accepted/step':>14}{'tokens/step':>12}{'us/speculate':>14}"
           f"{'us/append tok':>15}{'us/prompt tok':>15}{'RSS MB':>8}")
     for name, r in results.items():
@@ -95,8 +107,14 @@ def main(args) -> dict:
             print(f"{kind}: acceptance vs arctic {r['mean_accepted_per_step'] / a['mean_accepted_per_step']:.3f}x "
                   f"(group trees {g['mean_accepted_per_step'] / a['mean_accepted_per_step']:.3f}x), "
                   f"speculate cost {r['us_per_speculate'] / a['us_per_speculate']:.2f}x arctic's")
+    for lo, hi in lookups:
+        r, v = results[f"ngram {lo}:{hi}/chain"], results.get(f"vllm-ngram {lo}:{hi}/chain")
+        ratio = results["rollwise/chain"]["mean_accepted_per_step"] / max(r["mean_accepted_per_step"], 1e-9)
+        print(f"prompt lookup {lo}:{hi}: suffix trees (chain) accept {ratio:.2f}x as many per step"
+              + (f"; vLLM's own lookup accepts {v['accepted']} tokens, ours {r['accepted']}" if v else ""))
     out = {"params": {"max_depth": args.max_depth, "max_spec_tokens": args.max_spec_tokens, "alpha": args.alpha,
-                      "min_token_prob": args.min_token_prob, "group_size": args.group_size},
+                      "min_token_prob": args.min_token_prob, "group_size": args.group_size,
+                      "lookup": args.lookup},
            "response_tokens": n_tok, "results": results}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

@@ -7,7 +7,8 @@ verifier's own), append those to the cache. Siblings (`group_size` trials of one
 interleaved, one step each in turn, as GRPO rollouts of one prompt do.
 
 Runs under any Python that has numpy, so the same loop drives ArcticInference's
-`SuffixDecodingCache` in the peers venv: `python -m rollwise.spec.replay arctic IN.json OUT.json`.
+`SuffixDecodingCache` in the peers venv: `python -m rollwise.spec.replay arctic IN.json OUT.json`,
+and vLLM's prompt lookup there (`vllm-ngram`) beside ours (`ngram`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ class ReplayParams:
     min_token_prob: float = 0.1
     tree: bool = False
     max_cached_requests: int = 10000
+    lookup_min: int = 5  # prompt lookup (ngram adapters): the n-gram lengths matched
+    lookup_max: int = 5
 
 
 class RollwiseAdapter:
@@ -76,6 +79,55 @@ class ArcticAdapter:
 
     def stop(self, rid):
         self.cache.stop_request(rid)
+
+
+class NgramAdapter:
+    """rollwise's prompt lookup (rollwise.spec.ngram): the request's own context only."""
+
+    def __init__(self, p: ReplayParams) -> None:
+        from rollwise.spec.ngram import NgramCache
+        self.cache = NgramCache(min_n=p.lookup_min, max_n=p.lookup_max, max_spec_tokens=p.max_spec_tokens)
+
+    def start(self, rid, prompt, group):
+        self.cache.start_request(rid, prompt)
+
+    def append(self, rid, toks):
+        self.cache.append(rid, toks)
+
+    def speculate(self, rid, context):
+        d = self.cache.speculate(rid)
+        return d.token_ids, d.parents
+
+    def stop(self, rid):
+        self.cache.stop_request(rid)
+
+
+class VllmNgramAdapter:
+    """vLLM's own prompt-lookup function (the peers venv), on the whole context each step, kept in
+    an int32 row as its proposer keeps token_ids_cpu."""
+
+    def __init__(self, p: ReplayParams) -> None:
+        import numpy as np
+        from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as find
+        self.np, self.p, self.find, self.rows = np, p, find, {}
+
+    def start(self, rid, prompt, group):
+        self.rows[rid] = (self.np.asarray(prompt, dtype=self.np.int32), len(prompt))
+
+    def append(self, rid, toks):
+        row, n = self.rows[rid]
+        if n + len(toks) > len(row):
+            row = self.np.concatenate([row[:n], self.np.empty(max(len(toks), n), dtype=self.np.int32)])
+        row[n:n + len(toks)] = toks
+        self.rows[rid] = (row, n + len(toks))
+
+    def speculate(self, rid, context):
+        row, n = self.rows[rid]
+        got = self.find(row[:n], self.p.lookup_min, self.p.lookup_max, 1 << 30, self.p.max_spec_tokens).tolist()
+        return got, list(range(-1, len(got) - 1))
+
+    def stop(self, rid):
+        self.rows.pop(rid, None)
 
 
 def accept(draft: list[int], parents: list[int], truth: list[int]) -> int:
@@ -145,7 +197,8 @@ def rss_mb() -> float:
 
 ADAPTERS = {"arctic": lambda p: ArcticAdapter(p),
             "rollwise": lambda p: RollwiseAdapter(p, use_group_tree=False),
-            "rollwise+group": lambda p: RollwiseAdapter(p, use_group_tree=True)}
+            "rollwise+group": lambda p: RollwiseAdapter(p, use_group_tree=True),
+            "ngram": NgramAdapter, "vllm-ngram": VllmNgramAdapter}
 
 
 def _main(argv: list[str]) -> None:

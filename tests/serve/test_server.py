@@ -657,6 +657,32 @@ def test_drafting_material_posted_under_a_salt_serves_that_salt_only(model_dir):
         engine.shutdown()
 
 
+def test_a_prompt_lookup_server_drafts_from_each_request_alone(model_dir):
+    """`rollwise serve --speculative ngram`: a repeating prompt's continuation is drafted and taken
+    (the same tokens as without speculation); other requests' text posted to /spec/add_sequence is
+    not its to draft from, and the reply says so."""
+    from fastapi.testclient import TestClient
+
+    from rollwise.config import ServerConfig
+    from rollwise.engine.async_engine import AsyncEngine
+    from rollwise.serve.server import build_app
+    req = {"input_ids": [9, 8, 7, 6, 5] * 6, "sampling_params": {"temperature": 0, "max_tokens": 20, "ignore_eos": True}}
+    plain = AsyncEngine(model_dir)
+    try:
+        want = TestClient(build_app(plain, ServerConfig(), "m")).post("/generate", json=req).json()["token_ids"]
+    finally:
+        plain.shutdown()
+    engine = AsyncEngine(model_dir, speculative="ngram", spec_controller="always", spec_lookup_min=1, spec_lookup_max=3)
+    try:
+        app = TestClient(build_app(engine, ServerConfig(), "m"))
+        assert app.post("/generate", json=req).json()["token_ids"] == want
+        assert engine.metrics()["spec_drafted_ngram"] > 0
+        r = app.post("/spec/add_sequence", json={"token_ids": [1, 2, 3]}).json()
+        assert r == {"status": "ignored", "reason": "ngram speculation drafts from the request's own text only"}
+    finally:
+        engine.shutdown()
+
+
 def test_safetensors_stream_is_a_safetensors_file():
     import asyncio
 
