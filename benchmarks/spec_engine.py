@@ -79,13 +79,14 @@ def main() -> None:
                                      "(default: the controller's own)")
     ap.add_argument("--methods", default="suffix", help="comma-separated drafters: suffix, ngram (vLLM's prompt lookup)")
     ap.add_argument("--lookup", default=None, help="ngram's n-gram lengths min:max (default: vLLM's, 5:5)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="keep each prompt's last N tokens (default 256)")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
     size = "smoke" if args.smoke else "bench"
     model = engine_model(size, args.model)
     conc = [1, 2] if args.smoke else [int(c) for c in args.concurrency.split(",")]
     n_traj = 4 if args.smoke else 24 if args.quick else 48
-    prompt_len, max_new = (32, 16) if args.smoke else (256, 96)
+    prompt_len, max_new = (32, 16) if args.smoke else (args.prompt_len or 256, 96)
     reqs = requests_from_trajectories(model, n_traj, prompt_len, max_new)
     alphas = [float(a) for a in args.alphas.split(",")] if args.alphas else [None]
     lookup = tuple(int(x) for x in args.lookup.split(":")) if args.lookup else None
@@ -93,7 +94,8 @@ def main() -> None:
     ctrls = [((c if a is None else f"{c} a={a:g}") if m == "suffix" else f"{m} {c}", c, a, m)
              for m in args.methods.split(",") if m for c in args.controllers.split(",") if c
              for a in (alphas if m == "suffix" else [None])]
-    out: dict = {"model": model, "methods": args.methods, "lookup": args.lookup, "concurrency": {}}
+    out: dict = {"model": model, "methods": args.methods, "lookup": args.lookup, "prompt_len": prompt_len,
+                 "concurrency": {}}
     # warm-up: kernels are built per batch shape on first use; build them before any timing
     warm = reqs[: 8 if args.smoke else 64]
     for ctrl in (None, "always"):

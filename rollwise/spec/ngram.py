@@ -8,7 +8,12 @@ benchmarks/spec_engine.py), and for users who ask vLLM for it (`speculative_conf
 
 Same interface as SuffixCache where the engine calls it. Each request's tokens live in a growing
 int32 buffer; a lookup compares the last token against the context once (numpy), then narrows the
-candidates one token further back at a time. Imports no torch.
+candidates one token further back at a time.
+
+A draft's token probabilities (what the adaptive controller weighs against a step's cost) are
+learned from the tokens the request goes on to emit, whether the draft was verified or not: each
+draft is followed until its first wrong token, and the hits at each depth, per matched length, give
+P(token i right | tokens before it right) (a Beta(1, 1) prior: 1/2 before any). Imports no torch.
 """
 from __future__ import annotations
 
@@ -47,6 +52,9 @@ def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> tuple[np.ndarr
 class _Context:
     buf: np.ndarray
     size: int
+    pending: list[int] | None = None  # the draft being followed against the tokens emitted
+    pos: int = 0  # its tokens confirmed so far
+    n: int = 0  # the n-gram length it matched
 
     def extend(self, toks) -> None:
         need = self.size + len(toks)
@@ -65,6 +73,9 @@ class NgramCache:
                              f"got {min_n}, {max_n}, {max_spec_tokens}")
         self.min_n, self.max_n, self.max_spec_tokens = min_n, max_n, max_spec_tokens
         self.requests: dict[str, _Context] = {}
+        # [matched length, depth]: drafts' tokens followed, and those right (all before them right)
+        self.seen = np.zeros((max_n + 1, max(max_spec_tokens, 1)))
+        self.hits = np.zeros_like(self.seen)
 
     def start_request(self, request_id: str, prompt_token_ids: list[int], group_id: str | None = None,
                       session: str | None = None, scope: str | None = None) -> None:
@@ -74,11 +85,32 @@ class NgramCache:
         self.requests[request_id] = ctx
 
     def append(self, request_id: str, token_ids: list[int]) -> None:
-        self.requests[request_id].extend(token_ids)
+        self.append_batch({request_id: token_ids})
 
     def append_batch(self, items: dict[str, list[int]]) -> None:
         for rid, toks in items.items():
-            self.requests[rid].extend(toks)
+            ctx = self.requests[rid]
+            if ctx.pending is not None:
+                self._follow(ctx, toks)
+            ctx.extend(toks)
+
+    def _follow(self, ctx: _Context, toks: list[int]) -> None:
+        """Score the followed draft against the tokens emitted; drop it at its first wrong token or end."""
+        d, seen, hits = ctx.pending, self.seen[ctx.n], self.hits[ctx.n]
+        for t in toks:
+            seen[ctx.pos] += 1
+            if t != d[ctx.pos]:
+                ctx.pending = None
+                return
+            hits[ctx.pos] += 1
+            ctx.pos += 1
+            if ctx.pos == len(d):
+                ctx.pending = None
+                return
+
+    def token_probs(self) -> np.ndarray:
+        """[matched length, depth]: the estimated probability that a draft's tokens up to that depth are right."""
+        return np.cumprod((self.hits + 1) / (self.seen + 2), axis=1)
 
     def stop_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -91,16 +123,20 @@ class NgramCache:
 
     def speculate_batch(self, request_ids: list[str], max_spec_tokens: int | list[int] | None = None,
                         tree: bool | None = None) -> list[Draft]:
-        """Chains only (`tree` is taken and ignored). A draft's tokens count as certain (probability 1):
-        the adaptive controller learns this source's real acceptance from verification."""
+        """Chains only (`tree` is taken and ignored), of at most max_spec_tokens; each token's
+        probability is the learned one for its depth and matched length."""
         n = self.max_spec_tokens if max_spec_tokens is None else max_spec_tokens
         budgets = n if isinstance(n, list) else [n] * len(request_ids)
-        out = []
+        table, out = self.token_probs(), []
         for rid, k in zip(request_ids, budgets):
             ctx = self.requests[rid]
-            got, n_matched = lookup(ctx.buf[:ctx.size], self.min_n, self.max_n, k)
-            toks = got.tolist()
-            out.append(Draft(toks, list(range(-1, len(toks) - 1)), [1.0] * len(toks), float(len(toks)),
+            got, n_matched = lookup(ctx.buf[:ctx.size], self.min_n, self.max_n, self.max_spec_tokens)
+            full = got.tolist()
+            if full and ctx.pending is None:  # followed whether verified or not (a draft followed stays)
+                ctx.pending, ctx.pos, ctx.n = full, 0, n_matched
+            toks = full[:max(k, 0)]
+            probs = table[n_matched, :len(toks)].tolist()
+            out.append(Draft(toks, list(range(-1, len(toks) - 1)), probs, float(sum(probs)),
                              n_matched if toks else 0, "ngram" if toks else ""))
         return out
 

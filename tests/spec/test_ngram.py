@@ -67,11 +67,35 @@ def test_cache_drafts_from_the_growing_context_as_the_rule_does_over_all_of_it()
         drafts = cache.speculate_batch(list(seqs), [5, 0, 2, 5])
         for d, (r, toks), k in zip(drafts, seqs.items(), [5, 0, 2, 5]):
             assert d.token_ids == brute(toks, 2, 4, k)
-            assert d.parents == list(range(-1, len(d) - 1)) and d.score == len(d)
+            assert d.parents == list(range(-1, len(d) - 1)) and d.score == pytest.approx(sum(d.probs))
+            assert all(1 > a >= b > 0 for a, b in zip(d.probs, d.probs[1:] + [1e-12]))  # falling along the chain
             assert d.source == ("ngram" if len(d) else "")
     cache.add_sequence([1, 2, 3, 1, 2], "g")  # another request's text: never drafted from
     cache.stop_request("r0")
     assert "r0" not in cache.requests and set(cache.requests) == {"r1", "r2", "r3"}
+
+
+def test_token_probabilities_are_learned_from_what_the_request_goes_on_to_emit():
+    """Each draft is followed against the tokens emitted after it (verified or not): a text that
+    repeats itself raises its drafts' probabilities toward 1, one that never does what was drafted
+    lowers the first token's toward 0; depths and matched lengths keep their own counts."""
+    cache, other = NgramCache(min_n=1, max_n=2, max_spec_tokens=4), NgramCache(min_n=1, max_n=2, max_spec_tokens=4)
+    cache.start_request("loop", [1, 2, 3, 4] * 2)  # goes on 1 2 3 4 1 2 ...: every draft right
+    other.start_request("off", [5, 6, 7, 5, 6])  # drafts 7 5 6 ..., then always emits 9 instead
+    first = cache.speculate("loop")
+    assert first.token_ids == [1, 2, 3, 4] and first.probs == pytest.approx([1 / 2, 1 / 4, 1 / 8, 1 / 16])
+    for i in range(40):
+        cache.append("loop", [[1, 2, 3, 4][i % 4]])  # one token a step, as when nothing was verified
+        cache.speculate("loop")
+    loop = cache.speculate("loop")
+    assert loop.match_len == 2 and loop.probs[3] > 0.6  # 4-token drafts, each followed to its end
+    assert cache.seen[2, 0] == cache.hits[2, 0] > 5
+    for _ in range(30):
+        d = other.speculate("off")
+        assert d.token_ids[0] != 9
+        other.append("off", [9, 5, 6])  # wrong at the first token: depth 0's count only
+    assert other.speculate("off").probs[0] < 0.1
+    assert other.seen[:, 1:].sum() == 0 and other.seen[2, 0] == 30 and other.hits.sum() == 0
 
 
 def test_bad_lengths_are_refused():
