@@ -67,6 +67,35 @@ def test_trl_colocate_path_loads_a_trainers_weights_one_tensor_a_call(model_dir,
     assert _got(llm) == before  # (nothing changed)
 
 
+def test_one_tensor_a_call_after_the_weights_moved(model_dir, other_dir, expected):
+    """The names' places and the packed linears' storages are kept between calls (a call builds the
+    views of its tensors only). When the parameters move to new memory (here by hand; a level-2
+    sleep and wake does it too), the calls after it still write and repack the right linears."""
+    llm = LLM(model_dir)
+    own = _got(llm)
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    mine, theirs = (load_file(str(Path(d) / "model.safetensors")) for d in (model_dir, other_dir))
+    for name, tensor in theirs.items():
+        model.load_weights([(name, tensor)])
+    params = list(llm.llm_engine.runner.model.parameters())
+    old = [p.data for p in params]  # (kept alive while they move: every new address differs)
+    with torch.no_grad():
+        for p in params:
+            p.data = p.data.clone()
+    assert not {t.untyped_storage().data_ptr() for t in old} & {p.untyped_storage().data_ptr() for p in params}
+    del old
+    for name, tensor in mine.items():
+        model.load_weights([(name, tensor)])
+    llm.reset_prefix_cache()
+    assert _got(llm) == own
+    llm.sleep(level=2)  # (its new memory may reuse the addresses it gave back)
+    llm.wake_up()
+    for name, tensor in theirs.items():  # (every weight: a level-2 sleep keeps none)
+        model.load_weights([(name, tensor)])
+    llm.reset_prefix_cache()
+    assert _got(llm) == expected
+
+
 def test_one_weight_of_a_fused_linear_is_packed_again_with_its_siblings(model_dir, other_dir, tmp_path):
     """q_proj alone lies in the fused q/k/v linear: its pack is rebuilt; the linears not written keep theirs."""
     name = "model.layers.1.self_attn.q_proj.weight"

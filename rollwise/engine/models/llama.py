@@ -261,10 +261,23 @@ class CausalLM(nn.Module):
     def prepack(self, written: set[int] | None = None) -> None:
         """Refresh the fast-inference copies of the weights (call after loading or updating them);
         `written`: only those of the modules whose weights lie in these storages (their data_ptr)."""
-        for m in self.modules():
-            if isinstance(m, (Linear, Experts)) and (written is None or any(
-                    p.untyped_storage().data_ptr() in written for p in m.parameters(recurse=False))):
-                m.repack()
+        if written is None:
+            for m in self.modules():
+                if isinstance(m, (Linear, Experts)):
+                    m.repack()
+            return
+        # storage -> (the parameter on it, the packed modules on it): kept while every storage written
+        # is still its parameter's (a sleep that gave the weights back moves them: built again)
+        owners = getattr(self, "_owners", None)
+        if owners is None or any(ptr not in owners or self.get_parameter(owners[ptr][0]).untyped_storage().data_ptr()
+                                 != ptr for ptr in written):
+            owners = self._owners = {p.untyped_storage().data_ptr(): (n, []) for n, p in self.named_parameters()}
+            for m in self.modules():
+                if isinstance(m, (Linear, Experts)):
+                    for p in m.parameters(recurse=False):
+                        owners[p.untyped_storage().data_ptr()][1].append(m)
+        for m in {id(m): m for ptr in written if ptr in owners for m in owners[ptr][1]}.values():
+            m.repack()
 
     def set_batch_invariant(self) -> None:
         """Every linear and expert through the batch-invariant path (linear.py), packed; every RMSNorm
@@ -277,23 +290,49 @@ class CausalLM(nn.Module):
     def hf_tensors(self) -> dict[str, torch.Tensor]:
         """Views of the parameters under Hugging Face's names (fused projections split back); writing
         into a view writes the parameter. A tied lm_head appears once, as the embedding."""
+        out = {}
+        for name, p in self.named_parameters():  # shared (tied) parameters are listed once
+            out.update(self._views_of(name, p))
+        return out
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """hf_tensors' names and shapes, without building a view."""
+        return {k: r[1] for k, r in self._hf_layout().items()}
+
+    def hf_view(self, name: str) -> torch.Tensor:
+        """hf_tensors()[name], built alone: a trainer that loads one tensor a call pays for that tensor."""
+        for fresh in (False, True):
+            pname, shape, stride, offset, pshape = self._hf_layout(fresh)[name]
+            p = self.get_parameter(pname)
+            if (tuple(p.shape), p.stride()) == pshape:
+                return p.as_strided(shape, stride, p.storage_offset() + offset)
+        raise ValueError(f"weight {name}: its parameter is {tuple(p.shape)}, not {pshape[0]} (weights given back?)")
+
+    def _hf_layout(self, fresh: bool = False) -> dict[str, tuple]:
+        """Each Hugging Face name's place in its parameter: (parameter, shape, stride, offset, the
+        parameter's shape and strides). Plain numbers, so it pins no memory; kept unless built while
+        a level-2 sleep had emptied the parameters."""
+        layout = None if fresh else getattr(self, "_layout", None)
+        if layout is None:
+            layout = {hf: (name, tuple(v.shape), v.stride(), v.storage_offset() - p.storage_offset(),
+                           (tuple(p.shape), p.stride()))
+                      for name, p in self.named_parameters() for hf, v in self._views_of(name, p).items()}
+            if all(p.numel() for p in self.parameters()):
+                self._layout = layout
+        return layout
+
+    def _views_of(self, name: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        if ".experts." in name:  # [E, ...]: each expert's linears under its checkpoint names
+            return expert_views(name, p)
         c = self.config
         splits = {"qkv_proj": (("q_proj", "k_proj", "v_proj"),
                                [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]),
                   "gate_up_proj": (("gate_proj", "up_proj"), [c.intermediate_size, c.intermediate_size])}
-        out = {}
-        for name, p in self.named_parameters():  # shared (tied) parameters are listed once
-            if ".experts." in name:  # [E, ...]: each expert's linears under its checkpoint names
-                out.update(expert_views(name, p))
-                continue
-            fused = next((f for f in splits if f".{f}." in name), None)
-            if fused is None:
-                out[name] = p
-                continue
-            parts, sizes = splits[fused]
-            for part, view in zip(parts, p.split(sizes, dim=0)):
-                out[name.replace(fused, part)] = view
-        return out
+        fused = next((f for f in splits if f".{f}." in name), None)
+        if fused is None:
+            return {name: p}
+        parts, sizes = splits[fused]
+        return {name.replace(fused, part): view for part, view in zip(parts, p.split(sizes, dim=0))}
 
     def moe_layers(self) -> list[SparseMoE]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]

@@ -59,19 +59,19 @@ def load_weights(model: CausalLM, state: dict[str, torch.Tensor], partial: bool 
     """Copy Hugging Face-named weights in place, all-or-nothing: names and shapes are checked before
     anything changes. `partial` allows a subset (a weight update in buckets); a tied lm_head may
     always be absent. Returns the storages written (their data_ptr), for `CausalLM.prepack`."""
-    targets = model.hf_tensors()
     todo = check_weights(model, state, partial)
+    targets = {name: model.hf_view(name) for name in todo}  # (views of the weights sent only)
     with torch.no_grad():
         for name, t in todo.items():
             targets[name].copy_(t.to(targets[name].dtype))
-    return {targets[name].untyped_storage().data_ptr() for name in todo}
+    return {t.untyped_storage().data_ptr() for t in targets.values()}
 
 
 def check_weights(model: CausalLM, state: dict[str, torch.Tensor], partial: bool = False) -> dict[str, torch.Tensor]:
     """The entries of `state` the model takes; ValueError naming the first unknown, missing or
     misshapen weights (nothing is changed). Experts in transformers' in-memory layout (a trainer's
     `experts.gate_up_proj` [E, 2I, H]) are taken as the checkpoint's per-expert weights."""
-    targets = model.hf_tensors()
+    targets = model.hf_shapes()
     state = checkpoint_names(state)
     unknown = sorted(set(state) - set(targets) - {"lm_head.weight"})
     if unknown:
@@ -81,8 +81,8 @@ def check_weights(model: CausalLM, state: dict[str, torch.Tensor], partial: bool
         raise ValueError(f"missing weights {missing[:5]}{'...' if len(missing) > 5 else ''}")
     todo = {k: v for k, v in state.items() if k in targets}
     for name, t in todo.items():
-        if tuple(targets[name].shape) != tuple(t.shape):
-            raise ValueError(f"weight {name}: shape {tuple(t.shape)} != model's {tuple(targets[name].shape)}")
+        if targets[name] != tuple(t.shape):
+            raise ValueError(f"weight {name}: shape {tuple(t.shape)} != model's {targets[name]}")
     return todo
 
 
