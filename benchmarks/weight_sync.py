@@ -64,8 +64,14 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--model", help="default: the engine benchmark's model (32M parameters), built once")
     ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--only", choices=["model_path"], help="that part alone (TRL's path, one tensor a call)")
     args = ap.parse_args()
     model = engine_model("smoke" if args.smoke else "bench", args.model)
+    if args.only:
+        out = {"model": model, "model_path": one_tensor_a_call(model, args.repeats)}
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        return
     engine = AsyncEngine(model)
     weights = {k: v.detach().clone() for k, v in engine.engine.runner.model.hf_tensors().items()}
     mb = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
@@ -168,9 +174,13 @@ def to_two_replicas(model: str, weights: dict, repeats: int) -> dict:
 
 def one_tensor_a_call(model: str, repeats: int) -> dict:
     """TRL's colocated sync: every weight through the model path, one tensor a call (only the linears
-    written are packed again), against the whole model packed again after each call, and all at once."""
+    written are packed again, only the tensors sent get views), against the whole model packed again
+    after each call, against each call building every weight's view and scanning every module (as
+    before 2026-12-06), and all at once."""
     from rollwise import LLM
+    from rollwise.engine.models.linear import Linear
     from rollwise.engine.models.llama import CausalLM
+    from rollwise.engine.models.moe import Experts
     llm = LLM(model)
     path = llm.llm_engine.model_executor.driver_worker.model_runner.model
     weights = {k: v.detach().clone() for k, v in llm.engine.runner.model.hf_tensors().items()}
@@ -187,7 +197,15 @@ def one_tensor_a_call(model: str, repeats: int) -> dict:
             path.load_weights(weights.items())
         return 1000 * (time.perf_counter() - t0)
 
-    ms: dict[str, list[float]] = {"one_tensor_a_call": [], "whole_model_packed_each_call": [], "all_at_once": []}
+    def scanned(self, written=None):  # every module's storages looked at, as before
+        for m in self.modules():
+            if isinstance(m, (Linear, Experts)) and any(p.untyped_storage().data_ptr() in written
+                                                        for p in m.parameters(recurse=False)):
+                m.repack()
+
+    view, shapes = CausalLM.hf_view, CausalLM.hf_shapes
+    ms: dict[str, list[float]] = {"one_tensor_a_call": [], "every_view_built_each_call": [],
+                                  "whole_model_packed_each_call": [], "all_at_once": []}
     for _ in range(repeats):
         ms["one_tensor_a_call"].append(sync(True))
         CausalLM.prepack = lambda self, written=None: pack(self)  # (every linear, whatever was written)
@@ -195,13 +213,22 @@ def one_tensor_a_call(model: str, repeats: int) -> dict:
             ms["whole_model_packed_each_call"].append(sync(True))
         finally:
             CausalLM.prepack = pack
+        CausalLM.hf_view = lambda self, name: self.hf_tensors()[name]
+        CausalLM.hf_shapes = lambda self: {k: tuple(v.shape) for k, v in self.hf_tensors().items()}
+        CausalLM.prepack = scanned
+        try:
+            ms["every_view_built_each_call"].append(sync(True))
+        finally:
+            CausalLM.hf_view, CausalLM.hf_shapes, CausalLM.prepack = view, shapes, pack
         ms["all_at_once"].append(sync(False))
     assert llm.generate([[5, 6, 7]], greedy)[0].token_ids == before  # (the same weights: the same tokens)
     out = {"tensors": len(weights), "ms": {k: statistics.median(v) for k, v in ms.items()}}
     m = out["ms"]
     whole, one = m["whole_model_packed_each_call"], m["one_tensor_a_call"]
-    print(f"\nthe model path, {len(weights)} tensors one a call: {one:.1f} ms, whole model packed after each "
-          f"{whole:.1f} ms ({whole / one:.1f}x); all in one call {m['all_at_once']:.1f} ms")
+    views = m["every_view_built_each_call"]
+    print(f"\nthe model path, {len(weights)} tensors one a call: {one:.1f} ms, every view built each call "
+          f"{views:.1f} ms ({views / one:.2f}x), whole model packed after each {whole:.1f} ms ({whole / one:.1f}x); "
+          f"all in one call {m['all_at_once']:.1f} ms")
     return out
 
 
