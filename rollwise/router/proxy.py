@@ -33,6 +33,7 @@ from rollwise.serve.lora import LoadLoraRequest, UnloadLoraRequest
 from rollwise.serve.rlhf import json_object
 from rollwise.serve.sglang import (PauseRequest, UpdateFromDiskRequest, generate_batch, generate_params,
                                    generate_samples, is_batch, load_from_disk, sglang_fields)
+from rollwise.serve.tito import install_tito
 from rollwise.serve.tokenize import install_tokenize
 from rollwise.serve.metrics import router_text
 from rollwise.types import GenerateOutput, GenerateRequest, RequestOutput, SamplingParams
@@ -378,4 +379,5 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
     install_responses(app, chat)  # the Responses API, as chat through the router
     install_messages(app, chat, router.tokenizer, defaults)  # and Anthropic's Messages API
     install_tokenize(app, router.tokenizer, defaults, None)
+    install_tito(app, routed, None, defaults, adapt=adapted)  # vLLM's token-in-token-out API, routed
     return app

@@ -34,6 +34,7 @@ from rollwise.serve.rlhf import install_rlhf, json_object, receive_weights
 from rollwise.serve.sglang import (generate_batch, generate_params, generate_samples, install_sglang, is_batch,
                                    sglang_fields)
 from rollwise.serve.sleep import install_sleep
+from rollwise.serve.tito import install_tito
 from rollwise.serve.tokenize import install_tokenize
 from rollwise.engine.isolation import StepFailed
 from rollwise.engine.sleep import EngineAsleep
@@ -241,6 +242,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     install_responses(app, chat)
     install_messages(app, chat, tok, defaults)
     install_tokenize(app, tok, defaults, engine.engine.max_model_len)
+    install_tito(app, engine, model_name, defaults)
     return app
 
 

@@ -135,6 +135,16 @@ def test_route_proxy_over_http(servers, model_dir, junk_failures):
             assert group["usage"]["completion_tokens"] == 9 == group["usage"]["total_tokens"] - text["usage"]["prompt_tokens"]
             alone = c.post("/v1/completions", json=body | {"seed": 3}).json()["choices"][0]
             assert alone["logprobs"]["token_ids"] == group["choices"][1]["logprobs"]["token_ids"]
+            tito = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4, "seed": 2, "n": 2, "logprobs": 1,
+                                                                "ignore_eos": True}}  # vLLM's token-in-token-out API
+            routed = c.post("/inference/v1/generate", json=tito).json()
+            direct = httpx.post(servers[0].url + "/inference/v1/generate", json=tito, timeout=60).json()
+            assert [ch["token_ids"] for ch in routed["choices"]] == [ch["token_ids"] for ch in direct["choices"]]
+            for a, b in zip(routed["choices"], direct["choices"]):  # (the samples may run on other replicas, in
+                for x, y in zip(a["logprobs"]["content"], b["logprobs"]["content"]):  # other batches: float noise)
+                    assert x["token_id"] == y["token_id"] and x["logprob"] == pytest.approx(y["logprob"], abs=1e-4)
+                    assert [e["token_id"] for e in x["top_logprobs"]] == [e["token_id"] for e in y["top_logprobs"]]
+            assert routed["usage"] == direct["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
             tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
                 "type": "object", "properties": {"q": {"type": "string", "maxLength": 4}}, "required": ["q"],
                 "additionalProperties": False}}}]
@@ -262,7 +272,7 @@ def test_route_proxy_over_http(servers, model_dir, junk_failures):
             from prometheus_client.parser import text_string_to_metric_families  # (the page parses)
             families = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
             assert families["rollwise_router:requests"].samples[0].value > 0
-            for path in ("/generate", "/v1/chat/completions"):  # a replica's 400 comes back a 400, the route up
+            for path in ("/generate", "/v1/chat/completions", "/inference/v1/generate"):  # a replica's 400: a 400
                 assert junk_failures(c, path) == [], path
             assert c.get("/replicas").json()["healthy"] == sorted(s.url for s in servers)  # none blamed for it
             assert c.get("/health").json()["status"] == "ok"
