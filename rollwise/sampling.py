@@ -97,6 +97,11 @@ class SamplingParams:
     # None: off; k: each prompt token's logprob (and the k most likely at its position), under the
     # same distribution as the sampled tokens' logprobs (the request's temperature, no penalties)
     prompt_logprobs: int | None = None
+    # vLLM 0.32's scoring of given tokens at each prompt row (a teacher's logprobs of a student's
+    # candidates): row i holds the ids scored as prompt token prompt_logprob_start + i + 1 (one row per
+    # prompt token after the start but the first; -1 pads a row). RequestOutput.prompt_token_id_logprobs
+    prompt_logprob_token_ids: list[list[int]] | None = None
+    prompt_logprob_start: int | None = None
     logit_bias: dict[int, float] | None = None  # added to those tokens' logits ([-100, 100]), before penalties
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # vLLM's: words not to write (a token completing one is banned; no drafts)
@@ -158,6 +163,7 @@ class SamplingParams:
                                  f"got {self.logprobs}")
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
+        self._check_prompt_token_ids()
         _check_number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _check_number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         _check_number("repetition_penalty", self.repetition_penalty, lo=0.0, hi=10.0, lo_open=True)
@@ -190,7 +196,7 @@ class SamplingParams:
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (the text they are found in)")
         if self.skip_reading_prefix_cache is None:
-            self.skip_reading_prefix_cache = self.prompt_logprobs is not None
+            self.skip_reading_prefix_cache = self.scores_prompt
         if isinstance(self.repetition_detection, dict):
             names = [f.name for f in fields(RepetitionDetectionParams)]
             if set(self.repetition_detection) - set(names):
@@ -237,6 +243,48 @@ class SamplingParams:
     def penalties(self) -> dict[str, float]:
         """The penalties that are on, by field name (what a client forwards)."""
         return {k: getattr(self, k) for k, off in PENALTIES_OFF.items() if getattr(self, k) != off}
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt's rows are scored (prompt_logprobs, or prompt_logprob_token_ids)."""
+        return self.prompt_logprobs is not None or self.prompt_logprob_token_ids is not None
+
+    def _check_prompt_token_ids(self) -> None:
+        """prompt_logprob_token_ids as vLLM takes them (nested lists or an integer array, -1 padding
+        the shorter rows), kept as equal rows; its start only with them."""
+        ids = self.prompt_logprob_token_ids
+        if ids is None:
+            if self.prompt_logprob_start is not None:
+                raise ValueError("prompt_logprob_start needs prompt_logprob_token_ids")
+            return
+        if hasattr(ids, "tolist"):  # (a numpy array)
+            ids = ids.tolist()
+        if not isinstance(ids, list) or not ids or not all(isinstance(r, list) and r for r in ids):
+            raise ValueError("prompt_logprob_token_ids must be a non-empty list of non-empty lists of token ids "
+                             "(one row per scored prompt row)")
+        width = max(map(len, ids))
+        if width > MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprob_token_ids has {width} ids in a row; at most {MAX_LOGPROBS}")
+        for r in ids:
+            for t in r:
+                if isinstance(t, bool) or not isinstance(t, int) or t < -1:
+                    raise ValueError(f"prompt_logprob_token_ids: token ids must be integers >= 0 (-1 pads), got {t!r}")
+        self.prompt_logprob_token_ids = [r + [-1] * (width - len(r)) for r in ids]
+        if self.prompt_logprob_start is not None:
+            _check_int("prompt_logprob_start", self.prompt_logprob_start, lo=0, hi=2**31)
+
+    def check_prompt_scoring(self, prompt_len: int, vocab_size: int) -> None:
+        """prompt_logprob_token_ids against the prompt: one row per scored prompt row (vLLM's count),
+        ids in the vocabulary."""
+        ids = self.prompt_logprob_token_ids
+        if ids is None:
+            return
+        rows = max(prompt_len - 1 - (self.prompt_logprob_start or 0), 0)
+        if len(ids) != rows:
+            raise ValueError(f"prompt_logprob_token_ids has {len(ids)} rows, but the prompt has {rows} scored rows "
+                             "(prompt_len - 1 - prompt_logprob_start)")
+        if any(t >= vocab_size for r in ids for t in r):
+            raise ValueError(f"prompt_logprob_token_ids take token ids in [0, {vocab_size}) (-1 pads)")
 
     def for_sample(self, j: int) -> SamplingParams:
         """The params of sample j of n from one prompt, one sample (n = 1): seeded ones get seed + j

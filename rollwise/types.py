@@ -40,6 +40,9 @@ class RequestOutput:
     prompt_token_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None  # each one's rank: 1 + how many are likelier
+    # with SamplingParams.prompt_logprob_token_ids, once finished: float32 numpy [rows, ids], row i the
+    # logprobs of its ids as prompt token prompt_logprob_start + i + 1 (-inf where -1 padded), as vLLM's
+    prompt_token_id_logprobs: object | None = None
     # with SamplingParams.return_routed_experts, once finished: int32 numpy [num_tokens - 1, layers, k],
     # the experts each token of prompt + output but the last was routed to in each decoder layer
     # (-1 in a layer without experts), as SGLang and vLLM return them
@@ -217,6 +220,7 @@ class GenerateOutput:
     prompt_logprob_ranks: list[int | None] | None = None
     routed_experts: object | None = None  # as in RequestOutput (numpy [num_tokens - 1, layers, k])
     stop_reason: str | int | None = None  # as in RequestOutput
+    prompt_token_id_logprobs: object | None = None  # as in RequestOutput
 
     @classmethod
     def of(cls, out: RequestOutput, start: int = 0) -> GenerateOutput:

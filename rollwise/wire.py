@@ -29,3 +29,21 @@ def decode_routing(data: str, shape) -> object:
     """The inverse of `encode_routing`: int32 numpy of `shape` ([n, layers, k]; n may be -1)."""
     import numpy as np
     return np.frombuffer(base64.b64decode(data), dtype="<i4").reshape(shape).copy()
+
+
+def npy64(a) -> str:
+    """An array as vLLM sends one (its numpy2base64): the .npy bytes, base64."""
+    import io
+
+    import numpy as np
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(a), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def from_npy64(data: str) -> object:
+    """The inverse of `npy64`."""
+    import io
+
+    import numpy as np
+    return np.load(io.BytesIO(base64.b64decode(data)), allow_pickle=False)

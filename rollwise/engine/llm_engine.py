@@ -99,6 +99,7 @@ class LLMEngine(WeightVersions, SleepMode):
         if any(t >= self.vocab_size for t in named):
             raise ValueError("logit_bias, allowed_token_ids, stop_token_ids and logprob_token_ids take token ids "
                              f"in [0, {self.vocab_size})")
+        params.check_prompt_scoring(len(ids), self.vocab_size)
         if params.return_routed_experts and self.runner.routing is None:
             raise ValueError("return_routed_experts needs a model with experts (qwen3_moe) served with "
                              "enable_return_routed_experts (--enable-return-routed-experts)")
@@ -367,7 +368,8 @@ class LLMEngine(WeightVersions, SleepMode):
             version_segments=list(seq.version_segments), routed_experts=seq.routed_experts,
             weight_versions=self.weight_spans(seq) if finished else None,
             tokenizer=self.tokenizer if seq.params.detokenize else None,
-            **({} if seq.prompt_logprobs is None else {
+            prompt_token_id_logprobs=seq.prompt_id_scores if finished else None,
+            **({} if seq.params.prompt_logprobs is None else {
                 "prompt_token_logprobs": [x and x[0] for x in seq.prompt_logprobs],
                 "prompt_top_logprobs": [x and x[1] for x in seq.prompt_logprobs],
                 "prompt_logprob_ranks": [x and x[2] for x in seq.prompt_logprobs]}))

@@ -139,7 +139,7 @@ class ModelRunner:
             for a in range(lo, hi, PROMPT_LOGITS_ROWS):
                 z = min(a + PROMPT_LOGITS_ROWS, hi)
                 got += prompt_logprobs(model.logits(hidden[a:z]), seq.token_ids[first + 1 + a - lo:first + 1 + z - lo],
-                                       seq.params)
+                                       seq.params, first + a - lo, seq.prompt_id_scores)
             prompts[b] = got
         return model.logits(hidden[t(rows)]), starts, prompts
 

@@ -144,13 +144,23 @@ def penalize(logits: torch.Tensor, params: SamplingParams, tokens: list[int], nu
     return out
 
 
-def prompt_logprobs(logits: torch.Tensor, targets: list[int], params: SamplingParams
-                    ) -> list[tuple[float, dict[int, float], int]]:
-    """Prompt positions' logits [R, V] -> per row, (the logprob of the prompt token that follows,
-    its params.prompt_logprobs most likely {token id: logprob}, the token's rank in the vocabulary:
-    1 + how many are more likely, as vLLM counts it), at the request's temperature."""
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], params: SamplingParams, position: int = 0,
+                    scores=None) -> list[tuple[float, dict[int, float], int]]:
+    """Prompt positions' logits [R, V] (row 0 at prompt position `position`) -> per row, (the logprob
+    of the prompt token that follows, its params.prompt_logprobs most likely {token id: logprob}, the
+    token's rank in the vocabulary: 1 + how many are more likely, as vLLM counts it), at the request's
+    temperature. With params.prompt_logprob_token_ids, the rows' ids are scored into `scores` (the
+    request's [rows, ids] array; -1 pads, left at -inf)."""
     temp = params.temperature if params.temperature > 0 else 1.0
     lp = torch.log_softmax(logits.float() / temp, dim=-1)
+    if scores is not None:
+        start = params.prompt_logprob_start or 0
+        skip = max(start - position, 0)  # rows of this chunk before the start
+        if skip < len(targets):
+            first = position + skip - start
+            ids = torch.tensor(params.prompt_logprob_token_ids[first:first + len(targets) - skip])
+            got = lp[skip:skip + len(ids)].gather(1, ids.clamp_min(0))
+            scores[first:first + len(ids)] = got.masked_fill(ids < 0, float("-inf")).numpy()
     chosen = lp.gather(1, torch.tensor(targets)[:, None])
     ranks = ((lp > chosen).sum(-1) + 1).tolist()
     tops = top_logprobs(lp, [params.prompt_logprobs] * len(targets)) if params.prompt_logprobs else [{}] * len(targets)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from rollwise.engine.block_manager import chain_hashes
 from rollwise.types import SamplingParams
 
@@ -24,6 +26,8 @@ class Sequence:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # with params.logprobs > 0
     # with params.prompt_logprobs: per prompt token so far, (its logprob, the top ones, its rank); the first has none
     prompt_logprobs: list[tuple[float, dict[int, float], int] | None] | None = None
+    # with params.prompt_logprob_token_ids: numpy [rows, ids], filled as the prompt's rows are computed
+    prompt_id_scores: object | None = None
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
@@ -65,8 +69,11 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+        if self.params.scores_prompt and self.prompt_logprobs is None:  # (the rows computed so far)
             self.prompt_logprobs = [None]
+        ids = self.params.prompt_logprob_token_ids
+        if ids is not None and self.prompt_id_scores is None:
+            self.prompt_id_scores = np.full((len(ids), len(ids[0])), -np.inf, dtype=np.float32)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -79,6 +79,7 @@ class Routed:
             out.policy_version, out.version_segments = piece.policy_version, piece.version_segments
             out.prompt_token_logprobs, out.prompt_top_logprobs = piece.prompt_token_logprobs, piece.prompt_top_logprobs
             out.prompt_logprob_ranks = piece.prompt_logprob_ranks
+            out.prompt_token_id_logprobs = piece.prompt_token_id_logprobs
             out.routed_experts, out.stop_reason = piece.routed_experts, piece.stop_reason
             eos = {getattr(self.tokenizer, "eos_token_id", None)}
             out.text = self.tokenizer.decode(params.text_ids(out.token_ids, out.finish_reason, eos),

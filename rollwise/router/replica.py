@@ -14,7 +14,7 @@ import httpx
 
 from rollwise.engine.isolation import StepFailed
 from rollwise.types import GenerateOutput, GenerateRequest, WeightsNotHeld
-from rollwise.wire import AdapterWeights, decode_routing
+from rollwise.wire import AdapterWeights, decode_routing, from_npy64
 
 
 @dataclass(slots=True)
@@ -180,7 +180,7 @@ def safetensors_stream(tensors: dict, piece: int = 1 << 20):
 SENT_WHEN_ON = ("logprobs", "logprob_token_ids", "logit_bias", "bad_words", "return_routed_experts",
                 "routed_experts_prompt_start", "skip_reading_prefix_cache")
 SENT_WHEN_GIVEN = ("prompt_logprobs", "allowed_token_ids", "structured_outputs", "thinking_token_budget",
-                   "trace_decode_token_ids", "lora")
+                   "trace_decode_token_ids", "lora", "prompt_logprob_token_ids", "prompt_logprob_start")
 
 
 class HttpReplica:
@@ -254,6 +254,8 @@ class HttpReplica:
                               top_logprobs=[{t: lp for t, lp in top} for top in b.get("top_logprobs", [])],
                               prompt_token_logprobs=b.get("prompt_logprobs"),
                               prompt_logprob_ranks=b.get("prompt_logprob_ranks"),
+                              prompt_token_id_logprobs=None if b.get("prompt_token_id_logprobs") is None else
+                              from_npy64(b["prompt_token_id_logprobs"]),
                               routed_experts=None if b.get("routed_experts") is None else decode_routing(
                                   b["routed_experts"], b["routed_experts_shape"]),
                               prompt_top_logprobs=None if b.get("prompt_top_logprobs") is None else [

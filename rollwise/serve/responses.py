@@ -19,7 +19,7 @@ from rollwise.engine.async_llm import deltas
 from rollwise.engine.isolation import StepFailed
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest
 from rollwise.types import RequestOutput, SamplingParams
-from rollwise.wire import encode_routing
+from rollwise.wire import encode_routing, npy64
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -42,6 +42,8 @@ def generate_json(out: RequestOutput) -> dict:
             **({} if out.routed_experts is None else {  # SGLang's encoding (base64 int32) and the shape
                 "routed_experts": encode_routing(out.routed_experts),
                 "routed_experts_shape": list(out.routed_experts.shape)}),
+            **({} if out.prompt_token_id_logprobs is None else {  # vLLM's scores of given ids, as its npy base64
+                "prompt_token_id_logprobs": npy64(out.prompt_token_id_logprobs)}),
             **({} if out.prompt_token_logprobs is None else {
                 "prompt_logprobs": out.prompt_token_logprobs,
                 "prompt_top_logprobs": [None] + pairs(out.prompt_top_logprobs[1:]),

@@ -1,19 +1,18 @@
 """vLLM 0.32's token-in-token-out API, `POST /inference/v1/generate`: token ids and vLLM's
 SamplingParams in; token ids, their logprobs (with the most likely ones, as vLLM lists them), the
-finish, routed experts (base64 .npy) and weight labels out, in vLLM's body shapes. Streamed as vLLM
+finish, routed experts (base64 .npy) and weight labels out, in vLLM's body shapes; the prompt's
+logprobs, and with prompt_logprob_token_ids its rows' given tokens scored (a teacher's logprobs of a
+student's candidates: `prompt_token_id_logprobs`, base64 .npy [rows, ids]). Streamed as vLLM
 streams it (a chunk per step of each choice, a usage chunk with stream_options.include_usage,
 then `[DONE]`). `output_mode: "text"` adds the text. vLLM's multimodal, KV-transfer and
 token-offset fields are refused when given (nothing here takes them)."""
 from __future__ import annotations
 
-import base64
-import io
 import math
 import time
 import uuid
 from typing import Any, Literal
 
-import numpy as np
 from fastapi import FastAPI, Request
 from pydantic import Field
 
@@ -23,6 +22,7 @@ from rollwise.serve.lora import with_adapter
 from rollwise.serve.protocol import _Strict
 from rollwise.serve.responses import choice_samples, error, gather_or_cancel, merged, sse
 from rollwise.types import RequestOutput, SamplingParams
+from rollwise.wire import npy64
 
 REFUSED = ("token_offsets", "features", "content_parts", "kv_transfer_params", "ec_transfer_params",
            "reasoning_ended", "reasoning_parser_kwargs")
@@ -46,13 +46,6 @@ class TitoRequest(_Strict):
     ec_transfer_params: Any = None
     reasoning_ended: Any = None
     reasoning_parser_kwargs: Any = None
-
-
-def npy64(a) -> str:
-    """vLLM's numpy2base64: the array's .npy bytes, base64."""
-    buf = io.BytesIO()
-    np.save(buf, np.asarray(a), allow_pickle=False)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def _lp(x: float) -> float:
@@ -114,6 +107,8 @@ def install_tito(app: FastAPI, engine, model_name: str | None, defaults, adapt=N
                               "hand-off on this engine)")
         sp = {**defaults.sampling, **body.sampling_params}
         params = adapt(SamplingParams.from_dict(sp), body.model)
+        if body.stream and params.prompt_logprob_token_ids is not None:
+            return error(400, "prompt_logprob_token_ids are not available when stream=true (as in vLLM)")
         k = sp.get("logprobs")  # (vLLM's None: no logprobs in the reply; the engine keeps the sampled ones anyway)
         rid = f"generate-tokens-{body.request_id or uuid.uuid4().hex}"
         samples = choice_samples([body.token_ids], params, params.n, None, rid,
@@ -126,7 +121,8 @@ def install_tito(app: FastAPI, engine, model_name: str | None, defaults, adapt=N
             [engine.generate(p, sp_j, r, group_id=g, **o) for p, sp_j, r, g, o in samples]))
         return {**head, "model": body.model or model_name or "", "created": int(time.time()),
                 "usage": usage(len(body.token_ids), sum(len(o.token_ids) for o in outs)),
-                "prompt_logprobs": prompt_logprobs(outs[0]), "prompt_token_id_logprobs": None,
+                "prompt_logprobs": prompt_logprobs(outs[0]),
+                "prompt_token_id_logprobs": None if (a := outs[0].prompt_token_id_logprobs) is None else npy64(a),
                 "prompt_token_ids": body.token_ids if body.return_token_ids else None,
                 "output_mode": body.output_mode,
                 "choices": [_choice(j, o.token_ids, o.logprobs, o.top_logprobs, k, o, o.text if text_mode else None,

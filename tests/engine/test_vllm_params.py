@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 
 from rollwise import LLM, RepetitionDetectionParams, RequestOutputKind, SamplingParams
@@ -295,3 +296,37 @@ def test_an_incomplete_last_character_is_held_back(llm):
         finally:
             engine.shutdown()
     assert "".join(asyncio.run(streamed())) == texts[-2] == "ab 世"
+
+
+def test_prompt_logprob_token_ids_score_given_tokens_at_each_prompt_row(model_dir):
+    """vLLM 0.32's teacher scoring: row i scores its ids as prompt token start + i + 1, the same
+    logprobs as the prompt's own top logprobs there; -1 pads a row (-inf); a prompt computed in
+    chunks (a small step budget) scores the same; a wrong row count or id is a ValueError."""
+    llm = LLM(model_dir, max_num_batched_tokens=4)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
+    ref = LLM(model_dir).generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=5))[0]
+    tops, own = ref.prompt_top_logprobs, ref.prompt_token_logprobs
+    for start in (0, 3):
+        rows = [list(tops[p + 1])[:3] + [prompt[p + 1]] for p in range(start, len(prompt) - 1)]
+        rows[1] = rows[1][:1]  # a shorter row: padded with -1
+        out = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprob_token_ids=rows,
+                                                    prompt_logprob_start=start or None))[0]
+        got = out.prompt_token_id_logprobs
+        assert got.shape == (len(prompt) - 1 - start, 4) and got.dtype == np.float32
+        for i, p in enumerate(range(start, len(prompt) - 1)):
+            ids = rows[i]
+            want = [tops[p + 1][t] for t in ids[:3]] + ([own[p + 1]] if len(ids) == 4 else [])
+            assert got[i, :len(want)] == pytest.approx(want, abs=1e-5)
+            assert np.isneginf(got[i, len(want):]).all()
+        assert out.prompt_token_logprobs is None  # (prompt_logprobs itself was not asked for)
+    bad = dict(max_tokens=1, prompt_logprob_token_ids=[[1]] * 3)
+    with pytest.raises(ValueError, match="has 3 rows, but the prompt has 10 scored rows"):
+        llm.generate([prompt], SamplingParams(**bad))
+    with pytest.raises(ValueError, match=r"token ids in \[0, 1024\)"):
+        llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprob_token_ids=[[5000]] * 10))
+    for kw, match in [({"prompt_logprob_token_ids": [[1, -2]]}, ">= 0"),
+                      ({"prompt_logprob_token_ids": []}, "non-empty"),
+                      ({"prompt_logprob_start": 2}, "needs prompt_logprob_token_ids"),
+                      ({"prompt_logprob_token_ids": [[1] * 21]}, "at most 20")]:
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**kw)

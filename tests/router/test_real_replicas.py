@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from rollwise.agent.envs import make_env
@@ -22,6 +23,7 @@ from rollwise.router.policies import POLICIES
 from rollwise.router.replica import HttpReplica
 from rollwise.router.router import Router
 from rollwise.serve.process import ServerProcess, free_port, log_tail, wait_for_http
+from rollwise.wire import from_npy64
 from rollwise.types import SamplingParams
 
 ARGS = ("--max-num-seqs", "16", "--max-model-len", "2048")
@@ -145,6 +147,11 @@ def test_route_proxy_over_http(servers, model_dir, junk_failures):
                     assert x["token_id"] == y["token_id"] and x["logprob"] == pytest.approx(y["logprob"], abs=1e-4)
                     assert [e["token_id"] for e in x["top_logprobs"]] == [e["token_id"] for e in y["top_logprobs"]]
             assert routed["usage"] == direct["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
+            score = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 1,
+                                                                 "prompt_logprob_token_ids": [[6, 1], [7, 2]]}}
+            routed, direct = (from_npy64(httpx.post(u + "/inference/v1/generate", json=score, timeout=60).json()[
+                "prompt_token_id_logprobs"]) for u in (url, servers[0].url))
+            assert routed.shape == (2, 2) and np.allclose(routed, direct, atol=1e-4)  # (a teacher's scores, routed)
             tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
                 "type": "object", "properties": {"q": {"type": "string", "maxLength": 4}}, "required": ["q"],
                 "additionalProperties": False}}}]

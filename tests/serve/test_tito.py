@@ -7,6 +7,8 @@ import json
 
 import numpy as np
 
+from rollwise.wire import from_npy64
+
 GEN = "/inference/v1/generate"
 IDS = [5, 6, 7, 8, 9, 10]
 
@@ -57,6 +59,25 @@ def test_n_samples_prompt_logprobs_and_text_mode(client):
         assert client.post("/detokenize", json={"tokens": c["token_ids"]}).json()["prompt"] == c["text"]
 
 
+def test_a_teachers_scores_of_given_tokens_at_each_prompt_row(client):
+    """prompt_logprob_token_ids (vLLM 0.32): each prompt row's ids scored, sent as base64 .npy
+    [rows, ids]; equal to the prompt's own logprobs where the ids are its tokens; refused streamed."""
+    own = client.post(GEN, json={"token_ids": IDS, "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0}}).json()
+    rows = [[IDS[p + 1], 3, -1] for p in range(1, len(IDS) - 1)]  # from row 1: the prompt's token, token 3, padding
+    got = client.post(GEN, json={"token_ids": IDS, "sampling_params": {"max_tokens": 1, "prompt_logprob_token_ids": rows,
+                                                                        "prompt_logprob_start": 1}}).json()
+    scores = from_npy64(got["prompt_token_id_logprobs"])
+    assert scores.shape == (len(IDS) - 2, 3) and scores.dtype == np.float32 and got["prompt_logprobs"] is None
+    for i, p in enumerate(range(1, len(IDS) - 1)):
+        assert abs(scores[i, 0] - own["prompt_logprobs"][p + 1][str(IDS[p + 1])]["logprob"]) < 1e-5
+        assert scores[i, 1] < 0 and np.isneginf(scores[i, 2])
+    r = client.post(GEN, json={"token_ids": IDS, "stream": True, "sampling_params": {
+        "max_tokens": 1, "prompt_logprob_token_ids": rows, "prompt_logprob_start": 1}})
+    assert r.status_code == 400 and "not available when stream=true" in r.json()["error"]["message"]
+    r = client.post(GEN, json={"token_ids": IDS, "sampling_params": {"prompt_logprob_token_ids": rows}})
+    assert r.status_code == 400 and "has 4 rows, but the prompt has 5 scored rows" in r.json()["error"]["message"]
+
+
 def test_streamed_chunks_add_up_to_the_reply(client):
     sp = {"temperature": 0, "max_tokens": 7, "ignore_eos": True, "n": 2, "logprobs": 1}
     whole = client.post(GEN, json={"token_ids": IDS, "sampling_params": sp}).json()
@@ -94,6 +115,7 @@ def test_junk_in_any_field_is_a_4xx_never_a_500(client, junk_failures):
 
 
 def test_npy_base64_is_vllms_encoding():
-    from rollwise.serve.tito import npy64
+    from rollwise.wire import npy64
     a = np.arange(12, dtype=np.int32).reshape(2, 3, 2)
     assert (np.load(io.BytesIO(base64.b64decode(npy64(a))), allow_pickle=False) == a).all()
+    assert (from_npy64(npy64(a)) == a).all() and from_npy64(npy64(a)).dtype == np.int32
