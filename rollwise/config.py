@@ -147,11 +147,13 @@ def extension_class(name: str) -> type:
 
 # vLLM's engine arguments with no work to do here, and the values that agree with this engine: no CUDA
 # graphs (always eager), known architectures only (no remote code), one process (no tensor or pipeline
-# parallelism), prefill always chunked, sleep mode always on, statistics always kept, trace replay always taken
+# parallelism), prefill always chunked, sleep mode always on, statistics always kept, trace replay always taken,
+# the token-in-token-out API always served
 VLLM_ARGS = {"enforce_eager": (True, False), "trust_remote_code": (True, False), "enable_sleep_mode": (True, False),
              "disable_log_stats": (True, False), "enable_chunked_prefill": (True, None), "tensor_parallel_size": (1,),
              "pipeline_parallel_size": (1,), "disable_custom_all_reduce": (True, False),
-             "skip_tokenizer_init": (False,), "enable_trace_replay": (True, False)}
+             "skip_tokenizer_init": (False,), "enable_trace_replay": (True, False),
+             "enable_scale_out": (True, False)}  # (vLLM's switch for /inference/v1/generate: always served here)
 
 
 WEIGHT_TRANSFER_BACKENDS = ("gloo",)  # vLLM 0.32's weight transfer, here (rollwise.engine.weight_transfer)

@@ -91,7 +91,8 @@ def prompt_logprobs(out: RequestOutput) -> list | None:
 
 
 def usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": None, "completion_tokens_details": None}
 
 
 def install_tito(app: FastAPI, engine, model_name: str | None, defaults, adapt=None) -> None:
@@ -124,7 +125,8 @@ def install_tito(app: FastAPI, engine, model_name: str | None, defaults, adapt=N
                 "prompt_logprobs": prompt_logprobs(outs[0]),
                 "prompt_token_id_logprobs": None if (a := outs[0].prompt_token_id_logprobs) is None else npy64(a),
                 "prompt_token_ids": body.token_ids if body.return_token_ids else None,
-                "output_mode": body.output_mode,
+                "output_mode": body.output_mode, "mm_placeholders": None, "metrics": None,  # (vLLM's, none here)
+                "kv_transfer_params": None, "ec_transfer_params": None,
                 "choices": [_choice(j, o.token_ids, o.logprobs, o.top_logprobs, k, o, o.text if text_mode else None,
                                     whole=True) for j, o in enumerate(outs)]}
 

@@ -30,7 +30,8 @@ def test_tokens_in_tokens_out_as_vllm_shapes_them(client):
     (c,) = got["choices"]
     assert c["token_ids"] == want["token_ids"] and c["finish_reason"] == "length" and c["index"] == 0
     assert got["request_id"] == "generate-tokens-abc" and got["output_mode"] == "tokens"
-    assert got["usage"] == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12}
+    assert got["usage"] == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12,
+                            "prompt_tokens_details": None, "completion_tokens_details": None}
     assert got["prompt_token_ids"] == IDS and got["prompt_logprobs"] is None
     for t, lp, top, pos in zip(want["token_ids"], want["logprobs"], want["top_logprobs"], c["logprobs"]["content"]):
         assert pos["token_id"] == t and abs(pos["logprob"] - lp) < 1e-5
