@@ -81,25 +81,14 @@ class ArcticAdapter:
         self.cache.stop_request(rid)
 
 
-class NgramAdapter:
-    """rollwise's prompt lookup (rollwise.spec.ngram): the request's own context only."""
+class NgramAdapter(RollwiseAdapter):
+    """rollwise's prompt lookup (rollwise.spec.ngram): the request's own context only (the group
+    is taken and not drafted from); the same calls as the suffix cache's."""
 
     def __init__(self, p: ReplayParams) -> None:
         from rollwise.spec.ngram import NgramCache
+        self.p = p
         self.cache = NgramCache(min_n=p.lookup_min, max_n=p.lookup_max, max_spec_tokens=p.max_spec_tokens)
-
-    def start(self, rid, prompt, group):
-        self.cache.start_request(rid, prompt)
-
-    def append(self, rid, toks):
-        self.cache.append(rid, toks)
-
-    def speculate(self, rid, context):
-        d = self.cache.speculate(rid)
-        return d.token_ids, d.parents
-
-    def stop(self, rid):
-        self.cache.stop_request(rid)
 
 
 class VllmNgramAdapter:
