@@ -90,9 +90,10 @@ def prompt_logprobs(out: RequestOutput) -> list | None:
             for pos in out.prompt_logprobs]
 
 
-def usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": None, "completion_tokens_details": None}
+def usage(prompt: int, completion: int, nulls: bool = True) -> dict:
+    """vLLM's usage; a stream's leaves out its null details, as vLLM's does."""
+    got = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return got | {"prompt_tokens_details": None, "completion_tokens_details": None} if nulls else got
 
 
 def install_tito(app: FastAPI, engine, model_name: str | None, defaults, adapt=None) -> None:
@@ -150,7 +151,8 @@ async def _stream(engine, body: TitoRequest, samples: list, k: int | None, head:
             chunk["prompt_token_ids"] = body.token_ids
         first = False
         if opts.get("continuous_usage_stats"):
-            chunk["usage"] = usage(len(body.token_ids), counts[c["index"]])
+            chunk["usage"] = usage(len(body.token_ids), counts[c["index"]], nulls=False)
         yield chunk
     if opts.get("include_usage"):
-        yield {**head, "output_mode": body.output_mode, "choices": [], "usage": usage(len(body.token_ids), sum(counts))}
+        yield {**head, "output_mode": body.output_mode, "choices": [],
+               "usage": usage(len(body.token_ids), sum(counts), nulls=False)}
