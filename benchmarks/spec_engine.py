@@ -65,7 +65,8 @@ def run(model: str, reqs: list[dict], concurrency: int, controller: str | None, 
             "mean_accepted": m.get("spec_accepted_tokens", 0.0) / max(m.get("spec_verifications", 0.0), 1.0),
             "drafted": m.get("spec_drafted_tokens", 0.0), "accepted": m.get("spec_accepted_tokens", 0.0),
             "spec_step_fraction": m.get("spec_steps", 0.0) / max(m["num_steps"], 1),
-            "accepted_by_source": {s: m.get(f"spec_accepted_{s}", 0.0) for s in ("request", "group", "global", "ngram")}}
+            "accepted_by_source": {s: m.get(f"spec_accepted_{s}", 0.0)
+                                   for s in ("request", "group", "global", "ngram")}}
 
 
 def main() -> None:
@@ -77,7 +78,8 @@ def main() -> None:
     ap.add_argument("--controllers", default="adaptive", help="comma-separated: adaptive, threshold, always")
     ap.add_argument("--alphas", help="comma-separated draft lengths (spec_alpha) to run each controller with "
                                      "(default: the controller's own)")
-    ap.add_argument("--methods", default="suffix", help="comma-separated drafters: suffix, ngram (vLLM's prompt lookup)")
+    ap.add_argument("--methods", default="suffix",
+                    help="comma-separated drafters: suffix, ngram (vLLM's prompt lookup)")
     ap.add_argument("--lookup", default=None, help="ngram's n-gram lengths min:max (default: vLLM's, 5:5)")
     ap.add_argument("--prompt-len", type=int, default=None, help="keep each prompt's last N tokens (default 256)")
     ap.add_argument("--json", help="write results here")
@@ -102,7 +104,8 @@ def main() -> None:
         run(model, warm, max(conc), ctrl)
     print(f"{len(reqs)} assistant turns from {n_traj} trajectories, {sum(len(r['forced']) for r in reqs)} tokens "
           f"to generate, prompts cut to their last {prompt_len} tokens")
-    print(f"{'conc':>5}{'requests':>10}{'off tok/s':>11}" + "".join(f"{c + ' tok/s':>22}{'ratio':>7}{'acc/verif':>10}{'spec steps':>11}" for c, *_ in ctrls))
+    print(f"{'conc':>5}{'requests':>10}{'off tok/s':>11}" + "".join(
+        f"{c + ' tok/s':>22}{'ratio':>7}{'acc/verif':>10}{'spec steps':>11}" for c, *_ in ctrls))
     for c in conc:
         sub = reqs[: max(16 if args.quick or args.smoke else 40, 4 * c) if not args.smoke else 8]
         off = run(model, sub, c, None)
@@ -112,7 +115,8 @@ def main() -> None:
             r = run(model, sub, c, mode, alpha, method, lookup)
             assert r["generated_tokens"] == off["generated_tokens"], "configurations must do the same work"
             row[ctrl] = r
-            line += f"{r['tok_s']:>22.1f}{r['tok_s'] / off['tok_s']:>6.2f}x{r['mean_accepted']:>10.2f}{r['spec_step_fraction']:>11.2f}"
+            line += (f"{r['tok_s']:>22.1f}{r['tok_s'] / off['tok_s']:>6.2f}x{r['mean_accepted']:>10.2f}"
+                     f"{r['spec_step_fraction']:>11.2f}")
         first = row[ctrls[0][0]]
         row |= {"spec_tok_s": first["tok_s"], "mean_accepted": first["mean_accepted"]}
         out["concurrency"][c] = row

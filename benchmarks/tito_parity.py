@@ -76,8 +76,8 @@ def main() -> None:
         with ServerProcess(model, "--max-model-len", "512") as ours:
             for name, extra in CASES.items():
                 for i, ids in enumerate(PROMPTS):
-                    body = {"token_ids": ids, "sampling_params": {"temperature": 0, "max_tokens": 24, "ignore_eos": True,
-                                                                  **extra}}
+                    sp = {"temperature": 0, "max_tokens": 24, "ignore_eos": True, **extra}
+                    body = {"token_ids": ids, "sampling_params": sp}
                     out["cases"][f"{name} / prompt {i}"] = compare(post(ours.url, body), post(vllm_url, body))
             body = {"token_ids": PROMPTS[0], "stream": True, "stream_options": {"include_usage": True},
                     "return_token_ids": True, "sampling_params": {"temperature": 0, "max_tokens": 12, "logprobs": 1}}

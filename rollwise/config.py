@@ -180,7 +180,8 @@ def speculative_args(sc: dict | None) -> dict:
         raise ValueError(f"speculative_config method must be one of {list(SPECULATIVE[1:])} here (no draft model, "
                          f"EAGLE, Medusa or MTP), got {method!r}")
     if model is not None and ("ngram" if model == "[ngram]" else model) != method:
-        raise ValueError(f"speculative_config's model {model!r} and method {method!r} disagree ({method} takes no model)")
+        raise ValueError(f"speculative_config's model {model!r} and method {method!r} disagree "
+                         f"({method} takes no model)")
     unknown = sorted(set(sc) - {"method", "model", *SPECULATIVE_CONFIG})
     if unknown:
         raise ValueError(f"unknown speculative_config keys {unknown}; valid: {['method', *SPECULATIVE_CONFIG]}")

@@ -272,7 +272,8 @@ def test_bench_spec_cli_smoke(tmp_path):
             "--no-arctic", "--lookup", "1:3", "--json", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())["results"]
-    assert set(res) == {"rollwise/chain", "rollwise+group/chain", "rollwise/tree", "rollwise+group/tree", "ngram 1:3/chain"}
+    assert set(res) == {"rollwise/chain", "rollwise+group/chain", "rollwise/tree", "rollwise+group/tree",
+                        "ngram 1:3/chain"}
     assert all(v["mean_accepted_per_step"] > 0 for v in res.values())
     assert res["rollwise/chain"]["tokens"] == res["rollwise+group/tree"]["tokens"] == res["ngram 1:3/chain"]["tokens"]
 

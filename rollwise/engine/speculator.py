@@ -26,7 +26,8 @@ class Speculator:
         self.tree = cfg.spec_tree
         if cfg.speculative == "ngram":
             lo, hi = cfg.lookup_range
-            self.cache, sources = ngram.NgramCache(min_n=lo, max_n=hi, max_spec_tokens=cfg.spec_max_tokens), ngram.SOURCES
+            self.cache = ngram.NgramCache(min_n=lo, max_n=hi, max_spec_tokens=cfg.spec_max_tokens)
+            sources = ngram.SOURCES
         else:
             self.cache, sources = SuffixCache(
                 max_depth=cfg.spec_max_depth, max_spec_tokens=cfg.spec_max_tokens,

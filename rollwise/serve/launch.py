@@ -33,8 +33,9 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-transfer-config", type=json.loads, default=None,
                    help='vLLM 0.32\'s weight transfer: {"backend": "gloo"} here (always on; nccl and ipc need GPUs)')
     g.add_argument("--speculative-config", type=json.loads, default=None,
-                   help='vLLM\'s, for its methods with no draft model: {"method": "ngram", "num_speculative_tokens": 5, '
-                        '"prompt_lookup_max": 4} or {"method": "suffix"} (= --speculative and the --spec-* flags)')
+                   help='vLLM\'s, for its methods with no draft model: {"method": "ngram", '
+                        '"num_speculative_tokens": 5, "prompt_lookup_max": 4} or {"method": "suffix"} '
+                        '(= --speculative and the --spec-* flags)')
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="(tool calls are always parsed, by --tool-call-parser: hermes unless given)")
     g.add_argument("--disable-log-requests", action="store_true", help="(requests are not logged here)")

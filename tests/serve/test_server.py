@@ -666,7 +666,8 @@ def test_a_prompt_lookup_server_drafts_from_each_request_alone(model_dir):
     from rollwise.config import ServerConfig
     from rollwise.engine.async_engine import AsyncEngine
     from rollwise.serve.server import build_app
-    req = {"input_ids": [9, 8, 7, 6, 5] * 6, "sampling_params": {"temperature": 0, "max_tokens": 20, "ignore_eos": True}}
+    req = {"input_ids": [9, 8, 7, 6, 5] * 6,
+           "sampling_params": {"temperature": 0, "max_tokens": 20, "ignore_eos": True}}
     plain = AsyncEngine(model_dir)
     try:
         want = TestClient(build_app(plain, ServerConfig(), "m")).post("/generate", json=req).json()["token_ids"]

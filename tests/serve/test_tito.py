@@ -65,8 +65,8 @@ def test_a_teachers_scores_of_given_tokens_at_each_prompt_row(client):
     [rows, ids]; equal to the prompt's own logprobs where the ids are its tokens; refused streamed."""
     own = client.post(GEN, json={"token_ids": IDS, "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0}}).json()
     rows = [[IDS[p + 1], 3, -1] for p in range(1, len(IDS) - 1)]  # from row 1: the prompt's token, token 3, padding
-    got = client.post(GEN, json={"token_ids": IDS, "sampling_params": {"max_tokens": 1, "prompt_logprob_token_ids": rows,
-                                                                        "prompt_logprob_start": 1}}).json()
+    sp = {"max_tokens": 1, "prompt_logprob_token_ids": rows, "prompt_logprob_start": 1}
+    got = client.post(GEN, json={"token_ids": IDS, "sampling_params": sp}).json()
     scores = from_npy64(got["prompt_token_id_logprobs"])
     assert scores.shape == (len(IDS) - 2, 3) and scores.dtype == np.float32 and got["prompt_logprobs"] is None
     for i, p in enumerate(range(1, len(IDS) - 1)):
