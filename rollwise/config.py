@@ -55,6 +55,9 @@ class EngineConfig:
     # weight versions kept for requests pinned to one (an older version is otherwise kept only while
     # requests admitted under it run); each is a full copy of the weights
     keep_weight_versions: int = 1
+    # vLLM's --stream-interval: a streamed request's outputs carry at least this many new tokens each
+    # (fewer outputs for the server to send; the first and the last go out at once)
+    stream_interval: int = 1
     # MoE models: keep every computed token's experts (layer by layer, beside its KV) so a request
     # with `return_routed_experts` gets them (Rollout Routing Replay); SGLang's and vLLM's flag
     enable_return_routed_experts: bool = False
@@ -108,7 +111,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device.split(":")[0] not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES} (optionally 'cuda:N'), got {self.device!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "keep_weight_versions"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "keep_weight_versions", "stream_interval"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

@@ -127,6 +127,9 @@ class SamplingParams:
     # prompt or the output) of this many tokens is closed: the end string's tokens are forced next.
     # None (or -1): no limit
     thinking_token_budget: int | None = None
+    # vLLM's: a stream's outputs carry at least this many new tokens each (the first and the last go
+    # out at once); raised to the engine's stream_interval. None: the engine's
+    stream_interval: int | None = None
     extra_args: dict | None = None  # vLLM's: for plugins; carried, not read by this engine
     # vLLM's trace replay: emit these tokens (up to max_tokens) whatever is sampled, their logprobs the
     # model's (the engine's forced_output)
@@ -153,6 +156,8 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, lo=1)
         _check_int("min_tokens", self.min_tokens, lo=0)
         _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.stream_interval is not None:
+            _check_int("stream_interval", self.stream_interval, lo=1)
         if self.logprob_token_ids is not None:
             ids = self.logprob_token_ids
             if not isinstance(ids, list) or not 0 < len(ids) <= MAX_LOGPROB_TOKEN_IDS:

@@ -233,7 +233,9 @@ class LLMEngine(WeightVersions, SleepMode):
             else:
                 if s.draft is not None:
                     self.scheduler.release_unused(seq)
-                if seq.request_id in self.streaming:
+                sent = self.streaming.get(seq.request_id)  # (vLLM's stream_interval: the first output at once)
+                if sent is not None and (sent == 0 or seq.num_output_tokens - sent >= max(
+                        seq.params.stream_interval or 1, self.config.stream_interval)):
                     outputs.append(self._progress(seq))
         st = self.stats
         st["num_steps"] += 1

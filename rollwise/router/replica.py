@@ -180,7 +180,8 @@ def safetensors_stream(tensors: dict, piece: int = 1 << 20):
 SENT_WHEN_ON = ("logprobs", "logprob_token_ids", "logit_bias", "bad_words", "return_routed_experts",
                 "routed_experts_prompt_start", "skip_reading_prefix_cache")
 SENT_WHEN_GIVEN = ("prompt_logprobs", "allowed_token_ids", "structured_outputs", "thinking_token_budget",
-                   "trace_decode_token_ids", "lora", "prompt_logprob_token_ids", "prompt_logprob_start")
+                   "trace_decode_token_ids", "lora", "prompt_logprob_token_ids", "prompt_logprob_start",
+                   "stream_interval")
 
 
 class HttpReplica:

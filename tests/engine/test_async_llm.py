@@ -75,6 +75,31 @@ def test_delta_pieces_add_up_and_final_only_yields_once(engine, want):
     assert len(final) == 1 and final[0].token_ids == want.token_ids and final[0].finished
 
 
+def test_stream_interval_batches_the_pieces(engine, model_dir, want):
+    """vLLM's stream_interval: each piece carries at least that many new tokens, but the first (at
+    once) and the last; they add up to the same output. The engine's --stream-interval raises a
+    request's, never lowers it."""
+    import dataclasses
+    delta = dataclasses.replace(GREEDY, output_kind=RequestOutputKind.DELTA)
+    for params in (dataclasses.replace(delta, stream_interval=5), delta):
+        pieces = collect(engine, PROMPT, params, f"si-{params.stream_interval}")
+        assert sum((o.token_ids for o in pieces), []) == want.token_ids and pieces[-1].finished
+        sizes = [len(o.token_ids) for o in pieces]
+        step = params.stream_interval or 1
+        assert sizes[0] == 1 and all(n >= step for n in sizes[1:-1]) and len(pieces) <= 2 + 23 // step
+    assert len(collect(engine, PROMPT, delta, "si-1")) == 24  # (greedy, no drafts: a token a step)
+    eng = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, stream_interval=4))
+    try:
+        for params, step in ((delta, 4), (dataclasses.replace(delta, stream_interval=2), 4),
+                             (dataclasses.replace(delta, stream_interval=8), 8)):
+            sizes = [len(o.token_ids) for o in collect(eng, PROMPT, params, f"e-{step}")]
+            assert sum(sizes) == 24 and all(n >= step for n in sizes[1:-1]) and len(sizes) <= 2 + 23 // step
+    finally:
+        eng.shutdown()
+    with pytest.raises(ValueError, match="stream_interval must be >= 1"):
+        SamplingParams(stream_interval=0)
+
+
 def test_text_prompts_and_n_samples(engine, model_dir):
     """A text prompt is tokenized as the engine does and named in `.prompt`; n samples come once, all
     done, as LLM.generate gives them for their seeds, under the request's id."""
