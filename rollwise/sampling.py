@@ -130,6 +130,7 @@ class SamplingParams:
     # vLLM's: a stream's outputs carry at least this many new tokens each (the first and the last go
     # out at once); raised to the engine's stream_interval. None: the engine's
     stream_interval: int | None = None
+    flat_logprobs: bool = False  # vLLM's: the outputs' vLLM views give logprobs as FlatLogprobs (rollwise.types)
     extra_args: dict | None = None  # vLLM's: for plugins; carried, not read by this engine
     # vLLM's trace replay: emit these tokens (up to max_tokens) whatever is sampled, their logprobs the
     # model's (the engine's forced_output)
@@ -194,8 +195,9 @@ class SamplingParams:
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
-        if not isinstance(self.detokenize, bool):
-            raise ValueError(f"detokenize must be true or false, got {self.detokenize!r}")
+        for name in ("detokenize", "flat_logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.skip_reading_prefix_cache, (bool, type(None))):
             raise ValueError(f"skip_reading_prefix_cache must be true or false, got {self.skip_reading_prefix_cache!r}")
         if self.stop and not self.detokenize:

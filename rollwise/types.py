@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from rollwise.sampling import SamplingParams
@@ -43,6 +44,7 @@ class RequestOutput:
     # with SamplingParams.prompt_logprob_token_ids, once finished: float32 numpy [rows, ids], row i the
     # logprobs of its ids as prompt token prompt_logprob_start + i + 1 (-inf where -1 padded), as vLLM's
     prompt_token_id_logprobs: object | None = None
+    flat_logprobs: bool = False  # SamplingParams.flat_logprobs: the vLLM views below as FlatLogprobs
     # with SamplingParams.return_routed_experts, once finished: int32 numpy [num_tokens - 1, layers, k],
     # the experts each token of prompt + output but the last was routed to in each decoder layer
     # (-1 in a layer without experts), as SGLang and vLLM return them
@@ -75,8 +77,9 @@ class RequestOutput:
         tops = self.prompt_top_logprobs or [None] * len(lps)
         ranks = self.prompt_logprob_ranks or [None] * len(lps)
         ids = self.prompt_token_ids
-        return [None if lp is None else _position(self.tokenizer, t, lp, rank, top or {}, ids[max(1, i - 4):i])
-                for i, (t, lp, rank, top) in enumerate(zip(ids, lps, ranks, tops))]
+        got = [None if lp is None else _position(self.tokenizer, t, lp, rank, top or {}, ids[max(1, i - 4):i])
+               for i, (t, lp, rank, top) in enumerate(zip(ids, lps, ranks, tops))]
+        return FlatLogprobs.of(got) if self.flat_logprobs else got
 
 
 @dataclass(slots=True, frozen=True)
@@ -86,6 +89,42 @@ class Logprob:
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class FlatLogprobs(Sequence):
+    """vLLM's flat form of per-position logprobs (SamplingParams.flat_logprobs): every position's
+    entries in flat lists (position i's are [start_indices[i], end_indices[i])), so a long output
+    makes a few lists, not a dict and Logprobs per token. Reads as the list of {token id: Logprob}
+    it stands for (a position with none: {})."""
+    start_indices: list[int] = field(default_factory=list)
+    end_indices: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
+    decoded_tokens: list[str | None] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, positions) -> FlatLogprobs:
+        out = cls()
+        for pos in positions:
+            out.start_indices.append(len(out.token_ids))
+            for t, p in (pos or {}).items():
+                out.token_ids.append(t)
+                out.logprobs.append(p.logprob)
+                out.ranks.append(p.rank)
+                out.decoded_tokens.append(p.decoded_token)
+            out.end_indices.append(len(out.token_ids))
+        return out
+
+    def __len__(self) -> int:
+        return len(self.start_indices)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return FlatLogprobs.of([self[j] for j in range(*i.indices(len(self)))])
+        return {self.token_ids[k]: Logprob(self.logprobs[k], self.ranks[k], self.decoded_tokens[k])
+                for k in range(self.start_indices[i], self.end_indices[i])}
 
 
 @dataclass(slots=True, frozen=True)
@@ -115,6 +154,7 @@ class CompletionOutput:
         ids, tops = out.token_ids, out.top_logprobs
         logprobs = [_position(out.tokenizer, t, lp, None, (tops[i] if i < len(tops) else None) or {},
                               ids[max(0, i - 4):i]) for i, (t, lp) in enumerate(zip(ids, out.logprobs))]
+        logprobs = FlatLogprobs.of(logprobs) if out.flat_logprobs else logprobs
         return cls(index=out.index, text=out.text, token_ids=list(out.token_ids),
                    cumulative_logprob=float(sum(out.logprobs)), logprobs=logprobs, finish_reason=out.finish_reason,
                    stop_reason=out.stop_reason, routed_experts=out.routed_experts,

@@ -369,7 +369,7 @@ class LLMEngine(WeightVersions, SleepMode):
             num_cached_tokens=max(seq.num_cached_tokens, 0), policy_version=seq.policy_version,
             version_segments=list(seq.version_segments), routed_experts=seq.routed_experts,
             weight_versions=self.weight_spans(seq) if finished else None,
-            tokenizer=self.tokenizer if seq.params.detokenize else None,
+            tokenizer=self.tokenizer if seq.params.detokenize else None, flat_logprobs=seq.params.flat_logprobs,
             prompt_token_id_logprobs=seq.prompt_id_scores if finished else None,
             **({} if seq.params.prompt_logprobs is None else {
                 "prompt_token_logprobs": [x and x[0] for x in seq.prompt_logprobs],

@@ -330,3 +330,22 @@ def test_prompt_logprob_token_ids_score_given_tokens_at_each_prompt_row(model_di
                       ({"prompt_logprob_token_ids": [[1] * 21]}, "at most 20")]:
         with pytest.raises(ValueError, match=match):
             SamplingParams(**kw)
+
+
+def test_flat_logprobs_read_as_the_lists_they_stand_for(llm):
+    """vLLM's flat_logprobs: the vLLM views' logprobs (output and prompt) as FlatLogprobs, whose flat
+    lists hold every entry and which read, by position and by slice, as the list of dicts does."""
+    from rollwise.types import FlatLogprobs
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    prompt = [5, 6, 7, 8]
+    plain = llm.generate([prompt], params)[0]
+    flat = llm.generate([prompt], dataclasses.replace(params, flat_logprobs=True))[0]
+    a, b = plain.outputs[0].logprobs, flat.outputs[0].logprobs
+    assert isinstance(b, FlatLogprobs) and isinstance(a, list)
+    assert list(b) == a and len(b) == 6 and b[2] == a[2] and list(b[1:4]) == a[1:4] and list(b[::-1]) == a[::-1]
+    assert b.token_ids == [t for pos in a for t in pos] and b.logprobs == [p.logprob for pos in a for p in pos.values()]
+    assert b.ranks == [p.rank for pos in a for p in pos.values()]
+    pa, pb = plain.prompt_logprobs, flat.prompt_logprobs
+    assert isinstance(pb, FlatLogprobs) and pb[0] == {} and pa[0] is None and list(pb)[1:] == pa[1:]
+    with pytest.raises(ValueError, match="flat_logprobs must be true or false"):
+        SamplingParams(flat_logprobs="yes")
