@@ -119,7 +119,8 @@ class AsyncLLM:
             yield dataclasses.replace(out, request_id=request_id, prompt=text)
             return
         tok, kind = self.tokenizer if sp.detokenize else None, sp.output_kind  # (detokenize: decoded_token)
-        got = RequestOutput(request_id=request_id, prompt_token_ids=ids, prompt=text, tokenizer=tok)
+        got = RequestOutput(request_id=request_id, prompt_token_ids=ids, prompt=text, tokenizer=tok,
+                            flat_logprobs=sp.flat_logprobs)
         async with aclosing(deltas(self.engine, ids, sp, request_id, **options)) as pieces:
             async for new, lps, tops, delta, final in pieces:
                 if final is not None:
@@ -136,7 +137,8 @@ class AsyncLLM:
                                               top_logprobs=list(got.top_logprobs))
                 elif kind == RequestOutputKind.DELTA:
                     yield RequestOutput(request_id=request_id, prompt_token_ids=ids, token_ids=new, logprobs=lps,
-                                        top_logprobs=tops, text=delta, prompt=text, tokenizer=tok)
+                                        top_logprobs=tops, text=delta, prompt=text, tokenizer=tok,
+                                        flat_logprobs=sp.flat_logprobs)
 
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
         """Abort requests in flight (with n > 1, the request's samples)."""

@@ -352,7 +352,8 @@ class LLMEngine(WeightVersions, SleepMode):
         self.streaming[seq.request_id] = n
         return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
                              token_ids=seq.token_ids[seq.prompt_len + sent:], logprobs=seq.logprobs[sent:n],
-                             top_logprobs=seq.top_logprobs[sent:n], policy_version=seq.policy_version)
+                             top_logprobs=seq.top_logprobs[sent:n], policy_version=seq.policy_version,
+                             flat_logprobs=seq.params.flat_logprobs)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         finished = seq.finish_reason is not None

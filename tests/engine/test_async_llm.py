@@ -100,6 +100,17 @@ def test_stream_interval_batches_the_pieces(engine, model_dir, want):
         SamplingParams(stream_interval=0)
 
 
+def test_flat_logprobs_in_every_streamed_output(engine, want):
+    from rollwise.types import FlatLogprobs
+    import dataclasses
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+        outs = collect(engine, PROMPT, dataclasses.replace(GREEDY, flat_logprobs=True, output_kind=kind), f"flat{kind}")
+        assert len(outs) > 1 and all(isinstance(o.outputs[0].logprobs, FlatLogprobs) for o in outs)
+        got = list(outs[-1].outputs[0].logprobs) if kind == RequestOutputKind.CUMULATIVE else [
+            p for o in outs for p in o.outputs[0].logprobs]
+        assert got == want.outputs[0].logprobs
+
+
 def test_text_prompts_and_n_samples(engine, model_dir):
     """A text prompt is tokenized as the engine does and named in `.prompt`; n samples come once, all
     done, as LLM.generate gives them for their seeds, under the request's id."""
