@@ -94,9 +94,9 @@ class Logprob:
 @dataclass(slots=True)
 class FlatLogprobs(Sequence):
     """vLLM's flat form of per-position logprobs (SamplingParams.flat_logprobs): every position's
-    entries in flat lists (position i's are [start_indices[i], end_indices[i])), so a long output
-    makes a few lists, not a dict and Logprobs per token. Reads as the list of {token id: Logprob}
-    it stands for (a position with none: {})."""
+    entries in flat lists (position i's are [start_indices[i], end_indices[i])). Reads as the list of
+    {token id: Logprob} it stands for (a position with none: {}). vLLM builds it to spare the garbage
+    collector a dict per token; here it is made from those dicts, for code that reads vLLM's form."""
     start_indices: list[int] = field(default_factory=list)
     end_indices: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
