@@ -249,7 +249,9 @@ def engine_args(kwargs: dict, model) -> dict:
 SGLANG_NAMES = {"model_path": "model", "context_length": "max_model_len", "random_seed": "seed",
                 "max_running_requests": "max_num_seqs", "chunked_prefill_size": "max_num_batched_tokens",
                 "page_size": "block_size", "max_loras_per_batch": "max_loras",
-                "enable_deterministic_inference": "batch_invariant", "mem_fraction_static": "gpu_memory_utilization"}
+                "enable_deterministic_inference": "batch_invariant", "mem_fraction_static": "gpu_memory_utilization",
+                "speculative_num_draft_tokens": "spec_max_tokens", "speculative_ngram_max_trie_depth": "spec_max_depth",
+                "speculative_ngram_branch_length": "spec_max_depth"}  # (the trie's depth: its new name, its old)
 # and those with no work to do here, with the values that agree with this engine (None: any; a kernel
 # backend, a log level and an address choose nothing this engine does differently)
 SGLANG_ARGS = {"tp_size": (1,), "dp_size": (1,), "pp_size": (1,), "ep_size": (1,), "nnodes": (1,), "node_rank": (0,),
@@ -257,26 +259,39 @@ SGLANG_ARGS = {"tp_size": (1,), "dp_size": (1,), "pp_size": (1,), "ep_size": (1,
                "enable_memory_saver": (True, False),
                "disable_cuda_graph": (True, False), "log_level": None, "host": None,
                "port": None, "base_gpu_id": None, "gpu_id_step": None, "attention_backend": None,
-               "sampling_backend": None}
+               "sampling_backend": None,
+               # SGLang's NGRAM trie's own knobs (how it matches and lays out a draft): the suffix trees that
+               # take its place have none of them
+               "speculative_ngram_min_match_window_size": None, "speculative_ngram_max_match_window_size": None,
+               "speculative_ngram_min_bfs_breadth": None, "speculative_ngram_max_bfs_breadth": None,
+               "speculative_ngram_match_type": None, "speculative_ngram_capacity": None}
+# SGLang's speculative algorithms taken here: NGRAM (drafts from a trie over recent requests' tokens, no draft
+# model) as the suffix trees, which draft from the same (the request's context, its group, earlier requests)
+SGLANG_SPECULATIVE = {"NGRAM": "suffix"}
 
 
 def sglang_args(kwargs: dict) -> tuple[str, dict]:
     """SGLang's ServerArgs as (model, EngineConfig's keyword arguments): its names renamed
-    (SGLANG_NAMES), `disable_radix_cache` as prefix caching off, those of SGLANG_ARGS checked and
-    dropped, EngineConfig's own names taken as they are; ValueError for anything else, or a name
-    given twice."""
+    (SGLANG_NAMES), `disable_radix_cache` as prefix caching off, `speculative_algorithm` NGRAM as the
+    suffix trees (SGLANG_SPECULATIVE), those of SGLANG_ARGS checked and dropped, EngineConfig's own names
+    taken as they are; ValueError for anything else, or a name given twice."""
     out, ours = {}, {f.name for f in fields(EngineConfig)} | {"gpu_memory_utilization"}
     for k, v in kwargs.items():
         if k == "disable_radix_cache":
             if not isinstance(v, bool):
                 raise ValueError(f"disable_radix_cache must be true or false, got {v!r}")
             k, v = "enable_prefix_caching", not v
+        elif k == "speculative_algorithm":
+            if v not in SGLANG_SPECULATIVE:
+                raise ValueError(f"speculative_algorithm must be one of {list(SGLANG_SPECULATIVE)} here (no draft "
+                                 f"model, EAGLE or MTP), got {v!r}")
+            k, v = "speculative", SGLANG_SPECULATIVE[v]
         elif k in SGLANG_ARGS:
             if SGLANG_ARGS[k] is not None and v not in SGLANG_ARGS[k]:
                 raise ValueError(f"{k} must be one of {list(SGLANG_ARGS[k])} here, got {v!r}")
             continue
         elif k not in ours and k not in SGLANG_NAMES:
-            sglang = sorted([*SGLANG_NAMES, *SGLANG_ARGS, "disable_radix_cache"])
+            sglang = sorted([*SGLANG_NAMES, *SGLANG_ARGS, "disable_radix_cache", "speculative_algorithm"])
             raise ValueError(f"unknown engine arguments [{k!r}]; valid: SGLang's {sglang} and rollwise's "
                              f"{sorted(ours)}")
         k = SGLANG_NAMES.get(k, k)

@@ -55,6 +55,8 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
                            help=f"= --{ours.replace('_', '-')}")
     g.add_argument("--disable-radix-cache", action="store_const", const=True, default=None,
                    help="= --no-enable-prefix-caching")
+    g.add_argument("--speculative-algorithm", default=None, metavar="NGRAM",
+                   help="NGRAM = --speculative suffix (no draft model: EAGLE, MTP and the rest are not taken)")
     for name, ok in SGLANG_ARGS.items():
         if name in _SHARED:
             continue
@@ -86,7 +88,8 @@ def launch_args(args: argparse.Namespace) -> None:
         if len(args.served_model_name) > 1 or args.model_name not in (None, args.served_model_name[0]):
             raise ValueError("give the model one name here (--served-model-name or --model-name)")
         args.model_name = args.served_model_name[0]
-    names = [k for k in (*SGLANG_NAMES, *SGLANG_ARGS, "disable_radix_cache") if k not in _SHARED]
+    names = [k for k in (*SGLANG_NAMES, *SGLANG_ARGS, "disable_radix_cache", "speculative_algorithm")
+             if k not in _SHARED]
     given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     _, ours = sglang_args({**given, "model_path": args.model, "device": args.device})
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}

@@ -641,6 +641,33 @@ def test_sglang_flags_fold_into_ours(model_dir, monkeypatch):
     assert (args.block_size, args.batch_invariant, args.max_loras) == (32, True, 3)
 
 
+def test_sglang_ngram_speculation_folds_into_ours(model_dir, monkeypatch, capsys):
+    """SGLang's NGRAM speculation (a trie over recent requests' tokens, no draft model) as the suffix
+    trees: its draft-token count and trie depth as ours, its trie's own knobs taken with nothing to do;
+    an algorithm that needs a draft model, or the depth given twice and differently, is refused."""
+    from rollwise import cli
+    from rollwise.config import sglang_args
+    from rollwise.serve.launch import launch_args
+    got = []
+    monkeypatch.setattr(cli, "cmd_serve", lambda args: (launch_args(args), got.append(args)))
+    cli.main(["serve", "--model-path", model_dir, "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens",
+              "8", "--speculative-ngram-max-trie-depth", "12", "--speculative-ngram-max-bfs-breadth", "4",
+              "--speculative-ngram-match-type", "BFS"])
+    args = got.pop()
+    assert (args.speculative, args.spec_max_tokens, args.spec_max_depth) == ("suffix", 8, 12)
+    model, kw = sglang_args({"model_path": model_dir, "speculative_algorithm": "NGRAM",
+                             "speculative_ngram_branch_length": 18, "speculative_ngram_capacity": 1000})
+    assert (model, kw["speculative"], kw["spec_max_depth"]) == (model_dir, "suffix", 18)
+    with pytest.raises(ValueError, match=r"speculative_algorithm must be one of \['NGRAM'\].*got 'EAGLE3'"):
+        sglang_args({"model_path": model_dir, "speculative_algorithm": "EAGLE3"})
+    with pytest.raises(ValueError, match="spec_max_depth is given twice"):
+        sglang_args({"model_path": model_dir, "speculative_ngram_branch_length": 18,
+                     "speculative_ngram_max_trie_depth": 6})
+    with pytest.raises(SystemExit):
+        cli.main(["serve", model_dir, "--speculative", "ngram", "--speculative-algorithm", "NGRAM"])
+    assert "--speculative and its SGLang name disagree" in capsys.readouterr().err
+
+
 def test_vllm_speculative_config_flag_folds_into_ours(model_dir, monkeypatch, capsys):
     """`vllm serve --speculative-config JSON` as written: vLLM's ngram and suffix methods become
     --speculative and the --spec-* flags; one that disagrees with a flag given too is refused."""
