@@ -135,8 +135,10 @@ class TrainConfig:
     # loss_agg = "sequence"), "cispo" (clipped, stopped ratios as weights: clip_high large), "clip_cov" or
     # "kl_cov" (PPO, or the unclipped gradient, holding back the tokens whose logprob and advantage covary
     # most: entropy kept up), "gmpo" (the geometric mean of token ratios clipped each), "gpg" (-A x logprob, no
-    # ratio: on-policy batches; rollwise.trainer.losses)
+    # ratio: on-policy batches), "sapo" (a sigmoid gate of each ratio for the clip; rollwise.trainer.losses)
     policy_loss: str = "ppo"
+    sapo_tau_pos: float = 1.0  # sapo: the gate's temperature under a positive advantage, and a negative one
+    sapo_tau_neg: float = 1.05
     cov_fraction: float = 2e-4  # clip_cov / kl_cov: the share of a micro-batch's tokens held back
     clip_cov_lb: float = 1.0  # clip_cov: the covariance range its tokens are drawn from
     clip_cov_ub: float = 5.0
@@ -146,10 +148,9 @@ class TrainConfig:
     # episodes cut off by a limit carry no loss (DAPO's overlong filtering): any of "max_turns",
     # "max_context", "timeout", "error"
     exclude_statuses: list[str] = field(default_factory=list)
-    # an episode that ends with one of these statuses (default: an environment or agent that raised), or
-    # whose turn no replica could serve, is run again from the start (a fresh env, another seed), at
-    # most episode_retries times; the last attempt stands. An error says nothing about the policy, so
-    # training it with reward 0 would teach the group's others to beat a crash
+    # an episode that ends with one of these statuses (default: an environment or agent that raised), or whose
+    # turn no replica could serve, runs again from the start (a fresh env, another seed), at most episode_retries
+    # times; the last attempt stands (an error says nothing about the policy: reward 0 would teach the others)
     episode_retries: int = 2
     retry_statuses: list[str] = field(default_factory=lambda: ["error"])
     temperature: float = 1.0
@@ -162,10 +163,9 @@ class TrainConfig:
     thinking_token_budget: int | None = None
     max_turns: int = 4
     max_staleness: int = 1  # 0: synchronous (on-policy); k: rollouts up to k versions ahead
-    # DAPO's dynamic sampling: a group whose episodes all got the same reward has zero advantage and
-    # teaches nothing (gigpo: unless a turn's step advantage is not 0); skip it (logged, not trained on)
-    # and take another in its place, at most max_skipped_groups per step (0: 4 x groups_per_step), after
-    # which a step trains on what comes
+    # DAPO's dynamic sampling: a group whose episodes all got the same reward has zero advantage and teaches
+    # nothing (gigpo: unless a turn's step advantage is not 0); skip it (logged, not trained on) and take another
+    # in its place, at most max_skipped_groups per step (0: 4 x groups_per_step), then train on what comes
     dynamic_sampling: bool = False
     max_skipped_groups: int = 0
     # GRESO's pre-rollout filter: a task whose last z groups in a row taught nothing (every episode the same

@@ -80,7 +80,9 @@ class GRPOConfig:
     # verl's names too: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm, seq-mean-token-sum (over 1)
     loss_agg: str = "token"
     loss_scale_tokens: int = 0  # "constant": the divisor (e.g. the most tokens an episode may generate)
-    policy_loss: str = "ppo"  # or "gspo", "cispo", "clip_cov", "kl_cov", "gmpo", "gpg" (`POLICY_LOSSES`)
+    policy_loss: str = "ppo"  # or "gspo", "cispo", "clip_cov", "kl_cov", "gmpo", "gpg", "sapo" (`POLICY_LOSSES`)
+    sapo_tau_pos: float = 1.0  # sapo: its gate's temperature under a positive advantage, and a negative one
+    sapo_tau_neg: float = 1.05  # (verl's tau_pos, tau_neg)
     # clip_cov / kl_cov: the share of a micro-batch's tokens held back, Clip-Cov's covariance bounds, KL-Cov's
     # coefficient (verl's clip_cov_ratio, clip_cov_lb, clip_cov_ub; kl_cov_ratio, ppo_kl_coef)
     cov_fraction: float = 2e-4
@@ -112,6 +114,8 @@ class GRPOConfig:
         if not 0 < self.cov_fraction < 1 or self.clip_cov_lb > self.clip_cov_ub or self.kl_cov_coef < 0:
             raise ValueError(f"need 0 < cov_fraction < 1, clip_cov_lb <= clip_cov_ub and kl_cov_coef >= 0, got "
                              f"{self.cov_fraction}, {self.clip_cov_lb}, {self.clip_cov_ub} and {self.kl_cov_coef}")
+        if self.sapo_tau_pos <= 0 or self.sapo_tau_neg <= 0:
+            raise ValueError(f"sapo_tau_pos and sapo_tau_neg must be > 0, got {self.sapo_tau_pos}, {self.sapo_tau_neg}")
         if self.policy_loss in ("clip_cov", "kl_cov") and self.stream_whitened:
             raise ValueError(f"policy_loss {self.policy_loss!r} picks its tokens by the advantages, which "
                              "stream_whitened does not have yet: set stream_whitened = false")

@@ -336,7 +336,9 @@ class GRPOTrainer:
         if cfg.policy_loss == "clip_cov":
             seed = hash((self.version, *b.targets.shape, int(b.targets.sum()))) & (2**63 - 1)  # (ints: not salted)
             draw = torch.Generator().manual_seed(seed)
-        pg, ratio = token_losses(cfg.policy_loss, lp, prox, A, w, b.mask, cfg.clip_range, cfg.dual_clip, cov, draw)
+        sapo = (cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+        pg, ratio = token_losses(cfg.policy_loss, lp, prox, A, w, b.mask, cfg.clip_range, cfg.dual_clip, cov, draw,
+                                 sapo)
         extra = None  # the loss's terms that do not depend on the advantage
         if cfg.kl_coef > 0:  # (the reference's logprobs: the first pass put them there)
             kl = kl_estimate(lp, b.ref_logprobs, cfg.kl_loss_type)
@@ -350,7 +352,7 @@ class GRPOTrainer:
             return aggregate(x, b.mask, cfg.loss_agg, div, n, cfg.loss_scale_tokens)
         if split_grads is not None:  # L(A) and L(1) apart (SplitGradients); KL and entropy into the gradients
             one = token_losses(cfg.policy_loss, lp, prox, torch.ones_like(A), w, b.mask, cfg.clip_range,
-                               cfg.dual_clip)[0]
+                               cfg.dual_clip, sapo=sapo)[0]
             split_grads.backward(agg(pg), agg(one), retain_graph=extra is not None)
             loss = None if extra is None else agg(extra)
         else:

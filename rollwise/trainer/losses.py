@@ -21,7 +21,14 @@ takes their arithmetic mean), but each token's log-ratio is clipped before the m
 log(1 + clip_high)] in the direction its advantage pushes (a clipped token carries no gradient), not
 the sequence's ratio after it; the paper's range is wider, e.g. clip = clip_high = 0.4. In token form
 (each token the sequence's value, its own gradient): loss_agg = "sequence" gives the paper's mean over
-sequences. `w`: the importance weights proximal / behaviour (correction.py).
+sequences. "sapo" (SAPO, Gao et al. 2025, "Soft Adaptive Policy Optimization"; verl's): no clip, each
+token's loss -A x (4 / tau) sigmoid(tau (ratio - 1)), tau = `sapo_tau_pos` under a positive advantage,
+`sapo_tau_neg` under a negative one: a soft trust region whose gradient, A x 4 s (1 - s) x ratio x the
+logprob's, is PPO's at ratio 1 and falls off smoothly as the ratio moves away (faster on the negative
+side, tau_neg > tau_pos), rather than stopping at the clip. Its value here is less the gate's value at
+ratio 1 (2 / tau, which takes tau from the advantage's sign): the same gradients as verl's, and a loss
+that is 0 on fresh samples, so linear in the advantages there, as SplitGradients needs. `w`: the importance weights proximal /
+behaviour (correction.py).
 
 `loss_agg`: "token", the mean over the batch's generated tokens; "sequence", each trajectory's mean,
 then theirs; "constant", each trajectory's token sum over a fixed count, then the mean (Dr. GRPO's,
@@ -34,7 +41,7 @@ import math
 
 import torch
 
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "clip_cov", "kl_cov", "gmpo", "gpg")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "clip_cov", "kl_cov", "gmpo", "gpg", "sapo")
 LOSS_AGGS = ("token", "sequence", "constant")
 # verl's loss_agg_mode names: seq-mean-token-sum is "constant" over 1 token (GRPOConfig sets it)
 LOSS_AGG_ALIASES = {"token-mean": "token", "seq-mean-token-mean": "sequence", "seq-mean-token-sum-norm": "constant",
@@ -87,13 +94,19 @@ def check(agg: str, scale_tokens: int, dual_clip: float = 0.0, epochs: int = 1, 
 
 def token_losses(kind: str, lp: torch.Tensor, prox: torch.Tensor, A: torch.Tensor, w: torch.Tensor,
                  mask: torch.Tensor, clip_range: tuple[float, float], dual_clip: float = 0.0,
-                 cov: tuple[float, float, float, float] = (2e-4, 1.0, 5.0, 1.0), generator=None):
+                 cov: tuple[float, float, float, float] = (2e-4, 1.0, 5.0, 1.0), generator=None,
+                 sapo: tuple[float, float] = (1.0, 1.05)):
     """[B, L-1] each target's policy-gradient loss (its gradient flows through `lp`), and the ratios
     current / proximal that were clipped against. `A`: [B, 1] or [B, L-1] advantages. `cov`:
-    clip_cov's and kl_cov's (cov_fraction, clip_cov_lb, clip_cov_ub, kl_cov_coef); `generator`: clip_cov's draw."""
+    clip_cov's and kl_cov's (cov_fraction, clip_cov_lb, clip_cov_ub, kl_cov_coef); `generator`: clip_cov's
+    draw; `sapo`: SAPO's (tau_pos, tau_neg)."""
     lo, hi = clip_range
     if kind == "gpg":  # (the ratio to itself: 1, nothing clipped)
         return -A * lp * w, torch.ones_like(lp)
+    if kind == "sapo":  # (the log-ratio held to +-20, as verl's: far out the gate's gradient is 0, not 0 x inf)
+        tau = torch.where(A > 0, sapo[0], sapo[1])
+        ratio = torch.exp((lp - prox).clamp(-20.0, 20.0))
+        return -(4.0 / tau) * (torch.sigmoid(tau * (ratio - 1.0)) - 0.5) * A * w, ratio
     if kind in ("clip_cov", "kl_cov"):
         return _cov_losses(kind, lp, prox, A, w, mask, clip_range, *cov, generator=generator)
     if kind == "gspo":  # each row's sequence ratio, carried by every token with its own gradient

@@ -208,6 +208,7 @@ def result(m, policy, trainer):
 @pytest.mark.parametrize("advantage,extra", [
     ("gae", {}), ("gae", {"epochs": 2, "micro_batch_tokens": 24}),
     ("reinforce_plus_plus", {"policy_loss": "cispo", "kl_coef": 0.1, "entropy_coef": 0.01}),
+    ("reinforce_plus_plus", {"policy_loss": "sapo", "sapo_tau_neg": 3.0}),
     ("reinforce_plus_plus_baseline", {"policy_loss": "gspo", "loss_agg": "sequence", "clip": 3e-4}),
     ("reinforce_plus_plus_baseline", {"mini_batches": 2, "micro_batch_tokens": 24, "loss_agg": "constant",
                                       "loss_scale_tokens": 8})])

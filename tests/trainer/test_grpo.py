@@ -261,7 +261,7 @@ def test_recomputed_behaviour_of_stale_samples_uses_the_weights_that_generated_t
                                  dict(epochs=2, policy_loss="cispo", clip_high=5.0),
                                  dict(advantage="opo"), dict(advantage="grpo_passk", kl_coef=0.1, kl_loss_type="k3+"),
                                  dict(epochs=2, policy_loss="gmpo", loss_agg="sequence", clip=0.4, clip_high=0.4),
-                                 dict(policy_loss="gpg", advantage="dr_grpo")])
+                                 dict(policy_loss="gpg", advantage="dr_grpo"), dict(epochs=2, policy_loss="sapo")])
 def test_a_streamed_step_equals_the_whole_batch_step(model_dir, cfg):
     """Groups added as they arrive (in any order, any number at a time) give the step the whole
     batch gives: the same metrics, and the same weights up to float summation order (AdamW's
@@ -577,12 +577,13 @@ def test_dual_clip_bounds_a_negative_advantages_loss(model_dir):
         GRPOTrainer(PolicyModel(model_dir), GRPOConfig(dual_clip=0.5))
 
 
-@pytest.mark.parametrize("policy_loss", ["ppo", "gspo", "cispo", "gmpo", "gpg"])
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo", "cispo", "gmpo", "gpg", "sapo"])
 def test_policy_losses_against_their_formulas(model_dir, policy_loss):
     """Each loss on made-up logprobs, its value and gradient against the formula written out:
     PPO clips each token's ratio, GSPO the sequence's geometric mean (each token's gradient the
     sequence ratio times its own), CISPO weights each token's logprob by its clipped, stopped ratio,
-    GMPO takes the geometric mean of token ratios each clipped in log space against its advantage."""
+    GMPO takes the geometric mean of token ratios each clipped in log space against its advantage,
+    SAPO gates each ratio by a sigmoid whose temperature its advantage's sign picks."""
     torch.manual_seed(0)
     mask = torch.tensor([[0.0, 1, 1, 1], [0, 0, 1, 1]])
     prox = -torch.rand(2, 4) * 2
@@ -608,6 +609,10 @@ def test_policy_losses_against_their_formulas(model_dir, policy_loss):
         grad, value = -c * A * w, -c * A * w * lp0
     elif policy_loss == "gpg":  # -A w logp: no ratio, nothing clipped
         grad, value = -A * w, -A * w * lp0
+    elif policy_loss == "sapo":  # -A w (4 / tau)(sigmoid(tau (r - 1)) - 1/2), tau 1.0 for row 0 (A > 0), 1.05 for row 1
+        tau = torch.tensor([[1.0], [1.05]])
+        s = torch.sigmoid(tau * (r - 1))
+        grad, value = -A * w * 4 * s * (1 - s) * r, -A * w * (4 / tau) * (s - 0.5)
     elif policy_loss == "gmpo":  # row 0 (A > 0): log-ratios over log 1.15 held there; row 1 (A < 0): under log 0.9
         d = lp0 - prox
         kept = torch.tensor([[True, False, True, True], [True, True, True, False]])  # (0.3 > 0.14, -0.4 < -0.105)
@@ -624,8 +629,30 @@ def test_policy_losses_against_their_formulas(model_dir, policy_loss):
         assert float(stats[1]) == 0 and (lp.grad[mask.bool()] != 0).all()
     if policy_loss == "gmpo":  # the clipped tokens alone carry no gradient
         assert lp.grad[0, 1] == 0 and lp.grad[1, 3] == 0 and (lp.grad[0, 2:] != 0).all() and lp.grad[1, 2] != 0
-    with pytest.raises(ValueError, match="valid: \\['ppo', 'gspo', 'cispo', 'clip_cov', 'kl_cov', 'gmpo', 'gpg'\\]"):
+    if policy_loss == "sapo":  # no clip: every token keeps a gradient (PPO's is 0 at row 0's token 1)
+        assert (lp.grad[mask.bool()] != 0).all()
+    with pytest.raises(ValueError, match="valid: \\['ppo', 'gspo', 'cispo', 'clip_cov', 'kl_cov', 'gmpo', 'gpg', 'sapo'\\]"):
         GRPOTrainer(PolicyModel(model_dir), GRPOConfig(policy_loss="dpo"))
+
+
+def test_sapo_gate_is_ppo_at_ratio_1_and_fades_far_off():
+    """SAPO's gradient at ratio 1 is PPO's (-A w per logprob, whatever tau) and its value 0 there; far
+    off (log-ratio past 20 either way) it is 0, finite, where an unclamped ratio gives 0 x inf; a
+    negative advantage's gate (tau_neg > tau_pos) falls off faster than a positive one's."""
+    from rollwise.trainer.losses import token_losses
+    A = torch.tensor([[2.0], [-2.0]])
+    w, mask = torch.full((2, 3), 0.5), torch.ones(2, 3)
+    prox = torch.zeros(2, 3)
+    for taus in ((1.0, 1.05), (0.3, 8.0)):
+        lp = torch.zeros(2, 3, requires_grad=True)
+        loss, ratio = token_losses("sapo", lp, prox, A, w, mask, (0.8, 1.2), sapo=taus)
+        loss.sum().backward()
+        assert torch.equal(ratio, torch.ones(2, 3)) and torch.equal(loss.detach(), torch.zeros(2, 3))
+        assert torch.allclose(lp.grad, (-A * w).expand(2, 3))
+    lp = torch.tensor([[30.0, -30.0, 0.7], [30.0, -30.0, 0.7]], requires_grad=True)
+    token_losses("sapo", lp, prox, A, w, mask, (0.8, 1.2), sapo=(1.0, 3.0))[0].sum().backward()
+    assert torch.isfinite(lp.grad).all() and (lp.grad[:, :2] == 0).all()
+    assert abs(lp.grad[1, 2]) < abs(lp.grad[0, 2])  # the same ratio, |A| alike: tau 3 gates harder than tau 1
 
 
 @pytest.mark.parametrize("policy_loss", ["clip_cov", "kl_cov"])
