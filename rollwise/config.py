@@ -12,6 +12,7 @@ from rollwise.engine.block_manager import HASH_ALGOS
 
 DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE = (None, "suffix", "ngram")
+LOGPROBS_MODES = (None, "processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits")
 SPEC_CONTROLLERS = ("off", "always", "threshold", "adaptive")
 DEVICES = ("cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -41,11 +42,9 @@ class EngineConfig:
     # to collide, "builtin" (Python's hash, ~4x faster to compute: benchmarks/prefix_hash.py) can
     prefix_caching_hash_algo: str = field(default="sha256", metadata={"choices": HASH_ALGOS})
     num_threads: int | None = None  # torch intra-op threads; default: torch's choice
-    # the native paged attention kernel for every row (CPU, fp32; README "Native kernels": decode
-    # 1.04-1.71x with every kernel native, prefill at par), reproducible bit for bit like the torch
-    # path. None: on for head sizes 32, 64 and 128 (its vector kernel), SDPA for others, where its
-    # loop kernel is slower at long contexts (0.23-0.37x at head size 32 before the vector kernel
-    # took it); True: always; False: SDPA
+    # the native paged attention kernel for every row (CPU, fp32; README "Native kernels"), reproducible bit
+    # for bit like the torch path. None: on for head sizes 32, 64 and 128 (its vector kernel), SDPA for others
+    # (its loop kernel is slower at long contexts); True: always; False: SDPA
     native_attention: bool | None = None
     # batch invariance (vLLM's VLLM_BATCH_INVARIANT, SGLang's --enable-deterministic-inference): a
     # request's logits, hence its logprobs and seeded tokens, are the same bits whatever shares its
@@ -72,6 +71,9 @@ class EngineConfig:
     # vLLM's: a class ("package.module.Class") whose methods are mixed into the worker, for
     # collective_rpc by name (a trainer's weight sync: rollwise.engine.worker)
     worker_extension_cls: str | None = None
+    # what outputs carry as logprobs (vLLM's logprobs_mode, rollwise.engine.sampler.shown_logprobs); None: the
+    # sampled distribution's before top-k / top-p, at the request's temperature (what a trainer recomputes)
+    logprobs_mode: str | None = field(default=None, metadata={"choices": LOGPROBS_MODES[1:]})
     # speculation: "suffix" (SuffixDecoding: drafts from suffix trees) or "ngram" (vLLM's prompt lookup:
     # rollwise.spec.ngram), verified in the same forward
     speculative: str | None = field(default=None, metadata={"choices": SPECULATIVE[1:]})
@@ -85,14 +87,15 @@ class EngineConfig:
     spec_min_token_prob: float = 0.1
     spec_max_cached_requests: int = 10000
     spec_eviction: str = field(default="fifo", metadata={"choices": ("fifo", "lru")})
-    # "ngram": the n-gram lengths matched (vLLM's prompt_lookup_min / _max; neither given: 5 and 5,
-    # one given: both that)
+    # "ngram": the n-gram lengths matched (vLLM's prompt_lookup_min / _max; neither: 5 and 5; one: both that)
     spec_lookup_min: int | None = None
     spec_lookup_max: int | None = None
 
     def __post_init__(self) -> None:
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be one of {SPECULATIVE}, got {self.speculative!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.spec_controller not in SPEC_CONTROLLERS:
             raise ValueError(f"spec_controller must be one of {SPEC_CONTROLLERS}, got {self.spec_controller!r}")
         if self.spec_max_tokens < 0 or self.spec_threshold < 0:
@@ -148,10 +151,9 @@ def extension_class(name: str) -> type:
     return found
 
 
-# vLLM's engine arguments with no work to do here, and the values that agree with this engine: no CUDA
-# graphs (always eager), known architectures only (no remote code), one process (no tensor or pipeline
-# parallelism), prefill always chunked, sleep mode always on, statistics always kept, trace replay always taken,
-# the token-in-token-out API always served
+# vLLM's engine arguments with no work to do here, and the values that agree with this engine: no CUDA graphs
+# (always eager), known architectures only (no remote code), one process (no tensor or pipeline parallelism),
+# prefill always chunked, sleep mode on, statistics kept, trace replay taken, the token-in-token-out API served
 VLLM_ARGS = {"enforce_eager": (True, False), "trust_remote_code": (True, False), "enable_sleep_mode": (True, False),
              "disable_log_stats": (True, False), "enable_chunked_prefill": (True, None), "tensor_parallel_size": (1,),
              "pipeline_parallel_size": (1,), "disable_custom_all_reduce": (True, False),

@@ -44,7 +44,7 @@ class LLMEngine(WeightVersions, SleepMode):
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                    cfg.prefix_caching_hash_algo)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.scheduling_policy)
-        self.sampler = Sampler(cfg.seed)
+        self.sampler = Sampler(cfg.seed, cfg.logprobs_mode)
         self.isolation = Isolation(self)  # a failed step fails the request that caused it (isolation.py)
         self.request_stats = RequestStats(self.max_model_len)  # vLLM's latency histograms (request_stats.py)
         self.spec = None

@@ -40,6 +40,7 @@ class ModelRunner:
             set_threads(cfg.num_threads)
         mkl.settle()  # (before the rotary table is computed on several threads)
         self.device = torch.device(cfg.device)
+        self.logprobs_mode = cfg.logprobs_mode  # (prompt logprobs, as vLLM's under a mode: sampler.prompt_logprobs)
         self.model: CausalLM = load_model(cfg.model, cfg.dtype, cfg.device, max_positions=max_model_len,
                                           dummy=cfg.load_format == "dummy")
         if cfg.batch_invariant:
@@ -139,7 +140,7 @@ class ModelRunner:
             for a in range(lo, hi, PROMPT_LOGITS_ROWS):
                 z = min(a + PROMPT_LOGITS_ROWS, hi)
                 got += prompt_logprobs(model.logits(hidden[a:z]), seq.token_ids[first + 1 + a - lo:first + 1 + z - lo],
-                                       seq.params, first + a - lo, seq.prompt_id_scores)
+                                       seq.params, first + a - lo, seq.prompt_id_scores, self.logprobs_mode)
             prompts[b] = got
         return model.logits(hidden[t(rows)]), starts, prompts
 

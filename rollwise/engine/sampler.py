@@ -29,8 +29,9 @@ class SampleRow:
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, logprobs_mode: str | None = None) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        self.logprobs_mode = logprobs_mode  # what the outputs carry (shown_logprobs)
 
     def generator_for(self, params: SamplingParams, position: int) -> torch.Generator:
         """A seeded request's own stream for output position `position`; otherwise the engine's."""
@@ -45,6 +46,7 @@ class Sampler:
         (`SamplingParams.logprobs` of them; None for a row that asks for none). Bans, biases and
         structured-output masks are written into `logits` in place when it is float32 on the CPU."""
         logits = logits.float().cpu()
+        raw = logits.clone() if self.logprobs_mode in ("raw_logprobs", "raw_logits") else None
         for i, r in enumerate(rows):
             if r.params.has_logit_rules or r.params.has_penalties:
                 logits[i:i + 1] = processed(logits[i:i + 1], r.params, r.tokens, r.position)
@@ -67,8 +69,9 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.forced is not None:
                 tokens[i] = r.forced
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-        return tokens.tolist(), chosen.tolist(), asked_logprobs(logprobs, [r.params for r in rows])
+        shown = shown_logprobs(self.logprobs_mode, raw, scaled, logprobs, [r.params for r in rows])
+        chosen = shown.gather(1, tokens[:, None]).squeeze(1)
+        return tokens.tolist(), chosen.tolist(), asked_logprobs(shown, [r.params for r in rows])
 
     def _sample(self, scaled: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         probs = sampling_probs(scaled, [r.params.top_k for r in rows], [r.params.top_p for r in rows],
@@ -81,6 +84,27 @@ class Sampler:
             if r.params.seed is not None:
                 u[i] = seeded_uniform(r.params.seed, r.position)
         return inverse_cdf(probs, u)
+
+
+def shown_logprobs(mode: str | None, raw: torch.Tensor | None, scaled: torch.Tensor, logprobs: torch.Tensor,
+                   params: list[SamplingParams]) -> torch.Tensor:
+    """What outputs carry as the logprobs of rows [R, V] (EngineConfig.logprobs_mode). None: `logprobs`,
+    those of the distribution sampled from before top-k / top-p (`scaled`: the logits after bias, bans and
+    penalties, over the temperature), as a trainer recomputes them. vLLM's modes: "raw_logprobs" the
+    model's own (`raw`: its logits before anything; temperature 1), "raw_logits" those logits,
+    "processed_logits" `scaled` after min-p, top-k and top-p (what they leave out -inf; a greedy row is
+    not cut, as vLLM zeroes its filters), "processed_logprobs" their log-softmax: the distribution a
+    token was drawn from, renormalised over what the filters kept."""
+    if mode is None:
+        return logprobs
+    if mode in ("raw_logprobs", "raw_logits"):
+        return raw if mode == "raw_logits" else torch.log_softmax(raw, dim=-1)
+    cut = [i for i, p in enumerate(params) if not p.is_greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0)]
+    if cut:
+        scaled = scaled.clone()
+        scaled[cut] = top_k_top_p(scaled[cut], [params[i].top_k for i in cut], [params[i].top_p for i in cut],
+                                  [params[i].min_p for i in cut])
+    return scaled if mode == "processed_logits" else torch.log_softmax(scaled, dim=-1)
 
 
 def processed(logits: torch.Tensor, params: SamplingParams, tokens: list[int] | None, num_output: int,
@@ -145,14 +169,15 @@ def penalize(logits: torch.Tensor, params: SamplingParams, tokens: list[int], nu
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], params: SamplingParams, position: int = 0,
-                    scores=None) -> list[tuple[float, dict[int, float], int]]:
+                    scores=None, mode: str | None = None) -> list[tuple[float, dict[int, float], int]]:
     """Prompt positions' logits [R, V] (row 0 at prompt position `position`) -> per row, (the logprob
     of the prompt token that follows, its params.prompt_logprobs most likely {token id: logprob}, the
     token's rank in the vocabulary: 1 + how many are more likely, as vLLM counts it), at the request's
     temperature. With params.prompt_logprob_token_ids, the rows' ids are scored into `scores` (the
-    request's [rows, ids] array; -1 pads, left at -inf)."""
-    temp = params.temperature if params.temperature > 0 else 1.0
-    lp = torch.log_softmax(logits.float() / temp, dim=-1)
+    request's [rows, ids] array; -1 pads, left at -inf). Under a logprobs_mode (shown_logprobs), as vLLM's:
+    the model's own logprobs at temperature 1, or its logits in the logits modes."""
+    temp = params.temperature if params.temperature > 0 and mode is None else 1.0
+    lp = logits.float() if mode in ("raw_logits", "processed_logits") else torch.log_softmax(logits.float() / temp, -1)
     if scores is not None:
         start = params.prompt_logprob_start or 0
         skip = max(start - position, 0)  # rows of this chunk before the start

@@ -91,7 +91,8 @@ class Speculator:
     def verify(self, s: ScheduledSeq, logits: torch.Tensor) -> Verdict:
         seq, d = s.seq, s.draft
         v = verify(logits.float().cpu(), d, seq.params, seq.num_output_tokens, seq.forced,
-                   self.sampler.generator_for(seq.params, seq.num_output_tokens), seq.token_ids)
+                   self.sampler.generator_for(seq.params, seq.num_output_tokens), seq.token_ids,
+                   self.sampler.logprobs_mode)
         # accepted tree nodes move into place after the last token (a chain is already there)
         root = s.num_computed_before + s.num_new_tokens - 1
         src = [root + 1 + i for i in v.accepted]

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rollwise.engine.sampler import argmax, asked_logprobs, inverse_cdf, processed, sampling_probs, seeded_uniform
+from rollwise.engine.sampler import (argmax, asked_logprobs, inverse_cdf, processed, sampling_probs, seeded_uniform,
+                                     shown_logprobs)
 from rollwise.types import Draft, SamplingParams
 
 
@@ -56,14 +57,18 @@ def children_of(parents: list[int]) -> dict[int, list[int]]:
 
 @torch.inference_mode()
 def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, position: int,
-           forced: list[int] | None, generator: torch.Generator, tokens: list[int] | None = None) -> Verdict:
+           forced: list[int] | None, generator: torch.Generator, tokens: list[int] | None = None,
+           logprobs_mode: str | None = None) -> Verdict:
     """logits [1 + len(draft), V] (float32, CPU); position: output index of the first new token;
-    tokens: the prompt and output so far (needed only for penalties)."""
+    tokens: the prompt and output so far (needed only for penalties); logprobs_mode: what the verdict's
+    logprobs are (sampler.shown_logprobs), as the sampler's."""
+    raw = logits
     if params.has_logit_rules or params.has_penalties:
         logits = processed(logits, params, tokens, position, [[]] + draft_paths(draft))
     temp = params.temperature if params.temperature > 0 else 1.0
     scaled = logits if temp == 1.0 else logits / temp  # (x / 1.0 is x: no pass over [1 + k, V] for it)
     logprobs = torch.log_softmax(scaled, dim=-1)
+    shown = shown_logprobs(logprobs_mode, raw, scaled, logprobs, [params] * len(scaled))
     kids = children_of(draft.parents)
     accepted, tokens, lps = [], [], []
     node = -1  # the sequence's last token
@@ -73,10 +78,10 @@ def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, position:
             row = node + 1
             want = targets[row] if forced is None else forced[position + len(tokens)]
             tokens.append(want)
-            lps.append(float(logprobs[row, want]))
+            lps.append(float(shown[row, want]))
             nxt = next((i for i in kids.get(node, ()) if draft.token_ids[i] == want), None)
             if nxt is None or (forced is not None and position + len(tokens) >= len(forced)):
-                return _verdict(accepted, tokens, lps, logprobs, params)
+                return _verdict(accepted, tokens, lps, shown, params)
             accepted.append(nxt)
             node = nxt
     probs = sampling_probs(scaled, [params.top_k] * len(scaled), [params.top_p] * len(scaled),
@@ -87,10 +92,10 @@ def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, position:
             u = torch.tensor([seeded_uniform(params.seed, position + len(tokens))], dtype=torch.float64)
             tok = int(inverse_cdf(probs[row:row + 1], u)[0])
             tokens.append(tok)
-            lps.append(float(logprobs[row, tok]))
+            lps.append(float(shown[row, tok]))
             nxt = next((i for i in kids.get(node, ()) if draft.token_ids[i] == tok), None)
             if nxt is None:
-                return _verdict(accepted, tokens, lps, logprobs, params)
+                return _verdict(accepted, tokens, lps, shown, params)
             accepted.append(nxt)
             node = nxt
     while True:
@@ -107,9 +112,9 @@ def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, position:
         if nxt is None:
             tok = int(torch.multinomial(p / p.sum(), 1, generator=generator))
             tokens.append(tok)
-            lps.append(float(logprobs[row, tok]))
-            return _verdict(accepted, tokens, lps, logprobs, params)
+            lps.append(float(shown[row, tok]))
+            return _verdict(accepted, tokens, lps, shown, params)
         accepted.append(nxt)
         tokens.append(draft.token_ids[nxt])
-        lps.append(float(logprobs[row, draft.token_ids[nxt]]))
+        lps.append(float(shown[row, draft.token_ids[nxt]]))
         node = nxt

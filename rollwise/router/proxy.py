@@ -26,8 +26,8 @@ from rollwise.serve.protocol import (AbortRequest, ChatCompletionRequest, Comple
                                      GenerateRequest as GenerateBody, UpdateWeightsRequest)
 from rollwise.serve.defaults import Defaults
 from rollwise.serve.handlers import chat_reply, completion_reply, unless_disconnected
-from rollwise.serve.responses import (choice_samples, completion_params, error, generate_json, primed, sse,
-                                      stream_generate, weights_refused)
+from rollwise.serve.responses import (FiniteJSONResponse, choice_samples, completion_params, error, generate_json,
+                                      primed, sse, stream_generate, weights_refused)
 from rollwise.serve.server import install_common, install_messages, install_responses
 from rollwise.serve.lora import LoadLoraRequest, UnloadLoraRequest
 from rollwise.serve.rlhf import json_object
@@ -114,7 +114,7 @@ class EndTrajectoryBody(BaseModel):
 
 
 def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="rollwise router", docs_url=None, redoc_url=None)
+    app = FastAPI(title="rollwise router", docs_url=None, redoc_url=None, default_response_class=FiniteJSONResponse)
     parser = make_parser(cfg.tool_call_parser)
     reasoning = make_reasoning_parser(cfg.reasoning_parser)
     defaults = Defaults(cfg, router.tokenizer)  # (the --tokenizer directory's generation config)

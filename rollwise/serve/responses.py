@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -20,6 +21,34 @@ from rollwise.engine.isolation import StepFailed
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest
 from rollwise.types import RequestOutput, SamplingParams
 from rollwise.wire import encode_routing, npy64
+
+
+def finite(x):
+    """`x` (JSON-able) with each non-finite float as vLLM writes a logprob: -9999.0 for -inf (a token a
+    mask or a top-k / top-p cut left out) and NaN, 9999.0 for inf."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else 9999.0 if x > 0 else -9999.0
+    if isinstance(x, dict):
+        return {k: finite(v) for k, v in x.items()}
+    return [finite(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+
+def dumps(obj, **kw) -> str:
+    """json.dumps without NaN or Infinity, which are not JSON (a strict client fails on them): `finite`'s
+    values in their place, the body walked for them only where one occurs."""
+    try:
+        return json.dumps(obj, allow_nan=False, **kw)
+    except ValueError:
+        return json.dumps(finite(obj), allow_nan=False, **kw)
+
+
+class FiniteJSONResponse(JSONResponse):
+    """The apps' JSON responses, as starlette writes them but with `finite`'s values for non-finite
+    floats: a request for more top logprobs than a mask leaves tokens (allowed_token_ids, a structured
+    output) was refused before, its -inf logprobs not being JSON."""
+
+    def render(self, content) -> bytes:
+        return dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -191,7 +220,7 @@ def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def body():
         try:
             async for c in chunks:
-                yield f"data: {json.dumps(c)}\n\n"
+                yield f"data: {dumps(c)}\n\n"
         except ValueError as e:
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'invalid_request_error', 'code': 400}})}\n\n"
         except StepFailed as e:  # this request failed the engine step (the server serves on)

@@ -27,8 +27,8 @@ from rollwise.serve.metrics import prometheus_text
 from rollwise.serve.protocol import (AddSequenceRequest, ChatCompletionRequest, CompletionRequest,
                                      GenerateRequest, UpdateWeightsRequest)
 from rollwise.serve.handlers import ClientGone, chat_reply, completion_reply, unless_disconnected
-from rollwise.serve.responses import (choice_samples, completion_params, error, generate_json, primed, sse,
-                                      stream_generate, weights_refused)
+from rollwise.serve.responses import (FiniteJSONResponse, choice_samples, completion_params, error, generate_json,
+                                      primed, sse, stream_generate, weights_refused)
 from rollwise.serve.lora import install_lora, with_adapter
 from rollwise.serve.rlhf import install_rlhf, json_object, receive_weights
 from rollwise.serve.sglang import (generate_batch, generate_params, generate_samples, install_sglang, is_batch,
@@ -106,7 +106,7 @@ def install_common(app: FastAPI, cfg: ServerConfig) -> None:
 
 
 def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
-    app = FastAPI(title="rollwise", docs_url=None, redoc_url=None)
+    app = FastAPI(title="rollwise", docs_url=None, redoc_url=None, default_response_class=FiniteJSONResponse)
     tok = engine.tokenizer
     parser = make_parser(cfg.tool_call_parser)
     reasoning = make_reasoning_parser(cfg.reasoning_parser)

@@ -681,6 +681,8 @@ def test_vllm_speculative_config_flag_folds_into_ours(model_dir, monkeypatch, ca
     cli.main(["serve", model_dir, "--speculative-config", json.dumps(spec)])
     args = got.pop()
     assert (args.speculative, args.spec_max_tokens, args.spec_lookup_min, args.spec_lookup_max) == ("ngram", 5, 2, 4)
+    cli.main(["serve", model_dir, "--logprobs-mode", "processed_logprobs"])  # (TRL's and prime-rl's vLLM setting)
+    assert got.pop().logprobs_mode == "processed_logprobs"
     cli.main(["serve", model_dir, "--speculative", "suffix", "--speculative-config", '{"method": "suffix"}'])
     assert (got[-1].speculative, got[-1].spec_max_tokens) == ("suffix", 24)
     with pytest.raises(SystemExit):

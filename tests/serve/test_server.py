@@ -113,6 +113,32 @@ def test_top_logprobs_in_every_format(client, model_dir):
         [[t["token_id"] for t in c["top_logprobs"]] for c in content]
 
 
+def test_masked_tokens_logprobs_are_json_as_vllm_writes_them(client):
+    """Asking for more top logprobs than allowed_token_ids leaves tokens: the rest are -inf, not JSON,
+    so such a request got a 400 before; now -9999.0, as vLLM writes them, in every API, streamed too
+    (strict JSON: a parser that refuses NaN and Infinity reads every body)."""
+    def strict(text: str):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in a body"))
+    ids, allowed = [5, 17, 300], [40, 41]
+    body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "logprobs": 4, "allowed_token_ids": allowed,
+            "return_tokens_as_token_ids": True}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    tops = strict(r.text)["choices"][0]["logprobs"]["top_logprobs"]
+    assert all(sorted(t.values())[:2] == [-9999.0, -9999.0] and max(t.values()) > -9999.0 for t in tops)
+    with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+        lines = [x[6:] for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+    assert [t for x in lines for t in (strict(x)["choices"][0]["logprobs"]["top_logprobs"] or [])] == tops
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0, "logprobs": True,
+            "top_logprobs": 3, "allowed_token_ids": allowed}
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and strict(r.text)["choices"][0]["logprobs"]["content"][0]["top_logprobs"][-1][
+        "logprob"] == -9999.0
+    r = client.post("/generate", json={"input_ids": ids, "sampling_params": {
+        "temperature": 0, "max_tokens": 2, "logprobs": 3, "allowed_token_ids": allowed}})
+    assert r.status_code == 200 and strict(r.text)["top_logprobs"][0][-1][1] == -9999.0
+
+
 def _metric(client, name: str) -> float:
     line = [x for x in client.get("/metrics").text.splitlines() if x.startswith(name + "{")]
     return float(line[0].split()[-1])
