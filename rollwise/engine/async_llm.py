@@ -15,7 +15,7 @@ import logging
 from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing
 
-from rollwise.config import engine_args
+from rollwise.peer_args import engine_args
 from rollwise.engine.async_engine import AsyncEngine
 from rollwise.engine.llm import PAUSE_MODES, none_only, transfer_field
 from rollwise.engine.lora import adapter_name

@@ -6,7 +6,8 @@ import dataclasses
 import itertools
 import uuid
 
-from rollwise.config import EngineConfig, engine_args
+from rollwise.config import EngineConfig
+from rollwise.peer_args import engine_args
 from rollwise.engine.llm_engine import LLMEngine
 from rollwise.engine.lora import adapter_name
 from rollwise.sampling import prompt_parts
@@ -17,7 +18,7 @@ class LLM:
     """LLM(model_dir, dtype="float32", max_num_seqs=64, enable_prefix_caching=True, seed=0, ...).
 
     Keyword arguments are the fields of `EngineConfig`, and vLLM's engine arguments that agree with
-    this engine (`rollwise.config.VLLM_ARGS`), so that a vLLM script's `LLM(...)` runs as written.
+    this engine (`rollwise.peer_args.VLLM_ARGS`), so that a vLLM script's `LLM(...)` runs as written.
     """
 
     def __init__(self, model: str, **kwargs) -> None:

@@ -1,6 +1,6 @@
 """`rollwise serve`'s launch lines from other engines: `vllm serve`'s flags and SGLang's
 (`python -m sglang.launch_server`'s) where they agree with this engine, checked as `LLM(...)` and
-`SGLangEngine(...)` check them (config.engine_args, config.sglang_args), so that an RL framework's
+`SGLangEngine(...)` check them (peer_args.engine_args, peer_args.sglang_args), so that an RL framework's
 launch line for either serves as written."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import argparse
 import dataclasses
 import json
 
-from rollwise.config import (SGLANG_ARGS, SGLANG_NAMES, VLLM_ARGS, EngineConfig, engine_args, sglang_args,
-                             speculative_args)
+from rollwise.config import EngineConfig
+from rollwise.peer_args import SGLANG_ARGS, SGLANG_NAMES, VLLM_ARGS, engine_args, sglang_args, speculative_args
 
 # SGLang's flags that are ours or vLLM's already (the same meaning), so not added twice
 _SHARED = {"trust_remote_code", "skip_tokenizer_init", "host", "port", "model_path"}
@@ -25,6 +25,8 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         if all(v is None or isinstance(v, bool) for v in ok):
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        elif any(isinstance(v, str) for v in ok):
+            g.add_argument(flag, default=None, choices=[v for v in ok if v is not None], help="(these only here)")
         else:
             g.add_argument(flag, type=int, default=None, help=f"(only {ok[0]} here)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,

@@ -5,7 +5,7 @@ framework's rollout worker written against it runs as written:
     out = engine.generate(input_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 16}, return_logprob=True)
     out[0]["output_ids"], out[0]["meta_info"]["output_token_logprobs"]
 
-Its arguments are SGLang's (config.sglang_args); its replies are the server's /generate replies
+Its arguments are SGLang's (peer_args.sglang_args); its replies are the server's /generate replies
 (sglang.py), SGLang's fields beside rollwise's. The work is an AsyncEngine's.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from contextlib import aclosing
 
 from pydantic import ValidationError
 
-from rollwise.config import sglang_args
+from rollwise.peer_args import sglang_args
 from rollwise.engine.async_engine import AsyncEngine
 from rollwise.engine.async_llm import deltas
 from rollwise.serve.protocol import GenerateRequest

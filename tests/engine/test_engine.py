@@ -142,9 +142,17 @@ def test_vllms_engine_arguments_are_taken_where_they_agree_with_the_engine(model
     ps = _prompts(3, seed=6, shared=0)
     assert [o.token_ids for o in vllm.generate(ps, GREEDY)] == [o.token_ids for o in llm.generate(ps, GREEDY)]
     assert LLM(model_dir, dtype="half", num_kv_blocks=8).engine.config.dtype == "float16"
+    # verl's and TRL's colocated engines: one per trainer process, in that process
+    colocated = LLM(model_dir, distributed_executor_backend="external_launcher", model_impl="vllm",
+                    compilation_config={"cudagraph_capture_sizes": [1, 2]}, disable_mm_preprocessor_cache=True,
+                    logprobs_mode="processed_logprobs", num_kv_blocks=64)
+    assert colocated.engine.config.logprobs_mode == "processed_logprobs"
+    assert [o.token_ids for o in colocated.generate(ps, GREEDY)] == [o.token_ids for o in llm.generate(ps, GREEDY)]
     with pytest.raises(ValueError, match="does not exist"):
         LLM(model_dir + "-missing", dtype="auto")
     for kw, match in (({"tensor_parallel_size": 2}, "tensor_parallel_size must be one of"),
+                      ({"distributed_executor_backend": "ray"}, r"one of \[None, 'external_launcher', 'uni', 'mp'\]"),
+                      ({"model_impl": "transformers"}, r"model_impl must be one of \['auto', 'vllm'\]"),
                       ({"gpu_memory_utilization": 1.5}, r"in \(0, 1\]"),
                       ({"gpu_memory_utilization": 0.9, "device": "cuda"}, "kv_cache_gb"),
                       ({"swap_space": 4}, r"unknown LLM arguments \['swap_space'\]; valid: .*'max_num_seqs'")):

@@ -646,7 +646,7 @@ def test_sglang_ngram_speculation_folds_into_ours(model_dir, monkeypatch, capsys
     trees: its draft-token count and trie depth as ours, its trie's own knobs taken with nothing to do;
     an algorithm that needs a draft model, or the depth given twice and differently, is refused."""
     from rollwise import cli
-    from rollwise.config import sglang_args
+    from rollwise.peer_args import sglang_args
     from rollwise.serve.launch import launch_args
     got = []
     monkeypatch.setattr(cli, "cmd_serve", lambda args: (launch_args(args), got.append(args)))
@@ -681,7 +681,8 @@ def test_vllm_speculative_config_flag_folds_into_ours(model_dir, monkeypatch, ca
     cli.main(["serve", model_dir, "--speculative-config", json.dumps(spec)])
     args = got.pop()
     assert (args.speculative, args.spec_max_tokens, args.spec_lookup_min, args.spec_lookup_max) == ("ngram", 5, 2, 4)
-    cli.main(["serve", model_dir, "--logprobs-mode", "processed_logprobs"])  # (TRL's and prime-rl's vLLM setting)
+    cli.main(["serve", model_dir, "--logprobs-mode", "processed_logprobs", "--distributed-executor-backend", "mp",
+              "--model-impl", "auto", "--data-parallel-size", "1"])  # (prime-rl's vLLM settings)
     assert got.pop().logprobs_mode == "processed_logprobs"
     cli.main(["serve", model_dir, "--speculative", "suffix", "--speculative-config", '{"method": "suffix"}'])
     assert (got[-1].speculative, got[-1].spec_max_tokens) == ("suffix", 24)
