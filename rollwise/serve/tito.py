@@ -8,7 +8,6 @@ then `[DONE]`). `output_mode: "text"` adds the text. vLLM's multimodal, KV-trans
 token-offset fields are refused when given (nothing here takes them)."""
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from typing import Any, Literal
@@ -20,7 +19,7 @@ from rollwise.engine.async_llm import deltas
 from rollwise.serve.handlers import unless_disconnected
 from rollwise.serve.lora import with_adapter
 from rollwise.serve.protocol import _Strict
-from rollwise.serve.responses import choice_samples, error, gather_or_cancel, merged, sse
+from rollwise.serve.responses import choice_samples, error, finite as _lp, gather_or_cancel, merged, sse
 from rollwise.types import RequestOutput, SamplingParams
 from rollwise.wire import npy64
 
@@ -46,10 +45,6 @@ class TitoRequest(_Strict):
     ec_transfer_params: Any = None
     reasoning_ended: Any = None
     reasoning_parser_kwargs: Any = None
-
-
-def _lp(x: float) -> float:
-    return -9999.0 if math.isnan(x) else max(x, -9999.0)
 
 
 def token_logprobs(ids: list[int], lps: list[float], tops: list[dict[int, float]], k: int) -> dict:
