@@ -27,8 +27,8 @@ token's loss -A x (4 / tau) sigmoid(tau (ratio - 1)), tau = `sapo_tau_pos` under
 logprob's, is PPO's at ratio 1 and falls off smoothly as the ratio moves away (faster on the negative
 side, tau_neg > tau_pos), rather than stopping at the clip. Its value here is less the gate's value at
 ratio 1 (2 / tau, which takes tau from the advantage's sign): the same gradients as verl's, and a loss
-that is 0 on fresh samples, so linear in the advantages there, as SplitGradients needs. `w`: the importance weights proximal /
-behaviour (correction.py).
+that is 0 on fresh samples, so linear in the advantages there, as SplitGradients needs.
+`w`: the importance weights proximal / behaviour (correction.py).
 
 `loss_agg`: "token", the mean over the batch's generated tokens; "sequence", each trajectory's mean,
 then theirs; "constant", each trajectory's token sum over a fixed count, then the mean (Dr. GRPO's,

@@ -631,7 +631,8 @@ def test_policy_losses_against_their_formulas(model_dir, policy_loss):
         assert lp.grad[0, 1] == 0 and lp.grad[1, 3] == 0 and (lp.grad[0, 2:] != 0).all() and lp.grad[1, 2] != 0
     if policy_loss == "sapo":  # no clip: every token keeps a gradient (PPO's is 0 at row 0's token 1)
         assert (lp.grad[mask.bool()] != 0).all()
-    with pytest.raises(ValueError, match="valid: \\['ppo', 'gspo', 'cispo', 'clip_cov', 'kl_cov', 'gmpo', 'gpg', 'sapo'\\]"):
+    valid = "valid: \\['ppo', 'gspo', 'cispo', 'clip_cov', 'kl_cov', 'gmpo', 'gpg', 'sapo'\\]"
+    with pytest.raises(ValueError, match=valid):
         GRPOTrainer(PolicyModel(model_dir), GRPOConfig(policy_loss="dpo"))
 
 
