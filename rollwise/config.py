@@ -16,7 +16,7 @@ LOGPROBS_MODES = (None, "processed_logprobs", "raw_logprobs", "processed_logits"
 SPEC_CONTROLLERS = ("off", "always", "threshold", "adaptive")
 DEVICES = ("cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-LOAD_FORMATS = ("auto", "dummy")
+LOAD_FORMATS = ("auto", "dummy", "safetensors")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,8 +35,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # default: derived from kv_cache_gb
     kv_cache_gb: float = 1.0  # the KV pool (on the CPU its memory is taken page by page as blocks are first used)
     enable_prefix_caching: bool = True
-    # vLLM's and SGLang's --load-format: "auto" reads the checkpoint's weights; "dummy" reads none (a
-    # trainer sends them, as verl's rollouts start): the engine serves once update_weights brought every one
+    # vLLM's and SGLang's --load-format: "auto" reads the checkpoint's weights ("safetensors", their only
+    # format here, the same); "dummy" reads none (a trainer sends them, as verl's rollouts start): the engine
+    # serves once update_weights brought every one
     load_format: str = field(default="auto", metadata={"choices": LOAD_FORMATS})
     # vLLM's --prefix-caching-hash-algo: how KV blocks are keyed; "sha256" (its default) cannot be made
     # to collide, "builtin" (Python's hash, ~4x faster to compute: benchmarks/prefix_hash.py) can

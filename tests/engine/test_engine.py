@@ -144,8 +144,8 @@ def test_vllms_engine_arguments_are_taken_where_they_agree_with_the_engine(model
     assert LLM(model_dir, dtype="half", num_kv_blocks=8).engine.config.dtype == "float16"
     # verl's and TRL's colocated engines: one per trainer process, in that process
     colocated = LLM(model_dir, distributed_executor_backend="external_launcher", model_impl="vllm",
-                    compilation_config={"cudagraph_capture_sizes": [1, 2]}, disable_mm_preprocessor_cache=True,
-                    logprobs_mode="processed_logprobs", num_kv_blocks=64)
+                    load_format="safetensors", compilation_config={"cudagraph_capture_sizes": [1, 2]},
+                    disable_mm_preprocessor_cache=True, logprobs_mode="processed_logprobs", num_kv_blocks=64)
     assert colocated.engine.config.logprobs_mode == "processed_logprobs"
     assert [o.token_ids for o in colocated.generate(ps, GREEDY)] == [o.token_ids for o in llm.generate(ps, GREEDY)]
     with pytest.raises(ValueError, match="does not exist"):

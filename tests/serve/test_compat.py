@@ -137,7 +137,7 @@ def test_an_sglang_launch_line_serves_as_written(model_dir, tmp_path):
                      ((model_dir, "--model-path", str(tmp_path)), "give the model once"),
                      ((model_dir, "--seed", "3", "--random-seed", "4"), "--seed and its SGLang name disagree"),
                      (("--load-format", "dummy"), "give the model directory"),
-                     ((model_dir, "--load-format", "safetensors"), "invalid choice: 'safetensors'")):
+                     ((model_dir, "--load-format", "gguf"), "invalid choice: 'gguf'")):
         got = subprocess.run([sys.executable, "-m", "rollwise.cli", "serve", *bad], capture_output=True, text=True,
                              timeout=120)
         assert got.returncode == 2 and why in got.stderr, (bad, got.stderr[-500:])
