@@ -174,4 +174,4 @@ def test_dummy_weights_serve_once_every_weight_is_loaded(model_dir):
     llm.update_weights({n: state[n] for n in names[4:]})
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
     with pytest.raises(ValueError, match="load_format must be one of"):
-        EngineConfig(model=model_dir, load_format="safetensors")
+        EngineConfig(model=model_dir, load_format="gguf")
