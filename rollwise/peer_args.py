@@ -137,6 +137,7 @@ SGLANG_ARGS = {"tp_size": (1,), "dp_size": (1,), "pp_size": (1,), "ep_size": (1,
 # SGLang's speculative algorithms taken here: NGRAM (drafts from a trie over recent requests' tokens, no draft
 # model) as the suffix trees, which draft from the same (the request's context, its group, earlier requests)
 SGLANG_SPECULATIVE = {"NGRAM": "suffix"}
+SGLANG_SPECIAL = ("disable_radix_cache", "speculative_algorithm")  # SGLang's names sglang_args maps by hand
 
 
 def sglang_args(kwargs: dict) -> tuple[str, dict]:
@@ -160,7 +161,7 @@ def sglang_args(kwargs: dict) -> tuple[str, dict]:
                 raise ValueError(f"{k} must be one of {list(SGLANG_ARGS[k])} here, got {v!r}")
             continue
         elif k not in ours and k not in SGLANG_NAMES:
-            sglang = sorted([*SGLANG_NAMES, *SGLANG_ARGS, "disable_radix_cache", "speculative_algorithm"])
+            sglang = sorted([*SGLANG_NAMES, *SGLANG_ARGS, *SGLANG_SPECIAL])
             raise ValueError(f"unknown engine arguments [{k!r}]; valid: SGLang's {sglang} and rollwise's "
                              f"{sorted(ours)}")
         k = SGLANG_NAMES.get(k, k)

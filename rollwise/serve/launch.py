@@ -9,7 +9,8 @@ import dataclasses
 import json
 
 from rollwise.config import EngineConfig
-from rollwise.peer_args import SGLANG_ARGS, SGLANG_NAMES, VLLM_ARGS, engine_args, sglang_args, speculative_args
+from rollwise.peer_args import (SGLANG_ARGS, SGLANG_NAMES, SGLANG_SPECIAL, VLLM_ARGS, engine_args, sglang_args,
+                                speculative_args)
 
 # SGLang's flags that are ours or vLLM's already (the same meaning), so not added twice
 _SHARED = {"trust_remote_code", "skip_tokenizer_init", "host", "port", "model_path"}
@@ -90,8 +91,7 @@ def launch_args(args: argparse.Namespace) -> None:
         if len(args.served_model_name) > 1 or args.model_name not in (None, args.served_model_name[0]):
             raise ValueError("give the model one name here (--served-model-name or --model-name)")
         args.model_name = args.served_model_name[0]
-    names = [k for k in (*SGLANG_NAMES, *SGLANG_ARGS, "disable_radix_cache", "speculative_algorithm")
-             if k not in _SHARED]
+    names = [k for k in (*SGLANG_NAMES, *SGLANG_ARGS, *SGLANG_SPECIAL) if k not in _SHARED]
     given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     _, ours = sglang_args({**given, "model_path": args.model, "device": args.device})
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
