@@ -14,9 +14,11 @@ Then a LoRA run's update (`--lora-rank`, adapters on every linear): the merged l
 streamed over HTTP to a `rollwise serve --enable-lora`.
 
 Then two `rollwise serve` replicas at once: vLLM 0.32's weight transfer on the gloo backend (the
-trainer broadcasts each tensor once to both; `rollwise.engine.weight_transfer.GlooTrainer`) against
-streaming the safetensors bytes to both over HTTP at once, and against a temporary directory for
-each; each timed until both hold the new version.
+trainer broadcasts each tensor once to both; `rollwise.engine.weight_transfer.GlooTrainer`), and
+SGLang's update from a process group (`rollwise.engine.group_transfer.GroupTrainer`, one broadcast a
+tensor, and "flattened_bucket": one of all their bytes), against streaming the safetensors bytes to
+both over HTTP at once, and against a temporary directory for each; each timed until both hold the
+new version.
 
 Last, TRL's colocated sync through vLLM's model path (`llm.llm_engine.model_executor.driver_worker.
 model_runner.model.load_weights([(name, tensor)])`, one tensor a call): each call packs again only the
@@ -64,9 +66,19 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--model", help="default: the engine benchmark's model (32M parameters), built once")
     ap.add_argument("--lora-rank", type=int, default=16)
-    ap.add_argument("--only", choices=["model_path"], help="that part alone (TRL's path, one tensor a call)")
+    ap.add_argument("--only", choices=["model_path", "two_replicas"],
+                    help="that part alone (TRL's path, one tensor a call; the two replicas)")
     args = ap.parse_args()
     model = engine_model("smoke" if args.smoke else "bench", args.model)
+    if args.only == "two_replicas":
+        engine = AsyncEngine(model)
+        weights = {k: v.detach().clone() for k, v in engine.engine.runner.model.hf_tensors().items()}
+        engine.shutdown()
+        mb = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
+        out = {"model": model, "weights_mb": mb, "two_replicas": to_two_replicas(model, weights, args.repeats)}
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        return
     if args.only:
         out = {"model": model, "model_path": one_tensor_a_call(model, args.repeats)}
         if args.json:
@@ -136,11 +148,14 @@ def lora_updates(model: str, rank: int, repeats: int) -> dict:
 def to_two_replicas(model: str, weights: dict, repeats: int) -> dict:
     """Both replicas from the trainer's tensors to serving them: one gloo broadcast per tensor, against
     the safetensors stream to each over HTTP, both at once (the sides take turns)."""
+    from rollwise.engine.group_transfer import GroupTrainer
     from rollwise.engine.weight_transfer import GlooTrainer, HTTPWeightSyncClient
     from rollwise.serve.process import free_port
-    ms: dict[str, list[float]] = {"gloo_broadcast": [], "http_stream_both": [], "http_file_both": []}
+    ms: dict[str, list[float]] = {"gloo_broadcast": [], "sglang_group": [], "sglang_flattened": [],
+                                  "http_stream_both": [], "http_file_both": []}
     with ServerProcess(model) as a, ServerProcess(model) as b:
         trainer = GlooTrainer([HTTPWeightSyncClient(a.url), HTTPWeightSyncClient(b.url)], free_port())
+        sglang = GroupTrainer([a.url, b.url], free_port())
 
         async def send(v: int, via: str) -> None:
             replicas = [HttpReplica(s.url, weights_via=via) for s in (a, b)]
@@ -159,14 +174,22 @@ def to_two_replicas(model: str, weights: dict, repeats: int) -> dict:
             trainer.send_weights(weights)
             ms["gloo_broadcast"].append(1000 * (time.perf_counter() - t0))
             assert versions() == [v + 1, v + 1]
+            for k, flat in enumerate((False, True)):
+                t0 = time.perf_counter()
+                sglang.send_weights(weights, flattened=flat)
+                ms["sglang_flattened" if flat else "sglang_group"].append(1000 * (time.perf_counter() - t0))
+                assert versions() == [v + 2 + k] * 2
             for k, via in enumerate(("stream", "file")):
                 t0 = time.perf_counter()
-                asyncio.run(send(v + 2 + k, via))
+                asyncio.run(send(v + 4 + k, via))
                 ms[f"http_{via}_both"].append(1000 * (time.perf_counter() - t0))
         trainer.close()
+        sglang.close()
     out = {k: statistics.median(x) for k, x in ms.items()}
     g = out["gloo_broadcast"]
-    print(f"\ntwo replicas: gloo broadcast {g:.1f} ms; safetensors streamed to both {out['http_stream_both']:.1f} ms "
+    print(f"\ntwo replicas: vLLM's gloo transfer {g:.1f} ms; SGLang's group {out['sglang_group']:.1f} ms "
+          f"({out['sglang_group'] / g:.2f}x), flattened {out['sglang_flattened']:.1f} ms "
+          f"({out['sglang_flattened'] / g:.2f}x); safetensors streamed to both {out['http_stream_both']:.1f} ms "
           f"({out['http_stream_both'] / g:.2f}x), through a directory each {out['http_file_both']:.1f} ms "
           f"({out['http_file_both'] / g:.2f}x)")
     return out

@@ -519,6 +519,9 @@ def test_sim_cli(tmp_path):
 def test_weight_sync_benchmark_smoke(tmp_path):
     res = smoke(tmp_path, "benchmarks/weight_sync.py", "--repeats", "2", "--model", str(tmp_path / "model"))
     assert set(res["ms"]) == {"in_process", "http_file", "http_stream"} and all(v > 0 for v in res["ms"].values())
+    two = res["two_replicas"]  # (each arm checks both replicas serve its version)
+    assert set(two) == {"gloo_broadcast", "sglang_group", "sglang_flattened", "http_stream_both", "http_file_both"}
+    assert all(v > 0 for v in two.values())
 
 
 def test_structured_benchmark_smoke(tmp_path):

@@ -44,6 +44,40 @@ def chunks(sizes: list[int], limit: int) -> list[range]:
     return out + ([range(start, len(sizes))] if sizes else [])
 
 
+def check_update(names, dtypes, shapes, where: str = "", dtype_key: str = "dtypes") -> None:
+    """An update's weights as a trainer names them: lists of one length of names, dtype names (DTYPES)
+    and shapes (ValueErrors begin with `where`)."""
+    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+            and len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(f"{where}names, {dtype_key} and shapes are lists of one length")
+    for n, d, s in zip(names, dtypes, shapes):
+        if not isinstance(n, str) or d not in DTYPES or not isinstance(s, list) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in s):
+            raise ValueError(f"{where}weight {n!r}: a name, a dtype in {sorted(DTYPES)} and a shape "
+                             f"(non-negative integers), got {d!r}, {s!r}")
+
+
+def receive_into(out: dict, group, names: list[str], dtypes: list[str], shapes: list[list[int]], packed: int) -> dict:
+    """The weights named, as rank 0 of `group` broadcasts them in that order, into `out`: one broadcast
+    a weight, or with `packed` > 0 their bytes one after another in buffers of up to that many (chunks)."""
+    sizes = [math.prod(s) * DTYPES[d].itemsize for d, s in zip(dtypes, shapes)]
+    for run in chunks(sizes, packed) if packed else [range(i, i + 1) for i in range(len(names))]:
+        if not packed:
+            t = torch.empty(shapes[run[0]], dtype=DTYPES[dtypes[run[0]]])
+            group.broadcast(t, 0).wait()
+            out[names[run[0]]] = t
+            continue
+        buf = torch.empty(sum(sizes[i] for i in run), dtype=torch.uint8)
+        group.broadcast(buf, 0).wait()  # (the run's weights' bytes, one after another)
+        at = 0
+        for i in run:  # (copied out: a weight's offset in the buffer need not suit its dtype's alignment)
+            t = torch.empty(shapes[i], dtype=DTYPES[dtypes[i]])
+            t.view(-1).view(torch.uint8).copy_(buf[at:at + sizes[i]])
+            out[names[i]] = t
+            at += sizes[i]
+    return out
+
+
 def _group(address: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta):
     store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout)
     return store, dist.ProcessGroupGloo(store, rank, world_size, timeout)
@@ -107,36 +141,14 @@ class GlooReceiver:
                 or not {"names", "dtype_names", "shapes"} <= set(info):
             raise ValueError("update_info takes names, dtype_names and shapes (lists of one length)")
         names, dtypes, shapes = info["names"], info["dtype_names"], info["shapes"]
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
-                and len(names) == len(dtypes) == len(shapes)):
-            raise ValueError("update_info: names, dtype_names and shapes are lists of one length")
-        for n, d, s in zip(names, dtypes, shapes):
-            if not isinstance(n, str) or d not in DTYPES or not isinstance(s, list) or not all(
-                    isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in s):
-                raise ValueError(f"update_info: weight {n!r}: a name, a dtype in {sorted(DTYPES)} and a shape "
-                                 f"(non-negative integers), got {d!r}, {s!r}")
+        check_update(names, dtypes, shapes, "update_info: ", "dtype_names")
         with self.lock:
             if self.staged is None:
                 raise ValueError("start_weight_update must be called before update_weights")
             group, staged = self.group, self.staged
             self.receiving += 1
-        sizes = [math.prod(s) * DTYPES[d].itemsize for d, s in zip(dtypes, shapes)]
-        runs = chunks(sizes, self.packed) if self.packed else [range(i, i + 1) for i in range(len(names))]
         try:
-            for run in runs:
-                if not self.packed:
-                    t = torch.empty(shapes[run[0]], dtype=DTYPES[dtypes[run[0]]])
-                    group.broadcast(t, 0).wait()
-                    staged[names[run[0]]] = t
-                    continue
-                buf = torch.empty(sum(sizes[i] for i in run), dtype=torch.uint8)
-                group.broadcast(buf, 0).wait()  # (the run's weights' bytes, one after another)
-                at = 0
-                for i in run:  # (copied out: a weight's offset in the buffer need not suit its dtype's alignment)
-                    t = torch.empty(shapes[i], dtype=DTYPES[dtypes[i]])
-                    t.view(-1).view(torch.uint8).copy_(buf[at:at + sizes[i]])
-                    staged[names[i]] = t
-                    at += sizes[i]
+            receive_into(staged, group, names, dtypes, shapes, self.packed)
         finally:
             with self.lock:
                 self.receiving -= 1

@@ -18,6 +18,7 @@ class WeightVersions:
 
     weight_label = "default"  # vLLM's weight version: a name the caller gives the weights (set_weight_version)
     _receiver = None  # vLLM 0.32's weight transfer, the engine's side (made when first used)
+    _group_receiver = None  # SGLang's weight update from a process group, the same
 
     # weights -------------------------------------------------------------------------------------
     def update_weights(self, weights, version: int | None = None, partial_rollout: bool = False) -> int:
@@ -113,6 +114,14 @@ class WeightVersions:
             from rollwise.engine.weight_transfer import GlooReceiver
             self._receiver = GlooReceiver()
         return self._receiver
+
+    @property
+    def group_receiver(self):
+        """SGLang's weight update from a process group, this engine's side (rollwise.engine.group_transfer)."""
+        if self._group_receiver is None:
+            from rollwise.engine.group_transfer import GroupReceiver
+            self._group_receiver = GroupReceiver()
+        return self._group_receiver
 
     def finish_weight_update(self, weight_version: str | None = None, partial_rollout: bool = False) -> int:
         """vLLM 0.32's: the weights received since start_weight_update, as one update (a new version;

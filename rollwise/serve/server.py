@@ -44,10 +44,10 @@ from rollwise.wire import AdapterWeights
 OPEN_PATHS = {"/health", "/ping", "/metrics"}
 # control endpoints: off loopback they need the API key, as weight updates do (pausing or aborting a
 # server, flushing its cache, changing a route's replicas; vLLM serves its own only in dev mode)
-CONTROL_PATHS = {"/pause", "/resume", "/reset_prefix_cache", "/flush_cache", "/pause_generation",
-                 "/continue_generation", "/abort_request", "/abort_requests", "/collective_rpc",
-                 "/update_weight_version", "/weight_checker", "/init_weight_transfer_engine",
-                 "/start_weight_update", "/finish_weight_update", "/shutdown_weight_transfer_engine"}
+CONTROL_PATHS = {"/pause", "/resume", "/reset_prefix_cache", "/flush_cache", "/pause_generation", "/abort_request",
+                 "/continue_generation", "/abort_requests", "/collective_rpc", "/update_weight_version",
+                 "/weight_checker", "/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update",
+                 "/shutdown_weight_transfer_engine", "/init_weights_update_group", "/destroy_weights_update_group"}
 _WRITE_BYTES = 4 << 20  # a streamed weight update goes to disk in writes of about this size
 
 

@@ -1,6 +1,7 @@
 """SGLang's control endpoints, for RL frameworks that drive SGLang servers (e.g. AReaL, slime):
 abort requests, pause and continue generation (around a weight update), load new weights from
-disk, flush the prefix cache, model info; and its /generate dialect (`generate_params`: its
+disk or from a trainer's process group (rollwise.engine.group_transfer), read one back by name,
+flush the prefix cache, model info; and its /generate dialect (`generate_params`: its
 sampling names, `sglang_fields`: its reply fields).
 Their bodies and replies follow SGLang's; the work is `rollwise serve`'s own."""
 from __future__ import annotations
@@ -13,10 +14,11 @@ from typing import Literal
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from rollwise import __version__
 from rollwise.config import ServerConfig
+from rollwise.engine.group_transfer import GROUP
 from rollwise.serve.protocol import AbortRequest
 from rollwise.serve.responses import (_piece, choice_samples, error, gather_or_cancel, generate_json,
                                       weights_refused)
@@ -40,6 +42,75 @@ class PauseRequest(BaseModel):
     mode: Literal["abort", "in_place", "retract"] = "abort"
 
 
+class GroupInit(BaseModel):  # SGLang's init_weights_update_group
+    model_config = ConfigDict(extra="forbid", strict=True)
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = GROUP
+    backend: str = "gloo"  # (SGLang's default, "nccl", needs GPUs)
+
+
+class GroupUpdate(BaseModel):  # SGLang's update_weights_from_distributed
+    model_config = ConfigDict(extra="forbid", strict=True)
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = GROUP
+    weight_version: str | None = None  # our policy version when it is an integer; default: the next one
+    abort_all_requests: bool = False
+    load_format: Literal["auto", "flattened_bucket"] | None = None  # flattened_bucket: one broadcast
+    flush_cache: bool = True  # (nothing to do: cached blocks are keyed by their weights' version)
+    torch_empty_cache: bool = False  # (no CUDA cache here)
+
+
+class GroupName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    group_name: str = GROUP
+
+
+class WeightsByName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    truncate_size: int = Field(100, ge=1)
+
+
+def version_of(weight_version: str | None) -> int | None:
+    """SGLang's weight version string as our policy version: an integer's, else the next one."""
+    return int(weight_version) if weight_version and weight_version.isdigit() else None
+
+
+async def update_from_group(engine, body: GroupUpdate) -> tuple[bool, str]:
+    """SGLang's update_weights_from_distributed on an AsyncEngine: the weights named, received off the
+    engine's thread (it keeps serving) as the trainer broadcasts them, then one weight update (a
+    bucket replaces those weights of the newest; the same integer weight_version again writes into
+    that version). Whatever the update's fate, the broadcasts are taken, so the group stays usable."""
+    aborted = await engine.abort_all() if body.abort_all_requests else []
+    try:
+        weights = await asyncio.to_thread(engine.engine.group_receiver.receive, body.names, body.dtypes, body.shapes,
+                                          body.group_name, body.load_format == "flattened_bucket")
+        if weights:
+            await engine.update_weights(weights, version_of(body.weight_version))
+    except ValueError as e:
+        return False, str(e)
+    return True, (f"Succeeded to update parameter online: {len(body.names)} weights, version {engine.policy_version}"
+                  f"{f', {len(aborted)} requests aborted' if aborted else ''}.")
+
+
+def weights_by_name(engine, name: str, truncate_size: int) -> list:
+    """SGLang's get_weights_by_name: a weight's first `truncate_size` rows, by its Hugging Face name."""
+    tensors = engine.engine.runner.model.hf_tensors()
+    if name not in tensors:
+        raise ValueError(f"{name!r} is not a weight of this model (e.g. {next(iter(tensors))!r})")
+    return tensors[name][:truncate_size].float().tolist()
+
+
+def sglang_reply(ok: bool, message: str) -> dict | JSONResponse:
+    return {"success": True, "message": message} if ok else JSONResponse({"success": False, "message": message},
+                                                                         status_code=400)
+
+
 async def load_from_disk(body: UpdateFromDiskRequest, cfg: ServerConfig,
                          update: Callable[[str, int | None], Awaitable[int]],
                          abort_all: Callable[[], Awaitable[list[str]]]):
@@ -47,7 +118,7 @@ async def load_from_disk(body: UpdateFromDiskRequest, cfg: ServerConfig,
     the weight-update rule, the version (SGLang's string; ours when an integer), SGLang's reply."""
     if refused := weights_refused(cfg):
         return refused
-    version = int(body.weight_version) if body.weight_version and body.weight_version.isdigit() else None
+    version = version_of(body.weight_version)
     aborted = await abort_all() if body.abort_all_requests else []
     try:
         version = await update(body.model_path, version)
@@ -78,6 +149,37 @@ def install_sglang(app: FastAPI, engine, cfg: ServerConfig) -> None:
     async def update_weights_from_disk(body: UpdateFromDiskRequest):
         """Requests in flight finish under the weights they started with (unless aborted)."""
         return await load_from_disk(body, cfg, lambda path, v: engine.update_weights(path, v, False), engine.abort_all)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(body: GroupInit):
+        """Join the trainer's group (waits for every rank to join, off the engine's thread)."""
+        if refused := weights_refused(cfg):
+            return refused
+        try:
+            await asyncio.to_thread(engine.engine.group_receiver.init, body.master_address, body.master_port,
+                                    body.rank_offset, body.world_size, body.group_name, body.backend)
+        except ValueError as e:
+            return sglang_reply(False, str(e))
+        return sglang_reply(True, f"Initialized group {body.group_name!r} as rank {body.rank_offset}.")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: GroupUpdate):
+        if refused := weights_refused(cfg):
+            return refused
+        return sglang_reply(*await update_from_group(engine, body))
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(body: GroupName | None = None):
+        name = (body or GroupName()).group_name
+        try:
+            await asyncio.to_thread(engine.engine.group_receiver.destroy, name)
+        except ValueError as e:
+            return sglang_reply(False, str(e))
+        return sglang_reply(True, f"Destroyed group {name!r}.")
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(body: WeightsByName):
+        return await engine.call(lambda: weights_by_name(engine, body.name, body.truncate_size))
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():

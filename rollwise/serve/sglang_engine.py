@@ -22,8 +22,9 @@ from rollwise.engine.async_engine import AsyncEngine
 from rollwise.engine.async_llm import deltas
 from rollwise.serve.protocol import GenerateRequest
 from rollwise.serve.responses import generate_json
-from rollwise.serve.sglang import (abort_rid, generate_batch, generate_params, generate_samples, is_batch,
-                                   server_info, sglang_fields)
+from rollwise.engine.group_transfer import GROUP
+from rollwise.serve.sglang import (GroupUpdate, abort_rid, generate_batch, generate_params, generate_samples, is_batch,
+                                   server_info, sglang_fields, update_from_group, weights_by_name)
 
 UNTAKEN = {"image_data": None, "audio_data": None, "video_data": None, "token_ids_logprob": None,
            "custom_logit_processor": None, "return_hidden_states": False, "session_params": None}  # (what they must be)
@@ -158,6 +159,39 @@ class Engine:
         except ValueError as e:
             return False, str(e), 0
         return True, f"Succeeded to update model weights (version {version}).", 0
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = GROUP, backend: str = "gloo") -> tuple[bool, str]:
+        """SGLang's: join a trainer's group (rollwise.engine.group_transfer; the trainer in another
+        process: torch names a process's groups once). Waits for every rank."""
+        try:
+            self.engine.engine.group_receiver.init(master_address, master_port, rank_offset, world_size, group_name,
+                                                   backend)
+        except ValueError as e:
+            return False, str(e)
+        return True, f"Initialized group {group_name!r} as rank {rank_offset}."
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str = GROUP, flush_cache: bool = True,
+                                        weight_version: str | None = None, load_format: str | None = None
+                                        ) -> tuple[bool, str]:
+        """SGLang's: the weights named, as the trainer broadcasts them (dtypes as names or torch dtypes)."""
+        try:
+            body = GroupUpdate(names=list(names), shapes=[list(s) for s in shapes], group_name=group_name,
+                               dtypes=[str(d).removeprefix("torch.") for d in dtypes], flush_cache=flush_cache,
+                               weight_version=weight_version, load_format=load_format)
+        except ValidationError as e:
+            return False, str(e)
+        return self._run(update_from_group(self.engine, body))
+
+    def destroy_weights_update_group(self, group_name: str = GROUP) -> tuple[bool, str]:
+        try:
+            self.engine.engine.group_receiver.destroy(group_name)
+        except ValueError as e:
+            return False, str(e)
+        return True, f"Destroyed group {group_name!r}."
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        return self._run(self.engine.call(lambda: weights_by_name(self.engine, name, truncate_size)))
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         """SGLang's: give back the KV pool ("kv_cache") and the weights ("weights"), all by default."""

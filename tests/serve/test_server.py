@@ -625,7 +625,11 @@ def test_weight_updates_off_loopback_need_an_api_key(model_dir):
                            ("/pause_generation", {}), ("/continue_generation", None), ("/flush_cache", None),
                            ("/reset_prefix_cache", None), ("/abort_request", {"abort_all": True}),
                            ("/abort_requests", {}), ("/collective_rpc", {"method": "reset_weights"}),
-                           ("/update_weight_version", {"new_version": "x"}), ("/weight_checker", {"action": "reset"})):
+                           ("/update_weight_version", {"new_version": "x"}), ("/weight_checker", {"action": "reset"}),
+                           ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
+                                                           "rank_offset": 1, "world_size": 2}),
+                           ("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": []}),
+                           ("/destroy_weights_update_group", {})):
             r = open_app.post(path, json=body)  # (control endpoints too: pausing a server is not anyone's)
             assert r.status_code == 403 and "api-key" in r.json()["error"]["message"], path
         assert engine.policy_version == 0 and not engine.is_sleeping and not engine.paused

@@ -1,0 +1,159 @@
+"""SGLang's weight update from a process group (`init_weights_update_group`,
+`update_weights_from_distributed`, `destroy_weights_update_group`), as AReaL, slime and SkyRL drive
+SGLang servers from their trainers, on the backend that runs on CPUs: "gloo".
+
+The group is laid out as those trainers make theirs (a copy of torch's `init_process_group` that
+builds a group other than the default one): torch's TCP rendezvous at master_address:master_port,
+the store under the group's name, and torch's group builder under that name. The trainer is rank 0;
+an engine joins as rank_offset. For each update the trainer names the weights (names, dtypes,
+shapes) in a request and broadcasts them in that order: one broadcast a weight, or with
+load_format "flattened_bucket" one broadcast of all their bytes one after another (SGLang's
+FlattenedTensorBucket). Each update is a weight update of the engine's own (`update_weights`): the
+weights named replace the newest ones' (a bucket of them, or all), requests in flight finish under
+the weights they began with. `GroupTrainer` is a trainer's side.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from rollwise.engine.weight_transfer import TIMEOUT, check_update, receive_into
+
+GROUP = "weight_update_group"  # SGLang's default group name
+
+
+def torch_group(address: str, port: int, world_size: int, rank: int, group_name: str,
+                timeout: datetime.timedelta = TIMEOUT, backend: str = "gloo"):
+    """A process group besides torch's default one, laid out as SGLang's and its trainers' are (above)."""
+    store, rank, world_size = next(c10d.rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend),
+                                              c10d.PrefixStore(group_name, store), group_name=group_name,
+                                              timeout=timeout)
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+class GroupReceiver:
+    """An engine's side: the groups it joined, by name; `receive` takes one update's weights."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, object] = {}  # name -> group (None while joining)
+        self.busy: set[str] = set()  # groups receiving now
+        self.lock = threading.Lock()  # (an HTTP server calls from several threads)
+
+    def init(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+             group_name: str = GROUP, backend: str = "gloo", timeout_s: float = TIMEOUT.total_seconds()) -> None:
+        """Join the trainer's group as rank `rank_offset` (waits for every rank, up to `timeout_s`)."""
+        if backend != "gloo":
+            raise ValueError(f"backend {backend!r} is not taken: this engine runs on the CPU, where the "
+                             "weights come over 'gloo'")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (master_port, rank_offset, world_size)) \
+                or not (0 < master_port < 65536 and 0 < rank_offset < world_size):
+            raise ValueError(f"master_port in 1..65535 and 0 < rank_offset < world_size (the trainer is rank 0), "
+                             f"got {master_port!r}, {rank_offset!r}, {world_size!r}")
+        if not isinstance(group_name, str) or not group_name:
+            raise ValueError(f"group_name must be a non-empty string, got {group_name!r}")
+        with self.lock:
+            if group_name in self.groups:
+                raise ValueError(f"group {group_name!r} is joined already: destroy_weights_update_group first")
+            if group_name in c10d._world.pg_names.values():  # (torch names a process's groups once)
+                raise ValueError(f"this process has a group {group_name!r} of its own (a trainer here?): the trainer "
+                                 "and the engine join from different processes")
+            self.groups[group_name] = None
+        try:
+            group = torch_group(master_address, master_port, world_size, rank_offset, group_name,
+                                datetime.timedelta(seconds=timeout_s))
+        except (RuntimeError, ValueError) as e:  # (torch's DistStoreError and the like: no trainer there in time)
+            with self.lock:
+                del self.groups[group_name]
+            raise ValueError(f"could not join group {group_name!r} at {master_address}:{master_port} as rank "
+                             f"{rank_offset}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        with self.lock:
+            self.groups[group_name] = group
+
+    def _take(self, group_name: str):
+        with self.lock:
+            group = self.groups.get(group_name)
+            if group is None:
+                raise ValueError(f"no group {group_name!r} joined (joined: {sorted(self.groups)}): call "
+                                 "init_weights_update_group first")
+            if group_name in self.busy:
+                raise ValueError(f"group {group_name!r} is receiving an update already")
+            self.busy.add(group_name)
+        return group
+
+    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str = GROUP,
+                flattened: bool = False) -> dict[str, torch.Tensor]:
+        """One update's weights, by name, as the trainer broadcasts them (flattened: in one broadcast)."""
+        check_update(names, dtypes, shapes)
+        group = self._take(group_name)
+        try:
+            return receive_into({}, group, names, dtypes, shapes, packed=(1 << 62) if flattened else 0)
+        finally:
+            with self.lock:
+                self.busy.discard(group_name)
+
+    def destroy(self, group_name: str = GROUP) -> None:
+        self._take(group_name)
+        with self.lock:
+            group = self.groups.pop(group_name)
+            self.busy.discard(group_name)
+        dist.destroy_process_group(group)
+
+
+class GroupTrainer:
+    """A trainer's side, rank 0, against SGLang servers or `rollwise serve` (URLs): `GroupTrainer(urls,
+    port)` joins every server into one group, `send_weights(named tensors)` sends them in one update
+    (`flattened`: one broadcast, SGLang's "flattened_bucket"), `close()` leaves it."""
+
+    def __init__(self, urls: list[str], master_port: int, master_address: str = "127.0.0.1",
+                 group_name: str = GROUP, timeout: float = 300.0, api_key: str | None = None) -> None:
+        import httpx
+        self.group_name, self.world_size = group_name, 1 + len(urls)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self.clients = [httpx.Client(base_url=u.rstrip("/"), timeout=timeout, headers=headers) for u in urls]
+        self.pool = ThreadPoolExecutor(len(urls))
+        joins = [self.pool.submit(self._post, c, "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": i + 1,
+            "world_size": self.world_size, "group_name": group_name, "backend": "gloo"})
+            for i, c in enumerate(self.clients)]
+        self.group = torch_group(master_address, master_port, self.world_size, 0, group_name,
+                                 datetime.timedelta(seconds=timeout))
+        for j in joins:
+            j.result()
+
+    @staticmethod
+    def _post(client, path: str, body: dict) -> dict:
+        r = client.post(path, json=body)
+        if r.status_code != 200:
+            raise ValueError(f"{client.base_url}{path}: HTTP {r.status_code}: {r.text[:500]}")
+        return r.json()
+
+    def send_weights(self, weights: dict, weight_version: str | None = None, flattened: bool = False) -> list[dict]:
+        """One update to every server; their replies."""
+        items = [(n, t.detach().contiguous()) for n, t in weights.items()]
+        body = {"names": [n for n, _ in items], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in items],
+                "shapes": [list(t.shape) for _, t in items], "group_name": self.group_name,
+                "load_format": "flattened_bucket" if flattened else None, "weight_version": weight_version}
+        replies = [self.pool.submit(self._post, c, "/update_weights_from_distributed", body) for c in self.clients]
+        tensors = [t for _, t in items]
+        if flattened:
+            tensors = [torch.cat([t.view(-1).view(torch.uint8) for t in tensors])] if tensors else []
+        for t in tensors:
+            for r in replies:  # (a server that refused before its first broadcast would leave this one waiting)
+                if r.done():
+                    r.result()
+            dist.broadcast(t, src=0, group=self.group)
+        return [r.result() for r in replies]
+
+    def close(self) -> None:
+        for c in self.clients:
+            self._post(c, "/destroy_weights_update_group", {"group_name": self.group_name})
+        dist.destroy_process_group(self.group)
+        self.pool.shutdown()

@@ -1,0 +1,166 @@
+"""SGLang's weight update from a process group (rollwise.engine.group_transfer) on `rollwise serve`: a
+trainer joins two servers into its group (/init_weights_update_group, ranks 1 and 2) and broadcasts
+weights into them (/update_weights_from_distributed: one broadcast a weight, or SGLang's
+"flattened_bucket", mixed dtypes in one); each update is a weight update of the server's; bad
+requests are 400s with SGLang's {"success": false, "message"}, and the group and the server go on.
+Also SGLang's offline Engine's methods, the trainer in a subprocess, as AReaL's and slime's are."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollwise import LLM, SamplingParams
+from rollwise.engine.group_transfer import GroupTrainer
+from rollwise.make_model import make_model
+from rollwise.serve.process import ServerProcess, free_port
+
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def other_dir(tmp_path_factory) -> str:
+    return str(make_model(tmp_path_factory.mktemp("other"), family="qwen3", layers=2, hidden=64, heads=4,
+                          kv_heads=2, vocab=1024, std=0.1, seed=7, tie=True, head_dim=32))
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir):
+    with ServerProcess(model_dir, "--max-model-len", "256") as a, ServerProcess(model_dir, "--max-model-len", "256") as b:
+        yield [a.url, b.url]
+
+
+def _greedy(url: str) -> tuple[list[int], int]:
+    r = httpx.post(url + "/generate", json={"input_ids": PROMPT, "sampling_params": {
+        "temperature": 0, "max_tokens": 8, "ignore_eos": True}}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["token_ids"], r.json()["policy_version"]
+
+
+def _expected(model: str) -> list[int]:
+    out = LLM(model).generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    return out[0].outputs[0].token_ids
+
+
+def test_a_trainer_broadcasts_weights_into_two_servers(servers, model_dir, other_dir):
+    before, expected = _expected(model_dir), _expected(other_dir)
+    assert [_greedy(u)[0] for u in servers] == [before, before] and before != expected
+    trainer = GroupTrainer(servers, free_port())
+    try:
+        other = load_file(str(Path(other_dir) / "model.safetensors"))
+        names = sorted(other)
+        first = {n: other[n] for n in names[: len(names) // 2]}
+        replies = trainer.send_weights(first, weight_version="7")  # a bucket: the rest stays
+        assert all(r["success"] for r in replies), replies
+        assert {tuple(_greedy(u)[0]) for u in servers} - {tuple(before), tuple(expected)}
+        rest = {n: other[n] for n in names[len(names) // 2:]}
+        trainer.send_weights(rest, weight_version="7", flattened=True)  # the same version: written into it
+        assert [_greedy(u) for u in servers] == [(expected, 7)] * 2
+        name = "model.layers.0.input_layernorm.weight"
+        for u in servers:
+            r = httpx.post(u + "/get_weights_by_name", json={"name": name, "truncate_size": 3})
+            assert r.json() == other[name][:3].tolist()
+
+        mine = load_file(str(Path(model_dir) / "model.safetensors"))
+        mixed = {n: (t.to(torch.bfloat16) if n == name else t) for n, t in mine.items()}  # one bucket, two dtypes
+        trainer.send_weights(mixed, flattened=True)
+        for u in servers:
+            r = httpx.post(u + "/get_weights_by_name", json={"name": name, "truncate_size": 4})
+            assert r.json() == mixed[name][:4].float().tolist()
+            assert _greedy(u)[1] == 8  # (no version given: the next one)
+        trainer.send_weights(mine)
+        assert [_greedy(u)[0] for u in servers] == [before, before]
+
+        with pytest.raises(ValueError, match="unexpected weights"):  # taken off the group, then refused
+            trainer.send_weights({"model.nope.weight": torch.zeros(3)})
+        trainer.send_weights({name: mine[name]})  # the group goes on
+        again = httpx.post(servers[0] + "/init_weights_update_group", json={
+            "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 3})
+        assert again.status_code == 400 and "joined already" in again.json()["message"]
+    finally:
+        trainer.close()
+    assert [_greedy(u)[0] for u in servers] == [before, before]
+    trainer = GroupTrainer(servers[:1], free_port())  # after a destroy the name can be joined again
+    try:
+        trainer.send_weights(load_file(str(Path(other_dir) / "model.safetensors")))
+        assert _greedy(servers[0])[0] == expected
+    finally:
+        trainer.close()
+    httpx.post(servers[0] + "/update_weights_from_disk", json={"model_path": model_dir})
+
+
+@pytest.mark.parametrize("path, body, message", [
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 29999, "rank_offset": 1,
+                                    "world_size": 2, "backend": "nccl"}, "'gloo'"),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 29999, "rank_offset": 0,
+                                    "world_size": 2}, "0 < rank_offset < world_size"),
+    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[2]]},
+     "init_weights_update_group first"),
+    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[2]],
+                                          "group_name": "g2"}, "no group 'g2'"),
+    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["int4"], "shapes": [[2]]}, "a dtype in"),
+    ("/update_weights_from_distributed", {"names": ["a", "b"], "dtypes": ["float32"], "shapes": [[2]]},
+     "lists of one length"),
+    ("/destroy_weights_update_group", {"group_name": "g2"}, "no group 'g2'"),
+])
+def test_bad_requests_are_sglang_400s(servers, path, body, message):
+    r = httpx.post(servers[1] + path, json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["success"] is False and message in r.json()["message"], r.text
+    assert _greedy(servers[1])[0]  # still serving
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 29999, "rank_offset": 1,
+                                    "world_size": 2, "rank": 1}),
+    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[2]],
+                                          "load_format": "npz"}),
+    ("/get_weights_by_name", {"name": "model.nope"}),
+    ("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 0}),
+])
+def test_malformed_bodies_are_400s(servers, path, body):
+    r = httpx.post(servers[1] + path, json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"], r.text
+
+
+TRAINER = """
+import sys, torch, torch.distributed as dist
+from safetensors.torch import load_file
+from rollwise.engine.group_transfer import torch_group
+port, path = int(sys.argv[1]), sys.argv[2]
+group = torch_group("127.0.0.1", port, 2, 0, "weight_update_group")
+for t in load_file(path).values():
+    dist.broadcast(t.contiguous(), src=0, group=group)
+dist.destroy_process_group(group)
+"""
+
+
+def test_sglang_engine_takes_weights_from_a_trainer_process(model_dir, other_dir):
+    from rollwise.serve.sglang_engine import Engine
+    other = str(Path(other_dir) / "model.safetensors")
+    state = load_file(other)
+    with Engine(model_path=model_dir, random_seed=0) as engine:
+        assert engine.init_weights_update_group("127.0.0.1", 1, 0, 2)[0] is False  # (rank 0 is the trainer's)
+        port = free_port()
+        trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(port), other])
+        joined: list = []
+        t = threading.Thread(target=lambda: joined.append(engine.init_weights_update_group("127.0.0.1", port, 1, 2)))
+        t.start()
+        t.join(120)
+        assert joined and joined[0][0], joined
+        ok, message = engine.update_weights_from_distributed(list(state), [t.dtype for t in state.values()],
+                                                             [t.shape for t in state.values()])
+        assert ok, message
+        assert trainer.wait(60) == 0
+        got = engine.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 8, "temperature": 0,
+                                                                 "ignore_eos": True})
+        assert got["output_ids"] == _expected(other_dir)
+        name = "model.embed_tokens.weight"
+        assert engine.get_weights_by_name(name, 2) == state[name][:2].tolist()
+        assert engine.destroy_weights_update_group() == (True, "Destroyed group 'weight_update_group'.")
+        assert engine.destroy_weights_update_group()[0] is False
