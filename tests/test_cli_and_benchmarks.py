@@ -524,6 +524,12 @@ def test_weight_sync_benchmark_smoke(tmp_path):
     assert all(v > 0 for v in two.values())
 
 
+def test_http_middleware_benchmark_smoke(tmp_path):
+    loads = smoke(tmp_path, "benchmarks/http_middleware.py")["loads"]  # (each side's replies checked: 200s)
+    assert loads["stream_chunks"]["now"]["events"] == loads["stream_chunks"]["before"]["events"] == 2 * 8
+    assert loads["small_requests"]["now"]["events"] == 20 and loads["small_requests"]["ratio_per_s"] > 0
+
+
 def test_structured_benchmark_smoke(tmp_path):
     rows = smoke(tmp_path, "benchmarks/structured.py")["batches"]
     assert all(row["plain"]["tokens"] == row["json_schema"]["tokens"] > 0 and row["ratio"] > 0 for row in rows.values())

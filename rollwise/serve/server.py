@@ -16,6 +16,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollwise.agent.messages_api import models_page
@@ -90,20 +91,34 @@ def install_common(app: FastAPI, cfg: ServerConfig) -> None:
     async def _asleep(_: Request, exc: EngineAsleep):
         return error(503, str(exc), "engine_asleep")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        path = request.url.path
-        if (path in CONTROL_PATHS or path == "/replicas" and request.method != "GET") and not cfg.api_key \
+    app.add_middleware(AuthMiddleware, cfg=cfg)
+
+
+class AuthMiddleware:
+    """The optional API key, and the control endpoints' rule off loopback, as plain ASGI: starlette's
+    `@app.middleware("http")` passes every request, and every piece of a streamed reply, through a
+    task and a memory stream of its own."""
+
+    def __init__(self, app, cfg: ServerConfig) -> None:
+        self.app, self.cfg = app, cfg
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and (refused := self.refused(scope["path"], scope["method"], Headers(scope=scope))):
+            return await refused(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def refused(self, path: str, method: str, headers: Headers) -> Response | None:
+        cfg = self.cfg
+        if (path in CONTROL_PATHS or path == "/replicas" and method != "GET") and not cfg.api_key \
                 and not cfg.is_loopback:
             return error(403, f"{path} off loopback needs the server started with --api-key", "permission_error")
         if cfg.api_key and path not in OPEN_PATHS:
-            got = request.headers.get("authorization", "")
-            key = request.headers.get("x-api-key")  # (the anthropic SDKs' header)
+            got = headers.get("authorization", "")
+            key = headers.get("x-api-key")  # (the anthropic SDKs' header)
             if not (secrets.compare_digest(got.encode(), f"Bearer {cfg.api_key}".encode())
                     or key is not None and secrets.compare_digest(key.encode(), cfg.api_key.encode())):
                 return error(401, "missing or wrong API key", "authentication_error")
-        return await call_next(request)
-
+        return None
 
 def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     app = FastAPI(title="rollwise", docs_url=None, redoc_url=None, default_response_class=FiniteJSONResponse)
