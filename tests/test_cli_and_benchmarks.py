@@ -524,10 +524,10 @@ def test_weight_sync_benchmark_smoke(tmp_path):
     assert all(v > 0 for v in two.values())
 
 
-def test_http_middleware_benchmark_smoke(tmp_path):
-    loads = smoke(tmp_path, "benchmarks/http_middleware.py")["loads"]  # (each side's replies checked: 200s)
-    assert loads["stream_chunks"]["now"]["events"] == loads["stream_chunks"]["before"]["events"] == 2 * 8
-    assert loads["small_requests"]["now"]["events"] == 20 and loads["small_requests"]["ratio_per_s"] > 0
+def test_http_server_benchmark_smoke(tmp_path):
+    loads = smoke(tmp_path, "benchmarks/http_server.py")["loads"]  # (each side's replies checked: 200s)
+    assert [loads["stream_chunks"][side]["events"] for side in ("now", "middleware", "asyncio", "before")] == [16] * 4
+    assert loads["small_requests"]["now"]["events"] == 20 and loads["small_requests"]["asyncio"]["ratio_per_s"] > 0
 
 
 def test_structured_benchmark_smoke(tmp_path):

@@ -1,16 +1,21 @@
-"""What the server's API-key check costs: as plain ASGI (`rollwise.serve.server.AuthMiddleware`, now)
-against the same check through starlette's `@app.middleware("http")` (before), which runs every
-request, and every piece of a streamed reply, through a task and a memory stream of its own.
+"""What the HTTP layer costs `rollwise serve`, against how it ran before, side by side in one run:
 
-Two servers of the same code on the same model, with an API key (every request checked), the
-baseline's check wrapped as before; the client's two loads take turns on them (median of --reps,
-each run after both servers are idle): `--streams` concurrent streamed completions of `--tokens`
-tokens each (a chunk a token), and `--requests` small requests (GET /v1/models) over 16 keep-alive
-connections. Reports each side's events (chunks or replies) per second and its server's CPU seconds
-per 1,000, with the ratios. The model is the 2-layer test size, so the HTTP work is most of the
-server's.
+- now: the API-key check as plain ASGI (`rollwise.serve.server.AuthMiddleware`), uvicorn on uvloop
+  and httptools (dependencies; uvicorn takes them when installed, as `uvicorn[standard]` and vLLM do);
+- middleware: the same check through starlette's `@app.middleware("http")` (before 2026-12-07),
+  which runs every request, and every piece of a streamed reply, through a task and a memory stream
+  of its own;
+- asyncio: uvicorn on asyncio's own loop and h11, its pure-Python HTTP parser (before 2026-12-07);
+- before: both, as the server ran before 2026-12-07.
 
-    python benchmarks/http_middleware.py [--smoke] [--reps 5] [--json PATH]
+Servers of the same code on the same model, each with an API key (every request checked); the
+client's two loads take turns on them (median of --reps, each run after every server is idle):
+`--streams` concurrent streamed completions of `--tokens` tokens each (a chunk a token), and
+`--requests` small requests (GET /v1/models) over 16 keep-alive connections. Reports each side's
+events (chunks or replies) per second and its server's CPU seconds per 1,000, and now's ratios
+against each. The model is the 2-layer test size, so the HTTP work is most of the server's.
+
+    python benchmarks/http_server.py [--smoke] [--reps 5] [--json PATH]
 """
 from __future__ import annotations
 
@@ -38,17 +43,19 @@ from starlette.middleware.base import BaseHTTPMiddleware
 from rollwise.config import ServerConfig
 from rollwise.engine.async_engine import AsyncEngine
 from rollwise.serve.server import AuthMiddleware, build_app
-model, port, key, before = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "before"
+model, port, key, side = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 cfg = ServerConfig(port=port, api_key=key)
 app = build_app(AsyncEngine(model), cfg, "m")
-if before:  # the same check, through starlette's @app.middleware("http") as the server ran it before
+if side in ("middleware", "before"):  # the same check, through starlette's @app.middleware("http") as it ran before
     check = AuthMiddleware(None, cfg)
     async def auth(request, call_next):
         return check.refused(request.url.path, request.method, request.headers) or await call_next(request)
     app.user_middleware = [m for m in app.user_middleware if m.cls is not AuthMiddleware]
     app.add_middleware(BaseHTTPMiddleware, dispatch=auth)
-uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+io = {"loop": "asyncio", "http": "h11"} if side in ("asyncio", "before") else {}  # (else uvicorn's choice)
+uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", **io)
 """
+SIDES = ("now", "middleware", "asyncio", "before")
 
 
 async def streams(url: str, n: int, tokens: int) -> int:
@@ -99,7 +106,7 @@ def main() -> None:
     model = engine_model("smoke")
     procs, urls, logs = {}, {}, {}
     try:
-        for side in ("now", "before"):
+        for side in SIDES:
             port = free_port()
             logs[side] = tempfile.TemporaryFile()
             procs[side] = subprocess.Popen([sys.executable, "-c", LAUNCH, model, str(port), KEY, side],
@@ -128,13 +135,17 @@ def main() -> None:
     for load, sides in runs.items():
         row = {side: {"per_s": median([r[0] for r in rs]), "server_cpu_s_per_1000": median([r[1] for r in rs]),
                       "events": rs[-1][2]} for side, rs in sides.items()}
-        row["ratio_per_s"] = row["now"]["per_s"] / row["before"]["per_s"]
-        row["ratio_cpu"] = row["before"]["server_cpu_s_per_1000"] / max(row["now"]["server_cpu_s_per_1000"], 1e-9)
+        now = row["now"]
+        line = [f"{load} ({now['events']} a run): now {now['per_s']:.0f}/s, {now['server_cpu_s_per_1000']:.3f} server "
+                "CPU s per 1000"]
+        for side in SIDES[1:]:
+            old = row[side]
+            old["ratio_per_s"] = now["per_s"] / old["per_s"]  # (now's against it)
+            old["ratio_cpu"] = old["server_cpu_s_per_1000"] / max(now["server_cpu_s_per_1000"], 1e-9)
+            line.append(f"{side} {old['per_s']:.0f}/s, {old['server_cpu_s_per_1000']:.3f} (now: "
+                        f"{old['ratio_per_s']:.2f}x the rate, {old['ratio_cpu']:.2f}x less CPU)")
         out["loads"][load] = row
-        print(f"{load} ({row['now']['events']} a run): now {row['now']['per_s']:.0f}/s, "
-              f"{row['now']['server_cpu_s_per_1000']:.3f} server CPU s per 1000; before {row['before']['per_s']:.0f}/s, "
-              f"{row['before']['server_cpu_s_per_1000']:.3f}: {row['ratio_per_s']:.2f}x the rate, "
-              f"{row['ratio_cpu']:.2f}x less CPU")
+        print("; ".join(line))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 
