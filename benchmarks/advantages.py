@@ -33,6 +33,7 @@ from rollwise.cli import DEMO_DIR, DEMO_SFT_CACHE, _overrides, demo_model  # noq
 from rollwise.rl import TrainConfig, train  # noqa: E402
 from rollwise.rollout.pipeline import read_log  # noqa: E402
 from rollwise.trainer.advantages import ADVANTAGES  # noqa: E402
+from common import write_json  # noqa: E402  (benchmarks/common.py)
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ENVS = {"phonebook": (EXAMPLES / "train-phonebook.toml", DEMO_SFT_CACHE),
@@ -151,8 +152,7 @@ def main() -> None:
         mine = [r for r in runs if r["advantage"] == adv]
         out[adv] = {k: statistics.mean(r[k] for r in mine) for k in ("rl_success", "rl_greedy_success", "wall_s")}
     print(json.dumps({a: out[a] for a in chosen}, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    write_json(args.json, out)
     if args.plot:
         plot(runs, args.plot)
 

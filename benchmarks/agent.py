@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
-from pathlib import Path
 
 from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
@@ -26,7 +24,7 @@ from rollwise.engine.async_engine import AsyncEngine  # noqa: E402
 from rollwise.engine.tokenizer import Tokenizer  # noqa: E402
 from rollwise.types import SamplingParams  # noqa: E402
 
-from common import cached_model  # noqa: E402  (benchmarks/common.py)
+from common import cached_model, write_json  # noqa: E402  (benchmarks/common.py)
 
 
 async def measure(gen, env_name: str, tasks: list[dict], concurrency: int, latency: Latency | None) -> dict:
@@ -81,8 +79,7 @@ def main() -> None:
                   f"{g['generated_tokens']:>12}{g['solved']:>8.2f}", flush=True)
     finally:
         engine.shutdown()
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from rollwise.engine.async_engine import AsyncEngine  # noqa: E402
 from rollwise.engine.tokenizer import Tokenizer  # noqa: E402
 from rollwise.types import SamplingParams  # noqa: E402
 
-from common import cached_model  # noqa: E402  (benchmarks/common.py)
+from common import cached_model, write_json  # noqa: E402  (benchmarks/common.py)
 
 AGENT = str(Path(__file__).resolve().parent.parent / "examples" / "phonebook_agent.py") + ":PhonebookAgent"
 CLI = [sys.executable, str(Path(AGENT.split(":")[0]).with_name("phonebook_agent_cli.py"))]
@@ -118,8 +117,7 @@ def main() -> None:
         ms = " / ".join(f"{r[s]['ms_per_turn']:.2f}" for s in sides)
         print(f"| {gen} | {c} | {e['episodes_per_s']:.1f} | {rate} | {over} | {ms} | "
               f"{e['turns']} / {e['generated_tokens']} | {r['same_token_ids']} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+    write_json(args.json, out)
     if not all(r["same_token_ids"] for _, _, r in rows):
         raise SystemExit("the agent's trajectories differ from the built-in env's")
 

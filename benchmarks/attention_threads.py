@@ -14,7 +14,6 @@ threshold; batch 16 at 512: over both) the ratio is the machine's noise.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import decode_prompts, engine_model, paired  # noqa: E402
+from common import decode_prompts, engine_model, paired, write_json  # noqa: E402
 
 from rollwise import LLM, SamplingParams  # noqa: E402
 from rollwise.engine import attention  # noqa: E402
@@ -61,8 +60,7 @@ def main() -> None:
         out["runs"].append(row)
         print(f"| {b} | {ctx} | {b * new} | {tps['machine']:.0f} | {tps['fixed_65536']:.0f} | "
               f"{row['ratio']:.2f}x | {same} |", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

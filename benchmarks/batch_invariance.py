@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cached_model, engine_model  # noqa: E402
+from common import cached_model, engine_model, write_json  # noqa: E402
 
 from rollwise import LLM, SamplingParams  # noqa: E402
 from rollwise.agent.envs import make_env  # noqa: E402
@@ -132,8 +131,7 @@ def main() -> None:
         print(f"\ncost: {m}\n\n| work | tokens | default tok/s | batch_invariant tok/s | ratio |\n"
               "| --- | --- | --- | --- | --- |")
         out["cost"][m] = cost(m, args.smoke)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

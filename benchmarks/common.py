@@ -2,6 +2,7 @@
 engine.py and spec_engine.py share the same engine models, so they measure the same weights."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -144,3 +145,11 @@ def decode_sides(llm, sides: dict, batches, new: int, reps: int, params) -> list
         print(f"| {b} | {b * new} | {tps[a]:.0f} | {tps[z]:.0f} | {rows[-1]['ratio']:.2f}x | "
               f"{rows[-1]['same_tokens']} |", flush=True)
     return rows
+
+
+def write_json(path: str | None, result) -> None:
+    """A benchmark's results to `path` (its --json; nothing without one), indented, parent folders made;
+    what JSON does not hold (a Path, a dtype) as its text."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -23,6 +23,7 @@ passive_unless_chosen()  # before torch loads
 
 from rollwise.cli import demo_model  # noqa: E402
 from rollwise.rl import TrainConfig, train  # noqa: E402
+from common import write_json  # noqa: E402  (benchmarks/common.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,8 +79,7 @@ def main() -> None:
               f"| {mean(first, 'reward_kl'):.3f} / {mean(last, 'reward_kl'):.3f} "
               f"| {r['sft_success']:.2f} / {r['sft_greedy_success']:.2f} -> {r['rl_success']:.2f} / "
               f"{r['rl_greedy_success']:.2f} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    write_json(args.json, res)
     if args.plot:
         plot(res, args.plot)
 

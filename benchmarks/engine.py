@@ -35,7 +35,7 @@ from rollwise.engine.models.loader import load_model  # noqa: E402
 from rollwise.serve.process import ServerProcess  # noqa: E402
 
 import common  # noqa: E402  (benchmarks/common.py)
-from common import engine_model, rand_prompts, start_vllm  # noqa: E402
+from common import engine_model, rand_prompts, start_vllm, write_json  # noqa: E402
 
 
 
@@ -267,8 +267,7 @@ def main() -> None:
         if attention_native():
             results["native_kernels"] = bench_kernel(model, kernel_cases, kernel_prefills, new, vocab)
             report_kernels(results["native_kernels"])
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")
+        write_json(args.json, results)
         return
     results["rollwise"], results["transformers"] = bench_in_process(model, batches, prompt_len, new, prefill, vocab)
     results["rollwise"]["prefix_reuse"] = bench_prefix_reuse(model, max(batches), prefix, vocab)
@@ -289,8 +288,7 @@ def main() -> None:
                 vllm[0].terminate()
                 vllm[0].wait()
     report(results, batches)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    write_json(args.json, results)
 
 
 def attention_native() -> bool:

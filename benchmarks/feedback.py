@@ -25,6 +25,7 @@ passive_unless_chosen()  # before torch loads
 from rollwise.cli import DEMO_SFT_CACHE, demo_model  # noqa: E402
 from rollwise.evaluation import evaluate_model  # noqa: E402
 from rollwise.rl import TrainConfig, train  # noqa: E402
+from common import write_json  # noqa: E402  (benchmarks/common.py)
 
 CONFIG = Path(__file__).resolve().parent.parent / "examples" / "train-phonebook.toml"
 
@@ -81,8 +82,7 @@ def main() -> None:
                   f"{evals[f'up_to_{args.attempts}']['corrected']:.3f}); RL {row['rl_wall_s']:.0f} s, "
                   f"{row['generated_tokens']:.0f} tokens", flush=True)
     print(json.dumps(out, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

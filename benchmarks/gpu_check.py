@@ -13,7 +13,6 @@ transformers' generate and forward on the same device, taking turns (ratios, sam
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -24,7 +23,7 @@ passive_unless_chosen()  # before torch loads
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_model, paired, rand_prompts as prompts  # noqa: E402
+from common import engine_model, paired, rand_prompts as prompts, write_json  # noqa: E402
 
 from rollwise import LLM, SamplingParams  # noqa: E402
 from rollwise.make_model import make_model  # noqa: E402
@@ -133,8 +132,7 @@ def main() -> None:
     p = res["speed"]["prefill"]
     print(f"prefill {p['tokens']} tokens: rollwise {p['rollwise_tok_s']:9.1f} tok/s, transformers "
           f"{p['transformers_tok_s']:9.1f} ({p['ratio']:.2f}x)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":

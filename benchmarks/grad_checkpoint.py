@@ -29,7 +29,7 @@ import time
 from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
-from common import ENGINE_SIZES, cached_model, engine_model  # noqa: E402  (benchmarks/common.py)
+from common import cached_model, engine_model, ENGINE_SIZES, write_json  # noqa: E402  (benchmarks/common.py)
 
 
 def _status(key: str) -> int:
@@ -144,9 +144,7 @@ def main() -> None:
           f"run once), vocabulary {vocab:,}; against plain:")
     for name, r in res["ratios"].items():
         print(f"{name:>12}: kept {r['kept_bytes']:.3f}x, peak {r['peak_bytes']:.3f}x, time {r['seconds']:.3f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What the HTTP layer costs `rollwise serve`, against how it ran before, side by side in one run:
 
-- now: the API-key check as plain ASGI (`rollwise.serve.server.AuthMiddleware`), uvicorn on uvloop
+- now: the API-key check as plain ASGI (`rollwise.serve.auth.AuthMiddleware`), uvicorn on uvloop
   and httptools (dependencies; uvicorn takes them when installed, as `uvicorn[standard]` and vLLM do);
 - middleware: the same check through starlette's `@app.middleware("http")` (before 2026-12-07),
   which runs every request, and every piece of a streamed reply, through a task and a memory stream
@@ -21,20 +21,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import httpx
 
 from rollwise.omp import passive_env
 from rollwise.serve.process import free_port, wait_for_http
 
-from common import _cpu_ticks, engine_model, settle  # (benchmarks/common.py)
+from common import _cpu_ticks, engine_model, settle, write_json  # (benchmarks/common.py)
 
 KEY = "bench-key"
 LAUNCH = r"""
@@ -42,7 +40,8 @@ import sys, uvicorn
 from starlette.middleware.base import BaseHTTPMiddleware
 from rollwise.config import ServerConfig
 from rollwise.engine.async_engine import AsyncEngine
-from rollwise.serve.server import AuthMiddleware, build_app
+from rollwise.serve.auth import AuthMiddleware
+from rollwise.serve.server import build_app
 model, port, key, side = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 cfg = ServerConfig(port=port, api_key=key)
 app = build_app(AsyncEngine(model), cfg, "m")
@@ -146,8 +145,7 @@ def main() -> None:
                         f"{old['ratio_per_s']:.2f}x the rate, {old['ratio_cpu']:.2f}x less CPU)")
         out["loads"][load] = row
         print("; ".join(line))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
 
 
 def median(xs: list[float]) -> float:

@@ -14,7 +14,6 @@ and the RL demo's (qwen3, 2 layers, hidden 128); the policies take turns within 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_model  # noqa: E402
+from common import engine_model, write_json  # noqa: E402
 
 from rollwise import LLM, SamplingParams  # noqa: E402
 from rollwise.engine.models import linear  # noqa: E402
@@ -62,8 +61,7 @@ def main() -> None:
             print(f"| {Path(m).name} | {b} | {b * new} | {tps['mkl']:.0f} | {tps['onednn']:.0f} | "
                   f"{tps['measured']:.0f} | {r['mkl']:.2f}x | {r['onednn']:.2f}x |", flush=True)
     linear._policy = policies["measured"]
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import time
 from fractions import Fraction
 
 from rollwise.agent.math_reward import MathVerifier, equivalent
+from common import write_json  # (benchmarks/common.py)
 
 ADVERSARIAL = "Multiplying it all out, the count is $\\boxed{9^{9^{9^{9}}}}$."
 
@@ -113,9 +113,7 @@ def main() -> None:
               f"{w['inline']['median']:.2f} / {w['inline']['worst']:.2f} s -> "
               f"{w['pool']['median']:.2f} / {w['pool']['worst']:.2f} s |", flush=True)
     verifier.close()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from rollwise.serve.process import free_port, wait_for_http
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 from units_env import METERS, convert  # noqa: E402
+from common import write_json  # noqa: E402  (benchmarks/common.py)
 
 
 def workload(n: int) -> list[dict]:
@@ -115,8 +115,7 @@ def main() -> None:
         for name, r in row.items():
             ratio = f"{r['time_vs_in_process']:.1f}x" if "time_vs_in_process" in r else "1.0x"
             print(f"{c:>11} {name:>10} {r['calls_per_s']:>9.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {ratio:>19}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from rollwise.omp import passive_env, spin_env
+from common import write_json  # (benchmarks/common.py)
 
 HERE = Path(__file__).resolve().parent
 
@@ -95,8 +96,7 @@ def main() -> None:
         cells = "".join(f"{alone['decode'][b]['tok_s']:>14.1f}"
                         f"{sum(o['decode'][b]['tok_s'] for o in two) / len(two):>14.1f}" for b in batches)
         print(f"{label:<28}{cells}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import decode_prompts, engine_model  # noqa: E402
+from common import decode_prompts, engine_model, write_json  # noqa: E402
 
 from rollwise import AsyncEngine, SamplingParams  # noqa: E402
 from rollwise.engine.models.loader import load_state_dict  # noqa: E402
@@ -118,8 +117,7 @@ def main() -> None:
     base = out["modes"]["none"]["makespan_s"]
     out["makespan_vs_none"] = {m: o["makespan_s"] / base for m, o in out["modes"].items()}
     print("makespan / no pause: " + ", ".join(f"{m} {r:.2f}x" for m, r in out["makespan_vs_none"].items()))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

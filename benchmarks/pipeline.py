@@ -37,10 +37,8 @@ step behind the rollouts.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
-from pathlib import Path
 
 from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
@@ -48,6 +46,7 @@ passive_unless_chosen()  # before torch loads
 from rollwise.cli import DEMO_FULL, DEMO_SFT, DEMO_SFT_CACHE, _overrides, demo_model  # noqa: E402
 from rollwise.rl import TrainConfig, train  # noqa: E402
 from rollwise.trainer.advantages import ADVANTAGES, WHITENED  # noqa: E402
+from common import write_json  # noqa: E402  (benchmarks/common.py)
 
 
 def run(k: int, args, deterministic: bool = False, partial: bool = False, stream: bool = True,
@@ -165,8 +164,7 @@ def main() -> None:
 
 
 def finish(out: dict, args) -> None:
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
     if args.plot:
         plot(out, args.plot)
 

@@ -31,7 +31,7 @@ from rollwise.cli import DEMO_SFT_CACHE, demo_model  # noqa: E402
 from rollwise.rl import TrainConfig, train  # noqa: E402
 from rollwise.rollout.pipeline import read_log  # noqa: E402
 
-from common import engine_model  # noqa: E402  (benchmarks/common.py)
+from common import engine_model, write_json  # noqa: E402  (benchmarks/common.py)
 
 CONFIG = Path(__file__).resolve().parent.parent / "examples" / "train-phonebook.toml"
 
@@ -105,8 +105,7 @@ def main() -> None:
         print(f"adaptive against dynamic sampling alone: {res['ratio_adaptive']['rl_wall_s']:.2f}x less RL time, "
               f"{res['ratio_adaptive']['episodes']:.2f}x fewer episodes (explore at the end: easy "
               f"{a['p_easy_last']:.2f}, hard {a['p_hard_last']:.2f})")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Two measurements, both algorithms in the same run, alternating:
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -24,7 +23,7 @@ from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_model  # noqa: E402
+from common import engine_model, write_json  # noqa: E402
 
 from rollwise import LLM, SamplingParams  # noqa: E402
 from rollwise.engine.block_manager import CHAINS, HASH_ALGOS  # noqa: E402
@@ -101,9 +100,7 @@ def main() -> None:
               f"tokens ({o['cached_tokens']} cached, {o['prefill_tokens']:.0f} computed), "
               f"{o['generated_tokens']} generated")
     print(f"engine wall sha256 / builtin {out['wall_ratio_sha256_over_builtin']:.3f}; same tokens and hits: {same}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

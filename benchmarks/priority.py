@@ -12,7 +12,6 @@ times of the engine's step loop.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -23,7 +22,7 @@ from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_model  # noqa: E402
+from common import engine_model, write_json  # noqa: E402
 
 from rollwise.config import EngineConfig  # noqa: E402
 from rollwise.engine.llm_engine import LLMEngine  # noqa: E402
@@ -105,9 +104,7 @@ def main() -> None:
     out["makespan_ratio"] = p["makespan_s"] / f["makespan_s"]
     print(f"urgent requests {out['urgent_speedup']:.2f}x sooner under priority; makespan priority / fcfs "
           f"{out['makespan_ratio']:.3f}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -15,17 +15,15 @@ saved as this model's, and the check's cost as the figure that carries over.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
 from rollwise import LLM, RepetitionDetectionParams, SamplingParams  # noqa: E402
 
-from common import engine_model, rand_prompts  # noqa: E402  (benchmarks/common.py)
+from common import engine_model, rand_prompts, write_json  # noqa: E402  (benchmarks/common.py)
 
 RULE = {"max_pattern_size": 16, "min_count": 4}  # a phrase of up to 16 tokens four times in a row
 
@@ -96,8 +94,7 @@ def main() -> None:
           f"{res['tokens_ratio']:.2f}x fewer tokens); {res['rule']['ended_by_rule']} of {n} samples ended by "
           f"the rule; {res['same_tokens_up_to_the_cut']} of {n} the same tokens up to the cut; the check "
           f"{res['check_us_per_token']:.1f} us a token, {100 * res['check_share']:.2f}% of the run")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":

@@ -26,10 +26,10 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 from rollwise.omp import passive_env, passive_unless_chosen
 passive_unless_chosen()  # before torch loads
+from common import write_json  # noqa: E402  (benchmarks/common.py)
 
 GIB = 2**30
 
@@ -182,8 +182,7 @@ def main() -> None:
         fig.savefig(args.plot, dpi=120)
     for r in out["levels"].values():
         r["trace"] = [(round(t, 2), round(g, 4)) for t, g in r["trace"][::4]]  # (every 0.2 s in the file)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()
 
 from rollwise.make_model import make_reward_model  # noqa: E402
+from common import write_json  # noqa: E402  (benchmarks/common.py)
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "agent-trajectories" / "public.jsonl"
 
@@ -94,8 +95,7 @@ def main() -> None:
     print(f"{len(convs)} answers, {tokens:,} tokens: one at a time {out['answers_per_s']['one_at_a_time']:.1f}/s "
           f"({forwards['one_at_a_time']} forwards), batched {out['answers_per_s']['batched']:.1f}/s "
           f"({forwards['batched']} forwards): {out['ratio']:.2f}x")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import time
@@ -42,7 +41,7 @@ from rollwise.serve.process import ServerProcess  # noqa: E402
 from rollwise.spec.bench import load_groups  # noqa: E402
 from rollwise.types import GenerateRequest, SamplingParams  # noqa: E402
 
-from common import cached_model  # noqa: E402  (benchmarks/common.py)
+from common import cached_model, write_json  # noqa: E402  (benchmarks/common.py)
 
 COUNTERS = {"rollwise:prefill_tokens_computed_total": "prefill_tokens", "vllm:prefix_cache_queries_total": "queries",
             "vllm:prefix_cache_hits_total": "hits", "rollwise:engine_step_seconds_total": "busy_s",
@@ -272,8 +271,7 @@ def main() -> None:
         out["decision_us"][p] = decision_cost(p, samples=200 if args.smoke else 2000)
     print("routing decision µs (64 replicas, 10,000 live trajectories): " +
           ", ".join(f"{p} {v:.0f}" for p, v in out["decision_us"].items()))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cached_model  # noqa: E402
+from common import cached_model, write_json  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -135,8 +134,7 @@ def main() -> None:
     print(f"\ndecode, batch {cost['batch']} x {cost['new_tokens']} tokens: {cost['tok_s']['plain']:.0f} tok/s plain, "
           f"{cost['tok_s']['routing kept']:.0f} keeping routing ({cost['ratio']:.2f}x); "
           f"{cost['wire_bytes_per_token']:.0f} bytes of routing per token over HTTP")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,11 @@ Reported: tokens accepted per verification step (the drafting speed-up's driver)
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import engine_model  # noqa: E402
+from common import engine_model, write_json  # noqa: E402
 
 from rollwise.spec.bench import load_groups  # noqa: E402
 from rollwise.spec.replay import ReplayParams, RollwiseAdapter, replay  # noqa: E402
@@ -66,8 +65,7 @@ def main() -> None:
     for name, r in runs.items():
         a = r["mean_accepted_per_step"]
         print(f"{name:<18}{a:>14.3f}{r['tokens_per_step']:>12.3f}{a / none:>8.3f}x{a / shared:>10.3f}x{r['steps']:>9}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

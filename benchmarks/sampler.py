@@ -18,7 +18,6 @@ both draw the same tokens. Three tables:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import decode_sides, engine_model, paired  # noqa: E402
+from common import decode_sides, engine_model, paired, write_json  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -97,8 +96,7 @@ def main() -> None:
           "| same tokens |\n| --- | --- | --- | --- | --- | --- |")
     out["engine_greedy"] = engine(llm, batches, new, reps, greedy=True)
     use("native")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

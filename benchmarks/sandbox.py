@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 
 from rollwise.agent.sandbox import Sandbox
+from common import write_json  # (benchmarks/common.py)
 
 PROGRAM = "print(sum(i * i for i in range(20000)))"
 TEST = "from x import f\nassert f(3) == 9\nprint('all tests passed')\n"
@@ -79,8 +79,7 @@ def main() -> None:
             results["cases"][f"{name}, {conc} at once"] = row
             print(f"{name}, {conc} at once: sandbox {row['sandbox_ms']:.1f} ms/run ({row['sandbox_runs_per_s']:.0f}/s), "
                   f"bare subprocess {row['bare_ms']:.1f} ms/run: {row['overhead']:.2f}x the time ({runs} runs)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.json, results)
 
 
 async def _text(run) -> str:

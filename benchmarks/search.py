@@ -31,6 +31,7 @@ import httpx
 
 from rollwise.agent.search import RemoteSearch, SearchIndex
 from rollwise.serve.process import free_port
+from common import write_json  # (benchmarks/common.py)
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "agent-trajectories" / "public.jsonl"
 
@@ -166,8 +167,7 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(timeout=10)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

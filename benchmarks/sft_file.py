@@ -13,7 +13,6 @@ PNG with `--plot`.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ passive_unless_chosen()  # before torch loads
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cached_model  # noqa: E402
+from common import cached_model, write_json  # noqa: E402
 from rollwise.cli import DEMO_MODEL, demo_model  # noqa: E402
 from rollwise.engine.tokenizer import Tokenizer  # noqa: E402
 from rollwise.trainer.policy import Batch, PolicyModel, micro_batches  # noqa: E402
@@ -107,10 +106,7 @@ def main() -> None:
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-            f.write("\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

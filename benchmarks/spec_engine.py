@@ -13,10 +13,8 @@ prompt tokens, same generated tokens), with `concurrency` requests in flight (cl
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
@@ -26,7 +24,7 @@ from rollwise.engine.llm_engine import LLMEngine  # noqa: E402
 from rollwise.spec.bench import load_groups  # noqa: E402
 from rollwise.types import SamplingParams  # noqa: E402
 
-from common import engine_model  # noqa: E402  (benchmarks/common.py)
+from common import engine_model, write_json  # noqa: E402  (benchmarks/common.py)
 
 
 
@@ -121,8 +119,7 @@ def main() -> None:
         row |= {"spec_tok_s": first["tok_s"], "mean_accepted": first["mean_accepted"]}
         out["concurrency"][c] = row
         print(line, flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

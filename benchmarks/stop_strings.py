@@ -12,7 +12,6 @@ and the tokens the checks decoded per generated token and the time that took.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -22,7 +21,7 @@ passive_unless_chosen()  # before torch loads
 
 from rollwise import LLM, SamplingParams  # noqa: E402
 
-from common import engine_model  # noqa: E402  (benchmarks/common.py)
+from common import engine_model, write_json  # noqa: E402  (benchmarks/common.py)
 
 STOPS = ["</search>", "</answer>", "Observation:"]
 
@@ -80,9 +79,7 @@ def main() -> None:
           f"{res['stop']['tok_s']:.1f} tok/s ({res['ratio']:.3f}x); the stop checks decoded "
           f"{res['stop']['decoded_per_token']:.1f} tokens per generated token in {res['stop']['check_s']:.2f} s "
           f"({res['stop']['check_s'] / res['stop']['seconds']:.1%} of the run)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from rollwise.serve.process import ServerProcess
 from rollwise.serve.responses import stream_chat
 from rollwise.types import RequestOutput, SamplingParams
 
-from common import engine_model  # (benchmarks/common.py)
+from common import engine_model, write_json  # (benchmarks/common.py)
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "agent-trajectories" / "public.jsonl"
 
@@ -233,9 +233,7 @@ def main() -> None:
         print(f"chat stream's text, {r['tokens']} tokens (reasoning, then content) a token a chunk: before "
               f"{r['before_s']:.2f} s ({r['before_s'] / r['tokens'] * 1e3:.3f} ms a token), now {r['now_s']:.2f} s "
               f"({r['now_s'] / r['tokens'] * 1e3:.3f} ms a token, chunks built too): {r['ratio']:.1f}x, the same text")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":

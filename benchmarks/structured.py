@@ -21,7 +21,7 @@ passive_unless_chosen()  # before torch loads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engine as bench  # noqa: E402  (benchmarks/engine.py: prompts, paired timing)
-from common import engine_model  # noqa: E402
+from common import engine_model, write_json  # noqa: E402
 
 from rollwise import LLM, SamplingParams  # noqa: E402
 
@@ -61,8 +61,7 @@ def main() -> None:
         out["batches"][b] = row
         print(f"| {b} | {row['plain']['tokens_per_s']:.1f} | {row['json_schema']['tokens_per_s']:.1f} | "
               f"{row['ratio']:.2f}x | {row['plain']['tokens']} / {row['json_schema']['tokens']} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

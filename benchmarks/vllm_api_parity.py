@@ -14,7 +14,6 @@ shape. Needs ../shared/peers/setup.sh --full.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 from rollwise.omp import passive_env, passive_unless_chosen
 passive_unless_chosen()  # before torch loads
 
-from common import PEERS, cached_model  # noqa: E402  (benchmarks/common.py)
+from common import cached_model, PEERS, write_json  # noqa: E402  (benchmarks/common.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLED = re.compile(r"logprob -?[\d.]+")  # a sampled line's own numbers
@@ -106,8 +105,7 @@ def main() -> None:
         print(f"\n{script}, vLLM | rollwise:")
         for a, b in zip(r["vllm"], r["rollwise"]):
             print(f"  {a}  |  {b}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 
 from rollwise.omp import passive_unless_chosen
@@ -25,7 +24,7 @@ from rollwise.router.replica import HttpReplica  # noqa: E402
 from rollwise.serve.process import ServerProcess  # noqa: E402
 from rollwise.types import GenerateRequest, SamplingParams  # noqa: E402
 
-from common import engine_model, start_vllm  # noqa: E402  (benchmarks/common.py)
+from common import engine_model, start_vllm, write_json  # noqa: E402  (benchmarks/common.py)
 
 CASES = {  # greedy, 48 tokens each
     "plain, top-3 logprobs": dict(logprobs=3),
@@ -109,9 +108,7 @@ def main() -> None:
                     print(f"| {name} | {r['identical_prompts']} / {r['prompts']} | {r['tokens_compared']} | "
                           f"{r['max_logprob_diff']:.2g} | {top} |")
                 print("OpenAIReplica.stream:", res[key]["stream"])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -67,7 +66,7 @@ def main() -> None:
     if args.starts < 1:
         ap.error("--starts must be >= 1")
     sys.path.insert(0, str(HERE))
-    from common import cached_model  # benchmarks/common.py
+    from common import cached_model, write_json  # benchmarks/common.py
     model = cached_model("vml-race-model", **MODEL)
     run_dir = str(Path.home() / ".cache" / "rollwise" / "vml-race-run")
     n = 2 if args.smoke else args.starts
@@ -88,8 +87,7 @@ def main() -> None:
     for arm, r in results["arms"].items():
         other = {v: c for v, c in r["losses"].items() if v != results["usual_loss"]}
         print(f"{arm:<10}{r['starts']:>8}{r['raced']:>8}  {other or '-'}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

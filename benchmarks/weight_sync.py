@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
-from pathlib import Path
 
 import httpx
 
@@ -45,7 +43,7 @@ from rollwise.serve.process import ServerProcess  # noqa: E402
 from rollwise.types import GenerateRequest, SamplingParams  # noqa: E402
 from rollwise.wire import AdapterWeights  # noqa: E402
 
-from common import engine_model  # noqa: E402  (benchmarks/common.py)
+from common import engine_model, write_json  # noqa: E402  (benchmarks/common.py)
 
 
 async def time_updates(replica, weights: dict | AdapterWeights, repeats: int) -> list[float]:
@@ -76,13 +74,11 @@ def main() -> None:
         engine.shutdown()
         mb = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
         out = {"model": model, "weights_mb": mb, "two_replicas": to_two_replicas(model, weights, args.repeats)}
-        if args.json:
-            Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        write_json(args.json, out)
         return
     if args.only:
         out = {"model": model, "model_path": one_tensor_a_call(model, args.repeats)}
-        if args.json:
-            Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        write_json(args.json, out)
         return
     engine = AsyncEngine(model)
     weights = {k: v.detach().clone() for k, v in engine.engine.runner.model.hf_tensors().items()}
@@ -110,8 +106,7 @@ def main() -> None:
     out["lora"] = lora_updates(model, args.lora_rank, args.repeats)
     out["two_replicas"] = to_two_replicas(model, weights, args.repeats)
     out["model_path"] = one_tensor_a_call(model, args.repeats)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
 
 
 def lora_updates(model: str, rank: int, repeats: int) -> dict:

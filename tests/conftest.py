@@ -32,6 +32,12 @@ def model_dir(model_dirs) -> str:
 
 
 @pytest.fixture(scope="session")
+def other_dir(tmp_path_factory) -> str:
+    """The test model's shape (qwen3 above) with other weights: what a trainer's step sends."""
+    return str(make_model(tmp_path_factory.mktemp("other"), **FAMILIES["qwen3"] | {"seed": 7}))
+
+
+@pytest.fixture(scope="session")
 def rm_dir(model_dir, tmp_path_factory) -> str:
     """A reward model on the test model's weights (Qwen3ForSequenceClassification, a random score head)."""
     from rollwise.make_model import make_reward_model

@@ -13,7 +13,7 @@ its own or the server's `--worker-extension-cls`'s, with JSON arguments), `GET /
 /init_weight_transfer_engine`, `/start_weight_update`, `/update_weights` with `{"update_info"}`,
 `/finish_weight_update`, `/shutdown_weight_transfer_engine`; the gloo backend,
 rollwise.engine.weight_transfer). Off loopback, every POST here needs the server started with an API
-key (server.py's CONTROL_PATHS). Replies as vLLM's."""
+key (auth.py's CONTROL_PATHS). Replies as vLLM's."""
 from __future__ import annotations
 
 import asyncio

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import tempfile
 import uuid
 from pathlib import Path
@@ -16,13 +15,13 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollwise.agent.messages_api import models_page
 from rollwise.agent.parsing import make_parser
 from rollwise.agent.reasoning import make_reasoning_parser
 from rollwise.config import ServerConfig
+from rollwise.serve.auth import AuthMiddleware
 from rollwise.serve.defaults import Defaults
 from rollwise.serve.metrics import prometheus_text
 from rollwise.serve.protocol import (AddSequenceRequest, ChatCompletionRequest, CompletionRequest,
@@ -42,13 +41,6 @@ from rollwise.engine.sleep import EngineAsleep
 from rollwise.types import WeightsNotHeld
 from rollwise.wire import AdapterWeights
 
-OPEN_PATHS = {"/health", "/ping", "/metrics"}
-# control endpoints: off loopback they need the API key, as weight updates do (pausing or aborting a
-# server, flushing its cache, changing a route's replicas; vLLM serves its own only in dev mode)
-CONTROL_PATHS = {"/pause", "/resume", "/reset_prefix_cache", "/flush_cache", "/pause_generation", "/abort_request",
-                 "/continue_generation", "/abort_requests", "/collective_rpc", "/update_weight_version",
-                 "/weight_checker", "/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update",
-                 "/shutdown_weight_transfer_engine", "/init_weights_update_group", "/destroy_weights_update_group"}
 _WRITE_BYTES = 4 << 20  # a streamed weight update goes to disk in writes of about this size
 
 
@@ -93,32 +85,6 @@ def install_common(app: FastAPI, cfg: ServerConfig) -> None:
 
     app.add_middleware(AuthMiddleware, cfg=cfg)
 
-
-class AuthMiddleware:
-    """The optional API key, and the control endpoints' rule off loopback, as plain ASGI: starlette's
-    `@app.middleware("http")` passes every request, and every piece of a streamed reply, through a
-    task and a memory stream of its own."""
-
-    def __init__(self, app, cfg: ServerConfig) -> None:
-        self.app, self.cfg = app, cfg
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and (refused := self.refused(scope["path"], scope["method"], Headers(scope=scope))):
-            return await refused(scope, receive, send)
-        await self.app(scope, receive, send)
-
-    def refused(self, path: str, method: str, headers: Headers) -> Response | None:
-        cfg = self.cfg
-        if (path in CONTROL_PATHS or path == "/replicas" and method != "GET") and not cfg.api_key \
-                and not cfg.is_loopback:
-            return error(403, f"{path} off loopback needs the server started with --api-key", "permission_error")
-        if cfg.api_key and path not in OPEN_PATHS:
-            got = headers.get("authorization", "")
-            key = headers.get("x-api-key")  # (the anthropic SDKs' header)
-            if not (secrets.compare_digest(got.encode(), f"Bearer {cfg.api_key}".encode())
-                    or key is not None and secrets.compare_digest(key.encode(), cfg.api_key.encode())):
-                return error(401, "missing or wrong API key", "authentication_error")
-        return None
 
 def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     app = FastAPI(title="rollwise", docs_url=None, redoc_url=None, default_response_class=FiniteJSONResponse)

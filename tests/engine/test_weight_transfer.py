@@ -15,18 +15,11 @@ from safetensors.torch import load_file
 from rollwise import LLM, SamplingParams
 from rollwise.engine.async_llm import AsyncLLM
 from rollwise.engine.weight_transfer import EngineClient, GlooTrainer, _group
-from rollwise.make_model import make_model
 from rollwise.serve.process import free_port
 from rollwise.types import WeightVersionSpan
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42]]
-
-
-@pytest.fixture(scope="module")
-def other_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("other"), family="qwen3", layers=2, hidden=64, heads=4,
-                          kv_heads=2, vocab=1024, std=0.1, seed=7, tie=True, head_dim=32))
 
 
 def _got(llm: LLM) -> list:

@@ -21,19 +21,11 @@ from rollwise import LLM, SamplingParams
 from rollwise.engine.async_llm import AsyncLLM
 from rollwise.engine.llm_engine import LLMEngine
 from rollwise.config import EngineConfig
-from rollwise.make_model import make_model
 from rollwise.serve.process import free_port
 from rollwise.types import WeightVersionSpan
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [40, 41, 42]]
-
-
-@pytest.fixture(scope="module")
-def other_dir(tmp_path_factory) -> str:
-    """The test model's shape (conftest's qwen3) with other weights: what a trainer's step sends."""
-    return str(make_model(tmp_path_factory.mktemp("other"), family="qwen3", layers=2, hidden=64, heads=4,
-                          kv_heads=2, vocab=1024, std=0.1, seed=7, tie=True, head_dim=32))
 
 
 @pytest.fixture(scope="module")

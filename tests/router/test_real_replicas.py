@@ -336,13 +336,15 @@ def _replica_metric(server, name: str) -> float:
 
 def test_a_client_leaving_the_route_aborts_the_replica_request(servers, model_dir):
     """The router's client disconnects: the router cancels the turn, which closes its request to
-    the replica, which aborts it there."""
+    the replica, which aborts it there. (Streamed, so that the client leaves once tokens come: a
+    reply cut off after a fixed wait could leave before a busy replica's first token.)"""
     proc, url = start_route(servers, model_dir, "round_robin")
     try:
         before = sum(_replica_metric(s, "vllm:generation_tokens_total") for s in servers)
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
-                "max_tokens": 2000, "ignore_eos": True}}, timeout=httpx.Timeout(10, read=0.3))
+        body = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_tokens": 2000, "ignore_eos": True}}
+        with httpx.stream("POST", url + "/generate", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            next(line for line in r.iter_lines() if line.startswith("data: {"))  # (then the client leaves)
         for _ in range(100):
             if all(_replica_metric(s, "vllm:num_requests_running") == 0 for s in servers):
                 break

@@ -18,16 +18,9 @@ from safetensors.torch import load_file
 
 from rollwise import LLM, SamplingParams
 from rollwise.engine.group_transfer import GroupTrainer
-from rollwise.make_model import make_model
 from rollwise.serve.process import ServerProcess, free_port
 
 PROMPT = [5, 6, 7, 8]
-
-
-@pytest.fixture(scope="module")
-def other_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("other"), family="qwen3", layers=2, hidden=64, heads=4,
-                          kv_heads=2, vocab=1024, std=0.1, seed=7, tie=True, head_dim=32))
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +129,7 @@ port, path = int(sys.argv[1]), sys.argv[2]
 group = torch_group("127.0.0.1", port, 2, 0, "weight_update_group")
 for t in load_file(path).values():
     dist.broadcast(t.contiguous(), src=0, group=group)
+sys.stdin.readline()  # (the engine has them: then the group goes)
 dist.destroy_process_group(group)
 """
 
@@ -147,7 +141,8 @@ def test_sglang_engine_takes_weights_from_a_trainer_process(model_dir, other_dir
     with Engine(model_path=model_dir, random_seed=0) as engine:
         assert engine.init_weights_update_group("127.0.0.1", 1, 0, 2)[0] is False  # (rank 0 is the trainer's)
         port = free_port()
-        trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(port), other])
+        trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(port), other], stdin=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
         joined: list = []
         t = threading.Thread(target=lambda: joined.append(engine.init_weights_update_group("127.0.0.1", port, 1, 2)))
         t.start()
@@ -156,7 +151,8 @@ def test_sglang_engine_takes_weights_from_a_trainer_process(model_dir, other_dir
         ok, message = engine.update_weights_from_distributed(list(state), [t.dtype for t in state.values()],
                                                              [t.shape for t in state.values()])
         assert ok, message
-        assert trainer.wait(60) == 0
+        _, err = trainer.communicate("done\n", timeout=60)
+        assert trainer.returncode == 0, err[-3000:]
         got = engine.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 8, "temperature": 0,
                                                                  "ignore_eos": True})
         assert got["output_ids"] == _expected(other_dir)

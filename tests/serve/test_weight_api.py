@@ -12,16 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollwise.make_model import make_model
 from rollwise.serve.process import ServerProcess
 
 EXT = str(Path(__file__).parents[1] / "engine")  # sync_ext.py: the test extensions
-
-
-@pytest.fixture(scope="module")
-def other_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("other"), family="qwen3", layers=2, hidden=64, heads=4,
-                          kv_heads=2, vocab=1024, std=0.1, seed=7, tie=True, head_dim=32))
 
 
 @pytest.fixture(scope="module")
