@@ -95,6 +95,9 @@ class GroupReceiver:
         group = self._take(group_name)
         try:
             return receive_into({}, group, names, dtypes, shapes, packed=(1 << 62) if flattened else 0)
+        except RuntimeError as e:  # (gloo's: the trainer gone, or no broadcast within the group's timeout)
+            raise ValueError(f"group {group_name!r}: the weights did not come ({str(e).splitlines()[0]}); the group "
+                             "may be out of step: destroy it and join again") from e
         finally:
             with self.lock:
                 self.busy.discard(group_name)

@@ -50,6 +50,7 @@ class GroupInit(BaseModel):  # SGLang's init_weights_update_group
     world_size: int
     group_name: str = GROUP
     backend: str = "gloo"  # (SGLang's default, "nccl", needs GPUs)
+    timeout_s: float = Field(300.0, gt=0, le=86400)  # rollwise's own: how long the join and each receive may wait
 
 
 class GroupUpdate(BaseModel):  # SGLang's update_weights_from_distributed
@@ -157,7 +158,7 @@ def install_sglang(app: FastAPI, engine, cfg: ServerConfig) -> None:
             return refused
         try:
             await asyncio.to_thread(engine.engine.group_receiver.init, body.master_address, body.master_port,
-                                    body.rank_offset, body.world_size, body.group_name, body.backend)
+                                    body.rank_offset, body.world_size, body.group_name, body.backend, body.timeout_s)
         except ValueError as e:
             return sglang_reply(False, str(e))
         return sglang_reply(True, f"Initialized group {body.group_name!r} as rank {body.rank_offset}.")

@@ -25,7 +25,8 @@ PROMPT = [5, 6, 7, 8]
 
 @pytest.fixture(scope="module")
 def servers(model_dir):
-    with ServerProcess(model_dir, "--max-model-len", "256") as a, ServerProcess(model_dir, "--max-model-len", "256") as b:
+    args = ("--max-model-len", "256")
+    with ServerProcess(model_dir, *args) as a, ServerProcess(model_dir, *args) as b:
         yield [a.url, b.url]
 
 
@@ -86,6 +87,30 @@ def test_a_trainer_broadcasts_weights_into_two_servers(servers, model_dir, other
     finally:
         trainer.close()
     httpx.post(servers[0] + "/update_weights_from_disk", json={"model_path": model_dir})
+
+
+def test_weights_that_do_not_come_are_a_400_and_the_server_goes_on(servers):
+    import datetime
+
+    import torch.distributed as dist
+
+    from rollwise.engine.group_transfer import torch_group
+    port, url = free_port(), servers[1]
+    joined: list = []
+    t = threading.Thread(target=lambda: joined.append(torch_group("127.0.0.1", port, 2, 0, "slow",
+                                                                  datetime.timedelta(seconds=30))))
+    t.start()
+    r = httpx.post(url + "/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": port,
+                                                            "rank_offset": 1, "world_size": 2, "group_name": "slow",
+                                                            "timeout_s": 3}, timeout=60)
+    t.join(30)
+    assert r.json()["success"] and joined, r.text
+    r = httpx.post(url + "/update_weights_from_distributed", json={  # (the trainer sends nothing)
+        "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "slow"}, timeout=60)
+    assert r.status_code == 400 and "did not come" in r.json()["message"], r.text
+    assert _greedy(url)[0]  # still serving
+    assert httpx.post(url + "/destroy_weights_update_group", json={"group_name": "slow"}).json()["success"]
+    dist.destroy_process_group(joined[0])
 
 
 @pytest.mark.parametrize("path, body, message", [
