@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -78,7 +79,7 @@ def run(advantage: str, seed: int, args) -> dict:
                                                             if "explained_var" in s]) else None,
             "generated_tokens": steps[-1].get("generated_tokens", 0.0) if steps else 0.0,
             # the policy's mean entropy on its trained tokens in the first and last k steps
-            "entropy": [statistics.mean(s["entropy"] for s in part) for part in (steps[:k], steps[-k:])]
+            "entropy": [finite_mean(s["entropy"] for s in part) for part in (steps[:k], steps[-k:])]
             if steps and "entropy" in steps[0] else None,
             "trained_trajectories": sum(s["trained_trajectories"] for s in steps),
             "wall_s": wall, "rl_wall_s": steps[-1]["wall_s"] if steps else 0.0,
@@ -109,6 +110,12 @@ def plot(runs: list[dict], path: str) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def finite_mean(xs) -> float | None:
+    """The mean of the finite values (a step that trained no token logs its entropy as NaN); None if none."""
+    xs = [x for x in xs if math.isfinite(x)]
+    return statistics.mean(xs) if xs else None
 
 
 def main() -> None:

@@ -542,6 +542,7 @@ def test_advantages_benchmark_smoke(tmp_path):
                  env=dict(ENV, ROLLWISE_CACHE=str(tmp_path / "cache")))["runs"]
     assert png.stat().st_size > 1000
     assert [x["advantage"] for x in runs] == ["grpo", "gigpo", "gae"] and all(len(x["curve"]) == 3 for x in runs)
+    assert all(e is None or e > 0 for x in runs for e in x["entropy"])  # (a step that trained nothing: not NaN)
     # every group's first turns start from its prompt: gigpo always finds step groups, grpo never looks
     assert runs[1]["anchored_turns"] > 0 and runs[0]["anchored_turns"] == 0
     # only gae has a critic, whose explained variance is at most 1
