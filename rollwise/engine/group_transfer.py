@@ -124,7 +124,7 @@ class GroupTrainer:
         self.pool = ThreadPoolExecutor(len(urls))
         joins = [self.pool.submit(self._post, c, "/init_weights_update_group", {
             "master_address": master_address, "master_port": master_port, "rank_offset": i + 1,
-            "world_size": self.world_size, "group_name": group_name, "backend": "gloo"})
+            "world_size": self.world_size, "group_name": group_name, "backend": "gloo", "timeout_s": timeout})
             for i, c in enumerate(self.clients)]
         self.group = torch_group(master_address, master_port, self.world_size, 0, group_name,
                                  datetime.timedelta(seconds=timeout))
