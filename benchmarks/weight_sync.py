@@ -20,6 +20,11 @@ tensor, and "flattened_bucket": one of all their bytes), against streaming the s
 both over HTTP at once, and against a temporary directory for each; each timed until both hold the
 new version.
 
+Then a run's update to its HTTP replicas through the router (`Router.update_weights`, what each
+step of `rollwise train` with `replica_urls` waits on), by `replica_weights_via`: "broadcast" (one gloo
+group of the router's process and every replica, rollwise/router/broadcast.py) against "file" and
+"stream" (each replica its own request, all at once); 2 and 3 replicas, the sides taking turns.
+
 Last, TRL's colocated sync through vLLM's model path (`llm.llm_engine.model_executor.driver_worker.
 model_runner.model.load_weights([(name, tensor)])`, one tensor a call): each call packs again only the
 linears it wrote, against the same calls packing the whole model again after each (as every update
@@ -64,16 +69,20 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--model", help="default: the engine benchmark's model (32M parameters), built once")
     ap.add_argument("--lora-rank", type=int, default=16)
-    ap.add_argument("--only", choices=["model_path", "two_replicas"],
-                    help="that part alone (TRL's path, one tensor a call; the two replicas)")
+    ap.add_argument("--only", choices=["model_path", "two_replicas", "fleet"],
+                    help="that part alone (TRL's path, one tensor a call; the two replicas; a run's fleet)")
     args = ap.parse_args()
     model = engine_model("smoke" if args.smoke else "bench", args.model)
-    if args.only == "two_replicas":
+    if args.only in ("two_replicas", "fleet"):
         engine = AsyncEngine(model)
         weights = {k: v.detach().clone() for k, v in engine.engine.runner.model.hf_tensors().items()}
         engine.shutdown()
         mb = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
-        out = {"model": model, "weights_mb": mb, "two_replicas": to_two_replicas(model, weights, args.repeats)}
+        out = {"model": model, "weights_mb": mb, "repeats": args.repeats}
+        if args.only == "fleet":
+            out["fleet"] = fleet_updates(model, weights, args.repeats, mb)
+        else:
+            out["two_replicas"] = to_two_replicas(model, weights, args.repeats)
         write_json(args.json, out)
         return
     if args.only:
@@ -105,6 +114,7 @@ def main() -> None:
     print(f"streamed vs temporary directory: {out['ms']['http_file'] / out['ms']['http_stream']:.2f}x")
     out["lora"] = lora_updates(model, args.lora_rank, args.repeats)
     out["two_replicas"] = to_two_replicas(model, weights, args.repeats)
+    out["fleet"] = fleet_updates(model, weights, args.repeats, mb)
     out["model_path"] = one_tensor_a_call(model, args.repeats)
     write_json(args.json, out)
 
@@ -187,6 +197,45 @@ def to_two_replicas(model: str, weights: dict, repeats: int) -> dict:
           f"({out['sglang_flattened'] / g:.2f}x); safetensors streamed to both {out['http_stream_both']:.1f} ms "
           f"({out['http_stream_both'] / g:.2f}x), through a directory each {out['http_file_both']:.1f} ms "
           f"({out['http_file_both'] / g:.2f}x)")
+    return out
+
+
+def fleet_updates(model: str, weights: dict, repeats: int, mb: float) -> dict:
+    """A run's update through the router to 2 and 3 HTTP replicas, by replica_weights_via (taking turns)."""
+    from contextlib import ExitStack
+
+    from rollwise.router.broadcast import FleetBroadcast
+    from rollwise.router.router import Router
+    out: dict = {}
+    with ExitStack() as stack:
+        servers = [stack.enter_context(ServerProcess(model, threads=1)) for _ in range(3)]
+        for n in (2, 3):
+            async def go(n=n) -> dict[str, list[float]]:
+                urls = [s.url for s in servers[:n]]
+                routers = {via: Router([HttpReplica(u, weights_via=via) for u in urls], "round_robin")
+                           for via in ("file", "stream")}
+                routers["broadcast"] = Router([HttpReplica(u) for u in urls], "round_robin")
+                routers["broadcast"].broadcast = FleetBroadcast()
+                version = httpx.get(urls[0] + "/health").json()["policy_version"]
+                ms: dict[str, list[float]] = {via: [] for via in routers}
+                await routers["broadcast"].update_weights(weights, version + 1)  # (the group is built once)
+                version += 1
+                for _ in range(repeats):
+                    for via, router in routers.items():
+                        version += 1
+                        t0 = time.perf_counter()
+                        assert await router.update_weights(weights, version) == {u: version for u in urls}
+                        ms[via].append(1000 * (time.perf_counter() - t0))
+                assert routers["broadcast"].broadcast.stats["fallbacks"] == 0
+                for router in routers.values():
+                    await router.close()
+                return ms
+            ms = asyncio.run(go())
+            out[n] = {via: statistics.median(x) for via, x in ms.items()}
+            b = out[n]["broadcast"]
+            print(f"\nthe run's update to {n} HTTP replicas ({mb:.0f} MB each): broadcast {b:.1f} ms, file "
+                  f"{out[n]['file']:.1f} ms ({out[n]['file'] / b:.2f}x), stream {out[n]['stream']:.1f} ms "
+                  f"({out[n]['stream'] / b:.2f}x)")
     return out
 
 

@@ -14,7 +14,7 @@ from rollwise.config import check_field_types, read_toml
 from rollwise.router.policies import POLICIES
 from rollwise.rollout.trackers import check_trackers
 from rollwise.rollout.producer import turn_params
-from rollwise.router.replica import WEIGHTS_VIA
+from rollwise.router.replica import FLEET_WEIGHTS_VIA
 from rollwise.trainer.advantages import NO_GROUP
 from rollwise.trainer.config import GRPOConfig
 from rollwise.trainer.policy import ROUTING_MODES
@@ -234,7 +234,7 @@ class TrainConfig:
     replica_urls: list[str] = field(default_factory=list)  # `rollwise serve` replicas instead
     # their bearer key (servers off loopback take weight updates only with one); default: $ROLLWISE_API_KEY
     replica_api_key: str | None = None
-    # "stream" (safetensors in the request), "file" (shared file system) or "auto" (file on loopback)
+    # "stream" (in the request), "file" (shared file system), "auto" (file on loopback), "broadcast" (broadcast.py)
     replica_weights_via: str = "auto"
     routing_policy: str = "rollwise"
     speculative: str | None = "suffix"
@@ -309,8 +309,8 @@ class TrainConfig:
         if cfg.deterministic and cfg.partial_rollout:
             raise ValueError("partial_rollout does nothing in a deterministic run (every turn is pinned to its "
                              "group's version); set one of them")
-        if cfg.replica_weights_via not in WEIGHTS_VIA:
-            raise ValueError(f"replica_weights_via must be one of {WEIGHTS_VIA}, got {cfg.replica_weights_via!r}")
+        if cfg.replica_weights_via not in FLEET_WEIGHTS_VIA:
+            raise ValueError(f"replica_weights_via must be one of {FLEET_WEIGHTS_VIA}, got {cfg.replica_weights_via!r}")
         if cfg.tool_latency_kind not in ("uniform", "lognormal"):
             raise ValueError(f"tool_latency_kind must be 'uniform' or 'lognormal', got {cfg.tool_latency_kind!r}")
         if cfg.advantage in NO_GROUP and cfg.dynamic_sampling:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import datetime
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from torch.distributed import distributed_c10d as c10d
 from rollwise.engine.weight_transfer import TIMEOUT, check_update, receive_into
 
 GROUP = "weight_update_group"  # SGLang's default group name
+BROKEN = "broken"  # a group that failed an update: left, its name kept until destroyed
 
 
 def torch_group(address: str, port: int, world_size: int, rank: int, group_name: str,
@@ -77,12 +78,14 @@ class GroupReceiver:
         with self.lock:
             self.groups[group_name] = group
 
-    def _take(self, group_name: str):
+    def _take(self, group_name: str, broken_ok: bool = False):
         with self.lock:
             group = self.groups.get(group_name)
             if group is None:
                 raise ValueError(f"no group {group_name!r} joined (joined: {sorted(self.groups)}): call "
                                  "init_weights_update_group first")
+            if group is BROKEN and not broken_ok:
+                raise ValueError(f"group {group_name!r} failed an update and was left: destroy it and join again")
             if group_name in self.busy:
                 raise ValueError(f"group {group_name!r} is receiving an update already")
             self.busy.add(group_name)
@@ -90,24 +93,30 @@ class GroupReceiver:
 
     def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str = GROUP,
                 flattened: bool = False) -> dict[str, torch.Tensor]:
-        """One update's weights, by name, as the trainer broadcasts them (flattened: in one broadcast)."""
+        """One update's weights, by name, as the trainer broadcasts them (flattened: in one broadcast).
+        Weights that do not come (the trainer or another rank gone, or the group's timeout passed)
+        leave the group (it is out of step): its name stays, refusing updates, until it is destroyed."""
         check_update(names, dtypes, shapes)
         group = self._take(group_name)
         try:
             return receive_into({}, group, names, dtypes, shapes, packed=(1 << 62) if flattened else 0)
         except RuntimeError as e:  # (gloo's: the trainer gone, or no broadcast within the group's timeout)
+            with self.lock:
+                self.groups[group_name] = BROKEN
+            dist.destroy_process_group(group)
             raise ValueError(f"group {group_name!r}: the weights did not come ({str(e).splitlines()[0]}); the group "
-                             "may be out of step: destroy it and join again") from e
+                             "is out of step and was left: destroy it and join again") from e
         finally:
             with self.lock:
                 self.busy.discard(group_name)
 
     def destroy(self, group_name: str = GROUP) -> None:
-        self._take(group_name)
+        group = self._take(group_name, broken_ok=True)
         with self.lock:
-            group = self.groups.pop(group_name)
+            self.groups.pop(group_name)
             self.busy.discard(group_name)
-        dist.destroy_process_group(group)
+        if group is not BROKEN:
+            dist.destroy_process_group(group)
 
 
 class GroupTrainer:
@@ -121,15 +130,22 @@ class GroupTrainer:
         self.group_name, self.world_size = group_name, 1 + len(urls)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self.clients = [httpx.Client(base_url=u.rstrip("/"), timeout=timeout, headers=headers) for u in urls]
-        self.pool = ThreadPoolExecutor(len(urls))
+        self.pool = ThreadPoolExecutor(len(urls) + 1)
         joins = [self.pool.submit(self._post, c, "/init_weights_update_group", {
             "master_address": master_address, "master_port": master_port, "rank_offset": i + 1,
             "world_size": self.world_size, "group_name": group_name, "backend": "gloo", "timeout_s": timeout})
             for i, c in enumerate(self.clients)]
-        self.group = torch_group(master_address, master_port, self.world_size, 0, group_name,
-                                 datetime.timedelta(seconds=timeout))
-        for j in joins:
-            j.result()
+        mine = self.pool.submit(torch_group, master_address, master_port, self.world_size, 0, group_name,
+                                datetime.timedelta(seconds=timeout))
+        try:
+            for j in as_completed([*joins, mine]):  # a server that refuses (or is down) fails this at once,
+                j.result()  # not after the rendezvous's timeout (which then ends the other joins)
+        except BaseException:
+            for c in self.clients:
+                c.close()
+            self.pool.shutdown(wait=False)
+            raise
+        self.group = mine.result()
 
     @staticmethod
     def _post(client, path: str, body: dict) -> dict:
@@ -138,12 +154,15 @@ class GroupTrainer:
             raise ValueError(f"{client.base_url}{path}: HTTP {r.status_code}: {r.text[:500]}")
         return r.json()
 
-    def send_weights(self, weights: dict, weight_version: str | None = None, flattened: bool = False) -> list[dict]:
-        """One update to every server; their replies."""
+    def send_weights(self, weights: dict, weight_version: str | None = None, flattened: bool = False,
+                     partial_rollout: bool = False) -> list[dict]:
+        """One update to every server; their replies. `partial_rollout` (rollwise's own: `rollwise
+        serve` takes it, SGLang does not): requests in flight continue under the new weights."""
         items = [(n, t.detach().contiguous()) for n, t in weights.items()]
         body = {"names": [n for n, _ in items], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in items],
                 "shapes": [list(t.shape) for _, t in items], "group_name": self.group_name,
-                "load_format": "flattened_bucket" if flattened else None, "weight_version": weight_version}
+                "load_format": "flattened_bucket" if flattened else None, "weight_version": weight_version,
+                **({"partial_rollout": True} if partial_rollout else {})}
         replies = [self.pool.submit(self._post, c, "/update_weights_from_distributed", body) for c in self.clients]
         tensors = [t for _, t in items]
         if flattened:
@@ -155,8 +174,18 @@ class GroupTrainer:
             dist.broadcast(t, src=0, group=self.group)
         return [r.result() for r in replies]
 
-    def close(self) -> None:
+    def close(self, strict: bool = True) -> None:
+        """Leave the group: every server destroys it, then this side. Not `strict` (after a failure):
+        this side first, and what a server answers (or whether it answers) is let be."""
+        if not strict:
+            dist.destroy_process_group(self.group)
         for c in self.clients:
-            self._post(c, "/destroy_weights_update_group", {"group_name": self.group_name})
-        dist.destroy_process_group(self.group)
-        self.pool.shutdown()
+            try:
+                self._post(c, "/destroy_weights_update_group", {"group_name": self.group_name})
+            except Exception:  # noqa: BLE001 - not strict: a server down, or still receiving (it leaves the
+                if strict:  # group itself when the weights do not come)
+                    raise
+            c.close()
+        if strict:
+            dist.destroy_process_group(self.group)
+        self.pool.shutdown(wait=strict)

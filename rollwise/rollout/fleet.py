@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from rollwise.router.broadcast import FleetBroadcast
 from rollwise.router.replica import HttpReplica, LocalReplica
 from rollwise.router.router import Router
 
@@ -31,7 +32,8 @@ def cores() -> int:
 def make_router(cfg: TrainConfig, tokenizer):
     if cfg.replica_urls:
         key = cfg.replica_api_key or os.environ.get("ROLLWISE_API_KEY")
-        replicas = [HttpReplica(u, key, weights_via=cfg.replica_weights_via) for u in cfg.replica_urls]
+        via = "auto" if cfg.replica_weights_via == "broadcast" else cfg.replica_weights_via  # (when the group fails)
+        replicas = [HttpReplica(u, key, weights_via=via) for u in cfg.replica_urls]
     else:
         from rollwise.engine.async_engine import AsyncEngine
         replicas = [LocalReplica(f"replica{i}", AsyncEngine(
@@ -41,7 +43,10 @@ def make_router(cfg: TrainConfig, tokenizer):
             enable_return_routed_experts=cfg.routing_replay != "off",
             enable_lora=cfg.lora_sync == "adapter", max_lora_rank=max(cfg.lora_rank, 1)))
             for i in range(cfg.replicas)]
-    return Router(replicas, cfg.routing_policy, tokenizer=tokenizer, max_inflight_per_replica=cfg.max_num_seqs)
+    router = Router(replicas, cfg.routing_policy, tokenizer=tokenizer, max_inflight_per_replica=cfg.max_num_seqs)
+    if cfg.replica_urls and cfg.replica_weights_via == "broadcast":
+        router.broadcast = FleetBroadcast(key)
+    return router
 
 
 def shutdown(router) -> None:
@@ -52,7 +57,9 @@ def shutdown(router) -> None:
 
 
 def fleet_metrics(router) -> dict:
-    """Summed engine counters of in-process replicas (HTTP ones report on their own /metrics)."""
+    """Summed engine counters of in-process replicas (HTTP ones report on their own /metrics); with
+    replica_weights_via = "broadcast", the updates the group took and those it failed (each replica's own way)."""
+    sent = {} if router.broadcast is None else {f"broadcast_{k}": v for k, v in router.broadcast.stats.items()}
     tot: dict[str, float] = {}
     for r in router.replicas.values():
         eng = getattr(r, "engine", None)
@@ -61,8 +68,9 @@ def fleet_metrics(router) -> dict:
         for k, v in eng.metrics().items():
             tot[k] = tot.get(k, 0.0) + v
     if not tot:
-        return {}
-    return {"generated_tokens": tot.get("generated_tokens", 0.0), "spec_drafted": tot.get("spec_drafted_tokens", 0.0),
-            "spec_accepted": tot.get("spec_accepted_tokens", 0.0), "spec_steps": tot.get("spec_steps", 0.0),
-            "engine_steps": tot.get("num_steps", 0.0),
-            "prefix_hit_rate": tot.get("prefix_hits", 0.0) / max(tot.get("prefix_queries", 0.0), 1.0)}
+        return sent
+    return sent | {
+        "generated_tokens": tot.get("generated_tokens", 0.0), "spec_drafted": tot.get("spec_drafted_tokens", 0.0),
+        "spec_accepted": tot.get("spec_accepted_tokens", 0.0), "spec_steps": tot.get("spec_steps", 0.0),
+        "engine_steps": tot.get("num_steps", 0.0),
+        "prefix_hit_rate": tot.get("prefix_hits", 0.0) / max(tot.get("prefix_queries", 0.0), 1.0)}

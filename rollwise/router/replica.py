@@ -141,6 +141,7 @@ PROM = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "wa
 
 
 WEIGHTS_VIA = ("auto", "stream", "file")
+FLEET_WEIGHTS_VIA = (*WEIGHTS_VIA, "broadcast")  # a run's: every HTTP replica in one group (broadcast.py)
 
 
 SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",

@@ -57,6 +57,7 @@ class Router(Upkeep):
         self.policy_version = 0  # of the weights every healthy replica serves
         self.stale: set[str] = set()  # replicas that missed a weight update (kept out of routing)
         self.asleep: set[str] = set()  # replicas whose memory is given back (sleep mode; out of routing)
+        self.broadcast = None  # a FleetBroadcast: weight updates to HTTP replicas in one group (broadcast.py)
         self.weight_updates: dict[str, int] = {}  # replica -> updates it took (what it cached before: never matched)
         self._latest: tuple | None = None  # (weights, version) of the last update
         self._latest_adapter: tuple | None = None  # (adapter, version) sent on those weights since, if any
@@ -109,6 +110,8 @@ class Router(Upkeep):
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks = []
+        if self.broadcast is not None:
+            await self.broadcast.close()
 
     # the Generator protocol ------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateOutput:

@@ -62,7 +62,11 @@ class Upkeep:
         or with `partial_rollout` continue under these). One that fails to take them is out of
         routing (stale) until the health loop has given it the latest weights."""
         names = list(self.replicas)
-        res = await asyncio.gather(*(self.replicas[n].update_weights(weights, version, partial_rollout) for n in names),
+        sent: list[str] = []  # (taken in the broadcast group: replica_weights_via = "broadcast", broadcast.py)
+        if self.broadcast is not None and isinstance(weights, dict):  # (not a directory, not an adapter)
+            sent = await self.broadcast.send(self, weights, version, partial_rollout)
+        res = await asyncio.gather(*(asyncio.sleep(0, version) if n in sent else
+                                     self.replicas[n].update_weights(weights, version, partial_rollout) for n in names),
                                    return_exceptions=True)
         if res and all(isinstance(r, ValueError) for r in res):  # bad weights (every replica refused them):
             raise ValueError(f"no replica took the new weights: {res[0]}")  # the fleet stays as it was

@@ -64,6 +64,7 @@ class GroupUpdate(BaseModel):  # SGLang's update_weights_from_distributed
     load_format: Literal["auto", "flattened_bucket"] | None = None  # flattened_bucket: one broadcast
     flush_cache: bool = True  # (nothing to do: cached blocks are keyed by their weights' version)
     torch_empty_cache: bool = False  # (no CUDA cache here)
+    partial_rollout: bool = False  # rollwise's own: requests in flight continue under the new weights
 
 
 class GroupName(BaseModel):
@@ -92,7 +93,7 @@ async def update_from_group(engine, body: GroupUpdate) -> tuple[bool, str]:
         weights = await asyncio.to_thread(engine.engine.group_receiver.receive, body.names, body.dtypes, body.shapes,
                                           body.group_name, body.load_format == "flattened_bucket")
         if weights:
-            await engine.update_weights(weights, version_of(body.weight_version))
+            await engine.update_weights(weights, version_of(body.weight_version), body.partial_rollout)
     except ValueError as e:
         return False, str(e)
     return True, (f"Succeeded to update parameter online: {len(body.names)} weights, version {engine.policy_version}"

@@ -331,10 +331,13 @@ def test_killed_trainer_resumes_without_losing_or_repeating_groups(model_dir, tm
     assert [s["loss"] for s in steps] == [s["loss"] for s in after["history"]]
 
 
-def test_replica_killed_mid_run_fails_over_without_losing_trajectories(model_dir, tmp_path):
+@pytest.mark.parametrize("via", ["auto", "broadcast"])
+def test_replica_killed_mid_run_fails_over_without_losing_trajectories(model_dir, tmp_path, via):
+    """(With "broadcast", the updates after the kill fail in the group and reach the survivor as a file;
+    the next one builds the group again without the dead replica.)"""
     with ServerProcess(model_dir, "--max-num-seqs", "16") as a, ServerProcess(model_dir, "--max-num-seqs", "16") as b:
         cfg = TrainConfig.from_dict({**TINY, "model": model_dir, "run_dir": str(tmp_path / "run"), "steps": 4,
-                                     "max_staleness": 1, "replica_urls": [a.url, b.url]})
+                                     "max_staleness": 1, "replica_urls": [a.url, b.url], "replica_weights_via": via})
         ckpt = Path(cfg.run_dir) / "checkpoint.pt"
 
         def killer():
@@ -348,6 +351,9 @@ def test_replica_killed_mid_run_fails_over_without_losing_trajectories(model_dir
     assert all(len(g.trajectories) == 2 and all(t.status != "error" for t in g.trajectories) for g in groups)
     late = [t for g in groups if g.admitted_version >= 2 for t in g.trajectories]
     assert late and all(tr.replica == a.url for t in late for tr in t.turns)  # only the survivor served them
+    if via == "broadcast":  # the first weights and 4 steps' through the group, but one that found b gone
+        last = report["steps"][-1]  # (if the health loop had not taken b out of the members before it)
+        assert last["broadcast_updates"] + last["broadcast_fallbacks"] == 5 and last["broadcast_updates"] >= 4, last
 
 
 def test_example_config_is_the_demo_run(model_dir):

@@ -105,10 +105,12 @@ def test_weights_that_do_not_come_are_a_400_and_the_server_goes_on(servers):
                                                             "timeout_s": 3}, timeout=60)
     t.join(30)
     assert r.json()["success"] and joined, r.text
-    r = httpx.post(url + "/update_weights_from_distributed", json={  # (the trainer sends nothing)
-        "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "slow"}, timeout=60)
+    body = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "slow"}
+    r = httpx.post(url + "/update_weights_from_distributed", json=body, timeout=60)  # (the trainer sends nothing)
     assert r.status_code == 400 and "did not come" in r.json()["message"], r.text
     assert _greedy(url)[0]  # still serving
+    r = httpx.post(url + "/update_weights_from_distributed", json=body, timeout=60)  # out of step: left at once
+    assert r.status_code == 400 and "was left: destroy it" in r.json()["message"], r.text
     assert httpx.post(url + "/destroy_weights_update_group", json={"group_name": "slow"}).json()["success"]
     dist.destroy_process_group(joined[0])
 
