@@ -5,6 +5,7 @@ an update the group fails (a server refuses, or is gone) reaches each replica it
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import httpx
@@ -12,15 +13,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollwise import LLM, SamplingParams
+from rollwise.engine.group_transfer import GroupTrainer
 from rollwise.rl_config import TrainConfig
 from rollwise.rollout.fleet import make_router
 from rollwise.router.broadcast import FleetBroadcast, facing_address
 from rollwise.router.replica import HttpReplica
 from rollwise.router.router import Router
-from rollwise.serve.process import ServerProcess
+from rollwise.serve.process import ServerProcess, free_port
+from tests.serve.test_group_transfer import _expected, _greedy
 
-PROMPT = [5, 6, 7, 8]
 ARGS = ("--max-model-len", "256")
 
 
@@ -28,18 +29,6 @@ ARGS = ("--max-model-len", "256")
 def servers(model_dir):
     with ServerProcess(model_dir, *ARGS, threads=1) as a, ServerProcess(model_dir, *ARGS, threads=1) as b:
         yield [a.url, b.url]
-
-
-def _greedy(url: str) -> tuple[list[int], int]:
-    r = httpx.post(url + "/generate", json={"input_ids": PROMPT, "sampling_params": {
-        "temperature": 0, "max_tokens": 8, "ignore_eos": True}}, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()["token_ids"], r.json()["policy_version"]
-
-
-def _expected(model: str) -> list[int]:
-    return LLM(model).generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0] \
-        .outputs[0].token_ids
 
 
 def _weights(model: str) -> dict[str, torch.Tensor]:
@@ -118,6 +107,15 @@ def test_a_replica_gone_mid_run_costs_the_group_not_the_update(servers, model_di
             assert _greedy(servers[0])[1] == 12
             await router.close()
     asyncio.run(go())
+
+
+def test_a_join_that_fails_fails_the_group_at_once(servers):
+    """A server that is down fails the group's building when its join does, not after the rendezvous's
+    timeout (the others' joins end at that timeout)."""
+    t = time.monotonic()
+    with pytest.raises(httpx.ConnectError):
+        GroupTrainer([servers[0], "http://127.0.0.1:1"], free_port(), group_name="never", timeout=120)
+    assert time.monotonic() - t < 60
 
 
 def test_a_run_config_picks_the_broadcast(model_dir):
