@@ -98,7 +98,8 @@ class Tokenizer:
             raise ValueError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, continue_final_message: bool = False, **kwargs) -> list[int]:
+                    tools: list[dict] | None = None, continue_final_message: bool = False,
+                    add_special_tokens: bool = False, **kwargs) -> list[int]:
         """The chat's prompt ids; `kwargs`: more of the template's variables (`enable_thinking`: a
         request's `chat_template_kwargs`). `continue_final_message`: the last message, an
         assistant's, is left open for the reply to go on writing (a prefill), as transformers does:
@@ -118,7 +119,7 @@ class Tokenizer:
             else:
                 raise ValueError("the chat template does not write the final message's text as it is: it cannot "
                                  "be continued")
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)  # (the template writes the BOS it wants)
 
 
 def _token_str(tok) -> str | None:

@@ -348,11 +348,11 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         if isinstance(prompt, str):
             if router.tokenizer is None:
                 raise ValueError("this router has no tokenizer (--tokenizer): send token ids as the prompt")
-            prompt = router.tokenizer.encode(prompt)
+            prompt = router.tokenizer.encode(prompt, body.add_special_tokens is not False)
         if not prompt or not all(isinstance(t, int) for t in prompt):
             raise ValueError("prompt must be a string or one non-empty list of token ids")
         prompt = body.truncated(prompt, None)  # (-1 keeps it all: a replica refuses a prompt past its length)
-        rid = f"cmpl-{uuid.uuid4().hex[:16]}"
+        rid = body.reply_id("cmpl", request.headers)
         samples = runs(body, request, prompt, adapted(completion_params(body, defaults.sampling), body.model), rid)
         echoed = body.prompt if body.truncate_prompt_tokens is None else prompt
         return await completion_reply(routed, body, request, samples, rid, body.model, [echoed],
@@ -369,11 +369,11 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
             raise ValueError("top_logprobs needs logprobs: true")
         ids = body.truncated(tok.encode_chat([m.model_dump(exclude_none=True) for m in body.messages],
                                              body.add_generation_prompt, body.tools, body.continue_final_message,
-                                             **defaults.kwargs(body)), None)
+                                             bool(body.add_special_tokens), **defaults.kwargs(body)), None)
         # no max_tokens: up to the replica's model length (its engine stops there)
         limit = body.max_completion_tokens or body.max_tokens or defaults.sampling.get("max_tokens") or UNTIL_MODEL_LEN
         params = adapted(body.sampling(limit, body.top_logprobs or 0, tok, parser, defaults.sampling), body.model)
-        rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
+        rid = body.reply_id("chatcmpl", request.headers)
         return await chat_reply(routed, body, request, runs(body, request, ids, params, rid), rid, body.model, ids,
                                 parser, reasoning)
 

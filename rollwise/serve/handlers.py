@@ -78,7 +78,8 @@ async def chat_reply(gen, body, request: Request, samples: list[tuple], rid: str
         return sse(await primed(with_usage(merged([
             stream_chat(gen, p, sp, rid, j, model, body.logprobs, g, parser if parses_tools(body) else None,
                         finished=finals, return_token_ids=body.return_token_ids, reasoning=reasoning,
-                        one_call=not body.parallel_tool_calls, **opt)
+                        one_call=not body.parallel_tool_calls, as_ids=body.return_tokens_as_token_ids,
+                        include_reasoning=body.include_reasoning, **opt)
             for j, (p, sp, _, g, opt) in enumerate(samples)]), body, finals,
             {"id": rid, "object": "chat.completion.chunk", "model": model})))
     outs = await _outputs(gen, request, samples)

@@ -1,6 +1,7 @@
 """Request bodies of the HTTP API. Unknown fields and wrong types are rejected (HTTP 400)."""
 from __future__ import annotations
 
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -53,6 +54,10 @@ class _OpenAISampling(_Strict):
     repetition_detection: dict[str, int] | None = None
     thinking_token_budget: int | None = None  # vLLM's: a think block this long is closed (-1: no limit)
     logprob_token_ids: list[int] | None = None  # vLLM's: these tokens' logprobs in place of the top ones
+    # vLLM's: the reply's id is the endpoint's prefix and this (the X-Request-Id header's, if sent, first)
+    request_id: str | None = None
+    add_special_tokens: bool | None = None  # vLLM's: a text prompt's BOS and the like (default: completions only)
+    truncation_side: Literal["left", "right"] = "left"  # vLLM's: the end truncate_prompt_tokens cuts
     # session metadata for schedulers (trajectory, group, turn)
     trajectory_id: str | None = None
     group_id: str | None = None
@@ -92,7 +97,11 @@ class _OpenAISampling(_Strict):
         if max_model_len is not None and k > max_model_len:
             raise ValueError(f"truncate_prompt_tokens ({k}) is more than the model's length ({max_model_len})")
         k = (max_model_len or len(ids)) if k == -1 else k
-        return ids[-k:]
+        return ids[:k] if self.truncation_side == "right" else ids[-k:]
+
+    def reply_id(self, prefix: str, headers) -> str:
+        """vLLM's: `prefix-` and the X-Request-Id header, else `request_id`, else a new id."""
+        return f"{prefix}-{headers.get('x-request-id') or self.request_id or uuid.uuid4().hex[:16]}"
 
     def structured(self, tokenizer=None, parser=None) -> dict | None:
         """The request's structured-output spec, from whichever of its fields names one (one at most)."""
@@ -176,6 +185,8 @@ class ChatCompletionRequest(_OpenAISampling):
     # writing the last, an assistant's message (a prefill)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs' tokens as "token_id:N"
+    include_reasoning: bool = True  # vLLM's: false leaves a thinking model's reasoning out of the reply
     # OpenAI's fields that change nothing here, taken (as vLLM takes them) so that the clients
     # which send them work: effort (a template that reads it gets it as chat_template_kwargs),
     # storage, tiers, cache keys, user ids, verbosity

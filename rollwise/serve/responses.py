@@ -183,10 +183,12 @@ def chat_choices(tok, body: ChatCompletionRequest, outs: list[RequestOutput],
             made = calls[1] if body.parallel_tool_calls else calls[1][:1]
             message, reason = {"role": "assistant", "content": calls[0] or None, "tool_calls": made}, "tool_calls"
         if thought is not None:
-            message.update(content=message["content"] or None, reasoning_content=thought, reasoning=thought)
+            message.update(content=message["content"] or None,
+                           **({"reasoning_content": thought, "reasoning": thought} if body.include_reasoning else {}))
         choices.append({"index": k, "message": message, "finish_reason": reason, "stop_reason": o.stop_reason,
                         **({"token_ids": o.token_ids} if body.return_token_ids else {}),
-                        "logprobs": {"content": chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs)}
+                        "logprobs": {"content": chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs,
+                                                              body.return_tokens_as_token_ids)}
                         if body.logprobs else None})
     return choices
 
@@ -195,13 +197,17 @@ def parses_tools(body: ChatCompletionRequest) -> bool:
     return bool(body.tools) and body.tool_choice != "none"
 
 
-def chat_logprobs(tok, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]]) -> list[dict]:
+def chat_logprobs(tok, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]],
+                  as_ids: bool = False) -> list[dict]:
+    """`as_ids` (vLLM's return_tokens_as_token_ids): each token as "token_id:N"; its bytes stay its
+    text's, the top ones' those of what is shown, as in vLLM."""
     out = []
     for i, (t, lp) in enumerate(zip(token_ids, logprobs)):
         piece = _piece(tok, t)
-        top = [{"token": (p := _piece(tok, c)), "logprob": v, "bytes": list(p.encode()), "token_id": c}
+        top = [{"token": (p := _piece(tok, c, as_ids)), "logprob": v, "bytes": list(p.encode()), "token_id": c}
                for c, v in tops[i].items()] if tops else []
-        out.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": top, "token_id": t})
+        out.append({"token": _piece(tok, t, as_ids) if as_ids else piece, "logprob": lp, "bytes": list(piece.encode()),
+                    "top_logprobs": top, "token_id": t})
     return out
 
 
@@ -317,14 +323,15 @@ async def stream_completion(engine, prompt, params, rid, index: int, model, with
 async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs: bool, group_id: str | None,
                       tools: ToolCallParser | None = None, finished: list | None = None,
                       return_token_ids: bool = False, reasoning: ReasoningParser | None = None,
-                      one_call: bool = False, **options):
+                      one_call: bool = False, as_ids: bool = False, include_reasoning: bool = True, **options):
     """Chat chunks. With `tools` (the parser of the model's tool calls), the content stops where a
     call may begin (Hermes: before the first `<tool_call>`, holding back what may begin one); at the
     end the reply's tool calls come as one delta, finish reason "tool_calls", or, if it has none (or
     a malformed one), the rest of its text. With `reasoning`, a thinking model's reasoning comes
     first as `reasoning_content` (and `reasoning`) deltas, the tags left out, and the content after
     it. With `return_token_ids`, each chunk's new token ids, and the prompt's in the first chunk.
-    `one_call`: the request's parallel_tool_calls is false (its first call only)."""
+    `one_call`: the request's parallel_tool_calls is false (its first call only); `as_ids`: logprobs'
+    tokens as "token_id:N"; not `include_reasoning`: the reasoning is left out (its chunks empty)."""
     tok = engine.tokenizer
     # each chunk's work is bounded by its own text, not the reply so far (a long reply streams in linear time)
     first, whole, text, sent, content_began = True, "", "", 0, False
@@ -340,7 +347,7 @@ async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs
             else:
                 whole += delta  # (extended in place: nothing else holds the string)
             said, at = thinking.feed(whole, final=final is not None)
-            if said:
+            if said and include_reasoning:
                 d = {"reasoning_content": said, "reasoning": said}
             if at is None:
                 text = ""
@@ -369,7 +376,7 @@ async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs
         first = False
         choice = {"index": index, "delta": d, "finish_reason": reason,
                   **({"stop_reason": final.stop_reason} if final else {}),  # (vLLM's: the stop string or token)
-                  "logprobs": {"content": chat_logprobs(tok, new_ids, lps, tops)} if with_logprobs else None,
+                  "logprobs": {"content": chat_logprobs(tok, new_ids, lps, tops, as_ids)} if with_logprobs else None,
                   **({"token_ids": new_ids} if return_token_ids else {})}
         yield {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
                "choices": [choice], **({"prompt_token_ids": ids} if return_token_ids and "role" in d else {})}

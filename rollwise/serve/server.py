@@ -192,10 +192,10 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
             body.prompt[0], int) else [body.prompt]
-        if body.truncate_prompt_tokens is not None:  # (echo then shows what was kept, as in vLLM)
-            prompts = [body.truncated(tok.encode(p) if isinstance(p, str) else p, engine.engine.max_model_len)
-                       for p in prompts]
-        rid = f"cmpl-{uuid.uuid4().hex[:16]}"
+        if body.truncate_prompt_tokens is not None or body.add_special_tokens is False:  # (echo: what was kept)
+            prompts = [body.truncated(tok.encode(p, body.add_special_tokens is not False) if isinstance(p, str) else p,
+                                      engine.engine.max_model_len) for p in prompts]
+        rid = body.reply_id("cmpl", request.headers)
         samples = choice_samples(prompts, with_adapter(engine, completion_params(body, defaults.sampling), body.model),
                                  body.n, body.group_id, rid,
                                  lambda j: {"priority": body.priority, "cache_salt": body.cache_salt})
@@ -206,15 +206,15 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request):
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         ids = body.truncated(tok.encode_chat(messages, body.add_generation_prompt, body.tools,
-                                             body.continue_final_message, **defaults.kwargs(body)),
-                             engine.engine.max_model_len)
+                                             body.continue_final_message, bool(body.add_special_tokens),
+                                             **defaults.kwargs(body)), engine.engine.max_model_len)
         room = engine.engine.max_model_len - len(ids)
         if body.top_logprobs and not body.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         limit = body.max_completion_tokens or body.max_tokens or defaults.sampling.get("max_tokens") or max(room, 1)
         params = with_adapter(engine, body.sampling(limit, body.top_logprobs or 0, tok, parser, defaults.sampling),
                               body.model)
-        rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
+        rid = body.reply_id("chatcmpl", request.headers)
         return await chat_reply(engine, body, request, choice_samples([ids], params, body.n, body.group_id, rid,
                                                                       lambda j: {"priority": body.priority,
                                                                                  "cache_salt": body.cache_salt}),

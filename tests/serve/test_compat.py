@@ -758,3 +758,81 @@ def test_logprob_token_ids_over_http(client):
     for bad in ({"logprobs": None}, {"logprobs": 2}):
         r = client.post("/v1/completions", json=body | bad)
         assert r.status_code == 400 and "logprob" in r.json()["error"]["message"]
+
+
+def test_vllm_request_fields_ids_truncation_side_and_token_ids_in_chat(client, model_dir):
+    """vLLM's `request_id` (the X-Request-Id header first) names the reply, and a second request
+    under an id in flight is a 400; `truncation_side: "right"` keeps the prompt's first tokens;
+    chat's `return_tokens_as_token_ids` shows each logprob's token as "token_id:N" (bytes its text's)."""
+    tok = LLM(model_dir).engine.tokenizer
+    text = "The agent looked up the order and then the refund policy"
+    body = {"prompt": text, "temperature": 0, "max_tokens": 3, "return_token_ids": True}
+    got = client.post("/v1/completions", json=body | {"request_id": "run7-ep3"}).json()
+    assert got["id"] == "cmpl-run7-ep3"
+    msgs = [{"role": "user", "content": text}]
+    chat = {"messages": msgs, "temperature": 0, "max_tokens": 4, "logprobs": True, "top_logprobs": 2}
+    r = client.post("/v1/chat/completions", json=chat | {"request_id": "body"}, headers={"X-Request-Id": "hdr-1"})
+    assert r.json()["id"] == "chatcmpl-hdr-1"
+    plain = r.json()["choices"][0]["logprobs"]["content"]
+    ids = client.post("/v1/chat/completions", json=chat | {"return_tokens_as_token_ids": True}).json()
+    content = ids["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{c['token_id']}" for c in plain]
+    assert [c["bytes"] for c in content] == [c["bytes"] for c in plain]  # (the token's text)
+    assert [[t["token"] for t in c["top_logprobs"]] for c in content] == \
+        [[f"token_id:{t['token_id']}" for t in c["top_logprobs"]] for c in plain]
+    streamed = client.post("/v1/chat/completions", json=chat | {"stream": True, "return_tokens_as_token_ids": True})
+    first = next(line for line in streamed.text.splitlines() if line.startswith("data: "))
+    assert json.loads(first[6:])["choices"][0]["logprobs"]["content"][0]["token"].startswith("token_id:")
+    assert client.post("/pause", params={"mode": "keep"}).status_code == 200  # (requests stay in flight)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            held = pool.submit(client.post, "/v1/chat/completions", json=chat | {"request_id": "twice"})
+            while _metric(client, "vllm:num_requests_waiting") + _metric(client, "vllm:num_requests_running") < 1:
+                time.sleep(0.01)
+            again = client.post("/v1/chat/completions", json=chat | {"request_id": "twice"})
+        finally:
+            client.post("/resume")
+        assert again.status_code == 400 and "already in flight" in again.text, again.text
+        assert held.result().json()["id"] == "chatcmpl-twice"
+    full = tok.encode(text)
+    right = client.post("/v1/completions", json=body | {"truncate_prompt_tokens": 4, "truncation_side": "right"})
+    assert right.json()["choices"][0]["prompt_token_ids"] == full[:4]
+    bad = client.post("/v1/completions", json=body | {"truncation_side": "middle"})
+    assert bad.status_code == 400 and "left" in bad.text
+    _alive(client)
+
+
+def test_add_special_tokens_and_include_reasoning(model_dir, tmp_path):
+    """vLLM's `add_special_tokens`, on a tokenizer that writes a BOS: a completion's text prompt gets
+    it by default and not with false; a chat's (the template writes what it wants) only with true.
+    `include_reasoning: false` leaves a thinking model's reasoning out of the reply, streamed too."""
+    import shutil
+    d = tmp_path / "bos"
+    shutil.copytree(model_dir, d)
+    spec = json.loads((d / "tokenizer.json").read_text())
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
+                                                                       {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}}}
+    (d / "tokenizer.json").write_text(json.dumps(spec))
+    text = "The agent looked up the order"
+    with ServerProcess(str(d), "--max-model-len", "256", "--reasoning-parser", "deepseek_r1") as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as c:
+        body = {"prompt": text, "temperature": 0, "max_tokens": 2, "return_token_ids": True}
+        with_bos = c.post("/v1/completions", json=body).json()["choices"][0]["prompt_token_ids"]
+        without = c.post("/v1/completions", json=body | {"add_special_tokens": False}).json()["choices"][0]
+        assert with_bos == [1] + without["prompt_token_ids"] and without["prompt_token_ids"][0] != 1
+        msgs = [{"role": "user", "content": text}]
+        chat = {"messages": msgs, "temperature": 0, "max_tokens": 2, "return_token_ids": True}
+        plain = c.post("/v1/chat/completions", json=chat).json()["prompt_token_ids"]
+        assert c.post("/v1/chat/completions", json=chat | {"add_special_tokens": True}).json()["prompt_token_ids"] == \
+            [1] + plain
+        # DeepSeek-R1's parser: a reply with no end of thinking is all reasoning
+        think = {"messages": msgs, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        shown = c.post("/v1/chat/completions", json=think).json()["choices"][0]["message"]
+        hidden = c.post("/v1/chat/completions", json=think | {"include_reasoning": False}).json()["choices"][0]["message"]
+        assert "reasoning_content" in shown and "reasoning_content" not in hidden and "reasoning" not in hidden
+        assert hidden["content"] == shown["content"]
+        lines = [json.loads(x[6:]) for x in c.post("/v1/chat/completions", json=think | {
+            "include_reasoning": False, "stream": True}).text.splitlines() if x.startswith("data: {")]
+        assert lines and not any("reasoning_content" in ch["choices"][0]["delta"] for ch in lines if ch["choices"])
