@@ -20,6 +20,7 @@ import uuid
 import httpx
 
 from rollwise.engine.group_transfer import GroupTrainer
+from rollwise.router.replica import HttpReplica
 from rollwise.serve.process import free_port
 
 log = logging.getLogger("rollwise.router")
@@ -50,8 +51,8 @@ class FleetBroadcast:
         self.stats = {"groups_built": 0, "updates": 0, "fallbacks": 0}
 
     async def send(self, router, weights: dict, version: int, partial_rollout: bool = False) -> list[str]:
-        members = [n for n, r in router.replicas.items() if hasattr(r, "url") and n in router.healthy
-                   and n not in router.stale and n not in router.asleep]
+        members = [n for n, r in router.replicas.items() if isinstance(r, HttpReplica) and n in router.healthy
+                   and n not in router.stale and n not in router.asleep]  # (`rollwise serve` or SGLang)
         if not members:
             return []
         try:

@@ -352,8 +352,8 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         if not prompt or not all(isinstance(t, int) for t in prompt):
             raise ValueError("prompt must be a string or one non-empty list of token ids")
         prompt = body.truncated(prompt, None)  # (-1 keeps it all: a replica refuses a prompt past its length)
-        rid = body.reply_id("cmpl", request.headers)
-        samples = runs(body, request, prompt, adapted(completion_params(body, defaults.sampling), body.model), rid)
+        rid, base = body.reply_ids("cmpl", request.headers)
+        samples = runs(body, request, prompt, adapted(completion_params(body, defaults.sampling), body.model), base)
         echoed = body.prompt if body.truncate_prompt_tokens is None else prompt
         return await completion_reply(routed, body, request, samples, rid, body.model, [echoed],
                                       body.return_tokens_as_token_ids or router.tokenizer is None)
@@ -373,8 +373,8 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         # no max_tokens: up to the replica's model length (its engine stops there)
         limit = body.max_completion_tokens or body.max_tokens or defaults.sampling.get("max_tokens") or UNTIL_MODEL_LEN
         params = adapted(body.sampling(limit, body.top_logprobs or 0, tok, parser, defaults.sampling), body.model)
-        rid = body.reply_id("chatcmpl", request.headers)
-        return await chat_reply(routed, body, request, runs(body, request, ids, params, rid), rid, body.model, ids,
+        rid, base = body.reply_ids("chatcmpl", request.headers)
+        return await chat_reply(routed, body, request, runs(body, request, ids, params, base), rid, body.model, ids,
                                 parser, reasoning)
 
     install_responses(app, chat)  # the Responses API, as chat through the router

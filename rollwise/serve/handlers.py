@@ -60,8 +60,8 @@ async def completion_reply(gen, body, request: Request, samples: list[tuple], ri
         finals: list = []
         return sse(await primed(with_usage(merged([
             stream_completion(gen, p, sp, rid, j, model, body.logprobs is not None, g, as_ids,
-                              finished=finals, return_token_ids=body.return_token_ids, **opt)
-            for j, (p, sp, _, g, opt) in enumerate(samples)]), body, finals,
+                              finished=finals, return_token_ids=body.return_token_ids, engine_id=r, **opt)
+            for j, (p, sp, r, g, opt) in enumerate(samples)]), body, finals,
             {"id": rid, "object": "text_completion", "model": model})))
     outs = await _outputs(gen, request, samples)
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
@@ -79,8 +79,8 @@ async def chat_reply(gen, body, request: Request, samples: list[tuple], rid: str
             stream_chat(gen, p, sp, rid, j, model, body.logprobs, g, parser if parses_tools(body) else None,
                         finished=finals, return_token_ids=body.return_token_ids, reasoning=reasoning,
                         one_call=not body.parallel_tool_calls, as_ids=body.return_tokens_as_token_ids,
-                        include_reasoning=body.include_reasoning, **opt)
-            for j, (p, sp, _, g, opt) in enumerate(samples)]), body, finals,
+                        include_reasoning=body.include_reasoning, engine_id=r, **opt)
+            for j, (p, sp, r, g, opt) in enumerate(samples)]), body, finals,
             {"id": rid, "object": "chat.completion.chunk", "model": model})))
     outs = await _outputs(gen, request, samples)
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,

@@ -99,9 +99,13 @@ class _OpenAISampling(_Strict):
         k = (max_model_len or len(ids)) if k == -1 else k
         return ids[:k] if self.truncation_side == "right" else ids[-k:]
 
-    def reply_id(self, prefix: str, headers) -> str:
-        """vLLM's: `prefix-` and the X-Request-Id header, else `request_id`, else a new id."""
-        return f"{prefix}-{headers.get('x-request-id') or self.request_id or uuid.uuid4().hex[:16]}"
+    def reply_ids(self, prefix: str, headers) -> tuple[str, str]:
+        """(the reply's id, the engine's): vLLM's `prefix-` and the X-Request-Id header, else
+        `request_id`, else a new id; the engine's is that, made unique when the client named it
+        (vLLM runs several requests under one id at once)."""
+        named = headers.get("x-request-id") or self.request_id
+        rid = f"{prefix}-{named or uuid.uuid4().hex[:16]}"
+        return rid, f"{rid}-{uuid.uuid4().hex[:8]}" if named else rid
 
     def structured(self, tokenizer=None, parser=None) -> dict | None:
         """The request's structured-output spec, from whichever of its fields names one (one at most)."""

@@ -296,13 +296,14 @@ async def merged(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
 
 async def stream_completion(engine, prompt, params, rid, index: int, model, with_logprobs: bool,
                             group_id: str | None, as_ids: bool = False, finished: list | None = None,
-                            return_token_ids: bool = False, **options):
+                            return_token_ids: bool = False, engine_id: str | None = None, **options):
     """Completion chunks; with `return_token_ids`, each choice's new token ids, and in its first
-    chunk the prompt's."""
+    chunk the prompt's. `engine_id`: the engine's request id (default `rid-index`)."""
     tok = engine.tokenizer
     offset = 0  # of each token's piece in the whole text, as in a completion that is not streamed
     first = return_token_ids
-    async for ids, lps, tops, delta, final in deltas(engine, prompt, params, f"{rid}-{index}", group_id, **options):
+    async for ids, lps, tops, delta, final in deltas(engine, prompt, params, engine_id or f"{rid}-{index}", group_id,
+                                                     **options):
         pieces = [_piece(tok, t, as_ids) for t in ids] if with_logprobs else []
         offsets = list(itertools.accumulate(map(len, pieces), initial=offset))
         offset = offsets.pop()
@@ -323,7 +324,8 @@ async def stream_completion(engine, prompt, params, rid, index: int, model, with
 async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs: bool, group_id: str | None,
                       tools: ToolCallParser | None = None, finished: list | None = None,
                       return_token_ids: bool = False, reasoning: ReasoningParser | None = None,
-                      one_call: bool = False, as_ids: bool = False, include_reasoning: bool = True, **options):
+                      one_call: bool = False, as_ids: bool = False, include_reasoning: bool = True,
+                      engine_id: str | None = None, **options):
     """Chat chunks. With `tools` (the parser of the model's tool calls), the content stops where a
     call may begin (Hermes: before the first `<tool_call>`, holding back what may begin one); at the
     end the reply's tool calls come as one delta, finish reason "tool_calls", or, if it has none (or
@@ -331,12 +333,14 @@ async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs
     first as `reasoning_content` (and `reasoning`) deltas, the tags left out, and the content after
     it. With `return_token_ids`, each chunk's new token ids, and the prompt's in the first chunk.
     `one_call`: the request's parallel_tool_calls is false (its first call only); `as_ids`: logprobs'
-    tokens as "token_id:N"; not `include_reasoning`: the reasoning is left out (its chunks empty)."""
+    tokens as "token_id:N"; not `include_reasoning`: the reasoning is left out (its chunks empty);
+    `engine_id`: the engine's request id (default `rid-index`)."""
     tok = engine.tokenizer
     # each chunk's work is bounded by its own text, not the reply so far (a long reply streams in linear time)
     first, whole, text, sent, content_began = True, "", "", 0, False
     thinking = ReasoningStream(reasoning) if reasoning else None
-    async for new_ids, lps, tops, delta, final in deltas(engine, ids, params, f"{rid}-{index}", group_id, **options):
+    async for new_ids, lps, tops, delta, final in deltas(engine, ids, params, engine_id or f"{rid}-{index}", group_id,
+                                                         **options):
         reason = final.finish_reason if final else None
         if final is not None and finished is not None:
             finished.append(final)

@@ -195,9 +195,9 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         if body.truncate_prompt_tokens is not None or body.add_special_tokens is False:  # (echo: what was kept)
             prompts = [body.truncated(tok.encode(p, body.add_special_tokens is not False) if isinstance(p, str) else p,
                                       engine.engine.max_model_len) for p in prompts]
-        rid = body.reply_id("cmpl", request.headers)
+        rid, base = body.reply_ids("cmpl", request.headers)
         samples = choice_samples(prompts, with_adapter(engine, completion_params(body, defaults.sampling), body.model),
-                                 body.n, body.group_id, rid,
+                                 body.n, body.group_id, base,
                                  lambda j: {"priority": body.priority, "cache_salt": body.cache_salt})
         return await completion_reply(engine, body, request, samples, rid, model_name, prompts,
                                       body.return_tokens_as_token_ids)
@@ -214,8 +214,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         limit = body.max_completion_tokens or body.max_tokens or defaults.sampling.get("max_tokens") or max(room, 1)
         params = with_adapter(engine, body.sampling(limit, body.top_logprobs or 0, tok, parser, defaults.sampling),
                               body.model)
-        rid = body.reply_id("chatcmpl", request.headers)
-        return await chat_reply(engine, body, request, choice_samples([ids], params, body.n, body.group_id, rid,
+        rid, base = body.reply_ids("chatcmpl", request.headers)
+        return await chat_reply(engine, body, request, choice_samples([ids], params, body.n, body.group_id, base,
                                                                       lambda j: {"priority": body.priority,
                                                                                  "cache_salt": body.cache_salt}),
                                 rid, model_name, ids, parser, reasoning)
