@@ -65,7 +65,7 @@ class Upkeep:
         sent: list[str] = []  # (taken in the broadcast group: replica_weights_via = "broadcast", broadcast.py)
         if self.broadcast is not None and isinstance(weights, dict):  # (not a directory, not an adapter)
             sent = await self.broadcast.send(self, weights, version, partial_rollout)
-        res = await asyncio.gather(*(asyncio.sleep(0, version) if n in sent else
+        res = await asyncio.gather(*(asyncio.sleep(0, version) if n in sent else  # (taken: its version, as a reply)
                                      self.replicas[n].update_weights(weights, version, partial_rollout) for n in names),
                                    return_exceptions=True)
         if res and all(isinstance(r, ValueError) for r in res):  # bad weights (every replica refused them):

@@ -763,6 +763,7 @@ def test_logprob_token_ids_over_http(client):
 def test_vllm_request_fields_ids_truncation_side_and_token_ids_in_chat(client, model_dir):
     """vLLM's `request_id` (the X-Request-Id header first) names the reply, and two requests under
     one id run at once, as in vLLM; `truncation_side: "right"` keeps the prompt's first tokens;
+    `stream_interval: 4` streams chunks of up to 4 tokens;
     chat's `return_tokens_as_token_ids` shows each logprob's token as "token_id:N" (bytes its text's)."""
     tok = LLM(model_dir).engine.tokenizer
     text = "The agent looked up the order and then the refund policy"
@@ -795,6 +796,12 @@ def test_vllm_request_fields_ids_truncation_side_and_token_ids_in_chat(client, m
         replies = [h.result().json() for h in held]
     assert [r["id"] for r in replies] == ["chatcmpl-twice"] * 2
     assert replies[0]["choices"] == replies[1]["choices"]  # (greedy: the same tokens)
+    every4 = client.post("/v1/chat/completions", json=chat | {"stream": True, "stream_interval": 4, "max_tokens": 9,
+                                                             "ignore_eos": True, "return_token_ids": True})
+    sizes = [len(c["choices"][0].get("token_ids", [])) for c in map(json.loads, (
+        x[6:] for x in every4.text.splitlines() if x.startswith("data: {"))) if c["choices"]]
+    assert sum(sizes) == 9 and max(sizes) == 4 and sizes[0] == 1, sizes  # (the first at once, as in vLLM)
+    assert client.post("/v1/completions", json=body | {"stream_interval": 0}).status_code == 400
     full = tok.encode(text)
     right = client.post("/v1/completions", json=body | {"truncate_prompt_tokens": 4, "truncation_side": "right"})
     assert right.json()["choices"][0]["prompt_token_ids"] == full[:4]
