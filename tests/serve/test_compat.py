@@ -789,7 +789,9 @@ def test_vllm_request_fields_ids_truncation_side_and_token_ids_in_chat(client, m
         try:
             held = [pool.submit(client.post, "/v1/chat/completions", json=chat | {"request_id": "twice", "n": 2})
                     for _ in range(2)]
-            while _metric(client, "vllm:num_requests_waiting") + _metric(client, "vllm:num_requests_running") < 4:
+            deadline = time.monotonic() + 60  # (all four in the engine, held)
+            while _metric(client, "vllm:num_requests_waiting") + _metric(client, "vllm:num_requests_running") < 4 \
+                    and time.monotonic() < deadline:
                 time.sleep(0.01)
         finally:
             client.post("/resume")
