@@ -17,6 +17,7 @@ SPEC_CONTROLLERS = ("off", "always", "threshold", "adaptive")
 DEVICES = ("cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")  # host names of this machine's loopback (and 127.x.y.z)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,7 +186,7 @@ class ServerConfig:
 
     @property
     def is_loopback(self) -> bool:
-        return self.host in ("127.0.0.1", "localhost", "::1") or self.host.startswith("127.")
+        return self.host in LOOPBACK or self.host.startswith("127.")
 
 
 def read_toml(path: str | Path) -> dict:

@@ -19,12 +19,12 @@ import uuid
 
 import httpx
 
+from rollwise.config import LOOPBACK
 from rollwise.engine.group_transfer import GroupTrainer
 from rollwise.router.replica import HttpReplica
 from rollwise.serve.process import free_port
 
 log = logging.getLogger("rollwise.router")
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def facing_address(urls: list[str]) -> str:

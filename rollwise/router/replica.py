@@ -12,6 +12,7 @@ from typing import Protocol
 
 import httpx
 
+from rollwise.config import LOOPBACK
 from rollwise.engine.isolation import StepFailed
 from rollwise.types import GenerateOutput, GenerateRequest, WeightsNotHeld
 from rollwise.wire import AdapterWeights, decode_routing, from_npy64
@@ -204,7 +205,7 @@ class HttpReplica:
             raise ValueError(f"replica url must be http(s)://HOST[:PORT], got {url!r}")
         self.name = self.url = url.rstrip("/")
         if weights_via == "auto":
-            weights_via = "file" if parsed.host in ("127.0.0.1", "localhost", "::1") else "stream"
+            weights_via = "file" if parsed.host in LOOPBACK else "stream"
         self.weights_via = weights_via
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout,
