@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+from itertools import chain, repeat
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
@@ -14,6 +15,27 @@ from rollwise.sampling import SamplingParams
 from rollwise.wire import decode_routing
 
 FINISH_REASONS = ("stop", "length", "abort", "repetition")
+
+
+class TopLogprobs(dict):
+    """One output position's most likely {token id: logprob}, best first (or the ids a request named),
+    and `rank`: the emitted token's rank in the whole vocabulary, as vLLM counts it (how many tokens
+    are at least as likely, itself included); None where it is not known."""
+    __slots__ = ("rank",)
+
+    def __init__(self, items=(), rank: int | None = None) -> None:
+        super().__init__(items)
+        self.rank = rank
+
+    def __reduce__(self):
+        return TopLogprobs, (dict(self), self.rank)
+
+
+def tops_from_json(tops: list | None, ranks: list | None) -> list[TopLogprobs]:
+    """The inverse of `/generate`'s `top_logprobs` ([[id, logprob], ...] per token) and
+    `top_logprob_ranks` (one per token; absent from older servers)."""
+    tops = tops or []
+    return [TopLogprobs(((t, lp) for t, lp in top), r) for top, r in zip(tops, ranks or [None] * len(tops))]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -25,6 +47,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     # with SamplingParams.logprobs = k: per output token, the k most likely {token id: logprob}, best first
+    # (TopLogprobs: with the token's rank in the vocabulary where the engine knows it)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     text: str = ""
     finished: bool = False
@@ -40,7 +63,7 @@ class RequestOutput:
     # `prompt_logprobs` gives them as vLLM does
     prompt_token_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
-    prompt_logprob_ranks: list[int | None] | None = None  # each one's rank: 1 + how many are likelier
+    prompt_logprob_ranks: list[int | None] | None = None  # each one's rank: how many are at least as likely
     # with SamplingParams.prompt_logprob_token_ids, once finished: float32 numpy [rows, ids], row i the
     # logprobs of its ids as prompt token prompt_logprob_start + i + 1 (-inf where -1 padded), as vLLM's
     prompt_token_id_logprobs: object | None = None
@@ -84,7 +107,7 @@ class RequestOutput:
 
 @dataclass(slots=True, frozen=True)
 class Logprob:
-    """vLLM's: a token's logprob, with its rank (1 + how many tokens are likelier) where known, and
+    """vLLM's: a token's logprob, with its rank (how many tokens are at least as likely) where known, and
     its text alone (vLLM's decode of [token id]) where the output knows its tokenizer."""
     logprob: float
     rank: int | None = None
@@ -152,8 +175,8 @@ class CompletionOutput:
     @classmethod
     def of(cls, out: RequestOutput) -> CompletionOutput:
         ids, tops = out.token_ids, out.top_logprobs
-        logprobs = [_position(out.tokenizer, t, lp, None, (tops[i] if i < len(tops) else None) or {},
-                              ids[max(0, i - 4):i]) for i, (t, lp) in enumerate(zip(ids, out.logprobs))]
+        logprobs = [_position(out.tokenizer, t, lp, getattr(top, "rank", None), top or {}, ids[max(0, i - 4):i])
+                    for i, (t, lp, top) in enumerate(zip(ids, out.logprobs, chain(tops, repeat(None))))]
         logprobs = FlatLogprobs.of(logprobs) if out.flat_logprobs else logprobs
         return cls(index=out.index, text=out.text, token_ids=list(out.token_ids),
                    cumulative_logprob=float(sum(out.logprobs)), logprobs=logprobs, finish_reason=out.finish_reason,

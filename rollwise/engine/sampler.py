@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from rollwise.engine import native
-from rollwise.types import SamplingParams
+from rollwise.types import SamplingParams, TopLogprobs
 
 
 @dataclass(slots=True)
@@ -43,7 +43,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]
                  ) -> tuple[list[int], list[float], list[dict[int, float] | None]]:
         """logits [B, V] float32 -> sampled token ids, their logprobs, and each row's top logprobs
-        (`SamplingParams.logprobs` of them; None for a row that asks for none). Bans, biases and
+        (`SamplingParams.logprobs` of them, with the token's rank; None for a row that asks for none). Bans, biases and
         structured-output masks are written into `logits` in place when it is float32 on the CPU."""
         logits = logits.float().cpu()
         raw = logits.clone() if self.logprobs_mode in ("raw_logprobs", "raw_logits") else None
@@ -71,7 +71,7 @@ class Sampler:
                 tokens[i] = r.forced
         shown = shown_logprobs(self.logprobs_mode, raw, scaled, logprobs, [r.params for r in rows])
         chosen = shown.gather(1, tokens[:, None]).squeeze(1)
-        return tokens.tolist(), chosen.tolist(), asked_logprobs(shown, [r.params for r in rows])
+        return tokens.tolist(), chosen.tolist(), asked_logprobs(shown, [r.params for r in rows], chosen)
 
     def _sample(self, scaled: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         probs = sampling_probs(scaled, [r.params.top_k for r in rows], [r.params.top_p for r in rows],
@@ -172,7 +172,7 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], params: SamplingPa
                     scores=None, mode: str | None = None) -> list[tuple[float, dict[int, float], int]]:
     """Prompt positions' logits [R, V] (row 0 at prompt position `position`) -> per row, (the logprob
     of the prompt token that follows, its params.prompt_logprobs most likely {token id: logprob}, the
-    token's rank in the vocabulary: 1 + how many are more likely, as vLLM counts it), at the request's
+    token's rank in the vocabulary: how many are at least as likely, as vLLM counts it), at the request's
     temperature. With params.prompt_logprob_token_ids, the rows' ids are scored into `scores` (the
     request's [rows, ids] array; -1 pads, left at -inf). Under a logprobs_mode (shown_logprobs), as vLLM's:
     the model's own logprobs at temperature 1, or its logits in the logits modes."""
@@ -187,28 +187,42 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], params: SamplingPa
             got = lp[skip:skip + len(ids)].gather(1, ids.clamp_min(0))
             scores[first:first + len(ids)] = got.masked_fill(ids < 0, float("-inf")).numpy()
     chosen = lp.gather(1, torch.tensor(targets)[:, None])
-    ranks = ((lp > chosen).sum(-1) + 1).tolist()
+    ranks = count_at_least(lp, chosen.squeeze(1))
     tops = top_logprobs(lp, [params.prompt_logprobs] * len(targets)) if params.prompt_logprobs else [{}] * len(targets)
     return list(zip(chosen.squeeze(1).tolist(), tops, ranks))
 
 
-def asked_logprobs(logprobs: torch.Tensor, params: list[SamplingParams]) -> list[dict[int, float] | None]:
-    """Row i's logprobs that params[i] asks for besides the sampled token's: its logprob_token_ids'
-    (vLLM's; in their order), else its `logprobs` most likely (best first); None where neither."""
+def asked_logprobs(logprobs: torch.Tensor, params: list[SamplingParams], chosen: torch.Tensor
+                   ) -> list[TopLogprobs | None]:
+    """Row i's logprobs that params[i] asks for besides the emitted token's (whose logprob is
+    chosen[i]): its logprob_token_ids' (vLLM's; in their order), else its `logprobs` most likely
+    (best first); None where neither. Each with the token's rank in the vocabulary, as vLLM's
+    (how many entries of its row are at least chosen[i]: one pass over the rows that ask)."""
     out = top_logprobs(logprobs, [0 if p.logprob_token_ids else p.logprobs for p in params])
     for i, p in enumerate(params):
         if p.logprob_token_ids:
             out[i] = dict(zip(p.logprob_token_ids, logprobs[i, p.logprob_token_ids].tolist()))
+    want = [i for i, top in enumerate(out) if top is not None]
+    if want:
+        rows = logprobs if len(want) == len(out) else logprobs[want]
+        for i, r in zip(want, count_at_least(rows, chosen[want])):
+            out[i] = TopLogprobs(out[i], r)
     return out
+
+
+def count_at_least(x: torch.Tensor, values: torch.Tensor) -> list[int]:
+    """x [R, V], values [R] -> per row, how many of its entries are >= its value (numpy's count:
+    6 ms at [64, 151936] on this machine, where torch's sum of the comparison took 32)."""
+    return np.count_nonzero(x.numpy() >= values.numpy()[:, None], axis=1).tolist()
 
 
 def top_logprobs(logprobs: torch.Tensor, ks: list[int]) -> list[dict[int, float] | None]:
     """Row i's ks[i] most likely {token id: logprob}, best first; None where ks[i] is 0. One topk
-    over the rows that ask."""
+    over the rows that ask (all the rows without a copy: 18 ms at [64, 151936] here)."""
     out: list[dict[int, float] | None] = [None] * len(ks)
     want = [i for i, k in enumerate(ks) if k > 0]
     if want:
-        values, ids = logprobs[want].topk(min(max(ks[i] for i in want), logprobs.shape[-1]), dim=-1)
+        values, ids = (logprobs if len(want) == len(ks) else logprobs[want]).topk(min(max(ks[i] for i in want), logprobs.shape[-1]), dim=-1)
         for i, v, t in zip(want, values.tolist(), ids.tolist()):
             out[i] = dict(zip(t[:ks[i]], v[:ks[i]]))
     return out

@@ -28,7 +28,7 @@ class Verdict:
     accepted: list[int]  # indices of accepted draft tokens, root to leaf
     tokens: list[int]  # emitted tokens: the accepted draft tokens, then one more
     logprobs: list[float]
-    top: list[dict[int, float] | None]  # each emitted token's top logprobs (SamplingParams.logprobs)
+    top: list[dict[int, float] | None]  # each emitted token's top logprobs (SamplingParams.logprobs), with its rank
 
 
 def _verdict(accepted: list[int], tokens: list[int], lps: list[float], logprobs: torch.Tensor,
@@ -36,7 +36,7 @@ def _verdict(accepted: list[int], tokens: list[int], lps: list[float], logprobs:
     """The emitted tokens come from rows 0 (the last token) and 1 + each accepted draft index."""
     rows = [0] + [i + 1 for i in accepted][:len(tokens) - 1]
     asked = params.logprobs or params.logprob_token_ids
-    top = asked_logprobs(logprobs[rows], [params] * len(rows)) if asked else [None] * len(tokens)
+    top = asked_logprobs(logprobs[rows], [params] * len(rows), torch.tensor(lps)) if asked else [None] * len(tokens)
     return Verdict(accepted, tokens, lps, top)
 
 

@@ -14,7 +14,7 @@ import httpx
 
 from rollwise.config import LOOPBACK
 from rollwise.engine.isolation import StepFailed
-from rollwise.types import GenerateOutput, GenerateRequest, WeightsNotHeld
+from rollwise.types import GenerateOutput, GenerateRequest, WeightsNotHeld, tops_from_json
 from rollwise.wire import AdapterWeights, decode_routing, from_npy64
 
 
@@ -229,7 +229,7 @@ class HttpReplica:
         async for c in self._events("/generate", self._body(request) | {"stream": True}):
             yield self._output(c) if c.get("finished") else GenerateOutput(
                 token_ids=c["token_ids"], logprobs=c["logprobs"], finish_reason=None, request_id=c.get("request_id", ""),
-                top_logprobs=[{t: lp for t, lp in top} for top in c.get("top_logprobs", [])])
+                top_logprobs=tops_from_json(c.get("top_logprobs"), c.get("top_logprob_ranks")))
 
     def _body(self, request: GenerateRequest) -> dict:
         p = request.params
@@ -254,7 +254,7 @@ class HttpReplica:
                               num_cached_tokens=b["num_cached_tokens"], policy_version=b["policy_version"],
                               request_id=b["request_id"], stop_reason=b.get("stop_reason"),
                               version_segments=[tuple(x) for x in b.get("version_segments", [])],
-                              top_logprobs=[{t: lp for t, lp in top} for top in b.get("top_logprobs", [])],
+                              top_logprobs=tops_from_json(b.get("top_logprobs"), b.get("top_logprob_ranks")),
                               prompt_token_logprobs=b.get("prompt_logprobs"),
                               prompt_logprob_ranks=b.get("prompt_logprob_ranks"),
                               prompt_token_id_logprobs=None if b.get("prompt_token_id_logprobs") is None else

@@ -67,7 +67,8 @@ def generate_json(out: RequestOutput) -> dict:
             "text": out.text, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
             "num_cached_tokens": out.num_cached_tokens, "prompt_len": len(out.prompt_token_ids),
             "policy_version": out.policy_version, "version_segments": out.version_segments,
-            **({"top_logprobs": pairs(out.top_logprobs)} if out.top_logprobs else {}),
+            **({"top_logprobs": pairs(out.top_logprobs), "top_logprob_ranks": ranks(out.top_logprobs)}
+               if out.top_logprobs else {}),
             **({} if out.routed_experts is None else {  # SGLang's encoding (base64 int32) and the shape
                 "routed_experts": encode_routing(out.routed_experts),
                 "routed_experts_shape": list(out.routed_experts.shape)}),
@@ -82,6 +83,11 @@ def generate_json(out: RequestOutput) -> dict:
 def pairs(tops: list[dict[int, float]]) -> list[list[list]]:
     """Top logprobs as JSON keeps token ids: per token, [[id, logprob], ...] best first."""
     return [[[t, lp] for t, lp in top.items()] for top in tops]
+
+
+def ranks(tops: list[dict[int, float]]) -> list[int | None]:
+    """Each token's rank in the vocabulary, where its top logprobs carry one (TopLogprobs)."""
+    return [getattr(top, "rank", None) for top in tops]
 
 
 async def gather_or_cancel(coros) -> list:
@@ -254,10 +260,10 @@ async def stream_generate(engine, prompt, params, rid, group_id, **options):
     async for ids, lps, tops, delta, final in deltas(engine, prompt, params, rid, group_id, **options):
         chunk = {"request_id": rid, "token_ids": ids, "logprobs": lps, "text": delta, "finished": final is not None}
         if tops:
-            chunk["top_logprobs"] = pairs(tops)
+            chunk |= {"top_logprobs": pairs(tops), "top_logprob_ranks": ranks(tops)}
         if final is not None:
             chunk |= {k: v for k, v in generate_json(final).items()
-                      if k not in ("token_ids", "logprobs", "text", "top_logprobs")}
+                      if k not in ("token_ids", "logprobs", "text", "top_logprobs", "top_logprob_ranks")}
         yield chunk
 
 

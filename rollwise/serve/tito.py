@@ -49,14 +49,16 @@ class TitoRequest(_Strict):
 
 def token_logprobs(ids: list[int], lps: list[float], tops: list[dict[int, float]], k: int) -> dict:
     """vLLM's tokens-mode logprobs: each token's logprob and rank (its place among the most likely,
-    where it is one of them), and the first max(k, 1) entries of its position's {token: Logprob}
-    (the token first, then the most likely), as vLLM enumerates them."""
+    where it is one of them, else its rank in the vocabulary where the engine gave one), and the
+    first max(k, 1) entries of its position's {token: Logprob} (the token first, then the most
+    likely), as vLLM enumerates them."""
     content = []
     for i, (t, lp) in enumerate(zip(ids, lps)):
         top = tops[i] if i < len(tops) and tops[i] else {}
         ranks = {x: r for r, x in enumerate(top, 1)}
-        entries = [(t, lp, ranks.get(t))] + [(x, v, ranks[x]) for x, v in top.items() if x != t]
-        content.append({"token_id": t, "logprob": _lp(lp), "rank": ranks.get(t),
+        rank = ranks.get(t, getattr(top, "rank", None))
+        entries = [(t, lp, rank)] + [(x, v, ranks[x]) for x, v in top.items() if x != t]
+        content.append({"token_id": t, "logprob": _lp(lp), "rank": rank,
                         "top_logprobs": [{"token_id": x, "logprob": _lp(v), "rank": r}
                                          for x, v, r in entries[:max(k, 1)]]})
     return {"content": content}

@@ -116,7 +116,9 @@ def test_sampling_params_n_gives_vllm_outputs_per_prompt(llm):
         top = list(one.top_logprobs[i])
         assert {k: (p.logprob, p.rank) for k, p in pos.items() if k in top} == {
             k: (one.top_logprobs[i][k], r) for r, k in enumerate(top, 1)}
-        assert set(pos) == {t, *top} and pos[t].rank == (top.index(t) + 1 if t in top else None)
+        assert set(pos) == {t, *top}  # its rank: its place among the top 3, else its rank in the vocabulary
+        assert pos[t].rank == (top.index(t) + 1 if t in top else one.top_logprobs[i].rank) and pos[t].rank >= 1
+        assert (pos[t].rank > 3) == (t not in top)
         spelled = {k: llm.tokenizer.decode([k], skip_special_tokens=False) for k in pos}  # (characters' pieces:
         # test_vllm_params)
         assert all(x.decoded_token == spelled[k] for k, x in pos.items() if not spelled[k].endswith("\ufffd"))

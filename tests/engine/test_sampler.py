@@ -112,3 +112,35 @@ def test_argmax_is_torchs_first_largest():
     for t in (x, x[:, ::2], x[::2]):  # strided views too
         assert torch.equal(sampler.argmax(t), t.argmax(dim=-1))
     assert sampler.argmax(x).tolist()[:5] == [int(x[0].argmax()), 5, 0, 9, 0]
+
+
+def test_emitted_tokens_carry_their_rank_in_the_vocabulary():
+    """Each row that asks for logprobs gets its token's rank among all V as vLLM counts it (how many
+    entries are at least as likely, itself included), sampled, forced or verified; a row that asks for
+    none gets no top logprobs. A tie counts the tied token; a token in the top k keeps its rank there."""
+    from rollwise.engine.sampler import SampleRow, Sampler
+    from rollwise.engine.verification import verify
+    from rollwise.sampling import SamplingParams
+    from rollwise.types import Draft
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0)) * 2
+    logits[4, 7] = logits[4, 9] = logits[4].max() - 0.5  # a tie: both count
+    rows = [SampleRow(SamplingParams(temperature=1.0, seed=1, logprobs=2), 3),
+            SampleRow(SamplingParams(temperature=0.7, seed=2, logprobs=1), 3),
+            SampleRow(SamplingParams(temperature=1.0, logprob_token_ids=[4, 5]), 3),
+            SampleRow(SamplingParams(temperature=1.0, seed=3), 3),  # asks for none
+            SampleRow(SamplingParams(temperature=0, logprobs=1), 3, forced=9)]
+    temps = torch.tensor([1.0, 0.7, 1.0, 1.0, 1.0])[:, None]
+    lp = torch.log_softmax(logits / temps, -1)
+    toks, lps, tops = Sampler(0)(logits.clone(), rows)
+    assert tops[3] is None and toks[4] == 9
+    for i in (0, 1, 2, 4):
+        assert tops[i].rank == int((lp[i] >= lp[i, toks[i]]).sum()) >= 1
+    assert tops[4].rank == int((logits[4] > logits[4, 9]).sum()) + 2  # (9 and 7 tied)
+    assert [top.rank for top in tops if top] != [1] * 4  # (some sampled below the top)
+    draft = Draft([int(lp[0].argmax()), 11], [-1, 0], [0.9, 0.9], 1.8, 2, "x")
+    v = verify(logits[:3].clone(), draft, SamplingParams(temperature=1.0, logprobs=1), 0, None,
+               torch.Generator().manual_seed(4))
+    rows_lp = torch.log_softmax(logits[:3], -1)
+    for row, (t, top) in enumerate(zip(v.tokens, v.top)):  # the rows the tokens came from: 0, then each accepted
+        r = 0 if row == 0 else v.accepted[row - 1] + 1
+        assert top.rank == int((rows_lp[r] >= rows_lp[r, t]).sum())

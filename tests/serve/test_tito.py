@@ -39,6 +39,10 @@ def test_tokens_in_tokens_out_as_vllm_shapes_them(client):
         assert [e["token_id"] for e in pos["top_logprobs"]] == [t] + [x for x, _ in top if x != t][:1]
     zero = client.post(GEN, json={"token_ids": IDS, "sampling_params": sp | {"logprobs": 0}}).json()
     assert [len(p["top_logprobs"]) for p in zero["choices"][0]["logprobs"]["content"]] == [1] * 6
+    hot = client.post(GEN, json={"token_ids": IDS, "sampling_params": sp | {"temperature": 1.0, "seed": 1,
+                                                                            "max_tokens": 24, "logprobs": 1}}).json()
+    ranks = [p["rank"] for p in hot["choices"][0]["logprobs"]["content"]]  # sampled: ranks in the vocabulary
+    assert all(isinstance(r, int) and r >= 1 for r in ranks) and max(ranks) > 1
     plain = client.post(GEN, json={"token_ids": IDS, "sampling_params": sp}).json()
     assert plain["choices"][0]["logprobs"] is None and plain["prompt_token_ids"] is None
 
