@@ -54,7 +54,8 @@ def _free_engines():
 
 
 # Bad input: every field of a valid body (nested ones too) replaced by values of other types
-JUNK = [None, True, -1, 2**63, 1.5, "x", [], {}, [10**9], [{"x": 1}]]
+# ("\ud800": a lone surrogate, which JSON's escapes can spell and no tokenizer takes)
+JUNK = [None, True, -1, 2**63, 1.5, "x", [], {}, [10**9], [{"x": 1}], "\ud800"]
 VALID = {  # a body of each kind, with a field of every kind; each field is replaced by each JUNK value in turn
     "/generate": {"input_ids": [1, 2, 3], "sampling_params": {"max_tokens": 3, "top_k": 5, "top_p": 0.9, "seed": 1,
                                                              "stop": ["a"], "stop_token_ids": [5], "min_tokens": 1,
@@ -106,7 +107,8 @@ def junk_failures():
         failed = []
         for at in _fields(VALID[path]):
             for value in JUNK:
-                r = client.post(path, json=_with(VALID[path], at, value))
+                r = client.post(path, content=json.dumps(_with(VALID[path], at, value)),
+                                headers={"content-type": "application/json"})
                 if r.status_code >= 500 or r.status_code >= 400 and "message" not in r.json()["error"]:
                     failed.append((at, value, r.status_code, r.text[:200]))
         return failed

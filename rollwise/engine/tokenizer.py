@@ -46,7 +46,12 @@ class Tokenizer:
         self.chat_template, self._template = template, None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # tokenizers' "TextInputSequence must be str" for a lone surrogate, which JSON can spell
+            if isinstance(text, str) and not _is_unicode(text):
+                raise ValueError("the text is not valid Unicode: it holds a lone surrogate (\\ud800-\\udfff)") from None
+            raise
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -130,3 +135,12 @@ def _token_str(tok) -> str | None:
 
 def _raise(msg: str):
     raise ValueError(f"chat template error: {msg}")
+
+
+def _is_unicode(text: str) -> bool:
+    """Whether `text` encodes as UTF-8 (a str holding a lone surrogate does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

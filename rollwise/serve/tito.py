@@ -19,7 +19,7 @@ from rollwise.engine.async_llm import deltas
 from rollwise.serve.handlers import unless_disconnected
 from rollwise.serve.lora import with_adapter
 from rollwise.serve.protocol import _Strict
-from rollwise.serve.responses import choice_samples, error, finite as _lp, gather_or_cancel, merged, sse
+from rollwise.serve.responses import choice_samples, error, finite as _lp, gather_or_cancel, merged, primed, sse
 from rollwise.types import RequestOutput, SamplingParams
 from rollwise.wire import npy64
 
@@ -115,7 +115,7 @@ def install_tito(app: FastAPI, engine, model_name: str | None, defaults, adapt=N
         text_mode = body.output_mode == "text"
         head = {"request_id": rid}
         if body.stream:
-            return sse(_stream(engine, body, samples, k, head, text_mode))
+            return sse(await primed(_stream(engine, body, samples, k, head, text_mode)))
         outs = await unless_disconnected(request, gather_or_cancel(
             [engine.generate(p, sp_j, r, group_id=g, **o) for p, sp_j, r, g, o in samples]))
         return {**head, "model": body.model or model_name or "", "created": int(time.time()),

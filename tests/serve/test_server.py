@@ -363,6 +363,8 @@ def test_models_and_metrics(client):
     ("/v1/responses", {"input": "hi", "tools": 5}),
     ("/v1/responses", {"input": "hi", "text": "x"}),
     ("/v1/responses", {"input": "hi", "text": {"format": 5}}),
+    ("/v1/responses", {"input": "hi", "stream": [1]}),  # a stream is asked for with true, nothing else
+    ("/v1/messages", {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}),
 ])
 def test_bad_input_gets_400_and_server_keeps_serving(client, path, body):
     r = client.post(path, json=body)

@@ -109,7 +109,9 @@ def test_weight_labels_and_bad_requests(client):
                       ({"token_ids": IDS, "sampling_params": {"bogus": 1}}, "unknown sampling fields ['bogus']"),
                       ({"token_ids": IDS, "sampling_params": {"n": 0}}, "n must be"),
                       ({"token_ids": IDS, "output_mode": "bytes"}, "output_mode"),
-                      ({"token_ids": [10 ** 9]}, "token")]:
+                      ({"token_ids": [10 ** 9]}, "token"),
+                      ({"token_ids": [10 ** 9], "stream": True}, "token"),  # streamed: a 400 before the stream
+                      ({"token_ids": IDS, "stream": True, "sampling_params": {"bad_words": [""]}}, "bad_words")]:
         r = client.post(GEN, json=body)
         assert r.status_code == 400 and why in r.json()["error"]["message"], (body, r.text)
     assert client.post(GEN, json={"token_ids": IDS}).status_code == 200  # (it serves on)
