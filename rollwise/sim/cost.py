@@ -201,9 +201,9 @@ class RooflineCost:
 def load_profile(name_or_path: str) -> LinearCost | RooflineCost:
     """A profile by file name in rollwise/sim/profiles (without .toml) or by path."""
     path = Path(name_or_path)
-    if not path.exists():
+    if not path.is_file():
         path = PROFILES / f"{name_or_path}.toml"
-    if not path.exists():
+    if not name_or_path or not path.is_file():
         raise ValueError(f"unknown cost profile {name_or_path!r}; available: {available_profiles()} or a TOML path")
     d = tomllib.loads(path.read_text())
     kind = d.get("kind")

@@ -43,8 +43,9 @@ def test_roofline_is_derived_from_the_shape_and_datasheet():
     big = c.parts(StepWork(tokens=8192, logits=1, seqs=1, kv_read=8192, attn_pairs=8192 * 4096))
     assert big["compute_s"] > big["memory_s"]  # a long prefill chunk is compute-bound
     assert load_profile("h200-qwen3-32b-tp4").default_kv_blocks > 1.5 * c.default_kv_blocks  # 141 vs 80 GB
-    with pytest.raises(ValueError, match="available"):
-        load_profile("tpu-v9")
+    for bad in ("tpu-v9", "", "."):  # (the empty name and a directory are no profile file either)
+        with pytest.raises(ValueError, match="available"):
+            load_profile(bad)
 
 
 def test_moe_roofline_reads_only_the_experts_its_tokens_reach():
