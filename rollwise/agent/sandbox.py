@@ -10,9 +10,11 @@ it.
     result = await sandbox.shell("python test_calc.py", cwd=workspace_dir)
     tool = sandbox.tool()                                   # a `python(code)` tool for an environment
 
-The limits are per process (rlimits), not a container: enough for an RL model's own mistakes
-(infinite loops, memory blow-ups, runaway output, stray files, network calls), not a boundary
-against hostile code; run the replicas' tool workers in a container for that.
+The limits are per process (rlimits) and, where this process may make cgroups, on the run as a
+whole (`max_processes`, `memory_mb`: rollwise.agent.cgroups; a fork loop, or children each under
+the per-process limit), not a container: enough for an RL model's own mistakes (infinite loops,
+memory blow-ups, runaway output or processes, stray files, network calls), not a boundary against
+hostile code; run the replicas' tool workers in a container for that.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollwise.agent.cgroups import RunGroup
 from rollwise.agent.tools import Tool
 
 NETWORK = ("auto", "deny", "allow")  # auto: isolated where the kernel allows; deny: refuse to run otherwise
@@ -44,6 +47,8 @@ class RunResult:
     seconds: float
     truncated: bool  # stdout or stderr went past max_output (the rest was read and dropped)
     network_isolated: bool
+    bounded: bool = False  # the whole run held to max_processes and memory_mb (cgroups), not each process alone
+    out_of_memory: bool = False  # the kernel killed a process of the run at the run's memory bound
 
     @property
     def ok(self) -> bool:
@@ -56,6 +61,8 @@ class RunResult:
             parts.append("stderr:\n" + self.stderr.rstrip("\n"))
         if self.timed_out:
             parts.append(f"error: timed out after {self.seconds:.1f} s (killed)")
+        elif self.out_of_memory:
+            parts.append("error: memory limit exceeded (killed)")
         elif self.exit_code == -signal.SIGXCPU:
             parts.append("error: CPU time limit exceeded (killed)")
         elif self.exit_code == -signal.SIGXFSZ:
@@ -70,15 +77,17 @@ class RunResult:
 class Sandbox:
     def __init__(self, *, timeout_s: float = 5.0, cpu_s: int | None = None, memory_mb: int = 1024,
                  file_mb: int = 16, open_files: int = 64, max_output: int = 8192, network: str = "auto",
-                 max_concurrent: int | None = None, python: str = sys.executable) -> None:
+                 max_concurrent: int | None = None, max_processes: int = 64, python: str = sys.executable) -> None:
         if network not in NETWORK:
             raise ValueError(f"unknown network setting {network!r}; valid: {list(NETWORK)}")
-        if timeout_s <= 0 or memory_mb < 32 or file_mb < 0 or open_files < 8 or max_output < 1:
-            raise ValueError("need timeout_s > 0, memory_mb >= 32, file_mb >= 0, open_files >= 8 and "
-                             f"max_output >= 1; got {timeout_s}, {memory_mb}, {file_mb}, {open_files}, {max_output}")
+        if timeout_s <= 0 or memory_mb < 32 or file_mb < 0 or open_files < 8 or max_output < 1 or max_processes < 1:
+            raise ValueError("need timeout_s > 0, memory_mb >= 32, file_mb >= 0, open_files >= 8, max_output >= 1 and "
+                             f"max_processes >= 1; got {timeout_s}, {memory_mb}, {file_mb}, {open_files}, {max_output}, "
+                             f"{max_processes}")
         self.timeout_s, self.memory_mb, self.file_mb = timeout_s, memory_mb, file_mb
         self.cpu_s = cpu_s if cpu_s is not None else max(1, int(timeout_s + 0.999))
         self.open_files, self.max_output, self.network, self.python = open_files, max_output, network, python
+        self.max_processes = max_processes
         # runs at once, over every Sandbox with this limit on the event loop (default: the cores)
         self.max_concurrent = max_concurrent or os.cpu_count() or 1
 
@@ -123,6 +132,9 @@ class Sandbox:
 
     async def _spawn(self, work: Path, limits: dict, env: dict, stdin: str, status_r: int, status_w: int) -> RunResult:
         t0 = time.perf_counter()
+        group = RunGroup.make(self.max_processes, self.memory_mb)
+        if group is not None:  # the child waits to be moved into it before the program starts
+            limits = {**limits, "cgroup": [group.name, len(group.dirs)]}
         try:
             # without `site` Python starts several times faster (most of a start is .pth processing): a
             # shell command's launcher needs no packages, and a program under this same interpreter
@@ -132,8 +144,13 @@ class Sandbox:
                 self.python, *flags, str(_CHILD), json.dumps(limits), str(status_w), cwd=work, env=env,
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 pass_fds=(status_w,), start_new_session=True)
+        except BaseException:
+            if group is not None:
+                group.close()
+            raise
         finally:
             os.close(status_w)
+        moved = None if group is None else asyncio.get_running_loop().run_in_executor(None, group.add, proc.pid)
         readers = [asyncio.ensure_future(_read_capped(s, self.max_output)) for s in (proc.stdout, proc.stderr)]
         feeder = asyncio.ensure_future(_feed(proc.stdin, stdin.encode()))
         timed_out = False
@@ -143,6 +160,10 @@ class Sandbox:
             timed_out = True
         finally:  # also on cancellation: nothing the program started outlives it
             _kill_group(proc.pid)
+            oom = group is not None and group.out_of_memory()
+            if group is not None:
+                await asyncio.shield(moved)  # (a move under way ends first)
+                group.close()  # (what left the process group too)
             # a process that left the group may still hold the pipes: give them a moment, then stop reading
             done, pending = await asyncio.wait([asyncio.ensure_future(proc.wait()), *readers, feeder], timeout=1.0)
             for task in pending:
@@ -152,7 +173,7 @@ class Sandbox:
         status = json.loads(os.read(status_r, 4096) or b"{}")
         return RunResult(out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
                          None if timed_out else proc.returncode, timed_out, seconds, cut_out or cut_err,
-                         bool(status.get("network_isolated")))
+                         bool(status.get("network_isolated")), bool(status.get("bounded")), oom)
 
     def tool(self, name: str = "python") -> Tool:
         """A tool that runs the model's program here and returns `RunResult.observation()`. Its only

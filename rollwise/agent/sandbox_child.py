@@ -8,6 +8,7 @@ import json
 import os
 import resource
 import sys
+import time
 import traceback
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
@@ -23,11 +24,23 @@ def leave_network() -> bool:
     return any(libc.unshare(flags) == 0 for flags in (CLONE_NEWNET, CLONE_NEWUSER | CLONE_NEWNET))
 
 
+def joined(name: str, count: int, timeout_s: float = 2.0) -> bool:
+    """Wait until the sandbox has moved this process into the run's `count` cgroups called `name`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open("/proc/self/cgroup") as f:
+            if f.read().count(f"/{name}\n") >= count:
+                return True
+        time.sleep(0.0005)
+    return False
+
+
 def main() -> None:
     lim = json.loads(sys.argv[1])
     status_fd = int(sys.argv[2])
+    bounded = "cgroup" in lim and joined(*lim["cgroup"])  # (rollwise.agent.cgroups) before anything forks
     isolated = lim["network"] != "allow" and leave_network()
-    os.write(status_fd, json.dumps({"network_isolated": isolated}).encode())
+    os.write(status_fd, json.dumps({"network_isolated": isolated, "bounded": bounded}).encode())
     os.close(status_fd)
     if lim["network"] == "deny" and not isolated:
         print("sandbox: network isolation is unavailable on this machine (network='deny')", file=sys.stderr)

@@ -65,6 +65,42 @@ def test_cpu_memory_file_and_output_limits():
     assert r.ok and len(r.stdout) == 1000 and r.truncated and "truncated" in r.observation()
 
 
+def test_the_run_as_a_whole_is_bounded_where_cgroups_allow():
+    """Where this process may make cgroups (root here, and on CI), the program and all it starts hold
+    at most max_processes and memory_mb together: a fork loop stops at the bound, children that
+    each fit the per-process limit are killed together past it, and a child that left the process
+    group (setsid) dies with the run without holding its output back. Elsewhere the run says so."""
+    from rollwise.agent.cgroups import RunGroup
+    group = RunGroup.make(8, 64)
+    here = group is not None
+    if group is not None:
+        group.close()
+    forks = "import os, time\nn = 0\ntry:\n    for i in range(300):\n        if os.fork() == 0:\n" \
+            "            time.sleep(20)\n            os._exit(0)\n        n += 1\nexcept OSError:\n    pass\nprint(n)"
+    r = run(forks, max_processes=16)
+    assert r.bounded == here and r.ok
+    assert (int(r.stdout) < 16) if here else int(r.stdout) == 300
+    kids = "import os\nkids = []\nfor i in range(3):\n    pid = os.fork()\n    if pid == 0:\n" \
+           "        x = bytearray(150 << 20)\n        x[::4096] = b'1' * len(x[::4096])\n        os._exit(0)\n" \
+           "    kids.append(pid)\nprint(sorted(os.waitpid(k, 0)[1] for k in kids))"
+    r = run(kids, memory_mb=256)  # each child fits 256 MB; three of them do not
+    assert r.ok and r.out_of_memory == here and ("memory limit exceeded" in r.observation()) == here
+    assert (r.stdout != "[0, 0, 0]\n") == here
+    if here:
+        t0 = time.perf_counter()
+        r = asyncio.run(Sandbox().shell("setsid sleep 61.37 & sleep 0.3; echo left"))
+        assert r.stdout == "left\n" and time.perf_counter() - t0 < 1.0
+        assert not [p for p in os.listdir("/proc") if p.isdigit() and b"sleep\x0061.37" in _cmdline(p)]
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def test_clean_environment_and_private_directory(monkeypatch):
     monkeypatch.setenv("ROLLWISE_API_KEY", "secret")
     r = run("import os\nprint(os.getcwd())\nprint('ROLLWISE_API_KEY' in os.environ)\nopen('f.txt', 'w').write('x')")

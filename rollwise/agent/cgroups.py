@@ -1,0 +1,140 @@
+"""A sandbox run's processes in control groups of their own, where this process may make them (root,
+or a cgroup delegated to it): at most `max_processes` processes and threads, and `memory_mb` of
+memory, for the program and everything it starts together. The rlimits bound each process alone:
+a loop of forks, or many children each under the limit, can still take the machine's memory or
+process table down with the training run. cgroup v2 where our cgroup's children get the pids and
+memory controllers, else v1's pids and memory hierarchies; neither (no permission, no
+controllers): `RunGroup.make` gives None, and the rlimits alone apply.
+
+The sandbox moves the run's child into the groups while the child starts, and the child waits
+until it is in them (sandbox_child.joined) before the program runs, so nothing forks outside them; `close()`
+kills what is left in them and removes them.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import time
+from pathlib import Path
+
+ROOT = Path("/sys/fs/cgroup")
+_USABLE: list[tuple[str, list[Path]]] | None = None  # where groups were made (or [] if nowhere): tried once
+
+
+def _own() -> dict[str, str]:
+    """Our cgroup per hierarchy, from /proc/self/cgroup: {"": v2 path, "pids": ..., "memory": ...}."""
+    out = {}
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        _, names, path = line.split(":", 2)
+        for name in names.split(",") if names else [""]:
+            out[name] = path
+    return out
+
+
+def _candidates() -> list[tuple[str, list[Path]]]:
+    """Where a run's groups could go: ("v2", [dir]) and ("v1", [pids dir, memory dir])."""
+    own, found = _own(), []
+    if "" in own:  # the unified hierarchy: mounted at the root (v2 only) or at unified/ (hybrid)
+        for mount in (ROOT, ROOT / "unified"):
+            if (mount / "cgroup.controllers").exists():
+                found.append(("v2", [mount / own[""].lstrip("/")]))
+                break
+    if "pids" in own and "memory" in own:
+        found.append(("v1", [ROOT / "pids" / own["pids"].lstrip("/"), ROOT / "memory" / own["memory"].lstrip("/")]))
+    return found
+
+
+class RunGroup:
+    def __init__(self, dirs: list[Path], version: str) -> None:
+        self.dirs, self.version = dirs, version
+
+    @classmethod
+    def make(cls, max_processes: int, memory_mb: int) -> RunGroup | None:
+        """New groups bounding a run, or None where none can be made here (tried once a process)."""
+        global _USABLE
+        name = f"rollwise-sandbox-{os.getpid()}-{secrets.token_hex(4)}"
+        for version, parents in _candidates() if _USABLE is None else _USABLE:
+            made: list[Path] = []
+            try:
+                for parent in parents:
+                    (parent / name).mkdir()
+                    made.append(parent / name)
+                if version == "v2":
+                    (made[0] / "pids.max").write_text(str(max_processes))
+                    (made[0] / "memory.max").write_text(str(memory_mb << 20))
+                    if (made[0] / "memory.swap.max").exists():
+                        (made[0] / "memory.swap.max").write_text("0")
+                else:
+                    (made[0] / "pids.max").write_text(str(max_processes))
+                    (made[1] / "memory.limit_in_bytes").write_text(str(memory_mb << 20))
+                _USABLE = [(version, parents)]
+                return cls(made, version)
+            except OSError:  # no permission, or the controllers are not ours to use here
+                for d in made:
+                    _remove(d)
+        if _USABLE is None:  # (nowhere on the first try: not again; a later failure is that run's alone)
+            _USABLE = []
+        return None
+
+    @property
+    def name(self) -> str:
+        return self.dirs[0].name
+
+    def add(self, pid: int) -> bool:
+        """Move a process into the groups (before it forks: the run's child waits for it).
+        A move can take ~10 ms in the kernel: the sandbox makes it from a thread while the child starts."""
+        try:
+            for d in self.dirs:
+                (d / "cgroup.procs").write_text(str(pid))
+        except OSError:
+            return False
+        return True
+
+    def out_of_memory(self) -> bool:
+        """Whether the kernel killed a process of the run for the memory bound."""
+        d = self.dirs[-1]
+        try:
+            text = (d / ("memory.events" if self.version == "v2" else "memory.oom_control")).read_text()
+        except OSError:
+            return False
+        counts = dict(line.split() for line in text.splitlines() if len(line.split()) == 2)
+        return int(counts.get("oom_kill", 0)) > 0
+
+    def close(self) -> None:
+        """Kill whatever is left in the groups (a process that left the process group too), then remove them."""
+        for _ in range(50):
+            pids = {int(p) for d in self.dirs for p in _read(d / "cgroup.procs").split()}
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.002)
+        for d in self.dirs:
+            _remove(d)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _remove(d: Path) -> None:
+    for _ in range(50):  # (a killed process leaves its cgroup a moment after it is reaped)
+        try:
+            d.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.002)
+
