@@ -217,7 +217,8 @@ class Gateway:
         from starlette.routing import Route
 
         from rollwise.agent.responses_api import chat_body, events, response
-        from rollwise.serve.responses import error as json_error, sse
+        from rollwise.serve.responses import error as json_error
+        from rollwise.serve.streams import sse
 
         def error(e: GatewayError) -> JSONResponse:
             return json_error(e.status, e.message, e.kind)

@@ -27,7 +27,8 @@ from rollwise.serve.protocol import (AbortRequest, ChatCompletionRequest, Comple
 from rollwise.serve.defaults import Defaults
 from rollwise.serve.handlers import chat_reply, completion_reply, unless_disconnected
 from rollwise.serve.responses import (FiniteJSONResponse, choice_samples, completion_params, error, generate_json,
-                                      primed, sse, stream_generate, weights_refused)
+                                      stream_generate, weights_refused)
+from rollwise.serve.streams import primed, sse
 from rollwise.serve.server import install_common, install_messages, install_responses
 from rollwise.serve.lora import LoadLoraRequest, UnloadLoraRequest
 from rollwise.serve.rlhf import json_object

@@ -11,8 +11,9 @@ from collections.abc import Awaitable
 from fastapi import Request
 
 from rollwise.agent.parsing import HermesParser, bind
-from rollwise.serve.responses import (chat_choices, completion_choices, gather_or_cancel, merged, parses_tools, primed,
-                                      sse, stream_chat, stream_completion, usage, vllm_prompt_logprobs, with_usage)
+from rollwise.serve.responses import (chat_choices, completion_choices, parses_tools, stream_chat, stream_completion,
+                                      usage, vllm_prompt_logprobs, with_usage)
+from rollwise.serve.streams import gather_or_cancel, merged, primed, sse
 
 
 class ClientGone(Exception):

@@ -3,21 +3,20 @@ shared by `rollwise serve` and `rollwise route`: choices, logprobs in each API's
 parsed from chat replies, and streams built from an engine's cumulative outputs."""
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import json
 import math
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from rollwise.agent.parsing import HermesParser, ToolCallParser, openai_tool_calls as tool_calls
 from rollwise.agent.reasoning import ReasoningParser, ReasoningStream
 from rollwise.config import ServerConfig
 from rollwise.engine.async_llm import deltas
-from rollwise.engine.isolation import StepFailed
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest
 from rollwise.types import RequestOutput, SamplingParams
 from rollwise.wire import encode_routing, npy64
@@ -88,17 +87,6 @@ def pairs(tops: list[dict[int, float]]) -> list[list[list]]:
 def ranks(tops: list[dict[int, float]]) -> list[int | None]:
     """Each token's rank in the vocabulary, where its top logprobs carry one (TopLogprobs)."""
     return [getattr(top, "rank", None) for top in tops]
-
-
-async def gather_or_cancel(coros) -> list:
-    """asyncio.gather, but the first error (or the caller's cancellation) cancels the rest, which
-    aborts their requests instead of leaving them to generate for nobody."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
 
 
 def choice_samples(prompts: list, params: SamplingParams, n: int, group_id: str | None, rid: str,
@@ -217,32 +205,6 @@ def chat_logprobs(tok, token_ids: list[int], logprobs: list[float], tops: list[d
     return out
 
 
-async def primed(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
-    """Run a stream up to its first chunk, so that bad input raises (HTTP 400) before headers go out."""
-    first = await chunks.__anext__()
-
-    async def chain():
-        yield first
-        async for c in chunks:
-            yield c
-    return chain()
-
-
-def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
-    async def body():
-        try:
-            async for c in chunks:
-                yield f"data: {dumps(c)}\n\n"
-        except ValueError as e:
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'invalid_request_error', 'code': 400}})}\n\n"
-        except StepFailed as e:  # this request failed the engine step (the server serves on)
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'request_failed', 'code': 500}})}\n\n"
-        except RuntimeError as e:  # e.g. a router's replica failed mid-stream: say so rather than cut the stream
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'unavailable', 'code': 503}})}\n\n"
-        yield "data: [DONE]\n\n"
-    return StreamingResponse(body(), media_type="text/event-stream")
-
-
 def with_usage(chunks: AsyncIterator[dict], body, finished: list[RequestOutput], head: dict) -> AsyncIterator[dict]:
     """OpenAI's `stream_options: {"include_usage": true}`: after the chunks, one with no choices and
     the usage of the `finished` outputs (which the streams fill in); otherwise the chunks."""
@@ -250,54 +212,23 @@ def with_usage(chunks: AsyncIterator[dict], body, finished: list[RequestOutput],
         return chunks
 
     async def then_usage():
-        async for c in chunks:
-            yield c
+        async with aclosing(chunks):
+            async for c in chunks:
+                yield c
         yield {**head, "created": int(time.time()), "choices": [], "usage": usage(finished, body.n)}
     return then_usage()
 
 
 async def stream_generate(engine, prompt, params, rid, group_id, **options):
-    async for ids, lps, tops, delta, final in deltas(engine, prompt, params, rid, group_id, **options):
-        chunk = {"request_id": rid, "token_ids": ids, "logprobs": lps, "text": delta, "finished": final is not None}
-        if tops:
-            chunk |= {"top_logprobs": pairs(tops), "top_logprob_ranks": ranks(tops)}
-        if final is not None:
-            chunk |= {k: v for k, v in generate_json(final).items()
-                      if k not in ("token_ids", "logprobs", "text", "top_logprobs", "top_logprob_ranks")}
-        yield chunk
-
-
-async def merged(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
-    """The chunks of several streams (a request's n choices) as they come; the first error ends it,
-    and closing it closes every stream (which aborts their requests)."""
-    if len(streams) == 1:
-        async for c in streams[0]:
-            yield c
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(s):
-        try:
-            async for c in s:
-                await queue.put(c)
-            await queue.put(None)
-        except Exception as e:  # noqa: BLE001 - handed to the consumer
-            await queue.put(e)
-    tasks = [asyncio.create_task(pump(s)) for s in streams]
-    try:
-        left = len(tasks)
-        while left:
-            item = await queue.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    async with aclosing(deltas(engine, prompt, params, rid, group_id, **options)) as steps:
+        async for ids, lps, tops, delta, final in steps:
+            chunk = {"request_id": rid, "token_ids": ids, "logprobs": lps, "text": delta, "finished": final is not None}
+            if tops:
+                chunk |= {"top_logprobs": pairs(tops), "top_logprob_ranks": ranks(tops)}
+            if final is not None:
+                chunk |= {k: v for k, v in generate_json(final).items()
+                          if k not in ("token_ids", "logprobs", "text", "top_logprobs", "top_logprob_ranks")}
+            yield chunk
 
 
 async def stream_completion(engine, prompt, params, rid, index: int, model, with_logprobs: bool,
@@ -308,23 +239,23 @@ async def stream_completion(engine, prompt, params, rid, index: int, model, with
     tok = engine.tokenizer
     offset = 0  # of each token's piece in the whole text, as in a completion that is not streamed
     first = return_token_ids
-    async for ids, lps, tops, delta, final in deltas(engine, prompt, params, engine_id or f"{rid}-{index}", group_id,
-                                                     **options):
-        pieces = [_piece(tok, t, as_ids) for t in ids] if with_logprobs else []
-        offsets = list(itertools.accumulate(map(len, pieces), initial=offset))
-        offset = offsets.pop()
-        if final is not None and finished is not None:
-            finished.append(final)
-        choice = {"index": index, "text": delta, "finish_reason": final.finish_reason if final else None,
-                  "logprobs": {"tokens": pieces, "token_logprobs": lps, "text_offset": offsets, "token_ids": ids,
-                               "top_logprobs": completion_tops(tok, tops, as_ids)}
-                  if with_logprobs else None}
-        if return_token_ids:
-            choice["token_ids"] = ids
-        if first:
-            choice["prompt_token_ids"], first = prompt if isinstance(prompt, list) else tok.encode(prompt), False
-        yield {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-               "choices": [choice]}
+    async with aclosing(deltas(engine, prompt, params, engine_id or f"{rid}-{index}", group_id, **options)) as steps:
+        async for ids, lps, tops, delta, final in steps:
+            pieces = [_piece(tok, t, as_ids) for t in ids] if with_logprobs else []
+            offsets = list(itertools.accumulate(map(len, pieces), initial=offset))
+            offset = offsets.pop()
+            if final is not None and finished is not None:
+                finished.append(final)
+            choice = {"index": index, "text": delta, "finish_reason": final.finish_reason if final else None,
+                      "logprobs": {"tokens": pieces, "token_logprobs": lps, "text_offset": offsets, "token_ids": ids,
+                                   "top_logprobs": completion_tops(tok, tops, as_ids)}
+                      if with_logprobs else None}
+            if return_token_ids:
+                choice["token_ids"] = ids
+            if first:
+                choice["prompt_token_ids"], first = prompt if isinstance(prompt, list) else tok.encode(prompt), False
+            yield {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+                   "choices": [choice]}
 
 
 async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs: bool, group_id: str | None,
@@ -345,48 +276,48 @@ async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs
     # each chunk's work is bounded by its own text, not the reply so far (a long reply streams in linear time)
     first, whole, text, sent, content_began = True, "", "", 0, False
     thinking = ReasoningStream(reasoning) if reasoning else None
-    async for new_ids, lps, tops, delta, final in deltas(engine, ids, params, engine_id or f"{rid}-{index}", group_id,
-                                                         **options):
-        reason = final.finish_reason if final else None
-        if final is not None and finished is not None:
-            finished.append(final)
-        d = {}
-        if thinking:  # the content so far: the reply past its reasoning
-            if final:
-                whole = final.text
+    async with aclosing(deltas(engine, ids, params, engine_id or f"{rid}-{index}", group_id, **options)) as steps:
+        async for new_ids, lps, tops, delta, final in steps:
+            reason = final.finish_reason if final else None
+            if final is not None and finished is not None:
+                finished.append(final)
+            d = {}
+            if thinking:  # the content so far: the reply past its reasoning
+                if final:
+                    whole = final.text
+                else:
+                    whole += delta  # (extended in place: nothing else holds the string)
+                said, at = thinking.feed(whole, final=final is not None)
+                if said and include_reasoning:
+                    d = {"reasoning_content": said, "reasoning": said}
+                if at is None:
+                    text = ""
+                elif content_began and not final:
+                    text += delta
+                else:
+                    text = whole[at:]
+                content_began = at is not None
+            elif final:
+                text = final.text
             else:
-                whole += delta  # (extended in place: nothing else holds the string)
-            said, at = thinking.feed(whole, final=final is not None)
-            if said and include_reasoning:
-                d = {"reasoning_content": said, "reasoning": said}
-            if at is None:
-                text = ""
-            elif content_began and not final:
                 text += delta
+            calls = tool_calls(text, tools) if tools and final else None
+            if calls is not None:  # what was not sent of the text outside the tool-call blocks, and the calls
+                rest = tools.content(text)[sent:]
+                d.update(content=rest if rest.strip() else None,
+                         tool_calls=[dict(c, index=i) for i, c in enumerate(calls[1][:1] if one_call else calls[1])])
+                reason = "tool_calls"
             else:
-                text = whole[at:]
-            content_began = at is not None
-        elif final:
-            text = final.text
-        else:
-            text += delta
-        calls = tool_calls(text, tools) if tools and final else None
-        if calls is not None:  # what was not sent of the text outside the tool-call blocks, and the calls
-            rest = tools.content(text)[sent:]
-            d.update(content=rest if rest.strip() else None,
-                     tool_calls=[dict(c, index=i) for i, c in enumerate(calls[1][:1] if one_call else calls[1])])
-            reason = "tool_calls"
-        else:
-            shown = tools.content_end(text, sent) if tools and not final else len(text)
-            if shown > sent or not d:
-                d["content"] = text[sent:max(shown, sent)]
-            sent = max(shown, sent)
-        if first:
-            d = {"role": "assistant", **d}
-        first = False
-        choice = {"index": index, "delta": d, "finish_reason": reason,
-                  **({"stop_reason": final.stop_reason} if final else {}),  # (vLLM's: the stop string or token)
-                  "logprobs": {"content": chat_logprobs(tok, new_ids, lps, tops, as_ids)} if with_logprobs else None,
-                  **({"token_ids": new_ids} if return_token_ids else {})}
-        yield {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-               "choices": [choice], **({"prompt_token_ids": ids} if return_token_ids and "role" in d else {})}
+                shown = tools.content_end(text, sent) if tools and not final else len(text)
+                if shown > sent or not d:
+                    d["content"] = text[sent:max(shown, sent)]
+                sent = max(shown, sent)
+            if first:
+                d = {"role": "assistant", **d}
+            first = False
+            choice = {"index": index, "delta": d, "finish_reason": reason,
+                      **({"stop_reason": final.stop_reason} if final else {}),  # (vLLM's: the stop string or token)
+                      "logprobs": {"content": chat_logprobs(tok, new_ids, lps, tops, as_ids)} if with_logprobs else None,
+                      **({"token_ids": new_ids} if return_token_ids else {})}
+            yield {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                   "choices": [choice], **({"prompt_token_ids": ids} if return_token_ids and "role" in d else {})}

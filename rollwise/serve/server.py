@@ -28,7 +28,8 @@ from rollwise.serve.protocol import (AddSequenceRequest, ChatCompletionRequest, 
                                      GenerateRequest, UpdateWeightsRequest)
 from rollwise.serve.handlers import ClientGone, chat_reply, completion_reply, unless_disconnected
 from rollwise.serve.responses import (FiniteJSONResponse, choice_samples, completion_params, error, generate_json,
-                                      primed, sse, stream_generate, weights_refused)
+                                      stream_generate, weights_refused)
+from rollwise.serve.streams import primed, sse
 from rollwise.serve.lora import install_lora, with_adapter
 from rollwise.serve.rlhf import install_rlhf, json_object, receive_weights
 from rollwise.serve.sglang import (generate_batch, generate_params, generate_samples, install_sglang, is_batch,

@@ -20,8 +20,8 @@ from rollwise import __version__
 from rollwise.config import ServerConfig
 from rollwise.engine.group_transfer import GROUP
 from rollwise.serve.protocol import AbortRequest
-from rollwise.serve.responses import (_piece, choice_samples, error, gather_or_cancel, generate_json,
-                                      weights_refused)
+from rollwise.serve.responses import _piece, choice_samples, error, generate_json, weights_refused
+from rollwise.serve.streams import gather_or_cancel
 from rollwise.types import RequestOutput, SamplingParams
 from rollwise.wire import encode_routing
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from contextlib import aclosing
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -19,7 +20,8 @@ from rollwise.engine.async_llm import deltas
 from rollwise.serve.handlers import unless_disconnected
 from rollwise.serve.lora import with_adapter
 from rollwise.serve.protocol import _Strict
-from rollwise.serve.responses import choice_samples, error, finite as _lp, gather_or_cancel, merged, primed, sse
+from rollwise.serve.responses import choice_samples, error, finite as _lp
+from rollwise.serve.streams import gather_or_cancel, merged, primed, sse
 from rollwise.types import RequestOutput, SamplingParams
 from rollwise.wire import npy64
 
@@ -136,20 +138,22 @@ async def _stream(engine, body: TitoRequest, samples: list, k: int | None, head:
     counts = [0] * len(samples)
 
     async def one(j, prompt, sp, r, g, o):
-        async for ids, lps, tops, delta, final in deltas(engine, prompt, sp, r, g, **o):
-            counts[j] += len(ids)
-            if ids or final is not None or (text_mode and delta):
-                yield _choice(j, ids, lps, tops, k, final, delta if text_mode else None)
+        async with aclosing(deltas(engine, prompt, sp, r, g, **o)) as steps:
+            async for ids, lps, tops, delta, final in steps:
+                counts[j] += len(ids)
+                if ids or final is not None or (text_mode and delta):
+                    yield _choice(j, ids, lps, tops, k, final, delta if text_mode else None)
 
     first = True
-    async for c in merged([one(j, *s) for j, s in enumerate(samples)]):
-        chunk = {**head, "output_mode": body.output_mode, "choices": [c]}
-        if first and body.return_token_ids:
-            chunk["prompt_token_ids"] = body.token_ids
-        first = False
-        if opts.get("continuous_usage_stats"):
-            chunk["usage"] = usage(len(body.token_ids), counts[c["index"]], nulls=False)
-        yield chunk
+    async with aclosing(merged([one(j, *s) for j, s in enumerate(samples)])) as choices:
+        async for c in choices:
+            chunk = {**head, "output_mode": body.output_mode, "choices": [c]}
+            if first and body.return_token_ids:
+                chunk["prompt_token_ids"] = body.token_ids
+            first = False
+            if opts.get("continuous_usage_stats"):
+                chunk["usage"] = usage(len(body.token_ids), counts[c["index"]], nulls=False)
+            yield chunk
     if opts.get("include_usage"):
         yield {**head, "output_mode": body.output_mode, "choices": [],
                "usage": usage(len(body.token_ids), sum(counts), nulls=False)}

@@ -335,15 +335,22 @@ def _replica_metric(server, name: str) -> float:
                if ln.startswith(name + "{"))
 
 
-def test_a_client_leaving_the_route_aborts_the_replica_request(servers, model_dir):
+@pytest.mark.parametrize("path,body", [
+    ("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2000, "ignore_eos": True}}),
+    # n > 1: each choice's turn in a task of its own. Their closing (the replica's connection) was
+    # cancelled again and again with the request's task, and the replicas generated on for nobody
+    ("/inference/v1/generate", {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2000, "ignore_eos": True,
+                                                                          "n": 2}}),
+    ("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True, "n": 3})])
+def test_a_client_leaving_the_route_aborts_the_replica_request(servers, model_dir, path, body):
     """The router's client disconnects: the router cancels the turn, which closes its request to
     the replica, which aborts it there. (Streamed, so that the client leaves once tokens come: a
     reply cut off after a fixed wait could leave before a busy replica's first token.)"""
     proc, url = start_route(servers, model_dir, "round_robin")
     try:
         before = sum(_replica_metric(s, "vllm:generation_tokens_total") for s in servers)
-        body = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_tokens": 2000, "ignore_eos": True}}
-        with httpx.stream("POST", url + "/generate", json=body, timeout=30) as r:
+        body = {**body, "stream": True}
+        with httpx.stream("POST", url + path, json=body, timeout=30) as r:
             assert r.status_code == 200
             next(line for line in r.iter_lines() if line.startswith("data: {"))  # (then the client leaves)
         for _ in range(100):
