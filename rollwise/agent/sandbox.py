@@ -81,9 +81,9 @@ class Sandbox:
         if network not in NETWORK:
             raise ValueError(f"unknown network setting {network!r}; valid: {list(NETWORK)}")
         if timeout_s <= 0 or memory_mb < 32 or file_mb < 0 or open_files < 8 or max_output < 1 or max_processes < 1:
-            raise ValueError("need timeout_s > 0, memory_mb >= 32, file_mb >= 0, open_files >= 8, max_output >= 1 and "
-                             f"max_processes >= 1; got {timeout_s}, {memory_mb}, {file_mb}, {open_files}, {max_output}, "
-                             f"{max_processes}")
+            raise ValueError("need timeout_s > 0, memory_mb >= 32, file_mb >= 0, open_files >= 8, max_output >= 1 "
+                             f"and max_processes >= 1; got {timeout_s}, {memory_mb}, {file_mb}, {open_files}, "
+                             f"{max_output}, {max_processes}")
         self.timeout_s, self.memory_mb, self.file_mb = timeout_s, memory_mb, file_mb
         self.cpu_s = cpu_s if cpu_s is not None else max(1, int(timeout_s + 0.999))
         self.open_files, self.max_output, self.network, self.python = open_files, max_output, network, python

@@ -43,8 +43,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]
                  ) -> tuple[list[int], list[float], list[dict[int, float] | None]]:
         """logits [B, V] float32 -> sampled token ids, their logprobs, and each row's top logprobs
-        (`SamplingParams.logprobs` of them, with the token's rank; None for a row that asks for none). Bans, biases and
-        structured-output masks are written into `logits` in place when it is float32 on the CPU."""
+        (`SamplingParams.logprobs` of them, with the token's rank; None for a row that asks for none).
+        Bans, biases and structured-output masks are written into `logits` in place when it is float32
+        on the CPU."""
         logits = logits.float().cpu()
         raw = logits.clone() if self.logprobs_mode in ("raw_logprobs", "raw_logits") else None
         for i, r in enumerate(rows):
@@ -222,7 +223,8 @@ def top_logprobs(logprobs: torch.Tensor, ks: list[int]) -> list[dict[int, float]
     out: list[dict[int, float] | None] = [None] * len(ks)
     want = [i for i, k in enumerate(ks) if k > 0]
     if want:
-        values, ids = (logprobs if len(want) == len(ks) else logprobs[want]).topk(min(max(ks[i] for i in want), logprobs.shape[-1]), dim=-1)
+        rows = logprobs if len(want) == len(ks) else logprobs[want]
+        values, ids = rows.topk(min(max(ks[i] for i in want), logprobs.shape[-1]), dim=-1)
         for i, v, t in zip(want, values.tolist(), ids.tolist()):
             out[i] = dict(zip(t[:ks[i]], v[:ks[i]]))
     return out

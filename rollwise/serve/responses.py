@@ -317,7 +317,8 @@ async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs
             first = False
             choice = {"index": index, "delta": d, "finish_reason": reason,
                       **({"stop_reason": final.stop_reason} if final else {}),  # (vLLM's: the stop string or token)
-                      "logprobs": {"content": chat_logprobs(tok, new_ids, lps, tops, as_ids)} if with_logprobs else None,
+                      "logprobs": {"content": chat_logprobs(tok, new_ids, lps, tops, as_ids)}
+                      if with_logprobs else None,
                       **({"token_ids": new_ids} if return_token_ids else {})}
             yield {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
                    "choices": [choice], **({"prompt_token_ids": ids} if return_token_ids and "role" in d else {})}

@@ -56,10 +56,10 @@ async def primed(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
 
 class ClosingStream(StreamingResponse):
     """A StreamingResponse that closes its body however the response ends. Starlette leaves the body
-    suspended when the client goes away (its task is cancelled, or `send` fails); every stream here
-    closes the streams it reads when it is closed (contextlib.aclosing), down to the requests, which
-    are aborted. Shielded: the closing awaits (the choices' tasks, the replicas' streams) inside a
-    cancelled scope. Before, a stream of n > 1 choices through `rollwise route` went on for nobody."""
+    suspended when the client goes away (its task is cancelled, or `send` fails), to be closed when
+    the garbage collector finds it; every stream here closes the streams it reads when it is closed
+    (contextlib.aclosing), down to the requests, which are aborted. Shielded: the closing awaits run
+    inside the request's cancelled scope."""
 
     async def stream_response(self, send) -> None:
         try:
@@ -76,13 +76,17 @@ def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
                 async for c in chunks:
                     yield f"data: {dumps(c)}\n\n"
         except ValueError as e:
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'invalid_request_error', 'code': 400}})}\n\n"
+            yield _error_event(e, "invalid_request_error", 400)
         except StepFailed as e:  # this request failed the engine step (the server serves on)
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'request_failed', 'code': 500}})}\n\n"
+            yield _error_event(e, "request_failed", 500)
         except RuntimeError as e:  # e.g. a router's replica failed mid-stream: say so rather than cut the stream
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'unavailable', 'code': 503}})}\n\n"
+            yield _error_event(e, "unavailable", 503)
         yield "data: [DONE]\n\n"
     return ClosingStream(body(), media_type="text/event-stream")
+
+
+def _error_event(e: Exception, kind: str, code: int) -> str:
+    return f"data: {json.dumps({'error': {'message': str(e), 'type': kind, 'code': code}})}\n\n"
 
 
 async def merged(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
