@@ -66,9 +66,16 @@ class Session:
             pending.set_exception(GatewayError(400, f"this episode has ended: {reason}"))
 
 
+def check_stream(body: dict) -> None:
+    """`stream` is a boolean (or absent, or null): not any value that reads as true."""
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise GatewayError(400, "stream must be true or false")
+
+
 def check_request(body) -> None:
     if not isinstance(body, dict):
         raise GatewayError(400, "the body must be a JSON object")
+    check_stream(body)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
         raise GatewayError(400, "messages must be a non-empty list of message objects")

@@ -28,7 +28,7 @@ import json
 import uuid
 
 from rollwise.agent.episode import text_content
-from rollwise.agent.gateway import GatewayError
+from rollwise.agent.gateway import GatewayError, check_stream
 
 FIELDS = ("model", "max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences", "temperature",
           "top_p", "top_k", "stream", "output_config", "thinking")
@@ -44,8 +44,7 @@ def chat_body(body) -> dict:
     unknown = sorted(set(body) - set(FIELDS) - set(IGNORED))
     if unknown:
         raise GatewayError(400, f"unknown fields {unknown}; valid: {sorted(FIELDS + IGNORED)}")
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise GatewayError(400, "stream must be true or false")
+    check_stream(body)
     max_tokens = body.get("max_tokens")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise GatewayError(400, "max_tokens is required: a positive integer")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from rollwise.agent.gateway import GatewayError
+from rollwise.agent.gateway import GatewayError, check_stream
 
 _ROLES = ("system", "developer", "user", "assistant")
 LOGPROBS = "message.output_text.logprobs"  # what `include` names to get them
@@ -29,8 +29,7 @@ def chat_body(body, conversations: dict[str, list[dict]]) -> tuple[dict, list[di
     (what a response to it continues). conversations: response id -> the messages it ended with."""
     if not isinstance(body, dict):
         raise GatewayError(400, "the body must be a JSON object")
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise GatewayError(400, "stream must be true or false")
+    check_stream(body)
     previous = body.get("previous_response_id")
     if previous is not None and previous not in conversations:
         raise GatewayError(400, f"previous_response_id {previous!r} is not a response of this episode")

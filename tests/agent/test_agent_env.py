@@ -557,3 +557,15 @@ def test_an_agent_that_asks_for_logprobs_gets_its_turns_tokens_and_the_trajector
     for token, lp, top in got:
         assert len(top) == 3 and [v for _, v in top] == sorted((v for _, v in top), reverse=True)
         assert lp <= top[0][1] + 1e-6 and (token not in dict(top) or dict(top)[token] == pytest.approx(lp, abs=1e-6))
+
+
+def test_the_gateway_takes_only_a_boolean_stream():
+    """A chat request to an episode's endpoint asks for a stream with true, not with any value that
+    reads as true (the Responses and Messages bodies share the check)."""
+    from rollwise.agent.gateway import GatewayError, check_request
+    msgs = [{"role": "user", "content": "hi"}]
+    for ok in (True, False, None):
+        check_request({"messages": msgs, "stream": ok})
+    for bad in ("yes", [1], 1):
+        with pytest.raises(GatewayError, match="stream must be true or false"):
+            check_request({"messages": msgs, "stream": bad})
