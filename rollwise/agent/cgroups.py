@@ -4,11 +4,13 @@ memory, for the program and everything it starts together. The rlimits bound eac
 a loop of forks, or many children each under the limit, can still take the machine's memory or
 process table down with the training run. cgroup v2 where our cgroup's children get the pids and
 memory controllers, else v1's pids and memory hierarchies; neither (no permission, no
-controllers): `RunGroup.make` gives None, and the rlimits alone apply.
+controllers): `RunGroup.make` gives None, and the rlimits alone apply. Swap counts against
+`memory_mb` where the kernel accounts it (v2 memory.swap.max 0; v1 memsw and swappiness 0): a run
+past its bound is killed rather than swapped out.
 
 The sandbox moves the run's child into the groups while the child starts, and the child waits
-until it is in them (sandbox_child.joined) before the program runs, so nothing forks outside them; `close()`
-kills what is left in them and removes them.
+until it is in them (sandbox_child.joined) before the program runs, so nothing forks outside
+them; `close()` kills what is left in them and removes them.
 """
 from __future__ import annotations
 
@@ -50,8 +52,9 @@ def _candidates() -> list[tuple[str, list[Path]]]:
 
 
 class RunGroup:
-    def __init__(self, dirs: list[Path], version: str) -> None:
+    def __init__(self, dirs: list[Path], version: str, swap_bounded: bool = True) -> None:
         self.dirs, self.version = dirs, version
+        self.swap_bounded = swap_bounded  # False: past memory_mb the run's memory goes to swap, not to the OOM killer
 
     @classmethod
     def make(cls, max_processes: int, memory_mb: int) -> RunGroup | None:
@@ -64,16 +67,16 @@ class RunGroup:
                 for parent in parents:
                     (parent / name).mkdir()
                     made.append(parent / name)
+                (made[0] / "pids.max").write_text(str(max_processes))
                 if version == "v2":
-                    (made[0] / "pids.max").write_text(str(max_processes))
                     (made[0] / "memory.max").write_text(str(memory_mb << 20))
-                    if (made[0] / "memory.swap.max").exists():
-                        (made[0] / "memory.swap.max").write_text("0")
-                else:
-                    (made[0] / "pids.max").write_text(str(max_processes))
+                    swap = _try_write(made[0] / "memory.swap.max", "0")
+                else:  # (memsw after the memory limit: the kernel wants it no lower)
                     (made[1] / "memory.limit_in_bytes").write_text(str(memory_mb << 20))
+                    swap = _try_write(made[1] / "memory.memsw.limit_in_bytes", str(memory_mb << 20))
+                    swap = _try_write(made[1] / "memory.swappiness", "0") or swap
                 _USABLE = [(version, parents)]
-                return cls(made, version)
+                return cls(made, version, swap_bounded=swap or not _swapping())
             except OSError:  # no permission, or the controllers are not ours to use here
                 for d in made:
                     _remove(d)
@@ -126,6 +129,19 @@ def _read(path: Path) -> str:
         return path.read_text()
     except OSError:
         return ""
+
+
+def _try_write(path: Path, text: str) -> bool:
+    try:
+        path.write_text(text)
+    except OSError:  # (no swap accounting in this kernel, or not ours to set)
+        return False
+    return True
+
+
+def _swapping() -> bool:
+    """Whether this machine has swap on (/proc/swaps lists a device past its header)."""
+    return len(_read(Path("/proc/swaps")).splitlines()) > 1
 
 
 def _remove(d: Path) -> None:
