@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from rollwise.engine.weight_transfer import TIMEOUT, check_update, receive_into
+from rollwise.engine.weight_transfer import TIMEOUT, check_update, listening_store, receive_into
 
 GROUP = "weight_update_group"  # SGLang's default group name
 BROKEN = "broken"  # a group that failed an update: left, its name kept until destroyed
@@ -31,7 +31,10 @@ BROKEN = "broken"  # a group that failed an update: left, its name kept until de
 def torch_group(address: str, port: int, world_size: int, rank: int, group_name: str,
                 timeout: datetime.timedelta = TIMEOUT, backend: str = "gloo"):
     """A process group besides torch's default one, laid out as SGLang's and its trainers' are (above)."""
-    store, rank, world_size = next(c10d.rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout))
+    if rank == 0:  # (torch's rendezvous would listen on every interface)
+        store = listening_store(address, port, world_size, timeout)
+    else:
+        store, rank, world_size = next(c10d.rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     group, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend),
                                               c10d.PrefixStore(group_name, store), group_name=group_name,

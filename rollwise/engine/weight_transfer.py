@@ -16,7 +16,9 @@ here), so a sync cut off midway changes nothing. `GlooTrainer` is the trainer's 
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import math
+import socket
 import threading
 from collections.abc import Iterable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -78,9 +80,38 @@ def receive_into(out: dict, group, names: list[str], dtypes: list[str], shapes: 
     return out
 
 
+def listening_store(address: str, port: int, world_size: int, timeout: datetime.timedelta, **kw) -> dist.TCPStore:
+    """Rank 0's TCP store, listening on `address` alone (torch's own listens on every interface: a group
+    on 127.0.0.1 would take connections from the network). The store owns the socket from then on."""
+    family, *_, where = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.create_server((where[0], port), family=family)
+    try:
+        store = dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout,
+                              master_listen_fd=sock.fileno(), **kw)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()
+    return store
+
+
+def gloo_options(address: str, rank: int, timeout: datetime.timedelta):
+    """A gloo group's options whose device listens where the group's ranks meet: on the loopback for a
+    group on a loopback address, on `address` for its rank 0; else gloo's default (the address this
+    host's name resolves to, or GLOO_SOCKET_IFNAME's)."""
+    host = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)[0][4][0]
+    ip = ipaddress.ip_address(host.split("%")[0])
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if ip.is_loopback or (
+        rank == 0 and not ip.is_unspecified) else dist.ProcessGroupGloo.create_default_device()]
+    return opts
+
+
 def _group(address: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta):
-    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout)
-    return store, dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    store = listening_store(address, port, world_size, timeout) if rank == 0 else \
+        dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
+    return store, dist.ProcessGroupGloo(store, rank, world_size, gloo_options(address, rank, timeout))
 
 
 class GlooReceiver:

@@ -1,5 +1,5 @@
 """Data-parallel training: the trainer on N processes (verl's and AReaL's data-parallel ranks; here
-torch.distributed's gloo, on 127.0.0.1).
+torch.distributed's gloo, on 127.0.0.1 alone).
 
 Every rank holds the whole policy and its optimizer. Every rank is given every group of a step (rank
 0, the run's process, sends them), computes what needs no model over all of them (advantages, the
@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import multiprocessing as mp
+import pickle
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -56,32 +57,42 @@ TIMEOUT = timedelta(seconds=1800)  # a collective's wait for the other ranks (th
 
 
 def store(port: int, world: int, master: bool):
-    """The group's rendezvous: a TCP store on 127.0.0.1 (rank 0's)."""
+    """The group's rendezvous: a TCP store on 127.0.0.1 (rank 0's), listening there alone."""
     import torch.distributed as dist
-    return dist.TCPStore("127.0.0.1", port, world, is_master=master, wait_for_workers=False, timeout=TIMEOUT)
+    from rollwise.engine.weight_transfer import listening_store
+    if master:
+        return listening_store("127.0.0.1", port, world, TIMEOUT, wait_for_workers=False)
+    return dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=TIMEOUT)
 
 
 class Gloo(Comm):
+    """The ranks' gloo group (a group of its own, not torch's default one: its sockets on the loopback)."""
+
     def __init__(self, rank: int, world: int, kv) -> None:
         import torch.distributed as dist
-        self.dist, self.rank, self.world = dist, rank, world
-        dist.init_process_group("gloo", store=kv, rank=rank, world_size=world, timeout=TIMEOUT)
+        from rollwise.engine.weight_transfer import gloo_options
+        self.rank, self.world = rank, world
+        self.pg = dist.ProcessGroupGloo(kv, rank, world, gloo_options("127.0.0.1", rank, TIMEOUT))
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
-        self.dist.all_reduce(t)
+        self.pg.allreduce([t]).wait()
         return t
 
     def gather(self, obj: Any) -> list:
-        out: list = [None] * self.world
-        self.dist.all_gather_object(out, obj)
-        return out
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self.world)]
+        self.pg.allgather([sizes], [torch.tensor([data.numel()])]).wait()
+        n = int(max(sizes))
+        bufs = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world)]
+        self.pg.allgather([bufs], [torch.cat([data, data.new_zeros(n - data.numel())])]).wait()
+        return [pickle.loads(b[:int(k)].numpy().tobytes()) for b, k in zip(bufs, sizes)]
 
     def grads(self, params) -> None:
         params = list(params)
         has = torch.tensor([float(p.grad is not None) for p in params])
         flat = torch.cat([has] + [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                                   for p in params])
-        self.dist.all_reduce(flat)
+        self.pg.allreduce([flat]).wait()
         k = len(params)
         for i, p in enumerate(params):
             g = flat[k:k + p.numel()].view_as(p)
@@ -102,10 +113,10 @@ class Gloo(Comm):
     def broadcast_params(self, module: torch.nn.Module) -> None:
         for t in list(module.state_dict().values()):
             if t.is_floating_point():
-                self.dist.broadcast(t, src=0)
+                self.pg.broadcast(t, 0).wait()
 
     def close(self) -> None:
-        self.dist.destroy_process_group()
+        self.pg.shutdown()
 
 
 def fingerprint(trainer) -> str:

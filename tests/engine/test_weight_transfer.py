@@ -157,3 +157,37 @@ def test_packed_and_one_by_one_transfers_give_the_same_weights(model_dir, other_
     plain = LLM(model_dir)
     plain.llm_engine.load_weights(mixed)  # (the same tensors straight in)
     assert plain.collective_rpc("compute_weight_checksums")[0] == sums[0]
+
+
+def _listening() -> list[str]:
+    """The local addresses this process's TCP sockets listen on (/proc/net/tcp*, matched by inode)."""
+    import os
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # (the listing's own descriptor, closed by now)
+            pass
+    mine = {link[8:-1] for link in links if link.startswith("socket:[")}
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in mine:  # LISTEN
+                out.append(f[1].split(":")[0])
+    return out
+
+
+def test_the_trainers_group_listens_on_its_address_alone():
+    """torch's TCP store listens on every interface; the trainer's store and gloo sockets for a group on
+    127.0.0.1 listen there alone (on the loopback), so nothing off this host can join or read it."""
+    from rollwise.trainer.data_parallel import Gloo, store
+    before = set(_listening())
+    group = _group("127.0.0.1", free_port(), 0, 1, datetime.timedelta(seconds=10))
+    opened = [a for a in _listening() if a not in before]
+    assert len(opened) >= 2 and set(opened) == {"0100007F"}, opened  # 127.0.0.1 (little-endian hex)
+    del group
+    port = free_port()
+    comm = Gloo(0, 1, store(port, 1, master=True))
+    assert comm.gather({"a": [1, 2]}) == [{"a": [1, 2]}] and set(_listening()) - before <= {"0100007F"}
+    comm.close()
