@@ -10,7 +10,8 @@ past its bound is killed rather than swapped out.
 
 The sandbox moves the run's child into the groups while the child starts, and the child waits
 until it is in them (sandbox_child.joined) before the program runs, so nothing forks outside
-them; `close()` kills what is left in them and removes them.
+them; `close()` kills what is left in them and removes them, and a process's first group sweeps
+away those of processes that died without closing theirs (`sweep`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path("/sys/fs/cgroup")
+PREFIX = "rollwise-sandbox-"  # a run's group: PREFIX + "{pid namespace}-{pid}-{random}"
 _USABLE: list[tuple[str, list[Path]]] | None = None  # where groups were made (or [] if nowhere): tried once
 
 
@@ -60,7 +62,7 @@ class RunGroup:
     def make(cls, max_processes: int, memory_mb: int) -> RunGroup | None:
         """New groups bounding a run, or None where none can be made here (tried once a process)."""
         global _USABLE
-        name = f"rollwise-sandbox-{os.getpid()}-{secrets.token_hex(4)}"
+        name = f"{PREFIX}{_namespace()}-{os.getpid()}-{secrets.token_hex(4)}"
         for version, parents in _candidates() if _USABLE is None else _USABLE:
             made: list[Path] = []
             try:
@@ -75,7 +77,9 @@ class RunGroup:
                     (made[1] / "memory.limit_in_bytes").write_text(str(memory_mb << 20))
                     swap = _try_write(made[1] / "memory.memsw.limit_in_bytes", str(memory_mb << 20))
                     swap = _try_write(made[1] / "memory.swappiness", "0") or swap
-                _USABLE = [(version, parents)]
+                if _USABLE is None:
+                    _USABLE = [(version, parents)]
+                    sweep(parents)
                 return cls(made, version, swap_bounded=swap or not _swapping())
             except OSError:  # no permission, or the controllers are not ours to use here
                 for d in made:
@@ -122,6 +126,38 @@ class RunGroup:
             time.sleep(0.002)
         for d in self.dirs:
             _remove(d)
+
+
+def sweep(parents: list[Path]) -> int:
+    """Remove the groups a process of this pid namespace left when it died without closing them (SIGKILL,
+    the OOM killer), killing what still runs in them: a program that sleeps would outlive it for good.
+    Another namespace's groups are left alone (its pids are not ours to read). Returns how many."""
+    ns, n = _namespace(), 0
+    for parent in parents:
+        for d in parent.glob(PREFIX + "*"):
+            parts = d.name.removeprefix(PREFIX).split("-")
+            if len(parts) == 3 and parts[0] == ns and parts[1].isdigit() and not _alive(int(parts[1])):
+                RunGroup([d], "").close()
+                n += not d.exists()
+    return n
+
+
+def _namespace() -> str:
+    """This process's pid namespace, by its inode ("0" where /proc does not say)."""
+    try:
+        return os.readlink("/proc/self/ns/pid").split("[")[1].rstrip("]")
+    except (OSError, IndexError):
+        return "0"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _read(path: Path) -> str:

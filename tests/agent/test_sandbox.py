@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
+import subprocess
 import time
 
 import pytest
@@ -198,3 +200,36 @@ def test_installed_packages_import_without_site():
     are still on its path."""
     r = run("import sys, numpy\nprint(sys.flags.no_site, numpy.__name__)")
     assert r.ok and r.stdout == "1 numpy\n", r.observation()
+
+
+def test_groups_a_dead_process_left_are_swept_and_what_ran_in_them_killed():
+    """A process killed mid-run (SIGKILL, the OOM killer) cannot close its runs' groups: a program
+    that sleeps would run on for good. The next process's first group sweeps them: what runs in a
+    group of a dead process of this pid namespace is killed and the group removed; a live
+    process's groups and another namespace's are left alone."""
+    from rollwise.agent import cgroups
+    group = cgroups.RunGroup.make(8, 64)
+    if group is None:  # (no cgroups here: nothing is left behind either)
+        assert cgroups._USABLE == []
+        return
+    parents = [d.parent for d in group.dirs]
+    group.close()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    ns = cgroups._namespace()
+    stale = [p / f"{cgroups.PREFIX}{ns}-{dead.pid}-test" for p in parents]
+    kept = [p / f"{cgroups.PREFIX}{ns}-{os.getpid()}-test" for p in parents] + \
+        [p / f"{cgroups.PREFIX}1-{dead.pid}-test" for p in parents]
+    for d in stale + kept:
+        d.mkdir()
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        for d in stale:
+            (d / "cgroup.procs").write_text(str(sleeper.pid))
+        assert cgroups.sweep(parents) == len(parents)
+        assert sleeper.wait(timeout=5) == -signal.SIGKILL
+        assert not any(d.exists() for d in stale) and all(d.exists() for d in kept)
+    finally:
+        sleeper.kill()
+        for d in stale + kept:
+            cgroups._remove(d)
