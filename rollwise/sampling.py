@@ -87,6 +87,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: read by its slow detokenizer only; its fast one (tokenizers' DecodeStream, as this engine's)
+    # leaves it be, so here as there it changes nothing
+    spaces_between_special_tokens: bool = True
     logprobs: int = 0  # also the k most likely tokens per output position, with their logprobs (None: 0)
     # vLLM's: instead of the k most likely, these tokens' logprobs at every output position, in this
     # order (a judge's "Yes" / "No"); `logprobs` is then 0 or their number
@@ -195,7 +198,7 @@ class SamplingParams:
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
-        for name in ("detokenize", "flat_logprobs"):
+        for name in ("detokenize", "flat_logprobs", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.skip_reading_prefix_cache, (bool, type(None))):

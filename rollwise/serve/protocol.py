@@ -34,6 +34,7 @@ class _OpenAISampling(_Strict):
     allowed_token_ids: list[int] | None = None  # vLLM's extension
     bad_words: list[str] | None = None  # vLLM's: words the reply may not contain
     skip_special_tokens: bool = True  # vLLM's: special tokens' text left out of the reply
+    spaces_between_special_tokens: bool = True  # vLLM's: no effect with a fast tokenizer, there as here
     include_stop_str_in_output: bool = False  # vLLM's: the stop string (or stop token) that ended it kept
     # structured outputs: OpenAI's response_format ({"type": "json_object"}, {"type": "json_schema",
     # "json_schema": {"schema": ...}}), vLLM's structured_outputs ({"json" | "regex" | "choice" |
@@ -81,6 +82,7 @@ class _OpenAISampling(_Strict):
                               repetition_penalty=pick("repetition_penalty"), logit_bias=self.logit_bias,
                               allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                               skip_special_tokens=self.skip_special_tokens,
+                              spaces_between_special_tokens=self.spaces_between_special_tokens,
                               prompt_logprobs=self.prompt_logprobs,
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               structured_outputs=self.structured(tokenizer, parser),

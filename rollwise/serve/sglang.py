@@ -237,7 +237,6 @@ async def abort_rid(engine, rid: str | None, abort_all: bool = False) -> list[st
 
 
 SGLANG_RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output"}
-SGLANG_IGNORED = ("spaces_between_special_tokens",)
 
 
 def generate_params(body, given: dict | None = None) -> SamplingParams:
@@ -249,7 +248,7 @@ def generate_params(body, given: dict | None = None) -> SamplingParams:
         raise ValueError(f"sampling_params, rid and {', '.join(PER_PROMPT)} are lists (one per prompt) only with a "
                          "list of prompts")
     given = body.sampling_params if given is None else given
-    sp = {k: v for k, v in given.items() if k not in SGLANG_IGNORED}
+    sp = dict(given)
     for old, new in SGLANG_RENAMED.items():
         if old in sp:
             if new in sp and sp[new] != sp[old]:

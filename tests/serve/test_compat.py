@@ -499,12 +499,17 @@ def test_streamed_text_is_decoded_a_step_at_a_time_and_adds_up(client, model_dir
                 assert "\ufffd" not in text[-1:] or "\ufffd" in tok.decode(ids[:i + 3], skip)
             assert text == tok.decode(ids, skip).rstrip("\ufffd") or text == tok.decode(ids, skip), (ids, skip)
     assert tok.decoder()(split) == "naïve café ☕ 日本"
-    for extra in ({}, {"skip_special_tokens": False}):
+    wholes = []
+    for extra in ({}, {"skip_special_tokens": False}, {"skip_special_tokens": False,
+                                                       "spaces_between_special_tokens": False}):
         cmpl = {"prompt": [5, 6, 7], "temperature": 1.0, "seed": 4, "max_tokens": 48} | extra
-        whole = client.post("/v1/completions", json=cmpl).json()["choices"][0]["text"]
+        wholes.append(client.post("/v1/completions", json=cmpl).json()["choices"][0]["text"])
         with client.stream("POST", "/v1/completions", json=cmpl | {"stream": True}) as r:
             chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
-        assert "".join(c["choices"][0]["text"] for c in chunks) == whole and len(chunks) > 10, extra
+        assert "".join(c["choices"][0]["text"] for c in chunks) == wholes[-1] and len(chunks) > 10, extra
+    assert wholes[2] == wholes[1]  # vLLM's fast detokenizer leaves spaces_between_special_tokens be, as this one
+    bad = {"prompt": [5], "max_tokens": 2, "spaces_between_special_tokens": "no"}
+    assert client.post("/v1/completions", json=bad).status_code == 400
 
 
 def test_tokenize_gives_the_ids_chat_generates_from_and_detokenize_reads_them_back(client, model_dir):
