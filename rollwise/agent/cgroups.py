@@ -133,7 +133,7 @@ def sweep(parents: list[Path]) -> int:
     the OOM killer), killing what still runs in them: a program that sleeps would outlive it for good.
     Another namespace's groups are left alone (its pids are not ours to read). Returns how many."""
     ns, n = _namespace(), 0
-    for parent in parents:
+    for parent in parents if ns != "0" else []:  # (no namespace to tell ours by: none swept)
         for d in parent.glob(PREFIX + "*"):
             parts = d.name.removeprefix(PREFIX).split("-")
             if len(parts) == 3 and parts[0] == ns and parts[1].isdigit() and not _alive(int(parts[1])):
