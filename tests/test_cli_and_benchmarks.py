@@ -143,6 +143,7 @@ def test_engine_benchmark_smoke(tmp_path):
     assert [res["rollwise"]["decode"]["2"]["tokens"], res["transformers"]["decode"]["2"]["tokens"],
             res["rollwise_http"]["2"]["tokens"]] == [8, 8, 8]
     assert res["servers_omp"] == "OMP_WAIT_POLICY=PASSIVE"
+    assert res["http_prefill"]["rollwise_http"]["2x40"]["prompt_tokens"] == 80 and "prefill over HTTP" in r.stdout
     # the native kernels and the torch path: same tokens, the full count, in every case
     nk = res["native_kernels"]
     assert set(nk) == {"b1_ctx16", "b2_ctx16", "b2_ctx48", "prefill_2x80"} and "native kernels" in r.stdout

@@ -226,7 +226,7 @@ def test_groups_a_dead_process_left_are_swept_and_what_ran_in_them_killed():
     try:
         for d in stale:
             (d / "cgroup.procs").write_text(str(sleeper.pid))
-        assert cgroups.sweep(parents) == len(parents)
+        cgroups.sweep(parents)  # (another test process's first group may sweep them first: same end)
         assert sleeper.wait(timeout=5) == -signal.SIGKILL
         assert not any(d.exists() for d in stale) and all(d.exists() for d in kept)
     finally:
