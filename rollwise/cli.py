@@ -132,6 +132,11 @@ def cmd_route(args) -> None:
     router = Router([HttpReplica(u, args.replica_api_key) for u in args.replica], args.policy, tokenizer=tok,
                     max_inflight_per_replica=args.max_inflight_per_replica)
     scfg = config_from_args(ServerConfig, args)
+    print(f"routing to {len(args.replica)} replica(s) by policy {args.policy!r} on http://{scfg.host}:{scfg.port}"
+          + ("" if args.replica else '; none yet: POST /replicas {"url": ...} adds one'), file=sys.stderr, flush=True)
+    if not scfg.is_loopback and not scfg.api_key:
+        print("warning: routing off loopback without --api-key; its control endpoints (weight updates, replica "
+              "changes, pause) are refused", file=sys.stderr)
     uvicorn.run(build_router_app(router, scfg, args.replica_api_key), host=scfg.host, port=scfg.port,
                 log_level="warning")
 
@@ -272,10 +277,12 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("route", help="one HTTP endpoint in front of several `rollwise serve` replicas")
     p.add_argument("--replica", action="append", default=[], help="replica URL (repeat)")
-    p.add_argument("--policy", default="rollwise", choices=sorted(_policy_names()))
+    p.add_argument("--policy", default="rollwise", choices=sorted(_policy_names()),
+                   help="how each request picks its replica (default: rollwise, cache- and load-aware)")
     p.add_argument("--tokenizer", help="model directory, to accept text prompts on /v1/completions")
-    p.add_argument("--max-inflight-per-replica", type=int, default=64)
-    p.add_argument("--replica-api-key", default=None)
+    p.add_argument("--max-inflight-per-replica", type=int, default=64,
+                   help="requests sent to one replica at once; more wait at the route (default: 64)")
+    p.add_argument("--replica-api-key", default=None, help="the bearer key the replicas require, if any")
     add_config_args(p, ServerConfig)
     p.set_defaults(fn=cmd_route)
 
