@@ -159,8 +159,8 @@ def test_packed_and_one_by_one_transfers_give_the_same_weights(model_dir, other_
     assert plain.collective_rpc("compute_weight_checksums")[0] == sums[0]
 
 
-def _listening() -> list[str]:
-    """The local addresses this process's TCP sockets listen on (/proc/net/tcp*, matched by inode)."""
+def _listening() -> dict[str, str]:
+    """This process's listening TCP sockets: inode -> local address (/proc/net/tcp*, matched by inode)."""
     import os
     links = []
     for fd in os.listdir("/proc/self/fd"):
@@ -169,12 +169,12 @@ def _listening() -> list[str]:
         except OSError:  # (the listing's own descriptor, closed by now)
             pass
     mine = {link[8:-1] for link in links if link.startswith("socket:[")}
-    out = []
+    out = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             f = line.split()
             if f[3] == "0A" and f[9] in mine:  # LISTEN
-                out.append(f[1].split(":")[0])
+                out[f[9]] = f[1].split(":")[0]
     return out
 
 
@@ -182,12 +182,14 @@ def test_the_trainers_group_listens_on_its_address_alone():
     """torch's TCP store listens on every interface; the trainer's store and gloo sockets for a group on
     127.0.0.1 listen there alone (on the loopback), so nothing off this host can join or read it."""
     from rollwise.trainer.data_parallel import Gloo, store
-    before = set(_listening())
+    before = _listening()  # (the sockets of servers other tests in this process started)
     group = _group("127.0.0.1", free_port(), 0, 1, datetime.timedelta(seconds=10))
-    opened = [a for a in _listening() if a not in before]
+    opened = [a for inode, a in _listening().items() if inode not in before]
     assert len(opened) >= 2 and set(opened) == {"0100007F"}, opened  # 127.0.0.1 (little-endian hex)
     del group
-    port = free_port()
-    comm = Gloo(0, 1, store(port, 1, master=True))
-    assert comm.gather({"a": [1, 2]}) == [{"a": [1, 2]}] and set(_listening()) - before <= {"0100007F"}
+    before = _listening()
+    comm = Gloo(0, 1, store(free_port(), 1, master=True))
+    assert comm.gather({"a": [1, 2]}) == [{"a": [1, 2]}]
+    opened = [a for inode, a in _listening().items() if inode not in before]
+    assert len(opened) >= 2 and set(opened) == {"0100007F"}, opened
     comm.close()
