@@ -168,6 +168,7 @@ class ServerConfig:
     # sampling fields come from ("auto": the model's generation_config.json; "vllm": none; or a folder)
     chat_template: str | None = None
     default_chat_template_kwargs: str | None = None
+    trust_request_chat_template: bool = False  # vLLM's: chat requests may bring their own chat_template
     generation_config: str = "auto"
 
     def __post_init__(self) -> None:

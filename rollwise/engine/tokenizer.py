@@ -93,7 +93,10 @@ class Tokenizer:
                                                                 extensions=[jinja2.ext.loopcontrols])
             env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
             env.globals["raise_exception"] = _raise
-            self._template = env.from_string(self.chat_template)
+            try:
+                self._template = env.from_string(self.chat_template)
+            except jinja2.TemplateSyntaxError as e:
+                raise ValueError(f"the chat template is not a Jinja template: {e} (line {e.lineno})") from e
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          tools=tools, bos_token=self.bos_token or "",

@@ -368,9 +368,10 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
             raise ValueError("this router has no tokenizer (--tokenizer): chat needs its chat template")
         if body.top_logprobs and not body.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        ids = body.truncated(tok.encode_chat([m.model_dump(exclude_none=True) for m in body.messages],
-                                             body.add_generation_prompt, body.tools, body.continue_final_message,
-                                             bool(body.add_special_tokens), **defaults.kwargs(body)), None)
+        render = defaults.renderer(body)  # (the tokenizer's template, or the request's own where trusted)
+        ids = body.truncated(render.encode_chat([m.model_dump(exclude_none=True) for m in body.messages],
+                                                body.add_generation_prompt, body.tools, body.continue_final_message,
+                                                bool(body.add_special_tokens), **defaults.kwargs(body)), None)
         # no max_tokens: up to the replica's model length (its engine stops there)
         limit = body.max_completion_tokens or body.max_tokens or defaults.sampling.get("max_tokens") or UNTIL_MODEL_LEN
         params = adapted(body.sampling(limit, body.top_logprobs or 0, tok, parser, defaults.sampling), body.model)

@@ -4,10 +4,13 @@ in place of the tokenizer's), its keyword arguments (`--default-chat-template-kw
 a request's `chat_template_kwargs`) and the sampling fields of the model's generation_config.json
 (`--generation-config auto`, the default: temperature, top_p, top_k, min_p, repetition_penalty
 and max_new_tokens as max_tokens, for OpenAI requests that do not set them; `vllm`: none; or a
-folder holding a generation_config.json)."""
+folder holding a generation_config.json). A request's own `chat_template` is taken only from a
+server started with `--trust-request-chat-template`, as in vLLM."""
 from __future__ import annotations
 
+import copy
 import json
+from collections import OrderedDict
 from pathlib import Path
 
 RESERVED = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}  # the template's own inputs
@@ -62,6 +65,27 @@ class Defaults:
             tokenizer.set_chat_template(template_text(cfg.chat_template))
         self.template_kwargs = template_kwargs(cfg.default_chat_template_kwargs)
         self.sampling = sampling_defaults(cfg.generation_config, getattr(tokenizer, "model_dir", None))
+        self.tokenizer, self.trust_request_template = tokenizer, cfg.trust_request_chat_template
+        self._templated: OrderedDict[str, object] = OrderedDict()  # a request's template -> a tokenizer rendering it
+
+    def renderer(self, body):
+        """The tokenizer that renders a chat request: the server's, or where the server trusts them
+        (vLLM's --trust-request-chat-template) a copy that renders the request's own `chat_template`
+        (the last 8 such kept, compiled)."""
+        text = getattr(body, "chat_template", None)
+        if text is None:
+            return self.tokenizer
+        if not self.trust_request_template:
+            raise ValueError("a request's chat_template needs the server started with --trust-request-chat-template "
+                             "(as in vLLM: the template is code the server runs)")
+        tok = self._templated.pop(text, None)
+        if tok is None:
+            tok = copy.copy(self.tokenizer)
+            tok.set_chat_template(text)
+        self._templated[text] = tok
+        while len(self._templated) > 8:
+            self._templated.popitem(last=False)
+        return tok
 
     def kwargs(self, body) -> dict:
         """A chat request's template keyword arguments: the server's, then the request's (its

@@ -188,6 +188,7 @@ class ChatCompletionRequest(_OpenAISampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True  # false: a reply's first tool call only
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's: in place of the server's (needs --trust-request-chat-template)
     # vLLM's: the reply opens a new assistant turn, or (with add_generation_prompt false) goes on
     # writing the last, an assistant's message (a prefill)
     add_generation_prompt: bool = True

@@ -206,9 +206,10 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        ids = body.truncated(tok.encode_chat(messages, body.add_generation_prompt, body.tools,
-                                             body.continue_final_message, bool(body.add_special_tokens),
-                                             **defaults.kwargs(body)), engine.engine.max_model_len)
+        render = defaults.renderer(body)  # (the tokenizer's template, or the request's own where trusted)
+        ids = body.truncated(render.encode_chat(messages, body.add_generation_prompt, body.tools,
+                                                body.continue_final_message, bool(body.add_special_tokens),
+                                                **defaults.kwargs(body)), engine.engine.max_model_len)
         room = engine.engine.max_model_len - len(ids)
         if body.top_logprobs and not body.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
@@ -327,9 +328,10 @@ def install_messages(app: FastAPI, chat, tokenizer, defaults: Defaults | None = 
             if tokenizer is None:
                 raise ValueError("this router has no tokenizer to count with (start it with --tokenizer)")
             req = ChatCompletionRequest(**fields)
-            ids = tokenizer.encode_chat([m.model_dump(exclude_none=True) for m in req.messages],
-                                        req.add_generation_prompt, req.tools, req.continue_final_message,
-                                        **(defaults.kwargs(req) if defaults is not None else {}))
+            render = defaults.renderer(req) if defaults is not None else tokenizer
+            ids = render.encode_chat([m.model_dump(exclude_none=True) for m in req.messages],
+                                     req.add_generation_prompt, req.tools, req.continue_final_message,
+                                     **(defaults.kwargs(req) if defaults is not None else {}))
         except (GatewayError, ValueError) as e:
             return refused(e)
         return {"input_tokens": len(ids)}

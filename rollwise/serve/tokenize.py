@@ -20,6 +20,7 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # (as chat's: needs --trust-request-chat-template)
     add_special_tokens: bool = True  # (a prompt's: the tokenizer's own, e.g. a BOS)
     return_token_strs: bool = False
 
@@ -44,9 +45,10 @@ def install_tokenize(app: FastAPI, tokenizer, defaults, max_model_len: int | Non
         if (body.prompt is None) == (body.messages is None):
             raise ValueError("give prompt (a text) or messages (a chat), one of them")
         if body.messages is not None:
-            ids = tok().encode_chat([m.model_dump(exclude_none=True) for m in body.messages],
-                                    body.add_generation_prompt, body.tools, body.continue_final_message,
-                                    **defaults.kwargs(body))
+            tok()  # (a router without a tokenizer: refused)
+            ids = defaults.renderer(body).encode_chat([m.model_dump(exclude_none=True) for m in body.messages],
+                                                      body.add_generation_prompt, body.tools,
+                                                      body.continue_final_message, **defaults.kwargs(body))
         else:
             ids = tok().encode(body.prompt, add_special_tokens=body.add_special_tokens)
         out = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}

@@ -1,5 +1,6 @@
 """What a server takes when a request leaves it out (rollwise.serve.defaults, vLLM's options):
-`--chat-template`, `--default-chat-template-kwargs` and the model's generation config."""
+`--chat-template`, `--default-chat-template-kwargs` and the model's generation config; a request's own
+`chat_template` with `--trust-request-chat-template`."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ from rollwise.config import ServerConfig
 from rollwise.engine.tokenizer import Tokenizer
 from rollwise.serve.process import ServerProcess
 
+OWN = "[{% for m in messages %}{{ m.role }}={{ m.content }}{% endfor %}]{% if add_generation_prompt %}>{% endif %}"
 TEMPLATE = ("{{ greeting }}|{% for m in messages %}{{ m.role }}: {{ m.content }}|{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
 
@@ -57,6 +59,18 @@ def test_the_model_generation_config_and_the_servers_template_fill_what_requests
         counted = post("/v1/messages/count_tokens", {"model": "m", "messages": msgs})["input_tokens"]
         assert counted == len(a["prompt_token_ids"])
         assert post("/tokenize", {"messages": msgs})["tokens"] == a["prompt_token_ids"]  # (vLLM's /tokenize too)
+        r = httpx.post(s.url + "/v1/chat/completions", json=chat | {"chat_template": OWN}, timeout=60)
+        assert r.status_code == 400 and "--trust-request-chat-template" in r.json()["error"]["message"]
+    with ServerProcess(tuned_dir, "--trust-request-chat-template") as s:  # vLLM's: a request's own template taken
+        post = lambda path, body: httpx.post(s.url + path, json=body, timeout=60)  # noqa: E731
+        chat = {"messages": msgs, "return_token_ids": True, "max_tokens": 2}
+        own = post("/v1/chat/completions", chat | {"chat_template": OWN}).json()
+        assert own["prompt_token_ids"] == tok.encode("[user=Hello]>", add_special_tokens=False)
+        assert post("/tokenize", {"messages": msgs, "chat_template": OWN}).json()["tokens"] == own["prompt_token_ids"]
+        plain = post("/v1/chat/completions", chat).json()  # the next request: the model's template again
+        assert plain["prompt_token_ids"] == tok.encode_chat(msgs)
+        r = post("/v1/chat/completions", chat | {"chat_template": "{% for m in messages %}"})
+        assert r.status_code == 400 and "not a Jinja template" in r.json()["error"]["message"]
     with ServerProcess(tuned_dir, "--generation-config", "vllm") as s:  # OpenAI's defaults
         got = httpx.post(s.url + "/v1/completions", json={"prompt": [5, 6, 7], "ignore_eos": True}, timeout=60).json()
         assert got["usage"]["completion_tokens"] == 16
