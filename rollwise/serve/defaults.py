@@ -19,13 +19,18 @@ GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "t
 
 
 def template_text(value: str) -> str:
-    """`--chat-template`: a file's text, or the template itself (anything with a `{`)."""
+    """`--chat-template`: a file's text, or the template itself (anything with a `{`); one that does
+    not parse stops the server at its start, not its first chat."""
+    import jinja2
     path = Path(value)
-    if path.is_file():
-        return path.read_text()
-    if "{" in value:
-        return value
-    raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+    if not path.is_file() and "{" not in value:
+        raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+    text = path.read_text() if path.is_file() else value
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template {value!r} is not a Jinja template: {e} (line {e.lineno})") from None
+    return text
 
 
 def template_kwargs(value: str | None) -> dict:

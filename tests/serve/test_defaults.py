@@ -86,6 +86,8 @@ def test_server_defaults_name_their_problems(tmp_path):
     with pytest.raises(ValueError, match="'auto', 'vllm' or a folder"):
         ServerConfig(generation_config=str(tmp_path / "nowhere"))
     assert ServerConfig(chat_template="{{ messages }}").chat_template == "{{ messages }}"
+    with pytest.raises(ValueError, match="is not a Jinja template"):  # (at the start, not the first chat)
+        ServerConfig(chat_template="{% for m in messages %}")
 
 
 def test_an_openai_api_replica_sends_every_sampling_field(tuned_dir):
