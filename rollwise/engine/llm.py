@@ -1,7 +1,6 @@
 """`LLM`: offline batch generation on the engine."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import uuid
@@ -130,10 +129,7 @@ class LLM:
         if chat_template_content_format != "auto":
             raise ValueError(f"chat_template_content_format: only 'auto' here, got {chat_template_content_format!r}")
         none_only(tokenization_kwargs=tokenization_kwargs, mm_processor_kwargs=mm_processor_kwargs)
-        tok = self.tokenizer
-        if chat_template is not None:  # (a copy renders with it: the engine's tokenizer keeps its own)
-            tok = copy.copy(tok)
-            tok.set_chat_template(chat_template)
+        tok = self.tokenizer if chat_template is None else self.tokenizer.with_chat_template(chat_template)
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         ids = [tok.encode_chat(c, add_generation_prompt, tools, continue_final_message, **(chat_template_kwargs or {}))
                for c in convs]

@@ -2,6 +2,7 @@
 chat template rendered by jinja2 the way transformers renders it. No transformers import."""
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -44,6 +45,12 @@ class Tokenizer:
     def set_chat_template(self, template: str) -> None:
         """Render chats with this Jinja template instead of the tokenizer's (`--chat-template`)."""
         self.chat_template, self._template = template, None
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """A copy that renders chats with `template` (a call's or request's own); this one keeps its own."""
+        tok = copy.copy(self)
+        tok.set_chat_template(template)
+        return tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
@@ -89,14 +96,7 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat_template; send a plain prompt instead")
         if self._template is None:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                                extensions=[jinja2.ext.loopcontrols])
-            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
-            env.globals["raise_exception"] = _raise
-            try:
-                self._template = env.from_string(self.chat_template)
-            except jinja2.TemplateSyntaxError as e:
-                raise ValueError(f"the chat template is not a Jinja template: {e} (line {e.lineno})") from e
+            self._template = compile_template(self.chat_template)
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          tools=tools, bos_token=self.bos_token or "",
@@ -134,6 +134,19 @@ def _token_str(tok) -> str | None:
     if isinstance(tok, dict):  # AddedToken serialised by transformers
         return tok.get("content")
     return tok
+
+
+def compile_template(text: str):
+    """A chat template compiled as transformers compiles it (a sandbox; `tojson`, `raise_exception`);
+    ValueError, naming the line, for one that does not parse."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
+    env.globals["raise_exception"] = _raise
+    try:
+        return env.from_string(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template is not a Jinja template: {e} (line {e.lineno})") from None
 
 
 def _raise(msg: str):

@@ -8,7 +8,6 @@ folder holding a generation_config.json). A request's own `chat_template` is tak
 server started with `--trust-request-chat-template`, as in vLLM."""
 from __future__ import annotations
 
-import copy
 import json
 from collections import OrderedDict
 from pathlib import Path
@@ -21,15 +20,12 @@ GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "t
 def template_text(value: str) -> str:
     """`--chat-template`: a file's text, or the template itself (anything with a `{`); one that does
     not parse stops the server at its start, not its first chat."""
-    import jinja2
+    from rollwise.engine.tokenizer import compile_template
     path = Path(value)
     if not path.is_file() and "{" not in value:
         raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
     text = path.read_text() if path.is_file() else value
-    try:
-        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"chat_template {value!r} is not a Jinja template: {e} (line {e.lineno})") from None
+    compile_template(text)
     return text
 
 
@@ -83,10 +79,7 @@ class Defaults:
         if not self.trust_request_template:
             raise ValueError("a request's chat_template needs the server started with --trust-request-chat-template "
                              "(as in vLLM: the template is code the server runs)")
-        tok = self._templated.pop(text, None)
-        if tok is None:
-            tok = copy.copy(self.tokenizer)
-            tok.set_chat_template(text)
+        tok = self._templated.pop(text, None) or self.tokenizer.with_chat_template(text)
         self._templated[text] = tok
         while len(self._templated) > 8:
             self._templated.popitem(last=False)
