@@ -80,7 +80,7 @@ async def chat_reply(gen, body, request: Request, samples: list[tuple], rid: str
             stream_chat(gen, p, sp, rid, j, model, body.logprobs, g, parser if parses_tools(body) else None,
                         finished=finals, return_token_ids=body.return_token_ids, reasoning=reasoning,
                         one_call=not body.parallel_tool_calls, as_ids=body.return_tokens_as_token_ids,
-                        include_reasoning=body.include_reasoning, engine_id=r, **opt)
+                        include_reasoning=body.include_reasoning, engine_id=r, echo=body.echoed(), **opt)
             for j, (p, sp, r, g, opt) in enumerate(samples)]), body, finals,
             {"id": rid, "object": "chat.completion.chunk", "model": model})))
     outs = await _outputs(gen, request, samples)

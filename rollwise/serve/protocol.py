@@ -189,6 +189,7 @@ class ChatCompletionRequest(_OpenAISampling):
     parallel_tool_calls: bool = True  # false: a reply's first tool call only
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # vLLM's: in place of the server's (needs --trust-request-chat-template)
+    echo: bool = False  # vLLM's: the reply's content begins with the last message's, where that is in its role
     # vLLM's: the reply opens a new assistant turn, or (with add_generation_prompt false) goes on
     # writing the last, an assistant's message (a prefill)
     add_generation_prompt: bool = True
@@ -229,6 +230,14 @@ class ChatCompletionRequest(_OpenAISampling):
         if self.tools and self.tool_choice != "none" and getattr(parser, "special_tokens", False):
             params.skip_special_tokens = False
         return params
+
+    def echoed(self) -> str:
+        """vLLM's `echo`: what each reply's content begins with, the last message's text where that
+        message is in the reply's role (the assistant's; with add_generation_prompt false, as vLLM
+        has it, the last message's own), else nothing."""
+        last = self.messages[-1]
+        same_role = not self.add_generation_prompt or last.role == "assistant"
+        return (last.content or "") if self.echo and same_role else ""
 
     def structured(self, tokenizer=None, parser=None) -> dict | None:
         """tool_choice "required" or a named function holds the reply to tool calls of the offered

@@ -179,6 +179,8 @@ def chat_choices(tok, body: ChatCompletionRequest, outs: list[RequestOutput],
         if thought is not None:
             message.update(content=message["content"] or None,
                            **({"reasoning_content": thought, "reasoning": thought} if body.include_reasoning else {}))
+        if body.echoed():
+            message["content"] = body.echoed() + (message["content"] or "")
         choices.append({"index": k, "message": message, "finish_reason": reason, "stop_reason": o.stop_reason,
                         **({"token_ids": o.token_ids} if body.return_token_ids else {}),
                         "logprobs": {"content": chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs,
@@ -262,7 +264,7 @@ async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs
                       tools: ToolCallParser | None = None, finished: list | None = None,
                       return_token_ids: bool = False, reasoning: ReasoningParser | None = None,
                       one_call: bool = False, as_ids: bool = False, include_reasoning: bool = True,
-                      engine_id: str | None = None, **options):
+                      engine_id: str | None = None, echo: str = "", **options):
     """Chat chunks. With `tools` (the parser of the model's tool calls), the content stops where a
     call may begin (Hermes: before the first `<tool_call>`, holding back what may begin one); at the
     end the reply's tool calls come as one delta, finish reason "tool_calls", or, if it has none (or
@@ -271,7 +273,8 @@ async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs
     it. With `return_token_ids`, each chunk's new token ids, and the prompt's in the first chunk.
     `one_call`: the request's parallel_tool_calls is false (its first call only); `as_ids`: logprobs'
     tokens as "token_id:N"; not `include_reasoning`: the reasoning is left out (its chunks empty);
-    `engine_id`: the engine's request id (default `rid-index`)."""
+    `engine_id`: the engine's request id (default `rid-index`); `echo`: text the content begins with
+    (vLLM's echo), sent in the first chunk."""
     tok = engine.tokenizer
     # each chunk's work is bounded by its own text, not the reply so far (a long reply streams in linear time)
     first, whole, text, sent, content_began = True, "", "", 0, False
@@ -313,7 +316,7 @@ async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs
                     d["content"] = text[sent:max(shown, sent)]
                 sent = max(shown, sent)
             if first:
-                d = {"role": "assistant", **d}
+                d = {"role": "assistant", **d, **({"content": echo + (d.get("content") or "")} if echo else {})}
             first = False
             choice = {"index": index, "delta": d, "finish_reason": reason,
                       **({"stop_reason": final.stop_reason} if final else {}),  # (vLLM's: the stop string or token)

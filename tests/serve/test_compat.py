@@ -564,7 +564,8 @@ def test_openai_sdk_fields_are_taken_and_parallel_tool_calls_false_keeps_the_fir
 
 def test_a_reply_goes_on_writing_a_prefilled_assistant_message(client, model_dir):
     """vLLM's continue_final_message (with add_generation_prompt false): the prompt is the chat up
-    to the last message's text, left open; /tokenize renders it the same; both flags true is a 400."""
+    to the last message's text, left open; /tokenize renders it the same; both flags true is a 400.
+    With vLLM's `echo` the reply's content begins with that message's text."""
     from rollwise.engine.tokenizer import Tokenizer
     tok = Tokenizer(model_dir)
     msgs = [{"role": "user", "content": "2 + 3?"}, {"role": "assistant", "content": "The answer is"}]
@@ -579,6 +580,17 @@ def test_a_reply_goes_on_writing_a_prefilled_assistant_message(client, model_dir
                      ({"messages": msgs[:1]}, "needs a last message from the assistant")):
         r = client.post("/v1/chat/completions", json=body | bad)
         assert r.status_code == 400 and why in r.json()["error"]["message"], bad
+    # vLLM's echo: the content begins with the prefilled message's text, whole and streamed alike
+    body |= {"temperature": 0, "ignore_eos": True, "echo": True}
+    said = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    plain = client.post("/v1/chat/completions", json=body | {"echo": False}).json()["choices"][0]["message"]["content"]
+    assert said == "The answer is" + plain
+    with client.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == said
+    asked = {"messages": msgs[:1], "max_tokens": 3, "echo": True}  # the last message is not the reply's role
+    assert not client.post("/v1/chat/completions", json=asked).json()["choices"][0]["message"]["content"].startswith(
+        "2 + 3?")
 
 
 def test_prompt_logprobs_as_vllm_gives_them(client):
