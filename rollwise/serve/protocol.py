@@ -60,6 +60,8 @@ class _OpenAISampling(_Strict):
     add_special_tokens: bool | None = None  # vLLM's: a text prompt's BOS and the like (default: completions only)
     truncation_side: Literal["left", "right"] = "left"  # vLLM's: the end truncate_prompt_tokens cuts
     stream_interval: int | None = None  # vLLM's: a stream's chunks every this many tokens (the first at once)
+    # vLLM's: values for custom extensions, as SamplingParams.extra_args (carried; this engine has none)
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     # session metadata for schedulers (trajectory, group, turn)
     trajectory_id: str | None = None
     group_id: str | None = None
@@ -87,7 +89,8 @@ class _OpenAISampling(_Strict):
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               structured_outputs=self.structured(tokenizer, parser),
                               repetition_detection=self.repetition_detection,
-                              thinking_token_budget=self.thinking_token_budget, stream_interval=self.stream_interval)
+                              thinking_token_budget=self.thinking_token_budget, stream_interval=self.stream_interval,
+                              extra_args=self.vllm_xargs)
 
     def truncated(self, ids: list[int], max_model_len: int | None) -> list[int]:
         """The prompt's ids cut to their last `truncate_prompt_tokens`, as vLLM cuts them: -1 is the

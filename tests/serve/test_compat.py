@@ -863,3 +863,17 @@ def test_add_special_tokens_and_include_reasoning(model_dir, tmp_path):
         lines = [json.loads(x[6:]) for x in c.post("/v1/chat/completions", json=think | {
             "include_reasoning": False, "stream": True}).text.splitlines() if x.startswith("data: {")]
         assert lines and not any("reasoning_content" in ch["choices"][0]["delta"] for ch in lines if ch["choices"])
+
+
+def test_vllm_xargs_are_taken_as_the_requests_extra_args(client):
+    """vLLM's `vllm_xargs` (values for custom extensions) reach SamplingParams.extra_args; values other
+    than strings, numbers and lists of them are a 400, as in vLLM's schema."""
+    from rollwise.serve.protocol import CompletionRequest
+    xargs = {"a": 1, "b": ["x", 2.5], "c": "on"}
+    assert CompletionRequest(prompt="hi", vllm_xargs=xargs).sampling(4).extra_args == xargs
+    ok = client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "vllm_xargs": xargs})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "vllm_xargs": xargs}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    bad = client.post("/v1/completions", json={"prompt": [5], "max_tokens": 2, "vllm_xargs": {"a": {"b": 1}}})
+    assert bad.status_code == 400
