@@ -87,10 +87,12 @@ class Defaults:
 
     def kwargs(self, body) -> dict:
         """A chat request's template keyword arguments: the server's, then the request's (its
-        `reasoning_effort` too, for templates that read it)."""
+        `reasoning_effort` too, and its `documents`, for templates that read them)."""
         got = {**self.template_kwargs, **(body.chat_template_kwargs or {})}
         if getattr(body, "reasoning_effort", None) is not None:
             got.setdefault("reasoning_effort", body.reasoning_effort)
+        if getattr(body, "documents", None) is not None:
+            got["documents"] = body.documents
         taken = sorted(set(got) & RESERVED)
         if taken:
             raise ValueError(f"chat_template_kwargs cannot set {taken}: the request itself says them")

@@ -193,6 +193,7 @@ class ChatCompletionRequest(_OpenAISampling):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # vLLM's: in place of the server's (needs --trust-request-chat-template)
     echo: bool = False  # vLLM's: the reply's content begins with the last message's, where that is in its role
+    documents: list[dict[str, str]] | None = None  # vLLM's: for a template that reads them (RAG), as `documents`
     # vLLM's: the reply opens a new assistant turn, or (with add_generation_prompt false) goes on
     # writing the last, an assistant's message (a prefill)
     add_generation_prompt: bool = True

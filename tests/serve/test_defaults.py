@@ -69,6 +69,10 @@ def test_the_model_generation_config_and_the_servers_template_fill_what_requests
         assert post("/tokenize", {"messages": msgs, "chat_template": OWN}).json()["tokens"] == own["prompt_token_ids"]
         plain = post("/v1/chat/completions", chat).json()  # the next request: the model's template again
         assert plain["prompt_token_ids"] == tok.encode_chat(msgs)
+        docs = {"chat_template": "{% for d in documents %}<{{ d.title }}>{% endfor %}" + OWN,
+                "documents": [{"title": "Paris", "text": "capital"}, {"title": "Rome", "text": "also"}]}
+        assert post("/v1/chat/completions", chat | docs).json()["prompt_token_ids"] == tok.encode(
+            "<Paris><Rome>[user=Hello]>", add_special_tokens=False)  # (vLLM's documents, for RAG templates)
         r = post("/v1/chat/completions", chat | {"chat_template": "{% for m in messages %}"})
         assert r.status_code == 400 and "not a Jinja template" in r.json()["error"]["message"]
     with ServerProcess(tuned_dir, "--generation-config", "vllm") as s:  # OpenAI's defaults
