@@ -167,7 +167,7 @@ def chat_choices(tok, body: ChatCompletionRequest, outs: list[RequestOutput],
     content, as vLLM's parsers do; a reply with a malformed call stays text. With a `reasoning`
     parser, a thinking model's reasoning is the message's `reasoning_content` (and `reasoning`,
     vLLM's newer name), and the calls are read from the rest."""
-    parse, parser = parses_tools(body), parser or HermesParser()
+    parse, parser, echo = parses_tools(body), parser or HermesParser(), body.echoed()
     choices = []
     for k, o in enumerate(outs):
         thought, text = reasoning.split(o.text) if reasoning else (None, o.text)
@@ -179,8 +179,8 @@ def chat_choices(tok, body: ChatCompletionRequest, outs: list[RequestOutput],
         if thought is not None:
             message.update(content=message["content"] or None,
                            **({"reasoning_content": thought, "reasoning": thought} if body.include_reasoning else {}))
-        if body.echoed():
-            message["content"] = body.echoed() + (message["content"] or "")
+        if echo:
+            message["content"] = echo + (message["content"] or "")
         choices.append({"index": k, "message": message, "finish_reason": reason, "stop_reason": o.stop_reason,
                         **({"token_ids": o.token_ids} if body.return_token_ids else {}),
                         "logprobs": {"content": chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs,
