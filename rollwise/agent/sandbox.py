@@ -160,8 +160,9 @@ class Sandbox:
             timed_out = True
         finally:  # also on cancellation: nothing the program started outlives it
             _kill_group(proc.pid)
-            oom = group is not None and group.out_of_memory()
+            oom = False
             if group is not None:
+                oom = group.out_of_memory()
                 await asyncio.shield(moved)  # (a move under way ends first)
                 group.close()  # (what left the process group too)
             # a process that left the group may still hold the pipes: give them a moment, then stop reading
