@@ -166,6 +166,10 @@ ROLLWISE_INLINE void scores_block(const Query* u, const float* __restrict kc, co
     for (int r = 0; r < NQ; ++r) {
         const v16 sums = tree_sums(x[r]) * scale;
         const int mine = int(std::min<int64_t>(nk, u[r].keys - b));
+        if (mine == 16 && t0 + b + 16 <= u[r].prefix) {  // all 16 seen (most of a causal chunk): one store
+            std::memcpy(u[r].scores + b, &sums, sizeof sums);
+            continue;
+        }
         for (int j = 0; j < mine; ++j) u[r].scores[b + j] = u[r].sees(t0 + b + j) ? sums[j] : -INFINITY;
     }
 }
