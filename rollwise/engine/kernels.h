@@ -42,27 +42,6 @@ struct FlushDenormals {
 #endif
 };
 
-// exp(x) in a form the compiler vectorizes (std::exp is a scalar call): Cephes' expf. x = n ln2 + r,
-// |r| <= ln2 / 2, a degree-7 polynomial for exp(r), 2^n from the exponent bits; x is clamped to
-// [-87, 88], where 2^n stays a normal float (exp(-87) is 1.6e-38, exp(88) 1.7e38). Relative error
-// under 1e-7 for every float in [-87, 88] (checked exhaustively against double-precision exp when
-// written).
-ROLLWISE_INLINE float exp_clamped(float x) {
-    x = std::min(std::max(x, -87.f), 88.f);
-    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const int32_t bits = (int32_t(n) + 127) << 23;
-    float two_n;
-    std::memcpy(&two_n, &bits, sizeof two_n);
-    return (p * r * r + r + 1.f) * two_n;
-}
-
 // 16 floats (GCC vector extensions: zmm on x86-64-v4, pairs of ymm on v3), operations in the
 // source's order
 typedef float v16 __attribute__((vector_size(64)));
@@ -72,6 +51,47 @@ ROLLWISE_INLINE v16 load16(const float* p) {
     v16 v;
     std::memcpy(&v, p, sizeof v);
     return v;
+}
+
+// exp(x) in a form the compiler vectorizes (std::exp is a scalar call), for a float or for 16 at once
+// (v16: the same operations lane by lane, so the same bits as the float form): Cephes' expf.
+// x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial for exp(r), 2^n from the exponent bits; x is
+// clamped to [-87, 88], where 2^n stays a normal float (exp(-87) is 1.6e-38, exp(88) 1.7e38).
+// Relative error under 1e-7 for every float in [-87, 88] (checked exhaustively against
+// double-precision exp when written).
+ROLLWISE_INLINE float splat(float, float c) { return c; }
+ROLLWISE_INLINE v16 splat(v16, float c) { return v16{} + c; }
+ROLLWISE_INLINE float clamp_exp(float x) { return std::min(std::max(x, -87.f), 88.f); }
+ROLLWISE_INLINE v16 clamp_exp(v16 x) {  // as std::max, then std::min, lane by lane
+    const v16 lo = splat(x, -87.f), hi = splat(x, 88.f);  // (a compare with a scalar runs lane by lane)
+    x = x < lo ? lo : x;
+    return hi < x ? hi : x;
+}
+ROLLWISE_INLINE float floor_of(float x) { return std::floor(x); }
+ROLLWISE_INLINE v16 floor_of(v16 x) {  // exact for |x| < 2^31, as std::floor
+    const v16 t = __builtin_convertvector(__builtin_convertvector(x, i16v), v16);  // toward zero
+    return x < t ? t - 1.f : t;
+}
+ROLLWISE_INLINE float pow2_of(float n) {  // 2^n for a whole n in [-126, 127]
+    const int32_t bits = (int32_t(n) + 127) << 23;
+    float out;
+    std::memcpy(&out, &bits, sizeof out);
+    return out;
+}
+ROLLWISE_INLINE v16 pow2_of(v16 n) { return (v16)((__builtin_convertvector(n, i16v) + 127) << 23); }
+
+template <typename T>
+ROLLWISE_INLINE T exp_clamped(T x) {
+    x = clamp_exp(x);
+    const T n = floor_of(x * 1.44269504088896341f + 0.5f);
+    const T r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    T p = splat(x, 1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    return (p * r * r + r + 1.f) * pow2_of(n);
 }
 
 // max of x[0 .. n), -inf if n == 0, 16 lanes at a time (std::max_element is one dependent compare a

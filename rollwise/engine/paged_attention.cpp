@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_tile.h"
 #include "kernels.h"
 
 namespace rollwise {
@@ -82,190 +83,6 @@ ROLLWISE_CLONES void attend_part(const float* __restrict q, int H, int g, int d,
 #pragma omp simd
                 for (int i = 0; i < d; ++i) ah[i] += p * vh[i];
             }
-        }
-    }
-}
-
-// The same for head sizes of C x 16 floats, written with explicit 16-float vectors (GCC vector
-// extensions: zmm on x86-64-v4, pairs of ymm on v3) so that the order of every sum is the code's,
-// not the compiler's:
-// - q . k: each of the 16 lanes sums its C products in order (one multiply, then multiply-adds),
-//   then the 16 lanes are added as a tree (lane j + lane j+8, then + 4, + 2, + 1). The trees of 16
-//   keys run together, as a transpose-and-add of their 16 vectors: about 3 instructions a key
-//   instead of a horizontal sum each (the loop above: ~8).
-// - p v: each (query, head) pair's accumulator, added to in key order (in registers over each
-//   block of 16 keys).
-// A pair's arithmetic is this code's whatever tile or group it falls in (the tests check the bits
-// of rows alone, in chunks and in draft chains), so rows agree bit for bit across batches as above.
-
-// sums[t] = the lane tree of x[t], for 16 vectors
-ROLLWISE_INLINE v16 tree_sums(v16* x) {
-    constexpr i16v lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    constexpr i16v hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    constexpr i16v lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    constexpr i16v hi4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    constexpr i16v lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    constexpr i16v hi2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-    constexpr i16v lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    constexpr i16v hi1 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-    // 16 vectors of one key each -> 8 of two keys' 8 partials -> 4 of four keys' 4 -> 2 of eight
-    // keys' 2 -> one of sixteen sums, keys in order
-    for (int i = 0; i < 8; ++i)
-        x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo8) + __builtin_shuffle(x[2 * i], x[2 * i + 1], hi8);
-    for (int i = 0; i < 4; ++i)
-        x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo4) + __builtin_shuffle(x[2 * i], x[2 * i + 1], hi4);
-    for (int i = 0; i < 2; ++i)
-        x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo2) + __builtin_shuffle(x[2 * i], x[2 * i + 1], hi2);
-    return __builtin_shuffle(x[0], x[1], lo1) + __builtin_shuffle(x[0], x[1], hi1);
-}
-
-constexpr int64_t kTile = 16;  // queries per work item (the vector kernel)
-
-// What a tile of queries needs: their rows of q, what each sees, and where each one's partials go.
-struct Tile {
-    const float* q;  // [T, H, d]
-    const int64_t *rows, *prefix, *end, *first;
-    const uint64_t* masks;
-    int64_t i0, i1, p;  // queries i0 .. i1 - 1 (one sequence), partition p
-};
-
-// One (query, head) pair of a tile: the query's q row for the head, the pair's scores for the
-// partition, how many of the partition's keys the query reads, what it sees.
-struct Query {
-    const float* q;
-    float* scores;
-    int64_t keys, prefix;
-    uint64_t mask;
-    bool sees(int64_t t) const { return t < prefix || ((mask >> (t - prefix)) & 1); }
-};
-
-// Scores of NQ pairs for the 16 keys from b (partition-relative; key t0 + b + j): each key's C
-// vectors are loaded once for the NQ pairs. Every pair's q . k is the same sequence of operations
-// whatever NQ (a multiply, then multiply-adds in order, then the lane tree).
-template <int C, int NQ>
-ROLLWISE_INLINE void scores_block(const Query* u, const float* __restrict kc, const int64_t* __restrict off, int kvd,
-                                  int64_t t0, int64_t b, int64_t n, float scale) {
-    const int nk = int(std::min<int64_t>(16, n - b));
-    v16 qv[NQ][C], x[NQ][16];
-    for (int r = 0; r < NQ; ++r)
-        for (int c = 0; c < C; ++c) qv[r][c] = load16(u[r].q + 16 * c);
-    for (int j = 0; j < 16; ++j) {
-        if (j >= nk) {
-            for (int r = 0; r < NQ; ++r) x[r][j] = v16{};
-            continue;
-        }
-        const float* k = kc + off[b + j] + kvd;
-        v16 kv[C];
-        for (int c = 0; c < C; ++c) kv[c] = load16(k + 16 * c);
-        for (int r = 0; r < NQ; ++r) {
-            v16 s = qv[r][0] * kv[0];
-            for (int c = 1; c < C; ++c) s += qv[r][c] * kv[c];
-            x[r][j] = s;
-        }
-    }
-    for (int r = 0; r < NQ; ++r) {
-        const v16 sums = tree_sums(x[r]) * scale;
-        const int mine = int(std::min<int64_t>(nk, u[r].keys - b));
-        if (mine == 16 && t0 + b + 16 <= u[r].prefix) {  // all 16 seen (most of a causal chunk): one store
-            std::memcpy(u[r].scores + b, &sums, sizeof sums);
-            continue;
-        }
-        for (int j = 0; j < mine; ++j) u[r].scores[b + j] = u[r].sees(t0 + b + j) ? sums[j] : -INFINITY;
-    }
-}
-
-// acc[r] += p v over the 16 keys from b, for NQ pairs, each in key order; a key all NQ see (the
-// common case) loads its value once for them.
-template <int C, int NQ>
-ROLLWISE_INLINE void values_block(const Query* u, float* const* acc, const float* __restrict vc,
-                                  const int64_t* __restrict off, int kvd, int64_t t0, int64_t b, int64_t n) {
-    const int nk = int(std::min<int64_t>(16, n - b));
-    int64_t all = t0 + b + nk;  // keys before this all NQ see and read
-    for (int r = 0; r < NQ; ++r) all = std::min({all, u[r].prefix, t0 + u[r].keys});
-    v16 a[NQ][C];
-    for (int r = 0; r < NQ; ++r)
-        for (int c = 0; c < C; ++c) a[r][c] = load16(acc[r] + 16 * c);
-    for (int j = 0; j < nk; ++j) {
-        const int64_t t = t0 + b + j;
-        const float* v = vc + off[b + j] + kvd;
-        if (t < all) {
-            v16 vv[C];
-            for (int c = 0; c < C; ++c) vv[c] = load16(v + 16 * c);
-            for (int r = 0; r < NQ; ++r) {
-                const float p = u[r].scores[b + j];
-                for (int c = 0; c < C; ++c) a[r][c] += p * vv[c];
-            }
-        } else {
-            for (int r = 0; r < NQ; ++r) {  // a hidden key's value may be anything, NaN included: skipped
-                if (t >= t0 + u[r].keys || !u[r].sees(t)) continue;
-                const float p = u[r].scores[b + j];
-                for (int c = 0; c < C; ++c) a[r][c] += p * load16(v + 16 * c);
-            }
-        }
-    }
-    for (int r = 0; r < NQ; ++r) std::memcpy(acc[r], a[r], sizeof a[r]);
-}
-
-// Queries i0 .. i1 - 1 of one sequence against partition [t0, t0 + part) of its keys, every head, for
-// head sizes of C x 16 floats: scores, softmax, values, each over blocks of 16 keys. For each kv
-// head, its (query, head) pairs (the tile's queries times the g heads it serves) go in groups of G
-// that share each key's loads: one at a time, a decode is bound by its loads from L2. Writes each
-// pair's max score, sum and unnormalized output for the partition, as attend_part. u: scratch of
-// (i1 - i0) * g entries; scores: of as many rows of `part` floats.
-template <int C>
-ROLLWISE_CLONES void attend_tile_v(const Tile& tl, int H, int g, const float* __restrict kc,
-                                   const float* __restrict vc, int64_t row, const int64_t* __restrict table,
-                                   int64_t part, int64_t bs, float scale, float* __restrict acc, float* __restrict m,
-                                   float* __restrict z, float* __restrict scores, int64_t* __restrict off,
-                                   Query* __restrict u, float** __restrict ak) {
-    constexpr int d = 16 * C, G = C <= 2 ? 8 : C <= 4 ? 4 : 2;  // G x C accumulators stay in registers
-    const int64_t t0 = tl.p * part, ne = (tl.i1 - tl.i0) * g;
-    int64_t n = 0;  // keys of the partition any query of the tile reads
-    for (int64_t i = tl.i0; i < tl.i1; ++i) n = std::max(n, std::min(tl.end[i], t0 + part) - t0);
-    for (int64_t t = t0, base = 0, left = 0; t < t0 + n; ++t, --left) {  // each key's pool row, once
-        if (left == 0) base = table[t / bs] * bs - t, left = bs;
-        off[t - t0] = (base + t) * row;
-    }
-    for (int kh = 0; kh < H / g; ++kh) {
-        const int kvd = kh * d;
-        for (int64_t e = 0; e < ne; ++e) {  // (query, head) pairs, query by query
-            const int64_t i = tl.i0 + e / g, h = kh * g + e % g, k = (tl.first[i] + tl.p) * H + h;
-            u[e] = {tl.q + (tl.rows[i] * H + h) * d, scores + e * part, std::min(tl.end[i], t0 + part) - t0,
-                    tl.prefix[i], tl.masks[i]};
-            ak[e] = acc + k * d;
-        }
-        for (int64_t b = 0; b < n; b += 16) {
-            int64_t e = 0;  // in groups of G, then 2, then 1
-            for (; e + G <= ne; e += G) scores_block<C, G>(u + e, kc, off, kvd, t0, b, n, scale);
-            for (; e + 2 <= ne; e += 2) scores_block<C, 2>(u + e, kc, off, kvd, t0, b, n, scale);
-            for (; e < ne; ++e) scores_block<C, 1>(u + e, kc, off, kvd, t0, b, n, scale);
-        }
-        for (int64_t e = 0; e < ne; ++e) {  // softmax over the partition, per pair
-            const int64_t ni = u[e].keys, k = (ak[e] - acc) / d;
-            float* sh = u[e].scores;
-            const float mh = max_of(sh, ni);
-            float zh = 0.f;
-            if (mh != -INFINITY) {
-                for (int64_t t = 0; t < ni; ++t) sh[t] = exp_clamped(sh[t] - mh);
-                for (int64_t t = std::max(u[e].prefix, t0); t < t0 + ni; ++t)  // hidden new keys: exactly 0
-                    if (!u[e].sees(t)) sh[t - t0] = 0.f;
-                v16 zv = {};  // the sum as 16 lanes, then lane by lane
-                int64_t t = 0;
-                for (; t + 16 <= ni; t += 16) zv += load16(sh + t);
-                for (int j = 0; j < 16; ++j) zh += zv[j];
-                for (; t < ni; ++t) zh += sh[t];
-            } else {
-                u[e].keys = 0;  // sees nothing here: weight 0 when partitions are combined
-            }
-            m[k] = mh;
-            z[k] = zh;
-            std::fill(ak[e], ak[e] + d, 0.f);
-        }
-        for (int64_t b = 0; b < n; b += 16) {
-            int64_t e = 0;
-            for (; e + G <= ne; e += G) values_block<C, G>(u + e, ak + e, vc, off, kvd, t0, b, n);
-            for (; e + 2 <= ne; e += 2) values_block<C, 2>(u + e, ak + e, vc, off, kvd, t0, b, n);
-            for (; e < ne; ++e) values_block<C, 1>(u + e, ak + e, vc, off, kvd, t0, b, n);
         }
     }
 }
@@ -364,6 +181,7 @@ void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const
         std::vector<int64_t> offsets(part);
         std::vector<Query> tile_pairs(size_t(tile * g));
         std::vector<float*> pair_acc(size_t(tile * g));
+        std::vector<float> q_lanes(size_t(tile * g * d));
 #pragma omp for schedule(dynamic)
         for (int64_t w = 0; w < W; ++w) {
             const Tile& tl = items[w];
@@ -371,7 +189,7 @@ void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const
             const auto vector_tile = [&](auto c) {  // c: C as a type
                 attend_tile_v<decltype(c)::value>(tl, h, g, kp, vp, Hkv * D, table, part, block_size, sc,
                                                   acc.data(), mx.data(), tot.data(), scores.data(), offsets.data(),
-                                                  tile_pairs.data(), pair_acc.data());
+                                                  tile_pairs.data(), pair_acc.data(), q_lanes.data());
             };
             if (!with_vector_kernel(VectorHeadSizes{}, d, vector_tile)) {
                 const int64_t i = tl.i0, t0 = tl.p * part, k = first[i] + tl.p;

@@ -185,6 +185,41 @@ def test_long_chunks_native_too_and_rows_same_bits_in_any_group(torch_path, d):
     assert A.build_metadata([65], [0], [table], bs, torch.device("cpu"), tree, use_native=True).groups[0].native is None
 
 
+@pytest.mark.parametrize("d,g", [(32, 1), (64, 2), (64, 3), (128, 4)])
+def test_every_row_of_a_tile_gives_its_bits_alone(d, g):
+    """Each query of a batch (a prefill chunk after a cached prefix, then a tree of drafts: tiles of
+    16 queries, their (query, head) pairs 16 at a time in a vector's lanes, the rest in groups) gives
+    the same bits as the same query in a call of its own (its pairs in groups). Five draft tokens
+    amid the tree have no query and no query sees them: their keys and values are NaN, and must not
+    reach any query's output."""
+    rng = np.random.default_rng(d + g)
+    bs, hkv, ctx, chunk, tree = 16, 2, 290, 37, 64
+    h, n, gone = hkv * g, ctx + chunk + tree, set(range(10, 15))
+    table = rng.permutation(-(-n // bs) + 2)[:-(-n // bs)].reshape(1, -1).astype(np.int64)
+    kc = rng.standard_normal((table.size * bs + 2 * bs, hkv, d), dtype=np.float32)
+    vc = rng.standard_normal(kc.shape, dtype=np.float32)
+    slots = [table[0, t // bs] * bs + t % bs for t in range(ctx + chunk, n)]
+    kc[[slots[i] for i in gone]] = vc[[slots[i] for i in gone]] = np.nan
+    # the chunk's rows: causal; the tree's: the chunk and, of its own tokens, itself and some before it
+    live = [i for i in range(tree) if i not in gone]
+    masks = [0] * chunk
+    for i in live:
+        masks.append(sum(1 << j for j in live if j < i and rng.random() < 0.3) | 1 << i)
+    masks = np.array(masks, np.uint64).view(np.int64)
+    prefix = np.concatenate([np.arange(ctx + 1, ctx + chunk + 1), np.full(len(live), ctx + chunk)]).astype(np.int64)
+    m = len(masks)
+    q = rng.standard_normal((m, h, d), dtype=np.float32)
+    rows, seqs = np.arange(m, dtype=np.int64), np.zeros(m, np.int64)
+    out = np.empty_like(q)
+    native._C.paged_attention(q, kc, vc, table, rows, seqs, prefix, masks, out, bs, d ** -0.5, 1 << 40)
+    assert np.isfinite(out).all()
+    for i in range(m):
+        one = np.empty_like(q)
+        native._C.paged_attention(q, kc, vc, table, rows[i:i + 1], seqs[:1], prefix[i:i + 1], masks[i:i + 1], one,
+                                  bs, d ** -0.5, 1 << 40)
+        assert np.array_equal(one[i], out[i]), i
+
+
 def test_bad_input_is_a_clear_error():
     q = np.zeros((3, 4, 8), np.float32)
     cache = np.zeros((16, 2, 8), np.float32)
