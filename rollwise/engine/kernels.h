@@ -125,7 +125,7 @@ inline void need(bool ok, const std::string& what) {
 // The entry points (paged_attention.cpp, small_ops.cpp, sampling.cpp), with their contracts there.
 void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const i64& block_tables, const i64& rows,
                      const i64& seqs, const i64& prefix, const i64& masks, f32& out, int64_t block_size, double scale,
-                     int64_t parallel_pairs);
+                     int64_t parallel_pairs, bool lanes);
 void rms_norm(const f32& x, const f32& w, double eps, f32& out);
 void silu_and_mul(const f32& x, f32& out);
 void rope_(f32& x, int64_t c0, int64_t heads, const f32& cos, const f32& sin);

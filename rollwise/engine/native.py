@@ -11,6 +11,9 @@ except ImportError:  # not built: the torch twins do everything
     _C = None
 
 ENABLED = _C is not None  # tests and benchmarks turn it off to compare with the torch path
+# the attention's prefill tiles with their (query, head) pairs in a vector's lanes; off: pair by pair,
+# the same bits (benchmarks compare the two)
+LANES = True
 
 
 def takes(*xs: torch.Tensor) -> bool:

@@ -3,7 +3,8 @@
 // sequence that copy moves more memory than the attention reads. Here keys are read where they
 // lie, in partitions of whole blocks (flash-decoding: each partition keeps its max score and sum;
 // a query's partitions are combined at the end), by tiles of up to 16 queries of a sequence that
-// share each key's loads (prefill chunks run as fast as SDPA's tiles). Each query sees its
+// share each key's loads (a prefill tile's (query, head) pairs 16 at a time in a vector's lanes,
+// attention_tile.h: faster than SDPA on long chunks, 2026-12-07). Each query sees its
 // sequence's first `prefix` keys and, of the next 64, those its mask names (tree drafts: the
 // ancestors). What a query computes depends only on the keys it sees, in an order fixed by the
 // source, not by its tile or batch, so a row gives the same bits in a prefill chunk, a decode step
@@ -109,10 +110,11 @@ inline int64_t keys_end(int64_t prefix, uint64_t mask) { return prefix + (mask ?
 // rest of the batch or the threads: runs that compute a row in different batches agree bit for bit.
 // Below parallel_pairs (key, query head) pairs one thread does the call: waking a sleeping OpenMP
 // thread (OMP_WAIT_POLICY=PASSIVE) can cost more than the work (one thread: 5-20 ns a pair);
-// attention.py derives it from the machine's measured linear policy.
+// attention.py derives it from the machine's measured linear policy. lanes: a prefill tile's pairs
+// 16 at a time in a vector's lanes (attention_tile.h); false: pair by pair, the same bits.
 void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const i64& block_tables, const i64& rows_a,
                      const i64& seqs_a, const i64& prefix_a, const i64& masks_a, f32& out, int64_t block_size,
-                     double scale, int64_t parallel_pairs) {
+                     double scale, int64_t parallel_pairs, bool lanes) {
     const auto check = [](bool ok, const std::string& what) { need(ok, "paged_attention: " + what); };
     check(q.ndim() == 3 && out.ndim() == 3 && k_cache.ndim() == 3 && v_cache.ndim() == 3, "q, out and caches are 3-d");
     const int64_t T = q.shape(0), H = q.shape(1), D = q.shape(2);
@@ -189,7 +191,7 @@ void paged_attention(const f32& q, const f32& k_cache, const f32& v_cache, const
             const auto vector_tile = [&](auto c) {  // c: C as a type
                 attend_tile_v<decltype(c)::value>(tl, h, g, kp, vp, Hkv * D, table, part, block_size, sc,
                                                   acc.data(), mx.data(), tot.data(), scores.data(), offsets.data(),
-                                                  tile_pairs.data(), pair_acc.data(), q_lanes.data());
+                                                  tile_pairs.data(), pair_acc.data(), q_lanes.data(), lanes);
             };
             if (!with_vector_kernel(VectorHeadSizes{}, d, vector_tile)) {
                 const int64_t i = tl.i0, t0 = tl.p * part, k = first[i] + tl.p;

@@ -189,7 +189,8 @@ def test_long_chunks_native_too_and_rows_same_bits_in_any_group(torch_path, d):
 def test_every_row_of_a_tile_gives_its_bits_alone(d, g):
     """Each query of a batch (a prefill chunk after a cached prefix, then a tree of drafts: tiles of
     16 queries, their (query, head) pairs 16 at a time in a vector's lanes, the rest in groups) gives
-    the same bits as the same query in a call of its own (its pairs in groups). Five draft tokens
+    the same bits as the same query in a call of its own (its pairs in groups), and the batch gives
+    the same bits with every pair in groups (`lanes=False`, the benchmarks' baseline). Five draft tokens
     amid the tree have no query and no query sees them: their keys and values are NaN, and must not
     reach any query's output."""
     rng = np.random.default_rng(d + g)
@@ -213,6 +214,9 @@ def test_every_row_of_a_tile_gives_its_bits_alone(d, g):
     out = np.empty_like(q)
     native._C.paged_attention(q, kc, vc, table, rows, seqs, prefix, masks, out, bs, d ** -0.5, 1 << 40)
     assert np.isfinite(out).all()
+    pairs = np.empty_like(q)
+    native._C.paged_attention(q, kc, vc, table, rows, seqs, prefix, masks, pairs, bs, d ** -0.5, 1 << 40, lanes=False)
+    assert np.array_equal(pairs, out)
     for i in range(m):
         one = np.empty_like(q)
         native._C.paged_attention(q, kc, vc, table, rows[i:i + 1], seqs[:1], prefix[i:i + 1], masks[i:i + 1], one,
