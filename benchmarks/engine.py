@@ -281,7 +281,7 @@ def main() -> None:
     http_prefills = [(2, 40)] if args.smoke else [(64, 128), (4, 1024)]  # requests, prompt length
     kernel_cases = [(b, prompt_len) for b in batches] + ([(2, 48)] if args.smoke else [(16, 1024), (4, 3072)])
     kernel_prefills = [(2, 80)] if args.smoke else [(8, 512), (2, 2048)]
-    lane_prefills = [(2, 80)] if args.smoke else [(4, 1024), (1, 4096)]
+    lane_prefills = [(2, 80)] if args.smoke else [(4, 1024), (1, 3072)]
 
     omp = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
     servers_omp = f"GOMP_SPINCOUNT={args.server_spin}" if args.server_spin else "OMP_WAIT_POLICY=PASSIVE"
