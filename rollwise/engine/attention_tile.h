@@ -59,6 +59,8 @@ struct Query {
     int64_t keys, prefix;
     uint64_t mask;
     bool sees(int64_t t) const { return t < prefix || ((mask >> (t - prefix)) & 1); }
+    // key t of the partition from t0 is one it reads and sees
+    bool reads(int64_t t, int64_t t0) const { return t < keys && sees(t0 + t); }
 };
 
 // Scores of NQ pairs for the 16 keys from b (partition-relative; key t0 + b + j): each key's C
@@ -155,7 +157,7 @@ ROLLWISE_INLINE void lane_tree(const float* __restrict qt, const float* const* k
 }
 
 // Scores of 16 pairs u[0 .. 16) for the 16 keys from b into st, as scores_block writes them: -inf
-// where a pair does not see the key (keys past a pair's last: left as computed).
+// where a pair does not read or see the key.
 template <int C>
 ROLLWISE_INLINE void scores_lanes(const Query* u, const float* __restrict qt, float* __restrict st,
                                   const float* __restrict kc, const int64_t* __restrict off, int kvd, int64_t t0,
@@ -173,7 +175,7 @@ ROLLWISE_INLINE void scores_lanes(const Query* u, const float* __restrict qt, fl
             v16 x = s[r] * scale;
             if (t0 + t + r >= seen)
                 for (int j = 0; j < 16; ++j)
-                    if (t + r < u[j].keys && !u[j].sees(t0 + t + r)) x[j] = -INFINITY;
+                    if (!u[j].reads(t + r, t0)) x[j] = -INFINITY;
             std::memcpy(st + 16 * (t + r), &x, sizeof x);
         }
     }
@@ -200,7 +202,7 @@ ROLLWISE_INLINE void softmax_lanes(Query* u, float* __restrict st, int64_t t0, i
         v16 w = tv < ni ? x : v16{};
         if (t0 + t >= seen)  // hidden new keys: exactly 0
             for (int j = 0; j < 16; ++j)
-                if (t < u[j].keys && !u[j].sees(t0 + t)) w[j] = 0.f;
+                if (!u[j].reads(t, t0)) w[j] = 0.f;
         std::memcpy(st + 16 * t, &w, sizeof w);
     }
     v16 zl[16] = {};  // the sum as 16 lanes of keys over whole blocks, then lane by lane, then the rest
@@ -238,7 +240,7 @@ ROLLWISE_INLINE void values_lanes(const Query* u, float* const* acc, const float
         }
         for (; t < n; ++t) {
             i16v on;
-            for (int j = 0; j < 16; ++j) on[j] = t < u[j].keys && u[j].sees(t0 + t) ? -1 : 0;
+            for (int j = 0; j < 16; ++j) on[j] = u[j].reads(t, t0) ? -1 : 0;
             const v16 w = load16(st + 16 * t);
             const float* v = vc + off[t] + kvd + c;
             for (int i = 0; i < 16; ++i) a[i] = on ? a[i] + w * v[i] : a[i];  // a hidden value may be NaN
