@@ -294,10 +294,9 @@ ROLLWISE_CLONES void attend_tile_v(const Tile& tl, int H, int g, const float* __
         for (int64_t e = 0; e < nv; e += 16) {
             v16 mv, zv;
             softmax_lanes(u + e, u[e].scores, t0, n, mv, zv);
-            for (int j = 0; j < 16; ++j) {
+            for (int j = 0; j < 16; ++j) {  // (values_lanes writes the outputs whole: no zero fill)
                 const int64_t k = (ak[e + j] - acc) / d;
                 m[k] = mv[j], z[k] = zv[j];
-                std::fill(ak[e + j], ak[e + j] + d, 0.f);
             }
         }
         for (int64_t e = nv; e < ne; ++e) {  // softmax over the partition, per pair
