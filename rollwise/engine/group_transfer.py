@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from rollwise.engine.weight_transfer import TIMEOUT, check_update, listening_store, receive_into
+from rollwise.engine.weight_transfer import (TIMEOUT, OutOfStep, broadcast_while_replying, check_update,
+                                              listening_store, receive_into)
 
 GROUP = "weight_update_group"  # SGLang's default group name
 BROKEN = "broken"  # a group that failed an update: left, its name kept until destroyed
@@ -149,6 +150,7 @@ class GroupTrainer:
             self.pool.shutdown(wait=False)
             raise
         self.group = mine.result()
+        self.broken: str | None = None  # (OutOfStep's message: an update whose broadcasts did not all go)
 
     @staticmethod
     def _post(client, path: str, body: dict) -> dict:
@@ -161,21 +163,23 @@ class GroupTrainer:
                      partial_rollout: bool = False) -> list[dict]:
         """One update to every server; their replies. `partial_rollout` (rollwise's own: `rollwise
         serve` takes it, SGLang does not): requests in flight continue under the new weights."""
+        if self.broken:
+            raise OutOfStep(self.broken)
         items = [(n, t.detach().contiguous()) for n, t in weights.items()]
         body = {"names": [n for n, _ in items], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in items],
                 "shapes": [list(t.shape) for _, t in items], "group_name": self.group_name,
                 "load_format": "flattened_bucket" if flattened else None, "weight_version": weight_version,
                 **({"partial_rollout": True} if partial_rollout else {})}
+        check_update(body["names"], body["dtypes"], body["shapes"])  # (before any server is asked: in step)
         replies = [self.pool.submit(self._post, c, "/update_weights_from_distributed", body) for c in self.clients]
         tensors = [t for _, t in items]
         if flattened:
             tensors = [torch.cat([t.view(-1).view(torch.uint8) for t in tensors])] if tensors else []
-        for t in tensors:
-            for r in replies:  # (a server that refused before its first broadcast would leave this one waiting)
-                if r.done():
-                    r.result()
-            dist.broadcast(t, src=0, group=self.group)
-        return [r.result() for r in replies]
+        try:  # (every reply waited for: a server still receiving would refuse the next update)
+            return broadcast_while_replying(self.group, tensors, replies)
+        except OutOfStep as e:
+            self.broken = str(e)
+            raise
 
     def close(self, strict: bool = True) -> None:
         """Leave the group: every server destroys it, then this side. Not `strict` (after a failure):

@@ -21,7 +21,7 @@ import math
 import socket
 import threading
 from collections.abc import Iterable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 import torch
 import torch.distributed as dist
@@ -78,6 +78,35 @@ def receive_into(out: dict, group, names: list[str], dtypes: list[str], shapes: 
             out[names[i]] = t
             at += sizes[i]
     return out
+
+
+def broadcast_while_replying(group, buffers: Iterable[torch.Tensor], replies: list[Future]) -> list:
+    """Rank 0's side of an update: broadcasts `buffers` (made as they go) in order while the receivers'
+    `replies` come; once all went, every reply (no receiver is still receiving when this returns): their
+    results, or the first error in their order. A receiver that failed before the last broadcast (it
+    did not take them all) or a broadcast that fails (a receiver gone; one that refused while a
+    broadcast was under way leaves it to the group's timeout) leaves the group out of step: `OutOfStep`."""
+    def failure(default=None):
+        return next((r.exception() for r in replies if r.done() and r.exception() is not None), default)
+
+    for b in buffers:
+        cause = failure()
+        if cause is None:
+            try:
+                group.broadcast(b, 0).wait()
+                continue
+            except RuntimeError as e:  # (gloo's: a receiver gone, or the group's timeout passed)
+                wait(replies, 2.0, return_when=FIRST_EXCEPTION)  # (a receiver's own words over gloo's, if it gave them)
+                cause = failure(e)
+        text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        raise OutOfStep(f"the weights did not all go ({text}); the group is out of step: close it and join again") \
+            from cause
+    wait(replies)
+    return [r.result() for r in replies]
+
+
+class OutOfStep(ValueError):
+    """A trainer's group whose receivers did not all take an update's broadcasts: it takes no more."""
 
 
 def listening_store(address: str, port: int, world_size: int, timeout: datetime.timedelta, **kw) -> dist.TCPStore:
@@ -230,28 +259,28 @@ class GlooTrainer:
         self.store, self.group = group.result()
         for j in joins:
             j.result()
+        self.broken: str | None = None  # (OutOfStep's message: an update whose broadcasts did not all go)
 
     def send_weights(self, weights: dict | Iterable, weight_version: str | None = None) -> None:
+        if self.broken:
+            raise OutOfStep(self.broken)
         items = list(weights.items() if isinstance(weights, dict) else weights)
         info = {"names": [n for n, _ in items], "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in items],
                 "shapes": [list(t.shape) for _, t in items]}
-        for c in self.clients:
+        check_update(info["names"], info["dtype_names"], info["shapes"], dtype_key="dtype_names")  # (before any
+        for c in self.clients:  # engine is asked: the group stays in step)
             c.start_weight_update()
         receiving = [self.pool.submit(c.update_weights, info) for c in self.clients]
         tensors = [t.detach().contiguous() for _, t in items]
         runs = chunks([t.nbytes for t in tensors], self.packed) if self.packed else [range(i, i + 1) for i in
                                                                                     range(len(tensors))]
+        buffers = (tensors[run[0]] if not self.packed else torch.cat([tensors[i].view(-1).view(torch.uint8)
+                                                                      for i in run]) for run in runs)
         try:
-            for run in runs:
-                for r in receiving:  # (one that failed before its first broadcast would leave this one waiting)
-                    if r.done():
-                        r.result()
-                buf = tensors[run[0]] if not self.packed else torch.cat([tensors[i].view(-1).view(torch.uint8)
-                                                                          for i in run])
-                self.group.broadcast(buf, 0).wait()
-        finally:
-            for r in receiving:
-                r.result()
+            broadcast_while_replying(self.group, buffers, receiving)
+        except OutOfStep as e:
+            self.broken = str(e)
+            raise
         for c in self.clients:
             c.finish_weight_update(weight_version)
 

@@ -10,11 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from rollwise import LLM, SamplingParams
 from rollwise.engine.async_llm import AsyncLLM
-from rollwise.engine.weight_transfer import EngineClient, GlooTrainer, _group
+from rollwise.engine.weight_transfer import EngineClient, GlooTrainer, OutOfStep, _group
 from rollwise.serve.process import free_port
 from rollwise.types import WeightVersionSpan
 
@@ -102,6 +103,38 @@ def test_an_engine_that_refuses_to_join_fails_the_trainer_at_once():
     with pytest.raises(ValueError, match="no weight transfer here"):
         GlooTrainer([Refusing()], free_port(), timeout=3)
     assert time.monotonic() - t0 < 2  # (not after the rendezvous' timeout)
+
+
+class _Refusing(EngineClient):
+    refuse = False
+
+    def update_weights(self, update_info: dict) -> None:
+        if self.refuse:
+            raise ValueError("not taking updates now")  # (before receiving: the group is out of step)
+        super().update_weights(update_info)
+
+
+def test_an_engine_that_refuses_an_update_leaves_the_group_out_of_step(model_dir, other_dir):
+    llm = LLM(model_dir)
+    state = load_file(str(Path(other_dir) / "model.safetensors"))
+    client = _Refusing(llm)
+    trainer = GlooTrainer([client], free_port(), timeout=10)  # (the group's: a broadcast no one takes fails then)
+    try:
+        with pytest.raises(ValueError, match="'int8'"):  # refused here, before the engine is asked: in step
+            trainer.send_weights({"model.norm.weight": torch.zeros(64, dtype=torch.int8)})
+        trainer.send_weights(state, weight_version="v1")
+        assert llm.engine.policy_version == 1 and llm.get_weight_version() == "v1"
+        client.refuse = True
+        t0 = time.monotonic()
+        with pytest.raises(OutOfStep, match="not taking updates now.*out of step"):
+            trainer.send_weights(state)
+        with pytest.raises(OutOfStep, match="not taking updates now"):  # and no more updates
+            trainer.send_weights(state)
+        assert time.monotonic() - t0 < 60
+        assert llm.engine.policy_version == 1
+    finally:
+        llm.finish_weight_update()
+        trainer.close()
 
 
 def test_async_llm_receives_off_the_engine_thread(model_dir, other_dir):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +19,7 @@ from safetensors.torch import load_file
 
 from rollwise import LLM, SamplingParams
 from rollwise.engine.group_transfer import GroupTrainer
+from rollwise.engine.weight_transfer import OutOfStep
 from rollwise.serve.process import ServerProcess, free_port
 
 PROMPT = [5, 6, 7, 8]
@@ -87,6 +89,35 @@ def test_a_trainer_broadcasts_weights_into_two_servers(servers, model_dir, other
     finally:
         trainer.close()
     httpx.post(servers[0] + "/update_weights_from_disk", json={"model_path": model_dir})
+
+
+def test_a_server_that_refuses_an_update_leaves_the_group_out_of_step(servers, model_dir):
+    mine = load_file(str(Path(model_dir) / "model.safetensors"))
+    trainer = GroupTrainer(servers, free_port(), group_name="refusing", timeout=10)
+    try:
+        with pytest.raises(ValueError, match="'int8'"):  # refused here, before any server is asked: in step
+            trainer.send_weights({"model.norm.weight": torch.zeros(64, dtype=torch.int8)})
+        assert all(r["success"] for r in trainer.send_weights(mine, weight_version="3"))
+        r = httpx.post(servers[1] + "/destroy_weights_update_group", json={"group_name": "refusing"})
+        assert r.json()["success"]  # (an operator's, say: that server refuses the next update before receiving)
+        with pytest.raises(OutOfStep, match="no group 'refusing' joined.*out of step"):
+            trainer.send_weights(mine, weight_version="4")
+        with pytest.raises(OutOfStep, match="no group 'refusing' joined"):  # and no more updates
+            trainer.send_weights(mine)
+    finally:
+        trainer.close(strict=False)
+    assert [_greedy(u) for u in servers] == [(_expected(model_dir), 3)] * 2  # (one weight a broadcast: not all came)
+    for _ in range(60):  # the other server leaves the group when the rest of the weights do not come (10 s)
+        r = httpx.post(servers[0] + "/destroy_weights_update_group", json={"group_name": "refusing"})
+        if r.status_code == 200:
+            break
+        assert "receiving an update already" in r.json()["message"]
+        time.sleep(0.5)
+    trainer = GroupTrainer(servers, free_port(), group_name="refusing")  # both join again
+    try:
+        assert all(r["success"] for r in trainer.send_weights(mine))
+    finally:
+        trainer.close()
 
 
 def test_weights_that_do_not_come_are_a_400_and_the_server_goes_on(servers):
