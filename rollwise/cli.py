@@ -11,8 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+from rollwise.engine import allocator  # (no torch yet)
 from rollwise.omp import passive_unless_chosen
 passive_unless_chosen()  # before torch loads: spinning threads starve peers
+allocator.settle()  # before any thread allocates: one arena for all (rollwise/engine/allocator.py)
 
 from rollwise.config import EngineConfig, ServerConfig  # noqa: E402
 from rollwise.serve.launch import PARSER_ALIASES, add_launch_args  # noqa: E402

@@ -177,6 +177,16 @@ def test_omp_wait_benchmark_smoke(tmp_path):
     assert run("benchmarks/omp_wait.py", "--spin-count", "0").returncode == 2
 
 
+def test_allocator_benchmark_smoke(tmp_path):
+    out = tmp_path / "alloc.json"
+    r = run("benchmarks/allocator.py", "--smoke", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    case = json.loads(out.read_text())["cases"]["2x40"]
+    for side in ("settled", "glibc_defaults"):  # the same work on both sides, its faults counted
+        assert case[side]["prompt_tokens"] == 80 and case[side]["page_faults"] > 0 and len(case[side]["runs"]) == 1
+    assert case["ratio"] > 0 and "settled / glibc defaults" in r.stdout
+
+
 def test_vml_race_benchmark_smoke(tmp_path):
     out = tmp_path / "vml.json"
     r = run("benchmarks/vml_race.py", "--smoke", "--json", str(out))

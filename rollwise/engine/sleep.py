@@ -12,23 +12,13 @@ trains, and takes them again before it serves.
 A part of LLMEngine (`SleepMode`), kept apart to keep the loop short."""
 from __future__ import annotations
 
-import ctypes
+from rollwise.engine import allocator
 
 SLEEP_TAGS = ("weights", "kv_cache")
 
 
 class EngineAsleep(RuntimeError):
     """A request to an engine whose KV pool or weights are given back (another replica may serve it)."""
-
-
-def trim_allocator() -> None:
-    """Hand the C allocator's free pages back to the OS. glibc keeps freed chunks in its arenas, so
-    weights freed by a sleep (allocated again at each wake, on whichever thread) would stay resident:
-    without this, level 2 gave back 100 of a model's 210 MB and the process grew by 130 MB a cycle."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 def sleep_tags(tags) -> set[str]:
@@ -70,7 +60,7 @@ class SleepMode:
             self.weights_missing = set(self.runner.model.hf_tensors())
             self.runner.free_weights()
         self.asleep |= tags
-        trim_allocator()
+        allocator.trim()
 
     def wake_up(self, tags=None) -> None:
         """Take the memory of the tags named (None: every one asleep) again. Weights woken after a

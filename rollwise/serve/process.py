@@ -60,15 +60,16 @@ def wait_for_http(url: str, proc: subprocess.Popen | None = None, timeout: float
 class ServerProcess:
     """`rollwise serve MODEL_DIR *args` on a free port; a context manager that stops it on exit. The
     server's idle OpenMP threads sleep (`rollwise.omp.passive_env`: it shares the cores with its
-    caller) unless `spin_count` is given (libgomp's bounded spin, `rollwise.omp.spin_env`). Its
-    stderr goes to a temporary file (`stderr_tail()`), never to a pipe: a pipe nobody reads blocks a
-    server that logs more than the pipe holds (64 KiB on Linux), tracebacks of failed requests say."""
+    caller) unless `spin_count` is given (libgomp's bounded spin, `rollwise.omp.spin_env`); `env`:
+    more variables for it. Its stderr goes to a temporary file (`stderr_tail()`), never to a pipe: a
+    pipe nobody reads blocks a server that logs more than the pipe holds (64 KiB on Linux),
+    tracebacks of failed requests say."""
 
     def __init__(self, model_dir: str | None, *args: str, port: int | None = None, threads: int | None = None,
-                 startup_timeout: float = 120.0, spin_count: int | None = None) -> None:
+                 startup_timeout: float = 120.0, spin_count: int | None = None, env: dict | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = passive_env() if spin_count is None else spin_env(spin_count)
+        env = {**(passive_env() if spin_count is None else spin_env(spin_count)), **(env or {})}
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         model = [] if model_dir is None else [model_dir]  # (None: the args name it, e.g. SGLang's --model-path)

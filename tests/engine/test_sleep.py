@@ -108,6 +108,9 @@ def test_level_two_serves_again_once_every_weight_is_loaded(model_dirs, family, 
 
 _CYCLES = """
 import json, sys, threading
+if sys.argv[2] == "settled":  # (first thing, as rollwise's command line does)
+    from rollwise.engine import allocator
+    assert allocator.settle()
 from rollwise.engine.llm import LLM
 from rollwise.engine.models.loader import load_state_dict
 from rollwise.make_model import make_model
@@ -139,16 +142,19 @@ print(json.dumps({"size": size, "awake": awake, "asleep": asleep, "same": greedy
 """
 
 
-def test_level_two_gives_the_weights_memory_back_cycle_after_cycle(tmp_path):
+@pytest.mark.parametrize("malloc", ["glibc", "settled"])
+def test_level_two_gives_the_weights_memory_back_cycle_after_cycle(tmp_path, malloc):
     """A 12M-parameter model (48 MB, and its packed copies) through four RL-like cycles, each woken
     and loaded on a thread of its own: each sleep gives the weights' memory back to the OS, and the
-    process does not grow from cycle to cycle (glibc's arenas would keep what a wake allocated). In a
+    process does not grow from cycle to cycle (glibc's arenas would keep what a wake allocated),
+    under glibc's defaults and set up as `rollwise serve` sets it (rollwise.engine.allocator). In a
     process of its own: other tests' leftovers in a shared heap pin pages a trim cannot give back."""
     import json
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-c", _CYCLES, str(tmp_path / "m")], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", _CYCLES, str(tmp_path / "m"), malloc], capture_output=True,
+                         text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     size, awake, asleep = r["size"], r["awake"], r["asleep"]
