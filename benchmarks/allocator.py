@@ -2,7 +2,7 @@
 as it starts (its `allocator.settle()`: one arena, chunks below 32 MiB from it, its free top kept up
 to 128 MiB) against the same server under glibc's defaults (GLIBC_TUNABLES naming a malloc tunable
 at its default value, so `settle()` leaves them be). Both servers are up at once and take turns, each run's
-concurrent /v1/completions prompts new to both (one token each: the prefill alone).
+concurrent /v1/completions prompts new to both (one token each: the prefill alone), after a round untimed.
 
     python benchmarks/allocator.py [--smoke] [--json PATH] [--reps N]
 
