@@ -267,8 +267,9 @@ class GlooTrainer:
         items = list(weights.items() if isinstance(weights, dict) else weights)
         info = {"names": [n for n, _ in items], "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in items],
                 "shapes": [list(t.shape) for _, t in items]}
-        check_update(info["names"], info["dtype_names"], info["shapes"], dtype_key="dtype_names")  # (before any
-        for c in self.clients:  # engine is asked: the group stays in step)
+        # (checked before any engine is asked: a bad update leaves the group in step)
+        check_update(info["names"], info["dtype_names"], info["shapes"], dtype_key="dtype_names")
+        for c in self.clients:
             c.start_weight_update()
         receiving = [self.pool.submit(c.update_weights, info) for c in self.clients]
         tensors = [t.detach().contiguous() for _, t in items]
