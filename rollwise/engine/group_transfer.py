@@ -15,13 +15,16 @@ the weights they began with. `GroupTrainer` is a trainer's side.
 from __future__ import annotations
 
 import datetime
+import itertools
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from rollwise.engine.handshake import agree, forget, take_part
 from rollwise.engine.weight_transfer import (TIMEOUT, OutOfStep, broadcast_while_replying, check_update,
                                               listening_store, receive_into)
 
@@ -31,7 +34,8 @@ BROKEN = "broken"  # a group that failed an update: left, its name kept until de
 
 def torch_group(address: str, port: int, world_size: int, rank: int, group_name: str,
                 timeout: datetime.timedelta = TIMEOUT, backend: str = "gloo"):
-    """A process group besides torch's default one, laid out as SGLang's and its trainers' are (above)."""
+    """A process group besides torch's default one, laid out as SGLang's and its trainers' are (above),
+    and its store (the handshake's: rollwise.engine.handshake)."""
     if rank == 0:  # (torch's rendezvous would listen on every interface)
         store = listening_store(address, port, world_size, timeout)
     else:
@@ -41,14 +45,17 @@ def torch_group(address: str, port: int, world_size: int, rank: int, group_name:
                                               c10d.PrefixStore(group_name, store), group_name=group_name,
                                               timeout=timeout)
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
+    return group, store
 
 
 class GroupReceiver:
-    """An engine's side: the groups it joined, by name; `receive` takes one update's weights."""
+    """An engine's side: the groups it joined, by name; `receive` takes one update's weights.
+    `check({name: shape})` (the engine's): would the engine take such weights (the handshake asks)."""
 
-    def __init__(self) -> None:
+    def __init__(self, check: Callable[[dict], object] | None = None) -> None:
+        self.check = check
         self.groups: dict[str, object] = {}  # name -> group (None while joining)
+        self.stores: dict[str, object] = {}  # name -> the group's store
         self.busy: set[str] = set()  # groups receiving now
         self.lock = threading.Lock()  # (an HTTP server calls from several threads)
 
@@ -72,15 +79,15 @@ class GroupReceiver:
                                  "and the engine join from different processes")
             self.groups[group_name] = None
         try:
-            group = torch_group(master_address, master_port, world_size, rank_offset, group_name,
-                                datetime.timedelta(seconds=timeout_s))
+            group, store = torch_group(master_address, master_port, world_size, rank_offset, group_name,
+                                       datetime.timedelta(seconds=timeout_s))
         except (RuntimeError, ValueError) as e:  # (torch's DistStoreError and the like: no trainer there in time)
             with self.lock:
                 del self.groups[group_name]
             raise ValueError(f"could not join group {group_name!r} at {master_address}:{master_port} as rank "
                              f"{rank_offset}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
         with self.lock:
-            self.groups[group_name] = group
+            self.groups[group_name], self.stores[group_name] = group, store
 
     def _take(self, group_name: str, broken_ok: bool = False):
         with self.lock:
@@ -96,13 +103,18 @@ class GroupReceiver:
         return group
 
     def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str = GROUP,
-                flattened: bool = False) -> dict[str, torch.Tensor]:
+                flattened: bool = False, update_id: int | None = None) -> dict[str, torch.Tensor]:
         """One update's weights, by name, as the trainer broadcasts them (flattened: in one broadcast).
-        Weights that do not come (the trainer or another rank gone, or the group's timeout passed)
-        leave the group (it is out of step): its name stays, refusing updates, until it is destroyed."""
+        With `update_id` (a trainer's that takes part in the handshake) the engine's check first, and
+        the trainer's word (ValueError: refused or called off, the group in step). Weights that do not come (the trainer or another rank gone,
+        or the group's timeout passed) leave the group (it is out of step): its name stays, refusing
+        updates, until it is destroyed."""
         check_update(names, dtypes, shapes)
         group = self._take(group_name)
         try:
+            if update_id is not None:
+                take_part(self.stores[group_name], update_id, group.rank(),
+                          lambda: self.check and self.check(dict(zip(names, shapes))))
             return receive_into({}, group, names, dtypes, shapes, packed=(1 << 62) if flattened else 0)
         except RuntimeError as e:  # (gloo's: the trainer gone, or no broadcast within the group's timeout)
             with self.lock:
@@ -118,6 +130,7 @@ class GroupReceiver:
         group = self._take(group_name, broken_ok=True)
         with self.lock:
             self.groups.pop(group_name)
+            self.stores.pop(group_name, None)
             self.busy.discard(group_name)
         if group is not BROKEN:
             dist.destroy_process_group(group)
@@ -149,7 +162,11 @@ class GroupTrainer:
                 c.close()
             self.pool.shutdown(wait=False)
             raise
-        self.group = mine.result()
+        self.group, self.store = mine.result()
+        self.timeout, self.updates = timeout, itertools.count(1)
+        # the handshake before each update's broadcasts (rollwise.engine.handshake) when every server
+        # takes part (`rollwise serve` says so as it joins; SGLang's servers do not)
+        self.handshake = all(j.result().get("update_handshake") is True for j in joins)
         self.broken: str | None = None  # (OutOfStep's message: an update whose broadcasts did not all go)
 
     @staticmethod
@@ -171,15 +188,24 @@ class GroupTrainer:
                 "load_format": "flattened_bucket" if flattened else None, "weight_version": weight_version,
                 **({"partial_rollout": True} if partial_rollout else {})}
         check_update(body["names"], body["dtypes"], body["shapes"])  # (before any server is asked: in step)
+        uid, ranks = next(self.updates), list(range(1, self.world_size))
+        if self.handshake:
+            body["update_id"] = uid
         replies = [self.pool.submit(self._post, c, "/update_weights_from_distributed", body) for c in self.clients]
         tensors = [t for _, t in items]
         if flattened:
             tensors = [torch.cat([t.view(-1).view(torch.uint8) for t in tensors])] if tensors else []
         try:  # (every reply waited for: a server still receiving would refuse the next update)
-            return broadcast_while_replying(self.group, tensors, replies)
+            if self.handshake:
+                agree(self.store, uid, ranks, replies, self.timeout)  # (a refusal: ValueError, in step)
+            out = broadcast_while_replying(self.group, tensors, replies)
         except OutOfStep as e:
             self.broken = str(e)
             raise
+        finally:
+            if self.handshake and all(r.done() for r in replies):
+                forget(self.store, uid, ranks)
+        return out
 
     def close(self, strict: bool = True) -> None:
         """Leave the group: every server destroys it, then this side. Not `strict` (after a failure):

@@ -19,12 +19,15 @@ import datetime
 import ipaddress
 import math
 import socket
+import itertools
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 import torch
 import torch.distributed as dist
+
+from rollwise.engine.handshake import agree, first_line, forget, refusal, take_part
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TIMEOUT = datetime.timedelta(seconds=300)  # a rendezvous or a broadcast that waits longer fails (init_info's
@@ -85,22 +88,19 @@ def broadcast_while_replying(group, buffers: Iterable[torch.Tensor], replies: li
     `replies` come; once all went, every reply (no receiver is still receiving when this returns): their
     results, or the first error in their order. A receiver that failed before the last broadcast (it
     did not take them all) or a broadcast that fails (a receiver gone; one that refused while a
-    broadcast was under way leaves it to the group's timeout) leaves the group out of step: `OutOfStep`."""
-    def failure(default=None):
-        return next((r.exception() for r in replies if r.done() and r.exception() is not None), default)
-
+    broadcast was under way leaves it to the group's timeout: `agree` first prevents that) leaves the
+    group out of step: `OutOfStep`."""
     for b in buffers:
-        cause = failure()
+        cause = refusal(replies)
         if cause is None:
             try:
                 group.broadcast(b, 0).wait()
                 continue
             except RuntimeError as e:  # (gloo's: a receiver gone, or the group's timeout passed)
                 wait(replies, 2.0, return_when=FIRST_EXCEPTION)  # (a receiver's own words over gloo's, if it gave them)
-                cause = failure(e)
-        text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
-        raise OutOfStep(f"the weights did not all go ({text}); the group is out of step: close it and join again") \
-            from cause
+                cause = refusal(replies, e)
+        raise OutOfStep(f"the weights did not all go ({first_line(cause)}); the group is out of step: close it and "
+                        "join again") from cause
     wait(replies)
     return [r.result() for r in replies]
 
@@ -144,9 +144,11 @@ def _group(address: str, port: int, rank: int, world_size: int, timeout: datetim
 
 
 class GlooReceiver:
-    """An engine's side: joins the trainer's group, receives each update's weights into a staging dict."""
+    """An engine's side: joins the trainer's group, receives each update's weights into a staging dict.
+    `check({name: shape})` (the engine's): would the engine take such weights (the handshake asks)."""
 
-    def __init__(self) -> None:
+    def __init__(self, check: Callable[[dict], object] | None = None) -> None:
+        self.check = check
         self.group = self.store = None
         self.staged: dict[str, torch.Tensor] | None = None  # an update under way: what came so far
         self.receiving = 0  # update_weights calls receiving now
@@ -196,18 +198,23 @@ class GlooReceiver:
             self.staged = {}
 
     def receive(self, info: dict) -> None:
-        """One chunk: its weights, broadcast by the trainer in the order named, into the staging dict."""
-        if not isinstance(info, dict) or set(info) - {"names", "dtype_names", "shapes", "packed"} \
+        """One chunk: its weights, broadcast by the trainer in the order named, into the staging dict
+        (with an update_id, rollwise's own key, after the handshake: rollwise.engine.handshake)."""
+        if not isinstance(info, dict) or set(info) - {"names", "dtype_names", "shapes", "packed", "update_id"} \
                 or not {"names", "dtype_names", "shapes"} <= set(info):
-            raise ValueError("update_info takes names, dtype_names and shapes (lists of one length)")
-        names, dtypes, shapes = info["names"], info["dtype_names"], info["shapes"]
+            raise ValueError("update_info takes names, dtype_names and shapes (lists of one length), and update_id")
+        names, dtypes, shapes, uid = info["names"], info["dtype_names"], info["shapes"], info.get("update_id")
         check_update(names, dtypes, shapes, "update_info: ", "dtype_names")
+        if uid is not None and (not isinstance(uid, int) or isinstance(uid, bool)):
+            raise ValueError(f"update_info: update_id must be an integer, got {uid!r}")
         with self.lock:
             if self.staged is None:
                 raise ValueError("start_weight_update must be called before update_weights")
             group, staged = self.group, self.staged
             self.receiving += 1
         try:
+            if uid is not None:
+                take_part(self.store, uid, group.rank(), lambda: self.check and self.check(dict(zip(names, shapes))))
             receive_into(staged, group, names, dtypes, shapes, self.packed)
         finally:
             with self.lock:
@@ -259,6 +266,7 @@ class GlooTrainer:
         self.store, self.group = group.result()
         for j in joins:
             j.result()
+        self.timeout, self.updates = timeout, itertools.count(1)  # (each update's id, for the handshake)
         self.broken: str | None = None  # (OutOfStep's message: an update whose broadcasts did not all go)
 
     def send_weights(self, weights: dict | Iterable, weight_version: str | None = None) -> None:
@@ -271,17 +279,27 @@ class GlooTrainer:
         check_update(info["names"], info["dtype_names"], info["shapes"], dtype_key="dtype_names")
         for c in self.clients:
             c.start_weight_update()
-        receiving = [self.pool.submit(c.update_weights, info) for c in self.clients]
+        uid, ranks = next(self.updates), list(range(1, self.world_size))
+        receiving = [self.pool.submit(c.update_weights, {**info, "update_id": uid}) for c in self.clients]
         tensors = [t.detach().contiguous() for _, t in items]
         runs = chunks([t.nbytes for t in tensors], self.packed) if self.packed else [range(i, i + 1) for i in
                                                                                     range(len(tensors))]
         buffers = (tensors[run[0]] if not self.packed else torch.cat([tensors[i].view(-1).view(torch.uint8)
                                                                       for i in run]) for run in runs)
         try:
+            try:
+                agree(self.store, uid, ranks, receiving, self.timeout)
+            except ValueError:  # (refused before any weight went: every engine ends the update, unchanged)
+                for c in self.clients:
+                    c.finish_weight_update()
+                raise
             broadcast_while_replying(self.group, buffers, receiving)
         except OutOfStep as e:
             self.broken = str(e)
             raise
+        finally:
+            if all(r.done() for r in receiving):
+                forget(self.store, uid, ranks)
         for c in self.clients:
             c.finish_weight_update(weight_version)
 

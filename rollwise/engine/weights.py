@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from rollwise.engine.sequence import Sequence, Status
 from rollwise.types import WeightVersionSpan
 from rollwise.wire import AdapterWeights
@@ -63,6 +65,12 @@ class WeightVersions:
         self._loaded = [u for u in self._loaded if u != reuse]
         return self._new_version(v, partial_rollout)
 
+    def check_update(self, shapes: dict[str, list[int]]) -> None:
+        """What `update_weights` would refuse of weights of these names and shapes, before they come
+        (ValueError, or EngineAsleep while the weights sleep): a trainer's handshake asks it."""
+        self._check_weights_update()
+        self.runner.prepare_weights({n: torch.empty(s, device="meta") for n, s in shapes.items()})
+
     def load_weights(self, weights) -> set[str]:
         """vLLM's `model.load_weights`: (name, tensor) pairs under Hugging Face's names (or a dict),
         written into the newest weights in place, checked first (ValueError, nothing changes).
@@ -112,7 +120,7 @@ class WeightVersions:
         backend). Its receiving runs on the caller's thread; `finish_weight_update` takes what came."""
         if self._receiver is None:
             from rollwise.engine.weight_transfer import GlooReceiver
-            self._receiver = GlooReceiver()
+            self._receiver = GlooReceiver(self.check_update)
         return self._receiver
 
     @property
@@ -120,7 +128,7 @@ class WeightVersions:
         """SGLang's weight update from a process group, this engine's side (rollwise.engine.group_transfer)."""
         if self._group_receiver is None:
             from rollwise.engine.group_transfer import GroupReceiver
-            self._group_receiver = GroupReceiver()
+            self._group_receiver = GroupReceiver(self.check_update)
         return self._group_receiver
 
     def finish_weight_update(self, weight_version: str | None = None, partial_rollout: bool = False) -> int:

@@ -65,6 +65,7 @@ class GroupUpdate(BaseModel):  # SGLang's update_weights_from_distributed
     flush_cache: bool = True  # (nothing to do: cached blocks are keyed by their weights' version)
     torch_empty_cache: bool = False  # (no CUDA cache here)
     partial_rollout: bool = False  # rollwise's own: requests in flight continue under the new weights
+    update_id: int | None = None  # rollwise's own: a trainer's that takes part in the handshake (handshake.py)
 
 
 class GroupName(BaseModel):
@@ -91,7 +92,7 @@ async def update_from_group(engine, body: GroupUpdate) -> tuple[bool, str]:
     aborted = await engine.abort_all() if body.abort_all_requests else []
     try:
         weights = await asyncio.to_thread(engine.engine.group_receiver.receive, body.names, body.dtypes, body.shapes,
-                                          body.group_name, body.load_format == "flattened_bucket")
+                                          body.group_name, body.load_format == "flattened_bucket", body.update_id)
         if weights:
             await engine.update_weights(weights, version_of(body.weight_version), body.partial_rollout)
     except ValueError as e:
@@ -162,7 +163,8 @@ def install_sglang(app: FastAPI, engine, cfg: ServerConfig) -> None:
                                     body.rank_offset, body.world_size, body.group_name, body.backend, body.timeout_s)
         except ValueError as e:
             return sglang_reply(False, str(e))
-        return sglang_reply(True, f"Initialized group {body.group_name!r} as rank {body.rank_offset}.")
+        return {"success": True, "message": f"Initialized group {body.group_name!r} as rank {body.rank_offset}.",
+                "update_handshake": True}  # (rollwise's own: its updates take part in the handshake)
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(body: GroupUpdate):

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from rollwise import LLM, SamplingParams
 from rollwise.engine.async_llm import AsyncLLM
+from rollwise.engine.handshake import take_part
 from rollwise.engine.weight_transfer import EngineClient, GlooTrainer, OutOfStep, _group
 from rollwise.serve.process import free_port
 from rollwise.types import WeightVersionSpan
@@ -106,15 +107,18 @@ def test_an_engine_that_refuses_to_join_fails_the_trainer_at_once():
 
 
 class _Refusing(EngineClient):
-    refuse = False
+    refuse: str | None = None  # "before": before the handshake; "midway": after it, taking no broadcast
 
     def update_weights(self, update_info: dict) -> None:
-        if self.refuse:
-            raise ValueError("not taking updates now")  # (before receiving: the group is out of step)
+        if self.refuse == "before":
+            raise ValueError("not taking updates now")
+        if self.refuse == "midway":  # (as an engine gone after it said it takes the update)
+            take_part(self.llm.engine.receiver.store, update_info["update_id"], 1, lambda: None)
+            raise ValueError("gone midway")
         super().update_weights(update_info)
 
 
-def test_an_engine_that_refuses_an_update_leaves_the_group_out_of_step(model_dir, other_dir):
+def test_an_update_an_engine_refuses_changes_nothing_and_the_group_goes_on(model_dir, other_dir):
     llm = LLM(model_dir)
     state = load_file(str(Path(other_dir) / "model.safetensors"))
     client = _Refusing(llm)
@@ -124,16 +128,28 @@ def test_an_engine_that_refuses_an_update_leaves_the_group_out_of_step(model_dir
             trainer.send_weights({"model.norm.weight": torch.zeros(64, dtype=torch.int8)})
         trainer.send_weights(state, weight_version="v1")
         assert llm.engine.policy_version == 1 and llm.get_weight_version() == "v1"
-        client.refuse = True
+        with pytest.raises(ValueError, match="before any weight went.*unexpected weights"):  # the engine's check
+            trainer.send_weights({"model.nope.weight": torch.zeros(3)})
+        client.refuse = "before"
+        with pytest.raises(ValueError, match="before any weight went.*not taking updates now") as refused:
+            trainer.send_weights(state, weight_version="v2")
+        assert not isinstance(refused.value, OutOfStep) and not trainer.broken
+        assert llm.engine.policy_version == 1 and llm.get_weight_version() == "v1"
+        client.refuse = None
+        trainer.send_weights(state, weight_version="v2")  # in step: the next update goes
+        assert llm.engine.policy_version == 2 and llm.get_weight_version() == "v2"
+
+        client.refuse = "midway"
         t0 = time.monotonic()
-        with pytest.raises(OutOfStep, match="not taking updates now.*out of step"):
+        with pytest.raises(OutOfStep, match="gone midway.*out of step"):
             trainer.send_weights(state)
-        with pytest.raises(OutOfStep, match="not taking updates now"):  # and no more updates
+        with pytest.raises(OutOfStep, match="gone midway"):  # and no more updates
             trainer.send_weights(state)
         assert time.monotonic() - t0 < 60
-        assert llm.engine.policy_version == 1
+        assert llm.engine.policy_version == 2
     finally:
-        llm.finish_weight_update()
+        if llm.engine.receiver.staged is not None:
+            llm.finish_weight_update()
         trainer.close()
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -91,28 +90,37 @@ def test_a_trainer_broadcasts_weights_into_two_servers(servers, model_dir, other
     httpx.post(servers[0] + "/update_weights_from_disk", json={"model_path": model_dir})
 
 
-def test_a_server_that_refuses_an_update_leaves_the_group_out_of_step(servers, model_dir):
-    mine = load_file(str(Path(model_dir) / "model.safetensors"))
+def test_an_update_a_server_refuses_goes_to_none_and_the_group_stays_in_step(servers, model_dir, other_dir):
+    mine, other = (load_file(str(Path(d) / "model.safetensors")) for d in (model_dir, other_dir))
     trainer = GroupTrainer(servers, free_port(), group_name="refusing", timeout=10)
     try:
-        with pytest.raises(ValueError, match="'int8'"):  # refused here, before any server is asked: in step
+        assert trainer.handshake  # (both servers said so as they joined)
+        with pytest.raises(ValueError, match="'int8'"):  # refused here, before any server is asked
             trainer.send_weights({"model.norm.weight": torch.zeros(64, dtype=torch.int8)})
         assert all(r["success"] for r in trainer.send_weights(mine, weight_version="3"))
+        r = httpx.post(servers[1] + "/release_memory_occupation", json={"tags": ["weights"]}, timeout=60)
+        assert r.json()["success"], r.text  # (its weights asleep: that server refuses an update)
+        with pytest.raises(ValueError, match="before any weight went.*weights are asleep") as refused:
+            trainer.send_weights(other, weight_version="4")
+        assert not isinstance(refused.value, OutOfStep)
+        assert _greedy(servers[0]) == (_expected(model_dir), 3)  # the other server did not take it
+        assert httpx.post(servers[1] + "/resume_memory_occupation", json={"tags": ["weights"]}).json()["success"]
+        with pytest.raises(ValueError, match="before any weight went.*shape"):  # a shape the model has not
+            trainer.send_weights({"model.norm.weight": torch.zeros(3)})
+        assert all(r["success"] for r in trainer.send_weights(other, weight_version="4"))  # the group goes on (and
+        # the woken server, its weights given back, takes every one)
+        assert [_greedy(u) for u in servers] == [(_expected(other_dir), 4)] * 2
+
         r = httpx.post(servers[1] + "/destroy_weights_update_group", json={"group_name": "refusing"})
         assert r.json()["success"]  # (an operator's, say: that server refuses the next update before receiving)
-        with pytest.raises(OutOfStep, match="no group 'refusing' joined.*out of step"):
-            trainer.send_weights(mine, weight_version="4")
-        with pytest.raises(OutOfStep, match="no group 'refusing' joined"):  # and no more updates
+        with pytest.raises(ValueError, match="before any weight went.*no group 'refusing' joined"):
             trainer.send_weights(mine)
+        assert not trainer.broken
+        assert [_greedy(u)[1] for u in servers] == [4, 4]
+        r = httpx.post(servers[0] + "/destroy_weights_update_group", json={"group_name": "refusing"})
+        assert r.json()["success"], r.text  # (at once: the other server is not left receiving)
     finally:
         trainer.close(strict=False)
-    assert [_greedy(u) for u in servers] == [(_expected(model_dir), 3)] * 2  # (one weight a broadcast: not all came)
-    for _ in range(60):  # the other server leaves the group when the rest of the weights do not come (10 s)
-        r = httpx.post(servers[0] + "/destroy_weights_update_group", json={"group_name": "refusing"})
-        if r.status_code == 200:
-            break
-        assert "receiving an update already" in r.json()["message"]
-        time.sleep(0.5)
     trainer = GroupTrainer(servers, free_port(), group_name="refusing")  # both join again
     try:
         assert all(r["success"] for r in trainer.send_weights(mine))
@@ -129,7 +137,7 @@ def test_weights_that_do_not_come_are_a_400_and_the_server_goes_on(servers):
     port, url = free_port(), servers[1]
     joined: list = []
     t = threading.Thread(target=lambda: joined.append(torch_group("127.0.0.1", port, 2, 0, "slow",
-                                                                  datetime.timedelta(seconds=30))))
+                                                                  datetime.timedelta(seconds=30))[0]))
     t.start()
     r = httpx.post(url + "/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": port,
                                                             "rank_offset": 1, "world_size": 2, "group_name": "slow",
@@ -184,7 +192,7 @@ import sys, torch, torch.distributed as dist
 from safetensors.torch import load_file
 from rollwise.engine.group_transfer import torch_group
 port, path = int(sys.argv[1]), sys.argv[2]
-group = torch_group("127.0.0.1", port, 2, 0, "weight_update_group")
+group, _ = torch_group("127.0.0.1", port, 2, 0, "weight_update_group")
 for t in load_file(path).values():
     dist.broadcast(t.contiguous(), src=0, group=group)
 sys.stdin.readline()  # (the engine has them: then the group goes)
