@@ -16,9 +16,10 @@ streamed over HTTP to a `rollwise serve --enable-lora`.
 Then two `rollwise serve` replicas at once: vLLM 0.32's weight transfer on the gloo backend (the
 trainer broadcasts each tensor once to both; `rollwise.engine.weight_transfer.GlooTrainer`), and
 SGLang's update from a process group (`rollwise.engine.group_transfer.GroupTrainer`, one broadcast a
-tensor, and "flattened_bucket": one of all their bytes), against streaming the safetensors bytes to
-both over HTTP at once, and against a temporary directory for each; each timed until both hold the
-new version.
+tensor, and "flattened_bucket": one of all their bytes; and the group without the handshake before
+its broadcasts, rollwise.engine.handshake, for what that costs), against streaming the safetensors
+bytes to both over HTTP at once, and against a temporary directory for each; each timed until both
+hold the new version.
 
 Then a run's update to its HTTP replicas through the router (`Router.update_weights`, what each
 step of `rollwise train` with `replica_urls` waits on), by `replica_weights_via`: "broadcast" (one gloo
@@ -157,7 +158,7 @@ def to_two_replicas(model: str, weights: dict, repeats: int) -> dict:
     from rollwise.engine.weight_transfer import GlooTrainer, HTTPWeightSyncClient
     from rollwise.serve.process import free_port
     ms: dict[str, list[float]] = {"gloo_broadcast": [], "sglang_group": [], "sglang_flattened": [],
-                                  "http_stream_both": [], "http_file_both": []}
+                                  "sglang_group_no_handshake": [], "http_stream_both": [], "http_file_both": []}
     with ServerProcess(model) as a, ServerProcess(model) as b:
         trainer = GlooTrainer([HTTPWeightSyncClient(a.url), HTTPWeightSyncClient(b.url)], free_port())
         sglang = GroupTrainer([a.url, b.url], free_port())
@@ -184,9 +185,15 @@ def to_two_replicas(model: str, weights: dict, repeats: int) -> dict:
                 sglang.send_weights(weights, flattened=flat)
                 ms["sglang_flattened" if flat else "sglang_group"].append(1000 * (time.perf_counter() - t0))
                 assert versions() == [v + 2 + k] * 2
+            sglang.handshake = False  # (the broadcasts at once, as before the handshake: what it costs)
+            t0 = time.perf_counter()
+            sglang.send_weights(weights)
+            ms["sglang_group_no_handshake"].append(1000 * (time.perf_counter() - t0))
+            sglang.handshake = True
+            assert versions() == [v + 4] * 2
             for k, via in enumerate(("stream", "file")):
                 t0 = time.perf_counter()
-                asyncio.run(send(v + 4 + k, via))
+                asyncio.run(send(v + 5 + k, via))
                 ms[f"http_{via}_both"].append(1000 * (time.perf_counter() - t0))
         trainer.close()
         sglang.close()
@@ -194,7 +201,9 @@ def to_two_replicas(model: str, weights: dict, repeats: int) -> dict:
     g = out["gloo_broadcast"]
     print(f"\ntwo replicas: vLLM's gloo transfer {g:.1f} ms; SGLang's group {out['sglang_group']:.1f} ms "
           f"({out['sglang_group'] / g:.2f}x), flattened {out['sglang_flattened']:.1f} ms "
-          f"({out['sglang_flattened'] / g:.2f}x); safetensors streamed to both {out['http_stream_both']:.1f} ms "
+          f"({out['sglang_flattened'] / g:.2f}x), the group without the handshake before its broadcasts "
+          f"{out['sglang_group_no_handshake']:.1f} ms ({out['sglang_group_no_handshake'] / out['sglang_group']:.2f}x "
+          f"the group's); safetensors streamed to both {out['http_stream_both']:.1f} ms "
           f"({out['http_stream_both'] / g:.2f}x), through a directory each {out['http_file_both']:.1f} ms "
           f"({out['http_file_both'] / g:.2f}x)")
     return out

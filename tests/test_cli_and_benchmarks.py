@@ -536,7 +536,8 @@ def test_weight_sync_benchmark_smoke(tmp_path):
     res = smoke(tmp_path, "benchmarks/weight_sync.py", "--repeats", "2", "--model", str(tmp_path / "model"))
     assert set(res["ms"]) == {"in_process", "http_file", "http_stream"} and all(v > 0 for v in res["ms"].values())
     two = res["two_replicas"]  # (each arm checks both replicas serve its version)
-    assert set(two) == {"gloo_broadcast", "sglang_group", "sglang_flattened", "http_stream_both", "http_file_both"}
+    assert set(two) == {"gloo_broadcast", "sglang_group", "sglang_flattened", "sglang_group_no_handshake",
+                        "http_stream_both", "http_file_both"}
     assert all(v > 0 for v in two.values())
 
 

@@ -10,7 +10,9 @@ shapes) in a request and broadcasts them in that order: one broadcast a weight, 
 load_format "flattened_bucket" one broadcast of all their bytes one after another (SGLang's
 FlattenedTensorBucket). Each update is a weight update of the engine's own (`update_weights`): the
 weights named replace the newest ones' (a bucket of them, or all), requests in flight finish under
-the weights they began with. `GroupTrainer` is a trainer's side.
+the weights they began with. `GroupTrainer` is a trainer's side. Between rollwise's two sides each
+update's broadcasts wait for the handshake (handshake.py: every engine checked it and takes it);
+SGLang's trainers and servers send and take them at once.
 """
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ unless told.
 
 An engine stages what it receives and takes it at `finish_weight_update` as one weight update (a
 new version: requests in flight finish under the weights they began with, as with every update
-here), so a sync cut off midway changes nothing. `GlooTrainer` is the trainer's side.
+here), so a sync cut off midway changes nothing. `GlooTrainer` is the trainer's side; its updates'
+broadcasts wait for the handshake (handshake.py: every engine checked the update and takes it).
 """
 from __future__ import annotations
 

@@ -598,7 +598,8 @@ def test_weights_through_the_route(model_dir):
 
 def test_weight_transfer_through_the_route(model_dir, tmp_path):
     """vLLM 0.32's weight transfer through the route: each replica joins the trainer's gloo group at
-    its own rank, every weight reaches both in one broadcast each, and each takes them as one update."""
+    its own rank, every weight reaches both in one broadcast each, and each takes them as one update;
+    one that refuses an update (its weights asleep) calls it off for both."""
     from safetensors.torch import load_file
 
     from rollwise.engine.weight_transfer import GlooTrainer, HTTPWeightSyncClient
@@ -613,11 +614,20 @@ def test_weight_transfer_through_the_route(model_dir, tmp_path):
         try:
             world = httpx.get(url + "/get_world_size").json()["world_size"]
             trainer = GlooTrainer([HTTPWeightSyncClient(url)], free_port(), world_sizes=[world])
-            trainer.send_weights(load_file(str(other / "model.safetensors")), weight_version="step-1")
+            state = load_file(str(other / "model.safetensors"))
+            trainer.send_weights(state, weight_version="step-1")
+            assert httpx.get(a.url + "/weight_info").json() == {"weight_version": "step-1"}
+            assert httpx.post(b.url + "/release_memory_occupation", json={"tags": ["weights"]}).json()["success"]
+            with pytest.raises(ValueError, match="before any weight went.*asleep"):  # b refuses: a takes nothing
+                trainer.send_weights(state, weight_version="step-2")
+            assert httpx.get(a.url + "/health").json()["policy_version"] == 1
+            assert httpx.get(a.url + "/weight_info").json() == {"weight_version": "step-1"}
+            assert httpx.post(b.url + "/resume_memory_occupation", json={"tags": ["weights"]}).json()["success"]
+            trainer.send_weights(state, weight_version="step-2")  # (b, its weights given back, takes every one)
             for s in (a, b):
                 assert httpx.post(s.url + "/generate", json=body).json()["token_ids"] == expected
-                assert httpx.get(s.url + "/health").json()["policy_version"] == 1
-                assert httpx.get(s.url + "/weight_info").json() == {"weight_version": "step-1"}
+                assert httpx.get(s.url + "/health").json()["policy_version"] == 2
+                assert httpx.get(s.url + "/weight_info").json() == {"weight_version": "step-2"}
             assert httpx.post(url + "/start_weight_update").status_code == 200
             again = httpx.post(url + "/start_weight_update")  # (one under way on every replica: a replica's 400)
             assert again.status_code == 400 and "under way" in again.json()["error"]["message"]
