@@ -108,9 +108,9 @@ class GroupReceiver:
                 flattened: bool = False, update_id: int | None = None) -> dict[str, torch.Tensor]:
         """One update's weights, by name, as the trainer broadcasts them (flattened: in one broadcast).
         With `update_id` (a trainer's that takes part in the handshake) the engine's check first, and
-        the trainer's word (ValueError: refused or called off, the group in step). Weights that do not come (the trainer or another rank gone,
-        or the group's timeout passed) leave the group (it is out of step): its name stays, refusing
-        updates, until it is destroyed."""
+        the trainer's word (ValueError: refused or called off, the group in step). Weights that do not
+        come (the trainer or another rank gone, or the group's timeout passed) leave the group (it is
+        out of step): its name stays, refusing updates, until it is destroyed."""
         check_update(names, dtypes, shapes)
         group = self._take(group_name)
         try:

@@ -44,7 +44,8 @@ def agree(store, update_id: int, ranks: list[int], replies: list[Future], timeou
     wait for its broadcasts now). Else, at the first refusal (a verdict, or a reply that failed) or
     after `timeout` seconds, calls it off, waits for every reply and raises a ValueError: no weight
     went and the group is in step."""
-    pending, cause, deadline = {f"{HANDSHAKE}/{update_id}/ready/{r}": r for r in ranks}, None, time.monotonic() + timeout
+    pending = {f"{HANDSHAKE}/{update_id}/ready/{r}": r for r in ranks}
+    cause, deadline = None, time.monotonic() + timeout
     while pending and cause is None:
         for key in [k for k in pending if store.check([k])]:
             del pending[key]

@@ -16,11 +16,12 @@ broadcasts wait for the handshake (handshake.py: every engine checked the update
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
+import itertools
 import math
 import socket
-import itertools
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -292,7 +293,8 @@ class GlooTrainer:
                 agree(self.store, uid, ranks, receiving, self.timeout)
             except ValueError:  # (refused before any weight went: every engine ends the update, unchanged)
                 for c in self.clients:
-                    c.finish_weight_update()
+                    with contextlib.suppress(ValueError):  # (the refusal is the error to raise)
+                        c.finish_weight_update()
                 raise
             broadcast_while_replying(self.group, buffers, receiving)
         except OutOfStep as e:
