@@ -59,10 +59,11 @@ def agree(store, update_id: int, ranks: list[int], replies: list[Future], timeou
     if cause is None:
         store.set(f"{HANDSHAKE}/{update_id}/go", "go")
         return
-    store.set(f"{HANDSHAKE}/{update_id}/go", f"a receiver refused it ({first_line(cause)})")
+    text = first_line(cause)
+    word = text if isinstance(cause, TimeoutError) else f"a receiver refused it ({text})"
+    store.set(f"{HANDSHAKE}/{update_id}/go", word)
     wait(replies)  # (each receiver that took part has the word at once)
-    raise ValueError(f"the update was refused before any weight went ({first_line(cause)}); the group is in "
-                     "step") from cause
+    raise ValueError(f"the update was called off before any weight went ({text}); the group is in step") from cause
 
 
 def forget(store, update_id: int, ranks: list[int]) -> None:
