@@ -17,9 +17,9 @@ Then two `rollwise serve` replicas at once: vLLM 0.32's weight transfer on the g
 trainer broadcasts each tensor once to both; `rollwise.engine.weight_transfer.GlooTrainer`), and
 SGLang's update from a process group (`rollwise.engine.group_transfer.GroupTrainer`, one broadcast a
 tensor, and "flattened_bucket": one of all their bytes; and the group without the handshake before
-its broadcasts, rollwise.engine.handshake, for what that costs), against streaming the safetensors
-bytes to both over HTTP at once, and against a temporary directory for each; each timed until both
-hold the new version.
+its broadcasts, rollwise.engine.handshake, for what that costs, also on a bucket of one small
+tensor), against streaming the safetensors bytes to both over HTTP at once, and against a temporary
+directory for each; each timed until both hold the new version.
 
 Then a run's update to its HTTP replicas through the router (`Router.update_weights`, what each
 step of `rollwise train` with `replica_urls` waits on), by `replica_weights_via`: "broadcast" (one gloo
@@ -158,7 +158,8 @@ def to_two_replicas(model: str, weights: dict, repeats: int) -> dict:
     from rollwise.engine.weight_transfer import GlooTrainer, HTTPWeightSyncClient
     from rollwise.serve.process import free_port
     ms: dict[str, list[float]] = {"gloo_broadcast": [], "sglang_group": [], "sglang_flattened": [],
-                                  "sglang_group_no_handshake": [], "http_stream_both": [], "http_file_both": []}
+                                  "sglang_group_no_handshake": [], "http_stream_both": [], "http_file_both": [],
+                                  "sglang_one_small": [], "sglang_one_small_no_handshake": []}
     with ServerProcess(model) as a, ServerProcess(model) as b:
         trainer = GlooTrainer([HTTPWeightSyncClient(a.url), HTTPWeightSyncClient(b.url)], free_port())
         sglang = GroupTrainer([a.url, b.url], free_port())
@@ -195,6 +196,13 @@ def to_two_replicas(model: str, weights: dict, repeats: int) -> dict:
                 t0 = time.perf_counter()
                 asyncio.run(send(v + 5 + k, via))
                 ms[f"http_{via}_both"].append(1000 * (time.perf_counter() - t0))
+        small = dict([min(weights.items(), key=lambda kv: kv[1].nbytes)])  # (a bucket of one small tensor)
+        for _ in range(10 * repeats):
+            for hs in (True, False):
+                sglang.handshake = hs
+                t0 = time.perf_counter()
+                sglang.send_weights(small)
+                ms["sglang_one_small" + ("" if hs else "_no_handshake")].append(1000 * (time.perf_counter() - t0))
         trainer.close()
         sglang.close()
     out = {k: statistics.median(x) for k, x in ms.items()}
@@ -205,7 +213,8 @@ def to_two_replicas(model: str, weights: dict, repeats: int) -> dict:
           f"{out['sglang_group_no_handshake']:.1f} ms ({out['sglang_group_no_handshake'] / out['sglang_group']:.2f}x "
           f"the group's); safetensors streamed to both {out['http_stream_both']:.1f} ms "
           f"({out['http_stream_both'] / g:.2f}x), through a directory each {out['http_file_both']:.1f} ms "
-          f"({out['http_file_both'] / g:.2f}x)")
+          f"({out['http_file_both'] / g:.2f}x); a bucket of one small tensor through the group "
+          f"{out['sglang_one_small']:.2f} ms, without the handshake {out['sglang_one_small_no_handshake']:.2f} ms")
     return out
 
 

@@ -537,7 +537,7 @@ def test_weight_sync_benchmark_smoke(tmp_path):
     assert set(res["ms"]) == {"in_process", "http_file", "http_stream"} and all(v > 0 for v in res["ms"].values())
     two = res["two_replicas"]  # (each arm checks both replicas serve its version)
     assert set(two) == {"gloo_broadcast", "sglang_group", "sglang_flattened", "sglang_group_no_handshake",
-                        "http_stream_both", "http_file_both"}
+                        "http_stream_both", "http_file_both", "sglang_one_small", "sglang_one_small_no_handshake"}
     assert all(v > 0 for v in two.values())
 
 

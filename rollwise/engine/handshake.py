@@ -5,11 +5,13 @@ a broadcast (such a wait ends only at the group's timeout, the group out of step
 with an update that another refused. Both trainers (weight_transfer, group_transfer) use it."""
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 
 HANDSHAKE = "rollwise-update"  # (the keys' prefix in the group's store)
+POLL = datetime.timedelta(milliseconds=20)  # how often the trainer looks at the replies while it waits
 
 
 def refusal(replies: list[Future], default=None):
@@ -47,15 +49,17 @@ def agree(store, update_id: int, ranks: list[int], replies: list[Future], timeou
     pending = {f"{HANDSHAKE}/{update_id}/ready/{r}": r for r in ranks}
     cause, deadline = None, time.monotonic() + timeout
     while pending and cause is None:
-        for key in [k for k in pending if store.check([k])]:
+        try:  # (wakes as the last verdict comes; between waits, a reply that failed is a refusal too)
+            store.wait(list(pending), POLL)
+            came = list(pending)
+        except RuntimeError:  # (torch's DistStoreError: not all there yet)
+            came = [k for k in pending if store.check([k])]
+        for key, verdict in zip(came, store.multi_get(came) if came else []):
             del pending[key]
-            verdict = store.get(key).decode()
-            cause = cause or (ValueError(verdict) if verdict else None)
+            cause = cause or (ValueError(verdict.decode()) if verdict else None)
         cause = cause or refusal(replies)
-        if pending and cause is None:
-            if time.monotonic() > deadline:
-                cause = TimeoutError(f"ranks {sorted(pending.values())} did not answer within {timeout:g} s")
-            time.sleep(0.001)
+        if pending and cause is None and time.monotonic() > deadline:
+            cause = TimeoutError(f"ranks {sorted(pending.values())} did not answer within {timeout:g} s")
     if cause is None:
         store.set(f"{HANDSHAKE}/{update_id}/go", "go")
         return
