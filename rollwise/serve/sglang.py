@@ -88,11 +88,14 @@ async def update_from_group(engine, body: GroupUpdate) -> tuple[bool, str]:
     """SGLang's update_weights_from_distributed on an AsyncEngine: the weights named, received off the
     engine's thread (it keeps serving) as the trainer broadcasts them, then one weight update (a
     bucket replaces those weights of the newest; the same integer weight_version again writes into
-    that version). Whatever the update's fate, the broadcasts are taken, so the group stays usable."""
-    aborted = await engine.abort_all() if body.abort_all_requests else []
+    that version). Whatever the update's fate, the group stays usable: a refusal in the handshake
+    comes before any broadcast, one after it once they are all taken. abort_all_requests aborts the
+    requests in flight once the weights came, just before the update (a refused one aborts none)."""
+    aborted: list[str] = []
     try:
         weights = await asyncio.to_thread(engine.engine.group_receiver.receive, body.names, body.dtypes, body.shapes,
                                           body.group_name, body.load_format == "flattened_bucket", body.update_id)
+        aborted = await engine.abort_all() if body.abort_all_requests else []
         if weights:
             await engine.update_weights(weights, version_of(body.weight_version), body.partial_rollout)
     except ValueError as e:

@@ -6,9 +6,11 @@ requests are 400s with SGLang's {"success": false, "message"}, and the group and
 Also SGLang's offline Engine's methods, the trainer in a subprocess, as AReaL's and slime's are."""
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -126,6 +128,27 @@ def test_an_update_a_server_refuses_goes_to_none_and_the_group_stays_in_step(ser
         assert all(r["success"] for r in trainer.send_weights(mine))
     finally:
         trainer.close()
+
+
+def test_a_refused_update_aborts_no_request(servers):
+    """abort_all_requests aborts what is in flight just before the update: an update refused first
+    (here: no such group) leaves the requests running."""
+    url = servers[0]
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        going = pool.submit(httpx.post, url + "/generate", json=body, timeout=60)
+        for _ in range(200):
+            running = [x for x in httpx.get(url + "/metrics").text.splitlines()
+                       if x.startswith("vllm:num_requests_running{")]
+            if float(running[0].split()[-1]) >= 1:
+                break
+            time.sleep(0.01)
+        r = httpx.post(url + "/update_weights_from_distributed", json={
+            "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "none",
+            "abort_all_requests": True}, timeout=60)
+        assert r.status_code == 400 and "no group 'none' joined" in r.json()["message"], r.text
+        got = going.result().json()
+    assert got["meta_info"]["finish_reason"]["type"] == "length" and len(got["output_ids"]) == 240
 
 
 def test_weights_that_do_not_come_are_a_400_and_the_server_goes_on(servers):
