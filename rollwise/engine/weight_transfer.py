@@ -293,7 +293,7 @@ class GlooTrainer:
                 agree(self.store, uid, ranks, receiving, self.timeout)
             except ValueError:  # (refused before any weight went: every engine ends the update, unchanged)
                 for c in self.clients:
-                    with contextlib.suppress(ValueError):  # (the refusal is the error to raise)
+                    with contextlib.suppress(Exception):  # (one down, say: the refusal is the error to raise)
                         c.finish_weight_update()
                 raise
             broadcast_while_replying(self.group, buffers, receiving)
