@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from rollwise.engine.handshake import agree, forget, take_part
-from rollwise.engine.weight_transfer import (TIMEOUT, OutOfStep, broadcast_while_replying, check_update,
-                                              listening_store, receive_into)
+from rollwise.engine.handshake import take_part
+from rollwise.engine.weight_transfer import (TIMEOUT, OutOfStep, broadcast_agreed, check_update, listening_store,
+                                              receive_into)
 
 GROUP = "weight_update_group"  # SGLang's default group name
 BROKEN = "broken"  # a group that failed an update: left, its name kept until destroyed
@@ -198,16 +198,11 @@ class GroupTrainer:
         if flattened:
             tensors = [torch.cat([t.view(-1).view(torch.uint8) for t in tensors])] if tensors else []
         try:  # (every reply waited for: a server still receiving would refuse the next update)
-            if self.handshake:
-                agree(self.store, uid, ranks, replies, self.timeout)  # (a refusal: ValueError, in step)
-            out = broadcast_while_replying(self.group, tensors, replies)
+            return broadcast_agreed(self.group, self.store if self.handshake else None, uid, ranks, tensors, replies,
+                                    self.timeout)  # (a refusal in the handshake: CalledOff, in step)
         except OutOfStep as e:
             self.broken = str(e)
             raise
-        finally:
-            if self.handshake and all(r.done() for r in replies):
-                forget(self.store, uid, ranks)
-        return out
 
     def close(self, strict: bool = True) -> None:
         """Leave the group: every server destroys it, then this side. Not `strict` (after a failure):

@@ -14,6 +14,10 @@ HANDSHAKE = "rollwise-update"  # (the keys' prefix in the group's store)
 POLL = datetime.timedelta(milliseconds=20)  # how often the trainer looks at the replies while it waits
 
 
+class CalledOff(ValueError):
+    """An update called off in its handshake: no weight went, no receiver changed, the group in step."""
+
+
 def refusal(replies: list[Future], default=None):
     """The first error among the `replies` that came, in their order; else `default`."""
     return next((r.exception() for r in replies if r.done() and r.exception() is not None), default)
@@ -44,8 +48,7 @@ def take_part(store, update_id: int, rank: int, check: Callable[[], object]) -> 
 def agree(store, update_id: int, ranks: list[int], replies: list[Future], timeout: float) -> None:
     """The trainer's side: returns once the receivers of `ranks` all took update `update_id` (they
     wait for its broadcasts now). Else, at the first refusal (a verdict, or a reply that failed) or
-    after `timeout` seconds, calls it off, waits for every reply and raises a ValueError: no weight
-    went and the group is in step."""
+    after `timeout` seconds, calls it off, waits for every reply and raises `CalledOff`."""
     pending = {f"{HANDSHAKE}/{update_id}/ready/{r}": r for r in ranks}
     cause, deadline = None, time.monotonic() + timeout
     while pending and cause is None:
@@ -67,7 +70,7 @@ def agree(store, update_id: int, ranks: list[int], replies: list[Future], timeou
     word = text if isinstance(cause, TimeoutError) else f"a receiver refused it ({text})"
     store.set(f"{HANDSHAKE}/{update_id}/go", word)
     wait(replies)  # (each receiver that took part has the word at once)
-    raise ValueError(f"the update was called off before any weight went ({text}); the group is in step") from cause
+    raise CalledOff(f"the update was called off before any weight went ({text}); the group is in step") from cause
 
 
 def forget(store, update_id: int, ranks: list[int]) -> None:

@@ -29,7 +29,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 import torch
 import torch.distributed as dist
 
-from rollwise.engine.handshake import agree, first_line, forget, refusal, take_part
+from rollwise.engine.handshake import CalledOff, agree, first_line, forget, refusal, take_part
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TIMEOUT = datetime.timedelta(seconds=300)  # a rendezvous or a broadcast that waits longer fails (init_info's
@@ -105,6 +105,20 @@ def broadcast_while_replying(group, buffers: Iterable[torch.Tensor], replies: li
                         "join again") from cause
     wait(replies)
     return [r.result() for r in replies]
+
+
+def broadcast_agreed(group, store, update_id: int, ranks: list[int], buffers: Iterable[torch.Tensor],
+                     replies: list[Future], timeout: float) -> list:
+    """`broadcast_while_replying` once the receivers of `ranks` agreed to update `update_id` in the
+    handshake (`CalledOff` if not); `store` None: no handshake, the broadcasts at once (as SGLang's
+    servers take them). The handshake's keys are forgotten once every reply came."""
+    try:
+        if store is not None:
+            agree(store, update_id, ranks, replies, timeout)
+        return broadcast_while_replying(group, buffers, replies)
+    finally:
+        if store is not None and all(r.done() for r in replies):
+            forget(store, update_id, ranks)
 
 
 class OutOfStep(ValueError):
@@ -289,20 +303,15 @@ class GlooTrainer:
         buffers = (tensors[run[0]] if not self.packed else torch.cat([tensors[i].view(-1).view(torch.uint8)
                                                                       for i in run]) for run in runs)
         try:
-            try:
-                agree(self.store, uid, ranks, receiving, self.timeout)
-            except ValueError:  # (refused before any weight went: every engine ends the update, unchanged)
-                for c in self.clients:
-                    with contextlib.suppress(Exception):  # (one down, say: the refusal is the error to raise)
-                        c.finish_weight_update()
-                raise
-            broadcast_while_replying(self.group, buffers, receiving)
+            broadcast_agreed(self.group, self.store, uid, ranks, buffers, receiving, self.timeout)
+        except CalledOff:  # (no weight went: every engine ends the update, unchanged)
+            for c in self.clients:
+                with contextlib.suppress(Exception):  # (one down, say: the refusal is the error to raise)
+                    c.finish_weight_update()
+            raise
         except OutOfStep as e:
             self.broken = str(e)
             raise
-        finally:
-            if all(r.done() for r in receiving):
-                forget(self.store, uid, ranks)
         for c in self.clients:
             c.finish_weight_update(weight_version)
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch.distributed as dist
 
-from rollwise.engine.handshake import HANDSHAKE, agree, forget, take_part
+from rollwise.engine.handshake import HANDSHAKE, CalledOff, agree, forget, take_part
 from rollwise.engine.weight_transfer import listening_store
 from rollwise.serve.process import free_port
 
@@ -43,7 +43,7 @@ def test_one_refusal_calls_the_update_off_for_every_receiver(stores):
     checks = [lambda: None, _refuse("weights are asleep"), lambda: None]
     with ThreadPoolExecutor(3) as pool:
         replies = [pool.submit(take_part, s, 7, r, c) for (r, s), c in zip(enumerate(receivers, 1), checks)]
-        with pytest.raises(ValueError, match=r"before any weight went \(weights are asleep\); the group is in step"):
+        with pytest.raises(CalledOff, match=r"before any weight went \(weights are asleep\); the group is in step"):
             agree(trainer, 7, [1, 2, 3], replies, timeout=20)
         assert all(r.done() for r in replies)  # (the trainer waited for every reply)
         errors = [str(r.exception()) for r in replies]
@@ -56,13 +56,13 @@ def test_a_failed_reply_calls_it_off_and_a_silent_receiver_times_out(stores):
     with ThreadPoolExecutor(3) as pool:
         gone = pool.submit(_refuse("HTTP 401: a bearer API key is required"))  # (a reply that never took part)
         waiting = pool.submit(take_part, receivers[1], 2, 2, lambda: None)
-        with pytest.raises(ValueError, match="HTTP 401"):
+        with pytest.raises(CalledOff, match="HTTP 401"):
             agree(trainer, 2, [1, 2], [gone, waiting], timeout=20)
         with pytest.raises(ValueError, match="called the update off"):
             waiting.result(timeout=20)
 
         silent = pool.submit(lambda: None)  # (answers its request, never the handshake)
-        with pytest.raises(ValueError, match=r"ranks \[3\] did not answer within 0.3 s"):
+        with pytest.raises(CalledOff, match=r"ranks \[3\] did not answer within 0.3 s"):
             agree(trainer, 3, [3], [silent], timeout=0.3)
         with pytest.raises(ValueError, match=r"called the update off: ranks \[3\] did not answer"):
             take_part(receivers[2], 3, 3, lambda: None)  # (it came late: the update is off)

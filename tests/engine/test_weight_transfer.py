@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from rollwise import LLM, SamplingParams
 from rollwise.engine.async_llm import AsyncLLM
-from rollwise.engine.handshake import take_part
+from rollwise.engine.handshake import CalledOff, take_part
 from rollwise.engine.weight_transfer import EngineClient, GlooTrainer, OutOfStep, _group
 from rollwise.serve.process import free_port
 from rollwise.types import WeightVersionSpan
@@ -128,10 +128,10 @@ def test_an_update_an_engine_refuses_changes_nothing_and_the_group_goes_on(model
             trainer.send_weights({"model.norm.weight": torch.zeros(64, dtype=torch.int8)})
         trainer.send_weights(state, weight_version="v1")
         assert llm.engine.policy_version == 1 and llm.get_weight_version() == "v1"
-        with pytest.raises(ValueError, match="before any weight went.*unexpected weights"):  # the engine's check
+        with pytest.raises(CalledOff, match="before any weight went.*unexpected weights"):  # the engine's check
             trainer.send_weights({"model.nope.weight": torch.zeros(3)})
         client.refuse = "before"
-        with pytest.raises(ValueError, match="before any weight went.*not taking updates now") as refused:
+        with pytest.raises(CalledOff, match="before any weight went.*not taking updates now") as refused:
             trainer.send_weights(state, weight_version="v2")
         assert not isinstance(refused.value, OutOfStep) and not trainer.broken
         assert llm.engine.policy_version == 1 and llm.get_weight_version() == "v1"
