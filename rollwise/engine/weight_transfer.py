@@ -90,8 +90,8 @@ def broadcast_while_replying(group, buffers: Iterable[torch.Tensor], replies: li
     `replies` come; once all went, every reply (no receiver is still receiving when this returns): their
     results, or the first error in their order. A receiver that failed before the last broadcast (it
     did not take them all) or a broadcast that fails (a receiver gone; one that refused while a
-    broadcast was under way leaves it to the group's timeout: `agree` first prevents that) leaves the
-    group out of step: `OutOfStep`."""
+    broadcast was under way leaves it to the group's timeout: the handshake first, `broadcast_agreed`,
+    prevents that) leaves the group out of step: `OutOfStep`."""
     for b in buffers:
         cause = refusal(replies)
         if cause is None:
