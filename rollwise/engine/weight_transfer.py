@@ -226,12 +226,18 @@ class GlooReceiver:
         with self.lock:
             if self.staged is None:
                 raise ValueError("start_weight_update must be called before update_weights")
-            group, staged = self.group, self.staged
+            group, store, staged = self.group, self.store, self.staged
             self.receiving += 1
         try:
             if uid is not None:
-                take_part(self.store, uid, group.rank(), lambda: self.check and self.check(dict(zip(names, shapes))))
+                take_part(store, uid, group.rank(), lambda: self.check and self.check(dict(zip(names, shapes))))
             receive_into(staged, group, names, dtypes, shapes, self.packed)
+        except RuntimeError as e:  # (gloo's or the store's: the trainer gone, or the group's timeout passed)
+            with self.lock:  # the update is dropped (what came of it is not taken), the group left: out of step
+                if self.group is group:
+                    self.staged = self.group = self.store = None
+            raise ValueError(f"the weights did not come ({first_line(e)}): this update is dropped, nothing changed, "
+                             "and the trainer's group is left (out of step): init_weight_transfer_engine again") from e
         finally:
             with self.lock:
                 self.receiving -= 1

@@ -153,6 +153,37 @@ def test_an_update_an_engine_refuses_changes_nothing_and_the_group_goes_on(model
         trainer.close()
 
 
+def test_weights_that_stop_coming_drop_the_update_and_leave_the_group(model_dir, other_dir):
+    """A trainer that sends one weight of many and then nothing: the engine's receive ends at its
+    group's timeout, takes none of what came (a later finish_weight_update has nothing to apply) and
+    leaves the group, which is out of step; the engine goes on serving its weights."""
+    llm = LLM(model_dir)
+    before = llm.generate([PROMPTS[0]], GREEDY)[0].token_ids
+    state = load_file(str(Path(other_dir) / "model.safetensors"))
+    info = {"names": list(state), "dtype_names": ["float32"] * len(state),
+            "shapes": [list(t.shape) for t in state.values()]}
+    port, held = free_port(), []
+
+    def trainer() -> None:
+        _, group = _group("127.0.0.1", port, 0, 2, datetime.timedelta(seconds=60))
+        group.broadcast(next(iter(state.values())), 0).wait()
+        held.append(group)  # (kept open: the engine waits for the rest until its own timeout)
+
+    sender = threading.Thread(target=trainer)
+    sender.start()
+    llm.init_weight_transfer_engine({"init_info": {"master_address": "127.0.0.1", "master_port": port,
+                                                   "rank_offset": 1, "world_size": 2, "timeout_s": 2}})
+    llm.start_weight_update()
+    with pytest.raises(ValueError, match="did not come.*dropped, nothing changed.*init_weight_transfer_engine again"):
+        llm.update_weights({"update_info": info})
+    sender.join(30)
+    with pytest.raises(ValueError, match="without a matching start_weight_update"):
+        llm.finish_weight_update()  # (before: the one weight that came, taken as an update)
+    with pytest.raises(ValueError, match="no weight transfer"):
+        llm.start_weight_update()
+    assert llm.engine.policy_version == 0 and llm.generate([PROMPTS[0]], GREEDY)[0].token_ids == before
+
+
 def test_async_llm_receives_off_the_engine_thread(model_dir, other_dir):
     """AsyncLLM's weight transfer calls (vLLM 0.32's), a request served while an update is open."""
     state = load_file(str(Path(other_dir) / "model.safetensors"))
