@@ -299,8 +299,12 @@ class GlooTrainer:
                 "shapes": [list(t.shape) for _, t in items]}
         # (checked before any engine is asked: a bad update leaves the group in step)
         check_update(info["names"], info["dtype_names"], info["shapes"], dtype_key="dtype_names")
-        for c in self.clients:
-            c.start_weight_update()
+        for i, c in enumerate(self.clients):
+            try:
+                c.start_weight_update()
+            except Exception:  # (one under way already, say): those started end theirs, unchanged
+                self._end(self.clients[:i])
+                raise
         uid, ranks = next(self.updates), list(range(1, self.world_size))
         receiving = [self.pool.submit(c.update_weights, {**info, "update_id": uid}) for c in self.clients]
         tensors = [t.detach().contiguous() for _, t in items]
@@ -311,15 +315,20 @@ class GlooTrainer:
         try:
             broadcast_agreed(self.group, self.store, uid, ranks, buffers, receiving, self.timeout)
         except CalledOff:  # (no weight went: every engine ends the update, unchanged)
-            for c in self.clients:
-                with contextlib.suppress(Exception):  # (one down, say: the refusal is the error to raise)
-                    c.finish_weight_update()
+            self._end(self.clients)
             raise
         except OutOfStep as e:
             self.broken = str(e)
             raise
         for c in self.clients:
             c.finish_weight_update(weight_version)
+
+    @staticmethod
+    def _end(clients: list) -> None:
+        """End an update that sent no weight on these engines (nothing staged: no new version)."""
+        for c in clients:
+            with contextlib.suppress(Exception):  # (one down, say: what went wrong first is the error to raise)
+                c.finish_weight_update()
 
     def close(self) -> None:
         for c in self.clients:

@@ -153,6 +153,22 @@ def test_an_update_an_engine_refuses_changes_nothing_and_the_group_goes_on(model
         trainer.close()
 
 
+def test_an_engine_already_in_an_update_leaves_the_others_unstarted(model_dir, other_dir):
+    one, two = LLM(model_dir), LLM(model_dir)
+    state = load_file(str(Path(other_dir) / "model.safetensors"))
+    trainer = GlooTrainer([EngineClient(one), EngineClient(two)], free_port(), timeout=30)
+    try:
+        two.start_weight_update()  # (another trainer's update under way on the second engine)
+        with pytest.raises(ValueError, match="under way"):
+            trainer.send_weights(state)
+        assert one.engine.receiver.staged is None  # the first ended the update it had started
+        two.finish_weight_update()
+        trainer.send_weights(state, weight_version="v1")  # so the next goes to both
+        assert [(llm.engine.policy_version, llm.get_weight_version()) for llm in (one, two)] == [(1, "v1")] * 2
+    finally:
+        trainer.close()
+
+
 def test_weights_that_stop_coming_drop_the_update_and_leave_the_group(model_dir, other_dir):
     """A trainer that sends one weight of many and then nothing: the engine's receive ends at its
     group's timeout, takes none of what came (a later finish_weight_update has nothing to apply) and
