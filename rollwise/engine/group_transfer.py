@@ -115,8 +115,7 @@ class GroupReceiver:
         group = self._take(group_name)
         try:
             if update_id is not None:
-                take_part(self.stores[group_name], update_id, group.rank(),
-                          lambda: self.check and self.check(dict(zip(names, shapes))))
+                take_part(self.stores[group_name], update_id, group.rank(), self.check, dict(zip(names, shapes)))
             return receive_into({}, group, names, dtypes, shapes, packed=(1 << 62) if flattened else 0)
         except RuntimeError as e:  # (gloo's: the trainer gone, or no broadcast within the group's timeout)
             with self.lock:

@@ -28,12 +28,13 @@ def first_line(e: BaseException) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
-def take_part(store, update_id: int, rank: int, check: Callable[[], object]) -> None:
-    """A receiver's side of update `update_id`'s handshake: `check()`'s verdict to the trainer (a
-    ValueError or RuntimeError refuses the update), then the trainer's word. ValueError unless both
-    say go: the receiver then takes the broadcasts."""
+def take_part(store, update_id: int, rank: int, check: Callable[[dict], object] | None, shapes: dict) -> None:
+    """A receiver's side of update `update_id`'s handshake: `check(shapes)`'s verdict ({name: shape};
+    a ValueError or RuntimeError refuses the update; no check takes it) to the trainer, then the
+    trainer's word. ValueError unless both say go: the receiver then takes the broadcasts."""
     try:
-        check()
+        if check is not None:
+            check(shapes)
         verdict = ""
     except (ValueError, RuntimeError) as e:  # (the engine's EngineAsleep is a RuntimeError)
         verdict = str(e) or type(e).__name__

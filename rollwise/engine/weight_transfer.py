@@ -230,7 +230,7 @@ class GlooReceiver:
             self.receiving += 1
         try:
             if uid is not None:
-                take_part(store, uid, group.rank(), lambda: self.check and self.check(dict(zip(names, shapes))))
+                take_part(store, uid, group.rank(), self.check, dict(zip(names, shapes)))
             receive_into(staged, group, names, dtypes, shapes, self.packed)
         except RuntimeError as e:  # (gloo's or the store's: the trainer gone, or the group's timeout passed)
             with self.lock:  # the update is dropped (what came of it is not taken), the group left: out of step

@@ -23,7 +23,7 @@ def stores():
 
 
 def _refuse(why: str):
-    def check():
+    def check(shapes=None):
         raise ValueError(why)
     return check
 
@@ -31,7 +31,7 @@ def _refuse(why: str):
 def test_every_receiver_takes_the_update_then_the_trainer_says_go(stores):
     trainer, receivers = stores
     with ThreadPoolExecutor(3) as pool:
-        replies = [pool.submit(take_part, s, 1, r, lambda: None) for r, s in enumerate(receivers, 1)]
+        replies = [pool.submit(take_part, s, 1, r, None, {}) for r, s in enumerate(receivers, 1)]
         agree(trainer, 1, [1, 2, 3], replies, timeout=20)
         assert [r.result(timeout=20) for r in replies] == [None] * 3  # (each now takes the broadcasts)
     forget(trainer, 1, [1, 2, 3])
@@ -40,9 +40,10 @@ def test_every_receiver_takes_the_update_then_the_trainer_says_go(stores):
 
 def test_one_refusal_calls_the_update_off_for_every_receiver(stores):
     trainer, receivers = stores
-    checks = [lambda: None, _refuse("weights are asleep"), lambda: None]
+    checks = [None, _refuse("weights are asleep"), None]
     with ThreadPoolExecutor(3) as pool:
-        replies = [pool.submit(take_part, s, 7, r, c) for (r, s), c in zip(enumerate(receivers, 1), checks)]
+        replies = [pool.submit(take_part, s, 7, r, c, {"model.norm.weight": [64]})
+                   for (r, s), c in zip(enumerate(receivers, 1), checks)]
         with pytest.raises(CalledOff, match=r"before any weight went \(weights are asleep\); the group is in step"):
             agree(trainer, 7, [1, 2, 3], replies, timeout=20)
         assert all(r.done() for r in replies)  # (the trainer waited for every reply)
@@ -55,7 +56,7 @@ def test_a_failed_reply_calls_it_off_and_a_silent_receiver_times_out(stores):
     trainer, receivers = stores
     with ThreadPoolExecutor(3) as pool:
         gone = pool.submit(_refuse("HTTP 401: a bearer API key is required"))  # (a reply that never took part)
-        waiting = pool.submit(take_part, receivers[1], 2, 2, lambda: None)
+        waiting = pool.submit(take_part, receivers[1], 2, 2, None, {})
         with pytest.raises(CalledOff, match="HTTP 401"):
             agree(trainer, 2, [1, 2], [gone, waiting], timeout=20)
         with pytest.raises(ValueError, match="called the update off"):
@@ -65,4 +66,4 @@ def test_a_failed_reply_calls_it_off_and_a_silent_receiver_times_out(stores):
         with pytest.raises(CalledOff, match=r"ranks \[3\] did not answer within 0.3 s"):
             agree(trainer, 3, [3], [silent], timeout=0.3)
         with pytest.raises(ValueError, match=r"called the update off: ranks \[3\] did not answer"):
-            take_part(receivers[2], 3, 3, lambda: None)  # (it came late: the update is off)
+            take_part(receivers[2], 3, 3, None, {})  # (it came late: the update is off)

@@ -113,7 +113,7 @@ class _Refusing(EngineClient):
         if self.refuse == "before":
             raise ValueError("not taking updates now")
         if self.refuse == "midway":  # (as an engine gone after it said it takes the update)
-            take_part(self.llm.engine.receiver.store, update_info["update_id"], 1, lambda: None)
+            take_part(self.llm.engine.receiver.store, update_info["update_id"], 1, None, {})
             raise ValueError("gone midway")
         super().update_weights(update_info)
 
