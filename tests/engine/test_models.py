@@ -68,6 +68,20 @@ def test_save_and_reload_roundtrip(model_dirs, tmp_path):
     assert again.lm_head.weight.data_ptr() == again.model.embed_tokens.weight.data_ptr()  # still tied
 
 
+def test_loading_a_model_does_no_meta_math(model_dirs):
+    # torch runs an op on the meta device through its Python reference, whose first call imports sympy
+    # and torch._dynamo (1.8 s of every engine's start): the loader builds on meta and computes there
+    # nothing but empty tensors, so an engine's process never imports them
+    import subprocess
+    import sys
+    code = ("import sys; from rollwise.engine.models.loader import load_model; "
+            f"m = load_model({str(model_dirs['qwen3'])!r}, dtype='bfloat16'); "
+            "print(m.lm_head.weight.dtype, 'sympy' in sys.modules, 'torch._dynamo' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["torch.bfloat16", "False", "False"]
+
+
 def test_unsupported_family_is_a_clear_error(tmp_path):
     from rollwise.engine.models.llama import ModelConfig
     with pytest.raises(ValueError, match="supported"):

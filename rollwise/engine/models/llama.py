@@ -228,7 +228,9 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # no initial values on the meta device (the loader's; see CausalLM)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(
+            cfg.vocab_size, cfg.hidden_size) if torch.empty(0).is_meta else None)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -243,7 +245,11 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
+        # On the meta device (the loader's, which then reads the weights) no math: torch runs a meta op
+        # through its Python reference, whose first call imports torch._dynamo, 1.2 s of every engine's
+        # start. The loader makes the rope table after to_empty, which would leave it empty.
+        meta = torch.empty(0).is_meta
+        self.rope = None if meta else RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
         for name, m in self.named_modules():  # where LoRA adapters keep each linear's deltas
             if isinstance(m, Linear):
                 m.lora_key = name

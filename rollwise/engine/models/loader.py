@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -42,8 +43,10 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     cfg = ModelConfig.from_hf(read_hf_config(model_dir))
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)
-    model = model.to_empty(device=device).to(TORCH_DTYPES[dtype])
-    if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor: tie them again
+    for module in model.modules():  # each parameter made anew, empty (not to_empty: see materialize)
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, materialize(p, TORCH_DTYPES[dtype], device))
+    if cfg.tie_word_embeddings:  # each module has a tensor of its own now: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings).to(device)  # fp32 table
     if dummy:
@@ -53,6 +56,13 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     else:
         load_weights(model, load_state_dict(model_dir))
     return model.eval()
+
+
+def materialize(p: nn.Parameter, dtype: torch.dtype, device: str) -> nn.Parameter:
+    """A meta parameter's empty counterpart. `Module.to_empty` makes it with `empty_like`, which on the
+    meta device runs torch's Python reference and imports sympy on its first call: 0.6 s of every
+    engine's start."""
+    return nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), requires_grad=p.requires_grad)
 
 
 def load_weights(model: CausalLM, state: dict[str, torch.Tensor], partial: bool = False) -> set[int]:
