@@ -1,9 +1,12 @@
 """What a LoRA run and an MoE rollout send beside the shared types (`rollwise.types`): a policy's
-weights as a LoRA adapter, and routed experts in SGLang's wire encoding. Imports no torch."""
+weights as a LoRA adapter, and routed experts in SGLang's wire encoding; SGLang's default name of a
+weight-update group. Imports no torch."""
 from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
+
+GROUP = "weight_update_group"  # SGLang's default name of a weight-update group
 
 
 @dataclass(frozen=True, slots=True)

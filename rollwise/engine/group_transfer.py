@@ -29,8 +29,8 @@ from torch.distributed import distributed_c10d as c10d
 from rollwise.engine.handshake import take_part
 from rollwise.engine.weight_transfer import (TIMEOUT, OutOfStep, broadcast_agreed, check_update, listening_store,
                                               receive_into)
+from rollwise.wire import GROUP
 
-GROUP = "weight_update_group"  # SGLang's default group name
 BROKEN = "broken"  # a group that failed an update: left, its name kept until destroyed
 
 

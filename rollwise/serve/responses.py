@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from rollwise.agent.parsing import HermesParser, ToolCallParser, openai_tool_calls as tool_calls
 from rollwise.agent.reasoning import ReasoningParser, ReasoningStream
 from rollwise.config import ServerConfig
-from rollwise.engine.async_llm import deltas
+from rollwise.engine.deltas import deltas
 from rollwise.serve.protocol import ChatCompletionRequest, CompletionRequest
 from rollwise.types import RequestOutput, SamplingParams
 from rollwise.wire import encode_routing, npy64

@@ -18,12 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollwise import __version__
 from rollwise.config import ServerConfig
-from rollwise.engine.group_transfer import GROUP
 from rollwise.serve.protocol import AbortRequest
 from rollwise.serve.responses import _piece, choice_samples, error, generate_json, weights_refused
 from rollwise.serve.streams import gather_or_cancel
 from rollwise.types import RequestOutput, SamplingParams
-from rollwise.wire import encode_routing
+from rollwise.wire import GROUP, encode_routing
 
 
 class UpdateFromDiskRequest(BaseModel):

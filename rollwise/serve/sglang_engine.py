@@ -19,12 +19,12 @@ from pydantic import ValidationError
 
 from rollwise.peer_args import sglang_args
 from rollwise.engine.async_engine import AsyncEngine
-from rollwise.engine.async_llm import deltas
+from rollwise.engine.deltas import deltas
 from rollwise.serve.protocol import GenerateRequest
 from rollwise.serve.responses import generate_json
-from rollwise.engine.group_transfer import GROUP
 from rollwise.serve.sglang import (GroupUpdate, abort_rid, generate_batch, generate_params, generate_samples, is_batch,
                                    server_info, sglang_fields, update_from_group, weights_by_name)
+from rollwise.wire import GROUP
 
 UNTAKEN = {"image_data": None, "audio_data": None, "video_data": None, "token_ids_logprob": None,
            "custom_logit_processor": None, "return_hidden_states": False, "session_params": None}  # (what they must be)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from pydantic import Field
 
-from rollwise.engine.async_llm import deltas
+from rollwise.engine.deltas import deltas
 from rollwise.serve.handlers import unless_disconnected
 from rollwise.serve.lora import with_adapter
 from rollwise.serve.protocol import _Strict
