@@ -74,13 +74,15 @@ async def chat_reply(gen, body, request: Request, samples: list[tuple], rid: str
     """/v1/chat/completions over `gen`, the chat already rendered to `prompt_ids`; tool calls in the
     `parser`'s format (default Hermes); a thinking model's reasoning apart with a `reasoning` parser."""
     parser = bind(parser or HermesParser(), body.tools)  # (the tools' schemas type qwen3_coder's values)
+    reasoning = reasoning if body.separate_reasoning else None  # (SGLang's: the reasoning left in the content)
     if body.stream:
         finals: list = []
         return sse(await primed(with_usage(merged([
             stream_chat(gen, p, sp, rid, j, model, body.logprobs, g, parser if parses_tools(body) else None,
                         finished=finals, return_token_ids=body.return_token_ids, reasoning=reasoning,
                         one_call=not body.parallel_tool_calls, as_ids=body.return_tokens_as_token_ids,
-                        include_reasoning=body.include_reasoning, engine_id=r, echo=body.echoed(), **opt)
+                        include_reasoning=body.include_reasoning, stream_reasoning=body.stream_reasoning,
+                        engine_id=r, echo=body.echoed(), **opt)
             for j, (p, sp, r, g, opt) in enumerate(samples)]), body, finals,
             {"id": rid, "object": "chat.completion.chunk", "model": model})))
     outs = await _outputs(gen, request, samples)

@@ -62,10 +62,21 @@ class _OpenAISampling(_Strict):
     stream_interval: int | None = None  # vLLM's: a stream's chunks every this many tokens (the first at once)
     # vLLM's: values for custom extensions, as SamplingParams.extra_args (carried; this engine has none)
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    # SGLang's OpenAI fields, which sglang-router sets on every request it passes on: no_stop_trim keeps
+    # the stop string (as include_stop_str_in_output); hidden states are not returned here (false only)
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
     # session metadata for schedulers (trajectory, group, turn)
     trajectory_id: str | None = None
     group_id: str | None = None
     turn: int | None = None
+
+    @field_validator("return_hidden_states")
+    @classmethod
+    def _no_hidden_states(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("return_hidden_states: this server returns no hidden states (SGLang's field: false only)")
+        return v
 
     def sampling(self, max_tokens: int, top_logprobs: int = 0, tokenizer=None, parser=None,
                  defaults: dict | None = None) -> SamplingParams:
@@ -86,7 +97,7 @@ class _OpenAISampling(_Strict):
                               skip_special_tokens=self.skip_special_tokens,
                               spaces_between_special_tokens=self.spaces_between_special_tokens,
                               prompt_logprobs=self.prompt_logprobs,
-                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
                               structured_outputs=self.structured(tokenizer, parser),
                               repetition_detection=self.repetition_detection,
                               thinking_token_budget=self.thinking_token_budget, stream_interval=self.stream_interval,
@@ -200,6 +211,10 @@ class ChatCompletionRequest(_OpenAISampling):
     continue_final_message: bool = False
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs' tokens as "token_id:N"
     include_reasoning: bool = True  # vLLM's: false leaves a thinking model's reasoning out of the reply
+    # SGLang's: false leaves the reasoning in the content, tags and all (no split); stream_reasoning false
+    # streams it as one delta, once it ends
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
     # OpenAI's fields that change nothing here, taken (as vLLM takes them) so that the clients
     # which send them work: effort (a template that reads it gets it as chat_template_kwargs),
     # storage, tiers, cache keys, user ids, verbosity

@@ -264,7 +264,7 @@ async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs
                       tools: ToolCallParser | None = None, finished: list | None = None,
                       return_token_ids: bool = False, reasoning: ReasoningParser | None = None,
                       one_call: bool = False, as_ids: bool = False, include_reasoning: bool = True,
-                      engine_id: str | None = None, echo: str = "", **options):
+                      stream_reasoning: bool = True, engine_id: str | None = None, echo: str = "", **options):
     """Chat chunks. With `tools` (the parser of the model's tool calls), the content stops where a
     call may begin (Hermes: before the first `<tool_call>`, holding back what may begin one); at the
     end the reply's tool calls come as one delta, finish reason "tool_calls", or, if it has none (or
@@ -273,11 +273,12 @@ async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs
     it. With `return_token_ids`, each chunk's new token ids, and the prompt's in the first chunk.
     `one_call`: the request's parallel_tool_calls is false (its first call only); `as_ids`: logprobs'
     tokens as "token_id:N"; not `include_reasoning`: the reasoning is left out (its chunks empty);
+    not `stream_reasoning` (SGLang's): the reasoning is held and sent as one delta once it ends;
     `engine_id`: the engine's request id (default `rid-index`); `echo`: text the content begins with
     (vLLM's echo), sent in the first chunk."""
     tok = engine.tokenizer
     # each chunk's work is bounded by its own text, not the reply so far (a long reply streams in linear time)
-    first, whole, text, sent, content_began = True, "", "", 0, False
+    first, whole, text, sent, content_began, held = True, "", "", 0, False, ""
     thinking = ReasoningStream(reasoning) if reasoning else None
     async with aclosing(deltas(engine, ids, params, engine_id or f"{rid}-{index}", group_id, **options)) as steps:
         async for new_ids, lps, tops, delta, final in steps:
@@ -291,6 +292,9 @@ async def stream_chat(engine, ids, params, rid, index: int, model, with_logprobs
                 else:
                     whole += delta  # (extended in place: nothing else holds the string)
                 said, at = thinking.feed(whole, final=final is not None)
+                if not stream_reasoning:  # held until the reasoning ends (the content begins, or the reply)
+                    held += said
+                    said, held = (held, "") if at is not None or final else ("", held)
                 if said and include_reasoning:
                     d = {"reasoning_content": said, "reasoning": said}
                 if at is None:

@@ -481,6 +481,27 @@ def test_streamed_text_never_passes_a_stop_string(client):
         assert "".join(c["choices"][0]["text"] for c in chunks) == whole, stop
 
 
+def test_sglangs_openai_fields_as_sglang_router_sends_them(client):
+    # sglang-router (smg) adds no_stop_trim and return_hidden_states to every completion it passes on,
+    # and separate_reasoning and stream_reasoning to every chat, at SGLang's defaults: taken
+    msgs = [{"role": "user", "content": "Find the agent"}]
+    sgl = {"no_stop_trim": False, "return_hidden_states": False}
+    chat = {"messages": msgs, "temperature": 0, "max_tokens": 16}
+    plain = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+    r = client.post("/v1/chat/completions", json=chat | sgl | {"separate_reasoning": True, "stream_reasoning": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == plain
+    cmpl = {"prompt": [5, 6, 7], "temperature": 0, "max_tokens": 16}
+    text = client.post("/v1/completions", json=cmpl | sgl).json()["choices"][0]["text"]
+    stop = text[6:9]  # no_stop_trim: the stop string stays in the text, as include_stop_str_in_output keeps it
+    cut = client.post("/v1/completions", json=cmpl | {"stop": [stop]}).json()["choices"][0]["text"]
+    kept = client.post("/v1/completions", json=cmpl | {"stop": [stop], "no_stop_trim": True}).json()["choices"][0]
+    assert kept["text"] == cut + stop and text.startswith(kept["text"])
+    for path, body in (("/v1/completions", cmpl), ("/v1/chat/completions", chat)):  # hidden states: a clear 400
+        r = client.post(path, json=body | {"return_hidden_states": True})
+        assert r.status_code == 400 and "no hidden states" in r.json()["error"]["message"], path
+    _alive(client)
+
+
 def test_streamed_text_is_decoded_a_step_at_a_time_and_adds_up(client, model_dir):
     """The stream decodes each step's new tokens only (`Tokenizer.decoder`): the same text as the
     whole output decoded at once, a character split across tokens shown once whole, special tokens

@@ -106,6 +106,16 @@ def test_serve_with_a_reasoning_parser(model_dir):
         deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
         assert "".join(d.get("reasoning_content") or "" for d in deltas) == m["reasoning_content"]
         assert "".join(d.get("content") or "" for d in deltas) == m["content"]
+        # SGLang's separate_reasoning false: no split, the reasoning left in the content, tags and all
+        whole = post(answer | {"separate_reasoning": False}).json()["choices"][0]["message"]
+        assert "reasoning_content" not in whole and whole["content"].startswith("<think>")
+        assert m["reasoning_content"] in whole["content"] and whole["content"].endswith(m["content"])
+        # its stream_reasoning false: the reasoning held and sent as one delta once it ends
+        held = post(answer | {"stream": True, "stream_reasoning": False}).text
+        chunks = [json.loads(x[6:]) for x in held.splitlines() if x.startswith("data: {")]
+        deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
+        assert [d["reasoning_content"] for d in deltas if d.get("reasoning_content")] == [m["reasoning_content"]]
+        assert "".join(d.get("content") or "" for d in deltas) == m["content"]
         c = post(calling).json()["choices"][0]
         assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
         assert c["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 5}'}
