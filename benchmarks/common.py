@@ -77,6 +77,17 @@ def cpu_seconds(pid: int) -> float:
     return _cpu_ticks(pid) / os.sysconf("SC_CLK_TCK")
 
 
+def resident_mb(pid: int) -> float:
+    """Resident memory (VmRSS) of `pid` and its descendants in MiB (Linux /proc); 0 for processes gone."""
+    try:
+        kb = next(int(x.split()[1]) for x in Path(f"/proc/{pid}/status").read_text().splitlines()
+                  if x.startswith("VmRSS:"))
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except (FileNotFoundError, ProcessLookupError, StopIteration):
+        return 0.0
+    return kb / 1024 + sum(resident_mb(int(k)) for k in kids)
+
+
 def _cpu_ticks(pid: int) -> int:
     """CPU clock ticks used by `pid` and its descendants (Linux /proc); 0 for processes gone."""
     total = 0

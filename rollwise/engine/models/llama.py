@@ -246,8 +246,8 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # On the meta device (the loader's, which then reads the weights) no math: torch runs a meta op
-        # through its Python reference, whose first call imports torch._dynamo, 1.2 s of every engine's
-        # start. The loader makes the rope table after to_empty, which would leave it empty.
+        # through its Python reference, whose first call imports sympy and torch._dynamo (1.2-1.8 s of
+        # every engine's start). The loader makes the rope table once the model's tensors are real.
         meta = torch.empty(0).is_meta
         self.rope = None if meta else RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
         for name, m in self.named_modules():  # where LoRA adapters keep each linear's deltas
