@@ -79,26 +79,28 @@ def cpu_seconds(pid: int) -> float:
 
 def resident_mb(pid: int) -> float:
     """Resident memory (VmRSS) of `pid` and its descendants in MiB (Linux /proc); 0 for processes gone."""
-    try:
-        kb = next(int(x.split()[1]) for x in Path(f"/proc/{pid}/status").read_text().splitlines()
-                  if x.startswith("VmRSS:"))
-        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except (FileNotFoundError, ProcessLookupError, StopIteration):
-        return 0.0
-    return kb / 1024 + sum(resident_mb(int(k)) for k in kids)
+    return _tree_sum(pid, lambda p: next(int(x.split()[1]) for x in Path(f"/proc/{p}/status").read_text().splitlines()
+                                         if x.startswith("VmRSS:"))) / 1024
 
 
 def _cpu_ticks(pid: int) -> int:
     """CPU clock ticks used by `pid` and its descendants (Linux /proc); 0 for processes gone."""
-    total = 0
-    kids = Path(f"/proc/{pid}/task/{pid}/children")
+    return _tree_sum(pid, lambda p: sum(int(x) for x in
+                                        Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[11:13]))
+
+
+def _tree_sum(pid: int, own) -> int:
+    """own(pid) summed over `pid` and its descendants (Linux /proc); a process gone (or without the
+    figure) counts 0."""
     try:
-        total += sum(int(x) for x in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13])
-        for child in kids.read_text().split():
-            total += _cpu_ticks(int(child))
-    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
-        pass
-    return total
+        total = own(pid)
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError, StopIteration):
+        return 0
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except (FileNotFoundError, ProcessLookupError):
+        kids = []
+    return total + sum(_tree_sum(int(k), own) for k in kids)
 
 
 def settle(pids: list[int], idle: float = 0.05, window: float = 0.25, timeout: float = 10.0) -> float:

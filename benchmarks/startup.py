@@ -27,7 +27,7 @@ import httpx
 from rollwise.omp import passive_env, passive_unless_chosen
 passive_unless_chosen()  # (this process loads no torch; the servers get passive_env)
 
-from rollwise.serve.process import ServerProcess, free_port, log_tail  # noqa: E402
+from rollwise.serve.process import ServerProcess, free_port, wait_for_http  # noqa: E402
 
 from common import (PEERS, cpu_seconds, engine_model, resident_mb, vllm_command,  # noqa: E402  (benchmarks/common.py)
                     write_json)
@@ -51,17 +51,7 @@ def one_start(cmd: list[str], env: dict, port: int, timeout: float = 300.0) -> d
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[:3]} exited with {proc.returncode}: {log_tail(log)}")
-            if time.perf_counter() - t0 > timeout:
-                raise TimeoutError(f"{cmd[:3]} not ready in {timeout} s")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.02)
+        wait_for_http(url + "/health", proc, timeout, ok=lambda r: r.status_code == 200, log=log, interval=0.02)
         ready, cpu, rss = time.perf_counter() - t0, cpu_seconds(proc.pid), resident_mb(proc.pid)
         r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "The agent", "max_tokens": 1}, timeout=60)
         r.raise_for_status()

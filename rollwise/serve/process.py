@@ -38,10 +38,12 @@ def log_tail(log: IO[bytes], chars: int = 2000) -> str:
 
 
 def wait_for_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 120.0,
-                  ok: Callable[[httpx.Response], bool] = lambda r: True, log: IO[bytes] | None = None) -> None:
-    """Return once `url` answers a GET with a response `ok` accepts (any, by default); a
-    RuntimeError if `proc` (the server's process) exits first, with the tail of `log` (the file its
-    stderr goes to) or of its stderr if piped, and a TimeoutError after `timeout` seconds."""
+                  ok: Callable[[httpx.Response], bool] = lambda r: True, log: IO[bytes] | None = None,
+                  interval: float = 0.1) -> None:
+    """Return once `url` answers a GET with a response `ok` accepts (any, by default), asking every
+    `interval` seconds; a RuntimeError if `proc` (the server's process) exits first, with the tail of
+    `log` (the file its stderr goes to) or of its stderr if piped, and a TimeoutError after `timeout`
+    seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -53,7 +55,7 @@ def wait_for_http(url: str, proc: subprocess.Popen | None = None, timeout: float
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.1)
+        time.sleep(interval)
     raise TimeoutError(f"{url} did not answer in {timeout}s")
 
 
