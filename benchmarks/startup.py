@@ -29,8 +29,8 @@ passive_unless_chosen()  # (this process loads no torch; the servers get passive
 
 from rollwise.serve.process import ServerProcess, free_port, wait_for_http  # noqa: E402
 
-from common import (PEERS, cpu_seconds, engine_model, resident_mb, vllm_command,  # noqa: E402  (benchmarks/common.py)
-                    write_json)
+from common import (cpu_seconds, engine_model, resident_mb, sglang_router_command,  # noqa: E402  (benchmarks/common.py)
+                    vllm_command, write_json)
 
 IN_PROCESS = """
 import json, sys, time
@@ -90,15 +90,12 @@ def main() -> None:
                 "--port", str(port)], passive_env()
 
     def sglang_router(port):
-        return [str(PEERS / "bin" / "sglang-router"), "launch", "--worker-urls", replica.url, "--policy",
-                "cache_aware", "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-                "--prometheus-port", str(free_port()), "--tokenizer-path", model], \
-            dict(passive_env(), HF_HUB_OFFLINE="1")
+        return sglang_router_command([replica.url], port, model), dict(passive_env(), HF_HUB_OFFLINE="1")
     sides = {"rollwise": (rollwise, None), "route": (route, None)}  # side: (command, the side it is compared with)
     if not (args.smoke or args.no_peers) and vllm_command(model, 2048, 0) is not None:
         sides["vllm"] = (lambda port: vllm_command(model, 2048, port), "rollwise")  # (its defaults: torch.compile)
         sides["vllm_eager"] = (lambda port: vllm_command(model, 2048, port, extra=("--enforce-eager",)), "rollwise")
-    if not (args.smoke or args.no_peers) and (PEERS / "bin" / "sglang-router").exists():
+    if not (args.smoke or args.no_peers) and sglang_router_command([], 0, model) is not None:
         sides["sglang_router"] = (sglang_router, "route")
     runs: dict[str, list[dict]] = {k: [] for k in sides}
     in_process = []
