@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -242,10 +243,15 @@ def test_chaos_every_request_ends_and_seeded_ones_keep_their_tokens(model_dir, s
         except StepFailed:
             ended.append("failed") if sp.seed == 13 else wrong.append(("a bystander failed", sp))
 
+    async def steps(n):  # n engine steps (or 2 s without one): the pace is the engine's, however loaded
+        start, t0 = eng.engine.stats["num_steps"], time.monotonic()
+        while eng.engine.stats["num_steps"] < start + n and time.monotonic() < t0 + 2:
+            await asyncio.sleep(0.005)
+
     async def control():
         first = True  # (an abort of all in flight first, so that a fast run still sees one)
         while True:
-            await asyncio.sleep(0.05 + rng.random() * 0.1)
+            await steps(rng.randint(6, 24))
             op, first = 1 if first else rng.randrange(10), False
             if op == 0 and (ids := await eng.call(lambda: list(eng.engine.seqs))):
                 await eng.abort(rng.choice(ids))

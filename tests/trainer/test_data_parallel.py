@@ -3,6 +3,7 @@ step one process takes, on real model forwards and backwards."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -147,6 +148,14 @@ class _ParityReward(CalculatorEnv):
         return float(len(answer) % 2)
 
 
+def _rollouts(run_dir) -> dict:
+    """A run's groups by seq: each episode's status, reward, messages and tokens (what a deterministic
+    run must repeat)."""
+    groups = [json.loads(line) for line in (run_dir / "groups.jsonl").read_text().splitlines()]
+    return {g["seq"]: [(t["status"], t["reward"], t["messages"], t["token_ids"]) for t in g["trajectories"]]
+            for g in groups}
+
+
 @pytest.mark.parametrize("options", [{"trainer_processes": 2}, {"trainer_apart": True}], ids=["two_ranks", "apart"])
 def test_a_run_on_trainer_processes_trains_as_one_and_resumes(model_dir, tmp_path, monkeypatch, options):
     """`rollwise train` with trainer_processes = 2, or with the trainer apart: a deterministic run's
@@ -161,6 +170,9 @@ def test_a_run_on_trainer_processes_trains_as_one_and_resumes(model_dir, tmp_pat
                 trainer_threads=2, lr=1e-3)
     one = train(TrainConfig.from_dict({**tiny, "run_dir": str(tmp_path / "one"), "steps": 2}))
     two = train(TrainConfig.from_dict({**tiny, "run_dir": str(tmp_path / "two"), "steps": 2, **options}))
+    r1, r2 = _rollouts(tmp_path / "one"), _rollouts(tmp_path / "two")  # (the 4 groups the 2 steps trained on)
+    parted = next(((seq, a, b) for seq in range(4) for a, b in zip(r1[seq], r2[seq]) if a != b), None)
+    assert parted is None, (parted, one["sft"], two["sft"])  # (where they parted, and the warm starts)
     for a, b in zip(one["steps"], two["steps"]):
         assert a["trained_tokens"] == b["trained_tokens"] > 0
         if "trainer_apart" in options:  # one process, apart: the same arithmetic
