@@ -16,11 +16,15 @@ SGLang's trainers and servers send and take them at once.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
+import os
+import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,7 +32,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from rollwise.engine.handshake import take_part
 from rollwise.engine.weight_transfer import (TIMEOUT, OutOfStep, broadcast_agreed, check_update, listening_store,
-                                              receive_into)
+                                              receive_into, resolve)
 from rollwise.wire import GROUP
 
 BROKEN = "broken"  # a group that failed an update: left, its name kept until destroyed
@@ -43,11 +47,47 @@ def torch_group(address: str, port: int, world_size: int, rank: int, group_name:
     else:
         store, rank, world_size = next(c10d.rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
-    group, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend),
-                                              c10d.PrefixStore(group_name, store), group_name=group_name,
-                                              timeout=timeout)
+    with _device_on(address):
+        group, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend),
+                                                  c10d.PrefixStore(group_name, store), group_name=group_name,
+                                                  timeout=timeout)
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group, store
+
+
+_DEVICE = threading.Lock()  # (the environment that gloo's default device is read from, while a group is built)
+
+
+@contextlib.contextmanager
+def _device_on(address: str):
+    """torch's group builder takes no gloo options, and gloo's default device listens on the address
+    this host's name resolves to: in a cluster, one other hosts reach. For a group on a loopback
+    address, the group is built with the loopback's interface (gloo's GLOO_SOCKET_IFNAME, set meanwhile)
+    so its sockets listen there alone, as the trainer's store does; other groups keep gloo's default."""
+    if not resolve(address)[1].is_loopback:
+        yield
+        return
+    with _DEVICE:
+        before = os.environ.get("GLOO_SOCKET_IFNAME")
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("GLOO_SOCKET_IFNAME", None)
+            else:
+                os.environ["GLOO_SOCKET_IFNAME"] = before
+
+
+def loopback_interface() -> str:
+    """The loopback's network interface (Linux: "lo"), as GLOO_SOCKET_IFNAME names one."""
+    for _, name in socket.if_nameindex():
+        try:
+            if int(Path(f"/sys/class/net/{name}/flags").read_text(), 16) & 0x8:  # IFF_LOOPBACK
+                return name
+        except (OSError, ValueError):
+            pass
+    return "lo"
 
 
 class GroupReceiver:

@@ -140,12 +140,17 @@ def listening_store(address: str, port: int, world_size: int, timeout: datetime.
     return store
 
 
+def resolve(address: str) -> tuple[str, ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """(the address a host name resolves to, as an ip_address)"""
+    host = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)[0][4][0]
+    return host, ipaddress.ip_address(host.split("%")[0])
+
+
 def gloo_options(address: str, rank: int, timeout: datetime.timedelta):
     """A gloo group's options whose device listens where the group's ranks meet: on the loopback for a
     group on a loopback address, on `address` for its rank 0; else gloo's default (the address this
     host's name resolves to, or GLOO_SOCKET_IFNAME's)."""
-    host = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)[0][4][0]
-    ip = ipaddress.ip_address(host.split("%")[0])
+    host, ip = resolve(address)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if ip.is_loopback or (

@@ -289,3 +289,55 @@ def test_the_trainers_group_listens_on_its_address_alone():
     opened = [a for inode, a in _listening().items() if inode not in before]
     assert len(opened) >= 2 and set(opened) == {"0100007F"}, opened
     comm.close()
+
+
+def _outside_interface() -> str | None:
+    """A network interface with an IPv4 address off the loopback (SIOCGIFADDR), if this machine has one."""
+    import fcntl
+    import socket
+    import struct
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+        if not socket.inet_ntoa(raw[20:24]).startswith("127."):
+            return name
+    return None
+
+
+def test_an_sglang_style_group_on_the_loopback_listens_there_alone(monkeypatch):
+    """torch's group builder (SGLang's layout: group_transfer.torch_group) takes no gloo options, and
+    gloo's default device listens on the address this host's name resolves to, or GLOO_SOCKET_IFNAME's:
+    here an interface other hosts reach (where the machine has one). An engine's group on 127.0.0.1
+    listens on the loopback alone, leaves the environment as it was, and takes a broadcast from a
+    trainer whose device is gloo's default (as SGLang's trainers build theirs)."""
+    import os
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    from rollwise.engine.group_transfer import torch_group
+    outside = _outside_interface()
+    if outside is not None:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", outside)
+    port = free_port()
+    trainer = subprocess.Popen([sys.executable, "-c", (
+        "import contextlib, datetime, torch; import rollwise.engine.group_transfer as g\n"
+        "g._device_on = lambda address: contextlib.nullcontext()  # (gloo's default device, as SGLang's trainers)\n"
+        f"group, _ = g.torch_group('127.0.0.1', {port}, 2, 0, 'here', datetime.timedelta(seconds=60))\n"
+        "group.broadcast(torch.arange(4.0), 0).wait()")])
+    try:
+        before = _listening()
+        group, _ = torch_group("127.0.0.1", port, 2, 1, "here", datetime.timedelta(seconds=60))
+        opened = [a for inode, a in _listening().items() if inode not in before]
+        assert opened and set(opened) == {"0100007F"}, opened  # 127.0.0.1 alone
+        assert os.environ.get("GLOO_SOCKET_IFNAME") == outside
+        got = torch.zeros(4)
+        group.broadcast(got, 0).wait()
+        assert got.tolist() == [0.0, 1.0, 2.0, 3.0]
+        dist.destroy_process_group(group)
+    finally:
+        assert trainer.wait(60) == 0
