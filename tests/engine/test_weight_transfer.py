@@ -339,5 +339,7 @@ def test_an_sglang_style_group_on_the_loopback_listens_there_alone(monkeypatch):
         group.broadcast(got, 0).wait()
         assert got.tolist() == [0.0, 1.0, 2.0, 3.0]
         dist.destroy_process_group(group)
-    finally:
         assert trainer.wait(60) == 0
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
