@@ -187,7 +187,8 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
     fan_out = functools.partial(fan_out_to, router)  # (a path on every healthy replica: fanout.py)
     install_fanout(app, router)
 
-    @app.api_route("/health_generate", methods=["GET", "POST"])
+    @app.get("/health_generate")
+    @app.post("/health_generate")
     async def health_generate():
         """SGLang's: each healthy replica's /health_generate; healthy when one of them is."""
         got = await fan_out("/health_generate", None, "GET")
@@ -211,7 +212,8 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
         got = await fan_out("/continue_generation", {})
         return {"success": bool(got), "replicas": len(got)}
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.get("/flush_cache")
+    @app.post("/flush_cache")
     async def flush_cache():
         """Every replica's unheld prefix blocks dropped, and what the router knew of them."""
         got = await fan_out("/flush_cache", {})

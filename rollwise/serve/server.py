@@ -101,7 +101,8 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
     install_sleep(app, engine, cfg)
 
     @app.get("/health")
-    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) name for it
+    @app.get("/ping")  # vLLM's (SageMaker's) name for it
+    @app.post("/ping")
     async def health():
         if not engine.is_running:  # its thread died: a load balancer should stop sending it requests
             return error(503, "the engine is not running", "unavailable")

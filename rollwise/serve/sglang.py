@@ -183,11 +183,13 @@ def install_sglang(app: FastAPI, engine, cfg: ServerConfig) -> None:
             return sglang_reply(False, str(e))
         return sglang_reply(True, f"Destroyed group {name!r}.")
 
-    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    @app.get("/get_weights_by_name")
+    @app.post("/get_weights_by_name")
     async def get_weights_by_name(body: WeightsByName):
         return await engine.call(lambda: weights_by_name(engine, body.name, body.truncate_size))
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.get("/flush_cache")
+    @app.post("/flush_cache")
     async def flush_cache():
         """Drop every cached prefix block no request holds. (Not needed after a weight update: blocks
         are keyed by their weights' version, so old ones are never reused.)"""
@@ -203,7 +205,8 @@ def install_sglang(app: FastAPI, engine, cfg: ServerConfig) -> None:
     async def get_server_info():
         return server_info(engine)
 
-    @app.api_route("/health_generate", methods=["GET", "POST"])
+    @app.get("/health_generate")
+    @app.post("/health_generate")
     async def health_generate():
         """SGLang's: healthy when the engine generates a token within HEALTH_GENERATE_S (503 if not). A
         paused or sleeping server, or one waiting for its weights (load_format "dummy"), is healthy

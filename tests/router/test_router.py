@@ -470,3 +470,15 @@ def test_a_salted_turn_is_indexed_under_its_salt_and_its_tokens_reach_only_its_s
         assert held("t") == {"a": 0, "b": 0}
         await router.close()
     asyncio.run(go())
+
+
+def test_the_routes_openapi_schema_names_each_operation_once():
+    """As the server's (tests/serve/test_server.py): an operation id per method of /health_generate and /flush_cache."""
+    from fastapi.testclient import TestClient
+
+    from rollwise.config import ServerConfig
+    from rollwise.router.proxy import build_router_app
+    app = TestClient(build_router_app(Router([FakeReplica("a")], "round_robin"), ServerConfig()))
+    paths = app.get("/openapi.json").json()["paths"]
+    ops = [op["operationId"] for ops in paths.values() for op in ops.values()]
+    assert len(ops) == len(set(ops)) > 30 and {"get", "post"} <= set(paths["/flush_cache"])

@@ -734,3 +734,14 @@ def test_safetensors_stream_is_a_safetensors_file():
     assert size == len(data) and set(back) == set(tensors)
     for k, t in tensors.items():
         assert back[k].dtype == t.dtype and torch.equal(back[k], t)
+
+
+def test_the_openapi_schema_names_each_operation_once(client):
+    """Endpoints served for GET and POST alike (vLLM's /ping, SGLang's /flush_cache, /health_generate,
+    /get_weights_by_name) are an operation per method with ids of their own, as OpenAPI requires (one
+    route for both gave both the same id: FastAPI warned at each /openapi.json and client generators
+    refuse such a schema); both methods still answer."""
+    ops = [op["operationId"] for ops in client.get("/openapi.json").json()["paths"].values() for op in ops.values()]
+    assert len(ops) == len(set(ops)) > 40, sorted(o for o in ops if ops.count(o) > 1)
+    for path in ("/ping", "/health_generate", "/flush_cache"):
+        assert client.get(path).status_code == client.post(path).status_code == 200, path
