@@ -375,7 +375,7 @@ def build_router_app(router: Router, cfg: ServerConfig, replica_api_key: str | N
                                                 body.add_generation_prompt, body.tools, body.continue_final_message,
                                                 bool(body.add_special_tokens), **defaults.kwargs(body)), None)
         # no max_tokens: up to the replica's model length (its engine stops there)
-        limit = body.max_completion_tokens or body.max_tokens or defaults.sampling.get("max_tokens") or UNTIL_MODEL_LEN
+        limit = body.asked_tokens(defaults.sampling.get("max_tokens") or UNTIL_MODEL_LEN)
         params = adapted(body.sampling(limit, body.top_logprobs or 0, tok, parser, defaults.sampling), body.model)
         rid, base = body.reply_ids("chatcmpl", request.headers)
         return await chat_reply(routed, body, request, runs(body, request, ids, params, base), rid, body.model, ids,

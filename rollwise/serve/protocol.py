@@ -156,6 +156,10 @@ class CompletionRequest(_OpenAISampling):
     echo: bool = False  # the prompt before the completion (with logprobs: the prompt tokens' too, the first None)
     return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs.tokens as "token_id:N"
 
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the reply is the prompt alone (a prompt scored; vLLM's, OpenAI's legacy)."""
+        return self.echo and self.max_tokens == 0
+
 
 class ToolCallFunction(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -249,6 +253,11 @@ class ChatCompletionRequest(_OpenAISampling):
         if self.tools and self.tool_choice != "none" and getattr(parser, "special_tokens", False):
             params.skip_special_tokens = False
         return params
+
+    def asked_tokens(self, default: int) -> int:
+        """max_completion_tokens, else max_tokens (OpenAI's newer name first, as vLLM), else `default`;
+        0 is asked for, and refused as vLLM refuses it (it was taken for neither: a reply to the end)."""
+        return next((x for x in (self.max_completion_tokens, self.max_tokens) if x is not None), default)
 
     def echoed(self) -> str:
         """vLLM's `echo`: what each reply's content begins with, the last message's text where that

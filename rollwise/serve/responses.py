@@ -120,7 +120,9 @@ def completion_params(body: CompletionRequest, defaults: dict | None = None) -> 
     defaults = defaults or {}
     given = "max_tokens" in body.model_fields_set
     max_tokens = body.max_tokens if given else defaults.get("max_tokens", body.max_tokens)
-    params = body.sampling(max_tokens, body.logprobs or 0, defaults=defaults)
+    # echo with max_tokens 0: the prompt alone, to score it (OpenAI's legacy form, vLLM's): one token is
+    # generated, as vLLM generates it, and left out of the reply's text and logprobs
+    params = body.sampling(1 if body.prompt_only() else max_tokens, body.logprobs or 0, defaults=defaults)
     if body.echo and body.logprobs is not None:  # e.g. lm-eval's loglikelihood: the prompt tokens' logprobs
         params = dataclasses.replace(params, prompt_logprobs=max(body.logprobs, body.prompt_logprobs or 0))
     return params
@@ -139,20 +141,24 @@ def completion_choices(tok, body: CompletionRequest, prompts: list, outs: list[R
     (as sent, or decoded from its ids) before each."""
     echoed = [(p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)) if body.echo else ""
               for p in prompts]
-    return [{"index": i, "text": echoed[i // body.n] + o.text, "finish_reason": o.finish_reason,
+    alone = body.prompt_only()  # (echo with max_tokens 0: the prompt alone)
+    return [{"index": i, "text": echoed[i // body.n] + ("" if alone else o.text), "finish_reason": o.finish_reason,
              "stop_reason": o.stop_reason,
-             "logprobs": _completion_logprobs(tok, o, as_ids, body.echo) if body.logprobs is not None else None,
+             "logprobs": None if body.logprobs is None else _completion_logprobs(tok, o, as_ids, body.echo, not alone),
              **({"prompt_logprobs": vllm_prompt_logprobs(tok, o)} if body.prompt_logprobs is not None else {}),
              **({"prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids} if body.return_token_ids else {})}
             for i, o in enumerate(outs)]
 
 
-def _completion_logprobs(tok, out: RequestOutput, as_ids: bool = False, echo: bool = False) -> dict:
-    """OpenAI's completion logprobs; with `echo`, the prompt's tokens first (the first has none)."""
-    ids, lps, tops = out.token_ids, out.logprobs, out.top_logprobs
+def _completion_logprobs(tok, out: RequestOutput, as_ids: bool = False, echo: bool = False,
+                         generated: bool = True) -> dict:
+    """OpenAI's completion logprobs; with `echo`, the prompt's tokens first (the first has none); not
+    `generated`: the prompt's alone."""
+    k = len(out.token_ids) if generated else 0
+    ids, lps, tops = out.token_ids[:k], out.logprobs[:k], out.top_logprobs[:k]
     if echo:
         ids, lps = out.prompt_token_ids + ids, out.prompt_token_logprobs + lps
-        tops = out.prompt_top_logprobs + tops if tops else []
+        tops = out.prompt_top_logprobs + tops if out.top_logprobs else []
     pieces = [_piece(tok, t, as_ids) for t in ids]
     offsets = list(itertools.accumulate(map(len, pieces), initial=0))[:-1]
     return {"tokens": pieces, "token_logprobs": lps, "text_offset": offsets, "token_ids": ids,

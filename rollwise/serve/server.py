@@ -214,7 +214,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str) -> FastAPI:
         room = engine.engine.max_model_len - len(ids)
         if body.top_logprobs and not body.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        limit = body.max_completion_tokens or body.max_tokens or defaults.sampling.get("max_tokens") or max(room, 1)
+        limit = body.asked_tokens(defaults.sampling.get("max_tokens") or max(room, 1))
         params = with_adapter(engine, body.sampling(limit, body.top_logprobs or 0, tok, parser, defaults.sampling),
                               body.model)
         rid, base = body.reply_ids("chatcmpl", request.headers)

@@ -356,6 +356,25 @@ def test_echo_and_prompt_logprobs(client, model_dir):
     assert gen["prompt_logprobs"][1:] == pytest.approx(ref.prompt_token_logprobs[1:], abs=1e-4)
     assert gen["prompt_top_logprobs"][0] is None and all(len(t) == 2 for t in gen["prompt_top_logprobs"][1:])
     assert client.post("/v1/completions", json=body | {"stream": True}).status_code == 400
+    # max_tokens 0 with echo: the prompt alone, scored (vLLM's; a token generated and left out, as there)
+    alone = client.post("/v1/completions", json=body | {"max_tokens": 0, "return_token_ids": True}).json()["choices"][0]
+    assert alone["text"] == text and alone["logprobs"]["token_ids"] == ids
+    assert {k: v[:len(ids)] for k, v in lp.items() if k != "text_offset"} == \
+        {k: v for k, v in alone["logprobs"].items() if k != "text_offset"}
+    assert alone["finish_reason"] == "length" and alone["prompt_token_ids"] == ids and len(alone["token_ids"]) == 1
+    r = client.post("/v1/completions", json=body | {"max_tokens": 0, "echo": False})  # (nothing to reply: vLLM's 400)
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+
+
+def test_chat_max_tokens_0_is_refused_as_vllm_refuses_it(client):
+    """max_tokens (or max_completion_tokens) 0 asks for an empty reply: a 400, as vLLM's (it was taken
+    as not given: a reply to the end of the context); not given at all: a reply."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    for key in ("max_tokens", "max_completion_tokens"):
+        r = client.post("/v1/chat/completions", json=body | {key: 0})
+        assert r.status_code == 400 and "max_tokens must be >= 1, got 0" in r.json()["error"]["message"], key
+    assert client.post("/v1/chat/completions", json=body | {"max_completion_tokens": 2, "max_tokens": 0}).json()[
+        "usage"]["completion_tokens"] <= 2  # (the newer name first, as vLLM)
 
 
 def test_chat_tool_calls_are_parsed_from_the_reply():
