@@ -151,7 +151,7 @@ class _OpenAISampling(_Strict):
 
 class CompletionRequest(_OpenAISampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # (null: as not given, vLLM's)
     logprobs: int | None = None  # the sampled token's logprob, and this many top logprobs (0-20)
     echo: bool = False  # the prompt before the completion (with logprobs: the prompt tokens' too, the first None)
     return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs.tokens as "token_id:N"

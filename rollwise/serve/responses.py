@@ -118,8 +118,8 @@ def completion_tops(tok, tops: list[dict[int, float]], as_ids: bool = False) -> 
 def completion_params(body: CompletionRequest, defaults: dict | None = None) -> SamplingParams:
     """`defaults`: the model's generation config's sampling fields, for those the request leaves out."""
     defaults = defaults or {}
-    given = "max_tokens" in body.model_fields_set
-    max_tokens = body.max_tokens if given else defaults.get("max_tokens", body.max_tokens)
+    given = body.max_tokens is not None and "max_tokens" in body.model_fields_set
+    max_tokens = body.max_tokens if given else defaults.get("max_tokens", 16)
     # echo with max_tokens 0: the prompt alone, to score it (OpenAI's legacy form, vLLM's): one token is
     # generated, as vLLM generates it, and left out of the reply's text and logprobs
     params = body.sampling(1 if body.prompt_only() else max_tokens, body.logprobs or 0, defaults=defaults)

@@ -364,6 +364,9 @@ def test_echo_and_prompt_logprobs(client, model_dir):
     assert alone["finish_reason"] == "length" and alone["prompt_token_ids"] == ids and len(alone["token_ids"]) == 1
     r = client.post("/v1/completions", json=body | {"max_tokens": 0, "echo": False})  # (nothing to reply: vLLM's 400)
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    unset = {"prompt": ids, "temperature": 0, "ignore_eos": True}  # max_tokens null: as not given (16), as vLLM's
+    assert [client.post("/v1/completions", json=b).json()["usage"]["completion_tokens"]
+            for b in (unset, unset | {"max_tokens": None})] == [16, 16]
 
 
 def test_chat_max_tokens_0_is_refused_as_vllm_refuses_it(client):
