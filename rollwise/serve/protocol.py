@@ -88,7 +88,7 @@ class _OpenAISampling(_Strict):
         pick = lambda k: given.get(k, getattr(self, k))  # noqa: E731
         return SamplingParams(temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"),
                               min_p=pick("min_p"), seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
-                              stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+                              stop=[] if self.stop is None else self.stop, stop_token_ids=self.stop_token_ids or [],
                               ignore_eos=self.ignore_eos, logprobs=top_logprobs,
                               logprob_token_ids=self.logprob_token_ids,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,

@@ -369,6 +369,18 @@ def test_echo_and_prompt_logprobs(client, model_dir):
             for b in (unset, unset | {"max_tokens": None})] == [16, 16]
 
 
+def test_an_empty_stop_string_is_refused_as_vllm_refuses_it(client):
+    """`stop: ""` is a 400 on both endpoints, as vLLM's ("stop cannot contain an empty string"); it was
+    taken as no stop string at all. No stop (absent, null or []) still replies."""
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        for stop in ("", [""], ["a", ""]):
+            r = client.post(path, json=body | {"max_tokens": 2, "stop": stop})
+            assert r.status_code == 400 and "non-empty strings" in r.json()["error"]["message"], (path, stop)
+        for stop in (None, []):
+            assert client.post(path, json=body | {"max_tokens": 2, "stop": stop}).status_code == 200, (path, stop)
+
+
 def test_chat_max_tokens_0_is_refused_as_vllm_refuses_it(client):
     """max_tokens (or max_completion_tokens) 0 asks for an empty reply: a 400, as vLLM's (it was taken
     as not given: a reply to the end of the context); not given at all: a reply."""
