@@ -144,8 +144,11 @@ def test_trainer_processes_is_checked(model_dir):
 class _ParityReward(CalculatorEnv):
     """Rewards an untrained model's answers half the time (by length), so GRPO has work to do."""
 
+    scored: list[tuple[str, float]] = []  # (what each score was given, and gave: a failure's evidence)
+
     def score(self, task: dict, answer: str) -> float:
-        return float(len(answer) % 2)
+        _ParityReward.scored.append((answer, float(len(answer) % 2)))
+        return self.scored[-1][1]
 
 
 def _rollouts(run_dir) -> dict:
@@ -171,10 +174,16 @@ def test_a_run_on_trainer_processes_trains_as_one_and_resumes(model_dir, tmp_pat
     one = train(TrainConfig.from_dict({**tiny, "run_dir": str(tmp_path / "one"), "steps": 2}))
     two = train(TrainConfig.from_dict({**tiny, "run_dir": str(tmp_path / "two"), "steps": 2, **options}))
     r1, r2 = _rollouts(tmp_path / "one"), _rollouts(tmp_path / "two")  # (the 4 groups the 2 steps trained on)
-    parted = next(((seq, a, b) for seq in range(4) for a, b in zip(r1[seq], r2[seq]) if a != b), None)
-    assert parted is None, (parted, one["sft"], two["sft"])  # (where they parted, and the warm starts)
+    parted = next(((seq, i) for seq in range(4) for i, (a, b) in enumerate(zip(r1[seq], r2[seq])) if a != b), None)
+    why = ""  # where the runs' groups parted, if they did: each run's episode, what the env scored, the warm starts
+    if parted is not None:
+        seq, i = parted
+        last = [(r[seq][i][:2], r[seq][i][2][-1]["content"], len(r[seq][i][3])) for r in (r1, r2)]
+        scored = [x for x in _ParityReward.scored if x[0] in {t for _, t, _ in last}]
+        why = (f"group {seq} episode {i}: one {last[0]!r}, two {last[1]!r}; scored {scored!r}; group {seq}: one "
+               f"{[e[:2] for e in r1[seq]]}, two {[e[:2] for e in r2[seq]]}; SFT one {one['sft']}, two {two['sft']}")
     for a, b in zip(one["steps"], two["steps"]):
-        assert a["trained_tokens"] == b["trained_tokens"] > 0
+        assert a["trained_tokens"] == b["trained_tokens"] > 0, why
         if "trainer_apart" in options:  # one process, apart: the same arithmetic
             assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
