@@ -328,7 +328,9 @@ def test_an_sglang_style_group_on_the_loopback_listens_there_alone(monkeypatch):
         "import contextlib, datetime, torch; import rollwise.engine.group_transfer as g\n"
         "g._device_on = lambda address: contextlib.nullcontext()  # (gloo's default device, as SGLang's trainers)\n"
         f"group, _ = g.torch_group('127.0.0.1', {port}, 2, 0, 'here', datetime.timedelta(seconds=60))\n"
-        "group.broadcast(torch.arange(4.0), 0).wait()")])
+        "group.broadcast(torch.arange(4.0), 0).wait()\n"
+        "import sys, torch.distributed as dist; sys.stdin.readline(); dist.destroy_process_group(group)")],
+        stdin=subprocess.PIPE, text=True)  # (its group goes once the engine has the broadcast, as a trainer's)
     try:
         before = _listening()
         group, _ = torch_group("127.0.0.1", port, 2, 1, "here", datetime.timedelta(seconds=60))
@@ -338,8 +340,9 @@ def test_an_sglang_style_group_on_the_loopback_listens_there_alone(monkeypatch):
         got = torch.zeros(4)
         group.broadcast(got, 0).wait()
         assert got.tolist() == [0.0, 1.0, 2.0, 3.0]
+        trainer.communicate("done\n", timeout=60)
+        assert trainer.returncode == 0
         dist.destroy_process_group(group)
-        assert trainer.wait(60) == 0
     finally:
         if trainer.poll() is None:
             trainer.kill()
